@@ -1,0 +1,3 @@
+from gpunet.cli import main
+
+main()

@@ -1,0 +1,97 @@
+"""Every error gpunet raises, in one place.
+
+Callers catch the family they care about; everything derives from :class:`GpunetError`.
+"""
+
+from __future__ import annotations
+
+
+class GpunetError(Exception):
+    """Base class of every error raised by gpunet."""
+
+
+# --- configuration and local state -------------------------------------------------------------------------------
+
+
+class ConfigError(GpunetError):
+    """A setting, flag or data directory is unusable."""
+
+
+class IdentityError(ConfigError):
+    """The node's key file is missing, unreadable or malformed."""
+
+
+# --- network ---------------------------------------------------------------------------------------------------------
+
+
+class NetworkError(GpunetError):
+    """The node could not join the network or talk to a peer."""
+
+
+class InvalidRecord(GpunetError):
+    """A DHT record failed its signature or schema check."""
+
+
+class NoWorkersAvailable(GpunetError):
+    """No live worker meets the job's requirements (or every candidate failed)."""
+
+
+# --- jobs ------------------------------------------------------------------------------------------------------------
+
+
+class JobError(GpunetError):
+    """Something went wrong with a job."""
+
+
+class JobRejected(JobError):
+    """A job was refused before it ran (malformed, forbidden op, over a limit); ``reason`` says exactly why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class JobFailed(JobError):
+    """A job started but did not produce a result (it raised, or its executor died)."""
+
+
+class JobTimeout(JobError):
+    """A job did not finish within its deadline."""
+
+
+class WorkerBusy(JobError):
+    """A worker's queue is full; it refused the job at once instead of queueing it."""
+
+    def __init__(self, message: str, queue_length: int = 0):
+        super().__init__(message)
+        self.queue_length = queue_length
+
+
+class VerificationFailed(JobError):
+    """Redundant results disagreed and no majority emerged, or a result failed its checks."""
+
+
+# --- ledger ----------------------------------------------------------------------------------------------------------
+
+
+class LedgerError(GpunetError):
+    """The ledger could not be read, written or verified."""
+
+
+class InvalidReceipt(LedgerError):
+    """A receipt is malformed or one of its signatures does not verify."""
+
+
+class LedgerCorrupted(LedgerError):
+    """The stored hash chain or a stored receipt failed verification; ``entry`` names the first bad one."""
+
+    def __init__(self, message: str, entry: int | None = None):
+        super().__init__(message)
+        self.entry = entry
+
+
+class ReceiptConflict(LedgerError):
+    """Two different valid-looking receipts exist for one job id: evidence of fraud."""
+
+
+__all__ = [name for name, obj in globals().items() if isinstance(obj, type) and issubclass(obj, GpunetError)]
