@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
 import typer
+from rich.console import Console
 
 from gpunet._version import __version__
+from gpunet.errors import GpunetError
 
 app = typer.Typer(
     name="gpunet",
@@ -13,12 +23,175 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+err = Console(stderr=True)
+
+# Options shared by several commands.
+InitialPeers = typer.Option(
+    None, "--initial-peers", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
+)
+Network = typer.Option("gpunet", "--network", help="Network name; networks with different names never mix.")
+DataDir = typer.Option(None, "--data-dir", envvar="GPUNET_DATA_DIR", help="Where the node key and caches live [~/.gpunet].")
+HostMaddrs = typer.Option(
+    None, "--host-maddrs", help="Multiaddrs to listen on (repeatable) [/ip4/0.0.0.0/tcp/0]."
+)
+Verbose = typer.Option(False, "--verbose", "-v", help="Log network internals too.")
+
+
+def _setup_logging(verbose: bool) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "WARNING")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _fail(error: Exception, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {error}")
+    return typer.Exit(code)
 
 
 @app.command()
 def version() -> None:
     """Print gpunet's version."""
     typer.echo(__version__)
+
+
+@app.command()
+def worker(
+    initial_peers: Optional[List[str]] = InitialPeers,
+    network: str = Network,
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda:N."),
+    price: float = typer.Option(1.0, "--price", min=0, help="Credits per PFLOP of counted work."),
+    max_concurrent: int = typer.Option(1, "--max-concurrent", min=1, help="Jobs executing at once."),
+    max_queue: int = typer.Option(8, "--max-queue", min=0, help="Jobs waiting; beyond this the worker answers busy."),
+    public_name: Optional[str] = typer.Option(None, "--public-name", help="A name shown in `gpunet status`."),
+    host_maddrs: Optional[List[str]] = HostMaddrs,
+    data_dir: Optional[Path] = DataDir,
+    heartbeat: float = typer.Option(10.0, "--heartbeat", min=0.5, help="Seconds between record refreshes."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="Seconds running jobs get after SIGTERM."),
+    rebenchmark: bool = typer.Option(False, "--rebenchmark", help="Measure the device's speed again."),
+    verbose: bool = Verbose,
+) -> None:
+    """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
+    from gpunet.config import WorkerConfig
+    from gpunet.worker.server import Worker
+
+    _setup_logging(verbose)
+    config = WorkerConfig(
+        network=network,
+        initial_peers=list(initial_peers or []),
+        device=device,
+        price=price,
+        max_concurrent=max_concurrent,
+        max_queue=max_queue,
+        public_name=public_name,
+        data_dir=data_dir,
+        heartbeat=heartbeat,
+        drain_timeout=drain_timeout,
+        rebenchmark=rebenchmark,
+    )
+    if host_maddrs:
+        config.host_maddrs = list(host_maddrs)
+    try:
+        code = Worker(config).run()
+    except GpunetError as e:
+        raise _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def bootstrap(
+    initial_peers: Optional[List[str]] = InitialPeers,
+    network: str = Network,
+    host_maddrs: Optional[List[str]] = HostMaddrs,
+    data_dir: Optional[Path] = DataDir,
+    verbose: bool = Verbose,
+) -> None:
+    """Run a DHT-only node: a stable entry point for a network. Prints the address to join with."""
+    from gpunet.dht.bootstrap import run_bootstrap
+
+    _setup_logging(verbose)
+    try:
+        code = run_bootstrap(network, list(initial_peers or []), list(host_maddrs or []) or None, data_dir)
+    except GpunetError as e:
+        raise _fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    initial_peers: Optional[List[str]] = InitialPeers,
+    network: str = Network,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
+    interval: float = typer.Option(5.0, "--interval", min=0.5, help="Seconds between refreshes with --watch."),
+    timeout: float = typer.Option(30.0, "--timeout", min=1, help="Give up reading the network after this long."),
+    verbose: bool = Verbose,
+) -> None:
+    """Show every live worker of a network and the network's totals."""
+    from gpunet.dht import network as net
+    from gpunet.status import NetworkStatus, render_table
+    from gpunet.dht import registry
+
+    _setup_logging(verbose)
+    console = Console()
+    try:
+        dht = net.join(network, initial_peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    except GpunetError as e:
+        raise _fail(e, 2)
+    try:
+
+        def read() -> NetworkStatus:
+            return NetworkStatus(network, registry.discover(dht, network, timeout=timeout))
+
+        if not watch:
+            snapshot = read()
+            if as_json:
+                typer.echo(json.dumps(snapshot.to_json()))
+            else:
+                console.print(render_table(snapshot))
+            return
+        from rich.live import Live
+
+        with Live(render_table(read()), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                snapshot = read()
+                if as_json:
+                    typer.echo(json.dumps(snapshot.to_json()))
+                else:
+                    live.update(render_table(snapshot), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    except GpunetError as e:
+        raise _fail(e, 2)
+    finally:
+        dht.shutdown()
+
+
+@app.command()
+def doctor(
+    initial_peers: Optional[List[str]] = InitialPeers,
+    network: str = Network,
+    data_dir: Optional[Path] = DataDir,
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda:N."),
+    host_maddrs: Optional[List[str]] = HostMaddrs,
+    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
+) -> None:
+    """Check this host before volunteering it: GPU and driver, AVX, RAM, disk, clock, reachability."""
+    from gpunet.worker.doctor import Outcome, render_checks, run_checks
+
+    _setup_logging(False)
+    checks = run_checks(
+        data_dir=data_dir, device=device, network=network, initial_peers=initial_peers, host_maddrs=host_maddrs
+    )
+    if as_json:
+        typer.echo(json.dumps([c.to_json() for c in checks]))
+    else:
+        Console().print(render_checks(checks))
+    raise typer.Exit(1 if any(c.outcome is Outcome.FAIL for c in checks) else 0)
 
 
 def main() -> None:

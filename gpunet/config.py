@@ -1,0 +1,26 @@
+"""Settings that tune behaviour, with the defaults the CLI exposes, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpunet.dht.network import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK
+
+
+@dataclass
+class WorkerConfig:
+    """Everything ``gpunet worker`` can be told."""
+
+    network: str = DEFAULT_NETWORK
+    initial_peers: list[str] = field(default_factory=list)
+    device: str = "auto"
+    price: float = 1.0  # credits per PFLOP of counted work
+    max_concurrent: int = 1  # jobs executing at once
+    max_queue: int = 8  # jobs waiting beyond those; more are refused with "busy"
+    public_name: str | None = None
+    host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))
+    data_dir: Path | None = None
+    heartbeat: float = 10.0  # seconds between record refreshes; records live three heartbeats
+    drain_timeout: float = 30.0  # seconds running jobs get to finish after SIGTERM
+    rebenchmark: bool = False

@@ -1,0 +1,38 @@
+"""A bootstrap node: a DHT-only peer with a stable identity, the entry point others pass as ``--initial-peers``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+from gpunet.dht import network
+from gpunet.ledger.identity import Identity, resolve_data_dir
+
+logger = logging.getLogger("gpunet.bootstrap")
+
+
+def run_bootstrap(
+    network_name: str = network.DEFAULT_NETWORK,
+    initial_peers: list[str] | None = None,
+    host_maddrs: list[str] | None = None,
+    data_dir=None,
+) -> int:
+    """Serve the DHT until SIGTERM/Ctrl-C; prints the address to join with. Returns the exit code."""
+    identity = Identity.load_or_create(resolve_data_dir(data_dir))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = network.join(
+        network_name, initial_peers, identity=identity, host_maddrs=host_maddrs, start_new=True
+    )
+    try:
+        network.tie_to_this_process(dht)
+        print(f"gpunet bootstrap node for network {network_name!r} is up. Join it with:", flush=True)
+        for maddr in network.visible_maddrs(dht):
+            print(f"  gpunet worker --network {network_name} --initial-peers {maddr}", flush=True)
+        stop.wait()
+        logger.info("Stopping the bootstrap node")
+        return 0
+    finally:
+        dht.shutdown()

@@ -1,0 +1,107 @@
+"""Joining a gpunet network: one hivemind DHT per node, its libp2p identity being the node's gpunet identity."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Sequence
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+from gpunet.dht.validation import network_validators
+from gpunet.errors import ConfigError, NetworkError
+from gpunet.ledger.identity import Identity
+
+DEFAULT_NETWORK = "gpunet"
+INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
+#: Volunteers must be reachable by others, so long-lived nodes listen on every interface unless told otherwise.
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+_NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def check_network_name(network: str) -> str:
+    if not _NETWORK_NAME.match(network):
+        raise ConfigError(f"network name {network!r} must be 1-64 letters, digits, '-' or '_' (no dots)")
+    return network
+
+
+def resolve_initial_peers(initial_peers: Sequence[str] | None = None) -> list[str]:
+    """Initial peers from the argument, else ``GPUNET_INITIAL_PEERS`` (comma- or space-separated); each checked."""
+    if not initial_peers:
+        initial_peers = re.split(r"[,\s]+", os.environ.get(INITIAL_PEERS_ENV, "").strip())
+    peers = [p for p in (s.strip() for s in initial_peers) if p]
+    for peer in peers:
+        try:
+            maddr = Multiaddr(peer)
+        except Exception:
+            raise ConfigError(f"initial peer {peer!r} is not a multiaddr (like /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW…)")
+        if "p2p" not in {proto.name for proto in maddr.protocols()}:
+            raise ConfigError(f"initial peer {peer!r} lacks its /p2p/<peer id> part")
+    return peers
+
+
+def join(
+    network: str = DEFAULT_NETWORK,
+    initial_peers: Sequence[str] | None = None,
+    *,
+    identity: Identity | None = None,
+    host_maddrs: Sequence[str] | None = None,
+    client_mode: bool = False,
+    signing_identities: Iterable[Identity] = (),
+    start_new: bool = False,
+) -> hivemind.DHT:
+    """Start this node's DHT and join ``network``; raises NetworkError if the initial peers cannot be reached.
+
+    ``identity`` makes the libp2p peer id that of the node key (a restarted node keeps its id). Without initial peers,
+    ``start_new=True`` starts a new network; otherwise it is an error (a client alone on a network sees nothing).
+    """
+    check_network_name(network)
+    peers = resolve_initial_peers(initial_peers)
+    if not peers and not start_new:
+        raise ConfigError(f"no initial peers: pass --initial-peers or set {INITIAL_PEERS_ENV}")
+    identities = [*([identity] if identity else []), *signing_identities]
+    kwargs = {}
+    if identity is not None:
+        if identity.path is None:
+            raise ConfigError("the node identity must be saved to a file before the libp2p daemon can use it")
+        # hivemind's identity-collision check assumes RSA keys; our Ed25519 id is our own key, so skip it.
+        kwargs.update(identity_path=str(identity.path), check_if_identity_free=False)
+    try:
+        return hivemind.DHT(
+            initial_peers=peers or None,
+            start=True,
+            client_mode=client_mode,
+            host_maddrs=list(host_maddrs or DEFAULT_HOST_MADDRS),
+            record_validators=network_validators(network, identities),
+            **kwargs,
+        )
+    except Exception as e:
+        where = f"the initial peers {', '.join(peers)}" if peers else "a new network"
+        raise NetworkError(f"could not join {where}: {e}") from e
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list[str]:
+    """Addresses others can dial, loopback last (only useful on this machine)."""
+    addrs = [str(m) for m in dht.get_visible_maddrs()]
+    return sorted(addrs, key=lambda a: a.startswith("/ip4/127.") or a.startswith("/ip6/::1"))
+
+
+async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: float = 1.0) -> None:
+    """Runs inside the DHT process: if the node's owner dies (even by SIGKILL), stop the DHT and its p2p daemon too,
+    so a killed worker leaves no orphan serving a stale identity."""
+    import asyncio
+
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(period)
+    try:
+        await asyncio.wait_for(node.shutdown(), timeout=5)
+    finally:
+        os._exit(0)
+
+
+def tie_to_this_process(dht: hivemind.DHT) -> None:
+    """Make the DHT child process (and its daemon) exit when this process dies, however it dies."""
+    from functools import partial
+
+    dht.run_coroutine(partial(_exit_with_parent, parent_pid=os.getpid()), return_future=True)

@@ -1,0 +1,132 @@
+"""The records that cross the wire through the DHT, in one place.
+
+Each record is a strict pydantic model: on the wire it is a msgpack map whose unknown fields are ignored (so old and
+new versions share a network) while known fields must have exactly their type (no silent coercion of ``"1"`` to 1).
+A record's ``format`` is its major version: a reader refuses formats newer than it understands.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from typing import Annotated, Any
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gpunet.errors import InvalidRecord
+
+WORKER_RECORD_FORMAT = 1
+
+#: Worker records are spread over this many DHT keys so that one key stays far below hivemind's 4 MiB message limit
+#: (about 400 bytes a record: 10,000 workers put ~60 KiB in a bucket). Readers and writers must agree, so it is part
+#: of the record format, not a setting.
+WORKER_BUCKETS = 64
+
+#: Caps applied before a record is accepted; they bound what a malicious peer can make every reader parse.
+MAX_RECORD_BYTES = 8 * 1024
+MAX_CACHED_PROGRAMS = 16
+
+_Name = Annotated[str, Field(max_length=64)]
+_Text = Annotated[str, Field(max_length=256)]
+_NonNegInt = Annotated[int, Field(ge=0)]
+_NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class WorkerState(str, enum.Enum):
+    """Lifecycle of a worker as others see it: only ``online`` workers get new jobs."""
+
+    JOINING = "joining"
+    ONLINE = "online"
+    DRAINING = "draining"
+    OFFLINE = "offline"  # a tombstone: the worker left cleanly, readers drop it at once
+
+
+class _WireModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class DeviceInfo(_WireModel):
+    """What a worker computes on: one kind of device, possibly several of them."""
+
+    kind: Annotated[str, Field(pattern=r"^(cpu|cuda)$")]
+    name: _Text
+    count: Annotated[int, Field(ge=1, le=1024)] = 1
+    memory_total: _NonNegInt = 0  # bytes, per device
+    memory_free: _NonNegInt = 0  # bytes, per device (the least free across devices)
+    cores: _NonNegInt = 0  # CPU cores (cpu devices)
+    driver: Annotated[str, Field(max_length=64)] | None = None
+    cuda: Annotated[str, Field(max_length=32)] | None = None
+    utilization: Annotated[float, Field(ge=0, le=100)] | None = None  # percent, mean across devices
+
+
+class WorkerRecord(_WireModel):
+    """A worker's advertisement: what status shows and what routing reads. Keyed in the DHT by the worker's peer id."""
+
+    format: Annotated[int, Field(ge=1)] = WORKER_RECORD_FORMAT
+    version: Annotated[str, Field(max_length=32)]
+    state: Annotated[WorkerState, Field(strict=False)]  # lax only here: accepts the enum's string value
+    device: DeviceInfo
+    tflops: dict[Annotated[str, Field(max_length=16)], _NonNegFloat] = Field(default_factory=dict, max_length=8)
+    price: _NonNegFloat = 0.0  # credits per PFLOP of counted work
+    max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
+    queue: _NonNegInt = 0
+    jobs_done: _NonNegInt = 0
+    started_at: _NonNegFloat = 0.0  # unix time the worker came up; uptime = now - started_at
+    updated_at: _NonNegFloat = 0.0  # unix time of this heartbeat (by the worker's clock)
+    programs: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=MAX_CACHED_PROGRAMS)
+    name: _Name | None = None
+    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
+    ledger_count: _NonNegInt = 0
+    ledger_head: Annotated[str, Field(max_length=64)] | None = None
+    credits_earned: _NonNegFloat = 0.0
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain dict for the DHT (hivemind msgpack-encodes it); enum values as strings."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> "WorkerRecord":
+        """Parse a record read from the network, strictly; raises InvalidRecord with the first problem."""
+        if not isinstance(data, dict):
+            raise InvalidRecord(f"worker record must be a map, got {type(data).__name__}")
+        fmt = data.get("format")
+        if isinstance(fmt, int) and fmt > WORKER_RECORD_FORMAT:
+            raise InvalidRecord(f"worker record format {fmt} is newer than this gpunet understands")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise InvalidRecord(f"worker record field {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+    @classmethod
+    def from_wire_bytes(cls, raw: bytes) -> "WorkerRecord":
+        """Decode msgpack bytes with every size capped before parsing."""
+        if len(raw) > MAX_RECORD_BYTES:
+            raise InvalidRecord(f"worker record is {len(raw)} bytes, over the {MAX_RECORD_BYTES}-byte cap")
+        try:
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on malformed input
+            raise InvalidRecord(f"worker record is not valid msgpack: {e}") from None
+        return cls.from_wire(data)
+
+    def uptime(self, now: float | None = None) -> float:
+        return max(0.0, (now if now is not None else time.time()) - self.started_at) if self.started_at else 0.0
+
+    @property
+    def best_tflops(self) -> float:
+        return max(self.tflops.values(), default=0.0)
+
+
+def worker_bucket(worker_id: str) -> int:
+    """Which bucket key a worker's record lives under: a stable hash of its id."""
+    return int.from_bytes(hashlib.sha256(worker_id.encode()).digest()[:4], "big") % WORKER_BUCKETS
+
+
+def worker_key(network: str, bucket: int) -> str:
+    return f"{network}.workers.{bucket}"
+
+
+def worker_keys(network: str) -> list[str]:
+    return [worker_key(network, b) for b in range(WORKER_BUCKETS)]

@@ -1,0 +1,98 @@
+"""The worker registry: workers announce themselves under sharded keys; anyone lists them by reading every bucket."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from functools import partial
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from gpunet.dht.records import WorkerRecord, WorkerState, worker_bucket, worker_key, worker_keys
+from gpunet.errors import GpunetError, NetworkError
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """A worker as discovery sees it: its id (a peer id), its record, and when the record expires."""
+
+    id: str
+    record: WorkerRecord
+    expiration_time: float
+
+    @property
+    def state(self) -> WorkerState:
+        return self.record.state
+
+
+def announce(
+    dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
+) -> bool:
+    """Store (or refresh) this worker's record; True when at least one peer (or we) accepted it."""
+    return bool(_store(dht, network, worker_id, record, expiration_time).result())
+
+
+async def announce_async(
+    dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
+) -> bool:
+    return bool(await _store(dht, network, worker_id, record, expiration_time))
+
+
+def _store(dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float):
+    key = worker_key(network, worker_bucket(worker_id))
+    return dht.store(key, record.to_wire(), expiration_time=expiration_time, subkey=worker_id, return_future=True)
+
+
+def discover(dht: hivemind.DHT, network: str, *, include_offline: bool = False, timeout: float = 30.0) -> list[WorkerEntry]:
+    """Every live worker of ``network``, read from all buckets concurrently, sorted by id."""
+    future = dht.run_coroutine(partial(_read_buckets, keys=worker_keys(network)), return_future=True)
+    try:
+        raw = future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise NetworkError(f"listing the workers of {network!r} took over {timeout:.0f} s") from None
+    return _entries(raw, include_offline)
+
+
+async def discover_async(dht: hivemind.DHT, network: str, *, include_offline: bool = False) -> list[WorkerEntry]:
+    raw = await dht.run_coroutine(partial(_read_buckets, keys=worker_keys(network)), return_future=True)
+    return _entries(raw, include_offline)
+
+
+def _entries(raw: list[tuple[str, object, float]], include_offline: bool) -> list[WorkerEntry]:
+    now = get_dht_time()
+    entries = {}
+    for worker_id, value, expiration in raw:
+        if expiration < now:
+            continue
+        try:
+            record = WorkerRecord.from_wire(value)
+        except GpunetError:
+            continue  # the DHT validated it; a newer format we cannot read is skipped, never fatal
+        if record.state is WorkerState.OFFLINE and not include_offline:
+            continue
+        entries[worker_id] = WorkerEntry(worker_id, record, expiration)
+    return [entries[k] for k in sorted(entries)]
+
+
+async def _read_buckets(_dht: hivemind.DHT, node, keys: list[str]) -> list[tuple[str, object, float]]:
+    """Runs inside the DHT process: one latest-value search per bucket, all at once.
+
+    One search per key (not one multi-key search) keeps each reply to a single bucket, far under the 4 MiB limit.
+    """
+    results = await asyncio.gather(*(node.get(key, latest=True) for key in keys), return_exceptions=True)
+    out = []
+    for result in results:
+        if isinstance(result, BaseException) or result is None or not isinstance(result.value, dict):
+            continue
+        for subkey, item in result.value.items():
+            if isinstance(subkey, str):
+                out.append((subkey, item.value, item.expiration_time))
+    return out
+
+
+def default_ttl(heartbeat: float) -> float:
+    """Records live for three heartbeats: one missed refresh does not drop a worker, a dead one goes soon."""
+    return 3.0 * heartbeat
+

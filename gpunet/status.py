@@ -1,0 +1,121 @@
+"""What ``gpunet status`` shows: the network as any client reads it from the DHT, for people and for programs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from rich.table import Table
+
+from gpunet.dht import network, registry
+from gpunet.dht.records import WorkerState
+from gpunet.dht.registry import WorkerEntry
+from gpunet.ledger.identity import short_id
+
+
+@dataclass(frozen=True)
+class NetworkStatus:
+    network: str
+    workers: list[WorkerEntry]
+    read_at: float = field(default_factory=time.time)
+
+    @property
+    def totals(self) -> dict[str, Any]:
+        live = [w for w in self.workers if w.state is not WorkerState.OFFLINE]
+        gpus = sum(w.record.device.count for w in live if w.record.device.kind == "cuda")
+        return {
+            "workers": len(live),
+            "online": sum(w.state is WorkerState.ONLINE for w in live),
+            "gpus": gpus,
+            "tflops": round(sum(w.record.best_tflops for w in live), 4),
+            "memory_total": sum(w.record.device.memory_total * w.record.device.count for w in live),
+            "jobs_done": sum(w.record.jobs_done for w in live),
+            "queued": sum(w.record.queue for w in live),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` contract: ``{"network", "workers": [{"id", "state", "device", "tflops", "price", ...}], "totals"}``."""
+        workers = []
+        for w in self.workers:
+            r = w.record
+            workers.append(
+                {
+                    "id": w.id,
+                    "name": r.name,
+                    "state": r.state.value,
+                    "device": r.device.model_dump(mode="json", exclude_none=True),
+                    "tflops": dict(r.tflops),
+                    "price": r.price,
+                    "max_concurrent": r.max_concurrent,
+                    "queue": r.queue,
+                    "jobs_done": r.jobs_done,
+                    "uptime": round(r.uptime(self.read_at), 1),
+                    "version": r.version,
+                    "programs": list(r.programs),
+                    "maddrs": list(r.maddrs),
+                    "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned},
+                    "expires_in": round(w.expiration_time - self.read_at, 1),
+                }
+            )
+        return {"network": self.network, "workers": workers, "totals": self.totals}
+
+
+def read_status(
+    network_name: str = network.DEFAULT_NETWORK, initial_peers: Sequence[str] | None = None, *, timeout: float = 30.0
+) -> NetworkStatus:
+    """Join as a client (serving nothing), list every worker, leave."""
+    dht = network.join(network_name, initial_peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        return NetworkStatus(network_name, registry.discover(dht, network_name, timeout=timeout))
+    finally:
+        dht.shutdown()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+_STATE_STYLE = {"online": "green", "joining": "yellow", "draining": "magenta", "offline": "dim"}
+
+
+def render_table(status: NetworkStatus) -> Table:
+    totals = status.totals
+    table = Table(
+        title=f"gpunet network {status.network!r}",
+        caption=(
+            f"{totals['workers']} workers ({totals['online']} online), {totals['gpus']} GPUs, "
+            f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
+        ),
+    )
+    for column in ("worker", "name", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "up", "ver"):
+        table.add_column(column, justify="left" if column in ("worker", "name", "state", "device", "ver") else "right")
+    for w in status.workers:
+        r = w.record
+        count = "" if r.device.count == 1 else f"{r.device.count}x "
+        best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
+        table.add_row(
+            short_id(w.id),
+            r.name or "",
+            f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]",
+            f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
+            f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
+            f"{best[1]:.3g} {best[0]}" if best else "-",
+            f"{r.price:g}",
+            f"{r.queue}/{r.max_concurrent}",
+            str(r.jobs_done),
+            _duration(r.uptime(status.read_at)),
+            r.version,
+        )
+    return table

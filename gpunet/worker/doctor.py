@@ -1,0 +1,215 @@
+"""``gpunet doctor``: the host self-check a volunteer runs before joining, like GPU marketplaces ask of their hosts.
+
+Each check passes, warns, fails or is skipped, always with a line of advice. Nothing here contacts any address beyond
+the ``--initial-peers`` the user gave.
+"""
+
+from __future__ import annotations
+
+import enum
+import fcntl
+import ipaddress
+import platform
+import shutil
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.table import Table
+
+from gpunet.errors import GpunetError
+from gpunet.ledger.identity import resolve_data_dir
+from gpunet.worker import hardware as hw
+
+GiB = 2**30
+#: hivemind refuses records from peers whose clocks are more than this far apart.
+MAX_CLOCK_OFFSET = 3.0
+
+
+class Outcome(str, enum.Enum):
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    outcome: Outcome
+    detail: str
+    advice: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "outcome": self.outcome.value, "detail": self.detail, "advice": self.advice}
+
+
+def check_gpu(device: str, nvml=None) -> list[Check]:
+    report = hw.read_nvml(nvml)
+    if report is None:
+        outcome = Outcome.FAIL if device.startswith("cuda") else Outcome.WARN
+        return [
+            Check(
+                "gpu",
+                outcome,
+                "no NVIDIA GPU or driver visible through NVML",
+                "install the NVIDIA driver to serve GPU jobs; without one this host serves CPU jobs only",
+            )
+        ]
+    names = ", ".join(f"{g.index}: {g.name} ({g.memory_total / GiB:.0f} GiB)" for g in report.gpus)
+    checks = [Check("gpu", Outcome.PASS, f"{len(report.gpus)} GPU(s): {names}; driver {report.driver}, CUDA {report.cuda}")]
+    import torch
+
+    if torch.cuda.is_available():
+        checks.append(Check("torch-cuda", Outcome.PASS, f"torch {torch.__version__} sees {torch.cuda.device_count()} GPU(s)"))
+    else:
+        checks.append(
+            Check(
+                "torch-cuda",
+                Outcome.FAIL,
+                f"torch {torch.__version__} was built without CUDA or cannot load it",
+                "install a CUDA build of torch matching the driver (pip install torch)",
+            )
+        )
+    return checks
+
+
+def check_cpu() -> Check:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} ({machine}); AVX is an x86 requirement")
+    flags = hw.cpu_flags()
+    if "avx2" in flags:
+        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} with AVX2")
+    if "avx" in flags:
+        return Check("cpu", Outcome.WARN, f"{hw.cpu_model()} has AVX but not AVX2", "CPU-side work will be slow")
+    return Check("cpu", Outcome.FAIL, f"{hw.cpu_model()} lacks AVX", "PyTorch needs AVX on x86; use another host")
+
+
+def check_ram(gpu_count: int, gpu_memory: int) -> Check:
+    total, available = hw.memory_bytes()
+    detail = f"{total / GiB:.1f} GiB RAM ({available / GiB:.1f} GiB available)"
+    if gpu_count:
+        per_gpu = total / gpu_count
+        detail += f", {per_gpu / GiB:.1f} GiB per GPU"
+        if per_gpu < gpu_memory:
+            return Check("ram", Outcome.WARN, detail, "marketplaces expect at least as much RAM per GPU as GPU memory")
+    elif total < 4 * GiB:
+        return Check("ram", Outcome.WARN, detail, "under 4 GiB leaves little room for jobs")
+    return Check("ram", Outcome.PASS, detail)
+
+
+def check_disk(data_dir: Path) -> Check:
+    free = shutil.disk_usage(data_dir).free
+    detail = f"{free / GiB:.1f} GiB free in {data_dir}"
+    if free < 1 * GiB:
+        return Check("disk", Outcome.FAIL, detail, "the program cache and ledger need space; free some disk")
+    if free < 10 * GiB:
+        return Check("disk", Outcome.WARN, detail, "10 GiB or more lets the worker cache large programs")
+    return Check("disk", Outcome.PASS, detail)
+
+
+def _ipv4_addresses() -> list[str]:
+    """The host's IPv4 addresses, read from the kernel (no DNS, no traffic)."""
+    addrs = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            addrs.append(socket.inet_ntoa(packed[20:24]))
+    return addrs
+
+
+def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
+    maddrs = list(host_maddrs or ["/ip4/0.0.0.0/tcp/0"])
+    ips = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            ips.extend(_ipv4_addresses() if parts[2] == "0.0.0.0" else [parts[2]])
+    parsed = [ipaddress.ip_address(ip) for ip in ips]
+    public = [ip for ip in parsed if ip.is_global]
+    private = [ip for ip in parsed if ip.is_private and not ip.is_loopback]
+    if public:
+        return Check("reachability", Outcome.PASS, f"listening on public address(es) {', '.join(map(str, public))}")
+    if private:
+        return Check(
+            "reachability",
+            Outcome.WARN,
+            f"only private address(es) {', '.join(map(str, private))}",
+            "peers outside your LAN reach you only through a port forward (--host-maddrs with a fixed port) or a relay",
+        )
+    return Check(
+        "reachability", Outcome.FAIL, "listening on loopback only", "others cannot reach this node; use --host-maddrs"
+    )
+
+
+def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Check]:
+    from gpunet.dht import network as net
+    from gpunet.dht import registry
+
+    try:
+        peers = net.resolve_initial_peers(initial_peers)
+    except GpunetError as e:
+        return [Check("network", Outcome.FAIL, str(e), "pass the multiaddr printed by `gpunet bootstrap`")]
+    if not peers:
+        advice = "pass --initial-peers to check joining and clock offset against a network"
+        return [Check("network", Outcome.SKIP, "no initial peers given", advice),
+                Check("clock", Outcome.SKIP, "no peers to compare with", advice)]
+    try:
+        dht = net.join(network, peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    except GpunetError as e:
+        return [Check("network", Outcome.FAIL, str(e), "check the address and that the peer is up and reachable")]
+    try:
+        workers = registry.discover(dht, network)
+    finally:
+        dht.shutdown()
+    now = time.time()
+    checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible")]
+    if not workers:
+        checks.append(Check("clock", Outcome.SKIP, "no worker records to compare clocks with"))
+        return checks
+    # A record stamped in our future proves our clock is behind its owner's by at least that much.
+    ahead = max(w.record.updated_at - now for w in workers)
+    detail = f"peers' records are stamped at most {max(ahead, 0):.2f} s ahead of this clock"
+    if ahead > MAX_CLOCK_OFFSET:
+        return checks + [Check("clock", Outcome.FAIL, detail, "sync your clock (enable NTP: timedatectl set-ntp true)")]
+    if ahead > 1.0:
+        return checks + [Check("clock", Outcome.WARN, detail, "enable NTP: hivemind refuses peers over 3 s apart")]
+    return checks + [Check("clock", Outcome.PASS, detail)]
+
+
+def run_checks(
+    *,
+    data_dir=None,
+    device: str = "auto",
+    network: str = "gpunet",
+    initial_peers: Sequence[str] | None = None,
+    host_maddrs: Sequence[str] | None = None,
+    nvml=None,
+) -> list[Check]:
+    data_dir = resolve_data_dir(data_dir)
+    checks = check_gpu(device, nvml)
+    report = hw.read_nvml(nvml)
+    gpu_count = len(report.gpus) if report else 0
+    gpu_memory = max((g.memory_total for g in report.gpus), default=0) if report else 0
+    checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir), check_reachability(host_maddrs)]
+    checks += check_network(network, initial_peers)
+    return checks
+
+
+_STYLE = {Outcome.PASS: "green", Outcome.WARN: "yellow", Outcome.FAIL: "bold red", Outcome.SKIP: "dim"}
+
+
+def render_checks(checks: list[Check]) -> Table:
+    table = Table(title="gpunet doctor")
+    for column in ("check", "result", "detail", "advice"):
+        table.add_column(column)
+    for c in checks:
+        table.add_row(c.name, f"[{_STYLE[c.outcome]}]{c.outcome.value}[/]", c.detail, c.advice)
+    return table

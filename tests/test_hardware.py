@@ -1,0 +1,101 @@
+"""Hardware detection against FakeNVML (this machine has no GPU), the CPU path for real, and the throughput cache."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from gpunet.errors import ConfigError
+from gpunet.worker import hardware as hw
+from gpunet.worker import throughput
+from gpunet.worker.doctor import Outcome, check_gpu, check_reachability, run_checks
+
+
+class FakeNVML:
+    """A stand-in for pynvml with made-up GPUs: NVML needs NVIDIA hardware this CI machine lacks."""
+
+    def __init__(self, gpus=(("NVIDIA GeForce RTX 4090", 24 * 2**30, 20 * 2**30, 37),), fail_init=False):
+        self.gpus = gpus
+        self.fail_init = fail_init
+        self.initialised = 0
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise RuntimeError("NVML Shared Library Not Found")
+        self.initialised += 1
+
+    def nvmlShutdown(self):
+        self.initialised -= 1
+
+    def nvmlSystemGetDriverVersion(self):
+        return "550.54.14"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12040
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return self.gpus[h][0].encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return SimpleNamespace(total=self.gpus[h][1], free=self.gpus[h][2], used=self.gpus[h][1] - self.gpus[h][2])
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return SimpleNamespace(gpu=self.gpus[h][3], memory=0)
+
+
+def test_gpus_are_read_through_nvml():
+    nvml = FakeNVML(gpus=(("A100", 80 * 2**30, 70 * 2**30, 10), ("A100", 80 * 2**30, 60 * 2**30, 30)))
+    found = hw.detect("auto", nvml)
+    assert found.info.kind == "cuda" and found.info.count == 2 and found.info.name == "A100"
+    assert found.info.memory_free == 60 * 2**30 and found.info.utilization == 20.0
+    assert found.info.driver == "550.54.14" and found.info.cuda == "12.4"
+    assert found.torch_device == "cuda:0" and found.indices == (0, 1)
+    one = hw.detect("cuda:1", nvml)
+    assert one.info.count == 1 and one.torch_device == "cuda:1" and one.info.memory_free == 60 * 2**30
+    assert nvml.initialised == 0  # every init was matched by a shutdown
+
+
+def test_without_nvml_or_gpu_the_cpu_is_served():
+    for nvml in (FakeNVML(fail_init=True), FakeNVML(gpus=())):
+        found = hw.detect("auto", nvml)
+        assert found.info.kind == "cpu" and found.torch_device == "cpu"
+        assert found.info.cores >= 1 and found.info.memory_total > found.info.memory_free > 0
+    with pytest.raises(ConfigError, match="no NVIDIA GPU"):
+        hw.detect("cuda:0", FakeNVML(fail_init=True))
+    with pytest.raises(ConfigError, match="GPUs 0..0"):
+        hw.detect("cuda:3", FakeNVML())
+    with pytest.raises(ConfigError):
+        hw.detect("tpu", FakeNVML())
+
+
+def test_throughput_is_measured_once_then_cached(tmp_path, monkeypatch):
+    cpu = hw.cpu_hardware()
+    first = throughput.benchmark(cpu, tmp_path)
+    assert first["fp32"] > 0 and set(first) == {"fp32", "bf16"}
+    monkeypatch.setattr(throughput, "measure_matmul_tflops", lambda *a, **k: pytest.fail("should use the cache"))
+    assert throughput.benchmark(cpu, tmp_path) == first
+    monkeypatch.setattr(throughput, "measure_matmul_tflops", lambda *a, **k: 123.0)
+    assert throughput.benchmark(cpu, tmp_path, rebenchmark=True) == {"fp32": 123.0, "bf16": 123.0}
+
+
+def test_doctor_reports_gpu_and_reachability():
+    assert check_gpu("auto", FakeNVML(fail_init=True))[0].outcome is Outcome.WARN
+    assert check_gpu("cuda:0", FakeNVML(fail_init=True))[0].outcome is Outcome.FAIL
+    gpu_checks = check_gpu("auto", FakeNVML())
+    assert gpu_checks[0].outcome is Outcome.PASS and "RTX 4090" in gpu_checks[0].detail
+    assert gpu_checks[1].outcome is Outcome.FAIL  # the CPU build of torch cannot use it: say so
+    assert check_reachability(["/ip4/127.0.0.1/tcp/0"]).outcome is Outcome.FAIL
+    assert check_reachability(["/ip4/192.168.1.5/tcp/0"]).outcome is Outcome.WARN
+    assert check_reachability(["/ip4/8.8.8.8/tcp/31337"]).outcome is Outcome.PASS
+
+
+def test_doctor_runs_every_check(tmp_path):
+    checks = {c.name: c for c in run_checks(data_dir=tmp_path, nvml=FakeNVML(fail_init=True))}
+    assert set(checks) == {"gpu", "cpu", "ram", "disk", "reachability", "network", "clock"}
+    assert checks["disk"].outcome in (Outcome.PASS, Outcome.WARN)
+    assert checks["network"].outcome is Outcome.SKIP and checks["network"].advice

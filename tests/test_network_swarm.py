@@ -1,0 +1,86 @@
+"""The network foundation, end to end: real processes, real libp2p daemons, driven through the CLI."""
+
+import json
+
+import pytest
+
+from tests.swarm import run_cli, wait_for
+
+pytestmark = pytest.mark.swarm
+
+
+def _online_ids(status: dict) -> set[str]:
+    return {w["id"] for w in status["workers"] if w["state"] == "online"}
+
+
+def test_status_lists_every_online_worker_with_its_device(swarm):
+    workers = [swarm.start_worker("--public-name", f"w{i}", "--price", str(1.5 + i)) for i in range(3)]
+    ids = {swarm.worker_id(w) for w in workers}
+    status = swarm.wait_for_status(lambda s: _online_ids(s) == ids, "3 online workers")
+    assert status["network"] == swarm.network
+    assert len(status["workers"]) == 3
+    by_name = {w["name"]: w for w in status["workers"]}
+    assert set(by_name) == {"w0", "w1", "w2"}
+    for i in range(3):
+        w = by_name[f"w{i}"]
+        assert w["price"] == 1.5 + i
+        assert w["device"]["kind"] == "cpu" and w["device"]["memory_total"] > 0 and w["device"]["cores"] >= 1
+        assert w["tflops"]["fp32"] > 0
+        assert w["version"]
+    assert status["totals"]["workers"] == 3 and status["totals"]["online"] == 3
+    assert status["totals"]["tflops"] > 0
+
+    table = run_cli("status", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr)
+    assert table.returncode == 0, table.stderr
+    assert "3 workers (3 online)" in table.stdout
+
+
+def test_sigkilled_worker_expires_and_sigterm_leaves_at_once(swarm):
+    doomed, leaving, staying = swarm.start_workers(3)
+    ids = {p: swarm.worker_id(p) for p in (doomed, leaving, staying)}
+    swarm.wait_for_status(lambda s: _online_ids(s) == set(ids.values()), "all three online")
+
+    # A clean stop: draining, then a tombstone; gone from the very next listing.
+    assert leaving.terminate() == 0
+    assert "Left the network" in leaving.output
+    assert ids[leaving] not in {w["id"] for w in swarm.status()["workers"]}
+
+    # A crash: the record stays until it expires (3 heartbeats of 1 s), then vanishes on its own.
+    doomed.kill()
+    wait_for(lambda: ids[doomed] not in {w["id"] for w in swarm.status()["workers"]}, 15, "killed worker to expire")
+    assert _online_ids(swarm.status()) == {ids[staying]}
+    # The killed worker's DHT process and p2p daemon noticed and stopped on their own.
+    wait_for(lambda: not doomed.group_alive(), 15, "orphaned DHT process of the killed worker to exit")
+
+
+def test_networks_with_different_names_never_mix(swarm):
+    a = swarm.start_worker(network="alpha")
+    b = swarm.start_worker(network="beta")
+    id_a, id_b = swarm.worker_id(a), swarm.worker_id(b)
+    alpha = swarm.wait_for_status(lambda s: s["workers"], "alpha's worker", network="alpha")
+    beta = swarm.wait_for_status(lambda s: s["workers"], "beta's worker", network="beta")
+    assert [w["id"] for w in alpha["workers"]] == [id_a]
+    assert [w["id"] for w in beta["workers"]] == [id_b]
+    assert swarm.status()["workers"] == []  # the default test network has nobody
+
+
+def test_restarted_worker_keeps_its_id(swarm, tmp_path):
+    data_dir = tmp_path / "volunteer"
+    first = swarm.start_worker(data_dir=data_dir)
+    worker_id = swarm.worker_id(first)
+    assert first.terminate() == 0
+    second = swarm.start_worker(data_dir=data_dir)
+    assert swarm.worker_id(second) == worker_id
+    assert "Measuring this device's speed" not in second.output  # the benchmark was cached
+    swarm.wait_for_status(lambda s: _online_ids(s) == {worker_id}, "restarted worker online under the same id")
+
+
+def test_status_fails_clearly_when_it_cannot_join(tmp_path):
+    result = run_cli(
+        "status", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWHHKkHSs5uRdrtHQN4Tv49RXqFtjreW5sExtt3bSfh3Zz",
+        "--json", env={"GPUNET_DATA_DIR": str(tmp_path)},
+    )
+    assert result.returncode != 0
+    assert "could not join" in result.stderr
+    bad = run_cli("status", "--initial-peers", "not-an-address", env={"GPUNET_DATA_DIR": str(tmp_path)})
+    assert bad.returncode != 0 and "not a multiaddr" in bad.stderr

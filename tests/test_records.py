@@ -1,0 +1,119 @@
+import msgpack
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from gpunet.dht.records import (
+    MAX_RECORD_BYTES, WORKER_BUCKETS, DeviceInfo, WorkerRecord, WorkerState, worker_bucket, worker_key, worker_keys,
+)
+from gpunet.dht.validation import (
+    MAX_RECORD_TTL, OwnerSignatureValidator, WorkerRecordValidator, key_id, network_validators,
+)
+from gpunet.errors import InvalidRecord
+from gpunet.ledger.identity import Identity
+from hivemind.dht.validation import CompositeValidator
+
+
+def make_record(**overrides) -> WorkerRecord:
+    fields = dict(version="0.1.0", state="online", device=DeviceInfo(kind="cpu", name="test cpu", cores=2), price=1.0)
+    return WorkerRecord(**{**fields, **overrides})
+
+
+def test_round_trip_and_unknown_fields_are_ignored():
+    record = make_record(tflops={"fp32": 0.5}, programs=["ab" * 32])
+    wire = record.to_wire()
+    assert WorkerRecord.from_wire(wire) == record
+    newer = {**wire, "some_future_field": {"nested": [1, 2]}, "device": {**wire["device"], "future": 1}}
+    assert WorkerRecord.from_wire(newer) == record
+    assert WorkerRecord.from_wire_bytes(msgpack.packb(wire)) == record
+
+
+@pytest.mark.parametrize(
+    "patch, complaint",
+    [
+        ({"state": "sleeping"}, "state"),
+        ({"price": "1.0"}, "price"),
+        ({"price": -1.0}, "price"),
+        ({"queue": 1.5}, "queue"),
+        ({"device": {"kind": "tpu", "name": "x"}}, "device.kind"),
+        ({"programs": ["x"] * 100}, "programs"),
+        ({"format": 99}, "newer"),
+        ({"version": None}, "version"),
+    ],
+)
+def test_schema_violations_are_refused_with_the_field_named(patch, complaint):
+    with pytest.raises(InvalidRecord, match=complaint):
+        WorkerRecord.from_wire({**make_record().to_wire(), **patch})
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x93\x01\x02", b"\xdf\xff\xff\xff\xff", b"x" * (MAX_RECORD_BYTES + 1)])
+def test_malformed_bytes_are_a_clear_error(raw):
+    with pytest.raises(InvalidRecord):
+        WorkerRecord.from_wire_bytes(raw)
+
+
+def test_buckets_spread_workers_and_stay_stable():
+    ids = [Identity.generate().peer_id for _ in range(2000)]
+    buckets = [worker_bucket(i) for i in ids]
+    assert buckets == [worker_bucket(i) for i in ids]
+    counts = [buckets.count(b) for b in range(WORKER_BUCKETS)]
+    assert min(counts) > 0 and max(counts) < 3 * len(ids) / WORKER_BUCKETS
+    assert worker_key("net", 3) == "net.workers.3" and len(worker_keys("net")) == WORKER_BUCKETS
+
+
+# --- validators, exercised exactly as hivemind calls them ------------------------------------------------------------
+
+
+def _dht_record(validator, owner: Identity, record: WorkerRecord, network="net", ttl=30.0, subkey=None) -> DHTRecord:
+    subkey = subkey or owner.peer_id
+    key = key_id(worker_key(network, worker_bucket(subkey)))
+    plain = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(record.to_wire()), get_dht_time() + ttl)
+    return DHTRecord(plain.key, plain.subkey, validator.sign_value(plain), plain.expiration_time)
+
+
+def test_owner_signed_record_validates_and_strips():
+    owner = Identity.generate()
+    validator = CompositeValidator(network_validators("net", [owner]))
+    signed = _dht_record(validator, owner, make_record())
+    assert validator.validate(signed)
+    assert MSGPackSerializer.loads(validator.strip_value(signed)) == make_record().to_wire()
+
+
+def test_forged_tampered_replayed_and_invalid_records_are_refused():
+    owner, mallory = Identity.generate(), Identity.generate()
+    honest = CompositeValidator(network_validators("net", [owner]))
+    forger = CompositeValidator(network_validators("net", [mallory]))
+
+    # Mallory writes under the owner's subkey: her validator cannot sign it, so it carries no signature.
+    assert not honest.validate(_dht_record(forger, owner, make_record()))
+    # Mallory signs with her key but claims the owner's subkey.
+    class Impersonator(OwnerSignatureValidator):
+        def sign_value(self, record):
+            return record.value + b"\x00gpunet-sig-v1\x00" + mallory.sign(b"whatever")
+    impostor = CompositeValidator([Impersonator(worker_keys("net")), WorkerRecordValidator("net")])
+    assert not honest.validate(_dht_record(impostor, owner, make_record()))
+
+    signed = _dht_record(honest, owner, make_record())
+    # Any flipped byte in the value, or a replay with a later expiration, breaks the signature.
+    for i in range(0, len(signed.value), 7):
+        flipped = bytearray(signed.value)
+        flipped[i] ^= 0x01
+        assert not honest.validate(DHTRecord(signed.key, signed.subkey, bytes(flipped), signed.expiration_time))
+    assert not honest.validate(DHTRecord(signed.key, signed.subkey, signed.value, signed.expiration_time + 100))
+    # A correctly signed record that fails the schema.
+    bad_schema = DHTRecord(signed.key, signed.subkey, MSGPackSerializer.dumps({"state": "online"}), signed.expiration_time)
+    assert not honest.validate(
+        DHTRecord(bad_schema.key, bad_schema.subkey, honest.sign_value(bad_schema), bad_schema.expiration_time)
+    )
+    # An owner cannot pin a record far into the future.
+    assert not honest.validate(_dht_record(honest, owner, make_record(), ttl=MAX_RECORD_TTL + 60))
+    # A subkey that is not a peer id.
+    not_peer = DHTRecord(signed.key, MSGPackSerializer.dumps("bob"), signed.value, signed.expiration_time)
+    assert not honest.validate(not_peer)
+
+
+def test_other_keys_are_left_alone():
+    validator = CompositeValidator(network_validators("net"))
+    foreign = DHTRecord(key_id("other.workers.1"), MSGPackSerializer.dumps("x"), b"\x01", get_dht_time() + 10)
+    assert validator.validate(foreign)
+    assert validator.strip_value(foreign) == b"\x01"
