@@ -26,6 +26,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -276,8 +277,12 @@ class Ledger:
 
     def receipts(self) -> Iterator[Receipt]:
         """Every stored receipt in ledger order (decoded, not re-verified: that is ``verify``'s job)."""
-        for (data,) in self._db.execute("SELECT receipt FROM entries ORDER BY seq"):
-            yield Receipt.from_bytes(data)
+        # A page at a time, so no statement stays open between the caller's reads (an open one pins an old snapshot).
+        after = 0
+        page = "SELECT seq, receipt FROM entries WHERE seq > ? ORDER BY seq LIMIT 1000"
+        while rows := self._db.execute(page, (after,)).fetchall():
+            after = rows[-1][0]
+            yield from (Receipt.from_bytes(data) for _, data in rows)
 
     def balances(self) -> dict[str, Balance]:
         return balances(self.receipts())
@@ -317,14 +322,14 @@ class Ledger:
         expected_seq, prev = 1, GENESIS_HASH
         try:
             cursor = self._db.execute("SELECT seq, job_id, receipt, prev_hash, entry_hash FROM entries ORDER BY seq")
-            with ThreadPoolExecutor(_verify_threads()) as pool:
+            with closing(cursor), ThreadPoolExecutor(_verify_threads()) as pool:
                 while rows := cursor.fetchmany(_VERIFY_BATCH):
                     chain_failure: tuple[int, str] | None = None
                     decoded: list[tuple[int, Receipt]] = []
                     for seq, job_id, data, prev_hash, digest in rows:
                         problem = None
                         if seq != expected_seq:
-                            problem = f"expected entry {expected_seq} here (entries missing or reordered)"
+                            seq, problem = expected_seq, f"missing (the next stored entry is {seq})"
                         elif prev_hash != prev:
                             problem = "does not link to the entry before it (an entry was removed, moved or changed)"
                         elif digest != entry_hash(seq, prev_hash, data):
