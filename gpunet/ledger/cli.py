@@ -68,7 +68,7 @@ def _own_id(data_dir: Path) -> str | None:
 
 
 def _time(us: int) -> str:
-    return datetime.fromtimestamp(us / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(us / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
 @_command
@@ -104,13 +104,26 @@ def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
         _out.print(f"Not countersigned: {jobs} job(s), {format_credits(total)} credits (see `gpunet ledger unpaid`).")
 
 
+def _flops(n: int) -> str:
+    for scale, unit in ((10**18, "E"), (10**15, "P"), (10**12, "T"), (10**9, "G"), (10**6, "M")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
 def _receipt_table(title: str, rows: list[tuple[int | None, Receipt]]) -> Table:
+    """Newest-first rows of receipts; the job id is never cut (it is what ``show --job`` takes)."""
     table = Table(title=title, title_justify="left")
-    for column in ("seq", "job", "worker", "client", "FLOPs", "price/PFLOP", "amount", "ended (UTC)"):
-        table.add_column(column, justify="right" if column in ("seq", "FLOPs", "price/PFLOP", "amount") else "left")
+    with_seq = any(seq is not None for seq, _ in rows)
+    if with_seq:
+        table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("job", overflow="fold", min_width=8)
+    for column in ("worker", "client", "FLOPs", "credits", "ended (UTC)"):
+        table.add_column(column, justify="left" if column in ("worker", "client") else "right", no_wrap=True)
     for seq, r in rows:
-        table.add_row("" if seq is None else str(seq), r.job_id, short_id(r.worker_id), short_id(r.client_id),
-                      f"{r.flops:,}", format_credits(r.price), format_credits(r.amount), _time(r.ended_at_us))  # fmt: skip
+        cells = [r.job_id, short_id(r.worker_id), short_id(r.client_id), _flops(r.flops), format_credits(r.amount),
+                 _time(r.ended_at_us)]  # fmt: skip
+        table.add_row(*([str(seq)] if with_seq else []), *cells)
     return table
 
 

@@ -135,7 +135,13 @@ class _Outcome(enum.Enum):
 class Ledger:
     """One node's ledger file. Safe to share between processes (SQLite locking); one instance per thread."""
 
-    def __init__(self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False):
+    def __init__(
+        self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False, synchronous: str = "NORMAL"
+    ):
+        """Open (``create``: or make) a ledger file. ``synchronous="FULL"`` fsyncs every append: only for a node that
+        cannot count on its counterparties' copies (see the module docstring); it costs an fsync per receipt."""
+        if synchronous not in ("NORMAL", "FULL"):
+            raise LedgerError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = Path(path)
         if not create and not self.path.exists():
             raise LedgerError(f"no ledger at {self.path}")
@@ -144,12 +150,18 @@ class Ledger:
                 self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
             else:
                 self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        except sqlite3.Error as e:
+            raise LedgerError(f"cannot open ledger {self.path}: {e}") from e
+        try:
             self._db.execute("PRAGMA busy_timeout = 30000")
-            self._setup(readonly)
-        except sqlite3.DatabaseError as e:
+            self._setup(readonly, synchronous)
+        except (sqlite3.Error, LedgerError) as e:
+            self._db.close()
+            if isinstance(e, LedgerError):
+                raise
             raise LedgerError(f"{self.path} is not a usable gpunet ledger: {e}") from e
 
-    def _setup(self, readonly: bool) -> None:
+    def _setup(self, readonly: bool, synchronous: str) -> None:
         version = self._db.execute("PRAGMA user_version").fetchone()[0]
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         if version == 0 and not tables and not readonly:
@@ -159,7 +171,7 @@ class Ledger:
             raise LedgerError(f"{self.path} is not a gpunet ledger of schema version {SCHEMA_VERSION}")
         if not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
+            self._db.execute(f"PRAGMA synchronous = {synchronous}")
 
     def close(self) -> None:
         self._db.close()
@@ -217,7 +229,7 @@ class Ledger:
                         decoded.append((position, Receipt.from_bytes(data)))
                     except InvalidReceipt as e:
                         report.refused.append((where, str(e)))
-                failures = dict(_verify_all(pool, decoded))
+                failures = dict(_verify_all(pool, decoded, _verify_threads()))
                 with self._transaction():
                     for position, receipt in decoded:
                         if position in failures:
@@ -237,7 +249,11 @@ class Ledger:
         row = self._db.execute("SELECT seq, receipt FROM entries WHERE job_id = ?", (receipt.job_id,)).fetchone()
         if row is not None:
             seq, stored = row
-            if Receipt.from_bytes(stored).body == receipt.body:
+            try:
+                held = Receipt.from_bytes(stored)
+            except InvalidReceipt as e:
+                raise LedgerCorrupted(f"entry {seq}: {e}", entry=seq) from None
+            if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
                 return _Outcome.DUPLICATE, seq
             self._db.execute(
                 "INSERT OR IGNORE INTO conflicts (job_id, receipt, source, detected_at_us) VALUES (?, ?, ?, ?)",
@@ -313,16 +329,18 @@ class Ledger:
 
     # --- verification ------------------------------------------------------------------------------------------------
 
-    def verify(self) -> LedgerHead:
+    def verify(self, *, threads: int | None = None) -> LedgerHead:
         """Check the whole chain and both signatures of every receipt; return the head.
 
         Raises LedgerCorrupted whose ``entry`` is the seq of the first bad entry (and whose message says what is
-        wrong with it). Signatures are checked on a few threads: ``cryptography`` releases the GIL while verifying.
+        wrong with it). Signatures are checked on ``threads`` threads (default: one per core, at most 4):
+        ``cryptography`` releases the GIL while verifying.
         """
+        threads = threads or _verify_threads()
         expected_seq, prev = 1, GENESIS_HASH
         try:
             cursor = self._db.execute("SELECT seq, job_id, receipt, prev_hash, entry_hash FROM entries ORDER BY seq")
-            with closing(cursor), ThreadPoolExecutor(_verify_threads()) as pool:
+            with closing(cursor), ThreadPoolExecutor(threads) as pool:
                 while rows := cursor.fetchmany(_VERIFY_BATCH):
                     chain_failure: tuple[int, str] | None = None
                     decoded: list[tuple[int, Receipt]] = []
@@ -347,7 +365,7 @@ class Ledger:
                             chain_failure = (seq, problem)
                             break
                         expected_seq, prev = seq + 1, digest
-                    failures = _verify_all(pool, decoded)
+                    failures = _verify_all(pool, decoded, threads)
                     if chain_failure is not None:
                         failures.append(chain_failure)
                     if failures:
@@ -393,12 +411,11 @@ def _verify_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _verify_all(pool: ThreadPoolExecutor, items: list[tuple]) -> list[tuple]:
-    """Verify ``(key, receipt)`` pairs on the pool; every ``(key, reason)`` that failed."""
+def _verify_all(pool: ThreadPoolExecutor, items: list[tuple], threads: int) -> list[tuple]:
+    """Verify ``(key, receipt)`` pairs in ``threads`` chunks on the pool; every ``(key, reason)`` that failed."""
     if not items:
         return []
-    n = _verify_threads()
-    size = -(-len(items) // n)
+    size = -(-len(items) // threads)
     chunks = [items[i : i + size] for i in range(0, len(items), size)]
     return [failure for chunk_failures in pool.map(_verify_chunk, chunks) for failure in chunk_failures]
 
