@@ -1,5 +1,6 @@
 """``gpunet ledger …`` as a user runs it: exit codes, the first bad entry named, exports that re-import."""
 
+import base64
 import csv
 import io
 import json
@@ -77,8 +78,6 @@ def test_export_csv_and_json_round_trip_through_merge(node, tmp_path):
     rows = list(csv.DictReader(io.StringIO(run("export", "--format", "csv", data_dir=data_dir).stdout)))
     assert [r["job_id"] for r in rows] == ["job-1", "job-2", "job-3"]
     assert [r["amount_credits"] for r in rows] == ["1.000000", "2.000000", "3.000000"]
-    import base64
-
     Receipt.from_bytes(base64.b64decode(rows[0]["receipt"])).verify()  # every row carries its signed receipt
     out = tmp_path / "export.json"
     result = run("export", "-f", "json", "-o", str(out), data_dir=data_dir)

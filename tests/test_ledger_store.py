@@ -126,6 +126,16 @@ def test_unpaid_work_stays_visible_until_countersigned(ledger):
         ledger.record_unpaid(dataclasses.replace(half, job_id="job-forged"))
 
 
+def test_a_job_paid_to_another_worker_leaves_this_work_unpaid(tmp_path):
+    with Ledger(tmp_path / "w1.sqlite") as w1, Ledger(tmp_path / "client.sqlite") as client:
+        w1.record_unpaid(worker_signed(W1, C1, "job-retried"))  # W1 finished, but the client had moved on
+        client.append(full_receipt(W2, C1, "job-retried"))  # the retry on W2 is what the client countersigned
+        assert w1.merge(client.path).added == 1
+        assert [r.worker_id for r in w1.unpaid()] == [W1.peer_id]
+        w1.record_unpaid(worker_signed(W1, C1, "job-retried"))
+        assert len(w1.unpaid()) == 1 and w1.balances()[W2.peer_id].earned == w1.get("job-retried").amount
+
+
 def test_open_ledger_lives_in_the_data_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GPUNET_DATA_DIR", str(tmp_path / "node"))
     with open_ledger() as ledger:
@@ -164,6 +174,9 @@ def test_balances_are_exact_and_what_clients_spend_workers_earn(ledger):
     assert sum(x.earned for x in b.values()) == sum(x.spent for x in b.values())
     assert balances(receipts + receipts) == b  # a pure function of the receipt set
     assert ledger.earned(W1.peer_id) == 2_000_000 and ledger.earned(MALLORY.peer_id) == 0
+    ledger.append(full_receipt(W1, C2, "d", flops=10**15, price=1_000_000))  # totals follow new entries
+    assert ledger.earned(W1.peer_id) == 3_000_000
+    assert ledger.balances() == balances(ledger.receipts())
 
 
 # --- verify: tampering is found and the first bad entry named -----------------------------------------------------------

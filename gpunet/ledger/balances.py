@@ -36,18 +36,31 @@ class Balance:
         }
 
 
-def balances(receipts: Iterable[Receipt]) -> dict[str, Balance]:
-    """Per-identity earned / spent / net. Each receipt counts once however often it is passed (keyed by job id)."""
-    totals: dict[str, list[int]] = {}  # identity -> [earned, spent, jobs_worked, jobs_bought]
-    seen: set[str] = set()
-    for receipt in receipts:
-        if receipt.job_id in seen:
-            continue
-        seen.add(receipt.job_id)
-        worker = totals.setdefault(receipt.worker_id, [0, 0, 0, 0])
+class BalanceSheet:
+    """Running totals, fed receipts as they arrive (each job id counts once), so a growing ledger is summed once."""
+
+    def __init__(self) -> None:
+        self._totals: dict[str, list[int]] = {}  # identity -> [earned, spent, jobs_worked, jobs_bought]
+        self._seen: set[str] = set()
+
+    def add(self, receipt: Receipt) -> None:
+        if receipt.job_id in self._seen:
+            return
+        self._seen.add(receipt.job_id)
+        worker = self._totals.setdefault(receipt.worker_id, [0, 0, 0, 0])
         worker[0] += receipt.amount
         worker[2] += 1
-        client = totals.setdefault(receipt.client_id, [0, 0, 0, 0])
+        client = self._totals.setdefault(receipt.client_id, [0, 0, 0, 0])
         client[1] += receipt.amount
         client[3] += 1
-    return {identity: Balance(identity, *values) for identity, values in totals.items()}
+
+    def snapshot(self) -> dict[str, Balance]:
+        return {identity: Balance(identity, *values) for identity, values in self._totals.items()}
+
+
+def balances(receipts: Iterable[Receipt]) -> dict[str, Balance]:
+    """Per-identity earned / spent / net. Each receipt counts once however often it is passed (keyed by job id)."""
+    sheet = BalanceSheet()
+    for receipt in receipts:
+        sheet.add(receipt)
+    return sheet.snapshot()

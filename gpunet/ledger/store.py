@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
-from gpunet.ledger.balances import Balance, balances
+from gpunet.ledger.balances import Balance, BalanceSheet
 from gpunet.ledger.export import read_json_export
 from gpunet.ledger.identity import resolve_data_dir
 from gpunet.ledger.receipts import Receipt
@@ -58,6 +58,7 @@ CREATE TRIGGER IF NOT EXISTS entries_no_delete BEFORE DELETE ON entries
     BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
 CREATE TABLE IF NOT EXISTS unpaid (
     job_id         TEXT    PRIMARY KEY,
+    worker_id      TEXT    NOT NULL,
     receipt        BLOB    NOT NULL,
     recorded_at_us INTEGER NOT NULL
 );
@@ -143,6 +144,7 @@ class Ledger:
         if synchronous not in ("NORMAL", "FULL"):
             raise LedgerError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = Path(path)
+        self._sheet, self._sheet_seq = BalanceSheet(), 0
         if not create and not self.path.exists():
             raise LedgerError(f"no ledger at {self.path}")
         try:
@@ -201,15 +203,18 @@ class Ledger:
         """Remember a receipt this node signed as worker, until its countersignature arrives (``append`` clears it).
 
         Call it before sending the receipt to the client: a client that never countersigns stays in ``unpaid()``.
+        Only a complete receipt naming this same worker settles it; the job paid to another worker (a client's retry
+        elsewhere) leaves this work visible as unpaid.
         """
         receipt.check_terms()
         receipt.verify_worker_signature()
         with self._transaction():
-            if self._db.execute("SELECT 1 FROM entries WHERE job_id = ?", (receipt.job_id,)).fetchone():
+            paid = self.get(receipt.job_id)
+            if paid is not None and paid.worker_id == receipt.worker_id:
                 return
             self._db.execute(
-                "INSERT OR REPLACE INTO unpaid (job_id, receipt, recorded_at_us) VALUES (?, ?, ?)",
-                (receipt.job_id, receipt.to_bytes(), _now_us()),
+                "INSERT OR REPLACE INTO unpaid (job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?)",
+                (receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
             )
 
     def merge(self, source: str | os.PathLike) -> MergeReport:
@@ -267,7 +272,7 @@ class Ledger:
             "INSERT INTO entries (seq, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?)",
             (seq, receipt.job_id, data, prev, entry_hash(seq, prev, data)),
         )
-        self._db.execute("DELETE FROM unpaid WHERE job_id = ?", (receipt.job_id,))
+        self._db.execute("DELETE FROM unpaid WHERE job_id = ? AND worker_id = ?", (receipt.job_id, receipt.worker_id))
         return _Outcome.ADDED, seq
 
     def _transaction(self) -> "_Transaction":
@@ -293,15 +298,22 @@ class Ledger:
 
     def receipts(self) -> Iterator[Receipt]:
         """Every stored receipt in ledger order (decoded, not re-verified: that is ``verify``'s job)."""
+        return (receipt for _, receipt in self._receipts_after(0))
+
+    def _receipts_after(self, seq: int) -> Iterator[tuple[int, Receipt]]:
         # A page at a time, so no statement stays open between the caller's reads (an open one pins an old snapshot).
-        after = 0
         page = "SELECT seq, receipt FROM entries WHERE seq > ? ORDER BY seq LIMIT 1000"
-        while rows := self._db.execute(page, (after,)).fetchall():
-            after = rows[-1][0]
-            yield from (Receipt.from_bytes(data) for _, data in rows)
+        while rows := self._db.execute(page, (seq,)).fetchall():
+            seq = rows[-1][0]
+            yield from ((n, Receipt.from_bytes(data)) for n, data in rows)
 
     def balances(self) -> dict[str, Balance]:
-        return balances(self.receipts())
+        """``balances(self.receipts())``, kept up to date incrementally: entries are append-only, so only the ones
+        added since the last call are read (a worker asks on every heartbeat)."""
+        for seq, receipt in self._receipts_after(self._sheet_seq):
+            self._sheet.add(receipt)
+            self._sheet_seq = seq
+        return self._sheet.snapshot()
 
     def earned(self, peer_id: str) -> int:
         """Micro-credits ``peer_id`` earned as a worker in this ledger (the figure a worker announces)."""
