@@ -61,7 +61,7 @@ def first_bad(ledger: Ledger) -> int | None:
     return info.value.entry
 
 
-# --- appending ---------------------------------------------------------------------------------------------------------
+# --- appending --------------------------------------------------------------------------------------------------------
 
 
 def test_append_chains_entries_and_reads_back(ledger):
@@ -156,7 +156,7 @@ def test_a_file_that_is_not_a_ledger_is_a_clear_error(tmp_path):
         Ledger(tmp_path / "other.sqlite")
 
 
-# --- balances ----------------------------------------------------------------------------------------------------------
+# --- balances ---------------------------------------------------------------------------------------------------------
 
 
 def test_balances_are_exact_and_what_clients_spend_workers_earn(ledger):
@@ -179,7 +179,7 @@ def test_balances_are_exact_and_what_clients_spend_workers_earn(ledger):
     assert ledger.balances() == balances(ledger.receipts())
 
 
-# --- verify: tampering is found and the first bad entry named -----------------------------------------------------------
+# --- verify: tampering is found and the first bad entry named ---------------------------------------------------------
 
 
 def test_flipping_any_byte_of_a_stored_receipt_is_found_at_that_entry(ledger):
@@ -265,7 +265,7 @@ def test_first_bad_entry_is_named_across_verification_batches(ledger, monkeypatc
         ledger.verify()
 
 
-# --- merge -------------------------------------------------------------------------------------------------------------
+# --- merge ------------------------------------------------------------------------------------------------------------
 
 
 def test_merge_is_a_union_by_job_id(tmp_path):

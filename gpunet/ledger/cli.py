@@ -204,7 +204,7 @@ def export(
 
 @_command
 def merge(
-    file: Annotated[Path, typer.Argument(help="Another node's ledger.sqlite, or a `gpunet ledger export -f json` file.")],
+    file: Annotated[Path, typer.Argument(help="Another node's ledger.sqlite, or a `gpunet ledger export -f json`.")],
     data_dir: DataDir = None,
     as_json: AsJson = False,
 ) -> None:

@@ -74,7 +74,7 @@ def format_credits(micro: int) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _public_key(peer_id: str) -> Ed25519PublicKey:
-    """Peer id → public key, cached: a ledger names few identities many times, and decoding one costs more than a hash."""
+    """Peer id → public key, cached: a ledger names few identities many times, and decoding one costs a lot."""
     return public_key_from_peer_id(peer_id)
 
 
@@ -145,7 +145,7 @@ class Receipt:
     def from_bytes(cls, data: bytes) -> "Receipt":
         """Decode a stored receipt; raises InvalidReceipt for anything malformed or non-canonical (never verifies)."""
         if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > MAX_RECEIPT_BYTES:
-            raise InvalidReceipt(f"a receipt is bytes of at most {MAX_RECEIPT_BYTES}")
+            raise InvalidReceipt(f"an encoded receipt is bytes, at most {MAX_RECEIPT_BYTES} of them")
         try:
             envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
             body, worker_signature, client_signature = envelope
@@ -155,9 +155,9 @@ class Receipt:
         if not isinstance(fields, list) or not fields:
             raise InvalidReceipt("receipt body is not a msgpack array")
         if fields[0] != FORMAT_VERSION:
-            raise InvalidReceipt(f"unsupported receipt format version {fields[0]!r} (this gpunet reads {FORMAT_VERSION})")
+            raise InvalidReceipt(f"receipt format version {fields[0]!r} unknown (this gpunet reads {FORMAT_VERSION})")
         if len(fields) != 1 + len(_BODY_FIELDS):
-            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {FORMAT_VERSION} has {len(_BODY_FIELDS)}")
+            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {FORMAT_VERSION} has {_N_FIELDS}")
         receipt = cls(*fields[1:], worker_signature=worker_signature, client_signature=client_signature)
         if receipt.body != body:
             raise InvalidReceipt("receipt body is not in canonical encoding")
@@ -204,7 +204,9 @@ class Receipt:
         _check_signature(self.client_id, self.client_signature, self.signing_bytes(), "client")
 
 
-_BODY_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.name not in ("worker_signature", "client_signature", "body"))
+_NOT_IN_BODY = ("worker_signature", "client_signature", "body")
+_BODY_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.name not in _NOT_IN_BODY)  # the fixed order
+_N_FIELDS = len(_BODY_FIELDS)
 
 
 def _check_uint(name: str, value: object) -> None:
@@ -212,7 +214,7 @@ def _check_uint(name: str, value: object) -> None:
         raise InvalidReceipt(f"{name} must be an integer in [0, 2**64), got {value!r:.40}")
 
 
-# --- the flow: worker signs, client checks and countersigns, worker attaches the countersignature ----------------------
+# --- the flow: worker signs, client checks and countersigns, worker attaches the countersignature --------------------
 
 
 def sign_as_worker(
