@@ -1,0 +1,252 @@
+"""``gpunet ledger …``: read, check, export and merge this node's ledger. A thin shell over :mod:`gpunet.ledger`.
+
+Exit codes: 0 success; 1 the ledger failed verification, a merge refused receipts or found conflicts, or a job was
+not found; 2 unusable input (no such file, not a ledger, bad option).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpunet.errors import GpunetError, LedgerCorrupted
+from gpunet.ledger.balances import balances
+from gpunet.ledger.export import write_csv, write_json
+from gpunet.ledger.identity import KEY_FILENAME, Identity, resolve_data_dir, short_id
+from gpunet.ledger.receipts import Receipt, format_credits
+from gpunet.ledger.store import open_ledger
+
+app = typer.Typer(
+    name="ledger",
+    help="This node's ledger: receipts for jobs it ran or paid for, signed by both sides.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+DataDir = Annotated[
+    Optional[Path],
+    typer.Option("--data-dir", help="Node data dir (default: $GPUNET_DATA_DIR or ~/.gpunet).", show_default=False),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for programs instead of a table.")]
+
+_out = Console()
+_err = Console(stderr=True)
+
+
+def _command(func: Callable) -> Callable:
+    """Register a subcommand whose gpunet errors end as one clear line on stderr and exit code 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except GpunetError as e:
+            _err.print(f"[red]error:[/red] {e}", highlight=False)
+            raise typer.Exit(2) from None
+
+    return app.command()(wrapper)
+
+
+def _print_json(value: object) -> None:
+    sys.stdout.write(json.dumps(value, indent=2) + "\n")
+
+
+def _own_id(data_dir: Path) -> str | None:
+    """This node's peer id if it has a key already (reading the ledger never creates one)."""
+    path = data_dir / KEY_FILENAME
+    return Identity.load(path).peer_id if path.exists() else None
+
+
+def _time(us: int) -> str:
+    return datetime.fromtimestamp(us / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
+@_command
+def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+    """Earned, spent and net credits per identity in this ledger, and work still awaiting a countersignature."""
+    directory = resolve_data_dir(data_dir)
+    me = _own_id(directory)
+    with open_ledger(directory) as ledger:
+        totals = sorted(ledger.balances().values(), key=lambda b: (-b.net, b.identity))
+        owed = balances(ledger.unpaid())
+    if as_json:
+        _print_json(
+            {
+                "identity": me,
+                "balances": [b.to_dict() for b in totals],
+                "unpaid": [{"client_id": b.identity, "amount": b.spent, "jobs": b.jobs_bought}
+                           for b in owed.values() if b.jobs_bought],
+            }
+        )  # fmt: skip
+        return
+    table = Table(title="Balances (credits)", title_justify="left")
+    for column in ("identity", "jobs worked", "earned", "jobs bought", "spent", "net"):
+        table.add_column(column, justify="left" if column == "identity" else "right")
+    for b in totals:
+        name = b.identity + (" (this node)" if b.identity == me else "")
+        table.add_row(name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
+                      format_credits(b.spent), format_credits(b.net))  # fmt: skip
+    _out.print(table if totals else "No receipts yet.")
+    unpaid = [b for b in owed.values() if b.jobs_bought]
+    if unpaid:
+        total = sum(b.spent for b in unpaid)
+        jobs = sum(b.jobs_bought for b in unpaid)
+        _out.print(f"Not countersigned: {jobs} job(s), {format_credits(total)} credits (see `gpunet ledger unpaid`).")
+
+
+def _flops(n: int) -> str:
+    for scale, unit in ((10**18, "E"), (10**15, "P"), (10**12, "T"), (10**9, "G"), (10**6, "M")):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
+def _receipt_table(title: str, rows: list[tuple[int | None, Receipt]]) -> Table:
+    """Newest-first rows of receipts; the job id is never cut (it is what ``show --job`` takes)."""
+    table = Table(title=title, title_justify="left")
+    with_seq = any(seq is not None for seq, _ in rows)
+    if with_seq:
+        table.add_column("seq", justify="right", no_wrap=True)
+    table.add_column("job", overflow="fold", min_width=8)
+    for column in ("worker", "client", "FLOPs", "credits", "ended (UTC)"):
+        table.add_column(column, justify="left" if column in ("worker", "client") else "right", no_wrap=True)
+    for seq, r in rows:
+        cells = [r.job_id, short_id(r.worker_id), short_id(r.client_id), _flops(r.flops), format_credits(r.amount),
+                 _time(r.ended_at_us)]  # fmt: skip
+        table.add_row(*([str(seq)] if with_seq else []), *cells)
+    return table
+
+
+@_command
+def show(
+    data_dir: DataDir = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many of the newest entries.")] = 20,
+    job: Annotated[Optional[str], typer.Option("--job", help="Show the full receipt of one job.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """The newest receipts, or one job's full receipt."""
+    with open_ledger(data_dir) as ledger:
+        if job is not None:
+            receipt = ledger.get(job)
+            if receipt is None:
+                _err.print(f"no receipt for job {job!r} in this ledger", highlight=False)
+                raise typer.Exit(1)
+            if as_json:
+                _print_json(receipt.to_dict())
+                return
+            table = Table(title=f"Receipt for job {job}", title_justify="left", show_header=False)
+            for key, value in receipt.to_dict().items():
+                table.add_row(key, str(value))
+            _out.print(table)
+            return
+        entries = ledger.entries(limit, newest_first=True)
+        head = ledger.head()
+    if as_json:
+        _print_json({"head": head._asdict(), "entries": [{"seq": e.seq, **e.receipt.to_dict()} for e in entries]})
+        return
+    _out.print(_receipt_table(f"Newest {len(entries)} of {head.count} receipts", [(e.seq, e.receipt) for e in entries]))
+
+
+@_command
+def verify(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+    """Check every signature and the whole hash chain; exit 1 naming the first bad entry on any tampering."""
+    with open_ledger(data_dir) as ledger:
+        path = ledger.path
+        try:
+            head = ledger.verify()
+        except LedgerCorrupted as e:
+            if as_json:
+                _print_json({"ok": False, "ledger": str(path), "entry": e.entry, "error": str(e)})
+            else:
+                _err.print(f"[red]FAILED[/red] {path}: {e}", highlight=False)
+            raise typer.Exit(1) from None
+    if as_json:
+        _print_json({"ok": True, "ledger": str(path), **head._asdict()})
+    else:
+        _out.print(f"OK {path}: {head.count} entries, every signature and link valid; head {head.head_hash}",
+                   highlight=False)  # fmt: skip
+
+
+class ExportFormat(str, Enum):
+    csv = "csv"
+    json = "json"
+
+
+@_command
+def export(
+    data_dir: DataDir = None,
+    format: Annotated[ExportFormat, typer.Option("--format", "-f", help="Output format.")] = ExportFormat.csv,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
+) -> None:
+    """Every receipt, for settlement outside gpunet (each row keeps the exact signed receipt, base64)."""
+    with open_ledger(data_dir) as ledger:
+        entries = ledger.entries()
+        head = ledger.head()
+    out = open(output, "w", newline="") if output else sys.stdout
+    try:
+        count = write_csv(entries, out) if format is ExportFormat.csv else write_json(entries, head, out)
+    finally:
+        if output:
+            out.close()
+    if output:
+        _err.print(f"wrote {count} receipts to {output}", highlight=False)
+
+
+@_command
+def merge(
+    file: Annotated[Path, typer.Argument(help="Another node's ledger.sqlite, or a `gpunet ledger export -f json`.")],
+    data_dir: DataDir = None,
+    as_json: AsJson = False,
+) -> None:
+    """Import another node's receipts: union by job id; invalid receipts refused; conflicts reported, never chosen."""
+    with open_ledger(data_dir) as ledger:
+        report = ledger.merge(file)
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        _out.print(f"merged {file}: {report.added} added, {report.duplicates} already held, "
+                   f"{len(report.refused)} refused, {len(report.conflicts)} conflicts", highlight=False)  # fmt: skip
+        for where, reason in report.refused:
+            _err.print(f"refused {where}: {reason}", highlight=False)
+        for job_id in report.conflicts:
+            _err.print(f"[red]CONFLICT[/red] job {job_id}: a different valid receipt is already held; both kept "
+                       "(see `gpunet ledger conflicts`)", highlight=False)  # fmt: skip
+    if not report.clean:
+        raise typer.Exit(1)
+
+
+@_command
+def unpaid(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+    """Jobs this node ran whose client never countersigned the receipt."""
+    with open_ledger(data_dir) as ledger:
+        receipts = ledger.unpaid()
+    if as_json:
+        _print_json([r.to_dict() for r in receipts])
+    else:
+        _out.print(_receipt_table("Not countersigned", [(None, r) for r in receipts]) if receipts else "None.")
+
+
+@_command
+def conflicts(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+    """Jobs for which two different valid receipts were seen: evidence of fraud, kept side by side."""
+    with open_ledger(data_dir) as ledger:
+        found = ledger.conflicts()
+    if as_json:
+        _print_json([{"job_id": c.job_id, "source": c.source, "held": c.existing.to_dict(), "other": c.other.to_dict()}
+                     for c in found])  # fmt: skip
+        return
+    if not found:
+        _out.print("None.")
+    for c in found:
+        _out.print(_receipt_table(f"Job {c.job_id}: held vs. from {c.source}", [(None, c.existing), (None, c.other)]))
+

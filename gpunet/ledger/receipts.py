@@ -1,0 +1,283 @@
+"""The receipt: what one finished job cost, signed by the worker that ran it and countersigned by the client that paid.
+
+A receipt is valid anywhere by itself. Its worker id and client id are libp2p peer ids, which inline the Ed25519 public
+keys, so checking both signatures needs no key exchange and no server.
+
+Encoding (format version 1), chosen so a signature is reproducible byte for byte:
+
+- the *body* is a msgpack array ``[FORMAT_VERSION, job_id, client_id, worker_id, program_hash, input_hash, output_hash,
+  flops, wall_time_us, price, max_price, amount, started_at_us, ended_at_us]`` in that fixed order, packed with
+  msgpack's smallest-form rules (ints, str, nil only: no floats, no maps), so one set of fields has exactly one body;
+- both parties sign ``SIGNING_DOMAIN + body`` (the domain keeps a receipt signature from ever doubling as a signature on
+  a DHT record made by the same key);
+- the stored form is the msgpack array ``[body, worker_signature, client_signature]``; decoding keeps the body bytes,
+  so verification never re-encodes, and refuses a body that is not the canonical encoding of its own fields.
+
+Money is integers only, so both sides compute the identical amount: a price is in micro-credits per PFLOP (10**15
+floating-point operations) and an amount in micro-credits, ``amount = flops * price // 10**15`` (see
+:func:`compute_amount`, the one place that rule lives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from typing import Any
+
+import msgpack
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from gpunet.errors import IdentityError, InvalidReceipt
+from gpunet.ledger.identity import Identity, public_key_from_peer_id
+
+FORMAT_VERSION = 1
+SIGNING_DOMAIN = b"gpunet/receipt/v1\x00"
+MICRO = 10**6  # micro-credits per credit
+FLOPS_PER_PFLOP = 10**15
+MAX_RECEIPT_BYTES = 4096  # a real receipt is ~400 bytes; anything larger is refused before it is decoded
+SIGNATURE_LEN = 64
+
+_MAX_UINT = 2**64 - 1  # msgpack's widest integer
+_MAX_TEXT = 128
+_TEXT_FIELDS = ("job_id", "client_id", "worker_id", "program_hash", "input_hash", "output_hash")
+_INT_FIELDS = ("flops", "wall_time_us", "price", "amount", "started_at_us", "ended_at_us")
+
+
+def compute_amount(flops: int, price: int) -> int:
+    """Micro-credits owed for ``flops`` operations at ``price`` micro-credits per PFLOP, rounded down."""
+    return flops * price // FLOPS_PER_PFLOP
+
+
+def price_to_micro(price: float | str | Decimal) -> int:
+    """A price in credits per PFLOP (as a user types it, e.g. ``2.5``) as integer micro-credits per PFLOP.
+
+    Goes through the decimal text of the number, so ``0.1`` becomes exactly 100000; rounds half-even to a micro-credit.
+    """
+    try:
+        value = Decimal(str(price))
+    except InvalidOperation:
+        raise InvalidReceipt(f"price {price!r} is not a number") from None
+    if not value.is_finite() or value < 0:
+        raise InvalidReceipt(f"price {price!r} must be a finite number >= 0")
+    return int((value * MICRO).to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def format_credits(micro: int) -> str:
+    """Micro-credits as an exact decimal string of credits (``1234567`` → ``"1.234567"``); never a float."""
+    sign = "-" if micro < 0 else ""
+    whole, frac = divmod(abs(micro), MICRO)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _public_key(peer_id: str) -> Ed25519PublicKey:
+    """Peer id → public key, cached: a ledger names few identities many times, and decoding one costs a lot."""
+    return public_key_from_peer_id(peer_id)
+
+
+def _check_signature(peer_id: str, signature: bytes, message: bytes, who: str) -> None:
+    try:
+        key = _public_key(peer_id)
+    except IdentityError:
+        raise InvalidReceipt(f"{who} id {peer_id!r} is not an Ed25519 peer id") from None
+    try:
+        key.verify(signature, message)
+    except InvalidSignature:
+        raise InvalidReceipt(f"{who} signature does not verify against {who} id {peer_id}") from None
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One finished job: who ran what for whom, what it cost, and both parties' signatures over that.
+
+    Money fields are integers: ``price`` and ``max_price`` (the client's bound, ``None`` for none) in micro-credits
+    per PFLOP, ``amount`` in micro-credits. Times are integer microseconds (``started_at_us``/``ended_at_us`` since the
+    Unix epoch, ``wall_time_us`` of execution). Construction checks types and ranges; :meth:`verify` checks the rules
+    and the signatures.
+    """
+
+    job_id: str
+    client_id: str
+    worker_id: str
+    program_hash: str
+    input_hash: str
+    output_hash: str
+    flops: int
+    wall_time_us: int
+    price: int
+    max_price: int | None
+    amount: int
+    started_at_us: int
+    ended_at_us: int
+    worker_signature: bytes = b""
+    client_signature: bytes = b""
+    body: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT or not value.isprintable():
+                raise InvalidReceipt(f"{name} must be printable text of 1-{_MAX_TEXT} characters, got {value!r:.80}")
+        for name in _INT_FIELDS:
+            _check_uint(name, getattr(self, name))
+        if self.max_price is not None:
+            _check_uint("max_price", self.max_price)
+        for name in ("worker_signature", "client_signature"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes) or len(value) not in (0, SIGNATURE_LEN):
+                raise InvalidReceipt(f"{name} must be empty or {SIGNATURE_LEN} bytes")
+        body = msgpack.packb([FORMAT_VERSION, *(getattr(self, name) for name in _BODY_FIELDS)], use_bin_type=True)
+        object.__setattr__(self, "body", body)
+
+    # --- encoding ----------------------------------------------------------------------------------------------------
+
+    def signing_bytes(self) -> bytes:
+        """What both the worker and the client sign."""
+        return SIGNING_DOMAIN + self.body
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.body, self.worker_signature, self.client_signature], use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Receipt":
+        """Decode a stored receipt; raises InvalidReceipt for anything malformed or non-canonical (never verifies)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) > MAX_RECEIPT_BYTES:
+            raise InvalidReceipt(f"an encoded receipt is bytes, at most {MAX_RECEIPT_BYTES} of them")
+        try:
+            envelope = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
+            body, worker_signature, client_signature = envelope
+            fields = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise InvalidReceipt(f"not an encoded receipt: {e}") from None
+        if not isinstance(fields, list) or not fields:
+            raise InvalidReceipt("receipt body is not a msgpack array")
+        if fields[0] != FORMAT_VERSION:
+            raise InvalidReceipt(f"receipt format version {fields[0]!r} unknown (this gpunet reads {FORMAT_VERSION})")
+        if len(fields) != 1 + len(_BODY_FIELDS):
+            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {FORMAT_VERSION} has {_N_FIELDS}")
+        receipt = cls(*fields[1:], worker_signature=worker_signature, client_signature=client_signature)
+        if receipt.body != body:
+            raise InvalidReceipt("receipt body is not in canonical encoding")
+        return receipt
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields (signatures as hex) for JSON and tables; the exact receipt is ``to_bytes()``."""
+        out: dict[str, Any] = {"format_version": FORMAT_VERSION}
+        out.update({name: getattr(self, name) for name in _BODY_FIELDS})
+        out["worker_signature"] = self.worker_signature.hex()
+        out["client_signature"] = self.client_signature.hex()
+        return out
+
+    # --- checks ------------------------------------------------------------------------------------------------------
+
+    @property
+    def is_countersigned(self) -> bool:
+        return bool(self.client_signature)
+
+    def check_terms(self) -> None:
+        """The rules any honest receipt obeys, signatures aside; raises InvalidReceipt naming the broken one."""
+        if self.worker_id == self.client_id:
+            raise InvalidReceipt("worker and client are the same identity")
+        if self.amount != compute_amount(self.flops, self.price):
+            raise InvalidReceipt(
+                f"amount {self.amount} is not flops x price = {compute_amount(self.flops, self.price)} micro-credits"
+            )
+        if self.max_price is not None and self.price > self.max_price:
+            raise InvalidReceipt(f"price {self.price} is above the client's bound {self.max_price}")
+        if self.ended_at_us < self.started_at_us:
+            raise InvalidReceipt("job ended before it started")
+
+    def verify_worker_signature(self) -> None:
+        if not self.worker_signature:
+            raise InvalidReceipt("receipt is not signed by its worker")
+        _check_signature(self.worker_id, self.worker_signature, self.signing_bytes(), "worker")
+
+    def verify(self) -> None:
+        """Raise InvalidReceipt unless this is a complete receipt: sound terms and both signatures valid."""
+        self.check_terms()
+        self.verify_worker_signature()
+        if not self.client_signature:
+            raise InvalidReceipt("receipt is not countersigned by its client")
+        _check_signature(self.client_id, self.client_signature, self.signing_bytes(), "client")
+
+
+_NOT_IN_BODY = ("worker_signature", "client_signature", "body")
+_BODY_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.name not in _NOT_IN_BODY)  # the fixed order
+_N_FIELDS = len(_BODY_FIELDS)
+
+
+def _check_uint(name: str, value: object) -> None:
+    if type(value) is not int or not 0 <= value <= _MAX_UINT:
+        raise InvalidReceipt(f"{name} must be an integer in [0, 2**64), got {value!r:.40}")
+
+
+# --- the flow: worker signs, client checks and countersigns, worker attaches the countersignature --------------------
+
+
+def sign_as_worker(
+    worker: Identity,
+    *,
+    job_id: str,
+    client_id: str,
+    program_hash: str,
+    input_hash: str,
+    output_hash: str,
+    flops: int,
+    wall_time_us: int,
+    price: int,
+    max_price: int | None,
+    started_at_us: int,
+    ended_at_us: int,
+) -> Receipt:
+    """The worker's half: the receipt for a job it ran, amount computed here, signed by ``worker``."""
+    _check_uint("flops", flops)
+    _check_uint("price", price)
+    receipt = Receipt(
+        job_id=job_id,
+        client_id=client_id,
+        worker_id=worker.peer_id,
+        program_hash=program_hash,
+        input_hash=input_hash,
+        output_hash=output_hash,
+        flops=flops,
+        wall_time_us=wall_time_us,
+        price=price,
+        max_price=max_price,
+        amount=compute_amount(flops, price),
+        started_at_us=started_at_us,
+        ended_at_us=ended_at_us,
+    )
+    receipt.check_terms()
+    return dataclasses.replace(receipt, worker_signature=worker.sign(receipt.signing_bytes()))
+
+
+def countersign(
+    receipt: Receipt, client: Identity, *, output_hash: str, max_price: int | None, flops: int | None = None
+) -> Receipt:
+    """The client's half: check the receipt against what the client actually got and agreed to, then countersign.
+
+    ``output_hash`` is the hash of the outputs the client received, ``max_price`` its bound for this job (micro-credits
+    per PFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one. Raises InvalidReceipt
+    naming the first mismatch; a refused receipt is simply not countersigned.
+    """
+    if receipt.client_id != client.peer_id:
+        raise InvalidReceipt(f"receipt names client {receipt.client_id}, not this client {client.peer_id}")
+    if receipt.output_hash != output_hash:
+        raise InvalidReceipt("receipt's output hash does not match the outputs received")
+    if receipt.max_price != max_price:
+        raise InvalidReceipt(f"receipt records price bound {receipt.max_price}, the client asked for {max_price}")
+    if flops is not None and receipt.flops != flops:
+        raise InvalidReceipt(f"receipt bills {receipt.flops} FLOPs, the client counted {flops}")
+    receipt.check_terms()
+    receipt.verify_worker_signature()
+    return dataclasses.replace(receipt, client_signature=client.sign(receipt.signing_bytes()))
+
+
+def attach_countersignature(receipt: Receipt, client_signature: bytes) -> Receipt:
+    """The worker's last step: the receipt it signed plus the client's countersignature, checked complete."""
+    complete = dataclasses.replace(receipt, client_signature=client_signature)
+    complete.verify()
+    return complete

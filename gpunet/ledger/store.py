@@ -1,0 +1,463 @@
+"""A node's ledger: an append-only, hash-chained SQLite file of complete receipts, one per data dir.
+
+Each entry holds one receipt and the hash of the previous entry; ``entry_hash = sha256(domain | seq | prev_hash |
+receipt bytes)``, so changing, removing or reordering any entry breaks every hash after it, and the receipt's own two
+signatures catch an attacker who rewrites the chain too. Job id is unique: a retried job is stored once.
+
+Durability: WAL journal with ``synchronous=NORMAL``. A committed append is in the WAL before ``append`` returns, so it
+survives the process being killed at any point (SIGKILL mid-write loses at most the uncommitted entry in flight, and
+WAL frames are checksummed, so a torn write is discarded, never half-applied). The WAL is fsynced at checkpoints rather
+than at every commit, so an OS crash or power loss can drop the last few appends but cannot corrupt the file or the
+chain. That trade is right here because every receipt exists twice — the counterparty holds the same signed receipt
+and a ``merge`` restores a lost one — while ``synchronous=FULL`` (an fsync per receipt) would cap appends at the
+disk's fsync rate. ``scripts/bench_ledger.py`` measures both.
+
+Besides the chain, two side tables that are not part of it: ``unpaid`` (receipts this node signed as a worker whose
+client never countersigned: unpaid work stays visible to the worker) and ``conflicts`` (a second, different receipt
+for a job id already in the ledger: evidence of fraud, recorded and never chosen over the first).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
+from gpunet.ledger.balances import Balance, BalanceSheet
+from gpunet.ledger.export import read_json_export
+from gpunet.ledger.identity import resolve_data_dir
+from gpunet.ledger.receipts import Receipt
+
+LEDGER_FILENAME = "ledger.sqlite"
+SCHEMA_VERSION = 1
+GENESIS_HASH = bytes(32)
+_ENTRY_DOMAIN = b"gpunet/ledger-entry/v1\x00"
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_VERIFY_BATCH = 2048
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    seq        INTEGER PRIMARY KEY,
+    job_id     TEXT    NOT NULL UNIQUE,
+    receipt    BLOB    NOT NULL,
+    prev_hash  BLOB    NOT NULL,
+    entry_hash BLOB    NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS entries_no_update BEFORE UPDATE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+CREATE TRIGGER IF NOT EXISTS entries_no_delete BEFORE DELETE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+CREATE TABLE IF NOT EXISTS unpaid (
+    job_id         TEXT    PRIMARY KEY,
+    worker_id      TEXT    NOT NULL,
+    receipt        BLOB    NOT NULL,
+    recorded_at_us INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS conflicts (
+    id             INTEGER PRIMARY KEY,
+    job_id         TEXT    NOT NULL,
+    receipt        BLOB    NOT NULL,
+    source         TEXT    NOT NULL,
+    detected_at_us INTEGER NOT NULL,
+    UNIQUE (job_id, receipt)
+);
+"""
+
+
+def entry_hash(seq: int, prev_hash: bytes, receipt_bytes: bytes) -> bytes:
+    """The chain link: binds an entry's position, its predecessor and its exact receipt bytes."""
+    return hashlib.sha256(_ENTRY_DOMAIN + seq.to_bytes(8, "big") + prev_hash + receipt_bytes).digest()
+
+
+class LedgerHead(NamedTuple):
+    """What a worker publishes in its DHT record: how many entries, and the hash of the last (hex)."""
+
+    count: int
+    head_hash: str
+
+
+@dataclass(frozen=True)
+class Entry:
+    seq: int
+    receipt: Receipt
+    entry_hash: bytes
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """A receipt that disagrees with the one already stored for its job id; both are kept as evidence."""
+
+    job_id: str
+    existing: Receipt
+    other: Receipt
+    source: str
+    detected_at_us: int
+
+
+@dataclass
+class MergeReport:
+    """What ``merge`` did with each receipt of the source."""
+
+    source: str
+    added: int = 0
+    duplicates: int = 0
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (which receipt, why)
+    conflicts: list[str] = field(default_factory=list)  # job ids
+
+    @property
+    def clean(self) -> bool:
+        return not self.refused and not self.conflicts
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source,
+            "added": self.added,
+            "duplicates": self.duplicates,
+            "refused": [{"receipt": where, "reason": reason} for where, reason in self.refused],
+            "conflicts": self.conflicts,
+        }
+
+
+class _Outcome(enum.Enum):
+    ADDED = "added"
+    DUPLICATE = "duplicate"
+    CONFLICT = "conflict"
+
+
+class Ledger:
+    """One node's ledger file. Safe to share between processes (SQLite locking); one instance per thread."""
+
+    def __init__(
+        self, path: str | os.PathLike, *, create: bool = True, readonly: bool = False, synchronous: str = "NORMAL"
+    ):
+        """Open (``create``: or make) a ledger file. ``synchronous="FULL"`` fsyncs every append: only for a node that
+        cannot count on its counterparties' copies (see the module docstring); it costs an fsync per receipt."""
+        if synchronous not in ("NORMAL", "FULL"):
+            raise LedgerError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
+        self.path = Path(path)
+        self._sheet, self._sheet_seq = BalanceSheet(), 0
+        if not create and not self.path.exists():
+            raise LedgerError(f"no ledger at {self.path}")
+        try:
+            if readonly:
+                self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+            else:
+                self._db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
+        except sqlite3.Error as e:
+            raise LedgerError(f"cannot open ledger {self.path}: {e}") from e
+        try:
+            self._db.execute("PRAGMA busy_timeout = 30000")
+            self._setup(readonly, synchronous)
+        except (sqlite3.Error, LedgerError) as e:
+            self._db.close()
+            if isinstance(e, LedgerError):
+                raise
+            raise LedgerError(f"{self.path} is not a usable gpunet ledger: {e}") from e
+
+    def _setup(self, readonly: bool, synchronous: str) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if version == 0 and not tables and not readonly:
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+        elif version != SCHEMA_VERSION or "entries" not in tables:
+            raise LedgerError(f"{self.path} is not a gpunet ledger of schema version {SCHEMA_VERSION}")
+        if not readonly:
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute(f"PRAGMA synchronous = {synchronous}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- writing -----------------------------------------------------------------------------------------------------
+
+    def append(self, receipt: Receipt) -> Entry:
+        """Store a complete receipt (verified here first). Appending the same receipt again returns its entry.
+
+        Raises InvalidReceipt for a receipt without both valid signatures, ReceiptConflict (after recording the
+        conflict) when a different receipt for its job id is already stored.
+        """
+        receipt.verify()
+        with self._transaction():
+            outcome, seq = self._insert(receipt, "append")
+        if outcome is _Outcome.CONFLICT:
+            raise ReceiptConflict(f"job {receipt.job_id} already has a different receipt (entry {seq}); both kept")
+        return self._entry(seq)
+
+    def record_unpaid(self, receipt: Receipt) -> None:
+        """Remember a receipt this node signed as worker, until its countersignature arrives (``append`` clears it).
+
+        Call it before sending the receipt to the client: a client that never countersigns stays in ``unpaid()``.
+        Only a complete receipt naming this same worker settles it; the job paid to another worker (a client's retry
+        elsewhere) leaves this work visible as unpaid.
+        """
+        receipt.check_terms()
+        receipt.verify_worker_signature()
+        with self._transaction():
+            paid = self.get(receipt.job_id)
+            if paid is not None and paid.worker_id == receipt.worker_id:
+                return
+            self._db.execute(
+                "INSERT OR REPLACE INTO unpaid (job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?)",
+                (receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
+            )
+
+    def merge(self, source: str | os.PathLike) -> MergeReport:
+        """Import another node's receipts (its ledger file or a JSON export): union by job id.
+
+        Each receipt is checked on its own (the source's chain is not trusted); invalid ones are refused with the
+        reason, a different receipt for a job id already held is recorded as a conflict and not chosen.
+        """
+        source = Path(source)
+        report = MergeReport(source=str(source))
+        items = _read_source(source)
+        with ThreadPoolExecutor(_verify_threads()) as pool:
+            for start in range(0, len(items), _VERIFY_BATCH):
+                decoded: list[tuple[int, Receipt]] = []
+                for position, (where, data) in enumerate(items[start : start + _VERIFY_BATCH], start):
+                    try:
+                        decoded.append((position, Receipt.from_bytes(data)))
+                    except InvalidReceipt as e:
+                        report.refused.append((where, str(e)))
+                failures = dict(_verify_all(pool, decoded, _verify_threads()))
+                with self._transaction():
+                    for position, receipt in decoded:
+                        if position in failures:
+                            report.refused.append((f"job {receipt.job_id}", failures[position]))
+                            continue
+                        outcome, _ = self._insert(receipt, str(source))
+                        if outcome is _Outcome.ADDED:
+                            report.added += 1
+                        elif outcome is _Outcome.DUPLICATE:
+                            report.duplicates += 1
+                        else:
+                            report.conflicts.append(receipt.job_id)
+        return report
+
+    def _insert(self, receipt: Receipt, source: str) -> tuple[_Outcome, int]:
+        """Inside a write transaction: chain a verified receipt, or say why not (returns the job's entry seq)."""
+        row = self._db.execute("SELECT seq, receipt FROM entries WHERE job_id = ?", (receipt.job_id,)).fetchone()
+        if row is not None:
+            seq, stored = row
+            try:
+                held = Receipt.from_bytes(stored)
+            except InvalidReceipt as e:
+                raise LedgerCorrupted(f"entry {seq}: {e}", entry=seq) from None
+            if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
+                return _Outcome.DUPLICATE, seq
+            self._db.execute(
+                "INSERT OR IGNORE INTO conflicts (job_id, receipt, source, detected_at_us) VALUES (?, ?, ?, ?)",
+                (receipt.job_id, receipt.to_bytes(), source, _now_us()),
+            )
+            return _Outcome.CONFLICT, seq
+        last = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
+        seq, prev = (last[0] + 1, last[1]) if last else (1, GENESIS_HASH)
+        data = receipt.to_bytes()
+        self._db.execute(
+            "INSERT INTO entries (seq, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?)",
+            (seq, receipt.job_id, data, prev, entry_hash(seq, prev, data)),
+        )
+        self._db.execute("DELETE FROM unpaid WHERE job_id = ? AND worker_id = ?", (receipt.job_id, receipt.worker_id))
+        return _Outcome.ADDED, seq
+
+    def _transaction(self) -> "_Transaction":
+        return _Transaction(self._db)
+
+    # --- reading -----------------------------------------------------------------------------------------------------
+
+    def head(self) -> LedgerHead:
+        row = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
+        return LedgerHead(row[0], row[1].hex()) if row else LedgerHead(0, GENESIS_HASH.hex())
+
+    def get(self, job_id: str) -> Receipt | None:
+        row = self._db.execute("SELECT receipt FROM entries WHERE job_id = ?", (job_id,)).fetchone()
+        return Receipt.from_bytes(row[0]) if row else None
+
+    def entries(self, limit: int | None = None, *, newest_first: bool = False) -> list[Entry]:
+        order = "DESC" if newest_first else "ASC"
+        rows = self._db.execute(
+            f"SELECT seq, receipt, entry_hash FROM entries ORDER BY seq {order} LIMIT ?",
+            (-1 if limit is None else limit,),
+        )
+        return [Entry(seq, Receipt.from_bytes(data), digest) for seq, data, digest in rows]
+
+    def receipts(self) -> Iterator[Receipt]:
+        """Every stored receipt in ledger order (decoded, not re-verified: that is ``verify``'s job)."""
+        return (receipt for _, receipt in self._receipts_after(0))
+
+    def _receipts_after(self, seq: int) -> Iterator[tuple[int, Receipt]]:
+        # A page at a time, so no statement stays open between the caller's reads (an open one pins an old snapshot).
+        page = "SELECT seq, receipt FROM entries WHERE seq > ? ORDER BY seq LIMIT 1000"
+        while rows := self._db.execute(page, (seq,)).fetchall():
+            seq = rows[-1][0]
+            yield from ((n, Receipt.from_bytes(data)) for n, data in rows)
+
+    def balances(self) -> dict[str, Balance]:
+        """``balances(self.receipts())``, kept up to date incrementally: entries are append-only, so only the ones
+        added since the last call are read (a worker asks on every heartbeat)."""
+        for seq, receipt in self._receipts_after(self._sheet_seq):
+            self._sheet.add(receipt)
+            self._sheet_seq = seq
+        return self._sheet.snapshot()
+
+    def earned(self, peer_id: str) -> int:
+        """Micro-credits ``peer_id`` earned as a worker in this ledger (the figure a worker announces)."""
+        balance = self.balances().get(peer_id)
+        return balance.earned if balance else 0
+
+    def unpaid(self) -> list[Receipt]:
+        """Receipts this node signed as worker that no client has countersigned (yet)."""
+        rows = self._db.execute("SELECT receipt FROM unpaid ORDER BY recorded_at_us, job_id")
+        return [Receipt.from_bytes(data) for (data,) in rows]
+
+    def conflicts(self) -> list[Conflict]:
+        rows = self._db.execute(
+            "SELECT c.job_id, e.receipt, c.receipt, c.source, c.detected_at_us FROM conflicts c "
+            "JOIN entries e ON e.job_id = c.job_id ORDER BY c.id"
+        )
+        return [
+            Conflict(job_id, Receipt.from_bytes(existing), Receipt.from_bytes(other), source, at)
+            for job_id, existing, other, source, at in rows
+        ]
+
+    def _entry(self, seq: int) -> Entry:
+        data, digest = self._db.execute("SELECT receipt, entry_hash FROM entries WHERE seq = ?", (seq,)).fetchone()
+        return Entry(seq, Receipt.from_bytes(data), digest)
+
+    # --- verification ------------------------------------------------------------------------------------------------
+
+    def verify(self, *, threads: int | None = None) -> LedgerHead:
+        """Check the whole chain and both signatures of every receipt; return the head.
+
+        Raises LedgerCorrupted whose ``entry`` is the seq of the first bad entry (and whose message says what is
+        wrong with it). Signatures are checked on ``threads`` threads (default: one per core, at most 4):
+        ``cryptography`` releases the GIL while verifying.
+        """
+        threads = threads or _verify_threads()
+        expected_seq, prev = 1, GENESIS_HASH
+        try:
+            cursor = self._db.execute("SELECT seq, job_id, receipt, prev_hash, entry_hash FROM entries ORDER BY seq")
+            with closing(cursor), ThreadPoolExecutor(threads) as pool:
+                while rows := cursor.fetchmany(_VERIFY_BATCH):
+                    chain_failure: tuple[int, str] | None = None
+                    decoded: list[tuple[int, Receipt]] = []
+                    for seq, job_id, data, prev_hash, digest in rows:
+                        problem = None
+                        if seq != expected_seq:
+                            seq, problem = expected_seq, f"missing (the next stored entry is {seq})"
+                        elif prev_hash != prev:
+                            problem = "does not link to the entry before it (an entry was removed, moved or changed)"
+                        elif digest != entry_hash(seq, prev_hash, data):
+                            problem = "entry hash does not match its contents (the stored receipt was changed)"
+                        if problem is None:
+                            try:
+                                receipt = Receipt.from_bytes(data)
+                            except InvalidReceipt as e:
+                                problem = str(e)
+                            else:
+                                if receipt.job_id != job_id:
+                                    problem = f"indexed under job {job_id} but holds a receipt for job {receipt.job_id}"
+                                decoded.append((seq, receipt))
+                        if problem is not None:
+                            chain_failure = (seq, problem)
+                            break
+                        expected_seq, prev = seq + 1, digest
+                    failures = _verify_all(pool, decoded, threads)
+                    if chain_failure is not None:
+                        failures.append(chain_failure)
+                    if failures:
+                        seq, problem = min(failures)
+                        raise LedgerCorrupted(f"entry {seq}: {problem}", entry=seq)
+        except sqlite3.DatabaseError as e:
+            raise LedgerCorrupted(f"the ledger file is damaged: {e}", entry=None) from e
+        return LedgerHead(expected_seq - 1, prev.hex())
+
+
+class _Transaction:
+    """``BEGIN IMMEDIATE`` … ``COMMIT`` (rolled back on error): takes the write lock up front, so no append reads a
+    head that another process is about to extend. SQLite failures surface as LedgerError, with nothing written."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self._db = db
+
+    def __enter__(self) -> None:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise LedgerError(f"cannot write to the ledger: {e}") from e
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self._db.execute("COMMIT")
+                return
+            except sqlite3.Error as e:
+                exc = e
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise LedgerError(f"ledger write failed, nothing was written: {exc}") from exc
+
+
+def open_ledger(data_dir: str | os.PathLike | None = None) -> Ledger:
+    """The ledger of the node whose data dir is ``data_dir`` (default: ``GPUNET_DATA_DIR`` or ``~/.gpunet``)."""
+    return Ledger(resolve_data_dir(data_dir) / LEDGER_FILENAME)
+
+
+def _verify_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _verify_all(pool: ThreadPoolExecutor, items: list[tuple], threads: int) -> list[tuple]:
+    """Verify ``(key, receipt)`` pairs in ``threads`` chunks on the pool; every ``(key, reason)`` that failed."""
+    if not items:
+        return []
+    size = -(-len(items) // threads)
+    chunks = [items[i : i + size] for i in range(0, len(items), size)]
+    return [failure for chunk_failures in pool.map(_verify_chunk, chunks) for failure in chunk_failures]
+
+
+def _verify_chunk(items: list[tuple]) -> list[tuple]:
+    failures = []
+    for key, receipt in items:
+        try:
+            receipt.verify()
+        except InvalidReceipt as e:
+            failures.append((key, str(e)))
+    return failures
+
+
+def _read_source(path: Path) -> list[tuple[str, bytes]]:
+    """``(where, receipt bytes)`` from a ledger file or a JSON export, in the source's order."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(_SQLITE_MAGIC))
+    except OSError as e:
+        raise LedgerError(f"cannot read {path}: {e.strerror}") from e
+    if magic == _SQLITE_MAGIC:
+        other = Ledger(path, create=False, readonly=True)
+        try:
+            rows = other._db.execute("SELECT seq, receipt FROM entries ORDER BY seq").fetchall()
+        finally:
+            other.close()
+        return [(f"entry {seq}", bytes(data)) for seq, data in rows]
+    return read_json_export(path)
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000

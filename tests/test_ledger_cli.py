@@ -1,0 +1,103 @@
+"""``gpunet ledger …`` as a user runs it: exit codes, the first bad entry named, exports that re-import."""
+
+import base64
+import csv
+import io
+import json
+import sqlite3
+
+import pytest
+from typer.testing import CliRunner
+
+from _ledger_util import full_receipt, worker_signed
+from gpunet.ledger import Identity, Receipt, open_ledger
+from gpunet.ledger.cli import app
+
+runner = CliRunner()
+CLIENT, OTHER = Identity.generate(), Identity.generate()
+
+
+@pytest.fixture
+def node(tmp_path):
+    """A worker's data dir holding three paid jobs and one unpaid one."""
+    me = Identity.load_or_create(tmp_path / "node")
+    with open_ledger(tmp_path / "node") as ledger:
+        for i in range(1, 4):
+            ledger.append(full_receipt(me, CLIENT, f"job-{i}", flops=i * 10**15, price=1_000_000))
+        ledger.record_unpaid(worker_signed(me, OTHER, "job-unpaid"))
+    return tmp_path / "node", me
+
+
+def run(*args: str, data_dir=None):
+    extra = ["--data-dir", str(data_dir)] if data_dir is not None else []
+    return runner.invoke(app, [*args, *extra])
+
+
+def test_balance(node):
+    data_dir, me = node
+    result = run("balance", "--json", data_dir=data_dir)
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    mine = next(b for b in doc["balances"] if b["identity"] == me.peer_id)
+    assert (doc["identity"], mine["earned"], mine["jobs_worked"]) == (me.peer_id, 6_000_000, 3)
+    assert doc["unpaid"] == [{"client_id": OTHER.peer_id, "amount": 7_500, "jobs": 1}]
+    table = run("balance", data_dir=data_dir)
+    assert table.exit_code == 0 and "6.000000" in table.stdout and "Not countersigned: 1 job(s)" in table.stdout
+
+
+def test_show(node):
+    data_dir, _ = node
+    newest = json.loads(run("show", "--limit", "2", "--json", data_dir=data_dir).stdout)
+    assert [e["job_id"] for e in newest["entries"]] == ["job-3", "job-2"] and newest["head"]["count"] == 3
+    one = run("show", "--job", "job-2", "--json", data_dir=data_dir)
+    assert json.loads(one.stdout)["amount"] == 2_000_000
+    missing = run("show", "--job", "nope", data_dir=data_dir)
+    assert missing.exit_code == 1 and "no receipt for job 'nope'" in missing.output
+    assert "job-unpaid" in run("unpaid", data_dir=data_dir).stdout
+
+
+def test_verify_passes_then_names_the_tampered_entry(node):
+    data_dir, _ = node
+    ok = run("verify", data_dir=data_dir)
+    assert ok.exit_code == 0 and "OK" in ok.stdout and "3 entries" in ok.stdout
+    db = sqlite3.connect(data_dir / "ledger.sqlite")
+    db.execute("DROP TRIGGER entries_no_update")
+    receipt = bytearray(db.execute("SELECT receipt FROM entries WHERE seq = 2").fetchone()[0])
+    receipt[-1] ^= 0xFF
+    db.execute("UPDATE entries SET receipt = ? WHERE seq = 2", (bytes(receipt),))
+    db.commit()
+    db.close()
+    bad = run("verify", data_dir=data_dir)
+    assert bad.exit_code == 1 and "entry 2:" in bad.output
+    report = json.loads(run("verify", "--json", data_dir=data_dir).stdout)
+    assert (report["ok"], report["entry"]) == (False, 2)
+
+
+def test_export_csv_and_json_round_trip_through_merge(node, tmp_path):
+    data_dir, me = node
+    rows = list(csv.DictReader(io.StringIO(run("export", "--format", "csv", data_dir=data_dir).stdout)))
+    assert [r["job_id"] for r in rows] == ["job-1", "job-2", "job-3"]
+    assert [r["amount_credits"] for r in rows] == ["1.000000", "2.000000", "3.000000"]
+    Receipt.from_bytes(base64.b64decode(rows[0]["receipt"])).verify()  # every row carries its signed receipt
+    out = tmp_path / "export.json"
+    result = run("export", "-f", "json", "-o", str(out), data_dir=data_dir)
+    assert result.exit_code == 0 and "wrote 3 receipts" in result.output
+    merged = run("merge", str(out), "--json", data_dir=tmp_path / "client")
+    assert merged.exit_code == 0 and json.loads(merged.stdout)["added"] == 3
+    assert run("verify", data_dir=tmp_path / "client").exit_code == 0
+    assert run("export", "-f", "xml", data_dir=data_dir).exit_code == 2
+
+
+def test_merge_exit_codes(node, tmp_path):
+    data_dir, me = node
+    assert run("merge", str(data_dir / "ledger.sqlite"), data_dir=tmp_path / "a").exit_code == 0
+    with open_ledger(tmp_path / "rival") as rival:
+        rival.append(full_receipt(OTHER, CLIENT, "job-2"))  # a different receipt for a job we hold
+    conflict = run("merge", str(tmp_path / "rival" / "ledger.sqlite"), data_dir=data_dir)
+    assert conflict.exit_code == 1 and "CONFLICT job job-2" in conflict.output
+    shown = json.loads(run("conflicts", "--json", data_dir=data_dir).stdout)
+    assert [(c["job_id"], c["held"]["worker_id"], c["other"]["worker_id"]) for c in shown] == [
+        ("job-2", me.peer_id, OTHER.peer_id)
+    ]
+    missing = run("merge", str(tmp_path / "nothing-here"), data_dir=data_dir)
+    assert missing.exit_code == 2 and "cannot read" in missing.output

@@ -1,0 +1,151 @@
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _ledger_util import digest, full_receipt, worker_signed
+from gpunet.errors import InvalidReceipt
+from gpunet.ledger import (
+    Identity,
+    Receipt,
+    attach_countersignature,
+    compute_amount,
+    countersign,
+    format_credits,
+    price_to_micro,
+)
+
+WORKER, CLIENT, OTHER = Identity.generate(), Identity.generate(), Identity.generate()
+
+
+def test_flow_produces_a_receipt_both_signatures_verify():
+    half = worker_signed(WORKER, CLIENT, "job-1")
+    assert not half.is_countersigned
+    with pytest.raises(InvalidReceipt, match="not countersigned"):
+        half.verify()
+    signed = countersign(half, CLIENT, output_hash=digest("out-job-1"), max_price=3_000_000, flops=3 * 10**12)
+    complete = attach_countersignature(half, signed.client_signature)
+    complete.verify()
+    assert complete == signed
+    assert complete.amount == 7_500  # 3 TFLOP at 2.5 credits/PFLOP = 0.0075 credits
+    assert complete.worker_id == WORKER.peer_id and complete.client_id == CLIENT.peer_id
+
+
+def test_encoding_round_trips_and_is_deterministic():
+    r = full_receipt(WORKER, CLIENT, "job-enc", max_price=None)
+    data = r.to_bytes()
+    again = Receipt.from_bytes(data)
+    assert again == r and again.to_bytes() == data
+    rebuilt = Receipt(**{f.name: getattr(r, f.name) for f in dataclasses.fields(Receipt) if f.init})
+    assert rebuilt.body == r.body and rebuilt.signing_bytes() == r.signing_bytes()
+
+
+def test_client_refuses_a_receipt_that_does_not_match_what_it_got():
+    half = worker_signed(WORKER, CLIENT, "job-2")
+    good = dict(output_hash=half.output_hash, max_price=3_000_000)
+    with pytest.raises(InvalidReceipt, match="output hash"):
+        countersign(half, CLIENT, **{**good, "output_hash": digest("something else")})
+    with pytest.raises(InvalidReceipt, match="price bound"):
+        countersign(half, CLIENT, **{**good, "max_price": 2_000_000})
+    with pytest.raises(InvalidReceipt, match="FLOPs"):
+        countersign(half, CLIENT, **good, flops=half.flops - 1)
+    with pytest.raises(InvalidReceipt, match="not this client"):
+        countersign(half, OTHER, **good)
+    forged = dataclasses.replace(half, worker_signature=OTHER.sign(half.signing_bytes()))
+    with pytest.raises(InvalidReceipt, match="worker signature"):
+        countersign(forged, CLIENT, **good)
+    inflated = dataclasses.replace(half, amount=half.amount + 1)
+    with pytest.raises(InvalidReceipt, match="amount"):
+        countersign(inflated, CLIENT, **good)
+
+
+def test_worker_cannot_bill_above_the_clients_bound():
+    with pytest.raises(InvalidReceipt, match="above the client's bound"):
+        worker_signed(WORKER, CLIENT, "job-3", price=3_000_001, max_price=3_000_000)
+
+
+def test_worker_refuses_a_bad_countersignature():
+    half = worker_signed(WORKER, CLIENT, "job-4")
+    with pytest.raises(InvalidReceipt, match="client signature"):
+        attach_countersignature(half, OTHER.sign(half.signing_bytes()))
+    with pytest.raises(InvalidReceipt, match="client signature"):
+        attach_countersignature(half, CLIENT.sign(b"some other message"))
+
+
+def test_any_changed_field_breaks_both_signatures():
+    r = full_receipt(WORKER, CLIENT, "job-5")
+    for name, value in [("flops", r.flops + 10**15), ("output_hash", digest("x")), ("job_id", "job-6"),
+                        ("ended_at_us", r.ended_at_us + 1), ("worker_id", OTHER.peer_id)]:  # fmt: skip
+        changed = dataclasses.replace(r, **{name: value})
+        if name == "flops":
+            changed = dataclasses.replace(changed, amount=compute_amount(changed.flops, r.price))
+        with pytest.raises(InvalidReceipt, match="signature"):
+            changed.verify()
+
+
+def test_self_dealing_and_non_ed25519_ids_are_refused():
+    with pytest.raises(InvalidReceipt, match="same identity"):
+        worker_signed(WORKER, WORKER, "job-7")
+    unsigned = dataclasses.replace(
+        full_receipt(WORKER, CLIENT, "job-8"), client_id="QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    )
+    r = dataclasses.replace(unsigned, worker_signature=WORKER.sign(unsigned.signing_bytes()))
+    with pytest.raises(InvalidReceipt, match="client id .* is not an Ed25519 peer id"):
+        r.verify()
+
+
+def test_non_canonical_and_foreign_encodings_are_refused():
+    r = full_receipt(WORKER, CLIENT, "job-9")
+    fields = msgpack.unpackb(r.body)
+    # Same values, but flops packed as a float64: a second byte string for the same receipt.
+    fields[7] = float(fields[7])
+    odd_body = msgpack.packb(fields)
+    with pytest.raises(InvalidReceipt):
+        Receipt.from_bytes(msgpack.packb([odd_body, r.worker_signature, r.client_signature]))
+    # A body whose ints use a wider msgpack form than needed decodes to the same values but is not canonical.
+    wide = r.body.replace(b"\xcd\x30\x39", b"\xce\x00\x00\x30\x39")  # wall_time_us=12345 as uint32
+    assert wide != r.body
+    with pytest.raises(InvalidReceipt, match="canonical"):
+        Receipt.from_bytes(msgpack.packb([wide, r.worker_signature, r.client_signature]))
+    future = msgpack.packb([2, *msgpack.unpackb(r.body)[1:]])
+    with pytest.raises(InvalidReceipt, match="version 2"):
+        Receipt.from_bytes(msgpack.packb([future, b"", b""]))
+    with pytest.raises(InvalidReceipt):
+        Receipt.from_bytes(b"x" * 5000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_garbage_bytes_are_an_invalid_receipt_never_a_crash(data):
+    with pytest.raises(InvalidReceipt):
+        Receipt.from_bytes(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 10**12))
+def test_amount_is_exact_integer_arithmetic(flops, price):
+    amount = compute_amount(flops, price)
+    assert amount * 10**15 <= flops * price < (amount + 1) * 10**15
+
+
+def test_prices_and_credits_are_exact_decimals():
+    assert price_to_micro(0.1) == 100_000
+    assert price_to_micro("2.5") == 2_500_000
+    assert price_to_micro(1e-7) == 0
+    assert format_credits(1_234_567) == "1.234567" and format_credits(-5) == "-0.000005"
+    for bad in (-1, "nan", "abc", float("inf")):
+        with pytest.raises(InvalidReceipt):
+            price_to_micro(bad)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("flops", 1.5), ("flops", -1), ("flops", True), ("job_id", ""), ("job_id", "x" * 200), ("job_id", "a\nb"),
+     ("price", 2**64), ("worker_signature", b"short"), ("max_price", "3")],
+)  # fmt: skip
+def test_malformed_fields_are_refused_at_construction(field, value):
+    r = full_receipt(WORKER, CLIENT, "job-10")
+    with pytest.raises(InvalidReceipt, match=field.split("_")[0]):
+        dataclasses.replace(r, **{field: value})
