@@ -114,6 +114,10 @@ def _encode_arg(a: Any) -> Any:
     raise UnsupportedProgram(f"the traced graph has an argument gpunet cannot carry: {type(a).__name__} {a!r:.80}")
 
 
+def _children(spec: Any) -> list:
+    return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
+
+
 def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], str]) -> Traced:
     from torch.export.graph_signature import InputKind, OutputKind
 
@@ -197,7 +201,7 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
     out_spec = ep.call_spec.out_spec
     if out_spec is None or out_spec.is_leaf():
         structure = "tensor"
-    elif out_spec.type in (tuple, list) and all(c.is_leaf() for c in out_spec.children_specs):
+    elif out_spec.type in (tuple, list) and all(c.is_leaf() for c in _children(out_spec)):
         structure = "tuple"
     else:
         raise UnsupportedProgram("the module must return a tensor or a flat tuple/list of tensors")

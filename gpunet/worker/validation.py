@@ -20,7 +20,7 @@ from gpunet.errors import JobRejected
 from gpunet.job import graph as g
 from gpunet.job import tensors
 from gpunet.job.format import DEFAULT_MAX_PROGRAM_BYTES, MAX_GRAPH_BYTES, Estimate, Manifest, ProgramParts, parse_json
-from gpunet.worker.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute
+from gpunet.worker.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
 #   file I/O and printing (not in core, never added), random ops and seeding (rand, randn, randperm, native_dropout,
@@ -213,7 +213,7 @@ def load_program(
         missing = sorted(set(names) - set(weights))[:4]
         extra = sorted(set(weights) - set(names))[:4]
         raise JobRejected(f"weights do not match the graph (missing {missing}, unexpected {extra})")
-    prog.weights = [weights[n].to(device) if device.type != "cpu" else weights[n] for n in names]
+    prog.weights = [to_device(weights[n], device) for n in names]
     prog._meta_weights = [torch.empty(w.shape, dtype=w.dtype, device="meta") for w in prog.weights]
     return prog
 
@@ -416,6 +416,8 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict) -> Any:
             raise _reject(where, f"expected a list (at most {_MAX_LIST} items), got {_describe(v)}")
         return [_decode(x, typ[5:-1], where, slots, kinds) for x in v]
     if typ == "Tensor":
+        if type(v) in (int, float, bool) or (isinstance(v, dict) and "float" in v):
+            return _decode(v, "number", where, slots, kinds)  # export passes Python scalars to Tensor arguments
         return _ref(v, slots, kinds, where, "tensor")
     if typ in ("int", "SymInt"):
         if type(v) is int and -_MAX_INT <= v <= _MAX_INT:
