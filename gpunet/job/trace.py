@@ -53,8 +53,11 @@ def trace(
     example_inputs = tuple(example_inputs)
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise UnsupportedProgram("example_inputs must all be tensors (positional arguments only)")
+    export_dynamic = dynamic_shapes
+    if isinstance(module, _FunctionModule) and isinstance(dynamic_shapes, (list, tuple)):
+        export_dynamic = (tuple(dynamic_shapes),)  # forward(*args) takes its inputs as one varargs tuple
     try:
-        ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+        ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
         ep = ep.run_decompositions()
     except GpunetError:
         raise

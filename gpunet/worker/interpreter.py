@@ -130,7 +130,7 @@ def execute(
     except GpunetError:
         raise
     except Exception as e:  # an op raised: report which node, never a raw torch error
-        where = f"node {step.name} ({step.op})" if step is not None else "program"
+        where = f"node {step.name!r} ({step.op})" if step is not None else "program"
         msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
         raise (JobRejected(f"dry run failed: {msg}") if tracker is not None else JobFailed(msg)) from None
     return [env[s] for s in outputs]

@@ -27,11 +27,10 @@ from gpunet.worker.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute,
 #   bernoulli...: no job-supplied seed is supported yet), raw memory (as_strided, resize_, set_, _unsafe_*),
 #   uninitialised memory (empty.memory_format, empty_strided, new_empty), data-dependent shapes the dry run cannot
 #   bound (nonzero, _local_scalar_dense), layout probes (sym_is_contiguous, sym_stride, sym_storage_offset),
-#   backward kernels (inference only) and out= variants (atan2.out).
+#   backward kernels and training-mode batch norm that updates running stats (inference only), and out= variants.
 _CORE_ALLOWED = """
 _adaptive_avg_pool2d.default _adaptive_avg_pool3d.default _cdist_forward.default _embedding_bag.default
-_fft_c2r.default _fft_r2c.default _log_softmax.default _native_batch_norm_legit.default
-_native_batch_norm_legit.no_stats _native_batch_norm_legit_no_training.default _pdist_forward.default
+_fft_c2r.default _fft_r2c.default _log_softmax.default _native_batch_norm_legit_no_training.default _pdist_forward.default
 _softmax.default _to_copy.default abs.default acos.default acosh.default adaptive_avg_pool1d.default add.Scalar
 add.Tensor addmm.default alias.default amax.default amin.default any.default any.dim any.dims arange.start_step
 argmax.default argmin.default asin.default asinh.default atan.default atan2.default atanh.default avg_pool1d.default
@@ -315,6 +314,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise _reject(where, "args must be a list and kwargs an object")
     where = f"{where} ({op[:80]})"
+    name = str(node.get("name"))[:40]
     if op == g.GETITEM:
         if len(args) != 2 or kwargs:
             raise _reject(where, "getitem takes (node, index)")
@@ -328,13 +328,13 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
         if type(idx) is not int or not 0 <= idx < (kind[1] if kind[0] == "tuple" else _MAX_LIST):
             raise _reject(where, f"getitem index {str(idx)[:20]} out of range")
         s = slots[src["ref"]]
-        return Step(where, op, _getitem, 0, [None, idx], {}, arg_refs=[(0, s)], view_of=s), ("tensor",)
+        return Step(name, op, _getitem, 0, [None, idx], {}, arg_refs=[(0, s)], view_of=s), ("tensor",)
     if op in g.SYM_OPS:
         arity = 1 if op == "sym.neg" else 2
         if len(args) != arity or kwargs:
             raise _reject(where, f"{op} takes {arity} integer arguments")
         tmpl = [_decode(a, "int", where, slots, kinds) for a in args]
-        step = Step(where, op, g.SYM_OPS[op], 0, *_patches(tmpl, {}))
+        step = Step(name, op, g.SYM_OPS[op], 0, *_patches(tmpl, {}))
         return step, ("symint",)
     aten = ALLOWED_OPS.get(op)
     if aten is None:
@@ -350,7 +350,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
         raise _reject(where, f"{len(args)} positional arguments, the schema takes {len(positional)}")
     by_name = {p.name: p for p in params}
     given = {p.name for p in positional[: len(args)]}
-    pos_t = [_decode(a, str(p.real_type), f"{where} argument {p.name}", slots, kinds) for a, p in zip(args, positional)]
+    pos_t = [_decode(a, str(p.real_type), f"{where} argument {p.name}", slots, kinds, scalar_ok=i > 0) for i, (a, p) in enumerate(zip(args, positional))]
     kw_t = {}
     for k, v in kwargs.items():
         if k not in by_name or k in given:
@@ -380,7 +380,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     if schema.returns[0].alias_info is not None:  # a view: shares the storage of its (first) tensor argument
         first = pos_t[0] if pos_t else None
         view_of = first.slot if isinstance(first, _Ref) else None
-    step = Step(where, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of)
+    step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of)
     return step, kind
 
 
@@ -407,8 +407,10 @@ def _plain(a: Any, on_list: Any, on_ref: Any) -> Any:
     return a
 
 
-def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict) -> Any:
-    """One argument, checked against its schema type; returns a constant, a _Ref or a list of both."""
+def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict, scalar_ok: bool = False) -> Any:
+    """One argument, checked against its schema type; returns a constant, a _Ref or a list of both.
+
+    ``scalar_ok``: a Tensor argument other than ``self`` may be a Python number (export writes ``mul(x, 2)``)."""
     if typ.startswith("Optional["):
         return None if v is None else _decode(v, typ[9:-1], where, slots, kinds)
     if typ.startswith("List["):
@@ -416,7 +418,7 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict) -> Any:
             raise _reject(where, f"expected a list (at most {_MAX_LIST} items), got {_describe(v)}")
         return [_decode(x, typ[5:-1], where, slots, kinds) for x in v]
     if typ == "Tensor":
-        if type(v) in (int, float, bool) or (isinstance(v, dict) and "float" in v):
+        if scalar_ok and (type(v) in (int, float, bool) or (isinstance(v, dict) and "float" in v)):
             return _decode(v, "number", where, slots, kinds)  # export passes Python scalars to Tensor arguments
         return _ref(v, slots, kinds, where, "tensor")
     if typ in ("int", "SymInt"):
