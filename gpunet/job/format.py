@@ -279,8 +279,6 @@ class Job:
 
     def encode_inputs(self, *inputs: torch.Tensor) -> bytes:
         """Inputs as safetensors bytes, after checking them against the manifest (JobRejected on a mismatch)."""
-        from gpunet.worker.validation import check_inputs
-
         check_inputs(self.manifest, inputs)
         return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
 
@@ -313,6 +311,30 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job(hash={self.program_hash[:12]}, ops={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
+
+
+def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
+    """Inputs must match the manifest: count, dtype, rank, fixed sizes, and each named dim within its range."""
+    if len(inputs) != len(manifest.inputs):
+        raise JobRejected(f"job takes {len(manifest.inputs)} inputs, got {len(inputs)}")
+    bound: dict[str, int] = {}
+    for i, (spec, t) in enumerate(zip(manifest.inputs, inputs)):
+        if not isinstance(t, torch.Tensor):
+            raise JobRejected(f"input {i} ({spec.name}) is a {type(t).__name__}, not a tensor")
+        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype:
+            raise JobRejected(f"input {i} ({spec.name}) has dtype {t.dtype}, the job was traced with {spec.dtype}")
+        if t.dim() != len(spec.shape):
+            raise JobRejected(f"input {i} ({spec.name}) has {t.dim()} dims, expected {len(spec.shape)}")
+        for d, (want, got) in enumerate(zip(spec.shape, t.shape)):
+            if isinstance(want, int):
+                if got != want:
+                    raise JobRejected(f"input {i} ({spec.name}) dim {d} is {got}, expected {want}")
+                continue
+            r = manifest.dims[want]
+            if got < r.min or (r.max is not None and got > r.max):
+                raise JobRejected(f"input {i} ({spec.name}) dim {d} '{want}' = {got} is outside its range [{r.min}, {r.max}]")
+            if bound.setdefault(want, got) != got:
+                raise JobRejected(f"dimension '{want}' is {bound[want]} in one input and {got} in input {i} ({spec.name})")
 
 
 def decode_outputs(manifest: Manifest, data: bytes) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gpunet.errors import JobRejected
 from gpunet.job import graph as g
 from gpunet.job import tensors
-from gpunet.job.format import DEFAULT_MAX_PROGRAM_BYTES, MAX_GRAPH_BYTES, Estimate, Manifest, ProgramParts, parse_json
+from gpunet.job.format import DEFAULT_MAX_PROGRAM_BYTES, MAX_GRAPH_BYTES, Estimate, Manifest, ProgramParts, check_inputs, parse_json
 from gpunet.worker.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
@@ -164,30 +164,6 @@ class Program:
 
 def _tighter(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
-
-
-def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
-    """Inputs must match the manifest: count, dtype, rank, fixed sizes, and each named dim within its range."""
-    if len(inputs) != len(manifest.inputs):
-        raise JobRejected(f"job takes {len(manifest.inputs)} inputs, got {len(inputs)}")
-    bound: dict[str, int] = {}
-    for i, (spec, t) in enumerate(zip(manifest.inputs, inputs)):
-        if not isinstance(t, torch.Tensor):
-            raise JobRejected(f"input {i} ({spec.name}) is a {type(t).__name__}, not a tensor")
-        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype:
-            raise JobRejected(f"input {i} ({spec.name}) has dtype {t.dtype}, the job was traced with {spec.dtype}")
-        if t.dim() != len(spec.shape):
-            raise JobRejected(f"input {i} ({spec.name}) has {t.dim()} dims, expected {len(spec.shape)}")
-        for d, (want, got) in enumerate(zip(spec.shape, t.shape)):
-            if isinstance(want, int):
-                if got != want:
-                    raise JobRejected(f"input {i} ({spec.name}) dim {d} is {got}, expected {want}")
-                continue
-            r = manifest.dims[want]
-            if got < r.min or (r.max is not None and got > r.max):
-                raise JobRejected(f"input {i} ({spec.name}) dim {d} '{want}' = {got} is outside its range [{r.min}, {r.max}]")
-            if bound.setdefault(want, got) != got:
-                raise JobRejected(f"dimension '{want}' is {bound[want]} in one input and {got} in input {i} ({spec.name})")
 
 
 def load_program(
