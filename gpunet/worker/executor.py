@@ -222,6 +222,8 @@ class Executor:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
+        if reply.get("restart"):
+            slot.restart()
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(reply["outputs"], reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
@@ -295,7 +297,13 @@ def _child_main(conn: Connection, config: dict) -> None:
             reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
         except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
             reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+        # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
+        # report the failure, then exit so the pool starts a clean executor.
+        poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
+        reply["restart"] = poisoned
         conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+        if poisoned:
+            return
 
 
 def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program) -> dict:

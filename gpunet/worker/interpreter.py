@@ -89,6 +89,19 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _fill(template: Any, refs: list, lists: list, env: list) -> Any:
+    """A copy of an argument template (list or dict) with earlier values patched in."""
+    out = template.copy()
+    for k, s in refs:
+        out[k] = env[s]
+    for k, subs in lists:
+        lst = list(out[k])
+        for j, s in subs:
+            lst[j] = env[s]
+        out[k] = lst
+    return out
+
+
 def execute(
     steps: Sequence[Step], env: list, outputs: Sequence[int], tracker: MemoryTracker | None = None
 ) -> list:
@@ -99,26 +112,8 @@ def execute(
     step = None
     try:
         for step in steps:
-            args = step.args
-            if step.arg_refs or step.arg_lists:
-                args = list(args)
-                for i, s in step.arg_refs:
-                    args[i] = env[s]
-                for i, subs in step.arg_lists:
-                    lst = list(args[i])
-                    for j, s in subs:
-                        lst[j] = env[s]
-                    args[i] = lst
-            kwargs = step.kwargs
-            if step.kw_refs or step.kw_lists:
-                kwargs = dict(kwargs)
-                for k, s in step.kw_refs:
-                    kwargs[k] = env[s]
-                for k, subs in step.kw_lists:
-                    lst = list(kwargs[k])
-                    for j, s in subs:
-                        lst[j] = env[s]
-                    kwargs[k] = lst
+            args = _fill(step.args, step.arg_refs, step.arg_lists, env) if step.arg_refs or step.arg_lists else step.args
+            kwargs = _fill(step.kwargs, step.kw_refs, step.kw_lists, env) if step.kw_refs or step.kw_lists else step.kwargs
             out = step.fn(*args, **kwargs)
             env[step.slot] = out
             if tracker is not None:
