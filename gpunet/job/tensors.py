@@ -36,6 +36,16 @@ MAX_TENSORS = 100_000
 MAX_NDIM = 16
 MAX_NAME_LEN = 512
 DEFAULT_MAX_TOTAL_BYTES = 16 * 1024**3
+ALIGN = 64  # what PyTorch's CPU allocator guarantees; BLAS kernels choose their code path by alignment
+
+
+def aligned_copy(data: bytes | bytearray | memoryview) -> memoryview:
+    """One copy of ``data`` into ALIGN-aligned memory (so decoded views are aligned like eager PyTorch's tensors)."""
+    src = memoryview(data).cast("B")
+    dst = torch.empty(src.nbytes, dtype=torch.uint8)
+    if src.nbytes:
+        dst.numpy()[:] = src
+    return memoryview(dst.numpy())
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,7 +79,7 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> bytes:
         header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # pad so the data starts 8-byte aligned
+    head += b" " * (-(8 + len(head)) % ALIGN)  # pad so the data section starts ALIGN-aligned
     return b"".join([struct.pack("<Q", len(head)), head, *(_raw_bytes(t) for _, t in entries)])
 
 

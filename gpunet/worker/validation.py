@@ -183,6 +183,9 @@ def load_program(
     prog = Program(parts, manifest, device, limits)
     _compile(prog, graph)
     weights = tensors.decode(parts.weights, max_total_bytes=limits.max_program_bytes)
+    if device.type == "cpu" and any(w.data_ptr() % tensors.ALIGN for w in weights.values() if w.numel()):
+        # One memcpy into aligned memory instead of a copy per misaligned tensor (see interpreter.to_device).
+        weights = tensors.decode(tensors.aligned_copy(parts.weights), max_total_bytes=limits.max_program_bytes)
     names = graph["weights"]
     if sorted(weights) != sorted(names):
         missing = sorted(set(names) - set(weights))[:4]
