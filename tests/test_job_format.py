@@ -90,3 +90,23 @@ def test_modules_that_cannot_be_carried_are_refused_on_the_client():
     with pytest.raises(UnsupportedProgram):
         Job.from_function(lambda x: x, (3,))
     assert issubclass(UnsupportedProgram, ValueError)
+
+
+def test_unbounded_dimensions_are_recorded_without_a_max():
+    j = Job.from_function(lambda x: x.relu(), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("n"), 1: Dim("m", min=3)},))
+    assert j.manifest.dims["n"].max is None and j.manifest.dims["m"].min == 3
+    assert j.run_locally(torch.randn(100, 5)).shape == (100, 5)
+    with pytest.raises(JobRejected, match="'m' = 2 is outside"):
+        j.run_locally(torch.randn(2, 2))
+
+
+def test_the_jobs_own_limits_are_enforced_by_the_dry_run():
+    w = torch.randn(64, 64)
+    j = Job.from_function(lambda x: x @ w, (torch.randn(8, 64),), limits=gpunet.JobLimits(max_flops=2 * 8 * 64 * 64))
+    j.run_locally(torch.randn(8, 64))
+    again = Job.from_bytes(j.to_bytes())
+    assert again.manifest.limits.max_flops == 2 * 8 * 64 * 64
+    j2 = Job.from_function(lambda x: x @ w, (torch.randn(9, 64),), dynamic_shapes=({0: Dim("b", min=1, max=100)},),
+                           limits=gpunet.JobLimits(max_flops=2 * 8 * 64 * 64))
+    with pytest.raises(JobRejected, match="FLOPs, over the limit"):
+        j2.run_locally(torch.randn(9, 64))

@@ -126,3 +126,21 @@ def test_deep_json_nesting_is_refused():
     head = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(JobRejected, match="JSON"):
         tensors.decode(struct.pack("<Q", len(head)) + head)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_random_json_in_the_manifest(data):
+    m = json.loads(JOB.parts.manifest)
+    key = data.draw(st.sampled_from(sorted(m)))
+    target = m
+    if isinstance(m[key], dict) and m[key] and data.draw(st.booleans()):
+        target, key = m[key], data.draw(st.sampled_from(sorted(m[key])))
+    elif isinstance(m[key], list) and m[key] and data.draw(st.booleans()):
+        target, key = m[key][0], data.draw(st.sampled_from(sorted(m[key][0])))
+    target[key] = data.draw(JSON)
+    try:
+        body = ProgramParts(canonical_json(m), JOB.parts.graph, JOB.parts.weights).to_bytes()
+    except (ValueError, OverflowError):
+        return
+    _load_and_run(body)

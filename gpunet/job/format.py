@@ -108,7 +108,7 @@ class Manifest:
         inputs = tuple(_tensor_spec(s, dims, "input") for s in _list(obj.get("inputs"), "inputs"))
         outputs = tuple(_tensor_spec(s, dims, "output", outputs=True) for s in _list(obj.get("outputs"), "outputs"))
         structure = obj.get("output_structure")
-        _expect(structure in ("tensor", "tuple"), "output_structure must be 'tensor' or 'tuple'")
+        _expect(isinstance(structure, str) and structure in ("tensor", "tuple"), "output_structure must be 'tensor' or 'tuple'")
         _expect(structure == "tuple" or len(outputs) == 1, "a 'tensor' output_structure needs exactly one output")
         lim = obj.get("limits") or {}
         _expect(isinstance(lim, dict) and all(lim.get(k) is None or _is_int(lim.get(k)) for k in ("max_flops", "max_peak_memory_bytes")), "manifest limits must be integers or null")
@@ -122,7 +122,7 @@ def _tensor_spec(s: Any, dims: dict, what: str, outputs: bool = False) -> Tensor
     name = s.get("name", "")
     dtype, shape = s.get("dtype"), s.get("shape")
     _expect(isinstance(name, str) and len(name) <= 128, f"{what} name is not a short string")
-    _expect(dtype in tensors.DTYPES, f"{what} {name}: unsupported dtype {str(dtype)[:20]!r}")
+    _expect(isinstance(dtype, str) and dtype in tensors.DTYPES, f"{what} {name}: unsupported dtype {str(dtype)[:20]!r}")
     _expect(isinstance(shape, list) and len(shape) <= tensors.MAX_NDIM, f"{what} {name}: shape must be a list")
     for d in shape:
         ok = (_is_int(d) and d >= 0) or (isinstance(d, str) and d in dims) or (outputs and d is None)

@@ -117,6 +117,14 @@ def _encode_arg(a: Any) -> Any:
     raise UnsupportedProgram(f"the traced graph has an argument gpunet cannot carry: {type(a).__name__} {a!r:.80}")
 
 
+def _finite_int(x: Any) -> int | None:
+    """A sympy bound as a Python int, or None for an infinite one (export's int_oo)."""
+    try:
+        return int(x) if math.isfinite(float(x)) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def _children(spec: Any) -> list:
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
 
@@ -164,8 +172,8 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
                 if dim_name in dims:
                     dim_name = f"{dim_name}_{len(dims)}"
                 vr = ep.range_constraints.get(expr)
-                lo = int(vr.lower) if vr is not None and math.isfinite(float(vr.lower)) else 0
-                hi = int(vr.upper) if vr is not None and vr.upper.is_finite else None
+                lo = (_finite_int(vr.lower) if vr is not None else None) or 0
+                hi = _finite_int(vr.upper) if vr is not None else None
                 sym_names[expr] = dim_name
                 dims[dim_name] = {"min": lo, "max": hi}
             shape.append(sym_names[expr])

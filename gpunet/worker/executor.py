@@ -46,7 +46,9 @@ class _Slot:
     def __init__(self, ctx, config: dict):
         self._ctx, self._config = ctx, config
         self.hashes: set[str] = set()  # programs this process holds in memory (mirrors the child's LRU, roughly)
-        self.busy = False
+        self.busy = False  # reserved by a caller
+        self.in_flight = False  # a job has been sent and not answered
+        self.closed = False
         self.start()
 
     def start(self) -> None:
@@ -68,12 +70,20 @@ class _Slot:
                     return
             except (EOFError, OSError, ValueError):
                 pass
-        code = self.proc.exitcode
+        how = self.exit_status()
         self.restart()  # try a fresh process for the next job
-        raise JobFailed(f"executor process did not start (exit code {code})")
+        raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
+
+    def exit_status(self) -> str:
+        self.proc.join(5)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
 
     def stop(self, grace: float = 2.0) -> None:
-        """Ask politely, then kill; always reap the process."""
+        """Ask politely, then kill; always reap the process. A stopped slot is never restarted."""
+        self.closed = True
         if self.proc.is_alive():
             try:
                 self.conn.send_bytes(msgpack.packb({"op": "exit"}))
@@ -90,7 +100,8 @@ class _Slot:
             self.proc.kill()
         self.proc.join(5)
         self.conn.close()
-        self.start()
+        if not self.closed:
+            self.start()
 
 
 class Executor:
@@ -166,7 +177,7 @@ class Executor:
     def busy_pids(self) -> list[int]:
         """Process ids of executors with a job in flight (for monitoring, and for tests that kill one)."""
         with self._lock:
-            return [s.proc.pid for s in self._slots if s.busy]
+            return [s.proc.pid for s in self._slots if s.in_flight]
 
     def pids(self) -> list[int]:
         with self._lock:
@@ -176,7 +187,9 @@ class Executor:
         """Stop every executor process this pool started, and remove a temporary cache directory."""
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
         for s in self._slots:
             s.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -195,6 +208,8 @@ class Executor:
         """An idle executor, preferring one that already holds the program in memory."""
         with self._lock:
             while True:
+                if self._closed:
+                    raise JobFailed("executor is closed")
                 idle = [s for s in self._slots if not s.busy]
                 if idle:
                     slot = next((s for s in idle if program_hash in s.hashes), idle[0])
@@ -214,6 +229,13 @@ class Executor:
             slot.conn.send_bytes(msgpack.packb(request, use_bin_type=True))
         except (OSError, ValueError):
             return self._died(slot, "before the job was sent")
+        slot.in_flight = True
+        try:
+            return self._await_reply(slot, program_hash, timeout)
+        finally:
+            slot.in_flight = False
+
+    def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
         ready = wait([slot.conn, slot.proc.sentinel], timeout=timeout)
         if not ready:
             slot.restart()
@@ -232,9 +254,7 @@ class Executor:
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
     def _died(self, slot: _Slot, when: str) -> RunResult:
-        slot.proc.join(5)
-        code = slot.proc.exitcode
-        how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        how = slot.exit_status()
         slot.restart()
         raise JobFailed(f"executor process died {when} ({how}); it was replaced")
 

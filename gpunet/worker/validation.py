@@ -410,7 +410,7 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict, scalar_ok: b
     elif typ in ("float", "number"):
         if type(v) is float or (type(v) is int and abs(v) <= _MAX_INT) or (typ == "number" and type(v) is bool):
             return v
-        if isinstance(v, dict) and len(v) == 1 and v.get("float") in g.SPECIAL_FLOATS:
+        if _tag(v, "float") in g.SPECIAL_FLOATS:
             return g.SPECIAL_FLOATS[v["float"]]
         if typ == "number" and isinstance(v, dict) and "ref" in v:
             return _ref(v, slots, kinds, where, "symint")
@@ -418,13 +418,13 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict, scalar_ok: b
         if isinstance(v, str) and len(v) <= _MAX_STR:
             return v  # passed to the op as data (e.g. rounding_mode="floor"), which checks it; never evaluated
     elif typ == "ScalarType":
-        if isinstance(v, dict) and len(v) == 1 and v.get("dtype") in tensors.DTYPES:
+        if _tag(v, "dtype") in tensors.DTYPES:
             return tensors.DTYPES[v["dtype"]]
     elif typ == "Layout":
-        if isinstance(v, dict) and len(v) == 1 and v.get("layout") in g.LAYOUTS:
+        if _tag(v, "layout") in g.LAYOUTS:
             return g.LAYOUTS[v["layout"]]
     elif typ == "MemoryFormat":
-        if isinstance(v, dict) and len(v) == 1 and v.get("memory_format") in g.MEMORY_FORMATS:
+        if _tag(v, "memory_format") in g.MEMORY_FORMATS:
             return g.MEMORY_FORMATS[v["memory_format"]]
     elif typ == "Device":
         if isinstance(v, dict) and len(v) == 1 and "device" in v:
@@ -432,6 +432,13 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict, scalar_ok: b
     else:
         raise _reject(where, f"argument type {typ} is not supported")
     raise _reject(where, f"expected {typ}, got {_describe(v)}")
+
+
+def _tag(v: Any, key: str) -> str | None:
+    """The string in a one-key tagged value ``{key: "..."}``, or None (never an unhashable or non-string value)."""
+    if isinstance(v, dict) and len(v) == 1 and isinstance(v.get(key), str):
+        return v[key]
+    return None
 
 
 def _getitem(seq: Any, i: int) -> Any:
