@@ -238,3 +238,14 @@ def test_tensor_codec_is_compatible_with_the_safetensors_library():
     ts = {"w": torch.randn(4, 5), "i": torch.arange(7)}
     assert all(torch.equal(st_load(tensors.encode(ts))[k], v) for k, v in ts.items())
     assert all(torch.equal(tensors.decode(st_save(ts))[k], v) for k, v in ts.items())
+
+
+def test_the_worker_forces_its_own_device(base, monkeypatch):
+    monkeypatch.undo()  # this one runs for real
+    data = _edit(base, **_add_node("aten.full.default", [[2, 3], 1.5], {"device": {"device": "cuda:7"}, "pin_memory": True}))
+    out = interpreter.run_program(load_program(data, device="cpu"), [torch.randn(2, 3)])[0]
+    assert out.device.type == "cpu" and torch.equal(out, torch.full((2, 3), 1.5))
+    # ...and an op whose job omitted the device still gets the worker's, not torch's default
+    data = _edit(base, **_add_node("aten.arange.start_step", [0, 4, 1]))
+    prog = load_program(data, device="meta")
+    assert interpreter.run_program(prog, [torch.randn(2, 3)])[0].device.type == "meta"
