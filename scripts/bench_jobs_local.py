@@ -75,7 +75,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--codec-mib", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, heads=8, max_seq=512).eval()
     params = sum(p.numel() for p in model.parameters())
@@ -97,9 +100,10 @@ def main() -> None:
         ref = model(x)
         got = run_program(prog, [x])[0]
         eager, interp = [], []
-        for _ in range(args.repeat):  # interleaved so both see the same machine state
-            eager += _timed(lambda: model(x), 1)
-            interp += _timed(lambda: run_program(prog, [x]), 1)
+        for i in range(args.repeat):  # interleaved, alternating who goes first, so both see the same machine state
+            pair = [(eager, lambda: model(x)), (interp, lambda: run_program(prog, [x]))]
+            for times, fn in pair if i % 2 else pair[::-1]:
+                times += _timed(fn, 1)
     max_diff = (ref - got).abs().max().item()
 
     # Tensor codec against a plain copy of the same bytes (the physical limit of any decoder that copies).
@@ -123,7 +127,10 @@ def main() -> None:
         "peak_memory_mib": round(est.peak_memory_bytes / 2**20, 1),
         "eager_forward_ms": round(statistics.median(eager) * 1e3, 2),
         "interpreter_forward_ms": round(statistics.median(interp) * 1e3, 2),
+        "eager_forward_min_ms": round(min(eager) * 1e3, 2),
+        "interpreter_forward_min_ms": round(min(interp) * 1e3, 2),
         "interpreter_vs_eager": round(statistics.median(interp) / statistics.median(eager), 3),
+        "interpreter_vs_eager_min": round(min(interp) / min(eager), 3),
         "interpreter_target_ratio": 1.10,
         "max_abs_diff_vs_eager": max_diff,
         "codec_mib": round(mib, 1),
@@ -141,8 +148,9 @@ def main() -> None:
     print(f"convert (torch.export + decompose + encode): {convert_s:.2f} s")
     print(f"validate + load:  {fig['validate_load_ms']:8.1f} ms   (target < 100 ms)")
     print(f"dry run (meta):   {fig['dry_run_ms']:8.1f} ms   -> {est.flops / 1e9:.2f} GFLOP, peak {fig['peak_memory_mib']} MiB")
-    print(f"forward, eager:        {fig['eager_forward_ms']:8.2f} ms (median of {args.repeat})")
-    print(f"forward, interpreter:  {fig['interpreter_forward_ms']:8.2f} ms   ratio {fig['interpreter_vs_eager']:.3f} (target <= 1.10); max |diff| {max_diff:.2e}")
+    print(f"forward, eager:        median {fig['eager_forward_ms']:8.2f} ms, best {fig['eager_forward_min_ms']:8.2f} ms ({args.repeat} interleaved runs)")
+    print(f"forward, interpreter:  median {fig['interpreter_forward_ms']:8.2f} ms, best {fig['interpreter_forward_min_ms']:8.2f} ms")
+    print(f"interpreter / eager:   median {fig['interpreter_vs_eager']:.3f}, best {fig['interpreter_vs_eager_min']:.3f} (target <= 1.10; best is robust to a busy machine); max |diff| {max_diff:.2e}")
     print(f"codec on {mib:.0f} MiB: memcpy {fig['memcpy_gib_s']} GiB/s | decode {fig['decode_gib_s']} GiB/s ({fig['decode_vs_memcpy']}x memcpy, zero-copy; target >= 0.5x) | encode {fig['encode_gib_s']} GiB/s ({fig['encode_vs_memcpy']}x memcpy)")
 
 

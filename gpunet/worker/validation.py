@@ -104,9 +104,8 @@ class _Ref:
 class Program:
     """A validated program bound to a device: compiled steps, weights on the device, cached dry-run estimates."""
 
-    def __init__(self, parts: ProgramParts, manifest: Manifest, device: torch.device, limits: WorkerLimits):
-        self.parts = parts
-        self.program_hash = parts.hash
+    def __init__(self, program_hash: str, manifest: Manifest, device: torch.device, limits: WorkerLimits):
+        self.program_hash = program_hash  # the bytes themselves are not kept: a cached program holds only its weights
         self.manifest = manifest
         self.device = device
         self.limits = limits
@@ -175,12 +174,13 @@ def load_program(
     Raises JobRejected (and nothing else) for anything malformed, forbidden or over a limit.
     """
     parts = data if isinstance(data, ProgramParts) else ProgramParts.from_bytes(data, limits.max_program_bytes)
-    if expected_hash is not None and parts.hash != expected_hash:
-        raise JobRejected(f"program bytes hash to {parts.hash}, not the claimed {expected_hash}")
+    program_hash = parts.hash
+    if expected_hash is not None and program_hash != expected_hash:
+        raise JobRejected(f"program bytes hash to {program_hash}, not the claimed {expected_hash}")
     manifest = Manifest.from_json(parts.manifest)
     graph = parse_json(parts.graph, "graph", MAX_GRAPH_BYTES)
     device = torch.device(device)
-    prog = Program(parts, manifest, device, limits)
+    prog = Program(program_hash, manifest, device, limits)
     _compile(prog, graph)
     weights = tensors.decode(parts.weights, max_total_bytes=limits.max_program_bytes)
     if device.type == "cpu" and any(w.data_ptr() % tensors.ALIGN for w in weights.values() if w.numel()):
