@@ -23,9 +23,9 @@ from gpunet.worker.validation import load_program
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, sdpa: bool):
         super().__init__()
-        self.heads = heads
+        self.heads, self.sdpa = heads, sdpa
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -34,18 +34,21 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        if self.sdpa:  # eager runs PyTorch's fused attention kernel; the job runs its core-ATen decomposition
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # the same ops in eager and in the job: isolates the interpreter's own overhead
+            att = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_seq: int):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, max_seq: int, sdpa: bool = False):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, sdpa) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -75,12 +78,13 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--codec-mib", type=int, default=256)
+    ap.add_argument("--sdpa", action="store_true", help="attention via F.scaled_dot_product_attention (fused in eager)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = GPT(args.vocab, args.dim, args.layers, heads=8, max_seq=512).eval()
+    model = GPT(args.vocab, args.dim, args.layers, heads=8, max_seq=512, sdpa=args.sdpa).eval()
     params = sum(p.numel() for p in model.parameters())
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
     dyn = ({0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=512)},)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gpunet.errors import GpunetError, JobFailed, JobRejected
+from gpunet.job.tensors import ALIGN
 
 
 @dataclass
@@ -58,7 +59,7 @@ class MemoryTracker:
             self._storage_of[step.slot] = sid
             self._refs[sid] += 1
         else:
-            self._new(step.slot, _nbytes(value), where=f"node {step.name} ({step.op})")
+            self._new(step.slot, _nbytes(value), where=f"node {step.name!r} ({step.op})")
 
     def freed(self, slot: int) -> None:
         sid = self._storage_of.pop(slot, None)
@@ -136,7 +137,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     pick their code path by alignment and eager PyTorch's own tensors are always aligned (exact equality needs it)."""
     if device.type != "cpu":
         return t.to(device, non_blocking=False)
-    return t.clone() if t.data_ptr() % 64 else t
+    return t.clone() if t.data_ptr() % ALIGN else t
 
 
 def run_program(program: Any, inputs: Sequence[torch.Tensor] | dict) -> list[torch.Tensor]:
