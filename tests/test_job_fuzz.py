@@ -144,3 +144,53 @@ def test_random_json_in_the_manifest(data):
     except (ValueError, OverflowError):
         return
     _load_and_run(body)
+
+
+ARG = st.one_of(
+    st.just({"ref": "args_0"}), st.just({"ref": "relu"}), st.integers(-3, 3), st.floats(-2, 2), st.booleans(), st.none(),
+    st.lists(st.integers(-2, 4), max_size=3), st.lists(st.just({"ref": "args_0"}), max_size=2),
+    st.sampled_from([{"dtype": "F32"}, {"dtype": "I64"}, {"float": "inf"}, {"device": None}, "floor", "tanh"]),
+)
+_TENSOR = st.sampled_from([{"ref": "args_0"}, {"ref": "relu"}])
+_BY_TYPE = {
+    "Tensor": _TENSOR, "int": st.integers(-3, 4), "SymInt": st.integers(-3, 4), "float": st.floats(-2, 2),
+    "number": st.one_of(st.integers(-3, 3), st.floats(-2, 2)), "bool": st.booleans(), "str": st.sampled_from(["floor", "trunc", "tanh", "none", "sum", "x"]),
+    "ScalarType": st.sampled_from([{"dtype": "F32"}, {"dtype": "I64"}, {"dtype": "BOOL"}]), "Device": st.just({"device": None}),
+    "Layout": st.just({"layout": "strided"}), "MemoryFormat": st.just({"memory_format": "contiguous_format"}),
+}
+
+
+def _for_type(typ: str):
+    if typ.startswith("Optional["):
+        return st.one_of(st.none(), _for_type(typ[9:-1]))
+    if typ.startswith("List["):
+        return st.lists(_for_type(typ[5:-1]), max_size=4)
+    return _BY_TYPE.get(typ, ARG)
+
+
+@st.composite
+def allowed_call(draw):
+    """An allowed op and arguments shaped like its schema (mostly well typed, so the dry run and run get exercised)."""
+    from gpunet.worker.validation import ALLOWED_OPS
+
+    op = draw(st.sampled_from(sorted(ALLOWED_OPS)))
+    positional = [a for a in ALLOWED_OPS[op]._schema.arguments if not a.kwarg_only]
+    n = draw(st.integers(0, len(positional)))
+    args = [draw(_for_type(str(a.real_type)) if draw(st.integers(0, 9)) else ARG) for a in positional[:n]]
+    return op, args
+
+
+@settings(max_examples=300, deadline=None)
+@given(allowed_call())
+def test_any_allowed_op_with_arbitrary_arguments(call):
+    """Whatever a client puts in an allowed op's arguments, validation and execution fail only with gpunet errors."""
+    from gpunet.worker.validation import ALLOWED_OPS
+
+    op, args = call
+    g = {"inputs": ["args_0"], "weights": [], "outputs": [{"ref": "evil"}],
+         "nodes": [{"name": "relu", "op": "aten.relu.default", "args": [{"ref": "args_0"}], "kwargs": {}},
+                   {"name": "evil", "op": op, "args": args, "kwargs": {}}]}
+    m = json.loads(JOB.parts.manifest)
+    m["ops"] = {"aten.relu.default": str(torch.ops.aten.relu.default._schema), op: str(ALLOWED_OPS[op]._schema)}
+    m["outputs"] = [{"name": "output_0", "dtype": "F32", "shape": []}]
+    _load_and_run(ProgramParts(canonical_json(m), canonical_json(g), tensors.encode({})).to_bytes())
