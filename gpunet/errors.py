@@ -51,6 +51,18 @@ class JobRejected(JobError):
         self.reason = reason
 
 
+class UnsupportedProgram(JobError, ValueError):
+    """A module or function cannot become a gpunet job (tracing failed, or it needs something the format cannot carry)."""
+
+
+class ProgramNotCached(JobError):
+    """The worker does not hold this program hash; resend the job with its program bytes."""
+
+    def __init__(self, program_hash: str):
+        super().__init__(f"program {program_hash} is not cached on this worker")
+        self.program_hash = program_hash
+
+
 class JobFailed(JobError):
     """A job started but did not produce a result (it raised, or its executor died)."""
 

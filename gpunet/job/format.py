@@ -1,0 +1,349 @@
+"""The job container: a versioned manifest, a JSON graph and safetensors weights. Plain data, no code.
+
+Container bytes are a msgpack map ``{"gpunet_program": 1, "manifest": bin, "graph": bin, "weights": bin}``; manifest
+and graph are compact, key-sorted JSON. ``program_hash`` is the sha256 of those three byte strings (length-prefixed),
+so it covers everything the worker validates against, and never the inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import msgpack
+import torch
+
+from gpunet.errors import JobRejected
+from gpunet.job import tensors
+from gpunet.job.graph import GRAPH_NAME_RE
+
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+MAX_GRAPH_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_PROGRAM_BYTES = 8 * 1024**3
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the dry run on meta tensors predicts: the FLOPs billed and the peak memory needed."""
+
+    flops: int
+    peak_memory_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or output: dtype (safetensors name) and shape, each dim an int or the name of a ranged dim."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str | None, ...]
+
+    def to_obj(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class DimRange:
+    """A dynamic dimension's inclusive bounds (``max`` None = unbounded; the worker's limits still apply)."""
+
+    min: int
+    max: int | None
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """Caps the client sets for its own job; the worker applies the stricter of these and its own."""
+
+    max_flops: int | None = None
+    max_peak_memory_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the worker checks a program and its inputs against. Unknown fields are ignored."""
+
+    torch_version: str
+    ops: dict[str, str]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    output_structure: str
+    dims: dict[str, DimRange]
+    limits: JobLimits = field(default_factory=JobLimits)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        obj = {
+            "format_version": self.format_version,
+            "torch_version": self.torch_version,
+            "ops": self.ops,
+            "inputs": [s.to_obj() for s in self.inputs],
+            "outputs": [s.to_obj() for s in self.outputs],
+            "output_structure": self.output_structure,
+            "dims": {k: {"min": v.min, "max": v.max} for k, v in self.dims.items()},
+            "limits": {"max_flops": self.limits.max_flops, "max_peak_memory_bytes": self.limits.max_peak_memory_bytes},
+        }
+        return canonical_json(obj)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        obj = parse_json(data, "manifest", MAX_MANIFEST_BYTES)
+        _expect(isinstance(obj, dict), "manifest is not a JSON object")
+        version = obj.get("format_version")
+        _expect(type(version) is int and version == FORMAT_VERSION, f"unknown manifest format version {str(version)[:20]!r} (this worker reads {FORMAT_VERSION})")
+        ops = obj.get("ops")
+        _expect(isinstance(ops, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()), "manifest ops must map op names to schema strings")
+        dims_obj = obj.get("dims", {})
+        _expect(isinstance(dims_obj, dict), "manifest dims must be an object")
+        dims = {}
+        for name, r in dims_obj.items():
+            _expect(isinstance(name, str) and bool(GRAPH_NAME_RE.match(name)), f"dimension name {str(name)[:40]!r} is not a plain identifier")
+            _expect(isinstance(r, dict) and _is_int(r.get("min")) and (r.get("max") is None or _is_int(r.get("max"))), f"dimension {name}: bounds must be integers")
+            _expect(0 <= r["min"] and (r["max"] is None or r["min"] <= r["max"]), f"dimension {name}: empty or negative range")
+            dims[name] = DimRange(r["min"], r.get("max"))
+        inputs = tuple(_tensor_spec(s, dims, "input") for s in _list(obj.get("inputs"), "inputs"))
+        outputs = tuple(_tensor_spec(s, dims, "output", outputs=True) for s in _list(obj.get("outputs"), "outputs"))
+        structure = obj.get("output_structure")
+        _expect(isinstance(structure, str) and structure in ("tensor", "tuple"), "output_structure must be 'tensor' or 'tuple'")
+        _expect(structure == "tuple" or len(outputs) == 1, "a 'tensor' output_structure needs exactly one output")
+        lim = obj.get("limits") or {}
+        _expect(isinstance(lim, dict) and all(lim.get(k) is None or _is_int(lim.get(k)) for k in ("max_flops", "max_peak_memory_bytes")), "manifest limits must be integers or null")
+        tv = obj.get("torch_version")
+        _expect(isinstance(tv, str) and len(tv) < 64, "manifest torch_version must be a short string")
+        return cls(tv, dict(ops), inputs, outputs, structure, dims, JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")))
+
+
+def _tensor_spec(s: Any, dims: dict, what: str, outputs: bool = False) -> TensorSpec:
+    _expect(isinstance(s, dict), f"{what} spec is not an object")
+    name = s.get("name", "")
+    dtype, shape = s.get("dtype"), s.get("shape")
+    _expect(isinstance(name, str) and len(name) <= 128, f"{what} name is not a short string")
+    _expect(isinstance(dtype, str) and dtype in tensors.DTYPES, f"{what} {name}: unsupported dtype {str(dtype)[:20]!r}")
+    _expect(isinstance(shape, list) and len(shape) <= tensors.MAX_NDIM, f"{what} {name}: shape must be a list")
+    for d in shape:
+        ok = (_is_int(d) and d >= 0) or (isinstance(d, str) and d in dims) or (outputs and d is None)
+        _expect(ok, f"{what} {name}: dimension {str(d)[:40]!r} is neither a size nor a declared dimension name")
+    return TensorSpec(name, dtype, tuple(shape))
+
+
+def _list(x: Any, what: str) -> list:
+    _expect(isinstance(x, list) and len(x) <= 4096, f"manifest {what} must be a list")
+    return x
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _expect(cond: bool, reason: str) -> None:
+    if not cond:
+        raise JobRejected(reason)
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Compact, key-sorted JSON: the one byte form a graph or manifest is hashed in."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def parse_json(data: bytes, what: str, max_bytes: int) -> Any:
+    """Parse untrusted JSON with a size cap; JobRejected on anything wrong (deep nesting -> RecursionError)."""
+    if len(data) > max_bytes:
+        raise JobRejected(f"{what} is {len(data)} bytes, over the limit of {max_bytes}")
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise JobRejected(f"{what} is not valid JSON ({type(e).__name__})") from None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def program_hash(manifest: bytes, graph: bytes, weights: bytes) -> str:
+    """sha256 (hex) over the length-prefixed manifest, graph and weights bytes."""
+    h = hashlib.sha256(b"gpunet-program-v1\0")
+    for part in (manifest, graph, weights):
+        h.update(struct.pack("<Q", len(part)))
+        h.update(part)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ProgramParts:
+    """The three byte strings of a program, as shipped (what the hash covers)."""
+
+    manifest: bytes
+    graph: bytes
+    weights: bytes
+
+    @property
+    def hash(self) -> str:
+        return program_hash(self.manifest, self.graph, self.weights)
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(
+            {"gpunet_program": FORMAT_VERSION, "manifest": self.manifest, "graph": self.graph, "weights": self.weights},
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "ProgramParts":
+        """Split container bytes; every size is capped before msgpack allocates it."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise JobRejected("program must be bytes")
+        n = len(data)
+        if n > max_bytes:
+            raise JobRejected(f"program is {n} bytes, over the limit of {max_bytes}")
+        try:
+            obj = msgpack.unpackb(
+                data, raw=False, strict_map_key=True, max_bin_len=n, max_str_len=1024, max_array_len=16,
+                max_map_len=16, max_ext_len=0, use_list=True,
+            )
+        except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
+            raise JobRejected(f"program container is not valid msgpack ({type(e).__name__})") from None
+        _expect(isinstance(obj, dict), "program container is not a map")
+        version = obj.get("gpunet_program")
+        _expect(type(version) is int and version == FORMAT_VERSION, f"unknown program format version {str(version)[:20]!r}")
+        parts = [obj.get(k) for k in ("manifest", "graph", "weights")]
+        _expect(all(isinstance(p, bytes) for p in parts), "program container needs manifest, graph and weights as bytes")
+        return cls(*parts)
+
+
+class Job:
+    """A traced computation, safe to ship: manifest + JSON graph + safetensors weights. Build with from_module."""
+
+    def __init__(self, parts: ProgramParts, manifest: Manifest | None = None):
+        self.parts = parts
+        self.manifest = manifest or Manifest.from_json(parts.manifest)
+        self._program = None  # worker-side validated program, built on first run_locally/estimate
+
+    # --- building ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_module(
+        cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None,
+        limits: JobLimits | None = None,
+    ) -> "Job":
+        """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job."""
+        from gpunet.job.trace import trace
+
+        t = trace(module, example_inputs, dynamic_shapes)
+        manifest = Manifest(
+            torch_version=torch.__version__,
+            ops=t.ops,
+            inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in t.inputs),
+            outputs=tuple(TensorSpec(f"output_{i}", s["dtype"], tuple(s["shape"])) for i, s in enumerate(t.outputs)),
+            output_structure=t.output_structure,
+            dims={k: DimRange(v["min"], v["max"]) for k, v in t.dims.items()},
+            limits=limits or JobLimits(),
+        )
+        parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(t.weights))
+        return cls(parts, manifest)
+
+    @classmethod
+    def from_function(cls, fn: Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None, limits: JobLimits | None = None) -> "Job":
+        """Like from_module for a plain function of tensors (no parameters)."""
+        from gpunet.job.trace import _FunctionModule
+
+        return cls.from_module(_FunctionModule(fn), example_inputs, dynamic_shapes, limits)
+
+    # --- bytes -----------------------------------------------------------------------------------------------------
+
+    @property
+    def program_hash(self) -> str:
+        """Content hash of manifest + graph + weights (inputs are not part of it)."""
+        return self.parts.hash
+
+    def to_bytes(self) -> bytes:
+        return self.parts.to_bytes()
+
+    program_bytes = to_bytes  # what the worker caches under program_hash
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "Job":
+        """Parse container bytes (structure and manifest only; ops are checked when the job is validated)."""
+        return cls(ProgramParts.from_bytes(data, max_bytes))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Job":
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # --- inputs and outputs ----------------------------------------------------------------------------------------
+
+    def encode_inputs(self, *inputs: torch.Tensor) -> bytes:
+        """Inputs as safetensors bytes, after checking them against the manifest (JobRejected on a mismatch)."""
+        check_inputs(self.manifest, inputs)
+        return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
+
+    def decode_outputs(self, data: bytes) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The worker's output bytes as the module returned them: one tensor or a tuple."""
+        outs = decode_outputs(self.manifest, data)
+        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+
+    # --- local checks ------------------------------------------------------------------------------------------------
+
+    def _validated(self):
+        from gpunet.worker.validation import load_program
+
+        if self._program is None:
+            self._program = load_program(self.parts, device="cpu")
+        return self._program
+
+    def estimate(self, *inputs: torch.Tensor) -> Estimate:
+        """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills)."""
+        return self._validated().estimate(list(inputs))
+
+    def run_locally(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
+        from gpunet.worker.interpreter import run_program
+
+        prog = self._validated()
+        data = self.encode_inputs(*inputs)
+        outs = run_program(prog, tensors.decode(data))
+        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+
+    def __repr__(self) -> str:
+        return f"Job(hash={self.program_hash[:12]}, ops={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
+
+
+def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
+    """Inputs must match the manifest: count, dtype, rank, fixed sizes, and each named dim within its range."""
+    if len(inputs) != len(manifest.inputs):
+        raise JobRejected(f"job takes {len(manifest.inputs)} inputs, got {len(inputs)}")
+    bound: dict[str, int] = {}
+    for i, (spec, t) in enumerate(zip(manifest.inputs, inputs)):
+        if not isinstance(t, torch.Tensor):
+            raise JobRejected(f"input {i} ({spec.name}) is a {type(t).__name__}, not a tensor")
+        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype:
+            raise JobRejected(f"input {i} ({spec.name}) has dtype {t.dtype}, the job was traced with {spec.dtype}")
+        if t.dim() != len(spec.shape):
+            raise JobRejected(f"input {i} ({spec.name}) has {t.dim()} dims, expected {len(spec.shape)}")
+        for d, (want, got) in enumerate(zip(spec.shape, t.shape)):
+            if isinstance(want, int):
+                if got != want:
+                    raise JobRejected(f"input {i} ({spec.name}) dim {d} is {got}, expected {want}")
+                continue
+            r = manifest.dims[want]
+            if got < r.min or (r.max is not None and got > r.max):
+                raise JobRejected(f"input {i} ({spec.name}) dim {d} '{want}' = {got} is outside its range [{r.min}, {r.max}]")
+            if bound.setdefault(want, got) != got:
+                raise JobRejected(f"dimension '{want}' is {bound[want]} in one input and {got} in input {i} ({spec.name})")
+
+
+def decode_outputs(manifest: Manifest, data: bytes) -> list[torch.Tensor]:
+    """Output bytes -> tensors in order, checked against the manifest's count and dtypes."""
+    d = tensors.decode(data)
+    n = len(manifest.outputs)
+    keys = [f"output_{i}" for i in range(n)]
+    _expect(sorted(d) == sorted(keys), f"expected outputs {keys}, got {list(d)[:8]}")
+    outs = [d[k] for k in keys]
+    for spec, t in zip(manifest.outputs, outs):
+        _expect(tensors.DTYPE_NAMES.get(t.dtype) == spec.dtype and t.dim() == len(spec.shape), f"{spec.name} does not match the manifest")
+    return outs

@@ -1,0 +1,220 @@
+"""Client side: trace a module with ``torch.export`` and convert it into gpunet's graph, manifest and weights.
+
+This runs only on the client, on the client's own module. What comes out is plain data: op names, JSON arguments,
+named integer dimension ranges and safetensors weights. The worker never sees a pickle or an exported program.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gpunet.errors import GpunetError, UnsupportedProgram
+from gpunet.job import graph as g
+from gpunet.job.tensors import dtype_name
+
+# Export-time assertions the worker replaces by its own checks of the input dims against the manifest ranges.
+_DROPPED_TARGETS = {"aten._assert_scalar.default", "aten._assert_tensor_metadata.default", "aten.sym_constrain_range_for_size.default"}
+
+
+@dataclass
+class Traced:
+    """What the tracer hands to :class:`gpunet.Job`: the graph as a JSON object, signature records, weights."""
+
+    graph: dict
+    ops: dict[str, str]  # op name -> schema string
+    inputs: list[dict]  # {"name", "dtype", "shape": [int | dim name]}
+    outputs: list[dict]
+    output_structure: str  # "tensor" | "tuple"
+    dims: dict[str, dict]  # name -> {"min": int, "max": int | None}
+    weights: dict[str, torch.Tensor]
+
+
+class _FunctionModule(torch.nn.Module):
+    def __init__(self, fn: Callable):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def trace(
+    module: torch.nn.Module | Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None
+) -> Traced:
+    """Export ``module`` on ``example_inputs``, decompose to core ATen, and convert to gpunet's plain-data form."""
+    if not isinstance(module, torch.nn.Module):
+        module = _FunctionModule(module)
+    example_inputs = tuple(example_inputs)
+    if not all(isinstance(x, torch.Tensor) for x in example_inputs):
+        raise UnsupportedProgram("example_inputs must all be tensors (positional arguments only)")
+    export_dynamic = dynamic_shapes
+    if isinstance(module, _FunctionModule) and isinstance(dynamic_shapes, (list, tuple)):
+        export_dynamic = (tuple(dynamic_shapes),)  # forward(*args) takes its inputs as one varargs tuple
+    try:
+        ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
+        ep = ep.run_decompositions()
+    except GpunetError:
+        raise
+    except Exception as e:  # torch.export raises many types; the user needs the message
+        raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e}") from e
+    return _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+
+
+def _user_dim_names(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any) -> dict[tuple[int, int], str]:
+    """(input index, dim) -> the name the user gave that dimension with ``torch.export.Dim``."""
+    if dynamic_shapes is None:
+        return {}
+    if isinstance(dynamic_shapes, dict):
+        params = list(inspect.signature(module.forward).parameters)
+        per_input = [dynamic_shapes.get(p) for p in params[: len(inputs)]]
+    else:
+        per_input = list(dynamic_shapes)
+    names = {}
+    for i, spec in enumerate(per_input):
+        items = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
+        for d, dim in items:
+            name = getattr(dim, "__name__", None)
+            if isinstance(name, str) and g.GRAPH_NAME_RE.match(name):
+                names[(i, d)] = name
+    return names
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # "aten.addmm.default"
+    if target is operator.getitem:
+        return g.GETITEM
+    if target in g.SYM_OP_NAMES:
+        return g.SYM_OP_NAMES[target]
+    raise UnsupportedProgram(f"the traced graph calls {target!r}, which gpunet cannot carry")
+
+
+def _encode_arg(a: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return {"ref": a.name}
+    if a is None or isinstance(a, (bool, int, str)):
+        return a
+    if isinstance(a, float):
+        if math.isfinite(a):
+            return a
+        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
+    if isinstance(a, (list, tuple)):
+        return [_encode_arg(x) for x in a]
+    if isinstance(a, torch.dtype):
+        return {"dtype": dtype_name(a)}
+    if isinstance(a, torch.device):
+        return {"device": None}  # the worker always uses its own device
+    if isinstance(a, torch.layout) and a in g.LAYOUT_NAMES:
+        return {"layout": g.LAYOUT_NAMES[a]}
+    if isinstance(a, torch.memory_format) and a in g.MEMORY_FORMAT_NAMES:
+        return {"memory_format": g.MEMORY_FORMAT_NAMES[a]}
+    raise UnsupportedProgram(f"the traced graph has an argument gpunet cannot carry: {type(a).__name__} {a!r:.80}")
+
+
+def _finite_int(x: Any) -> int | None:
+    """A sympy bound as a Python int, or None for an infinite one (export's int_oo)."""
+    try:
+        return int(x) if math.isfinite(float(x)) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _children(spec: Any) -> list:
+    return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
+
+
+def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], str]) -> Traced:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    weights: dict[str, torch.Tensor] = {}
+    input_names: list[str] = []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            input_names.append(name)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            t = ep.state_dict.get(spec.target)
+            if t is None:
+                t = ep.constants[spec.target]
+            weights[name] = t.detach().contiguous()
+        else:
+            raise UnsupportedProgram(f"input {name} of kind {spec.kind.name} is not supported")
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise UnsupportedProgram(
+                f"the module mutates state ({spec.kind.name}); put it in eval mode and avoid in-place buffer updates"
+            )
+
+    # Name the symbolic dimensions of the inputs; record only names and integer bounds.
+    dims: dict[str, dict] = {}
+    sym_names: dict[Any, str] = {}
+    inputs = []
+    for i, name in enumerate(input_names):
+        val = placeholders[name].meta["val"]
+        shape: list[int | str] = []
+        for d, size in enumerate(val.shape):
+            if isinstance(size, int):
+                shape.append(size)
+                continue
+            expr = size.node.expr
+            if not getattr(expr, "is_Symbol", False):
+                raise UnsupportedProgram(f"input {i} dim {d} is a derived dimension ({expr}); use plain Dims on inputs")
+            if expr not in sym_names:
+                dim_name = user_dims.get((i, d), str(expr))
+                if dim_name in dims:
+                    dim_name = f"{dim_name}_{len(dims)}"
+                vr = ep.range_constraints.get(expr)
+                lo = (_finite_int(vr.lower) if vr is not None else None) or 0
+                hi = _finite_int(vr.upper) if vr is not None else None
+                sym_names[expr] = dim_name
+                dims[dim_name] = {"min": lo, "max": hi}
+            shape.append(sym_names[expr])
+        inputs.append({"name": name, "dtype": dtype_name(val.dtype), "shape": shape})
+
+    out_node = next(n for n in ep.graph.nodes if n.op == "output")
+    out_args = list(out_node.args[0])
+    # Keep only what the outputs need: drops export's runtime assertions and their size arithmetic.
+    live: set[str] = set()
+    stack = [a for a in out_args if isinstance(a, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n.name not in live:
+            live.add(n.name)
+            stack.extend(n.all_input_nodes)
+    nodes, ops = [], {}
+    for n in ep.graph.nodes:
+        if n.op in ("placeholder", "output") or n.name not in live:
+            continue
+        if n.op != "call_function":
+            raise UnsupportedProgram(f"node {n.name}: {n.op} nodes are not supported")
+        op = _op_name(n.target)
+        if op in _DROPPED_TARGETS:
+            continue
+        if isinstance(n.target, torch._ops.OpOverload):
+            ops[op] = str(n.target._schema)
+        nodes.append({"name": n.name, "op": op, "args": _encode_arg(list(n.args)), "kwargs": {k: _encode_arg(v) for k, v in n.kwargs.items()}})
+
+    outputs = []
+    for a in out_args:
+        if not isinstance(a, torch.fx.Node) or not isinstance(a.meta.get("val"), torch.Tensor):
+            raise UnsupportedProgram("every output must be a tensor")
+        val = a.meta["val"]
+        shape = [s if isinstance(s, int) else sym_names.get(s.node.expr) for s in val.shape]
+        outputs.append({"dtype": dtype_name(val.dtype), "shape": shape})
+    out_spec = ep.call_spec.out_spec
+    if out_spec is None or out_spec.is_leaf():
+        structure = "tensor"
+    elif out_spec.type in (tuple, list) and all(c.is_leaf() for c in _children(out_spec)):
+        structure = "tuple"
+    else:
+        raise UnsupportedProgram("the module must return a tensor or a flat tuple/list of tensors")
+    graph = {"inputs": input_names, "weights": list(weights), "nodes": nodes, "outputs": [_encode_arg(a) for a in out_args]}
+    return Traced(graph, ops, inputs, outputs, structure, dims, weights)

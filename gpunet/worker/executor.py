@@ -1,0 +1,350 @@
+"""Jobs run in a pool of executor processes, apart from the worker's network process.
+
+Each executor is a ``spawn``-started process (fork is unsafe beside threads and the libp2p daemon) that validates,
+caches and runs programs under a memory budget. The parent waits on the reply *or* the process's death, with a
+deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
+worker keeps serving. Parent and child exchange msgpack over a pipe, never pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import msgpack
+
+from gpunet.errors import JobFailed, JobRejected, JobTimeout, ProgramNotCached
+from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
+
+_STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
+_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished job: output tensor bytes (safetensors layout) and what it cost (``flops`` from the dry run)."""
+
+    outputs: bytes
+    flops: int
+    wall_time: float
+    peak_memory_bytes: int
+
+
+class _Slot:
+    """One executor process and the parent's end of its pipe."""
+
+    def __init__(self, ctx, config: dict):
+        self._ctx, self._config = ctx, config
+        self.hashes: set[str] = set()  # programs this process holds in memory (mirrors the child's LRU, roughly)
+        self.busy = False  # reserved by a caller
+        self.in_flight = False  # a job has been sent and not answered
+        self.closed = False
+        self.start()
+
+    def start(self) -> None:
+        self.conn, child = self._ctx.Pipe(duplex=True)
+        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config), daemon=True, name="gpunet-executor")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.hashes = set()
+
+    def ensure_ready(self) -> None:
+        if self.ready:
+            return
+        ready = wait([self.conn, self.proc.sentinel], timeout=_STARTUP_TIMEOUT)
+        if self.conn in ready:
+            try:
+                if msgpack.unpackb(self.conn.recv_bytes()) == {"ready": True}:
+                    self.ready = True
+                    return
+            except (EOFError, OSError, ValueError):
+                pass
+        how = self.exit_status()
+        self.restart()  # try a fresh process for the next job
+        raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
+
+    def exit_status(self) -> str:
+        self.proc.join(5)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Ask politely, then kill; always reap the process. A stopped slot is never restarted."""
+        self.closed = True
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(msgpack.packb({"op": "exit"}))
+            except (OSError, ValueError):
+                pass
+            self.proc.join(grace)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+    def restart(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+        if not self.closed:
+            self.start()
+
+
+class Executor:
+    """A pool of executor processes that validate, cache and run programs; safe to call from an asyncio loop."""
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        processes: int = 2,
+        memory_budget_bytes: int = 4 * 1024**3,
+        default_timeout: float = 60.0,
+        cache_dir: str | Path | None = None,
+        disk_cache_bytes: int = 8 * 1024**3,
+        memory_cache_programs: int = 8,
+        max_flops: int = 10**15,
+        threads_per_process: int | None = None,
+    ):
+        self.default_timeout = default_timeout
+        self._tmp = None
+        if cache_dir is None:
+            self._tmp = tempfile.mkdtemp(prefix="gpunet-programs-")
+            cache_dir = self._tmp
+        self.disk = DiskCache(cache_dir, disk_cache_bytes)
+        config = {
+            "device": device,
+            "memory_budget_bytes": memory_budget_bytes,
+            "cache_dir": str(cache_dir),
+            "disk_cache_bytes": disk_cache_bytes,
+            "memory_cache_programs": memory_cache_programs,
+            "max_flops": max_flops,
+            "threads": threads_per_process or max(1, (os.cpu_count() or 1) // processes),
+        }
+        ctx = multiprocessing.get_context("spawn")
+        self._slots = [_Slot(ctx, config) for _ in range(processes)]
+        self._lock = threading.Condition()
+        self._pool = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="gpunet-executor")
+        self._closed = False
+
+    # --- public -----------------------------------------------------------------------------------------------------
+
+    def has_program(self, program_hash: str) -> bool:
+        """Whether a job can be sent without its program bytes."""
+        with self._lock:
+            if any(program_hash in s.hashes for s in self._slots):
+                return True
+        return program_hash in self.disk
+
+    def cached_programs(self) -> list[str]:
+        """Hashes this worker can run without a transfer (for the worker record)."""
+        return self.disk.hashes()
+
+    async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None) -> RunResult:
+        """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout."""
+        if self._closed:
+            raise JobFailed("executor is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.run_sync, program_hash, program_bytes, inputs, timeout)
+
+    def run_sync(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None) -> RunResult:
+        """Blocking twin of :meth:`run` (same checks, same errors)."""
+        if self._closed:
+            raise JobFailed("executor is closed")
+        check_hash(program_hash)
+        if program_bytes is None and not self.has_program(program_hash):
+            raise ProgramNotCached(program_hash)
+        timeout = self.default_timeout if timeout is None else timeout
+        slot = self._acquire(program_hash)
+        try:
+            return self._run_on(slot, program_hash, program_bytes, inputs, timeout)
+        finally:
+            self._release(slot)
+
+    def busy_pids(self) -> list[int]:
+        """Process ids of executors with a job in flight (for monitoring, and for tests that kill one)."""
+        with self._lock:
+            return [s.proc.pid for s in self._slots if s.in_flight]
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [s.proc.pid for s in self._slots]
+
+    def close(self) -> None:
+        """Stop every executor process this pool started, and remove a temporary cache directory."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        for s in self._slots:
+            s.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals ----------------------------------------------------------------------------------------------------
+
+    def _acquire(self, program_hash: str) -> _Slot:
+        """An idle executor, preferring one that already holds the program in memory."""
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise JobFailed("executor is closed")
+                idle = [s for s in self._slots if not s.busy]
+                if idle:
+                    slot = next((s for s in idle if program_hash in s.hashes), idle[0])
+                    slot.busy = True
+                    return slot
+                self._lock.wait()
+
+    def _release(self, slot: _Slot) -> None:
+        with self._lock:
+            slot.busy = False
+            self._lock.notify()
+
+    def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
+        slot.ensure_ready()
+        request = {"op": "run", "hash": program_hash, "program": program_bytes, "inputs": inputs}
+        try:
+            slot.conn.send_bytes(msgpack.packb(request, use_bin_type=True))
+        except (OSError, ValueError):
+            return self._died(slot, "before the job was sent")
+        slot.in_flight = True
+        try:
+            return self._await_reply(slot, program_hash, timeout)
+        finally:
+            slot.in_flight = False
+
+    def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
+        ready = wait([slot.conn, slot.proc.sentinel], timeout=timeout)
+        if not ready:
+            slot.restart()
+            raise JobTimeout(f"job did not finish within {timeout:.1f} s; its executor was killed and replaced")
+        try:
+            reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
+        except (EOFError, OSError, ValueError):
+            return self._died(slot, "while running the job")
+        if reply.get("restart"):
+            slot.restart()
+        if reply.get("ok"):
+            slot.hashes.add(program_hash)
+            return RunResult(reply["outputs"], reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
+        if reply.get("error") == "ProgramNotCached":
+            raise ProgramNotCached(program_hash)
+        raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
+
+    def _died(self, slot: _Slot, when: str) -> RunResult:
+        how = slot.exit_status()
+        slot.restart()
+        raise JobFailed(f"executor process died {when} ({how}); it was replaced")
+
+
+# --- the executor process -------------------------------------------------------------------------------------------
+
+
+def _limit_memory(budget: int, device: str) -> None:
+    """Cap this process's address space at what it uses now plus the budget (CPU). On CUDA the budget is the
+    allocator's fraction instead: CUDA reserves huge virtual ranges, so an address-space limit would break it."""
+    import torch
+
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
+        return
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        slack = 1024**3  # thread stacks and allocator arenas that come with running ops
+        limit = vm + budget + slack
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, OSError, ValueError, StopIteration):
+        pass  # not Linux: the dry-run limit still applies
+
+
+def _child_main(conn: Connection, config: dict) -> None:
+    """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
+    import torch
+
+    from gpunet.job import tensors
+    from gpunet.worker.interpreter import run_program
+    from gpunet.worker.validation import WorkerLimits, load_program
+
+    torch.set_num_threads(config["threads"])
+    device = config["device"]
+    budget = config["memory_budget_bytes"]
+    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=config["max_flops"], max_program_bytes=budget, max_input_bytes=budget)
+    disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
+    programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
+    _limit_memory(budget, device)
+    conn.send_bytes(msgpack.packb({"ready": True}))
+    while True:
+        try:
+            req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        except (EOFError, OSError):
+            return
+        if req.get("op") != "run":
+            return
+        try:
+            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program)
+        except (JobRejected, JobFailed) as e:
+            reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
+        except ProgramNotCached as e:
+            reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
+        except MemoryError:
+            reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
+        except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
+            reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+        # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
+        # report the failure, then exit so the pool starts a clean executor.
+        poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
+        reply["restart"] = poisoned
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+        if poisoned:
+            return
+
+
+def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program) -> dict:
+    h = check_hash(req["hash"])
+    prog = programs.get(h)
+    if prog is None:
+        data = req.get("program") or disk.get(h)
+        if data is None:
+            raise ProgramNotCached(h)
+        prog = load_program(data, device=device, limits=limits, expected_hash=h)
+        if req.get("program"):
+            disk.put(h, data)
+        programs.put(h, prog, sum(w.numel() * w.element_size() for w in prog.weights))
+    inputs = prog.inputs_from_dict(tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes))
+    est = prog.estimate(inputs)
+    t0 = time.perf_counter()
+    outs = run_program(prog, inputs)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    data = tensors.encode({f"output_{i}": o for i, o in enumerate(outs)})
+    return {"ok": True, "outputs": data, "flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}

@@ -1,0 +1,154 @@
+"""Runs a validated program: a flat loop over precompiled steps, on the worker's device.
+
+The same loop serves the dry run (meta tensors, with a memory tracker and a FLOP counter) and the real run, so
+what was measured is what runs. Values are freed after their last use, as the dry run assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gpunet.errors import GpunetError, JobFailed, JobRejected
+from gpunet.job.tensors import ALIGN
+
+
+@dataclass
+class Step:
+    """One node, compiled: the callable, argument templates, and where to patch in earlier values."""
+
+    name: str
+    op: str
+    fn: Callable
+    slot: int
+    args: list
+    kwargs: dict
+    arg_refs: list[tuple[int, int]] = field(default_factory=list)  # (position, slot)
+    arg_lists: list[tuple[int, list[tuple[int, int]]]] = field(default_factory=list)  # (position, [(index, slot)])
+    kw_refs: list[tuple[str, int]] = field(default_factory=list)
+    kw_lists: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    free_after: tuple[int, ...] = ()
+    view_of: int | None = None  # slot whose storage the output aliases (views), for memory accounting
+
+
+DEVICE_SLOT = 0  # env[0] holds the device; every Device argument is a reference to it
+
+
+class MemoryTracker:
+    """Counts live bytes per storage during the dry run; raises JobRejected the moment a limit is crossed."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.live = 0
+        self.peak = 0
+        self._storage_of: dict[int, int] = {}
+        self._refs: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self._counter = 0
+
+    def pin(self, slot: int, value: Any) -> None:
+        """An input or weight: counted, never freed."""
+        self._new(slot, _nbytes(value), where="inputs and weights")
+        self._refs[self._storage_of[slot]] += 1
+
+    def produced(self, step: Step, value: Any) -> None:
+        if step.view_of is not None and step.view_of in self._storage_of:
+            sid = self._storage_of[step.view_of]
+            self._storage_of[step.slot] = sid
+            self._refs[sid] += 1
+        else:
+            self._new(step.slot, _nbytes(value), where=f"node {step.name!r} ({step.op})")
+
+    def freed(self, slot: int) -> None:
+        sid = self._storage_of.pop(slot, None)
+        if sid is not None:
+            self._refs[sid] -= 1
+            if self._refs[sid] == 0:
+                self.live -= self._size.pop(sid)
+                del self._refs[sid]
+
+    def _new(self, slot: int, nbytes: int, where: str) -> None:
+        self._counter += 1
+        sid = self._counter
+        self._size[sid] = nbytes
+        self._refs[sid] = 1
+        self._storage_of[slot] = sid
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.limit is not None and self.peak > self.limit:
+                raise JobRejected(f"{where}: peak memory {self.peak} bytes exceeds the limit of {self.limit} bytes")
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _fill(template: Any, refs: list, lists: list, env: list) -> Any:
+    """A copy of an argument template (list or dict) with earlier values patched in."""
+    out = template.copy()
+    for k, s in refs:
+        out[k] = env[s]
+    for k, subs in lists:
+        lst = list(out[k])
+        for j, s in subs:
+            lst[j] = env[s]
+        out[k] = lst
+    return out
+
+
+def execute(
+    steps: Sequence[Step], env: list, outputs: Sequence[int], tracker: MemoryTracker | None = None
+) -> list:
+    """Run ``steps`` over ``env`` (device, inputs, weights, then one slot per node) and return the output values.
+
+    Errors raised by an op become JobFailed naming the node (JobRejected in a dry run, where the tracker is set).
+    """
+    step = None
+    try:
+        for step in steps:
+            args = _fill(step.args, step.arg_refs, step.arg_lists, env) if step.arg_refs or step.arg_lists else step.args
+            kwargs = _fill(step.kwargs, step.kw_refs, step.kw_lists, env) if step.kw_refs or step.kw_lists else step.kwargs
+            out = step.fn(*args, **kwargs)
+            env[step.slot] = out
+            if tracker is not None:
+                tracker.produced(step, out)
+                for s in step.free_after:
+                    tracker.freed(s)
+            for s in step.free_after:
+                env[s] = None
+    except GpunetError:
+        raise
+    except Exception as e:  # an op raised: report which node, never a raw torch error
+        where = f"node {step.name!r} ({step.op})" if step is not None else "program"
+        msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
+        raise (JobRejected(f"dry run failed: {msg}") if tracker is not None else JobFailed(msg)) from None
+    return [env[s] for s in outputs]
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Move to ``device``; on the CPU, copy only zero-copy views that are not 64-byte aligned, because BLAS kernels
+    pick their code path by alignment and eager PyTorch's own tensors are always aligned (exact equality needs it)."""
+    if device.type != "cpu":
+        return t.to(device, non_blocking=False)
+    return t.clone() if t.data_ptr() % ALIGN else t
+
+
+def run_program(program: Any, inputs: Sequence[torch.Tensor] | dict) -> list[torch.Tensor]:
+    """Check ``inputs`` against the program's manifest and limits (dry run), then run it on the program's device.
+
+    ``inputs`` is a list of tensors or the dict decoded from input bytes (``input_0``, ``input_1``, ...).
+    """
+    if isinstance(inputs, dict):
+        inputs = program.inputs_from_dict(inputs)
+    program.estimate(inputs)  # validates shapes and enforces the memory/FLOP limits before anything is allocated
+    with torch.inference_mode():
+        env = program.new_env([to_device(t, program.device) for t in inputs])
+        outs = execute(program.steps, env, program.output_slots)
+        return [o.contiguous() for o in outs]

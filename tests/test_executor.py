@@ -1,0 +1,127 @@
+"""The executor pool: jobs run in separate processes, repeat jobs hit the cache, and a job that hangs or whose
+executor dies fails cleanly while the pool replaces the process and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from gpunet import Job, JobFailed, JobRejected, JobTimeout, ProgramNotCached
+from gpunet.job import tensors
+from gpunet.worker.executor import Executor
+from torch.export import Dim
+
+W = torch.randn(8, 16)
+SMALL = Job.from_function(lambda x: torch.tanh(x @ W.T), (torch.randn(2, 16),), dynamic_shapes=({0: Dim("b", min=1, max=32)},))
+
+
+def _slow(x):
+    for _ in range(60):
+        x = torch.tanh(x @ x)
+    return x
+
+
+SLOW = Job.from_function(_slow, (torch.randn(768, 768),))  # ~50 GFLOP: seconds on two cores
+
+
+@pytest.fixture(scope="module")
+def ex(tmp_path_factory):
+    with Executor(processes=2, memory_budget_bytes=1024**3, default_timeout=60, cache_dir=tmp_path_factory.mktemp("cache")) as ex:
+        yield ex
+
+
+def _run(ex, job, *xs, timeout=60, send_program=True):
+    return asyncio.run(ex.run(job.program_hash, job.program_bytes() if send_program else None, job.encode_inputs(*xs), timeout))
+
+
+def _wait_for(cond, deadline_s: float, what: str):
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_runs_a_job_and_bills_the_dry_run_flops(ex):
+    x = torch.randn(5, 16)
+    res = _run(ex, SMALL, x)
+    assert torch.equal(SMALL.decode_outputs(res.outputs), SMALL.run_locally(x))
+    assert res.flops == SMALL.estimate(x).flops == 2 * 5 * 16 * 8
+    assert res.peak_memory_bytes == SMALL.estimate(x).peak_memory_bytes and res.wall_time > 0
+
+
+def test_repeat_jobs_use_the_cache(ex):
+    _run(ex, SMALL, torch.randn(2, 16))
+    assert ex.has_program(SMALL.program_hash) and SMALL.program_hash in ex.cached_programs()
+    x = torch.randn(3, 16)
+    res = _run(ex, SMALL, x, send_program=False)
+    assert torch.equal(SMALL.decode_outputs(res.outputs), SMALL.run_locally(x))
+
+
+def test_unknown_program_without_bytes(ex):
+    with pytest.raises(ProgramNotCached):
+        asyncio.run(ex.run("ab" * 32, None, SMALL.encode_inputs(torch.randn(1, 16)), 10))
+
+
+def test_rejections_come_back_as_job_rejected(ex):
+    bad = tensors.encode({"input_0": torch.randn(33, 16)})  # batch dim outside [1, 32]
+    with pytest.raises(JobRejected, match="outside its range"):
+        asyncio.run(ex.run(SMALL.program_hash, SMALL.program_bytes(), bad, 10))
+    with pytest.raises(JobRejected, match="hash"):
+        asyncio.run(ex.run("cd" * 32, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(1, 16)), 10))
+    with pytest.raises(JobRejected, match="malformed program hash"):
+        asyncio.run(ex.run("../../etc/passwd", SMALL.program_bytes(), b"", 10))
+
+
+def test_a_job_over_the_memory_budget_is_rejected_before_it_runs(ex):
+    big = Job.from_function(lambda x: x.expand(4096, 4096, 32).clone(), (torch.randn(32),))
+    with pytest.raises(JobRejected, match="peak memory"):
+        _run(ex, big, torch.randn(32))
+
+
+def test_a_hanging_job_times_out_and_the_executor_is_replaced(ex):
+    before = set(ex.pids())
+    with pytest.raises(JobTimeout):
+        _run(ex, SLOW, torch.randn(768, 768), timeout=0.5)
+    assert set(ex.pids()) != before
+    assert _run(ex, SMALL, torch.randn(1, 16)).flops > 0
+
+
+def test_an_executor_killed_mid_job_is_replaced_and_the_next_job_succeeds(ex):
+    async def scenario():
+        task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(), SLOW.encode_inputs(torch.randn(768, 768)), 60))
+        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        victim = ex.busy_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(JobFailed, match="died.*SIGKILL.*replaced"):
+            await task
+        assert victim not in ex.pids()
+        return await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(4, 16)), 60)
+
+    assert asyncio.run(scenario()).flops == 2 * 4 * 16 * 8
+
+
+def test_concurrent_jobs_share_the_pool(ex):
+    async def many():
+        xs = [torch.randn(i + 1, 16) for i in range(6)]
+        res = await asyncio.gather(*(ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(x), 60) for x in xs))
+        return xs, res
+
+    xs, res = asyncio.run(many())
+    for x, r in zip(xs, res):
+        assert torch.equal(SMALL.decode_outputs(r.outputs), SMALL.run_locally(x))
+
+
+def test_close_stops_every_process(tmp_path):
+    ex = Executor(processes=1, cache_dir=tmp_path)
+    procs = [s.proc for s in ex._slots]
+    _run(ex, SMALL, torch.randn(1, 16))
+    ex.close()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(JobFailed, match="closed"):
+        _run(ex, SMALL, torch.randn(1, 16))

@@ -1,0 +1,52 @@
+"""The program caches: bounded, least-recently-used out first, and hashes can never name a path."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gpunet import JobRejected
+from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
+
+H = [f"{i:064x}" for i in range(6)]
+
+
+def test_memory_lru_bounds_items_and_bytes():
+    lru = MemoryLRU(max_items=2, max_bytes=100)
+    lru.put("a", 1, 10)
+    lru.put("b", 2, 10)
+    assert lru.get("a") == 1  # a is now the most recent
+    lru.put("c", 3, 10)
+    assert lru.keys() == ["a", "c"]
+    lru.put("d", 4, 95)  # over the byte budget: evicts until it fits
+    assert lru.keys() == ["d"]
+    lru.put("huge", 5, 101)  # larger than the whole cache: not kept, nothing evicted
+    assert lru.keys() == ["d"] and "huge" not in lru
+
+
+def test_disk_cache_round_trip_and_lru_eviction(tmp_path):
+    disk = DiskCache(tmp_path, max_bytes=250)
+    for i, h in enumerate(H[:2]):
+        disk.put(h, bytes([i]) * 100)
+        os.utime(disk._path(h), (time.time() - 100 + i, time.time() - 100 + i))
+    assert disk.get(H[0]) == bytes([0]) * 100  # touching H0 makes H1 the least recently used
+    disk.put(H[2], b"x" * 100)
+    assert H[0] in disk and H[2] in disk and H[1] not in disk
+    assert sorted(disk.hashes()) == sorted([H[0], H[2]])
+    assert disk.get(H[5]) is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_disk_cache_skips_programs_larger_than_itself(tmp_path):
+    disk = DiskCache(tmp_path, max_bytes=10)
+    disk.put(H[0], b"x" * 11)
+    assert H[0] not in disk
+
+
+@pytest.mark.parametrize("bad", ["../" * 3 + "etc/passwd", "A" * 64, "a" * 63, "a" * 64 + "/", "", None, "0" * 64 + "\n"])
+def test_hashes_that_could_name_a_path_are_rejected(tmp_path, bad):
+    with pytest.raises(JobRejected):
+        check_hash(bad)
+    assert bad not in DiskCache(tmp_path, 100)

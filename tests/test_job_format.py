@@ -1,0 +1,112 @@
+"""The container and manifest: hashes cover the program and not the inputs, versions are checked, unknown fields
+are ignored, and inputs are checked against the manifest on the client too."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+import torch
+from torch.export import Dim
+
+import gpunet
+from gpunet import GpunetError, Job, JobRejected, UnsupportedProgram
+from gpunet.job.format import Manifest, ProgramParts, canonical_json
+from gpunet.worker.validation import validate_program
+
+
+@pytest.fixture(scope="module")
+def job():
+    lin = torch.nn.Linear(4, 2)
+    return Job.from_module(lin, (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch", min=1, max=10)},))
+
+
+def test_job_is_public_and_errors_share_one_base():
+    assert "Job" in gpunet.__all__ and gpunet.Job is Job
+    for name in ("JobRejected", "JobFailed", "JobTimeout", "ProgramNotCached", "UnsupportedProgram"):
+        assert issubclass(getattr(gpunet, name), GpunetError)
+
+
+def test_manifest_records_ops_inputs_and_ranges(job):
+    m = job.manifest
+    assert m.format_version == 1 and m.torch_version == torch.__version__
+    assert m.ops["aten.addmm.default"].startswith("aten::addmm(")
+    assert m.inputs[0].shape == ("batch", 4) and (m.dims["batch"].min, m.dims["batch"].max) == (1, 10)
+    assert m.outputs[0].dtype == "F32" and m.output_structure == "tensor"
+
+
+def test_program_hash_covers_weights_but_not_inputs(job):
+    lin = torch.nn.Linear(4, 2)
+    other = Job.from_module(lin, (torch.randn(3, 4),), dynamic_shapes=({0: Dim("batch", min=1, max=10)},))
+    assert other.program_hash != job.program_hash
+    again = Job.from_bytes(job.to_bytes())
+    assert again.program_hash == job.program_hash
+    again.run_locally(torch.randn(5, 4))
+    assert again.program_hash == job.program_hash
+
+
+def test_unknown_manifest_fields_are_ignored(job):
+    m = json.loads(job.parts.manifest)
+    m["future_field"] = {"anything": [1, 2]}
+    m["inputs"][0]["layout_hint"] = "nhwc"
+    parts = ProgramParts(canonical_json(m), job.parts.graph, job.parts.weights)
+    assert Manifest.from_json(parts.manifest).inputs == job.manifest.inputs
+    validate_program(parts.to_bytes())
+
+
+def test_unknown_container_version_and_garbage(job):
+    obj = msgpack.unpackb(job.to_bytes())
+    obj["gpunet_program"] = 99
+    with pytest.raises(JobRejected, match="unknown program format version"):
+        Job.from_bytes(msgpack.packb(obj))
+    with pytest.raises(JobRejected, match="msgpack"):
+        Job.from_bytes(b"\xc1garbage")
+    with pytest.raises(JobRejected, match="over the limit"):
+        Job.from_bytes(job.to_bytes(), max_bytes=100)
+
+
+def test_encode_inputs_checks_the_manifest(job):
+    job.encode_inputs(torch.randn(10, 4))
+    with pytest.raises(JobRejected, match="outside its range"):
+        job.encode_inputs(torch.randn(11, 4))
+    with pytest.raises(JobRejected, match="dtype"):
+        job.encode_inputs(torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(JobRejected, match="takes 1 inputs"):
+        job.encode_inputs(torch.randn(2, 4), torch.randn(2, 4))
+
+
+def test_shared_dimension_must_agree_across_inputs():
+    b = Dim("batch", min=1, max=10)
+    j = Job.from_function(lambda x, y: x + y, (torch.randn(3, 4), torch.randn(3, 4)), dynamic_shapes=({0: b}, {0: b}))
+    assert j.manifest.inputs[1].shape == ("batch", 4)
+    with pytest.raises(JobRejected, match="'batch' is 3 in one input and 4"):
+        j.encode_inputs(torch.randn(3, 4), torch.randn(4, 4))
+
+
+def test_modules_that_cannot_be_carried_are_refused_on_the_client():
+    with pytest.raises(UnsupportedProgram):
+        Job.from_function(lambda x: {"y": x}, (torch.randn(2),))
+    with pytest.raises(UnsupportedProgram):
+        Job.from_function(lambda x: x, (3,))
+    assert issubclass(UnsupportedProgram, ValueError)
+
+
+def test_unbounded_dimensions_are_recorded_without_a_max():
+    j = Job.from_function(lambda x: x.relu(), (torch.randn(3, 4),), dynamic_shapes=({0: Dim("n"), 1: Dim("m", min=3)},))
+    assert j.manifest.dims["n"].max is None and j.manifest.dims["m"].min == 3
+    assert j.run_locally(torch.randn(100, 5)).shape == (100, 5)
+    with pytest.raises(JobRejected, match="'m' = 2 is outside"):
+        j.run_locally(torch.randn(2, 2))
+
+
+def test_the_jobs_own_limits_are_enforced_by_the_dry_run():
+    w = torch.randn(64, 64)
+    j = Job.from_function(lambda x: x @ w, (torch.randn(8, 64),), limits=gpunet.JobLimits(max_flops=2 * 8 * 64 * 64))
+    j.run_locally(torch.randn(8, 64))
+    again = Job.from_bytes(j.to_bytes())
+    assert again.manifest.limits.max_flops == 2 * 8 * 64 * 64
+    j2 = Job.from_function(lambda x: x @ w, (torch.randn(9, 64),), dynamic_shapes=({0: Dim("b", min=1, max=100)},),
+                           limits=gpunet.JobLimits(max_flops=2 * 8 * 64 * 64))
+    with pytest.raises(JobRejected, match="FLOPs, over the limit"):
+        j2.run_locally(torch.randn(9, 64))
