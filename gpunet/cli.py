@@ -25,6 +25,10 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 
+from gpunet.ledger.cli import app as ledger_app  # noqa: E402  (a sub-app; imports nothing heavy)
+
+app.add_typer(ledger_app, name="ledger", help="Read, verify, export and merge this node's ledger of receipts.")
+
 # Options shared by several commands.
 InitialPeers = typer.Option(
     None, "--initial-peers", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
@@ -72,6 +76,8 @@ def worker(
     heartbeat: float = typer.Option(10.0, "--heartbeat", min=0.5, help="Seconds between record refreshes."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="Seconds running jobs get after SIGTERM."),
     rebenchmark: bool = typer.Option(False, "--rebenchmark", help="Measure the device's speed again."),
+    memory_budget_gb: Optional[float] = typer.Option(None, "--memory-budget-gb", min=0.1, help="Memory per executor."),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     verbose: bool = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
@@ -91,6 +97,8 @@ def worker(
         heartbeat=heartbeat,
         drain_timeout=drain_timeout,
         rebenchmark=rebenchmark,
+        memory_budget_gb=memory_budget_gb,
+        metrics_port=metrics_port,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
@@ -169,6 +177,27 @@ def status(
         raise _fail(e, 2)
     finally:
         dht.shutdown()
+
+
+@app.command()
+def demo(
+    workers: int = typer.Option(3, "--workers", min=1, max=16, help="Worker processes to start."),
+    jobs: int = typer.Option(200, "--jobs", min=1, help="Transformer batches to send through the network."),
+    keep: bool = typer.Option(False, "--keep", help="Leave the network up afterwards and print how to connect."),
+    verbose: bool = Verbose,
+) -> None:
+    """Run the whole thing on this machine: a local network, real jobs, the status table and the ledgers."""
+    from gpunet.demo import run_demo
+
+    _setup_logging(verbose)
+    if not verbose:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        run_demo(workers=workers, jobs=jobs, keep=keep)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    except GpunetError as e:
+        raise _fail(e)
 
 
 @app.command()

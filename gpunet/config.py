@@ -24,3 +24,5 @@ class WorkerConfig:
     heartbeat: float = 10.0  # seconds between record refreshes; records live three heartbeats
     drain_timeout: float = 30.0  # seconds running jobs get to finish after SIGTERM
     rebenchmark: bool = False
+    memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
+    metrics_port: int = 0  # 0: no Prometheus endpoint

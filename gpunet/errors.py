@@ -28,6 +28,10 @@ class NetworkError(GpunetError):
     """The node could not join the network or talk to a peer."""
 
 
+class ProtocolError(NetworkError):
+    """A peer broke the job protocol: a malformed, oversized or unexpected message, or a stream cut mid-message."""
+
+
 class InvalidRecord(GpunetError):
     """A DHT record failed its signature or schema check."""
 

@@ -99,15 +99,15 @@ def render_table(status: NetworkStatus) -> Table:
             f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
         ),
     )
-    for column in ("worker", "name", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "up", "ver"):
-        table.add_column(column, justify="left" if column in ("worker", "name", "state", "device", "ver") else "right")
+    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "up"):
+        left = column in ("worker", "state", "device")
+        table.add_column(column, justify="left" if left else "right", no_wrap=column != "device")
     for w in status.workers:
         r = w.record
         count = "" if r.device.count == 1 else f"{r.device.count}x "
         best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
         table.add_row(
-            short_id(w.id),
-            r.name or "",
+            short_id(w.id) + (f"\n{r.name}" if r.name else ""),
             f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]",
             f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
             f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
@@ -116,6 +116,8 @@ def render_table(status: NetworkStatus) -> Table:
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
             _duration(r.uptime(status.read_at)),
-            r.version,
         )
+    versions = sorted({w.record.version for w in status.workers})
+    if versions:
+        table.caption += f"; gpunet {', '.join(versions)}"
     return table

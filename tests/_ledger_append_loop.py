@@ -5,7 +5,7 @@ Run by the crash test: ``python _ledger_append_loop.py LEDGER_PATH JOB_PREFIX``.
 
 import sys
 
-from _ledger_util import full_receipt
+from tests._ledger_util import full_receipt
 from gpunet.ledger import Identity, Ledger
 
 path, prefix = sys.argv[1], sys.argv[2]

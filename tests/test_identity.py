@@ -57,3 +57,15 @@ def test_peer_id_matches_libp2p_daemon(tmp_path):
         assert dht.peer_id.to_base58() == ident.peer_id
     finally:
         dht.shutdown()
+
+
+def test_hand_encoded_keys_match_libp2p_protobuf(tmp_path):
+    from hivemind.proto import crypto_pb2
+
+    ident = Identity.load_or_create(tmp_path)
+    parsed = crypto_pb2.PrivateKey.FromString((tmp_path / "identity.key").read_bytes())
+    assert parsed.key_type == crypto_pb2.KeyType.Ed25519 and parsed.data[32:] == ident.public_bytes
+    public = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=ident.public_bytes).SerializeToString()
+    import base58
+
+    assert base58.b58decode(ident.peer_id)[2:] == public

@@ -110,3 +110,11 @@ def test_the_jobs_own_limits_are_enforced_by_the_dry_run():
                            limits=gpunet.JobLimits(max_flops=2 * 8 * 64 * 64))
     with pytest.raises(JobRejected, match="FLOPs, over the limit"):
         j2.run_locally(torch.randn(9, 64))
+
+
+def test_a_dimension_without_max_parses_as_unbounded(job):
+    """Regression (found by hypothesis): a range given without "max" once raised KeyError instead of parsing."""
+    obj = json.loads(job.parts.manifest)
+    name = next(iter(obj["dims"]))
+    obj["dims"][name] = {"min": 1}
+    assert Manifest.from_json(json.dumps(obj).encode()).dims[name].max is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _job_models import families
+from tests._job_models import families
 from gpunet import Job
 
 FAMILIES = {name: rest for name, *rest in families()}

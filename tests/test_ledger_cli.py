@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from _ledger_util import full_receipt, worker_signed
+from tests._ledger_util import full_receipt, worker_signed
 from gpunet.ledger import Identity, Receipt, open_ledger
 from gpunet.ledger.cli import app
 

@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from _ledger_util import full_receipt, worker_signed
+from tests._ledger_util import full_receipt, worker_signed
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
 from gpunet.ledger import Identity, Ledger, Receipt, balances, open_ledger
 from gpunet.ledger import store as store_module

@@ -1,6 +1,5 @@
 """The network foundation, end to end: real processes, real libp2p daemons, driven through the CLI."""
 
-import json
 
 import pytest
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _ledger_util import digest, full_receipt, worker_signed
+from tests._ledger_util import digest, full_receipt, worker_signed
 from gpunet.errors import InvalidReceipt
 from gpunet.ledger import (
     Identity,

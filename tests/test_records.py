@@ -4,7 +4,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from gpunet.dht.records import (
-    MAX_RECORD_BYTES, WORKER_BUCKETS, DeviceInfo, WorkerRecord, WorkerState, worker_bucket, worker_key, worker_keys,
+    MAX_RECORD_BYTES, WORKER_BUCKETS, DeviceInfo, WorkerRecord, worker_bucket, worker_key, worker_keys,
 )
 from gpunet.dht.validation import (
     MAX_RECORD_TTL, OwnerSignatureValidator, WorkerRecordValidator, key_id, network_validators,

@@ -15,6 +15,8 @@ their network's namespace, and leave other keys (another network's, hivemind's o
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from collections import OrderedDict
 from typing import Iterable
 
 import msgpack
@@ -34,6 +36,39 @@ _FOOTER_LEN = len(SIGNATURE_TAG) + _SIGNATURE_LEN
 #: A record may not claim to live longer than this: bounds how long a dead peer's last record can linger.
 MAX_RECORD_TTL = 600.0
 _MAX_SUBKEY_BYTES = 128
+
+
+class _VerdictCache:
+    """Bounded LRU of verdicts on exact record bytes.
+
+    A listing receives each record from several replicas, and clients list again and again; re-checking the same
+    bytes would dominate discovery (Ed25519 verification is ~70 us a record). A verdict on identical bytes cannot
+    change, so it is looked up by a digest of everything the check depends on.
+    """
+
+    def __init__(self, capacity: int = 200_000):
+        self._capacity = capacity
+        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+
+    @staticmethod
+    def digest(*parts: bytes) -> bytes:
+        h = hashlib.blake2b(digest_size=20)
+        for part in parts:
+            h.update(len(part).to_bytes(4, "big"))
+            h.update(part)
+        return h.digest()
+
+    def get(self, digest: bytes) -> bool | None:
+        verdict = self._verdicts.get(digest)
+        if verdict is not None:
+            self._verdicts.move_to_end(digest)
+        return verdict
+
+    def put(self, digest: bytes, verdict: bool) -> bool:
+        self._verdicts[digest] = verdict
+        if len(self._verdicts) > self._capacity:
+            self._verdicts.popitem(last=False)
+        return verdict
 
 
 def key_id(key: str) -> bytes:
@@ -69,14 +104,22 @@ class OwnerSignatureValidator(RecordValidatorBase):
     def __init__(self, protected_keys: Iterable[str], identities: Iterable[Identity] = ()):
         self._protected = frozenset(key_id(k) for k in protected_keys)
         self._keyring = {identity.peer_id: identity for identity in identities}
+        self._verdicts = _VerdictCache()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self._protected:
             return True
+        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
+            return False
+        digest = _VerdictCache.digest(record.key, record.subkey or b"", record.value, repr(record.expiration_time).encode())
+        verdict = self._verdicts.get(digest)
+        if verdict is None:
+            verdict = self._verdicts.put(digest, self._check_signature(record))
+        return verdict
+
+    def _check_signature(self, record: DHTRecord) -> bool:
         owner = _subkey_owner(record)
         if owner is None:
-            return False
-        if record.expiration_time > get_dht_time() + MAX_RECORD_TTL:
             return False
         split = split_signed_value(record.value)
         if split is None:
@@ -115,14 +158,23 @@ class WorkerRecordValidator(RecordValidatorBase):
 
     def __init__(self, network: str):
         self._keys = frozenset(key_id(k) for k in worker_keys(network))
+        self._verdicts = _VerdictCache()
 
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self._keys:
             return True
         if len(record.value) > MAX_RECORD_BYTES:
             return False
+        digest = _VerdictCache.digest(record.value)
+        verdict = self._verdicts.get(digest)
+        if verdict is None:
+            verdict = self._verdicts.put(digest, self._parses(record.value))
+        return verdict
+
+    @staticmethod
+    def _parses(value: bytes) -> bool:
         try:
-            WorkerRecord.from_wire_bytes(record.value)
+            WorkerRecord.from_wire_bytes(value)
         except GpunetError:
             return False
         return True

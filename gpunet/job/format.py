@@ -103,7 +103,7 @@ class Manifest:
         for name, r in dims_obj.items():
             _expect(isinstance(name, str) and bool(GRAPH_NAME_RE.match(name)), f"dimension name {str(name)[:40]!r} is not a plain identifier")
             _expect(isinstance(r, dict) and _is_int(r.get("min")) and (r.get("max") is None or _is_int(r.get("max"))), f"dimension {name}: bounds must be integers")
-            _expect(0 <= r["min"] and (r["max"] is None or r["min"] <= r["max"]), f"dimension {name}: empty or negative range")
+            _expect(0 <= r["min"] and (r.get("max") is None or r["min"] <= r["max"]), f"dimension {name}: empty or negative range")
             dims[name] = DimRange(r["min"], r.get("max"))
         inputs = tuple(_tensor_spec(s, dims, "input") for s in _list(obj.get("inputs"), "inputs"))
         outputs = tuple(_tensor_spec(s, dims, "output", outputs=True) for s in _list(obj.get("outputs"), "outputs"))

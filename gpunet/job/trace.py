@@ -6,6 +6,8 @@ named integer dimension ranges and safetensors weights. The worker never sees a 
 
 from __future__ import annotations
 
+import warnings
+
 import inspect
 import math
 import operator
@@ -57,7 +59,9 @@ def trace(
     if isinstance(module, _FunctionModule) and isinstance(dynamic_shapes, (list, tuple)):
         export_dynamic = (tuple(dynamic_shapes),)  # forward(*args) takes its inputs as one varargs tuple
     try:
-        ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
+        with warnings.catch_warnings():  # torch.export's own deprecation chatter is noise to a gpunet user
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
         ep = ep.run_decompositions()
     except GpunetError:
         raise

@@ -9,6 +9,7 @@ id alone, which is how signatures on records and receipts are checked without an
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PrivateFormat, PublicFormat, NoEncryption
-from hivemind.proto import crypto_pb2
 
 from gpunet.errors import ConfigError, IdentityError
 
@@ -26,7 +26,13 @@ KEY_FILENAME = "identity.key"
 DEFAULT_DATA_DIR = "~/.gpunet"
 
 _IDENTITY_MULTIHASH = 0x00  # multihash code for "identity": the digest is the data itself
-_ED25519_PUBLIC_PROTO_LEN = 36  # protobuf PublicKey{key_type=Ed25519, data=<32 bytes>}
+
+# libp2p's crypto.proto messages are {1: KeyType key_type, 2: bytes data}; for Ed25519 (KeyType 1) with fixed-size
+# data their canonical encoding is a fixed 4-byte prefix. Encoding them by hand keeps this module free of hivemind's
+# (torch-importing) package, so ledger commands start fast; tests check the bytes against hivemind's protobuf classes.
+_ED25519_PUBLIC_PREFIX = bytes([0x08, 0x01, 0x12, 32])
+_ED25519_PRIVATE_PREFIX = bytes([0x08, 0x01, 0x12, 64])
+_ED25519_PUBLIC_PROTO_LEN = len(_ED25519_PUBLIC_PREFIX) + 32
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
@@ -42,10 +48,11 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
 
 def peer_id_from_public_bytes(public: bytes) -> str:
     """The libp2p peer id (base58) of a raw 32-byte Ed25519 public key."""
-    proto = crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.Ed25519, data=public).SerializeToString()
+    proto = _ED25519_PUBLIC_PREFIX + public
     return base58.b58encode(bytes([_IDENTITY_MULTIHASH, len(proto)]) + proto).decode()
 
 
+@functools.lru_cache(maxsize=65536)
 def public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     """Recover the Ed25519 public key inlined in a peer id; raises IdentityError for anything else."""
     try:
@@ -54,13 +61,9 @@ def public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
         raise IdentityError(f"peer id {peer_id!r} is not base58") from e
     if len(raw) != 2 + _ED25519_PUBLIC_PROTO_LEN or raw[0] != _IDENTITY_MULTIHASH or raw[1] != len(raw) - 2:
         raise IdentityError(f"peer id {peer_id!r} does not inline an Ed25519 public key")
-    try:
-        proto = crypto_pb2.PublicKey.FromString(raw[2:])
-    except Exception as e:
-        raise IdentityError(f"peer id {peer_id!r} carries a malformed public key") from e
-    if proto.key_type != crypto_pb2.KeyType.Ed25519 or len(proto.data) != 32:
+    if raw[2:6] != _ED25519_PUBLIC_PREFIX:
         raise IdentityError(f"peer id {peer_id!r} is not an Ed25519 identity")
-    return Ed25519PublicKey.from_public_bytes(proto.data)
+    return Ed25519PublicKey.from_public_bytes(raw[6:])
 
 
 def verify(peer_id: str, signature: bytes, message: bytes) -> bool:
@@ -100,14 +103,11 @@ class Identity:
             data = path.read_bytes()
         except OSError as e:
             raise IdentityError(f"cannot read identity key {path}: {e.strerror}") from e
-        try:
-            proto = crypto_pb2.PrivateKey.FromString(data)
-        except Exception as e:
-            raise IdentityError(f"identity key {path} is not a libp2p PrivateKey protobuf") from e
-        if proto.key_type != crypto_pb2.KeyType.Ed25519 or len(proto.data) != 64:
-            raise IdentityError(f"identity key {path} is not an Ed25519 key (a 64-byte seed+public pair)")
-        private_key = Ed25519PrivateKey.from_private_bytes(proto.data[:32])
-        if _public_bytes(private_key) != proto.data[32:]:
+        if len(data) != len(_ED25519_PRIVATE_PREFIX) + 64 or not data.startswith(_ED25519_PRIVATE_PREFIX):
+            raise IdentityError(f"identity key {path} is not a libp2p Ed25519 PrivateKey (seed + public key)")
+        key_data = data[len(_ED25519_PRIVATE_PREFIX) :]
+        private_key = Ed25519PrivateKey.from_private_bytes(key_data[:32])
+        if _public_bytes(private_key) != key_data[32:]:
             raise IdentityError(f"identity key {path} is inconsistent: its public half does not match its seed")
         return cls(private_key, path)
 
@@ -115,11 +115,11 @@ class Identity:
         """Write the key atomically with mode 0600 (never readable by others, not even briefly)."""
         path = Path(path)
         seed = self.private_key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-        proto = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=seed + self.public_bytes)
+        proto = _ED25519_PRIVATE_PREFIX + seed + self.public_bytes
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, proto.SerializeToString())
+            os.write(fd, proto)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -21,14 +21,12 @@ floating-point operations) and an amount in micro-credits, ``amount = flops * pr
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
 
 import msgpack
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from gpunet.errors import IdentityError, InvalidReceipt
 from gpunet.ledger.identity import Identity, public_key_from_peer_id
@@ -72,15 +70,9 @@ def format_credits(micro: int) -> str:
     return f"{sign}{whole}.{frac:06d}"
 
 
-@functools.lru_cache(maxsize=4096)
-def _public_key(peer_id: str) -> Ed25519PublicKey:
-    """Peer id → public key, cached: a ledger names few identities many times, and decoding one costs a lot."""
-    return public_key_from_peer_id(peer_id)
-
-
 def _check_signature(peer_id: str, signature: bytes, message: bytes, who: str) -> None:
     try:
-        key = _public_key(peer_id)
+        key = public_key_from_peer_id(peer_id)  # cached per peer id
     except IdentityError:
         raise InvalidReceipt(f"{who} id {peer_id!r} is not an Ed25519 peer id") from None
     try:

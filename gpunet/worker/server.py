@@ -21,8 +21,10 @@ from gpunet.config import WorkerConfig
 from gpunet.dht import network, registry
 from gpunet.dht.records import MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
 from gpunet.ledger.identity import Identity, resolve_data_dir
+from gpunet.ledger.receipts import price_to_micro
+from gpunet.ledger.store import open_ledger
 from gpunet.worker import hardware as hw
-from gpunet.worker import throughput
+from gpunet.worker import metrics, throughput
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -38,10 +40,9 @@ class Worker:
         self.hardware = hw.detect(config.device, nvml)
         self.state = WorkerState.JOINING
         self.started_at = time.time()
-        self.jobs_done = 0
-        self.queue_length = 0
-        self.running_jobs = 0
-        self.cached_programs: list[str] = []
+        self.service = None
+        self.executor = None
+        self.ledger = None
         self.tflops: dict[str, float] = {}
         self.dht = None
         self.maddrs: list[str] = []
@@ -55,6 +56,8 @@ class Worker:
     # --- the record ------------------------------------------------------------------------------------------------
 
     def record(self) -> WorkerRecord:
+        service, ledger = self.service, self.ledger
+        head = ledger.head() if ledger is not None else None
         return WorkerRecord(
             version=__version__,
             state=self.state,
@@ -62,19 +65,25 @@ class Worker:
             tflops=self.tflops,
             price=float(self.config.price),
             max_concurrent=self.config.max_concurrent,
-            queue=self.queue_length,
-            jobs_done=self.jobs_done,
+            queue=service.queue_length if service else 0,
+            jobs_done=service.jobs_done if service else 0,
             started_at=self.started_at,
             updated_at=time.time(),
-            programs=self.cached_programs[-MAX_CACHED_PROGRAMS:],
+            programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
             name=self.config.public_name,
-            maddrs=self.maddrs[:8],
+            maddrs=self.maddrs[:4],
+            ledger_count=head.count if head else 0,
+            ledger_head=head.head_hash if head else None,
+            credits_earned=ledger.earned(self.id) / 1e6 if ledger is not None else 0.0,
         )
 
     async def announce(self, state: WorkerState | None = None) -> bool:
         """Publish the current record; an explicit ``state`` change is published at once, not at the next beat."""
         if state is not None:
             self.state = state
+        if self.service is not None:
+            metrics.QUEUE.set(self.service.queue_length)
+            metrics.RUNNING.set(self.service.running)
         if self.state is not WorkerState.OFFLINE:
             self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
         # A newer expiration is what makes the DHT replace our previous record (the tombstone included).
@@ -149,19 +158,60 @@ class Worker:
                 await self.announce()
 
     async def _drain(self) -> None:
+        if self.service is not None:
+            self.service.accepting = False
         await self.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
-        while self.running_jobs and time.monotonic() < deadline:
+        while self.service is not None and self.service.admitted and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if self.running_jobs:
-            logger.warning("%d job(s) still running after %.0f s; abandoning them", self.running_jobs, self.config.drain_timeout)
+        if self.service is not None and self.service.admitted:
+            logger.warning("%d job(s) still running after %.0f s; abandoning them", self.service.admitted, self.config.drain_timeout)
         await self.announce(WorkerState.OFFLINE)
-        logger.info("Left the network (served %d jobs). Goodbye.", self.jobs_done)
+        logger.info("Left the network (served %d jobs). Goodbye.", self.service.jobs_done if self.service else 0)
 
     # --- job services: the RPC handler and executors plug in here ---------------------------------------------------
 
+    def _memory_budget(self) -> int:
+        """Bytes one executor may use: a share of free device memory, leaving headroom for the system."""
+        if self.config.memory_budget_gb:
+            return int(self.config.memory_budget_gb * 2**30)
+        share = 0.8 if self.hardware.is_gpu else 0.5
+        return max(256 * 2**20, int(self.hardware.info.memory_free * share / self.config.max_concurrent))
+
     async def start_services(self) -> None:
-        """Start what serves jobs; the worker is announced ``online`` only after this returns."""
+        """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
+        from gpunet.worker.executor import Executor
+        from gpunet.worker.service import JobService
+
+        cfg = self.config
+        self.executor = Executor(
+            device=self.hardware.torch_device,
+            processes=cfg.max_concurrent,
+            memory_budget_bytes=self._memory_budget(),
+            default_timeout=60.0,
+            cache_dir=self.data_dir / "programs",
+        )
+        self.ledger = open_ledger(self.data_dir)
+        self.service = JobService(
+            identity=self.identity,
+            network=cfg.network,
+            executor=self.executor,
+            ledger=self.ledger,
+            price_micro=price_to_micro(cfg.price),
+            max_concurrent=cfg.max_concurrent,
+            max_queue=cfg.max_queue,
+            record=self.record,
+        )
+        await self.service.start(await self.dht.replicate_p2p())
+        if cfg.metrics_port:
+            metrics.serve(cfg.metrics_port)
+            logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
 
     async def stop_services(self) -> None:
-        """Stop what serves jobs (after draining)."""
+        """Stop serving jobs (after draining), stop every executor process, close the ledger."""
+        if self.service is not None:
+            await self.service.stop()
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.close)
+        if self.ledger is not None:
+            self.ledger.close()

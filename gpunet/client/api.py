@@ -1,0 +1,268 @@
+"""``gpunet.Client`` and ``gpunet.AsyncClient``: twins over one :class:`~gpunet.client.core.ClientCore`.
+
+``AsyncClient`` runs the core on the caller's event loop; ``Client`` runs it on a private loop in a background thread
+and hands back ``concurrent.futures.Future`` s. Both take the same arguments and return the same things.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections import deque
+from pathlib import Path
+from typing import AsyncIterator, Iterable, Iterator, Sequence
+
+from gpunet.client.core import ClientConfig, ClientCore, JobResult
+from gpunet.client.routing import Requirements
+from gpunet.dht.network import DEFAULT_NETWORK
+from gpunet.dht.registry import WorkerEntry
+from gpunet.errors import GpunetError
+from gpunet.ledger.receipts import Receipt
+from gpunet.ledger.store import Ledger, open_ledger
+
+
+class JobFuture(concurrent.futures.Future):
+    """A submitted job. ``result()`` is the output tensor(s); once done, ``worker_id`` and ``receipt`` say who ran it
+    and what was paid, ``attempts`` lists every worker tried and ``bytes_sent`` what the delivering one received."""
+
+    worker_id: str | None = None
+    receipt: Receipt | None = None
+    attempts: list[str] = []
+    bytes_sent: int = 0
+
+    def _fill(self, result: JobResult) -> None:
+        self.worker_id, self.receipt, self.attempts, self.bytes_sent = (
+            result.worker_id, result.receipt, result.attempts, result.bytes_sent)
+
+    def _settle(self, outcome: concurrent.futures.Future) -> None:
+        if self.done():  # cancelled by the caller meanwhile
+            return
+        if outcome.cancelled():
+            self.cancel()
+            return
+        error = outcome.exception()
+        if error is not None:
+            self.set_exception(error)
+            return
+        result: JobResult = outcome.result()
+        self._fill(result)
+        self.set_result(result.outputs)
+
+
+class AsyncJobFuture(asyncio.Future):
+    """The awaitable twin of :class:`JobFuture`: ``await`` it for the outputs; ``worker_id``/``receipt`` once done."""
+
+    worker_id: str | None = None
+    receipt: Receipt | None = None
+    attempts: list[str] = []
+    bytes_sent: int = 0
+    _fill = JobFuture._fill
+
+
+def _progress(total: int | None, enabled: bool):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("gpunet"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=False)
+    progress.start()
+    task = progress.add_task("jobs", total=total)
+    return progress, task
+
+
+def _window(core: ClientCore, requirements: Requirements | None) -> int:
+    """Jobs kept in flight by ``map``: enough to fill every eligible worker twice over."""
+    return max(4, 2 * core.router.capacity(requirements or Requirements()))
+
+
+class AsyncClient:
+    """Submit jobs to a gpunet network from asyncio code. Use as ``async with AsyncClient(...) as client``."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] | None = None,
+        network: str = DEFAULT_NETWORK,
+        data_dir: str | Path | None = None,
+        config: ClientConfig | None = None,
+    ):
+        self._core = ClientCore(initial_peers, network, data_dir, config)
+
+    @property
+    def id(self) -> str:
+        return self._core.id
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self._core.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._core.close()
+
+    def submit(self, job, *inputs, requirements: Requirements | None = None) -> AsyncJobFuture:
+        future = AsyncJobFuture()
+        task = asyncio.ensure_future(self._core.run(job, inputs, requirements))
+
+        def settle(t: asyncio.Task) -> None:
+            if future.done():
+                return
+            if t.cancelled():
+                future.cancel()
+            elif t.exception() is not None:
+                future.set_exception(t.exception())
+            else:
+                result = t.result()
+                future._fill(result)
+                future.set_result(result.outputs)
+
+        task.add_done_callback(settle)
+        future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+        return future
+
+    async def map(
+        self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = False
+    ) -> AsyncIterator:
+        """Like builtin ``map`` (one iterable per job input), in order, spread over the network."""
+        window = _window(self._core, requirements)
+        pending: deque[AsyncJobFuture] = deque()
+        bar = _progress(_total(iterables), progress)
+        try:
+            for args in zip(*iterables):
+                pending.append(self.submit(job, *args, requirements=requirements))
+                while len(pending) >= window:
+                    yield await _advance(pending.popleft(), bar)
+            while pending:
+                yield await _advance(pending.popleft(), bar)
+        finally:
+            for f in pending:
+                f.cancel()
+            if bar:
+                bar[0].stop()
+
+    async def workers(self, refresh: bool = False) -> list[WorkerEntry]:
+        if refresh:
+            await self._core.refresh()
+        return self._core.workers()
+
+    @property
+    def ledger(self) -> Ledger:
+        """This client's ledger of receipts (the one the client appends to)."""
+        return self._core.ledger
+
+
+async def _advance(future: AsyncJobFuture, bar):
+    result = await future
+    if bar:
+        bar[0].advance(bar[1])
+    return result
+
+
+def _total(iterables: tuple) -> int | None:
+    try:
+        return min(len(it) for it in iterables)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+class Client:
+    """Submit jobs to a gpunet network. Use as ``with Client(initial_peers=[...]) as client``."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str] | None = None,
+        network: str = DEFAULT_NETWORK,
+        data_dir: str | Path | None = None,
+        config: ClientConfig | None = None,
+    ):
+        self._core = ClientCore(initial_peers, network, data_dir, config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gpunet-client", daemon=True)
+        self._thread.start()
+        self._local = threading.local()
+        self._closed = False
+        try:
+            self._call(self._core.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def id(self) -> str:
+        return self._core.id
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self._core.close())
+        finally:
+            self._stop_loop()
+            ledger = getattr(self._local, "ledger", None)
+            if ledger is not None:
+                ledger.close()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def submit(self, job, *inputs, requirements: Requirements | None = None) -> JobFuture:
+        """Send ``job`` with ``inputs`` to the network; returns at once with a future of the output tensor(s)."""
+        if self._closed:
+            raise GpunetError("client is closed")
+        future = JobFuture()
+        outcome = asyncio.run_coroutine_threadsafe(self._core.run(job, inputs, requirements), self._loop)
+        outcome.add_done_callback(future._settle)
+        future.add_done_callback(lambda f: outcome.cancel() if f.cancelled() else None)
+        return future
+
+    def map(
+        self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = True
+    ) -> Iterator:
+        """Like builtin ``map`` (one iterable per job input): results in order, jobs spread over many workers."""
+        window = _window(self._core, requirements)
+        pending: deque[JobFuture] = deque()
+        bar = _progress(_total(iterables), progress)
+        args_iter = zip(*iterables)
+        try:
+            for args in itertools.islice(args_iter, window):
+                pending.append(self.submit(job, *args, requirements=requirements))
+            while pending:
+                result = pending.popleft().result()
+                if bar:
+                    bar[0].advance(bar[1])
+                for args in itertools.islice(args_iter, 1):
+                    pending.append(self.submit(job, *args, requirements=requirements))
+                yield result
+        finally:
+            for f in pending:
+                f.cancel()
+            if bar:
+                bar[0].stop()
+
+    def workers(self, refresh: bool = False) -> list[WorkerEntry]:
+        """The workers discovery sees now (refreshed in the background every couple of seconds)."""
+        if refresh:
+            self._call(self._core.refresh())
+        return self._core.workers()
+
+    @property
+    def ledger(self) -> Ledger:
+        """This client's ledger, opened for the calling thread (SQLite connections are per thread)."""
+        ledger = getattr(self._local, "ledger", None)
+        if ledger is None:
+            ledger = self._local.ledger = open_ledger(self._core.data_dir)
+        return ledger

@@ -1,0 +1,258 @@
+"""The client's engine, shared by :class:`~gpunet.Client` and :class:`~gpunet.AsyncClient`: only their I/O differs.
+
+It joins the network as a DHT client under its own identity, keeps the worker view fresh, and runs each job through
+routing (who), the transport (how), result checks and the ledger (countersign, append). A failed, timed-out or busy
+worker is skipped and the job retried elsewhere; a job id is never paid twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
+from gpunet.client.transport import send_job
+from gpunet.dht import network as net
+from gpunet.dht import registry
+from gpunet.dht.registry import WorkerEntry
+from gpunet.errors import (
+    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProtocolError, WorkerBusy,
+)
+from gpunet.ledger.identity import Identity, resolve_data_dir
+from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
+from gpunet.ledger.store import Ledger, open_ledger
+
+logger = logging.getLogger("gpunet.client")
+
+
+@dataclass
+class ClientConfig:
+    """Client tuning, with defaults."""
+
+    refresh_period: float = 2.0  # seconds between worker-list refreshes
+    discovery_wait: float = 10.0  # how long a job waits for a first worker to appear in an empty view
+    max_rejections: int = 3  # worker-specific refusals tolerated before the refusal is final
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """A finished job: decoded outputs, the worker that ran it, and the receipt both sides signed."""
+
+    outputs: torch.Tensor | tuple[torch.Tensor, ...]
+    worker_id: str
+    receipt: Receipt
+    attempts: list[str]  # worker ids tried, in order, the last one delivered
+    bytes_sent: int  # to the worker that delivered: inputs, plus the program unless it had it cached
+
+
+def client_data_dir(data_dir: str | Path | None) -> Path:
+    """A client's node dir: the given one, else ``<GPUNET_DATA_DIR or ~/.gpunet>/client``.
+
+    Apart from a worker's on purpose: two daemons with one libp2p identity on one network would be one peer to others.
+    """
+    if data_dir is not None:
+        return resolve_data_dir(data_dir)
+    return resolve_data_dir(resolve_data_dir() / "client")
+
+
+class ClientCore:
+    def __init__(
+        self,
+        initial_peers: Sequence[str] | None = None,
+        network: str = net.DEFAULT_NETWORK,
+        data_dir: str | Path | None = None,
+        config: ClientConfig | None = None,
+    ):
+        self.network = net.check_network_name(network)
+        self.initial_peers = net.resolve_initial_peers(initial_peers)
+        self.data_dir = client_data_dir(data_dir)
+        self.config = config or ClientConfig()
+        self.identity = Identity.load_or_create(self.data_dir)
+        self.router = Router(self.config.routing)
+        self.dht = None
+        self.p2p = None
+        self.ledger: Ledger | None = None
+        self._refresher: asyncio.Task | None = None
+        self._fresh = asyncio.Event()
+        self._estimates: dict[tuple, object] = {}
+
+    @property
+    def id(self) -> str:
+        return self.identity.peer_id
+
+    async def start(self) -> None:
+        self.dht = await asyncio.to_thread(
+            net.join, self.network, self.initial_peers, identity=self.identity, client_mode=True,
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        )
+        net.tie_to_this_process(self.dht)
+        self.p2p = await self.dht.replicate_p2p()
+        self.ledger = open_ledger(self.data_dir)
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            try:
+                await self._refresher
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self.p2p is not None:
+            await self.p2p.shutdown()  # our replica's connections to the daemon, not the daemon itself
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+        if self.ledger is not None:
+            self.ledger.close()
+
+    # --- the worker view -------------------------------------------------------------------------------------------
+
+    async def refresh(self) -> list[WorkerEntry]:
+        entries = await registry.discover_async(self.dht, self.network)
+        self.router.update(entries)
+        if entries:
+            self._fresh.set()
+        return entries
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_period)
+            try:
+                await self.refresh()
+            except Exception as e:  # a slow or broken refresh must not kill the client; the next one may work
+                logger.warning("Refreshing the worker list failed: %s", e)
+
+    def workers(self) -> list[WorkerEntry]:
+        return list(self.router.workers.values())
+
+    # --- jobs ------------------------------------------------------------------------------------------------------
+
+    def _estimate(self, job, inputs: Sequence[torch.Tensor]):
+        """FLOPs and memory by the same dry run the worker bills from; cached per program and input shapes."""
+        key = (job.program_hash, *((tuple(t.shape), t.dtype) for t in inputs))
+        if key not in self._estimates:
+            self._estimates[key] = job.estimate(*inputs)  # also validates the job exactly as a worker would
+        return self._estimates[key]
+
+    async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
+                  job_id: str | None = None) -> JobResult:
+        """Route, send, retry; returns the checked, countersigned result."""
+        req = requirements or Requirements()
+        job_id = job_id or uuid.uuid4().hex
+        deadline = time.monotonic() + req.timeout
+        encoded = job.encode_inputs(*inputs)  # JobRejected here: the inputs do not fit the traced program
+        estimate = await asyncio.to_thread(self._estimate, job, inputs)
+        program = job.program_bytes()
+        shape = JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job))
+        max_price = price_to_micro(req.max_price) if req.max_price is not None else None
+        input_hash = hashlib.sha256(encoded).hexdigest()
+        tried: list[str] = []
+        failed: set[str] = set()
+        rejections: list[JobRejected] = []
+        last_error: GpunetError | None = None
+
+        if not self.router.workers:
+            try:
+                await asyncio.wait_for(self._fresh.wait(), min(self.config.discovery_wait, req.timeout))
+            except asyncio.TimeoutError:
+                raise NoWorkersAvailable(f"no workers appeared in network {self.network!r} within "
+                                         f"{min(self.config.discovery_wait, req.timeout):.0f} s") from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise JobTimeout(f"job {job_id[:12]} did not finish within {req.timeout:g} s; tried {_names(tried)}"
+                                 + (f" (last error: {last_error})" if last_error else ""))
+            try:
+                worker = self.router.choose(req, shape, exclude=failed)
+            except NoWorkersAvailable as e:
+                if not tried:
+                    raise
+                raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
+            tried.append(worker.id)
+            self.router.started(worker.id)
+            t0 = time.perf_counter()
+            try:
+                delivery = await asyncio.wait_for(
+                    send_job(
+                        self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
+                        program_hash=job.program_hash, program_bytes=program, inputs=encoded,
+                        timeout=max(0.1, remaining), max_price=max_price,
+                    ),
+                    timeout=remaining,
+                )
+            except WorkerBusy as e:
+                self.router.busy(worker.id)
+                last_error = e
+                await asyncio.sleep(0.01)
+                continue
+            except JobRejected as e:  # worker-specific (its limits, its price): another may take it
+                rejections.append(e)
+                failed.add(worker.id)
+                last_error = e
+                if len(rejections) >= self.config.max_rejections:
+                    raise JobRejected(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
+                continue
+            except (asyncio.TimeoutError, GpunetError, ConnectionError, OSError) as e:
+                error = e if isinstance(e, GpunetError) else NetworkError(f"{type(e).__name__}: {e}")
+                if isinstance(e, asyncio.TimeoutError):
+                    error = JobTimeout(f"worker {worker.id[-8:]} took too long")
+                ban = self.router.failed(worker.id)
+                failed.add(worker.id)
+                last_error = error
+                logger.info("Worker %s failed job %s (%s); banned %.0f s, retrying elsewhere",
+                            worker.id[-8:], job_id[:12], error, ban)
+                continue
+            finally:
+                self.router.finished(worker.id)
+            try:
+                outputs, receipt = await self._accept(job, delivery, input_hash, estimate.flops, max_price)
+            except GpunetError as e:
+                await delivery.refuse(str(e))
+                self.router.failed(worker.id)
+                failed.add(worker.id)
+                last_error = e
+                logger.warning("Refused the result of worker %s for job %s: %s", worker.id[-8:], job_id[:12], e)
+                continue
+            self.router.succeeded(worker.id, shape, time.perf_counter() - t0, delivery.bytes_sent,
+                                  delivery.transfer_seconds)
+            return JobResult(outputs, worker.id, receipt, tried, delivery.bytes_sent)
+
+    async def _accept(self, job, delivery, input_hash: str, flops: int, max_price: int | None):
+        """Check what came back (outputs decode against the manifest, receipt matches), countersign, record."""
+        receipt = delivery.receipt
+        if receipt.input_hash != input_hash:
+            raise InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
+        try:
+            outputs = job.decode_outputs(delivery.outputs)
+        except GpunetError as e:
+            raise ProtocolError(f"outputs do not match the program's output specs: {e}") from None
+        signed = countersign(receipt, self.identity, output_hash=hashlib.sha256(delivery.outputs).hexdigest(),
+                             max_price=max_price, flops=flops)
+        if self.ledger.get(signed.job_id) is None:
+            self.ledger.append(signed)
+        await delivery.countersign(signed.client_signature)
+        return outputs, signed
+
+
+_THROUGHPUT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+def _dtype_of(job) -> str | None:
+    """The throughput figure that fits a job: that of its first floating-point input (fp32 for most models)."""
+    for spec in job.manifest.inputs:
+        if spec.dtype in _THROUGHPUT_DTYPES:
+            return _THROUGHPUT_DTYPES[spec.dtype]
+    return None
+
+
+def _names(ids: list[str]) -> str:
+    return ", ".join(i[-8:] for i in ids) or "no worker"

@@ -1,0 +1,213 @@
+"""Routing: which worker gets a job. Decides *who*; :mod:`gpunet.client.transport` decides *how*.
+
+Workers are filtered by the job's :class:`Requirements` and their state, then ranked by expected completion time::
+
+    wait     = (record queue + this client's jobs in flight there) / max_concurrent * typical job time there
+    transfer = bytes to send (inputs, plus weights unless the worker advertises the program) / bandwidth
+    compute  = FLOPs from the dry run / the worker's measured throughput in the job's dtype (observed times refine it)
+
+and by price (``prefer``: ``balanced`` sums both normalised, ``fastest`` time alone, ``cheapest`` price then time).
+Failing workers are banned with exponential backoff; a busy one is only skipped for a moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+from gpunet.dht.records import WorkerState
+from gpunet.dht.registry import WorkerEntry
+from gpunet.errors import ConfigError, NoWorkersAvailable
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a job needs from a worker. The user states needs; the network picks the machine."""
+
+    device: Literal["any", "gpu", "cpu"] = "any"
+    min_memory_gb: float = 0.0
+    dtype: str | None = None  # "fp32" | "fp16" | "bf16": the worker must have measured throughput in it
+    min_tflops: float = 0.0
+    max_price: float | None = None  # credits per PFLOP
+    timeout: float = 120.0  # seconds for the whole job, retries included
+    prefer: Literal["balanced", "fastest", "cheapest"] = "balanced"
+
+    def __post_init__(self):
+        if self.device not in ("any", "gpu", "cpu"):
+            raise ConfigError(f"Requirements.device must be 'any', 'gpu' or 'cpu', not {self.device!r}")
+        if self.prefer not in ("balanced", "fastest", "cheapest"):
+            raise ConfigError(f"Requirements.prefer must be 'balanced', 'fastest' or 'cheapest', not {self.prefer!r}")
+        if self.timeout <= 0:
+            raise ConfigError("Requirements.timeout must be positive")
+        if self.max_price is not None and self.max_price < 0:
+            raise ConfigError("Requirements.max_price must be >= 0")
+
+    def refusal(self, entry: WorkerEntry) -> str | None:
+        """Why ``entry`` cannot take this job, or None when it can."""
+        r = entry.record
+        if r.state is not WorkerState.ONLINE:
+            return f"is {r.state.value}"
+        if self.device == "gpu" and r.device.kind != "cuda":
+            return "has no GPU"
+        if self.device == "cpu" and r.device.kind != "cpu":
+            return "is not a CPU worker"
+        if r.device.memory_free < self.min_memory_gb * GiB:
+            return f"has {r.device.memory_free / GiB:.1f} GiB free (< {self.min_memory_gb:g})"
+        if self.dtype is not None and self.dtype not in r.tflops:
+            return f"does not run {self.dtype}"
+        tflops = r.tflops.get(self.dtype, 0.0) if self.dtype else r.best_tflops
+        if tflops < self.min_tflops:
+            return f"measures {tflops:.3g} TFLOPS (< {self.min_tflops:g})"
+        if self.max_price is not None and r.price > self.max_price:
+            return f"charges {r.price:g}/PFLOP (> {self.max_price:g})"
+        return None
+
+
+@dataclass
+class RoutingConfig:
+    """Tuning knobs, with the defaults the client uses."""
+
+    ban_base: float = 2.0  # seconds; doubles per consecutive failure
+    ban_max: float = 300.0
+    busy_cooldown: float = 0.5  # seconds a worker that answered "busy" is skipped
+    default_bandwidth: float = 100e6  # bytes/s until measured
+    default_overhead: float = 0.005  # seconds of round trip and scheduling per job, until measured
+    ema: float = 0.3
+
+
+@dataclass
+class _Ban:
+    until: float = 0.0
+    strikes: int = 0
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What routing needs to know about one job."""
+
+    flops: int
+    program_hash: str
+    input_bytes: int
+    program_bytes: int
+    dtype: str | None = None
+
+
+@dataclass
+class Router:
+    config: RoutingConfig = field(default_factory=RoutingConfig)
+    workers: dict[str, WorkerEntry] = field(default_factory=dict)
+    inflight: Counter = field(default_factory=Counter)
+    bans: dict[str, _Ban] = field(default_factory=dict)
+    known_programs: dict[str, set[str]] = field(default_factory=dict)  # worker id -> programs we sent it
+    bandwidth: float = 0.0
+    _seconds_per_flop: dict[str, float] = field(default_factory=dict)  # observed, per worker
+    _overhead: dict[str, float] = field(default_factory=dict)  # observed seconds a job costs beyond its FLOPs
+
+    def update(self, entries: Iterable[WorkerEntry]) -> None:
+        self.workers = {e.id: e for e in entries}
+
+    # --- filtering -------------------------------------------------------------------------------------------------
+
+    def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None) -> list[WorkerEntry]:
+        """Workers that meet ``req``, are not banned and not excluded; raises NoWorkersAvailable saying why not."""
+        now = time.monotonic() if now is None else now
+        ok, reasons = [], Counter()
+        for entry in self.workers.values():
+            why = req.refusal(entry)
+            if why is None and entry.id in exclude:
+                why = "already failed this job"
+            if why is None and self.bans.get(entry.id, _Ban()).until > now:
+                why = "is banned for recent failures"
+            if why is None:
+                ok.append(entry)
+            else:
+                reasons[why] += 1
+        if not ok:
+            if not self.workers:
+                raise NoWorkersAvailable("no workers are online in this network")
+            detail = "; ".join(f"{n} {why}" for why, n in reasons.most_common(6))
+            raise NoWorkersAvailable(f"none of the {len(self.workers)} known workers meets the requirements: {detail}")
+        return ok
+
+    # --- ranking ---------------------------------------------------------------------------------------------------
+
+    def expected_seconds(self, entry: WorkerEntry, job: JobShape) -> float:
+        r = entry.record
+        tflops = (r.tflops.get(job.dtype) if job.dtype else None) or r.best_tflops or 1e-3
+        compute = self._seconds_per_flop.get(entry.id, 1.0 / (tflops * 1e12)) * job.flops
+        cached = job.program_hash in r.programs or job.program_hash in self.known_programs.get(entry.id, ())
+        sent = job.input_bytes + (0 if cached else job.program_bytes)
+        transfer = sent / (self.bandwidth or self.config.default_bandwidth)
+        overhead = self._overhead.get(entry.id, self.config.default_overhead)
+        ahead = r.queue + self.inflight[entry.id]
+        wait = ahead / max(1, r.max_concurrent) * (compute + overhead)
+        return wait + transfer + compute + overhead
+
+    def rank(self, candidates: list[WorkerEntry], job: JobShape, prefer: str) -> list[WorkerEntry]:
+        times = {e.id: self.expected_seconds(e, job) for e in candidates}
+        if prefer == "fastest":
+            key = lambda e: (times[e.id], e.record.price)  # noqa: E731
+        elif prefer == "cheapest":
+            key = lambda e: (e.record.price, times[e.id])  # noqa: E731
+        else:
+            t_min = min(times.values())
+            p_min = min(e.record.price for e in candidates)
+            key = lambda e: times[e.id] / t_min + (e.record.price / p_min if p_min > 0 else (1.0 if e.record.price == 0 else 2.0))  # noqa: E731
+        return sorted(candidates, key=key)
+
+    def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset()) -> WorkerEntry:
+        return self.rank(self.eligible(req, exclude), job, req.prefer)[0]
+
+    # --- outcomes --------------------------------------------------------------------------------------------------
+
+    def started(self, worker_id: str) -> None:
+        self.inflight[worker_id] += 1
+
+    def finished(self, worker_id: str) -> None:
+        self.inflight[worker_id] -= 1
+        if self.inflight[worker_id] <= 0:
+            del self.inflight[worker_id]
+
+    def succeeded(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float) -> None:
+        self.bans.pop(worker_id, None)
+        self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
+        a = self.config.ema
+        compute = seconds - transfer_seconds
+        if job.flops >= 1e9 and compute > 0:  # only jobs big enough for their FLOPs to dominate teach throughput
+            _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
+        else:
+            _ema(self._overhead, worker_id, max(0.0, compute), a)
+        if bytes_sent > 1 << 20 and transfer_seconds > 0:
+            measured = bytes_sent / transfer_seconds
+            self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
+
+    def failed(self, worker_id: str, now: float | None = None) -> float:
+        """Ban ``worker_id`` for ban_base * 2^(strikes-1) seconds (capped); returns the ban's length."""
+        now = time.monotonic() if now is None else now
+        ban = self.bans.setdefault(worker_id, _Ban())
+        ban.strikes += 1
+        length = min(self.config.ban_max, self.config.ban_base * 2 ** (ban.strikes - 1))
+        ban.until = now + length
+        self.known_programs.pop(worker_id, None)
+        return length
+
+    def busy(self, worker_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        ban = self.bans.setdefault(worker_id, _Ban())
+        ban.until = max(ban.until, now + self.config.busy_cooldown)
+
+    def capacity(self, req: Requirements) -> int:
+        """Jobs the eligible workers can run at once (sizes ``map``'s window); 0 when none is eligible."""
+        try:
+            return sum(e.record.max_concurrent for e in self.eligible(req))
+        except NoWorkersAvailable:
+            return 0
+
+
+def _ema(table: dict[str, float], key: str, value: float, alpha: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else (1 - alpha) * old + alpha * value

@@ -1,0 +1,204 @@
+"""A gpunet network on this machine: a bootstrap node and workers as real processes on 127.0.0.1.
+
+Used by ``gpunet demo``, the benchmarks and the end-to-end tests alike. Each process runs in its own session, so it
+and its children (DHT process, p2p daemon) are stopped by process-group id, never by name. Every wait is on a
+condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+T = TypeVar("T")
+
+
+def wait_for(condition: Callable[[], T], timeout: float, message: str, interval: float = 0.1) -> T:
+    """Poll ``condition`` until it returns something truthy; raise TimeoutError with ``message`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {message}")
+        time.sleep(interval)
+
+
+def gpunet_cmd(*args: str) -> list[str]:
+    """The ``gpunet`` command run by this very interpreter (so a venv's gpunet, never another on PATH)."""
+    return [sys.executable, "-m", "gpunet", *args]
+
+
+@dataclass(eq=False)
+class Proc:
+    """A gpunet process with its output collected line by line."""
+
+    name: str
+    popen: subprocess.Popen
+    data_dir: Path
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for stream in (self.popen.stdout, self.popen.stderr):
+            threading.Thread(target=self._drain, args=(stream,), daemon=True).start()
+
+    def _drain(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def find(self, pattern: str) -> re.Match | None:
+        for line in list(self.lines):
+            match = re.search(pattern, line)
+            if match:
+                return match
+        return None
+
+    def wait_for_line(self, pattern: str, timeout: float = 90) -> re.Match:
+        def found():
+            match = self.find(pattern)
+            if not match and self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self.output}")
+            return match
+
+        return wait_for(found, timeout, f"{self.name} to print {pattern!r}; output so far:\n{self.output}")
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def terminate(self, timeout: float = 60) -> int:
+        """SIGTERM the main process (a clean leave) and wait for it; returns its exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        return self.popen.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the main process only: a crash, as far as the network can tell."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(timeout=10)
+
+    def cleanup(self) -> None:
+        """Leave nothing of this process group running."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.popen.poll() is None:
+            self.popen.wait(timeout=10)
+        try:  # children reparented to init are reaped a moment after the kill
+            wait_for(lambda: not self.group_alive(), 10, f"{self.name}'s process group to exit", interval=0.05)
+        except TimeoutError:
+            pass
+
+
+class LocalNetwork:
+    """Start gpunet processes on loopback; ``close()`` (or leaving the ``with`` block) stops all of them."""
+
+    def __init__(self, root: Path | None = None, network: str = "gpunet-local", heartbeat: float = 2.0):
+        self._tmp = None
+        if root is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gpunet-local-")
+            root = Path(self._tmp.name)
+        self.root = Path(root)
+        self.network = network
+        self.heartbeat = heartbeat
+        self.procs: list[Proc] = []
+        self.bootstrap_addr: str | None = None
+        self._count = 0
+
+    def __enter__(self) -> "LocalNetwork":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, name: str, args: list[str], data_dir: Path | None = None) -> Proc:
+        self._count += 1
+        data_dir = Path(data_dir or self.root / f"{name}-{self._count}")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "GPUNET_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
+        env.pop("GPUNET_INITIAL_PEERS", None)
+        popen = subprocess.Popen(
+            gpunet_cmd(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        proc = Proc(f"{name}-{self._count}", popen, data_dir)
+        self.procs.append(proc)
+        return proc
+
+    def start_bootstrap(self) -> str:
+        proc = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", LOOPBACK])
+        self.bootstrap_addr = proc.wait_for_line(r"--initial-peers (/ip4/127\.0\.0\.1/\S+)").group(1)
+        return self.bootstrap_addr
+
+    def start_worker(
+        self, *extra: str, network: str | None = None, data_dir: Path | None = None, wait_online: bool = True
+    ) -> Proc:
+        if not self.bootstrap_addr:
+            raise RuntimeError("start_bootstrap() first")
+        args = [
+            "worker", "--network", network or self.network, "--initial-peers", self.bootstrap_addr,
+            "--host-maddrs", LOOPBACK, "--device", "cpu", "--heartbeat", str(self.heartbeat), *extra,
+        ]
+        proc = self._start("worker", args, data_dir)
+        if wait_online:
+            self.wait_online(proc)
+        return proc
+
+    def start_workers(self, count: int, *extra: str, **kwargs) -> list[Proc]:
+        """Start ``count`` workers at once (they boot in parallel), then wait until each is online."""
+        procs = [self.start_worker(*extra, wait_online=False, **kwargs) for _ in range(count)]
+        for proc in procs:
+            self.wait_online(proc)
+        return procs
+
+    @staticmethod
+    def wait_online(proc: Proc) -> None:
+        proc.wait_for_line(r"Online: taking jobs")
+
+    @staticmethod
+    def worker_id(proc: Proc) -> str:
+        return proc.wait_for_line(r"Worker id: (\S+)").group(1)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.cleanup()
+        leftovers = [p for p in self.procs if p.group_alive()]
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        if leftovers:
+            raise RuntimeError(f"processes left behind: {[(p.name, p.pid) for p in leftovers]}")

@@ -1,0 +1,212 @@
+"""Jobs through a real swarm, through the public API, as a user would submit them."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+import gpunet
+from gpunet import Requirements
+from tests.swarm import wait_for
+
+pytestmark = pytest.mark.swarm
+
+
+class SlowChain(torch.nn.Module):
+    """Enough matmuls to keep a CPU worker busy for a noticeable while (a few GFLOP)."""
+
+    def __init__(self, n=384, steps=48):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = torch.nn.Parameter(torch.randn(steps, n, n) / n**0.5)
+
+    def forward(self, x):
+        for w in self.w:
+            x = torch.tanh(x @ w)
+        return x
+
+
+def mlp_job():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    batch = torch.export.Dim("batch", min=1, max=512)
+    return model, gpunet.Job.from_module(model, (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
+
+
+@pytest.fixture
+def client_for(tmp_path):
+    clients = []
+
+    def make(swarm):
+        c = gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network, data_dir=tmp_path / "client")
+        clients.append(c)
+        wait_for(lambda: c.workers(refresh=True), 30, "the client to see workers")
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def test_submit_and_map_return_correct_results_in_order(swarm, client_for):
+    workers = swarm.start_workers(3)
+    ids = {swarm.worker_id(w) for w in workers}
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    model, job = mlp_job()
+
+    x = torch.randn(5, 16)
+    future = client.submit(job, x)
+    assert torch.equal(future.result(timeout=60), model(x).detach())
+    assert future.worker_id in ids
+    assert future.receipt.job_id and future.receipt.worker_id == future.worker_id
+    assert future.receipt.client_id == client.id and future.receipt.is_countersigned
+
+    xs = [torch.randn(1 + i % 7, 16) for i in range(100)]
+    ys = list(client.map(job, xs, progress=False))
+    assert len(ys) == 100
+    with torch.no_grad():
+        for x, y in zip(xs, ys):
+            assert torch.equal(y, model(x))
+    receipts = list(client.ledger.receipts())
+    assert len(receipts) == 101 and len({r.job_id for r in receipts}) == 101
+    assert len({r.worker_id for r in receipts}) > 1, "map should spread jobs over several workers"
+    assert client.ledger.verify().count == 101
+
+
+def test_killed_worker_jobs_complete_elsewhere_exactly_once(swarm, client_for):
+    doomed = swarm.start_worker("--price", "0.5")  # cheapest: routing sends it work first
+    others = swarm.start_workers(2, "--price", "5")
+    doomed_id = swarm.worker_id(doomed)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    model = SlowChain()
+    job = gpunet.Job.from_module(model, (torch.randn(64, 384),))
+    xs = [torch.randn(64, 384) for _ in range(10)]
+    futures = [client.submit(job, x, requirements=Requirements(prefer="cheapest", timeout=300)) for x in xs]
+
+    doomed.wait_for_line(r"Job \w+ for client .* done", timeout=120)  # it delivered one and holds the rest
+    doomed.kill()
+    with torch.no_grad():
+        for x, f in zip(xs, futures):
+            assert torch.allclose(f.result(timeout=300), model(x), atol=1e-5)
+    rerouted = [f for f in futures if len(f.attempts) > 1]
+    assert rerouted, "some jobs were in the killed worker's hands and had to move"
+    assert all(f.attempts[0] == doomed_id and f.worker_id != doomed_id for f in rerouted)
+    receipts = list(client.ledger.receipts())
+    assert sorted(r.job_id for r in receipts) == sorted(f.receipt.job_id for f in futures)  # each paid once
+    assert all(r.worker_id == f.worker_id for f in futures for r in receipts if r.job_id == f.receipt.job_id)
+    del others
+
+
+def test_requirements_nobody_meets_fail_fast(swarm, client_for):
+    swarm.start_workers(2, "--price", "3")
+    client = client_for(swarm)
+    _, job = mlp_job()
+    x = torch.randn(2, 16)
+    for req, why in [
+        (Requirements(device="gpu"), "has no GPU"),
+        (Requirements(max_price=1.0), "charges 3/PFLOP"),
+        (Requirements(min_memory_gb=100_000), "GiB free"),
+        (Requirements(dtype="fp16"), "does not run fp16"),
+    ]:
+        with pytest.raises(gpunet.NoWorkersAvailable, match=why):
+            client.submit(job, x, requirements=req).result(timeout=20)
+
+
+def test_busy_worker_is_skipped_and_cached_program_is_not_resent(swarm, client_for):
+    cheap = swarm.start_worker("--price", "1", "--max-concurrent", "1", "--max-queue", "0")
+    other = swarm.start_worker("--price", "2")
+    cheap_id, other_id = swarm.worker_id(cheap), swarm.worker_id(other)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
+    model = SlowChain()
+    job = gpunet.Job.from_module(model, (torch.randn(64, 384),))
+    cheapest = Requirements(prefer="cheapest", timeout=120)
+    program_size = len(job.program_bytes())
+
+    first = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    cheap.wait_for_line(r"Running job", timeout=60)
+    second = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    first.result(timeout=120), second.result(timeout=120)
+    assert first.worker_id == cheap_id
+    assert second.worker_id == other_id and second.attempts[0] == cheap_id  # busy -> elsewhere
+
+    third = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    third.result(timeout=120)
+    assert third.worker_id == cheap_id
+    assert first.bytes_sent > program_size  # the program went with the first job
+    assert third.bytes_sent < program_size  # ...and never again: the worker had it cached
+    assert third.bytes_sent == len(job.encode_inputs(torch.randn(64, 384)))
+
+
+def test_malformed_and_oversized_messages_get_an_error_and_the_worker_keeps_serving(swarm, client_for):
+    worker = swarm.start_worker()
+    worker_id = swarm.worker_id(worker)
+    client = client_for(swarm)
+    from gpunet.client.transport import open_stream
+    from gpunet.wire import encode_frame, job_protocol, read_frame
+
+    core = client._core
+    maddrs = client.workers()[0].record.maddrs
+
+    async def exchange(raw: bytes) -> dict:
+        _, reader, writer = await open_stream(core.p2p, worker_id, maddrs, job_protocol(swarm.network))
+        try:
+            writer.write(raw)
+            await writer.drain()
+            return await asyncio.wait_for(read_frame(reader), 30)
+        finally:
+            writer.close()
+
+    def ask(raw: bytes) -> dict:
+        return asyncio.run_coroutine_threadsafe(exchange(raw), client._loop).result(60)
+
+    h = "ab" * 32
+    cases = {
+        "garbage": (b"\x00\x00\x00\x05hello", "protocol"),
+        "huge frame": ((2**31).to_bytes(4, "big") + b"x" * 16, "protocol"),
+        "not a map": (b"\x00\x00\x00\x03\x92\x01\x02", "protocol"),
+        "wrong type": (encode_frame({"t": "submit", "job": 7, "program": h, "inputs_size": 1}), "protocol"),
+        "bad job id": (encode_frame({"t": "submit", "job": "../../etc", "program": h, "inputs_size": 1}), "protocol"),
+        "oversized inputs": (encode_frame({"t": "submit", "job": "j1", "program": h, "inputs_size": 10**15}), "rejected"),
+        "bad inline size": (encode_frame({"t": "submit", "job": "j2", "program": h, "inputs_size": 99,
+                                          "inputs": b"abc"}), "protocol"),
+    }
+    for name, (raw, code) in cases.items():
+        reply = ask(raw)
+        assert reply["t"] == "error" and reply["code"] == code, (name, reply)
+
+    model, job = mlp_job()
+    x = torch.randn(3, 16)
+    assert torch.equal(client.submit(job, x).result(timeout=60), model(x).detach())
+    assert worker.popen.poll() is None
+
+
+def test_a_job_id_sent_twice_runs_once_and_bills_once(swarm, client_for):
+    worker = swarm.start_worker()
+    worker_id = swarm.worker_id(worker)
+    client = client_for(swarm)
+    _, job = mlp_job()
+    from gpunet.client.transport import fetch_info, send_job
+
+    core = client._core
+    maddrs = client.workers()[0].record.maddrs
+    inputs = job.encode_inputs(torch.randn(2, 16))
+
+    async def twice():
+        answers = []
+        for _ in range(2):
+            delivery = await send_job(core.p2p, swarm.network, worker_id, maddrs, job_id="same-job-id",
+                                      program_hash=job.program_hash, program_bytes=job.program_bytes(),
+                                      inputs=inputs, timeout=30, max_price=None)
+            delivery.close()
+            answers.append(delivery)
+        info = await fetch_info(core.p2p, swarm.network, worker_id, maddrs)
+        return answers, info
+
+    (a, b), info = asyncio.run_coroutine_threadsafe(twice(), client._loop).result(90)
+    assert a.receipt == b.receipt and a.outputs == b.outputs
+    assert info["record"]["jobs_done"] == 1
+    assert abs(info["time"] - time.time()) < 5
