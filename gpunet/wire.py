@@ -34,6 +34,14 @@ def info_protocol(network: str) -> str:
     return f"/gpunet/{network}/info/{PROTOCOL_VERSION}"
 
 
+def ping_protocol(network: str) -> str:
+    """A unary (request/response) echo: a liveness and clock probe, and the raw-RPC baseline in benchmarks."""
+    return f"/gpunet/{network}/ping/{PROTOCOL_VERSION}"
+
+
+MAX_PING_BYTES = 4096
+
+
 def encode_frame(obj: dict[str, Any]) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:

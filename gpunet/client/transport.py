@@ -15,7 +15,8 @@ from hivemind.p2p import PeerID
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.wire import (
-    error_from_frame, field, job_protocol, read_frame, read_payload, write_frame, write_payload, info_protocol,
+    error_from_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload, write_frame,
+    write_payload,
 )
 
 INLINE_BYTES = 32 * 1024
@@ -128,6 +129,14 @@ async def send_job(
     except BaseException:
         writer.close()
         raise
+
+
+async def ping(p2p, network: str, worker_id: str, payload: bytes = b"") -> dict:
+    """One unary round trip to a worker: its clock and our payload echoed back."""
+    import msgpack
+
+    reply = await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), ping_protocol(network), payload)
+    return msgpack.unpackb(reply, raw=False)
 
 
 async def fetch_info(p2p, network: str, worker_id: str, maddrs: list[str]) -> dict:

@@ -24,13 +24,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgpack
+
 from gpunet.errors import GpunetError, JobFailed, JobRejected, ProgramNotCached, ProtocolError, WorkerBusy
 from gpunet.ledger.identity import Identity
 from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_worker
 from gpunet.ledger.store import Ledger
 from gpunet.worker import metrics
 from gpunet.wire import (
-    error_frame, field, info_protocol, job_protocol, read_frame, read_payload, write_frame, write_payload,
+    MAX_PING_BYTES, error_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload,
+    write_frame, write_payload,
 )
 
 logger = logging.getLogger("gpunet.worker")
@@ -105,6 +108,7 @@ class JobService:
         self._p2p = p2p
         await p2p.add_binary_stream_handler(job_protocol(self.network), self._handle_job)
         await p2p.add_binary_stream_handler(info_protocol(self.network), self._handle_info)
+        await p2p._client.add_unary_handler(ping_protocol(self.network), self._handle_ping)
 
     async def stop(self) -> None:
         self.accepting = False
@@ -115,7 +119,10 @@ class JobService:
                 except Exception:  # the daemon may already be gone at shutdown
                     pass
 
-    # --- info ------------------------------------------------------------------------------------------------------
+    # --- ping and info ------------------------------------------------------------------------------------------------------
+
+    async def _handle_ping(self, request: bytes, remote_id) -> bytes:
+        return msgpack.packb({"time": time.time(), "echo": request[:MAX_PING_BYTES]}, use_bin_type=True)
 
     async def _handle_info(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
