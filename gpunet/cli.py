@@ -34,17 +34,18 @@ InitialPeers = typer.Option(
     None, "--initial-peers", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
 )
 Network = typer.Option("gpunet", "--network", help="Network name; networks with different names never mix.")
-DataDir = typer.Option(None, "--data-dir", envvar="GPUNET_DATA_DIR", help="Where the node key and caches live [~/.gpunet].")
+DataDir = typer.Option(None, "--data-dir", envvar="GPUNET_DATA_DIR", help="Where the node key, caches and ledger live (default: ~/.gpunet).")
 HostMaddrs = typer.Option(
-    None, "--host-maddrs", help="Multiaddrs to listen on (repeatable) [/ip4/0.0.0.0/tcp/0]."
+    None, "--host-maddrs", help="Multiaddr to listen on, repeatable (default: /ip4/0.0.0.0/tcp/0, all interfaces, a random port)."
 )
-Verbose = typer.Option(False, "--verbose", "-v", help="Log network internals too.")
+Verbose = typer.Option(0, "--verbose", "-v", count=True, help="-v: log every job; -vv: network internals too.")
 
 
-def _setup_logging(verbose: bool) -> None:
-    os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose else "WARNING")
+def _setup_logging(verbose: int) -> None:
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "DEBUG" if verbose >= 2 else "WARNING")
+    logging.getLogger("gpunet").setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose >= 2 else logging.INFO,
         format="%(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
@@ -78,7 +79,7 @@ def worker(
     rebenchmark: bool = typer.Option(False, "--rebenchmark", help="Measure the device's speed again."),
     memory_budget_gb: Optional[float] = typer.Option(None, "--memory-budget-gb", min=0.1, help="Memory per executor."),
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
-    verbose: bool = Verbose,
+    verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
     from gpunet.config import WorkerConfig
@@ -115,7 +116,7 @@ def bootstrap(
     network: str = Network,
     host_maddrs: Optional[List[str]] = HostMaddrs,
     data_dir: Optional[Path] = DataDir,
-    verbose: bool = Verbose,
+    verbose: int = Verbose,
 ) -> None:
     """Run a DHT-only node: a stable entry point for a network. Prints the address to join with."""
     from gpunet.dht.bootstrap import run_bootstrap
@@ -136,7 +137,7 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(5.0, "--interval", min=0.5, help="Seconds between refreshes with --watch."),
     timeout: float = typer.Option(30.0, "--timeout", min=1, help="Give up reading the network after this long."),
-    verbose: bool = Verbose,
+    verbose: int = Verbose,
 ) -> None:
     """Show every live worker of a network and the network's totals."""
     from gpunet.dht import network as net
@@ -160,6 +161,8 @@ def status(
                 typer.echo(json.dumps(snapshot.to_json()))
             else:
                 console.print(render_table(snapshot))
+            if not snapshot.workers:
+                err.print(f"no workers in network {network!r}: is that the right --network?")
             return
         from rich.live import Live
 
@@ -184,7 +187,7 @@ def demo(
     workers: int = typer.Option(3, "--workers", min=1, max=16, help="Worker processes to start."),
     jobs: int = typer.Option(200, "--jobs", min=1, help="Transformer batches to send through the network."),
     keep: bool = typer.Option(False, "--keep", help="Leave the network up afterwards and print how to connect."),
-    verbose: bool = Verbose,
+    verbose: int = Verbose,
 ) -> None:
     """Run the whole thing on this machine: a local network, real jobs, the status table and the ledgers."""
     from gpunet.demo import run_demo
@@ -212,7 +215,7 @@ def doctor(
     """Check this host before volunteering it: GPU and driver, AVX, RAM, disk, clock, reachability."""
     from gpunet.worker.doctor import Outcome, render_checks, run_checks
 
-    _setup_logging(False)
+    _setup_logging(0)
     checks = run_checks(
         data_dir=data_dir, device=device, network=network, initial_peers=initial_peers, host_maddrs=host_maddrs
     )

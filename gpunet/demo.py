@@ -158,7 +158,8 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
         table.add_column(column)
     for proc in net.procs:
         path = proc.data_dir / "ledger.sqlite"
-        if not path.exists():
+        worker_id = proc.find(r"Worker id: (\S+)")
+        if not path.exists() or worker_id is None:
             continue
         with open_ledger(proc.data_dir) as ledger:
             head = ledger.verify()
@@ -166,7 +167,8 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
             ids = {r.worker_id for r in ledger.receipts()}
             me = next(iter(ids)) if len(ids) == 1 else None
             earned = balances[me].earned if me else 0
-            table.add_row(proc.name, str(head.count), format_credits(earned), "0.000000", "[green]ok")
+            table.add_row(f"worker {short_id(worker_id.group(1))}", str(head.count), format_credits(earned), "0.000000",
+                          "[green]ok")
     with open_ledger(net.root / "client") as ledger:
         head = ledger.verify()
         spent = ledger.balances().get(client_id)

@@ -39,6 +39,8 @@ class InvalidRecord(GpunetError):
 class NoWorkersAvailable(GpunetError):
     """No live worker meets the job's requirements (or every candidate failed)."""
 
+    retry_at: float | None = None  # monotonic time a busy or banned worker becomes eligible again, if any
+
 
 # --- jobs ------------------------------------------------------------------------------------------------------------
 

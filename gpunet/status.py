@@ -99,9 +99,10 @@ def render_table(status: NetworkStatus) -> Table:
             f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
         ),
     )
-    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "up"):
+    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "up"):
         left = column in ("worker", "state", "device")
-        table.add_column(column, justify="left" if left else "right", no_wrap=column != "device")
+        table.add_column(column, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
+                         min_width=6 if column == "device" else None)
     for w in status.workers:
         r = w.record
         count = "" if r.device.count == 1 else f"{r.device.count}x "
@@ -115,6 +116,7 @@ def render_table(status: NetworkStatus) -> Table:
             f"{r.price:g}",
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
+            f"{r.credits_earned:.6g}",
             _duration(r.uptime(status.read_at)),
         )
     versions = sorted({w.record.version for w in status.workers})

@@ -40,6 +40,18 @@ def ping_protocol(network: str) -> str:
 
 
 MAX_PING_BYTES = 4096
+#: Unary replies ride hivemind's persistent daemon connection, whose messages are capped at 4 MiB.
+UNARY_OUTPUT_BYTES = 1 << 20
+
+
+def run_protocol(network: str) -> str:
+    """Unary job submission: one round trip for small jobs whose program the worker already holds."""
+    return f"/gpunet/{network}/run/{PROTOCOL_VERSION}"
+
+
+def settle_protocol(network: str) -> str:
+    """Unary countersignature (or refusal) of a receipt delivered through the unary door."""
+    return f"/gpunet/{network}/settle/{PROTOCOL_VERSION}"
 
 
 def encode_frame(obj: dict[str, Any]) -> bytes:

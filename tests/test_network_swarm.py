@@ -83,3 +83,11 @@ def test_status_fails_clearly_when_it_cannot_join(tmp_path):
     assert "could not join" in result.stderr
     bad = run_cli("status", "--initial-peers", "not-an-address", env={"GPUNET_DATA_DIR": str(tmp_path)})
     assert bad.returncode != 0 and "not a multiaddr" in bad.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["worker"], ["bootstrap"], ["status"], ["doctor"], ["demo"], ["ledger"],
+                                     ["ledger", "verify"], ["version"]])
+def test_every_command_has_working_help(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout

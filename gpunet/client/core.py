@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
-from gpunet.client.transport import send_job
+from gpunet.client.transport import INLINE_BYTES, UseStream, send_job, send_job_unary
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
@@ -174,6 +174,9 @@ class ClientCore:
             try:
                 worker = self.router.choose(req, shape, exclude=failed)
             except NoWorkersAvailable as e:
+                if e.retry_at is not None and e.retry_at < deadline:  # only busy or briefly banned: wait for them
+                    await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
+                    continue
                 if not tried:
                     raise
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
@@ -182,11 +185,7 @@ class ClientCore:
             t0 = time.perf_counter()
             try:
                 delivery = await asyncio.wait_for(
-                    send_job(
-                        self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
-                        program_hash=job.program_hash, program_bytes=program, inputs=encoded,
-                        timeout=max(0.1, remaining), max_price=max_price,
-                    ),
+                    self._send(worker, job_id, job.program_hash, program, encoded, max(0.1, remaining), max_price),
                     timeout=remaining,
                 )
             except WorkerBusy as e:
@@ -225,6 +224,20 @@ class ClientCore:
             self.router.succeeded(worker.id, shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds)
             return JobResult(outputs, worker.id, receipt, tried, delivery.bytes_sent)
+
+    async def _send(self, worker: WorkerEntry, job_id: str, program_hash: str, program: bytes, inputs: bytes,
+                    timeout: float, max_price: int | None):
+        """The unary door (one round trip) when the job is small and the worker should hold the program; else, or
+        when the worker says so, the stream door (any size, sends the program if needed)."""
+        if len(inputs) <= INLINE_BYTES and self.router.holds_program(worker, program_hash):
+            try:
+                return await send_job_unary(self.p2p, self.network, worker.id, job_id=job_id, program_hash=program_hash,
+                                            inputs=inputs, timeout=timeout, max_price=max_price)
+            except UseStream:
+                pass
+        return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
+                              program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,
+                              max_price=max_price)
 
     async def _accept(self, job, delivery, input_hash: str, flops: int, max_price: int | None):
         """Check what came back (outputs decode against the manifest, receipt matches), countersign, record."""

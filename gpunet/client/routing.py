@@ -83,6 +83,7 @@ class RoutingConfig:
 class _Ban:
     until: float = 0.0
     strikes: int = 0
+    busy: bool = False  # a short skip after a "busy" answer, not a penalty
 
 
 @dataclass(frozen=True)
@@ -116,12 +117,15 @@ class Router:
         """Workers that meet ``req``, are not banned and not excluded; raises NoWorkersAvailable saying why not."""
         now = time.monotonic() if now is None else now
         ok, reasons = [], Counter()
+        retry_at = None  # when the first temporarily excluded worker becomes eligible again
         for entry in self.workers.values():
             why = req.refusal(entry)
             if why is None and entry.id in exclude:
                 why = "already failed this job"
-            if why is None and self.bans.get(entry.id, _Ban()).until > now:
-                why = "is banned for recent failures"
+            ban = self.bans.get(entry.id)
+            if why is None and ban is not None and ban.until > now:
+                why = "is busy" if ban.busy else "is banned for recent failures"
+                retry_at = ban.until if retry_at is None else min(retry_at, ban.until)
             if why is None:
                 ok.append(entry)
             else:
@@ -130,16 +134,22 @@ class Router:
             if not self.workers:
                 raise NoWorkersAvailable("no workers are online in this network")
             detail = "; ".join(f"{n} {why}" for why, n in reasons.most_common(6))
-            raise NoWorkersAvailable(f"none of the {len(self.workers)} known workers meets the requirements: {detail}")
+            error = NoWorkersAvailable(f"none of the {len(self.workers)} known workers meets the requirements: {detail}")
+            error.retry_at = retry_at
+            raise error
         return ok
 
     # --- ranking ---------------------------------------------------------------------------------------------------
+
+    def holds_program(self, entry: WorkerEntry, program_hash: str) -> bool:
+        """Whether ``entry`` should have the program: it advertises it, or we sent it there since our last failure."""
+        return program_hash in entry.record.programs or program_hash in self.known_programs.get(entry.id, ())
 
     def expected_seconds(self, entry: WorkerEntry, job: JobShape) -> float:
         r = entry.record
         tflops = (r.tflops.get(job.dtype) if job.dtype else None) or r.best_tflops or 1e-3
         compute = self._seconds_per_flop.get(entry.id, 1.0 / (tflops * 1e12)) * job.flops
-        cached = job.program_hash in r.programs or job.program_hash in self.known_programs.get(entry.id, ())
+        cached = self.holds_program(entry, job.program_hash)
         sent = job.input_bytes + (0 if cached else job.program_bytes)
         transfer = sent / (self.bandwidth or self.config.default_bandwidth)
         overhead = self._overhead.get(entry.id, self.config.default_overhead)
@@ -173,7 +183,7 @@ class Router:
             del self.inflight[worker_id]
 
     def succeeded(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float) -> None:
-        self.bans.pop(worker_id, None)
+        self.bans.pop(worker_id, None)  # a success wipes the strikes
         self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
         a = self.config.ema
         compute = seconds - transfer_seconds
@@ -190,6 +200,7 @@ class Router:
         now = time.monotonic() if now is None else now
         ban = self.bans.setdefault(worker_id, _Ban())
         ban.strikes += 1
+        ban.busy = False
         length = min(self.config.ban_max, self.config.ban_base * 2 ** (ban.strikes - 1))
         ban.until = now + length
         self.known_programs.pop(worker_id, None)
@@ -198,7 +209,9 @@ class Router:
     def busy(self, worker_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         ban = self.bans.setdefault(worker_id, _Ban())
-        ban.until = max(ban.until, now + self.config.busy_cooldown)
+        if ban.until <= now + self.config.busy_cooldown:
+            ban.until = now + self.config.busy_cooldown
+            ban.busy = True
 
     def capacity(self, req: Requirements) -> int:
         """Jobs the eligible workers can run at once (sizes ``map``'s window); 0 when none is eligible."""

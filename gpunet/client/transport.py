@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from hivemind.p2p import PeerID
 
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.wire import (
-    error_from_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload, write_frame,
-    write_payload,
+    error_from_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload, run_protocol,
+    settle_protocol, write_frame, write_payload,
 )
 
 INLINE_BYTES = 32 * 1024
@@ -25,30 +26,39 @@ MAX_OUTPUT_BYTES = 4 * 1024**3
 
 @dataclass
 class Delivery:
-    """A worker's answer: outputs and receipt, with the stream still open to countersign or refuse."""
+    """A worker's answer: outputs and receipt, with a way back to the worker to countersign or refuse."""
 
     outputs: bytes
     receipt: Receipt
     bytes_sent: int
     transfer_seconds: float
-    _writer: asyncio.StreamWriter
+    _writer: asyncio.StreamWriter | None = None  # the stream door: answer on the same stream
+    _settle: Callable[[dict], Awaitable[None]] | None = None  # the unary door: a settle call
 
     async def countersign(self, signature: bytes) -> None:
-        await self._finish({"t": "countersign", "signature": signature})
+        await self._finish({"t": "countersign", "job": self.receipt.job_id, "signature": signature})
 
     async def refuse(self, reason: str) -> None:
-        await self._finish({"t": "refuse", "reason": reason[:500]})
+        await self._finish({"t": "refuse", "job": self.receipt.job_id, "reason": reason[:500]})
 
     async def _finish(self, frame: dict) -> None:
         try:
-            await write_frame(self._writer, frame)
-        except (ConnectionError, OSError):
+            if self._writer is not None:
+                await write_frame(self._writer, frame)
+            elif self._settle is not None:
+                await self._settle(frame)
+        except Exception:
             pass  # the worker keeps it as unpaid; nothing more we can do
         finally:
-            self._writer.close()
+            self.close()
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class UseStream(Exception):
+    """The worker cannot take this job through the unary door (it lacks the program, or the outputs are large)."""
 
 
 async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
@@ -66,6 +76,53 @@ async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
         return await p2p.call_binary_stream_handler(peer, protocol)
     except Exception as e:
         raise NetworkError(f"cannot reach worker {worker_id[-8:]}: {e}") from None
+
+
+async def send_job_unary(
+    p2p,
+    network: str,
+    worker_id: str,
+    *,
+    job_id: str,
+    program_hash: str,
+    inputs: bytes,
+    timeout: float,
+    max_price: int | None,
+) -> Delivery:
+    """One round trip over the daemon's persistent connection, for a small job whose program the worker holds.
+
+    Raises UseStream when the worker wants the stream door instead, or the same errors as :func:`send_job`.
+    """
+    import msgpack
+
+    peer = PeerID.from_base58(worker_id)
+    request = msgpack.packb({"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs),
+                             "inputs": inputs, "timeout": float(timeout), "max_price": max_price}, use_bin_type=True)
+    try:
+        reply = await p2p._client.call_unary_handler(peer, run_protocol(network), request)
+    except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
+        raise NetworkError(f"worker {worker_id[-8:]} did not answer: {e}") from None
+    try:
+        frame = msgpack.unpackb(reply, raw=False, strict_map_key=True)
+    except Exception:
+        raise ProtocolError("worker's reply is not valid msgpack") from None
+    if not isinstance(frame, dict):
+        raise ProtocolError("worker's reply is not a map")
+    if frame.get("t") == "use_stream":
+        raise UseStream()
+    if frame.get("t") == "error":
+        raise error_from_frame(frame)
+    if frame.get("t") != "result":
+        raise ProtocolError(f"unexpected reply {str(frame.get('t'))[:32]!r}")
+    outputs = field(frame, "outputs", bytes)
+    if len(outputs) != field(frame, "outputs_size", int):
+        raise ProtocolError("outputs do not match their declared size")
+    receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
+
+    async def settle(message: dict) -> None:
+        await p2p._client.call_unary_handler(peer, settle_protocol(network), msgpack.packb(message, use_bin_type=True))
+
+    return Delivery(outputs, receipt, len(inputs), 0.0, _settle=settle)
 
 
 async def send_job(
@@ -91,7 +148,6 @@ async def send_job(
         inline = len(inputs) <= INLINE_BYTES
         if inline:
             submit["inputs"] = inputs
-        started = time.perf_counter()
         await write_frame(writer, submit)
         sent = len(inputs) if inline else 0
         frame = await read_frame(reader, ("send", "result", "error"))
@@ -124,8 +180,7 @@ async def send_job(
         elif not isinstance(outputs, bytes) or len(outputs) != size:
             raise ProtocolError("inline outputs do not match their declared size")
         receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
-        del started
-        return Delivery(outputs, receipt, sent, transfer_seconds, writer)
+        return Delivery(outputs, receipt, sent, transfer_seconds, _writer=writer)
     except BaseException:
         writer.close()
         raise

@@ -151,21 +151,27 @@ class Worker:
         self._stop.set()
 
     async def _heartbeat_until_stopped(self) -> None:
+        reported = 0
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.config.heartbeat)
             except asyncio.TimeoutError:
                 await self.announce()
+                done = self.service.jobs_done if self.service else 0
+                if done != reported:
+                    logger.info("Served %d job(s) since the last heartbeat (%d in all); %d queued, %d running",
+                                done - reported, done, self.service.queue_length, self.service.running)
+                    reported = done
 
     async def _drain(self) -> None:
         if self.service is not None:
             self.service.accepting = False
         await self.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
-        while self.service is not None and self.service.admitted and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if self.service is not None and self.service.admitted:
-            logger.warning("%d job(s) still running after %.0f s; abandoning them", self.service.admitted, self.config.drain_timeout)
+        while self.service is not None and self.service.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.service is not None and self.service.active:
+            logger.warning("%d job(s) still running after %.0f s; abandoning them", self.service.active, self.config.drain_timeout)
         await self.announce(WorkerState.OFFLINE)
         logger.info("Left the network (served %d jobs). Goodbye.", self.service.jobs_done if self.service else 0)
 

@@ -32,8 +32,8 @@ from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_wor
 from gpunet.ledger.store import Ledger
 from gpunet.worker import metrics
 from gpunet.wire import (
-    MAX_PING_BYTES, error_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload,
-    write_frame, write_payload,
+    MAX_PING_BYTES, UNARY_OUTPUT_BYTES, error_frame, field, info_protocol, job_protocol, ping_protocol, read_frame,
+    read_payload, run_protocol, settle_protocol, write_frame, write_payload,
 )
 
 logger = logging.getLogger("gpunet.worker")
@@ -93,6 +93,7 @@ class JobService:
         self.accepting = True
         self.admitted = 0  # jobs holding a place: queued or running
         self.running = 0
+        self.settling = 0  # results delivered on a stream, countersignature not yet read
         self.jobs_done = 0
         self._slots = asyncio.Semaphore(max_concurrent)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -104,11 +105,18 @@ class JobService:
     def queue_length(self) -> int:
         return self.admitted - self.running
 
+    @property
+    def active(self) -> int:
+        """Jobs not finished with: queued, running, or waiting for their countersignature. Draining waits for 0."""
+        return self.admitted + self.settling
+
     async def start(self, p2p) -> None:
         self._p2p = p2p
         await p2p.add_binary_stream_handler(job_protocol(self.network), self._handle_job)
         await p2p.add_binary_stream_handler(info_protocol(self.network), self._handle_info)
         await p2p._client.add_unary_handler(ping_protocol(self.network), self._handle_ping)
+        await p2p._client.add_unary_handler(run_protocol(self.network), self._handle_run)
+        await p2p._client.add_unary_handler(settle_protocol(self.network), self._handle_settle)
 
     async def stop(self) -> None:
         self.accepting = False
@@ -133,12 +141,22 @@ class JobService:
         finally:
             writer.close()
 
-    # --- jobs ------------------------------------------------------------------------------------------------------
+    # --- jobs: the stream door (any size) -------------------------------------------------------------------------
 
     async def _handle_job(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_id = info.peer_id.to_base58()
         try:
-            await self._serve_job(client_id, reader, writer)
+            request = _Submit.parse(await read_frame(reader, "submit"), self.limits)
+            outcome = await self._execute(client_id, request, _StreamPayloads(reader, writer, self.limits), reader)
+            if outcome is None:
+                await write_frame(writer, self._busy_frame())
+                return
+            await self._reply(outcome, writer)
+            self.settling += 1
+            try:
+                await self._settle_from_stream(client_id, outcome.receipt, reader)
+            finally:
+                self.settling -= 1
         except ProtocolError as e:
             metrics.JOBS.labels("protocol_error").inc()
             logger.info("Dropped a malformed request from %s: %s", client_id[-8:], e)
@@ -151,62 +169,67 @@ class JobService:
         finally:
             writer.close()
 
-    async def _serve_job(self, client_id: str, reader, writer) -> None:
-        submit = await read_frame(reader, "submit")
-        job_id = field(submit, "job", str)
-        program_hash = field(submit, "program", str)
-        if not _JOB_ID.match(job_id):
-            raise ProtocolError("job id must be 1-64 characters of [A-Za-z0-9_.:-]")
-        if not _HASH.match(program_hash):
-            raise ProtocolError("program hash must be 64 lowercase hex characters")
-        inputs_size = field(submit, "inputs_size", int)
-        inline_inputs = field(submit, "inputs", bytes, optional=True)
-        timeout = float(field(submit, "timeout", (int, float), optional=True) or 60.0)
-        max_price = field(submit, "max_price", int, optional=True)
-        if not 0 < timeout <= self.limits.max_timeout:
-            raise ProtocolError(f"timeout must be in (0, {self.limits.max_timeout:g}] seconds")
-        if inputs_size > self.limits.max_input_bytes:
-            raise JobRejected(f"inputs of {inputs_size} bytes exceed this worker's limit of {self.limits.max_input_bytes}")
-        if max_price is not None and max_price < self.price_micro:
-            raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound {max_price}")
+    # --- jobs: the unary door (small jobs whose program the worker holds: one round trip) ----------------------------
 
-        key = (client_id, job_id)
+    async def _handle_run(self, request: bytes, remote_id) -> bytes:
+        client_id = remote_id.to_base58()
+        try:
+            submit = _Submit.parse(_unpack_frame(request, "submit"), self.limits)
+            outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
+            if outcome is None:
+                return _pack(self._busy_frame())
+            if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
+                return _pack({"t": "use_stream"})  # the result waits in the recent results for the stream retry
+            return _pack({"t": "result", "outputs_size": len(outcome.outputs), "outputs": outcome.outputs,
+                          "receipt": outcome.receipt.to_bytes()})
+        except _NeedsStream:
+            return _pack({"t": "use_stream"})
+        except GpunetError as e:
+            return _pack(error_frame(e, queue=self.queue_length))
+        except Exception as e:
+            logger.exception("Unexpected error while serving %s", client_id[-8:])
+            return _pack(error_frame(JobFailed(f"worker error: {type(e).__name__}")))
+
+    def _busy_frame(self) -> dict:
+        return error_frame(WorkerBusy("worker queue is full", self.queue_length), queue=self.queue_length)
+
+    async def _handle_settle(self, request: bytes, remote_id) -> bytes:
+        try:
+            frame = _unpack_frame(request, ("countersign", "refuse"))
+            job_id = field(frame, "job", str)
+            self._settle(remote_id.to_base58(), job_id, frame)
+            return _pack({"t": "ok"})
+        except GpunetError as e:
+            return _pack(error_frame(e))
+
+    # --- jobs: what both doors share -------------------------------------------------------------------------------
+
+    async def _execute(self, client_id: str, req: "_Submit", payloads, reader) -> "_Outcome | None":
+        """Admit, de-duplicate and run one job; None when the worker is busy (the caller answers busy)."""
+        if req.max_price is not None and req.max_price < self.price_micro:
+            raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
+                              f"{req.max_price}")
+        key = (client_id, req.job_id)
         if key in self._recent:  # a retry of a finished job: same result, same receipt, no second bill
             self._recent.move_to_end(key)
-            return await self._reply(key, self._recent[key], reader, writer)
+            return self._recent[key]
         if key in self._inflight:  # a retry while the first run is still going: wait for it
-            outcome = await asyncio.shield(self._inflight[key])
-            return await self._reply(key, outcome, reader, writer)
+            return await asyncio.shield(self._inflight[key])
         if not self.accepting:
             raise WorkerBusy("worker is draining: it finishes running jobs and takes no new ones", self.queue_length)
         if self.admitted >= self.max_concurrent + self.max_queue:
             metrics.JOBS.labels("busy").inc()
-            await write_frame(writer, error_frame(WorkerBusy("worker queue is full", self.queue_length), queue=self.queue_length))
-            return
-
+            return None
+        need_program = not self.executor.has_program(req.program_hash)
+        payloads.precheck(req, need_program)
         self.admitted += 1
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            need_program = not self.executor.has_program(program_hash)
-            need_inputs = inline_inputs is None
-            if inline_inputs is not None and len(inline_inputs) != inputs_size:
-                raise ProtocolError("inline inputs do not match the declared inputs size")
-            program_bytes = None
-            inputs = inline_inputs
-            if need_program or need_inputs:
-                await write_frame(writer, {"t": "send", "program": need_program, "inputs": need_inputs})
-                payload = await read_frame(reader, "payload")
-                if need_program:
-                    program_bytes = bytes(await read_payload(
-                        reader, payload.get("program_size"), self.limits.max_program_bytes, "program"))
-                    metrics.BYTES_IN.inc(len(program_bytes))
-                if need_inputs:
-                    inputs = await read_payload(reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs")
-                    if len(inputs) != inputs_size:
-                        raise ProtocolError("inputs payload does not match the declared inputs size")
-            metrics.BYTES_IN.inc(len(inputs))
-            outcome = await self._run(client_id, job_id, program_hash, program_bytes, bytes(inputs), timeout, max_price, reader)
+            program_bytes, inputs = await payloads.fetch(req, need_program)
+            metrics.BYTES_IN.inc(len(inputs) + len(program_bytes or b""))
+            outcome = await self._run(client_id, req.job_id, req.program_hash, program_bytes, inputs, req.timeout,
+                                      req.max_price, reader)
             future.set_result(outcome)
         except BaseException as e:
             future.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -215,24 +238,27 @@ class JobService:
         finally:
             self._inflight.pop(key, None)
             self.admitted -= 1
-        self._remember(key, future.result())
-        await self._reply(key, future.result(), reader, writer)
+        self._remember(key, outcome)
+        return outcome
 
     async def _run(
         self, client_id, job_id, program_hash, program_bytes, inputs: bytes, timeout, max_price, reader
     ) -> _Outcome:
-        # While queued, a client that hangs up (cancel, crash) gives its place back.
-        gone = asyncio.ensure_future(reader.read(1))
-        acquire = asyncio.ensure_future(self._slots.acquire())
-        await asyncio.wait({gone, acquire}, return_when=asyncio.FIRST_COMPLETED)
-        if not acquire.done():
-            acquire.cancel()
-            metrics.JOBS.labels("cancelled").inc()
-            raise JobFailed("client went away before the job started")
-        gone.cancel()
+        # While queued, a stream client that hangs up (cancel, crash) gives its place back.
+        if reader is None or not self._slots.locked():
+            await self._slots.acquire()
+        else:
+            gone = asyncio.ensure_future(reader.read(1))
+            acquire = asyncio.ensure_future(self._slots.acquire())
+            await asyncio.wait({gone, acquire}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquire.done():
+                acquire.cancel()
+                metrics.JOBS.labels("cancelled").inc()
+                raise JobFailed("client went away before the job started")
+            gone.cancel()
         self.running += 1
         started = time.time()
-        logger.info("Running job %s for client %s", job_id[:12], client_id[-8:])
+        logger.debug("Running job %s for client %s", job_id[:12], client_id[-8:])
         try:
             with metrics.JOB_SECONDS.time():
                 try:
@@ -264,8 +290,8 @@ class JobService:
         self.ledger.record_unpaid(receipt)  # until the countersignature arrives, this is work the client owes
         self.jobs_done += 1
         metrics.JOBS.labels("done").inc()
-        logger.info("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
-                    ended - started, result.flops / 1e9)
+        logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
+                     ended - started, result.flops / 1e9)
         return _Outcome(outputs, receipt)
 
     def _remember(self, key, outcome: _Outcome) -> None:
@@ -275,7 +301,7 @@ class JobService:
             _, old = self._recent.popitem(last=False)
             self._recent_bytes -= len(old.outputs)
 
-    async def _reply(self, key, outcome: _Outcome, reader, writer) -> None:
+    async def _reply(self, outcome: _Outcome, writer) -> None:
         inline = len(outcome.outputs) <= INLINE_BYTES
         frame = {"t": "result", "outputs_size": len(outcome.outputs), "receipt": outcome.receipt.to_bytes()}
         if inline:
@@ -284,25 +310,31 @@ class JobService:
         if not inline:
             await write_payload(writer, outcome.outputs)
         metrics.BYTES_OUT.inc(len(outcome.outputs))
-        await self._settle(outcome.receipt, reader)
 
-    async def _settle(self, receipt: Receipt, reader) -> None:
-        """Wait briefly for the client's countersignature; without it the receipt stays in the unpaid list."""
+    async def _settle_from_stream(self, client_id: str, receipt: Receipt, reader) -> None:
+        """Wait briefly for the countersignature on the stream; without it the receipt stays in the unpaid list."""
         try:
             frame = await asyncio.wait_for(read_frame(reader, ("countersign", "refuse")), COUNTERSIGN_TIMEOUT)
         except (asyncio.TimeoutError, ProtocolError):
-            logger.warning("Client %s did not countersign job %s: recorded as unpaid", receipt.client_id[-8:], receipt.job_id[:12])
-            return
-        if frame["t"] == "refuse":
-            logger.warning("Client %s refused the receipt for job %s: %s", receipt.client_id[-8:], receipt.job_id[:12],
-                           str(frame.get("reason"))[:200])
+            logger.warning("Client %s did not countersign job %s: recorded as unpaid", client_id[-8:], receipt.job_id[:12])
             return
         try:
-            complete = attach_countersignature(receipt, field(frame, "signature", bytes))
+            self._settle(client_id, receipt.job_id, frame)
         except GpunetError as e:
-            logger.warning("Bad countersignature from %s for job %s: %s", receipt.client_id[-8:], receipt.job_id[:12], e)
+            logger.warning("Bad settlement from %s for job %s: %s", client_id[-8:], receipt.job_id[:12], e)
+
+    def _settle(self, client_id: str, job_id: str, frame: dict) -> None:
+        """A client's countersignature (or refusal) for a job it received from us."""
+        outcome = self._recent.get((client_id, job_id))
+        if outcome is None:
+            raise JobRejected(f"no result of job {job_id[:16]} for this client awaits settlement")
+        receipt = outcome.receipt
+        if frame["t"] == "refuse":
+            logger.warning("Client %s refused the receipt for job %s: %s", client_id[-8:], job_id[:12],
+                           str(frame.get("reason"))[:200])
             return
-        if self.ledger.get(receipt.job_id) is None:
+        complete = attach_countersignature(receipt, field(frame, "signature", bytes))  # InvalidReceipt if forged
+        if self.ledger.get(job_id) is None:
             self.ledger.append(complete)
 
 
@@ -311,3 +343,91 @@ async def _try_send(writer, frame: dict) -> None:
         await write_frame(writer, frame)
     except Exception:
         pass
+
+
+class _NeedsStream(Exception):
+    """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
+
+
+def _pack(frame: dict) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def _unpack_frame(data: bytes, expect) -> dict:
+    try:
+        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:
+        raise ProtocolError(f"request is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(frame, dict) or frame.get("t") not in ((expect,) if isinstance(expect, str) else expect):
+        raise ProtocolError(f"expected a {expect!r} message")
+    return frame
+
+
+@dataclass(frozen=True)
+class _Submit:
+    """A submit message, checked field by field."""
+
+    job_id: str
+    program_hash: str
+    inputs_size: int
+    inline_inputs: bytes | None
+    timeout: float
+    max_price: int | None
+
+    @classmethod
+    def parse(cls, frame: dict, limits: ServiceLimits) -> "_Submit":
+        job_id = field(frame, "job", str)
+        program_hash = field(frame, "program", str)
+        if not _JOB_ID.match(job_id):
+            raise ProtocolError("job id must be 1-64 characters of [A-Za-z0-9_.:-]")
+        if not _HASH.match(program_hash):
+            raise ProtocolError("program hash must be 64 lowercase hex characters")
+        inputs_size = field(frame, "inputs_size", int)
+        inline = field(frame, "inputs", bytes, optional=True)
+        timeout = float(field(frame, "timeout", (int, float), optional=True) or 60.0)
+        max_price = field(frame, "max_price", int, optional=True)
+        if not 0 < timeout <= limits.max_timeout:
+            raise ProtocolError(f"timeout must be in (0, {limits.max_timeout:g}] seconds")
+        if inputs_size > limits.max_input_bytes:
+            raise JobRejected(f"inputs of {inputs_size} bytes exceed this worker's limit of {limits.max_input_bytes}")
+        if inline is not None and len(inline) != inputs_size:
+            raise ProtocolError("inline inputs do not match the declared inputs size")
+        return cls(job_id, program_hash, inputs_size, inline, timeout, max_price)
+
+
+class _StreamPayloads:
+    """Asks the client for what the worker lacks (program, inputs) and reads it, capped, from the stream."""
+
+    def __init__(self, reader, writer, limits: ServiceLimits):
+        self.reader, self.writer, self.limits = reader, writer, limits
+
+    def precheck(self, req: _Submit, need_program: bool) -> None:
+        pass  # the stream can carry anything
+
+    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes]:
+        need_inputs = req.inline_inputs is None
+        if not (need_program or need_inputs):
+            return None, req.inline_inputs
+        await write_frame(self.writer, {"t": "send", "program": need_program, "inputs": need_inputs})
+        payload = await read_frame(self.reader, "payload")
+        program = None
+        if need_program:
+            program = bytes(await read_payload(self.reader, payload.get("program_size"),
+                                               self.limits.max_program_bytes, "program"))
+        inputs = req.inline_inputs
+        if need_inputs:
+            inputs = await read_payload(self.reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs")
+            if len(inputs) != req.inputs_size:
+                raise ProtocolError("inputs payload does not match the declared inputs size")
+        return program, bytes(inputs)
+
+
+class _UnaryPayloads:
+    """The unary door has only what came inline: anything missing sends the client to the stream door."""
+
+    def precheck(self, req: _Submit, need_program: bool) -> None:
+        if need_program or req.inline_inputs is None:
+            raise _NeedsStream()
+
+    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes]:
+        return None, req.inline_inputs
