@@ -84,6 +84,7 @@ class ClientCore:
         self._refresher: asyncio.Task | None = None
         self._fresh = asyncio.Event()
         self._estimates: dict[tuple, object] = {}
+        self._settlements: set[asyncio.Future] = set()  # countersignatures on their way to workers
 
     @property
     def id(self) -> str:
@@ -101,6 +102,8 @@ class ClientCore:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def close(self) -> None:
+        if self._settlements:  # workers are owed these countersignatures: deliver them before leaving
+            await asyncio.wait(set(self._settlements), timeout=10)
         if self._refresher is not None:
             self._refresher.cancel()
             try:
@@ -136,11 +139,12 @@ class ClientCore:
 
     # --- jobs ------------------------------------------------------------------------------------------------------
 
-    def _estimate(self, job, inputs: Sequence[torch.Tensor]):
+    async def _estimate(self, job, inputs: Sequence[torch.Tensor]):
         """FLOPs and memory by the same dry run the worker bills from; cached per program and input shapes."""
         key = (job.program_hash, *((tuple(t.shape), t.dtype) for t in inputs))
         if key not in self._estimates:
-            self._estimates[key] = job.estimate(*inputs)  # also validates the job exactly as a worker would
+            # The first dry run of a program also validates it exactly as a worker would; keep it off the loop.
+            self._estimates[key] = await asyncio.to_thread(job.estimate, *inputs)
         return self._estimates[key]
 
     async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
@@ -150,7 +154,7 @@ class ClientCore:
         job_id = job_id or uuid.uuid4().hex
         deadline = time.monotonic() + req.timeout
         encoded = job.encode_inputs(*inputs)  # JobRejected here: the inputs do not fit the traced program
-        estimate = await asyncio.to_thread(self._estimate, job, inputs)
+        estimate = await self._estimate(job, inputs)
         program = job.program_bytes()
         shape = JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job))
         max_price = price_to_micro(req.max_price) if req.max_price is not None else None
@@ -252,7 +256,10 @@ class ClientCore:
                              max_price=max_price, flops=flops)
         if self.ledger.get(signed.job_id) is None:
             self.ledger.append(signed)
-        await delivery.countersign(signed.client_signature)
+        # The result is ours and paid for; the worker gets its countersignature off the caller's critical path.
+        settlement = asyncio.ensure_future(delivery.countersign(signed.client_signature))
+        self._settlements.add(settlement)
+        settlement.add_done_callback(self._settlements.discard)
         return outputs, signed
 
 

@@ -7,6 +7,8 @@ so it covers everything the worker validates against, and never the inputs.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import struct
@@ -180,11 +182,16 @@ class ProgramParts:
     graph: bytes
     weights: bytes
 
-    @property
+    @functools.cached_property
     def hash(self) -> str:
+        """Computed once: hashing a large program's weights on every submit would dominate the client's time."""
         return program_hash(self.manifest, self.graph, self.weights)
 
     def to_bytes(self) -> bytes:
+        return self._container
+
+    @functools.cached_property
+    def _container(self) -> bytes:
         return msgpack.packb(
             {"gpunet_program": FORMAT_VERSION, "manifest": self.manifest, "graph": self.graph, "weights": self.weights},
             use_bin_type=True,

@@ -21,6 +21,7 @@ floating-point operations) and an amount in micro-credits, ``amount = flops * pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
@@ -72,13 +73,22 @@ def format_credits(micro: int) -> str:
 
 def _check_signature(peer_id: str, signature: bytes, message: bytes, who: str) -> None:
     try:
-        key = public_key_from_peer_id(peer_id)  # cached per peer id
+        public_key_from_peer_id(peer_id)  # cached per peer id
     except IdentityError:
         raise InvalidReceipt(f"{who} id {peer_id!r} is not an Ed25519 peer id") from None
+    if not _signature_valid(peer_id, signature, message):
+        raise InvalidReceipt(f"{who} signature does not verify against {who} id {peer_id}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _signature_valid(peer_id: str, signature: bytes, message: bytes) -> bool:
+    """Memoised on the exact bytes: a receipt passes through countersign, append and settle on one node, and each
+    step checks it; the verdict on identical bytes cannot change, so the Ed25519 work is done once."""
     try:
-        key.verify(signature, message)
+        public_key_from_peer_id(peer_id).verify(signature, message)
+        return True
     except InvalidSignature:
-        raise InvalidReceipt(f"{who} signature does not verify against {who} id {peer_id}") from None
+        return False
 
 
 @dataclass(frozen=True)

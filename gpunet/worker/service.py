@@ -419,7 +419,7 @@ class _StreamPayloads:
             inputs = await read_payload(self.reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs")
             if len(inputs) != req.inputs_size:
                 raise ProtocolError("inputs payload does not match the declared inputs size")
-        return program, bytes(inputs)
+        return program, inputs  # a bytearray: no second copy of a large input
 
 
 class _UnaryPayloads:
