@@ -95,8 +95,11 @@ async def write_payload(writer: asyncio.StreamWriter, data: bytes | bytearray | 
         await writer.drain()
 
 
-async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str) -> bytearray:
-    """Read exactly ``size`` declared bytes, refusing sizes over ``cap`` before allocating anything."""
+async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str, hasher=None) -> bytearray:
+    """Read exactly ``size`` declared bytes, refusing sizes over ``cap`` before allocating anything.
+
+    ``hasher`` (a hashlib object) is fed each chunk as it arrives, so hashing overlaps the transfer.
+    """
     if type(size) is not int or size < 0:
         raise ProtocolError(f"{what} size must be a non-negative integer")
     if size > cap:
@@ -111,6 +114,8 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
                 raise ProtocolError(f"peer closed the stream after {offset} of {size} {what} bytes")
             view[offset : offset + len(chunk)] = chunk
             offset += len(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
     except (ConnectionError, OSError) as e:
         raise ProtocolError(f"stream broke while reading {what}: {e}") from None
     return buf

@@ -153,12 +153,11 @@ class ClientCore:
         req = requirements or Requirements()
         job_id = job_id or uuid.uuid4().hex
         deadline = time.monotonic() + req.timeout
-        encoded = job.encode_inputs(*inputs)  # JobRejected here: the inputs do not fit the traced program
+        encoded, input_hash = await _off_loop_if_large(_encode_and_hash, job, inputs)  # JobRejected: inputs misfit
         estimate = await self._estimate(job, inputs)
         program = job.program_bytes()
         shape = JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job))
         max_price = price_to_micro(req.max_price) if req.max_price is not None else None
-        input_hash = hashlib.sha256(encoded).hexdigest()
         tried: list[str] = []
         failed: set[str] = set()
         rejections: list[JobRejected] = []
@@ -261,6 +260,21 @@ class ClientCore:
         self._settlements.add(settlement)
         settlement.add_done_callback(self._settlements.discard)
         return outputs, signed
+
+
+_LARGE_BYTES = 1 << 20
+
+
+def _encode_and_hash(job, inputs) -> tuple[bytes, str]:
+    encoded = job.encode_inputs(*inputs)
+    return encoded, hashlib.sha256(encoded).hexdigest()
+
+
+async def _off_loop_if_large(fn, job, inputs):
+    """Copying and hashing big inputs takes a while; do it in a thread so other jobs' I/O keeps moving."""
+    if sum(t.numel() * t.element_size() for t in inputs) >= _LARGE_BYTES:
+        return await asyncio.to_thread(fn, job, inputs)
+    return fn(job, inputs)
 
 
 _THROUGHPUT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}

@@ -224,9 +224,14 @@ class Executor:
 
     def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
         slot.ensure_ready()
-        request = {"op": "run", "hash": program_hash, "program": program_bytes, "inputs": inputs}
+        # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
+        # msgpack message would copy them once more for nothing.
+        header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
         try:
-            slot.conn.send_bytes(msgpack.packb(request, use_bin_type=True))
+            slot.conn.send_bytes(msgpack.packb(header, use_bin_type=True))
+            if program_bytes is not None:
+                slot.conn.send_bytes(program_bytes)
+            slot.conn.send_bytes(inputs)
         except (OSError, ValueError):
             return self._died(slot, "before the job was sent")
         slot.in_flight = True
@@ -242,13 +247,14 @@ class Executor:
             raise JobTimeout(f"job did not finish within {timeout:.1f} s; its executor was killed and replaced")
         try:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
+            outputs = slot.conn.recv_bytes() if reply.get("ok") else None
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
         if reply.get("restart"):
             slot.restart()
         if reply.get("ok"):
             slot.hashes.add(program_hash)
-            return RunResult(reply["outputs"], reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
+            return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
@@ -303,9 +309,11 @@ def _child_main(conn: Connection, config: dict) -> None:
     while True:
         try:
             req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            if req.get("op") != "run":
+                return
+            req["program"] = conn.recv_bytes() if req.get("program") else None
+            req["inputs"] = conn.recv_bytes()
         except (EOFError, OSError):
-            return
-        if req.get("op") != "run":
             return
         try:
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program)
@@ -321,7 +329,10 @@ def _child_main(conn: Connection, config: dict) -> None:
         # report the failure, then exit so the pool starts a clean executor.
         poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
         reply["restart"] = poisoned
+        outputs = reply.pop("outputs", None)
         conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+        if reply["ok"]:
+            conn.send_bytes(outputs)
         if poisoned:
             return
 

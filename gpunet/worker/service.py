@@ -226,10 +226,10 @@ class JobService:
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._inflight[key] = future
         try:
-            program_bytes, inputs = await payloads.fetch(req, need_program)
+            program_bytes, inputs, input_hash = await payloads.fetch(req, need_program)
             metrics.BYTES_IN.inc(len(inputs) + len(program_bytes or b""))
-            outcome = await self._run(client_id, req.job_id, req.program_hash, program_bytes, inputs, req.timeout,
-                                      req.max_price, reader)
+            outcome = await self._run(client_id, req.job_id, req.program_hash, program_bytes, inputs, input_hash,
+                                      req.timeout, req.max_price, reader)
             future.set_result(outcome)
         except BaseException as e:
             future.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -242,7 +242,7 @@ class JobService:
         return outcome
 
     async def _run(
-        self, client_id, job_id, program_hash, program_bytes, inputs: bytes, timeout, max_price, reader
+        self, client_id, job_id, program_hash, program_bytes, inputs: bytes, input_hash: str, timeout, max_price, reader
     ) -> _Outcome:
         # While queued, a stream client that hangs up (cancel, crash) gives its place back.
         if reader is None or not self._slots.locked():
@@ -278,7 +278,7 @@ class JobService:
             job_id=job_id,
             client_id=client_id,
             program_hash=program_hash,
-            input_hash=sha256_hex(inputs),
+            input_hash=input_hash,
             output_hash=sha256_hex(outputs),
             flops=int(result.flops),
             wall_time_us=int(result.wall_time * 1e6),
@@ -404,22 +404,24 @@ class _StreamPayloads:
     def precheck(self, req: _Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
 
-    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes]:
+    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes, str]:
         need_inputs = req.inline_inputs is None
         if not (need_program or need_inputs):
-            return None, req.inline_inputs
+            return None, req.inline_inputs, sha256_hex(req.inline_inputs)
         await write_frame(self.writer, {"t": "send", "program": need_program, "inputs": need_inputs})
         payload = await read_frame(self.reader, "payload")
         program = None
         if need_program:
             program = bytes(await read_payload(self.reader, payload.get("program_size"),
                                                self.limits.max_program_bytes, "program"))
-        inputs = req.inline_inputs
-        if need_inputs:
-            inputs = await read_payload(self.reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs")
-            if len(inputs) != req.inputs_size:
-                raise ProtocolError("inputs payload does not match the declared inputs size")
-        return program, inputs  # a bytearray: no second copy of a large input
+        if not need_inputs:
+            return program, req.inline_inputs, sha256_hex(req.inline_inputs)
+        hasher = hashlib.sha256()
+        inputs = await read_payload(self.reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs",
+                                    hasher)
+        if len(inputs) != req.inputs_size:
+            raise ProtocolError("inputs payload does not match the declared inputs size")
+        return program, inputs, hasher.hexdigest()  # a bytearray: no second copy of a large input
 
 
 class _UnaryPayloads:
@@ -429,5 +431,5 @@ class _UnaryPayloads:
         if need_program or req.inline_inputs is None:
             raise _NeedsStream()
 
-    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes]:
-        return None, req.inline_inputs
+    async def fetch(self, req: _Submit, need_program: bool) -> tuple[bytes | None, bytes, str]:
+        return None, req.inline_inputs, sha256_hex(req.inline_inputs)
