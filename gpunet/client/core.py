@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
-from gpunet.client.transport import INLINE_BYTES, UseStream, send_job, send_job_unary
+from gpunet.client.transport import INLINE_BYTES, UseStream, send_job, send_job_unary, send_settlements
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
@@ -85,6 +85,8 @@ class ClientCore:
         self._fresh = asyncio.Event()
         self._estimates: dict[tuple, object] = {}
         self._settlements: set[asyncio.Future] = set()  # countersignatures on their way to workers
+        self._owed: dict[str, list[tuple[str, bytes]]] = {}  # unary-door countersignatures not yet sent, per worker
+        self._flusher: asyncio.TimerHandle | None = None
 
     @property
     def id(self) -> str:
@@ -102,6 +104,7 @@ class ClientCore:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def close(self) -> None:
+        self._flush_owed()
         if self._settlements:  # workers are owed these countersignatures: deliver them before leaving
             await asyncio.wait(set(self._settlements), timeout=10)
         if self._refresher is not None:
@@ -233,11 +236,16 @@ class ClientCore:
         """The unary door (one round trip) when the job is small and the worker should hold the program; else, or
         when the worker says so, the stream door (any size, sends the program if needed)."""
         if len(inputs) <= INLINE_BYTES and self.router.holds_program(worker, program_hash):
+            owed = self._owed.pop(worker.id, [])
             try:
                 return await send_job_unary(self.p2p, self.network, worker.id, job_id=job_id, program_hash=program_hash,
-                                            inputs=inputs, timeout=timeout, max_price=max_price)
+                                            inputs=inputs, timeout=timeout, max_price=max_price, settle=owed)
             except UseStream:
-                pass
+                pass  # the countersignatures rode along; the worker took them before answering
+            except BaseException:
+                self._owed.setdefault(worker.id, [])[:0] = owed  # not delivered: owe them still
+                self._schedule_flush()
+                raise
         return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
                               program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,
                               max_price=max_price)
@@ -255,14 +263,43 @@ class ClientCore:
                              max_price=max_price, flops=flops)
         if self.ledger.get(signed.job_id) is None:
             self.ledger.append(signed)
-        # The result is ours and paid for; the worker gets its countersignature off the caller's critical path.
-        settlement = asyncio.ensure_future(delivery.countersign(signed.client_signature))
+        # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
+        # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
+        if delivery.via_unary:
+            self._owed.setdefault(receipt.worker_id, []).append((signed.job_id, signed.client_signature))
+            self._schedule_flush()
+        else:
+            self._track(delivery.countersign(signed.client_signature))
+        return outputs, signed
+
+    def _track(self, coro) -> None:
+        settlement = asyncio.ensure_future(coro)
         self._settlements.add(settlement)
         settlement.add_done_callback(self._settlements.discard)
-        return outputs, signed
+
+    def _schedule_flush(self) -> None:
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._flush_owed)
+
+    def _flush_owed(self) -> None:
+        """Send every countersignature still owed in one call per worker."""
+        self._flusher = None
+        owed, self._owed = self._owed, {}
+        for worker_id, items in owed.items():
+            for lo in range(0, len(items), 256):
+                self._track(_quietly(send_settlements(self.p2p, self.network, worker_id, items[lo : lo + 256])))
 
 
 _LARGE_BYTES = 1 << 20
+#: How long a countersignature may wait to ride on the next job to the same worker before it is sent on its own.
+SETTLE_DELAY = 0.05
+
+
+async def _quietly(coro) -> None:
+    try:
+        await coro
+    except Exception as e:  # the worker keeps the job as unpaid; nothing else to do
+        logger.debug("A countersignature could not be delivered: %s", e)
 
 
 def _encode_and_hash(job, inputs) -> tuple[bytes, str]:

@@ -35,6 +35,10 @@ class Delivery:
     _writer: asyncio.StreamWriter | None = None  # the stream door: answer on the same stream
     _settle: Callable[[dict], Awaitable[None]] | None = None  # the unary door: a settle call
 
+    @property
+    def via_unary(self) -> bool:
+        return self._writer is None
+
     async def countersign(self, signature: bytes) -> None:
         await self._finish({"t": "countersign", "job": self.receipt.job_id, "signature": signature})
 
@@ -78,6 +82,14 @@ async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
         raise NetworkError(f"cannot reach worker {worker_id[-8:]}: {e}") from None
 
 
+async def send_settlements(p2p, network: str, worker_id: str, items: list[tuple[str, bytes]]) -> None:
+    """Countersignatures for results received through the unary door, in one call."""
+    import msgpack
+
+    request = msgpack.packb({"t": "countersign_batch", "items": [list(i) for i in items]}, use_bin_type=True)
+    await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), settle_protocol(network), request)
+
+
 async def send_job_unary(
     p2p,
     network: str,
@@ -88,16 +100,21 @@ async def send_job_unary(
     inputs: bytes,
     timeout: float,
     max_price: int | None,
+    settle: list[tuple[str, bytes]] = (),
 ) -> Delivery:
     """One round trip over the daemon's persistent connection, for a small job whose program the worker holds.
 
+    ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle calls.
     Raises UseStream when the worker wants the stream door instead, or the same errors as :func:`send_job`.
     """
     import msgpack
 
     peer = PeerID.from_base58(worker_id)
-    request = msgpack.packb({"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs),
-                             "inputs": inputs, "timeout": float(timeout), "max_price": max_price}, use_bin_type=True)
+    message = {"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs), "inputs": inputs,
+               "timeout": float(timeout), "max_price": max_price}
+    if settle:
+        message["settle"] = [list(i) for i in settle]
+    request = msgpack.packb(message, use_bin_type=True)
     try:
         reply = await p2p._client.call_unary_handler(peer, run_protocol(network), request)
     except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error

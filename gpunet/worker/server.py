@@ -28,6 +28,9 @@ from gpunet.worker import metrics, throughput
 
 logger = logging.getLogger("gpunet.worker")
 
+#: Seconds a draining worker waits for countersignatures of results it already delivered.
+UNSETTLED_GRACE = 5.0
+
 
 class Worker:
     """One worker process. ``run()`` blocks until the worker has left the network."""
@@ -172,6 +175,14 @@ class Worker:
             await asyncio.sleep(0.05)
         if self.service is not None and self.service.active:
             logger.warning("%d job(s) still running after %.0f s; abandoning them", self.service.active, self.config.drain_timeout)
+        # Results already delivered may still have their countersignature on the way: give it a moment.
+        grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))
+        settle_by = time.monotonic() + grace
+        while self.service is not None and self.service.unsettled and time.monotonic() < settle_by:
+            await asyncio.sleep(0.05)
+        if self.service is not None and self.service.unsettled:
+            logger.warning("%d delivered job(s) were never countersigned; they stay in `gpunet ledger unpaid`",
+                           len(self.service.unsettled))
         await self.announce(WorkerState.OFFLINE)
         logger.info("Left the network (served %d jobs). Goodbye.", self.service.jobs_done if self.service else 0)
 

@@ -43,6 +43,7 @@ INLINE_BYTES = 32 * 1024
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 COUNTERSIGN_TIMEOUT = 30.0
+MAX_UNSETTLED = 4096
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -94,6 +95,9 @@ class JobService:
         self.admitted = 0  # jobs holding a place: queued or running
         self.running = 0
         self.settling = 0  # results delivered on a stream, countersignature not yet read
+        # Results delivered by the unary door whose countersignature has not come yet (bounded: a client that never
+        # countersigns cannot grow it; its work stays in the ledger's unpaid list either way).
+        self.unsettled: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.jobs_done = 0
         self._slots = asyncio.Semaphore(max_concurrent)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -174,12 +178,18 @@ class JobService:
     async def _handle_run(self, request: bytes, remote_id) -> bytes:
         client_id = remote_id.to_base58()
         try:
-            submit = _Submit.parse(_unpack_frame(request, "submit"), self.limits)
+            frame = _unpack_frame(request, "submit")
+            self._settle_batch(client_id, frame.get("settle"))
+            submit = _Submit.parse(frame, self.limits)
             outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
             if outcome is None:
                 return _pack(self._busy_frame())
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return _pack({"t": "use_stream"})  # the result waits in the recent results for the stream retry
+            if self.ledger.get(submit.job_id) is None:
+                self.unsettled[(client_id, submit.job_id)] = None  # its countersignature comes with a later call
+                while len(self.unsettled) > MAX_UNSETTLED:
+                    self.unsettled.popitem(last=False)
             return _pack({"t": "result", "outputs_size": len(outcome.outputs), "outputs": outcome.outputs,
                           "receipt": outcome.receipt.to_bytes()})
         except _NeedsStream:
@@ -195,12 +205,28 @@ class JobService:
 
     async def _handle_settle(self, request: bytes, remote_id) -> bytes:
         try:
-            frame = _unpack_frame(request, ("countersign", "refuse"))
-            job_id = field(frame, "job", str)
-            self._settle(remote_id.to_base58(), job_id, frame)
+            frame = _unpack_frame(request, ("countersign", "refuse", "countersign_batch"))
+            if frame["t"] == "countersign_batch":
+                self._settle_batch(remote_id.to_base58(), frame.get("items"))
+            else:
+                self._settle(remote_id.to_base58(), field(frame, "job", str), frame)
             return _pack({"t": "ok"})
         except GpunetError as e:
             return _pack(error_frame(e))
+
+    def _settle_batch(self, client_id: str, items) -> None:
+        """Countersignatures ``[[job_id, signature], ...]``; a bad one is logged and skipped, never fatal."""
+        if items is None:
+            return
+        if not isinstance(items, list) or len(items) > 1024:
+            raise ProtocolError("settle must be a list of at most 1024 [job id, signature] pairs")
+        for item in items:
+            try:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                    raise ProtocolError("a settle item must be [job id, signature]")
+                self._settle(client_id, item[0], {"t": "countersign", "signature": item[1]})
+            except GpunetError as e:
+                logger.warning("Bad countersignature from %s: %s", client_id[-8:], e)
 
     # --- jobs: what both doors share -------------------------------------------------------------------------------
 
@@ -330,12 +356,14 @@ class JobService:
             raise JobRejected(f"no result of job {job_id[:16]} for this client awaits settlement")
         receipt = outcome.receipt
         if frame["t"] == "refuse":
+            self.unsettled.pop((client_id, job_id), None)
             logger.warning("Client %s refused the receipt for job %s: %s", client_id[-8:], job_id[:12],
                            str(frame.get("reason"))[:200])
             return
         complete = attach_countersignature(receipt, field(frame, "signature", bytes))  # InvalidReceipt if forged
         if self.ledger.get(job_id) is None:
             self.ledger.append(complete)
+        self.unsettled.pop((client_id, job_id), None)
 
 
 async def _try_send(writer, frame: dict) -> None:
