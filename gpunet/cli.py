@@ -79,6 +79,9 @@ def worker(
     rebenchmark: bool = typer.Option(False, "--rebenchmark", help="Measure the device's speed again."),
     memory_budget_gb: Optional[float] = typer.Option(None, "--memory-budget-gb", min=0.1, help="Memory per executor."),
     metrics_port: int = typer.Option(0, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
+    fault_corrupt_fraction: float = typer.Option(
+        0.0, "--fault-corrupt-fraction", min=0.0, max=1.0, hidden=True,
+        help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
@@ -100,6 +103,7 @@ def worker(
         rebenchmark=rebenchmark,
         memory_budget_gb=memory_budget_gb,
         metrics_port=metrics_port,
+        fault_corrupt_fraction=fault_corrupt_fraction,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
@@ -137,12 +141,16 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
     interval: float = typer.Option(5.0, "--interval", min=0.5, help="Seconds between refreshes with --watch."),
     timeout: float = typer.Option(30.0, "--timeout", min=1, help="Give up reading the network after this long."),
+    client_dir: Optional[Path] = typer.Option(
+        None, "--client-dir", help="Show the ratings of the client using this data dir (default: ~/.gpunet/client)."),
     verbose: int = Verbose,
 ) -> None:
-    """Show every live worker of a network and the network's totals."""
+    """Show every live worker of a network, the network's totals, and how your client rates each worker."""
+    from gpunet.client.core import client_data_dir
+    from gpunet.client.trust import Reputation
     from gpunet.dht import network as net
-    from gpunet.status import NetworkStatus, render_table
     from gpunet.dht import registry
+    from gpunet.status import NetworkStatus, render_table
 
     _setup_logging(verbose)
     console = Console()
@@ -153,7 +161,8 @@ def status(
     try:
 
         def read() -> NetworkStatus:
-            return NetworkStatus(network, registry.discover(dht, network, timeout=timeout))
+            reputation = Reputation.load(client_data_dir(client_dir))
+            return NetworkStatus(network, registry.discover(dht, network, timeout=timeout), reputation=reputation)
 
         if not watch:
             snapshot = read()

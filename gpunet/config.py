@@ -26,3 +26,4 @@ class WorkerConfig:
     rebenchmark: bool = False
     memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
+from gpunet.client.trust import Reputation
 from gpunet.dht import network, registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
@@ -19,6 +20,7 @@ class NetworkStatus:
     network: str
     workers: list[WorkerEntry]
     read_at: float = field(default_factory=time.time)
+    reputation: Reputation | None = None  # how the reading client rates each worker, if it has history
 
     @property
     def totals(self) -> dict[str, Any]:
@@ -33,6 +35,14 @@ class NetworkStatus:
             "jobs_done": sum(w.record.jobs_done for w in live),
             "queued": sum(w.record.queue for w in live),
         }
+
+    def _rating(self, worker_id: str) -> dict[str, Any] | None:
+        """This client's view of the worker (see gpunet.client.trust), or None without history."""
+        if self.reputation is None or worker_id not in self.reputation.workers:
+            return None
+        t = self.reputation.workers[worker_id]
+        return {"score": round(self.reputation.score(worker_id), 4), "streak": t.streak, "valid": round(t.valid, 2),
+                "rejected": round(t.rejected, 2), "failures": round(t.failures, 2), "timeouts": round(t.timeouts, 2)}
 
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` contract: ``{"network", "workers": [{"id", "state", "device", "tflops", "price", ...}], "totals"}``."""
@@ -56,6 +66,7 @@ class NetworkStatus:
                     "maddrs": list(r.maddrs),
                     "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned},
                     "expires_in": round(w.expiration_time - self.read_at, 1),
+                    "rating": self._rating(w.id),
                 }
             )
         return {"network": self.network, "workers": workers, "totals": self.totals}
@@ -70,6 +81,13 @@ def read_status(
         return NetworkStatus(network_name, registry.discover(dht, network_name, timeout=timeout))
     finally:
         dht.shutdown()
+
+
+def _trust_cell(rating: dict | None) -> str:
+    if rating is None:
+        return "-"
+    style = "green" if rating["score"] >= 0.9 else "yellow" if rating["score"] >= 0.5 else "red"
+    return f"[{style}]{rating['score']:.2f}[/]"
 
 
 def _gib(n: int) -> str:
@@ -99,7 +117,7 @@ def render_table(status: NetworkStatus) -> Table:
             f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
         ),
     )
-    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "up"):
+    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "up"):
         left = column in ("worker", "state", "device")
         table.add_column(column, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
                          min_width=6 if column == "device" else None)
@@ -117,6 +135,7 @@ def render_table(status: NetworkStatus) -> Table:
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
             f"{r.credits_earned:.6g}",
+            _trust_cell(status._rating(w.id)),
             _duration(r.uptime(status.read_at)),
         )
     versions = sorted({w.record.version for w in status.workers})

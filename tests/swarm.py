@@ -21,8 +21,9 @@ def run_cli(*args: str, timeout: float = 90, env: dict | None = None) -> subproc
 class Swarm(LocalNetwork):
     """A local network whose tests read it through ``gpunet status --json``."""
 
-    def status(self, network: str | None = None) -> dict:
-        result = run_cli("status", "--network", network or self.network, "--initial-peers", self.bootstrap_addr, "--json")
+    def status(self, network: str | None = None, *extra: str) -> dict:
+        result = run_cli("status", "--network", network or self.network, "--initial-peers", self.bootstrap_addr, "--json",
+                         *extra)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
 

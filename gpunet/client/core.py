@@ -19,12 +19,14 @@ from typing import Sequence
 import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
+from gpunet.client.trust import Reputation, describe, majority, quorum
 from gpunet.client.transport import INLINE_BYTES, UseStream, send_job, send_job_unary, send_settlements
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
-    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProtocolError, WorkerBusy,
+    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProtocolError,
+    VerificationFailed, WorkerBusy,
 )
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
@@ -41,6 +43,32 @@ class ClientConfig:
     discovery_wait: float = 10.0  # how long a job waits for a first worker to appear in an empty view
     max_rejections: int = 3  # worker-specific refusals tolerated before the refusal is final
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+@dataclass
+class _Prepared:
+    """One job, encoded and estimated once, however many workers it goes to."""
+
+    job: object
+    req: Requirements
+    job_id: str
+    encoded: bytes
+    input_hash: str
+    flops: int
+    program: bytes
+    deadline: float
+    shape: JobShape
+    max_price: int | None
+
+
+@dataclass
+class _Candidate:
+    """A worker's checked but not yet paid result."""
+
+    worker_id: str
+    delivery: object
+    outputs: object
+    attempts: list[str]
 
 
 @dataclass(frozen=True)
@@ -77,7 +105,8 @@ class ClientCore:
         self.data_dir = client_data_dir(data_dir)
         self.config = config or ClientConfig()
         self.identity = Identity.load_or_create(self.data_dir)
-        self.router = Router(self.config.routing)
+        self.reputation = Reputation.load(self.data_dir)
+        self.router = Router(self.config.routing, reputation=self.reputation)
         self.dht = None
         self.p2p = None
         self.ledger: Ledger | None = None
@@ -119,6 +148,7 @@ class ClientCore:
             await asyncio.to_thread(self.dht.shutdown)
         if self.ledger is not None:
             self.ledger.close()
+        self.reputation.save()
 
     # --- the worker view -------------------------------------------------------------------------------------------
 
@@ -152,54 +182,112 @@ class ClientCore:
 
     async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
                   job_id: str | None = None) -> JobResult:
-        """Route, send, retry; returns the checked, countersigned result."""
+        """Route, send, retry, verify as asked; returns the checked, countersigned result."""
         req = requirements or Requirements()
         job_id = job_id or uuid.uuid4().hex
-        deadline = time.monotonic() + req.timeout
         encoded, input_hash = await _off_loop_if_large(_encode_and_hash, job, inputs)  # JobRejected: inputs misfit
         estimate = await self._estimate(job, inputs)
         program = job.program_bytes()
-        shape = JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job))
-        max_price = price_to_micro(req.max_price) if req.max_price is not None else None
-        tried: list[str] = []
-        failed: set[str] = set()
-        rejections: list[JobRejected] = []
-        last_error: GpunetError | None = None
-
+        p = _Prepared(
+            job=job, req=req, job_id=job_id, encoded=encoded, input_hash=input_hash, flops=estimate.flops,
+            program=program, deadline=time.monotonic() + req.timeout,
+            shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job)),
+            max_price=price_to_micro(req.max_price) if req.max_price is not None else None,
+        )
         if not self.router.workers:
             try:
                 await asyncio.wait_for(self._fresh.wait(), min(self.config.discovery_wait, req.timeout))
             except asyncio.TimeoutError:
                 raise NoWorkersAvailable(f"no workers appeared in network {self.network!r} within "
                                          f"{min(self.config.discovery_wait, req.timeout):.0f} s") from None
+        if req.redundancy == 1 and req.verify == "none":
+            candidate = await self._deliver(p, job_id, set())
+            return await self._pay(p, candidate, [candidate.worker_id])
+        return await self._run_verified(p)
+
+    async def _run_verified(self, p: "_Prepared") -> JobResult:
+        """Redundant or adaptive: collect results from distinct workers until a quorum agrees, pay only that."""
+        taken: set[str] = set()
+        candidates: list[_Candidate] = []
+
+        async def one_more(replica: int) -> None:
+            candidates.append(await self._deliver(p, f"{p.job_id}.r{replica}", taken))
+
+        k = p.req.redundancy
+        await asyncio.gather(*(one_more(i) for i in range(k)))
+        checked = k > 1
+        if p.req.verify == "adaptive" and k == 1 and self.reputation.should_check(candidates[0].worker_id):
+            k, checked = 2, True
+            try:
+                await one_more(1)
+            except NoWorkersAvailable:  # nobody to compare with: take the result unchecked, say so
+                logger.info("No second worker to spot-check job %s; accepted unchecked", p.job_id[:12])
+                return await self._pay(p, candidates[0], [candidates[0].worker_id], checked=False)
+        group = majority([c.outputs for c in candidates])
+        while (group is None or len(group) < quorum(k)) and len(candidates) < 2 * k - 1:
+            await one_more(len(candidates))
+            group = majority([c.outputs for c in candidates])
+        if group is None or len(group) < quorum(k):
+            for c in candidates:
+                await c.delivery.refuse("no majority among redundant results")
+            raise VerificationFailed(
+                f"job {p.job_id[:12]}: {len(candidates)} results, no {quorum(k)} agree: "
+                + describe([c.outputs for c in candidates], [c.worker_id for c in candidates]))
+        winners = [candidates[i] for i in group]
+        for i, c in enumerate(candidates):
+            if i not in group:
+                self.reputation.record(c.worker_id, "rejected")
+                await c.delivery.refuse("result outvoted by the majority of redundant results")
+                logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid",
+                               c.worker_id[-8:], p.job_id[:12])
+        attempts = [c.worker_id for c in candidates]
+        result = None
+        for c in winners:
+            paid = await self._pay(p, c, attempts, checked=checked)
+            result = result or paid
+        self.reputation.save()
+        return result
+
+    async def _deliver(self, p: "_Prepared", job_id: str, taken: set[str]) -> "_Candidate":
+        """One result from one worker not in ``taken`` (which it joins), retrying elsewhere on failure."""
+        req = p.req
+        tried: list[str] = []
+        failed: set[str] = set()
+        rejections: list[JobRejected] = []
+        last_error: GpunetError | None = None
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = p.deadline - time.monotonic()
             if remaining <= 0:
                 raise JobTimeout(f"job {job_id[:12]} did not finish within {req.timeout:g} s; tried {_names(tried)}"
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
-                worker = self.router.choose(req, shape, exclude=failed)
+                worker = self.router.choose(req, p.shape, exclude=failed | taken)
             except NoWorkersAvailable as e:
-                if e.retry_at is not None and e.retry_at < deadline:  # only busy or briefly banned: wait for them
+                if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
                     await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
                     continue
                 if not tried:
                     raise
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
+            taken.add(worker.id)
             tried.append(worker.id)
             self.router.started(worker.id)
             t0 = time.perf_counter()
             try:
                 delivery = await asyncio.wait_for(
-                    self._send(worker, job_id, job.program_hash, program, encoded, max(0.1, remaining), max_price),
+                    self._send(worker, job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining),
+                               p.max_price),
                     timeout=remaining,
                 )
+                outputs = self._check(p, delivery)
             except WorkerBusy as e:
+                taken.discard(worker.id)
                 self.router.busy(worker.id)
                 last_error = e
                 await asyncio.sleep(0.01)
                 continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
+                taken.discard(worker.id)
                 rejections.append(e)
                 failed.add(worker.id)
                 last_error = e
@@ -207,10 +295,12 @@ class ClientCore:
                     raise JobRejected(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
                 continue
             except (asyncio.TimeoutError, GpunetError, ConnectionError, OSError) as e:
+                taken.discard(worker.id)
                 error = e if isinstance(e, GpunetError) else NetworkError(f"{type(e).__name__}: {e}")
                 if isinstance(e, asyncio.TimeoutError):
                     error = JobTimeout(f"worker {worker.id[-8:]} took too long")
                 ban = self.router.failed(worker.id)
+                self.reputation.record(worker.id, "timeout" if isinstance(error, JobTimeout) else "failure")
                 failed.add(worker.id)
                 last_error = error
                 logger.info("Worker %s failed job %s (%s); banned %.0f s, retrying elsewhere",
@@ -218,18 +308,47 @@ class ClientCore:
                 continue
             finally:
                 self.router.finished(worker.id)
-            try:
-                outputs, receipt = await self._accept(job, delivery, input_hash, estimate.flops, max_price)
-            except GpunetError as e:
-                await delivery.refuse(str(e))
-                self.router.failed(worker.id)
-                failed.add(worker.id)
-                last_error = e
-                logger.warning("Refused the result of worker %s for job %s: %s", worker.id[-8:], job_id[:12], e)
-                continue
-            self.router.succeeded(worker.id, shape, time.perf_counter() - t0, delivery.bytes_sent,
+            self.router.succeeded(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds)
-            return JobResult(outputs, worker.id, receipt, tried, delivery.bytes_sent)
+            return _Candidate(worker.id, delivery, outputs, tried)
+
+    def _check(self, p: "_Prepared", delivery):
+        """What came back must decode against the manifest and match its receipt; raises otherwise."""
+        receipt = delivery.receipt
+        problem = None
+        if receipt.input_hash != p.input_hash:
+            problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
+        elif receipt.output_hash != hashlib.sha256(delivery.outputs).hexdigest():
+            problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
+        else:
+            try:
+                return p.job.decode_outputs(delivery.outputs)
+            except GpunetError as e:
+                problem = ProtocolError(f"outputs do not match the program's output specs: {e}")
+        self._track(delivery.refuse(str(problem)))
+        raise problem
+
+    async def _pay(self, p: "_Prepared", c: "_Candidate", attempts: list[str], checked: bool = False) -> JobResult:
+        """Countersign and record the receipt of an accepted result; refuse it if its terms are wrong."""
+        try:
+            signed = countersign(c.delivery.receipt, self.identity, output_hash=c.delivery.receipt.output_hash,
+                                 max_price=p.max_price, flops=p.flops)
+        except GpunetError as e:
+            await c.delivery.refuse(str(e))
+            self.reputation.record(c.worker_id, "failure")
+            raise
+        if self.ledger.get(signed.job_id) is None:
+            self.ledger.append(signed)
+        self.reputation.record(c.worker_id, "valid", checked=checked)
+        # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
+        # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
+        if c.delivery.via_unary:
+            self._owed.setdefault(c.worker_id, []).append((signed.job_id, signed.client_signature))
+            self._schedule_flush()
+        else:
+            self._track(c.delivery.countersign(signed.client_signature))
+        return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
+                         c.delivery.bytes_sent)
 
     async def _send(self, worker: WorkerEntry, job_id: str, program_hash: str, program: bytes, inputs: bytes,
                     timeout: float, max_price: int | None):
@@ -249,28 +368,6 @@ class ClientCore:
         return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
                               program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,
                               max_price=max_price)
-
-    async def _accept(self, job, delivery, input_hash: str, flops: int, max_price: int | None):
-        """Check what came back (outputs decode against the manifest, receipt matches), countersign, record."""
-        receipt = delivery.receipt
-        if receipt.input_hash != input_hash:
-            raise InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
-        try:
-            outputs = job.decode_outputs(delivery.outputs)
-        except GpunetError as e:
-            raise ProtocolError(f"outputs do not match the program's output specs: {e}") from None
-        signed = countersign(receipt, self.identity, output_hash=hashlib.sha256(delivery.outputs).hexdigest(),
-                             max_price=max_price, flops=flops)
-        if self.ledger.get(signed.job_id) is None:
-            self.ledger.append(signed)
-        # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
-        # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
-        if delivery.via_unary:
-            self._owed.setdefault(receipt.worker_id, []).append((signed.job_id, signed.client_signature))
-            self._schedule_flush()
-        else:
-            self._track(delivery.countersign(signed.client_signature))
-        return outputs, signed
 
     def _track(self, coro) -> None:
         settlement = asyncio.ensure_future(coro)

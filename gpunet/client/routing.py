@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
+from gpunet.client.trust import Reputation
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, NoWorkersAvailable
@@ -35,6 +36,8 @@ class Requirements:
     max_price: float | None = None  # credits per PFLOP
     timeout: float = 120.0  # seconds for the whole job, retries included
     prefer: Literal["balanced", "fastest", "cheapest"] = "balanced"
+    redundancy: int = 1  # run on this many distinct workers and accept the majority (see gpunet.client.trust)
+    verify: Literal["none", "adaptive"] = "none"  # "adaptive": spot-check workers, less often as they prove honest
 
     def __post_init__(self):
         if self.device not in ("any", "gpu", "cpu"):
@@ -45,6 +48,10 @@ class Requirements:
             raise ConfigError("Requirements.timeout must be positive")
         if self.max_price is not None and self.max_price < 0:
             raise ConfigError("Requirements.max_price must be >= 0")
+        if not 1 <= self.redundancy <= 16:
+            raise ConfigError("Requirements.redundancy must be between 1 and 16")
+        if self.verify not in ("none", "adaptive"):
+            raise ConfigError(f"Requirements.verify must be 'none' or 'adaptive', not {self.verify!r}")
 
     def refusal(self, entry: WorkerEntry) -> str | None:
         """Why ``entry`` cannot take this job, or None when it can."""
@@ -104,6 +111,7 @@ class Router:
     inflight: Counter = field(default_factory=Counter)
     bans: dict[str, _Ban] = field(default_factory=dict)
     known_programs: dict[str, set[str]] = field(default_factory=dict)  # worker id -> programs we sent it
+    reputation: Reputation | None = None  # this client's record of real outcomes per worker
     bandwidth: float = 0.0
     _seconds_per_flop: dict[str, float] = field(default_factory=dict)  # observed, per worker
     _overhead: dict[str, float] = field(default_factory=dict)  # observed seconds a job costs beyond its FLOPs
@@ -122,6 +130,8 @@ class Router:
             why = req.refusal(entry)
             if why is None and entry.id in exclude:
                 why = "already failed this job"
+            if why is None and self.reputation is not None and self.reputation.avoided(entry.id):
+                why = "has a poor reputation (results outvoted or failures)"
             ban = self.bans.get(entry.id)
             if why is None and ban is not None and ban.until > now:
                 why = "is busy" if ban.busy else "is banned for recent failures"
@@ -155,7 +165,8 @@ class Router:
         overhead = self._overhead.get(entry.id, self.config.default_overhead)
         ahead = r.queue + self.inflight[entry.id]
         wait = ahead / max(1, r.max_concurrent) * (compute + overhead)
-        return wait + transfer + compute + overhead
+        score = self.reputation.score(entry.id) if self.reputation is not None else 1.0
+        return (wait + transfer + compute + overhead) / max(score, 0.01)
 
     def rank(self, candidates: list[WorkerEntry], job: JobShape, prefer: str) -> list[WorkerEntry]:
         times = {e.id: self.expected_seconds(e, job) for e in candidates}

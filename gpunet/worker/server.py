@@ -218,6 +218,7 @@ class Worker:
             max_concurrent=cfg.max_concurrent,
             max_queue=cfg.max_queue,
             record=self.record,
+            corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
         )
         await self.service.start(await self.dht.replicate_p2p())
         if cfg.metrics_port:
@@ -232,3 +233,22 @@ class Worker:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
+
+
+def _fault_injector(fraction: float):
+    """FAULT INJECTION, for testing trust: returns wrong outputs (validly encoded, plausibly shaped) for ``fraction``
+    of jobs, signing them as if they were right — what a volunteer cheating for credits would do."""
+    import random
+
+    from gpunet.job import tensors
+
+    rng = random.Random()
+    logger.warning("FAULT INJECTION: this worker corrupts %.0f%% of its outputs", 100 * fraction)
+
+    def corrupt(outputs: bytes) -> bytes:
+        if rng.random() >= fraction:
+            return outputs
+        decoded = tensors.decode(outputs)
+        return tensors.encode({k: (v * 1.5 + 1) if v.is_floating_point() else v + 1 for k, v in decoded.items()})
+
+    return corrupt

@@ -1,0 +1,200 @@
+"""Trust without a central authority: comparing redundant results, reputation, and adaptive replication.
+
+**Agreement.** Two results agree when every output has the same shape and dtype and the values match within a
+tolerance that fits the dtype and the spread expected across devices (CPU vs GPU kernels, different GPUs):
+``|a - b| <= atol + rtol * |b|`` elementwise, with NaN matching NaN and infinities matching by sign. Integer and
+bool outputs must be equal. See :data:`TOLERANCES`.
+
+**Majority.** A job run on ``k`` workers needs a *quorum* of ``k // 2 + 1`` agreeing results. If the first results
+leave no group that large, more workers are asked, up to ``2k - 1`` results in all (for ``k = 2``: a third worker
+breaks a tie); still no quorum → :class:`~gpunet.VerificationFailed`. Results outside the winning group are not
+countersigned: their workers are not paid, and it counts against them.
+
+**Reputation** (per worker, kept by each client in ``<data dir>/reputation.json``, never self-reported)::
+
+    score = (valid + 1) / (valid + 1 + 10 * rejected + failures + 0.5 * timeouts)
+
+where each count decays with a half-life of one day, so recent behaviour weighs most. A result outvoted by the
+majority is *rejected* and weighs ten failures. Routing skips workers scoring under 0.5 and otherwise divides their
+expected speed by the score.
+
+**Adaptive replication** (``Requirements(verify="adaptive")``), after BOINC: a worker's *streak* is its number of
+consecutive results that were checked and valid. A worker with a streak under 25 is always checked (its result is
+compared with a second worker's); beyond that it is spot-checked with probability ``max(1/streak, 0.05)``. A single
+rejected result resets the streak to 0. On an honest network this costs about 5% extra compute after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+HALF_LIFE = 24 * 3600.0
+REJECTED_WEIGHT = 10.0
+TIMEOUT_WEIGHT = 0.5
+AVOID_BELOW = 0.5
+ALWAYS_CHECK_UNTIL = 25
+MIN_CHECK_PROBABILITY = 0.05
+
+#: (rtol, atol) per dtype: loose enough for honest cross-device differences, far tighter than any useful lie.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-3, 1e-5),
+    torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (5e-2, 1e-2),
+}
+
+
+def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+def max_difference(a, b) -> float:
+    """The largest absolute difference between two results (inf when shapes or dtypes differ)."""
+    worst = 0.0
+    for x, y in zip(_as_tuple(a), _as_tuple(b)):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return math.inf
+        if x.numel():
+            diff = (x.double() - y.double()).abs().nan_to_num(nan=0.0, posinf=math.inf)
+            worst = max(worst, float(diff.max()))
+    return worst
+
+
+def agree(a, b) -> bool:
+    """Whether two results match within their dtype's tolerance (see the module docstring)."""
+    xs, ys = _as_tuple(a), _as_tuple(b)
+    if len(xs) != len(ys):
+        return False
+    for x, y in zip(xs, ys):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.dtype in TOLERANCES:
+            rtol, atol = TOLERANCES[x.dtype]
+            if not torch.allclose(x, y, rtol=rtol, atol=atol, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+def quorum(k: int) -> int:
+    return k // 2 + 1
+
+
+def majority(results: Sequence) -> list[int] | None:
+    """Indices of the largest group of mutually agreeing results, if it is a strict majority of them."""
+    n = len(results)
+    best: list[int] = []
+    for i in range(n):
+        group = [j for j in range(n) if j == i or agree(results[i], results[j])]
+        if len(group) > len(best):
+            best = group
+    return best if len(best) * 2 > n else None
+
+
+def describe(results: Sequence, workers: Sequence[str]) -> str:
+    """What each worker returned, for a VerificationFailed message: shapes and max differences to the first."""
+    parts = []
+    for w, r in zip(workers, results):
+        shapes = [tuple(t.shape) for t in _as_tuple(r)]
+        parts.append(f"{w[-8:]}: shapes {shapes}, max diff to first {max_difference(r, results[0]):.3g}")
+    return "; ".join(parts)
+
+
+@dataclass
+class WorkerTrust:
+    valid: float = 0.0
+    rejected: float = 0.0
+    failures: float = 0.0
+    timeouts: float = 0.0
+    streak: int = 0  # consecutive checked-and-valid results
+    updated: float = field(default_factory=time.time)
+
+    def decay(self, now: float) -> None:
+        factor = 0.5 ** (max(0.0, now - self.updated) / HALF_LIFE)
+        self.valid *= factor
+        self.rejected *= factor
+        self.failures *= factor
+        self.timeouts *= factor
+        self.updated = now
+
+    @property
+    def score(self) -> float:
+        return (self.valid + 1) / (
+            self.valid + 1 + REJECTED_WEIGHT * self.rejected + self.failures + TIMEOUT_WEIGHT * self.timeouts
+        )
+
+
+class Reputation:
+    """This client's view of each worker, from real outcomes only; persisted in its data dir."""
+
+    FILENAME = "reputation.json"
+
+    def __init__(self, path: Path | None = None, rng: random.Random | None = None):
+        self.path = path
+        self.workers: dict[str, WorkerTrust] = {}
+        self._rng = rng or random.Random()
+        if path is not None and path.exists():
+            try:
+                raw = json.loads(path.read_text())
+                self.workers = {k: WorkerTrust(**v) for k, v in raw.get("workers", {}).items()}
+            except (OSError, ValueError, TypeError):
+                self.workers = {}  # a damaged file loses history, never the client
+
+    @classmethod
+    def load(cls, data_dir: str | os.PathLike) -> "Reputation":
+        return cls(Path(data_dir) / cls.FILENAME)
+
+    def _get(self, worker_id: str) -> WorkerTrust:
+        trust = self.workers.setdefault(worker_id, WorkerTrust())
+        trust.decay(time.time())
+        return trust
+
+    def score(self, worker_id: str) -> float:
+        return self._get(worker_id).score if worker_id in self.workers else 1.0
+
+    def streak(self, worker_id: str) -> int:
+        return self.workers[worker_id].streak if worker_id in self.workers else 0
+
+    def record(self, worker_id: str, outcome: str, checked: bool = False) -> None:
+        """``outcome`` is valid, rejected, failure or timeout; ``checked`` says a valid result was verified."""
+        trust = self._get(worker_id)
+        if outcome == "valid":
+            trust.valid += 1
+            if checked:
+                trust.streak += 1
+        elif outcome == "rejected":
+            trust.rejected += 1
+            trust.streak = 0
+        elif outcome == "failure":
+            trust.failures += 1
+        elif outcome == "timeout":
+            trust.timeouts += 1
+        else:
+            raise ValueError(f"unknown outcome {outcome!r}")
+
+    def should_check(self, worker_id: str) -> bool:
+        """Adaptive replication: always check a worker with little history, then spot-check less and less."""
+        streak = self.streak(worker_id)
+        if streak < ALWAYS_CHECK_UNTIL:
+            return True
+        return self._rng.random() < max(1.0 / streak, MIN_CHECK_PROBABILITY)
+
+    def avoided(self, worker_id: str) -> bool:
+        return self.score(worker_id) < AVOID_BELOW
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps({"workers": {k: asdict(v) for k, v in self.workers.items()}}))
+        tmp.replace(self.path)

@@ -1,0 +1,117 @@
+"""Trust: result comparison, majority, reputation and adaptive replication — units, then a real swarm with a liar."""
+
+import random
+
+import pytest
+import torch
+
+import gpunet
+from gpunet import Requirements
+from gpunet.client.trust import ALWAYS_CHECK_UNTIL, Reputation, agree, majority, max_difference
+from tests.swarm import wait_for
+
+
+def test_agreement_fits_the_dtype_and_handles_nan_and_inf():
+    x = torch.randn(64, 64)
+    assert agree(x, x + 1e-6)  # cross-device noise in fp32
+    assert not agree(x, x * 1.01 + 0.1)  # a lie
+    assert agree(x.bfloat16(), (x + 1e-3).bfloat16())
+    assert not agree(x, x.double())  # dtype differs
+    assert not agree(x, x[:32])  # shape differs
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0])
+    assert agree(special, special.clone())
+    assert not agree(special, torch.tensor([float("nan"), -float("inf"), -float("inf"), 1.0]))
+    assert agree(torch.arange(5), torch.arange(5)) and not agree(torch.arange(5), torch.arange(5) + 1)
+    assert agree((x, x), (x, x + 1e-7)) and not agree((x, x), (x,))
+    assert max_difference(x, x + 0.5) == pytest.approx(0.5)
+
+
+def test_majority_needs_more_than_half():
+    good, bad, other = torch.ones(4), torch.zeros(4), torch.full((4,), 7.0)
+    assert majority([good, good]) == [0, 1]
+    assert majority([good, bad]) is None
+    assert majority([good, bad, good]) == [0, 2]
+    assert majority([good, bad, other]) is None
+    assert sorted(majority([bad, good, good, good, other])) == [1, 2, 3]
+
+
+def test_reputation_formula_and_persistence(tmp_path):
+    rep = Reputation.load(tmp_path)
+    assert rep.score("w") == 1.0 and not rep.avoided("w")
+    for _ in range(20):
+        rep.record("w", "valid", checked=True)
+    assert rep.score("w") == pytest.approx(1.0)
+    rep.record("w", "rejected")
+    assert rep.score("w") == pytest.approx(21 / 31, rel=1e-3) and rep.streak("w") == 0
+    rep.record("liar", "rejected")
+    assert rep.avoided("liar")
+    rep.record("slow", "timeout")
+    assert rep.score("slow") == pytest.approx(1 / 1.5, rel=1e-3)
+    rep.save()
+    again = Reputation.load(tmp_path)
+    assert again.avoided("liar") and again.streak("w") == 0
+    (tmp_path / "reputation.json").write_text("{not json")
+    assert Reputation.load(tmp_path).score("liar") == 1.0  # damaged history is dropped, not fatal
+
+
+def test_adaptive_checks_newcomers_always_then_rarely_and_a_lie_resets():
+    rep = Reputation(rng=random.Random(7))
+    assert all(rep.should_check("w") for _ in range(10))
+    for _ in range(ALWAYS_CHECK_UNTIL):
+        assert rep.should_check("w")
+        rep.record("w", "valid", checked=True)
+    for _ in range(400):
+        rep.record("w", "valid", checked=rep.should_check("w"))
+    rate = sum(rep.should_check("w") for _ in range(2000)) / 2000
+    assert rate < 0.15
+    rep.record("w", "rejected")
+    assert rep.streak("w") == 0 and rep.should_check("w")
+
+
+@pytest.mark.swarm
+def test_redundant_jobs_catch_a_liar_pay_only_the_honest_and_avoid_it_later(swarm, tmp_path):
+    honest = swarm.start_workers(2, "--price", "2")
+    liar = swarm.start_worker("--price", "1", "--fault-corrupt-fraction", "1.0")  # cheapest: chosen first
+    liar_id = swarm.worker_id(liar)
+    honest_ids = {swarm.worker_id(w) for w in honest}
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    job = gpunet.Job.from_module(model, (torch.randn(4, 32),))
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=tmp_path / "client") as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "three workers")
+        xs = [torch.randn(4, 32) for _ in range(6)]
+        futures = [client.submit(job, x, requirements=Requirements(redundancy=2, prefer="cheapest")) for x in xs]
+        with torch.no_grad():
+            for x, f in zip(xs, futures):
+                assert torch.allclose(f.result(timeout=120), model(x), atol=1e-5)  # the right answer, every time
+                assert f.worker_id in honest_ids
+        paid = {r.worker_id for r in client.ledger.receipts()}
+        assert liar_id not in paid and paid <= honest_ids  # the liar is never paid
+        assert client._core.reputation.avoided(liar_id)
+        later = [client.submit(job, x, requirements=Requirements(redundancy=2)) for x in xs]
+        for f in later:
+            f.result(timeout=120)
+            assert liar_id not in f.attempts  # routing keeps away from it now
+    # `gpunet status` shows how this client rates each worker.
+    ratings = {w["id"]: w["rating"] for w in swarm.status(None, "--client-dir", str(tmp_path / "client"))["workers"]}
+    assert ratings[liar_id]["score"] < 0.5 and ratings[liar_id]["rejected"] >= 1
+    assert all(ratings[h]["score"] > 0.9 for h in honest_ids)
+
+
+@pytest.mark.swarm
+def test_honest_workers_never_trip_the_tolerance_and_adaptive_checks_fall(swarm, tmp_path):
+    swarm.start_workers(2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    batch = torch.export.Dim("batch", min=1, max=64)
+    job = gpunet.Job.from_module(model, (torch.randn(4, 16),), dynamic_shapes=({0: batch},))
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=tmp_path / "client") as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "two workers")
+        xs = [torch.randn(1 + i % 16, 16) for i in range(120)]
+        results = list(client.map(job, xs, requirements=Requirements(redundancy=2), progress=False))
+        assert len(results) == 120  # no VerificationFailed: honest fp32 results agree
+        adaptive = Requirements(verify="adaptive")
+        before = len(list(client.ledger.receipts()))
+        list(client.map(job, xs, requirements=adaptive, progress=False))
+        checks = len(list(client.ledger.receipts())) - before - len(xs)  # each check pays one extra receipt
+        assert checks < len(xs) // 2  # after 120 verified results each, most jobs run once
