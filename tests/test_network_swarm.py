@@ -1,6 +1,8 @@
 """The network foundation, end to end: real processes, real libp2p daemons, driven through the CLI."""
 
 
+import json
+
 import pytest
 
 from tests.swarm import run_cli, wait_for
@@ -72,6 +74,12 @@ def test_restarted_worker_keeps_its_id(swarm, tmp_path):
     assert swarm.worker_id(second) == worker_id
     assert "Measuring this device's speed" not in second.output  # the benchmark was cached
     swarm.wait_for_status(lambda s: _online_ids(s) == {worker_id}, "restarted worker online under the same id")
+
+    # `gpunet doctor` against the live network: it joins, and measures the clock offset by pinging the worker.
+    doctor = run_cli("doctor", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr, "--json")
+    checks = {c["name"]: c for c in json.loads(doctor.stdout)}
+    assert checks["network"]["outcome"] == "pass" and "1 worker(s) visible" in checks["network"]["detail"]
+    assert checks["clock"]["outcome"] == "pass" and "clock offset to 1 worker(s)" in checks["clock"]["detail"]
 
 
 def test_status_fails_clearly_when_it_cannot_join(tmp_path):

@@ -6,6 +6,7 @@ the ``--initial-peers`` the user gave.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import fcntl
 import ipaddress
@@ -167,21 +168,41 @@ def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Che
         return [Check("network", Outcome.FAIL, str(e), "check the address and that the peer is up and reachable")]
     try:
         workers = registry.discover(dht, network)
+        offsets = asyncio.run(_clock_offsets(dht, network, [w.id for w in workers[:5]]))
     finally:
         dht.shutdown()
-    now = time.time()
     checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible")]
-    if not workers:
-        checks.append(Check("clock", Outcome.SKIP, "no worker records to compare clocks with"))
+    if not offsets:
+        checks.append(Check("clock", Outcome.SKIP, "no worker answered a ping to compare clocks with"))
         return checks
-    # A record stamped in our future proves our clock is behind its owner's by at least that much.
-    ahead = max(w.record.updated_at - now for w in workers)
-    detail = f"peers' records are stamped at most {max(ahead, 0):.2f} s ahead of this clock"
-    if ahead > MAX_CLOCK_OFFSET:
+    # offset = peer's clock minus ours, measured at the midpoint of a round trip (error at most half the RTT)
+    worst = max(offsets, key=abs)
+    detail = f"clock offset to {len(offsets)} worker(s): up to {worst:+.2f} s"
+    if abs(worst) > MAX_CLOCK_OFFSET:
         return checks + [Check("clock", Outcome.FAIL, detail, "sync your clock (enable NTP: timedatectl set-ntp true)")]
-    if ahead > 1.0:
+    if abs(worst) > 1.0:
         return checks + [Check("clock", Outcome.WARN, detail, "enable NTP: hivemind refuses peers over 3 s apart")]
     return checks + [Check("clock", Outcome.PASS, detail)]
+
+
+async def _clock_offsets(dht, network: str, worker_ids: list[str]) -> list[float]:
+    from gpunet.client.transport import ping
+
+    p2p = await dht.replicate_p2p()
+    offsets = []
+    try:
+        for worker_id in worker_ids:
+            try:
+                before = time.time()
+                reply = await asyncio.wait_for(ping(p2p, network, worker_id), 5)
+                after = time.time()
+            except Exception:
+                continue  # an unreachable worker says nothing about our clock
+            if isinstance(reply, dict) and isinstance(reply.get("time"), float):
+                offsets.append(reply["time"] - (before + after) / 2)
+    finally:
+        await p2p.shutdown()
+    return offsets
 
 
 def run_checks(

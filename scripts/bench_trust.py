@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""What trust costs and what it catches, on a real local network with one lying worker.
+
+For each liar rate (the share of its outputs the liar corrupts: 0, 1%, 10%, 50%) a network of three honest workers
+and one liar (started with the hidden ``--fault-corrupt-fraction``) runs the same jobs under three policies:
+no verification (the baseline: what a marketplace without checks delivers), ``redundancy=2`` and
+``verify="adaptive"``. Printed per policy: the fraction of answers that differ from local execution (bad answers
+delivered), the extra compute (executions per job - 1, overall and over the second half of the jobs, i.e. after
+adaptive mode's warm-up), and how many of the liar's jobs passed before it was first caught.
+
+    python scripts/bench_trust.py [--jobs 200] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import gpunet  # noqa: E402
+from gpunet import Requirements  # noqa: E402
+from gpunet.localnet import LocalNetwork, wait_for  # noqa: E402
+
+POLICIES = {
+    "none (baseline)": Requirements(timeout=300),
+    "redundancy=2": Requirements(redundancy=2, timeout=300),
+    "adaptive": Requirements(verify="adaptive", timeout=300),
+}
+
+
+def run_policy(net: LocalNetwork, bootstrap: str, liar_id: str, name: str, req: Requirements, jobs: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    job = gpunet.Job.from_module(model, (torch.randn(4, 32),))
+    xs = [torch.randn(4, 32) for _ in range(jobs)]
+    data_dir = net.root / f"client-{name.split()[0]}"
+    with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=data_dir) as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 4, 60, "four workers")
+        bad = executions = liar_jobs = late_executions = settled = 0
+        caught_after = None
+        window = []
+        with torch.no_grad():
+            expected = [model(x) for x in xs]
+
+        def settle(f, want):
+            nonlocal bad, executions, liar_jobs, caught_after, late_executions, settled
+            settled += 1
+            try:
+                got = f.result()
+            except gpunet.VerificationFailed:
+                executions += len(f.attempts) if f.attempts else 3
+                return
+            executions += len(f.attempts)
+            if settled > jobs // 2:
+                late_executions += len(f.attempts)
+            liar_jobs += f.attempts.count(liar_id)
+            bad += not torch.allclose(got, want, atol=1e-5)
+            rep = client._core.reputation
+            if caught_after is None and liar_id in rep.workers and rep.workers[liar_id].rejected > 0:
+                caught_after = liar_jobs
+
+        for x, want in zip(xs, expected):
+            window.append((client.submit(job, x, requirements=req), want))
+            if len(window) >= 8:
+                settle(*window.pop(0))
+        for f, want in window:
+            settle(f, want)
+    late_jobs = jobs - jobs // 2
+    return {"policy": name, "jobs": jobs, "bad_answers": bad / jobs, "extra_compute": executions / jobs - 1,
+            "extra_compute_second_half": late_executions / late_jobs - 1,
+            "liar_jobs": liar_jobs, "liar_caught_after": caught_after}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--rates", type=float, nargs="*", default=[0.0, 0.01, 0.1, 0.5])
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for rate in args.rates:
+        with LocalNetwork(network="bench-trust", heartbeat=2.0) as net:
+            bootstrap = net.start_bootstrap()
+            net.start_workers(3, "--max-queue", "32")
+            liar = net.start_worker("--fault-corrupt-fraction", str(rate), "--max-queue", "32")
+            liar_id = net.worker_id(liar)
+            for name, req in POLICIES.items():
+                row = {"liar_rate": rate, **run_policy(net, bootstrap, liar_id, name, req, args.jobs)}
+                rows.append(row)
+                caught = "" if row["liar_caught_after"] is None else f", liar caught after {row['liar_caught_after']} of its jobs"
+                print(f"liar rate {rate:>4.0%} | {name:<15} | bad answers delivered {row['bad_answers']:6.1%} | "
+                      f"extra compute {row['extra_compute']:6.1%} (second half {row['extra_compute_second_half']:6.1%}) | "
+                      f"liar ran {row['liar_jobs']} jobs{caught}", flush=True)
+    if args.json:
+        print(json.dumps({"benchmark": "trust", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
