@@ -23,6 +23,12 @@ from gpunet.errors import GpunetError, JobFailed, JobRejected, JobTimeout, Proto
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 CHUNK_BYTES = 1 << 20
+#: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
+INLINE_BYTES = 32 * 1024
+#: A stream peer must send its next frame within this many seconds (a stalled peer must not hold a job slot).
+FRAME_TIMEOUT = 10.0
+#: ...and a payload at no less than this rate, beyond the frame timeout.
+MIN_PAYLOAD_RATE = 1 << 20
 _LEN = struct.Struct(">I")
 
 
@@ -54,6 +60,28 @@ def settle_protocol(network: str) -> str:
     return f"/gpunet/{network}/settle/{PROTOCOL_VERSION}"
 
 
+def pack(obj: dict[str, Any]) -> bytes:
+    """A unary message body (hivemind's persistent connection caps it at 4 MiB)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes, expect: str | tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Parse a unary message; ProtocolError unless it is a map whose type is expected."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types on malformed input
+        raise ProtocolError(f"message is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        raise ProtocolError("message is not a map with a type")
+    if expect is not None and obj["t"] not in ((expect,) if isinstance(expect, str) else expect):
+        raise ProtocolError(f"expected {expect!r}, got {obj['t'][:32]!r}")
+    return obj
+
+
+def payload_deadline(size: int) -> float:
+    return FRAME_TIMEOUT + size / MIN_PAYLOAD_RATE
+
+
 def encode_frame(obj: dict[str, Any]) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
     if len(body) > MAX_FRAME_BYTES:
@@ -77,15 +105,7 @@ async def read_frame(reader: asyncio.StreamReader, expect: str | tuple[str, ...]
         raise ProtocolError("peer closed the stream mid-message") from None
     except (ConnectionError, OSError) as e:
         raise ProtocolError(f"stream broke: {e}") from None
-    try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated exception types on malformed input
-        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
-        raise ProtocolError("frame is not a map with a type")
-    if expect is not None and obj["t"] not in ((expect,) if isinstance(expect, str) else expect):
-        raise ProtocolError(f"expected {expect!r}, got {obj['t'][:32]!r}")
-    return obj
+    return unpack(body, expect)
 
 
 async def write_payload(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
@@ -104,15 +124,15 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
         raise ProtocolError(f"{what} size must be a non-negative integer")
     if size > cap:
         raise ProtocolError(f"{what} of {size} bytes exceeds this peer's limit of {cap} bytes")
-    buf = bytearray(size)
-    view = memoryview(buf)
+    # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
+    buf = bytearray()
     offset = 0
     try:
         while offset < size:
             chunk = await reader.read(min(CHUNK_BYTES, size - offset))
             if not chunk:
                 raise ProtocolError(f"peer closed the stream after {offset} of {size} {what} bytes")
-            view[offset : offset + len(chunk)] = chunk
+            buf += chunk
             offset += len(chunk)
             if hasher is not None:
                 hasher.update(chunk)

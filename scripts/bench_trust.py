@@ -2,7 +2,8 @@
 """What trust costs and what it catches, on a real local network with one lying worker.
 
 For each liar rate (the share of its outputs the liar corrupts: 0, 1%, 10%, 50%) a network of three honest workers
-and one liar (started with the hidden ``--fault-corrupt-fraction``) runs the same jobs under three policies:
+and one liar (started with the hidden ``--fault-corrupt-fraction``, and charging half their price, so routing
+favours it) runs the same jobs under three policies:
 no verification (the baseline: what a marketplace without checks delivers), ``redundancy=2`` and
 ``verify="adaptive"``. Printed per policy: the fraction of answers that differ from local execution (bad answers
 delivered), the extra compute (executions per job - 1, overall and over the second half of the jobs, i.e. after
@@ -26,10 +27,11 @@ import gpunet  # noqa: E402
 from gpunet import Requirements  # noqa: E402
 from gpunet.localnet import LocalNetwork, wait_for  # noqa: E402
 
+# Price-sensitive users (prefer="cheapest") are the liar's best customers: the adversarial case.
 POLICIES = {
-    "none (baseline)": Requirements(timeout=300),
-    "redundancy=2": Requirements(redundancy=2, timeout=300),
-    "adaptive": Requirements(verify="adaptive", timeout=300),
+    "none (baseline)": Requirements(timeout=300, prefer="cheapest"),
+    "redundancy=2": Requirements(redundancy=2, timeout=300, prefer="cheapest"),
+    "adaptive": Requirements(verify="adaptive", timeout=300, prefer="cheapest"),
 }
 
 
@@ -86,8 +88,9 @@ def main() -> None:
     for rate in args.rates:
         with LocalNetwork(network="bench-trust", heartbeat=2.0) as net:
             bootstrap = net.start_bootstrap()
-            net.start_workers(3, "--max-queue", "32")
-            liar = net.start_worker("--fault-corrupt-fraction", str(rate), "--max-queue", "32")
+            net.start_workers(3, "--max-queue", "32", "--price", "1.0")
+            # The liar undercuts everyone, as a cheater would: without checks it gets most of the work.
+            liar = net.start_worker("--fault-corrupt-fraction", str(rate), "--max-queue", "32", "--price", "0.5")
             liar_id = net.worker_id(liar)
             for name, req in POLICIES.items():
                 row = {"liar_rate": rate, **run_policy(net, bootstrap, liar_id, name, req, args.jobs)}

@@ -117,3 +117,14 @@ def test_other_keys_are_left_alone():
     foreign = DHTRecord(key_id("other.workers.1"), MSGPackSerializer.dumps("x"), b"\x01", get_dht_time() + 10)
     assert validator.validate(foreign)
     assert validator.strip_value(foreign) == b"\x01"
+
+
+def test_a_record_outside_its_owners_bucket_is_refused():
+    """One record per worker: a copy in another bucket (perhaps with another state) is refused even if signed."""
+    owner = Identity.generate()
+    validator = CompositeValidator(network_validators("net", [owner]))
+    wrong_bucket = (worker_bucket(owner.peer_id) + 1) % WORKER_BUCKETS
+    plain = DHTRecord(key_id(worker_key("net", wrong_bucket)), MSGPackSerializer.dumps(owner.peer_id),
+                      MSGPackSerializer.dumps(make_record().to_wire()), get_dht_time() + 30)
+    signed = DHTRecord(plain.key, plain.subkey, validator.sign_value(plain), plain.expiration_time)
+    assert not validator.validate(signed)

@@ -20,7 +20,7 @@ import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
 from gpunet.client.trust import Reputation, describe, majority, quorum
-from gpunet.client.transport import INLINE_BYTES, UseStream, send_job, send_job_unary, send_settlements
+from gpunet.client.transport import UseStream, send_job, send_job_unary, send_settlements
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
@@ -31,6 +31,7 @@ from gpunet.errors import (
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
+from gpunet.wire import INLINE_BYTES
 
 logger = logging.getLogger("gpunet.client")
 
@@ -202,19 +203,35 @@ class ClientCore:
                                          f"{min(self.config.discovery_wait, req.timeout):.0f} s") from None
         if req.redundancy == 1 and req.verify == "none":
             candidate = await self._deliver(p, job_id, set())
-            return await self._pay(p, candidate, [candidate.worker_id])
+            return await self._pay(p, candidate, [])
         return await self._run_verified(p)
 
     async def _run_verified(self, p: "_Prepared") -> JobResult:
         """Redundant or adaptive: collect results from distinct workers until a quorum agrees, pay only that."""
         taken: set[str] = set()
         candidates: list[_Candidate] = []
+        paid: set[int] = set()
+        try:
+            return await self._verify(p, taken, candidates, paid)
+        except BaseException:
+            # Whatever went wrong (a replica failed, the caller cancelled), no result we did not pay for stays open.
+            for i, c in enumerate(candidates):
+                if i not in paid:
+                    self._track(c.delivery.refuse("job abandoned before its results were compared"))
+            raise
 
+    async def _verify(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
         async def one_more(replica: int) -> None:
             candidates.append(await self._deliver(p, f"{p.job_id}.r{replica}", taken))
 
         k = p.req.redundancy
-        await asyncio.gather(*(one_more(i) for i in range(k)))
+        replicas = [asyncio.ensure_future(one_more(i)) for i in range(k)]
+        try:
+            await asyncio.gather(*replicas)
+        except BaseException:
+            for task in replicas:
+                task.cancel()
+            raise
         checked = k > 1
         if p.req.verify == "adaptive" and k == 1 and self.reputation.should_check(candidates[0].worker_id):
             k, checked = 2, True
@@ -222,29 +239,29 @@ class ClientCore:
                 await one_more(1)
             except NoWorkersAvailable:  # nobody to compare with: take the result unchecked, say so
                 logger.info("No second worker to spot-check job %s; accepted unchecked", p.job_id[:12])
-                return await self._pay(p, candidates[0], [candidates[0].worker_id], checked=False)
+                paid.add(0)
+                return await self._pay(p, candidates[0], [], checked=False)
         group = majority([c.outputs for c in candidates])
         while (group is None or len(group) < quorum(k)) and len(candidates) < 2 * k - 1:
             await one_more(len(candidates))
             group = majority([c.outputs for c in candidates])
         if group is None or len(group) < quorum(k):
-            for c in candidates:
-                await c.delivery.refuse("no majority among redundant results")
             raise VerificationFailed(
                 f"job {p.job_id[:12]}: {len(candidates)} results, no {quorum(k)} agree: "
                 + describe([c.outputs for c in candidates], [c.worker_id for c in candidates]))
-        winners = [candidates[i] for i in group]
         for i, c in enumerate(candidates):
             if i not in group:
                 self.reputation.record(c.worker_id, "rejected")
+                paid.add(i)  # settled: refused on purpose
                 await c.delivery.refuse("result outvoted by the majority of redundant results")
                 logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid",
                                c.worker_id[-8:], p.job_id[:12])
         attempts = [c.worker_id for c in candidates]
         result = None
-        for c in winners:
-            paid = await self._pay(p, c, attempts, checked=checked)
-            result = result or paid
+        for i in group:
+            paid.add(i)
+            outcome = await self._pay(p, candidates[i], attempts, checked=checked)
+            result = result or outcome
         self.reputation.save()
         return result
 
@@ -347,6 +364,7 @@ class ClientCore:
             self._schedule_flush()
         else:
             self._track(c.delivery.countersign(signed.client_signature))
+        # attempts: every worker this job went to, in order (for a verified job: the replicas, then any retries).
         return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
                          c.delivery.bytes_sent)
 
@@ -356,6 +374,9 @@ class ClientCore:
         when the worker says so, the stream door (any size, sends the program if needed)."""
         if len(inputs) <= INLINE_BYTES and self.router.holds_program(worker, program_hash):
             owed = self._owed.pop(worker.id, [])
+            if len(owed) > MAX_RIDE_ALONG:  # the rest go in a batch of their own
+                owed, self._owed[worker.id] = owed[:MAX_RIDE_ALONG], owed[MAX_RIDE_ALONG:]
+                self._schedule_flush()
             try:
                 return await send_job_unary(self.p2p, self.network, worker.id, job_id=job_id, program_hash=program_hash,
                                             inputs=inputs, timeout=timeout, max_price=max_price, settle=owed)
@@ -390,6 +411,7 @@ class ClientCore:
 _LARGE_BYTES = 1 << 20
 #: How long a countersignature may wait to ride on the next job to the same worker before it is sent on its own.
 SETTLE_DELAY = 0.05
+MAX_RIDE_ALONG = 256
 
 
 async def _quietly(coro) -> None:

@@ -16,11 +16,10 @@ from hivemind.p2p import PeerID
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.wire import (
-    error_from_frame, field, info_protocol, job_protocol, ping_protocol, read_frame, read_payload, run_protocol,
-    settle_protocol, write_frame, write_payload,
+    INLINE_BYTES, error_from_frame, field, info_protocol, job_protocol, pack, ping_protocol, read_frame, read_payload,
+    run_protocol, settle_protocol, unpack, write_frame, write_payload,
 )
 
-INLINE_BYTES = 32 * 1024
 MAX_OUTPUT_BYTES = 4 * 1024**3
 
 
@@ -84,9 +83,7 @@ async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
 
 async def send_settlements(p2p, network: str, worker_id: str, items: list[tuple[str, bytes]]) -> None:
     """Countersignatures for results received through the unary door, in one call."""
-    import msgpack
-
-    request = msgpack.packb({"t": "countersign_batch", "items": [list(i) for i in items]}, use_bin_type=True)
+    request = pack({"t": "countersign_batch", "items": [list(i) for i in items]})
     await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), settle_protocol(network), request)
 
 
@@ -107,37 +104,27 @@ async def send_job_unary(
     ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle calls.
     Raises UseStream when the worker wants the stream door instead, or the same errors as :func:`send_job`.
     """
-    import msgpack
-
     peer = PeerID.from_base58(worker_id)
     message = {"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs), "inputs": inputs,
                "timeout": float(timeout), "max_price": max_price}
     if settle:
         message["settle"] = [list(i) for i in settle]
-    request = msgpack.packb(message, use_bin_type=True)
     try:
-        reply = await p2p._client.call_unary_handler(peer, run_protocol(network), request)
+        reply = await p2p._client.call_unary_handler(peer, run_protocol(network), pack(message))
     except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
         raise NetworkError(f"worker {worker_id[-8:]} did not answer: {e}") from None
-    try:
-        frame = msgpack.unpackb(reply, raw=False, strict_map_key=True)
-    except Exception:
-        raise ProtocolError("worker's reply is not valid msgpack") from None
-    if not isinstance(frame, dict):
-        raise ProtocolError("worker's reply is not a map")
-    if frame.get("t") == "use_stream":
+    frame = unpack(reply, ("use_stream", "error", "result"))
+    if frame["t"] == "use_stream":
         raise UseStream()
-    if frame.get("t") == "error":
+    if frame["t"] == "error":
         raise error_from_frame(frame)
-    if frame.get("t") != "result":
-        raise ProtocolError(f"unexpected reply {str(frame.get('t'))[:32]!r}")
     outputs = field(frame, "outputs", bytes)
     if len(outputs) != field(frame, "outputs_size", int):
         raise ProtocolError("outputs do not match their declared size")
     receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
 
     async def settle(message: dict) -> None:
-        await p2p._client.call_unary_handler(peer, settle_protocol(network), msgpack.packb(message, use_bin_type=True))
+        await p2p._client.call_unary_handler(peer, settle_protocol(network), pack(message))
 
     return Delivery(outputs, receipt, len(inputs), 0.0, _settle=settle)
 
@@ -207,8 +194,14 @@ async def ping(p2p, network: str, worker_id: str, payload: bytes = b"") -> dict:
     """One unary round trip to a worker: its clock and our payload echoed back."""
     import msgpack
 
-    reply = await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), ping_protocol(network), payload)
-    return msgpack.unpackb(reply, raw=False)
+    try:
+        reply = await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), ping_protocol(network), payload)
+    except Exception as e:
+        raise NetworkError(f"worker {worker_id[-8:]} did not answer a ping: {e}") from None
+    try:
+        return msgpack.unpackb(reply, raw=False)
+    except Exception:
+        raise ProtocolError("ping reply is not valid msgpack") from None
 
 
 async def fetch_info(p2p, network: str, worker_id: str, maddrs: list[str]) -> dict:

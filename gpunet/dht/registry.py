@@ -9,6 +9,7 @@ from functools import partial
 import hivemind
 from hivemind.utils import get_dht_time
 
+from gpunet.dht.validation import MAX_RECORD_TTL
 from gpunet.dht.records import WorkerRecord, WorkerState, worker_bucket, worker_key, worker_keys
 from gpunet.errors import GpunetError, NetworkError
 
@@ -93,6 +94,7 @@ async def _read_buckets(_dht: hivemind.DHT, node, keys: list[str]) -> list[tuple
 
 
 def default_ttl(heartbeat: float) -> float:
-    """Records live for three heartbeats: one missed refresh does not drop a worker, a dead one goes soon."""
-    return 3.0 * heartbeat
+    """Records live for three heartbeats (one missed refresh does not drop a worker, a dead one goes soon), and
+    never longer than validators accept."""
+    return min(3.0 * heartbeat, MAX_RECORD_TTL - 60.0)
 

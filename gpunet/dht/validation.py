@@ -24,7 +24,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from gpunet.dht.records import MAX_RECORD_BYTES, WorkerRecord, worker_keys
+from gpunet.dht.records import MAX_RECORD_BYTES, WorkerRecord, worker_bucket, worker_keys
 from gpunet.errors import GpunetError
 from gpunet.ledger.identity import Identity, verify
 
@@ -157,14 +157,18 @@ class WorkerRecordValidator(RecordValidatorBase):
     """Values under a network's worker keys must parse as a :class:`WorkerRecord` of a format we understand."""
 
     def __init__(self, network: str):
-        self._keys = frozenset(key_id(k) for k in worker_keys(network))
+        self._bucket_of = {key_id(k): bucket for bucket, k in enumerate(worker_keys(network))}
         self._verdicts = _VerdictCache()
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self._keys:
+        bucket = self._bucket_of.get(record.key)
+        if bucket is None:
             return True
         if len(record.value) > MAX_RECORD_BYTES:
             return False
+        owner = _subkey_owner(record)
+        if owner is None or worker_bucket(owner) != bucket:
+            return False  # one record per worker, in its own bucket: no duplicates with conflicting states
         digest = _VerdictCache.digest(record.value)
         verdict = self._verdicts.get(digest)
         if verdict is None:
@@ -182,7 +186,7 @@ class WorkerRecordValidator(RecordValidatorBase):
     def merge_with(self, other: RecordValidatorBase) -> bool:
         if not isinstance(other, WorkerRecordValidator):
             return False
-        self._keys = self._keys | other._keys
+        self._bucket_of = {**self._bucket_of, **other._bucket_of}
         return True
 
 

@@ -15,13 +15,13 @@ from typing import Generic, TypeVar
 
 from gpunet.errors import JobRejected
 
-_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")
+PROGRAM_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")
 V = TypeVar("V")
 
 
 def check_hash(program_hash: str) -> str:
     """A program hash is 64 lowercase hex digits (it becomes a file name: no path tricks)."""
-    if not isinstance(program_hash, str) or not _HASH_RE.match(program_hash):
+    if not isinstance(program_hash, str) or not PROGRAM_HASH_RE.match(program_hash):
         raise JobRejected(f"malformed program hash {str(program_hash)[:80]!r}")
     return program_hash
 

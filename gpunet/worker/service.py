@@ -31,19 +31,19 @@ from gpunet.ledger.identity import Identity
 from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_worker
 from gpunet.ledger.store import Ledger
 from gpunet.worker import metrics
+from gpunet.worker.cache import PROGRAM_HASH_RE
 from gpunet.wire import (
-    MAX_PING_BYTES, UNARY_OUTPUT_BYTES, error_frame, field, info_protocol, job_protocol, ping_protocol, read_frame,
-    read_payload, run_protocol, settle_protocol, write_frame, write_payload,
+    FRAME_TIMEOUT, INLINE_BYTES, MAX_PING_BYTES, UNARY_OUTPUT_BYTES, error_frame, field, info_protocol, job_protocol,
+    pack, payload_deadline, ping_protocol, read_frame, read_payload, run_protocol, settle_protocol, unpack, write_frame,
+    write_payload,
 )
 
 logger = logging.getLogger("gpunet.worker")
 
-#: Payloads at most this big ride inside the control frame, saving a round trip for small jobs.
-INLINE_BYTES = 32 * 1024
 _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_HASH = re.compile(r"^[0-9a-f]{64}$")
 COUNTERSIGN_TIMEOUT = 30.0
 MAX_UNSETTLED = 4096
+MAX_RECENT_RESULTS = 4096
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -97,7 +97,7 @@ class JobService:
         self.settling = 0  # results delivered on a stream, countersignature not yet read
         # Results delivered by the unary door whose countersignature has not come yet (bounded: a client that never
         # countersigns cannot grow it; its work stays in the ledger's unpaid list either way).
-        self.unsettled: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.unsettled: OrderedDict[tuple[str, str], Receipt] = OrderedDict()
         self.jobs_done = 0
         self._slots = asyncio.Semaphore(max_concurrent)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -130,6 +130,12 @@ class JobService:
                     await self._p2p.remove_binary_stream_handler(proto)
                 except Exception:  # the daemon may already be gone at shutdown
                     pass
+            for proto in (ping_protocol(self.network), run_protocol(self.network), settle_protocol(self.network)):
+                try:
+                    await self._p2p._client.remove_unary_handler(proto)
+                except Exception:
+                    pass
+            await self._p2p.shutdown()  # our replica's connections to the daemon, not the daemon itself
 
     # --- ping and info ------------------------------------------------------------------------------------------------------
 
@@ -138,7 +144,7 @@ class JobService:
 
     async def _handle_info(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await read_frame(reader, "info")
+            await _within(FRAME_TIMEOUT, read_frame(reader, "info"))
             await write_frame(writer, {"t": "info", "time": time.time(), "record": self._record().to_wire()})
         except GpunetError as e:
             logger.debug("info request from %s failed: %s", info.peer_id, e)
@@ -150,7 +156,7 @@ class JobService:
     async def _handle_job(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         client_id = info.peer_id.to_base58()
         try:
-            request = _Submit.parse(await read_frame(reader, "submit"), self.limits)
+            request = _Submit.parse(await _within(FRAME_TIMEOUT, read_frame(reader, "submit")), self.limits)
             outcome = await self._execute(client_id, request, _StreamPayloads(reader, writer, self.limits), reader)
             if outcome is None:
                 await write_frame(writer, self._busy_frame())
@@ -178,48 +184,54 @@ class JobService:
     async def _handle_run(self, request: bytes, remote_id) -> bytes:
         client_id = remote_id.to_base58()
         try:
-            frame = _unpack_frame(request, "submit")
-            self._settle_batch(client_id, frame.get("settle"))
+            frame = unpack(request, "submit")
             submit = _Submit.parse(frame, self.limits)
-            outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
+            execution = asyncio.ensure_future(self._execute(client_id, submit, _UnaryPayloads(), None))
+            await asyncio.sleep(0)  # let the job reach its executor before we do the filing below
+            try:
+                # Countersignatures riding along are filed while the executor works, off the job's critical path.
+                self._settle_batch(client_id, frame.get("settle"))
+            finally:
+                outcome = await execution
             if outcome is None:
-                return _pack(self._busy_frame())
+                return pack(self._busy_frame())
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
-                return _pack({"t": "use_stream"})  # the result waits in the recent results for the stream retry
+                return pack({"t": "use_stream"})  # the result waits in the recent results for the stream retry
             if self.ledger.get(submit.job_id) is None:
-                self.unsettled[(client_id, submit.job_id)] = None  # its countersignature comes with a later call
+                self.unsettled[(client_id, submit.job_id)] = outcome.receipt  # countersigned by a later call
                 while len(self.unsettled) > MAX_UNSETTLED:
                     self.unsettled.popitem(last=False)
-            return _pack({"t": "result", "outputs_size": len(outcome.outputs), "outputs": outcome.outputs,
+            return pack({"t": "result", "outputs_size": len(outcome.outputs), "outputs": outcome.outputs,
                           "receipt": outcome.receipt.to_bytes()})
         except _NeedsStream:
-            return _pack({"t": "use_stream"})
+            return pack({"t": "use_stream"})
         except GpunetError as e:
-            return _pack(error_frame(e, queue=self.queue_length))
+            return pack(error_frame(e, queue=self.queue_length))
         except Exception as e:
             logger.exception("Unexpected error while serving %s", client_id[-8:])
-            return _pack(error_frame(JobFailed(f"worker error: {type(e).__name__}")))
+            return pack(error_frame(JobFailed(f"worker error: {type(e).__name__}")))
 
     def _busy_frame(self) -> dict:
         return error_frame(WorkerBusy("worker queue is full", self.queue_length), queue=self.queue_length)
 
     async def _handle_settle(self, request: bytes, remote_id) -> bytes:
         try:
-            frame = _unpack_frame(request, ("countersign", "refuse", "countersign_batch"))
+            frame = unpack(request, ("countersign", "refuse", "countersign_batch"))
             if frame["t"] == "countersign_batch":
                 self._settle_batch(remote_id.to_base58(), frame.get("items"))
             else:
                 self._settle(remote_id.to_base58(), field(frame, "job", str), frame)
-            return _pack({"t": "ok"})
+            return pack({"t": "ok"})
         except GpunetError as e:
-            return _pack(error_frame(e))
+            return pack(error_frame(e))
 
     def _settle_batch(self, client_id: str, items) -> None:
         """Countersignatures ``[[job_id, signature], ...]``; a bad one is logged and skipped, never fatal."""
         if items is None:
             return
         if not isinstance(items, list) or len(items) > 1024:
-            raise ProtocolError("settle must be a list of at most 1024 [job id, signature] pairs")
+            logger.warning("Ignored a malformed settle list from %s (the job itself is served)", client_id[-8:])
+            return
         for item in items:
             try:
                 if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
@@ -236,6 +248,9 @@ class JobService:
             raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
                               f"{req.max_price}")
         key = (client_id, req.job_id)
+        paid = self.ledger.get(req.job_id)
+        if paid is not None and paid.client_id != client_id:
+            raise JobRejected(f"job id {req.job_id[:16]} was already used by another client; use a fresh one")
         if key in self._recent:  # a retry of a finished job: same result, same receipt, no second bill
             self._recent.move_to_end(key)
             return self._recent[key]
@@ -276,12 +291,19 @@ class JobService:
         else:
             gone = asyncio.ensure_future(reader.read(1))
             acquire = asyncio.ensure_future(self._slots.acquire())
-            await asyncio.wait({gone, acquire}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({gone, acquire}, return_when=asyncio.FIRST_COMPLETED)
+            except BaseException:  # cancelled while queued: give back a slot we may have just got
+                acquire.cancel()
+                gone.cancel()
+                if acquire.done() and not acquire.cancelled():
+                    self._slots.release()
+                raise
+            gone.cancel()
             if not acquire.done():
                 acquire.cancel()
                 metrics.JOBS.labels("cancelled").inc()
                 raise JobFailed("client went away before the job started")
-            gone.cancel()
         self.running += 1
         started = time.time()
         logger.debug("Running job %s for client %s", job_id[:12], client_id[-8:])
@@ -321,9 +343,11 @@ class JobService:
         return _Outcome(outputs, receipt)
 
     def _remember(self, key, outcome: _Outcome) -> None:
+        """Keep a finished result for retries of the same job id, bounded by bytes and by count (the newest stays)."""
         self._recent[key] = outcome
         self._recent_bytes += len(outcome.outputs)
-        while self._recent and self._recent_bytes > self.limits.recent_results_bytes:
+        while len(self._recent) > 1 and (self._recent_bytes > self.limits.recent_results_bytes
+                                         or len(self._recent) > MAX_RECENT_RESULTS):
             _, old = self._recent.popitem(last=False)
             self._recent_bytes -= len(old.outputs)
 
@@ -345,16 +369,17 @@ class JobService:
             logger.warning("Client %s did not countersign job %s: recorded as unpaid", client_id[-8:], receipt.job_id[:12])
             return
         try:
-            self._settle(client_id, receipt.job_id, frame)
+            self._settle(client_id, receipt.job_id, frame, receipt)
         except GpunetError as e:
             logger.warning("Bad settlement from %s for job %s: %s", client_id[-8:], receipt.job_id[:12], e)
 
-    def _settle(self, client_id: str, job_id: str, frame: dict) -> None:
+    def _settle(self, client_id: str, job_id: str, frame: dict, receipt: Receipt | None = None) -> None:
         """A client's countersignature (or refusal) for a job it received from us."""
-        outcome = self._recent.get((client_id, job_id))
-        if outcome is None:
+        key = (client_id, job_id)
+        if receipt is None:
+            receipt = self.unsettled.get(key) or (self._recent[key].receipt if key in self._recent else None)
+        if receipt is None:
             raise JobRejected(f"no result of job {job_id[:16]} for this client awaits settlement")
-        receipt = outcome.receipt
         if frame["t"] == "refuse":
             self.unsettled.pop((client_id, job_id), None)
             logger.warning("Client %s refused the receipt for job %s: %s", client_id[-8:], job_id[:12],
@@ -366,6 +391,14 @@ class JobService:
         self.unsettled.pop((client_id, job_id), None)
 
 
+async def _within(seconds: float, awaitable):
+    """A read from a peer, bounded in time: a stalled peer gets a ProtocolError, not a slot held forever."""
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"peer sent nothing for {seconds:.0f} s") from None
+
+
 async def _try_send(writer, frame: dict) -> None:
     try:
         await write_frame(writer, frame)
@@ -375,20 +408,6 @@ async def _try_send(writer, frame: dict) -> None:
 
 class _NeedsStream(Exception):
     """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
-
-
-def _pack(frame: dict) -> bytes:
-    return msgpack.packb(frame, use_bin_type=True)
-
-
-def _unpack_frame(data: bytes, expect) -> dict:
-    try:
-        frame = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise ProtocolError(f"request is not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(frame, dict) or frame.get("t") not in ((expect,) if isinstance(expect, str) else expect):
-        raise ProtocolError(f"expected a {expect!r} message")
-    return frame
 
 
 @dataclass(frozen=True)
@@ -408,7 +427,7 @@ class _Submit:
         program_hash = field(frame, "program", str)
         if not _JOB_ID.match(job_id):
             raise ProtocolError("job id must be 1-64 characters of [A-Za-z0-9_.:-]")
-        if not _HASH.match(program_hash):
+        if not PROGRAM_HASH_RE.match(program_hash):
             raise ProtocolError("program hash must be 64 lowercase hex characters")
         inputs_size = field(frame, "inputs_size", int)
         inline = field(frame, "inputs", bytes, optional=True)
@@ -437,18 +456,19 @@ class _StreamPayloads:
         if not (need_program or need_inputs):
             return None, req.inline_inputs, sha256_hex(req.inline_inputs)
         await write_frame(self.writer, {"t": "send", "program": need_program, "inputs": need_inputs})
-        payload = await read_frame(self.reader, "payload")
+        payload = await _within(FRAME_TIMEOUT, read_frame(self.reader, "payload"))
+        if need_inputs and payload.get("inputs_size") != req.inputs_size:
+            raise ProtocolError("inputs payload size differs from the size the submit declared")
         program = None
         if need_program:
-            program = bytes(await read_payload(self.reader, payload.get("program_size"),
-                                               self.limits.max_program_bytes, "program"))
+            size = payload.get("program_size")
+            program = bytes(await _within(payload_deadline(size if type(size) is int else 0), read_payload(
+                self.reader, size, self.limits.max_program_bytes, "program")))
         if not need_inputs:
             return program, req.inline_inputs, sha256_hex(req.inline_inputs)
         hasher = hashlib.sha256()
-        inputs = await read_payload(self.reader, payload.get("inputs_size"), self.limits.max_input_bytes, "inputs",
-                                    hasher)
-        if len(inputs) != req.inputs_size:
-            raise ProtocolError("inputs payload does not match the declared inputs size")
+        inputs = await _within(payload_deadline(req.inputs_size), read_payload(
+            self.reader, req.inputs_size, self.limits.max_input_bytes, "inputs", hasher))
         return program, inputs, hasher.hexdigest()  # a bytearray: no second copy of a large input
 
 
