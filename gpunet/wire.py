@@ -18,7 +18,9 @@ from typing import Any
 
 import msgpack
 
-from gpunet.errors import GpunetError, JobFailed, JobRejected, JobTimeout, ProtocolError, WorkerBusy
+from gpunet.errors import (
+    GpunetError, JobFailed, JobRejected, JobTimeout, ProgramNotCached, ProtocolError, WorkerBusy,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
@@ -160,6 +162,7 @@ _CODES: dict[str, type[GpunetError]] = {
     "failed": JobFailed,
     "timeout": JobTimeout,
     "protocol": ProtocolError,
+    "not_cached": ProgramNotCached,
 }
 
 
@@ -178,4 +181,7 @@ def error_from_frame(frame: dict[str, Any]) -> GpunetError:
         return WorkerBusy(message, queue if type(queue) is int else 0)
     if code == "rejected":
         return JobRejected(message)
+    if code == "not_cached":
+        program = frame.get("program")
+        return ProgramNotCached(program if isinstance(program, str) else "?")
     return _CODES.get(code, JobFailed)(message)

@@ -36,7 +36,8 @@ class JobFuture(concurrent.futures.Future):
         self.worker_id, self.receipt, self.attempts, self.bytes_sent = (
             result.worker_id, result.receipt, result.attempts, result.bytes_sent)
 
-    def _settle(self, outcome: concurrent.futures.Future) -> None:
+    def _settle(self, outcome) -> None:
+        """Mirror a finished ``outcome`` (a concurrent future or an asyncio task of a JobResult) onto this future."""
         if self.done():  # cancelled by the caller meanwhile
             return
         if outcome.cancelled():
@@ -59,6 +60,7 @@ class AsyncJobFuture(asyncio.Future):
     attempts: list[str] = []
     bytes_sent: int = 0
     _fill = JobFuture._fill
+    _settle = JobFuture._settle
 
 
 def _progress(total: int | None, enabled: bool):
@@ -106,20 +108,7 @@ class AsyncClient:
     def submit(self, job, *inputs, requirements: Requirements | None = None) -> AsyncJobFuture:
         future = AsyncJobFuture()
         task = asyncio.ensure_future(self._core.run(job, inputs, requirements))
-
-        def settle(t: asyncio.Task) -> None:
-            if future.done():
-                return
-            if t.cancelled():
-                future.cancel()
-            elif t.exception() is not None:
-                future.set_exception(t.exception())
-            else:
-                result = t.result()
-                future._fill(result)
-                future.set_result(result.outputs)
-
-        task.add_done_callback(settle)
+        task.add_done_callback(future._settle)
         future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
         return future
 

@@ -25,8 +25,8 @@ from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
-    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProtocolError,
-    VerificationFailed, WorkerBusy,
+    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProgramNotCached,
+    ProtocolError, VerificationFailed, WorkerBusy,
 )
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
@@ -271,6 +271,7 @@ class ClientCore:
         tried: list[str] = []
         failed: set[str] = set()
         rejections: list[JobRejected] = []
+        resends = 0  # times a worker lost the program between admission and run (not its fault)
         last_error: GpunetError | None = None
         while True:
             remaining = p.deadline - time.monotonic()
@@ -302,6 +303,14 @@ class ClientCore:
                 self.router.busy(worker.id)
                 last_error = e
                 await asyncio.sleep(0.01)
+                continue
+            except ProgramNotCached as e:
+                taken.discard(worker.id)
+                self.router.known_programs.get(worker.id, set()).discard(p.job.program_hash)
+                resends += 1
+                last_error = e
+                if resends > 2:  # a worker that keeps losing it is failing after all
+                    failed.add(worker.id)
                 continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
                 taken.discard(worker.id)

@@ -171,6 +171,8 @@ class JobService:
             metrics.JOBS.labels("protocol_error").inc()
             logger.info("Dropped a malformed request from %s: %s", client_id[-8:], e)
             await _try_send(writer, error_frame(e))
+        except ProgramNotCached as e:
+            await _try_send(writer, error_frame(e, program=e.program_hash))
         except GpunetError as e:  # refused, failed or timed out: the client gets the reason
             await _try_send(writer, error_frame(e, queue=self.queue_length))
         except Exception as e:  # never let one stream take the worker down
@@ -203,7 +205,7 @@ class JobService:
                     self.unsettled.popitem(last=False)
             return pack({"t": "result", "outputs_size": len(outcome.outputs), "outputs": outcome.outputs,
                           "receipt": outcome.receipt.to_bytes()})
-        except _NeedsStream:
+        except (_NeedsStream, ProgramNotCached):  # the stream door can resend the program
             return pack({"t": "use_stream"})
         except GpunetError as e:
             return pack(error_frame(e, queue=self.queue_length))
@@ -309,10 +311,8 @@ class JobService:
         logger.debug("Running job %s for client %s", job_id[:12], client_id[-8:])
         try:
             with metrics.JOB_SECONDS.time():
-                try:
-                    result = await self.executor.run(program_hash, program_bytes, inputs, timeout=timeout)
-                except ProgramNotCached:
-                    raise JobFailed("worker lost the program from its cache; retry sends it again") from None
+                # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
+                result = await self.executor.run(program_hash, program_bytes, inputs, timeout=timeout)
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
             raise
