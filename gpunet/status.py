@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from rich.table import Table
 
 from gpunet.client.trust import Reputation
-from gpunet.dht import network, registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.ledger.identity import short_id
@@ -70,17 +69,6 @@ class NetworkStatus:
                 }
             )
         return {"network": self.network, "workers": workers, "totals": self.totals}
-
-
-def read_status(
-    network_name: str = network.DEFAULT_NETWORK, initial_peers: Sequence[str] | None = None, *, timeout: float = 30.0
-) -> NetworkStatus:
-    """Join as a client (serving nothing), list every worker, leave."""
-    dht = network.join(network_name, initial_peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    try:
-        return NetworkStatus(network_name, registry.discover(dht, network_name, timeout=timeout))
-    finally:
-        dht.shutdown()
 
 
 def _trust_cell(rating: dict | None) -> str:

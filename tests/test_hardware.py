@@ -84,9 +84,9 @@ def test_throughput_is_measured_once_then_cached(tmp_path, monkeypatch):
 
 
 def test_doctor_reports_gpu_and_reachability():
-    assert check_gpu("auto", FakeNVML(fail_init=True))[0].outcome is Outcome.WARN
-    assert check_gpu("cuda:0", FakeNVML(fail_init=True))[0].outcome is Outcome.FAIL
-    gpu_checks = check_gpu("auto", FakeNVML())
+    assert check_gpu("auto", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.WARN
+    assert check_gpu("cuda:0", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.FAIL
+    gpu_checks = check_gpu("auto", hw.read_nvml(FakeNVML()))
     assert gpu_checks[0].outcome is Outcome.PASS and "RTX 4090" in gpu_checks[0].detail
     assert gpu_checks[1].outcome is Outcome.FAIL  # the CPU build of torch cannot use it: say so
     assert check_reachability(["/ip4/127.0.0.1/tcp/0"]).outcome is Outcome.FAIL

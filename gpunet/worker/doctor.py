@@ -48,8 +48,7 @@ class Check:
         return {"name": self.name, "outcome": self.outcome.value, "detail": self.detail, "advice": self.advice}
 
 
-def check_gpu(device: str, nvml=None) -> list[Check]:
-    report = hw.read_nvml(nvml)
+def check_gpu(device: str, report: hw.NvmlReport | None) -> list[Check]:
     if report is None:
         outcome = Outcome.FAIL if device.startswith("cuda") else Outcome.WARN
         return [
@@ -215,8 +214,8 @@ def run_checks(
     nvml=None,
 ) -> list[Check]:
     data_dir = resolve_data_dir(data_dir)
-    checks = check_gpu(device, nvml)
     report = hw.read_nvml(nvml)
+    checks = check_gpu(device, report)
     gpu_count = len(report.gpus) if report else 0
     gpu_memory = max((g.memory_total for g in report.gpus), default=0) if report else 0
     checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir), check_reachability(host_maddrs)]
