@@ -106,6 +106,43 @@ def test_an_executor_killed_mid_job_is_replaced_and_the_next_job_succeeds(ex):
     assert asyncio.run(scenario()).flops == 2 * 4 * 16 * 8
 
 
+def test_cancelling_a_running_job_stops_its_executor(ex):
+    async def scenario():
+        task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(), SLOW.encode_inputs(torch.randn(768, 768)), 60))
+        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        victim = ex.busy_pids()[0]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(_wait_for, lambda: not _alive(victim), 10, "the cancelled job's executor to stop")
+        assert victim not in ex.pids() and not ex.busy_pids()
+        return await ex.run(SMALL.program_hash, None, SMALL.encode_inputs(torch.randn(4, 16)), 60)
+
+    assert asyncio.run(scenario()).flops == 2 * 4 * 16 * 8
+
+
+def test_jobs_queue_for_a_busy_pool_in_order(tmp_path):
+    """More jobs than processes: they wait for an idle executor (no thread per job) and all complete."""
+    async def scenario(ex):
+        xs = [torch.randn(i + 1, 16) for i in range(5)]
+        res = await asyncio.gather(*(ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(x), 60) for x in xs))
+        return xs, res
+
+    with Executor(processes=1, cache_dir=tmp_path) as one:
+        xs, res = asyncio.run(scenario(one))
+    for x, r in zip(xs, res):
+        assert torch.equal(SMALL.decode_outputs(r.outputs), SMALL.run_locally(x))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet reaped) counts as stopped
+        return f.read().split(") ")[-1][0] != "Z"
+
+
 def test_concurrent_jobs_share_the_pool(ex):
     async def many():
         xs = [torch.randn(i + 1, 16) for i in range(6)]

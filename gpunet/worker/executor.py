@@ -3,7 +3,7 @@
 Each executor is a ``spawn``-started process (fork is unsafe beside threads and the libp2p daemon) that validates,
 caches and runs programs under a memory budget. The parent waits on the reply *or* the process's death, with a
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
-worker keeps serving. Parent and child exchange msgpack over a pipe, never pickle.
+worker keeps serving; a job whose caller gives up (cancel, client gone) is stopped the same way. Parent and child exchange msgpack over a pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgpack
@@ -27,6 +26,10 @@ from gpunet.errors import JobFailed, JobRejected, JobTimeout, ProgramNotCached
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
+#: Pipe messages up to this size are written and read on the event loop (the pipe drains at GB/s); bigger ones in a
+#: thread, so a large payload never stalls other jobs' network I/O.
+_INLINE_PIPE_BYTES = 1 << 20
+_IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed}
 
 
@@ -46,7 +49,7 @@ class _Slot:
     def __init__(self, ctx, config: dict):
         self._ctx, self._config = ctx, config
         self.hashes: set[str] = set()  # programs this process holds in memory (mirrors the child's LRU, roughly)
-        self.busy = False  # reserved by a caller
+        self.busy = False  # reserved by a caller (the pool is used from one event loop: no lock)
         self.in_flight = False  # a job has been sent and not answered
         self.closed = False
         self.start()
@@ -59,11 +62,11 @@ class _Slot:
         self.ready = False
         self.hashes = set()
 
-    def ensure_ready(self) -> None:
+    async def ensure_ready(self) -> None:
+        """Wait (without blocking the loop) for a freshly started process to finish importing torch."""
         if self.ready:
             return
-        ready = wait([self.conn, self.proc.sentinel], timeout=_STARTUP_TIMEOUT)
-        if self.conn in ready:
+        if await self.readable(_STARTUP_TIMEOUT):
             try:
                 if msgpack.unpackb(self.conn.recv_bytes()) == {"ready": True}:
                     self.ready = True
@@ -73,6 +76,44 @@ class _Slot:
         how = self.exit_status()
         self.restart()  # try a fresh process for the next job
         raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
+
+    async def readable(self, timeout: float) -> bool:
+        """Wait until the pipe has a message or the process has died (True), or ``timeout`` passes (False)."""
+        if self.conn.poll():
+            return True
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(value: bool) -> None:
+            if not done.done():
+                done.set_result(value)
+
+        fds = (self.conn.fileno(), self.proc.sentinel)
+        for fd in fds:
+            loop.add_reader(fd, settle, True)
+        timer = loop.call_later(timeout, settle, False)
+        try:
+            return await done
+        finally:
+            timer.cancel()
+            for fd in fds:
+                loop.remove_reader(fd)
+
+    def send(self, messages: list[bytes]) -> None:
+        for message in messages:
+            self.conn.send_bytes(message)
+
+    async def in_thread(self, fn, *args):
+        """Blocking pipe I/O (a big payload) in a thread. If the caller is cancelled meanwhile, the process is killed
+        first, so the thread's read or write fails at once, and the pipe is closed only after the thread is done with
+        it (a closed descriptor number could be reused by the next pipe)."""
+        io = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        try:
+            return await asyncio.shield(io)
+        except asyncio.CancelledError:
+            self.proc.kill()
+            await asyncio.wait([io])
+            raise
 
     def exit_status(self) -> str:
         self.proc.join(5)
@@ -105,7 +146,13 @@ class _Slot:
 
 
 class Executor:
-    """A pool of executor processes that validate, cache and run programs; safe to call from an asyncio loop."""
+    """A pool of executor processes that validate, cache and run programs, driven from one asyncio loop.
+
+    The parent talks to each process over its pipe from the event loop itself: waiting is ``add_reader`` on the pipe
+    and on the process sentinel, so a small job costs no thread hop; only payloads over :data:`_INLINE_PIPE_BYTES`
+    move in a thread. Cancelling :meth:`run` while the job runs kills that executor (the pool starts a fresh one):
+    that is how a cancelled or abandoned job stops using the machine.
+    """
 
     def __init__(
         self,
@@ -136,18 +183,14 @@ class Executor:
         }
         ctx = multiprocessing.get_context("spawn")
         self._slots = [_Slot(ctx, config) for _ in range(processes)]
-        self._lock = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers=processes, thread_name_prefix="gpunet-executor")
+        self._waiters: deque[asyncio.Future] = deque()  # callers waiting for an idle executor, first come first served
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
 
     def has_program(self, program_hash: str) -> bool:
         """Whether a job can be sent without its program bytes."""
-        with self._lock:
-            if any(program_hash in s.hashes for s in self._slots):
-                return True
-        return program_hash in self.disk
+        return any(program_hash in s.hashes for s in self._slots) or program_hash in self.disk
 
     def cached_programs(self) -> list[str]:
         """Hashes this worker can run without a transfer (for the worker record)."""
@@ -157,42 +200,33 @@ class Executor:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout."""
         if self._closed:
             raise JobFailed("executor is closed")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.run_sync, program_hash, program_bytes, inputs, timeout)
-
-    def run_sync(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None) -> RunResult:
-        """Blocking twin of :meth:`run` (same checks, same errors)."""
-        if self._closed:
-            raise JobFailed("executor is closed")
         check_hash(program_hash)
         if program_bytes is None and not self.has_program(program_hash):
             raise ProgramNotCached(program_hash)
         timeout = self.default_timeout if timeout is None else timeout
-        slot = self._acquire(program_hash)
+        slot = await self._acquire(program_hash)
         try:
-            return self._run_on(slot, program_hash, program_bytes, inputs, timeout)
+            return await self._run_on(slot, program_hash, program_bytes, inputs, timeout)
         finally:
             self._release(slot)
 
     def busy_pids(self) -> list[int]:
         """Process ids of executors with a job in flight (for monitoring, and for tests that kill one)."""
-        with self._lock:
-            return [s.proc.pid for s in self._slots if s.in_flight]
+        return [s.proc.pid for s in self._slots if s.in_flight]
 
     def pids(self) -> list[int]:
-        with self._lock:
-            return [s.proc.pid for s in self._slots]
+        return [s.proc.pid for s in self._slots]
 
     def close(self) -> None:
         """Stop every executor process this pool started, and remove a temporary cache directory."""
         if self._closed:
             return
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
+        self._closed = True
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.get_loop().call_soon_threadsafe(_fail, waiter, JobFailed("executor is closed"))
         for s in self._slots:
             s.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -204,50 +238,80 @@ class Executor:
 
     # --- internals ----------------------------------------------------------------------------------------------------
 
-    def _acquire(self, program_hash: str) -> _Slot:
-        """An idle executor, preferring one that already holds the program in memory."""
-        with self._lock:
-            while True:
-                if self._closed:
-                    raise JobFailed("executor is closed")
-                idle = [s for s in self._slots if not s.busy]
-                if idle:
-                    slot = next((s for s in idle if program_hash in s.hashes), idle[0])
-                    slot.busy = True
-                    return slot
-                self._lock.wait()
+    async def _acquire(self, program_hash: str) -> _Slot:
+        """An idle executor, preferring one that already holds the program in memory; waits in line when none is."""
+        while True:
+            if self._closed:
+                raise JobFailed("executor is closed")
+            idle = [s for s in self._slots if not s.busy]
+            if idle and not self._waiters:
+                slot = next((s for s in idle if program_hash in s.hashes), idle[0])
+                slot.busy = True
+                return slot
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+            idle = [s for s in self._slots if not s.busy]
+            if idle:
+                slot = next((s for s in idle if program_hash in s.hashes), idle[0])
+                slot.busy = True
+                self._wake_next()  # another slot may be free too
+                return slot
 
     def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.busy = False
-            self._lock.notify()
+        slot.busy = False
+        self._wake_next()
 
-    def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
-        slot.ensure_ready()
+    def _wake_next(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
+        await slot.ensure_ready()
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
-        # msgpack message would copy them once more for nothing.
+        # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
-        try:
-            slot.conn.send_bytes(msgpack.packb(header, use_bin_type=True))
-            if program_bytes is not None:
-                slot.conn.send_bytes(program_bytes)
-            slot.conn.send_bytes(inputs)
-        except (OSError, ValueError):
-            return self._died(slot, "before the job was sent")
+        if len(inputs) <= _IN_HEADER_BYTES:
+            header["inputs"] = inputs
+        messages = [msgpack.packb(header, use_bin_type=True)] + ([program_bytes] if program_bytes is not None else [])
+        if "inputs" not in header:
+            messages.append(inputs)
         slot.in_flight = True
         try:
-            return self._await_reply(slot, program_hash, timeout)
+            try:
+                if sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
+                    slot.send(messages)
+                else:  # a big pipe write blocks until the child has read it: not on the event loop
+                    await slot.in_thread(slot.send, messages)
+            except (OSError, ValueError):
+                return self._died(slot, "before the job was sent")
+            return await self._await_reply(slot, program_hash, timeout)
+        except asyncio.CancelledError:
+            # The caller gave up on a job that is running: stop it by replacing its process.
+            slot.restart()
+            raise
         finally:
             slot.in_flight = False
 
-    def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
-        ready = wait([slot.conn, slot.proc.sentinel], timeout=timeout)
-        if not ready:
+    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
+        if not await slot.readable(timeout):
             slot.restart()
             raise JobTimeout(f"job did not finish within {timeout:.1f} s; its executor was killed and replaced")
         try:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
-            outputs = slot.conn.recv_bytes() if reply.get("ok") else None
+            outputs = reply.get("outputs")
+            if reply.get("ok") and outputs is None:
+                if reply.get("outputs_size", 0) <= _INLINE_PIPE_BYTES:
+                    outputs = slot.conn.recv_bytes()
+                else:
+                    outputs = await slot.in_thread(slot.conn.recv_bytes)
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
         if reply.get("restart"):
@@ -263,6 +327,11 @@ class Executor:
         how = slot.exit_status()
         slot.restart()
         raise JobFailed(f"executor process died {when} ({how}); it was replaced")
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 # --- the executor process -------------------------------------------------------------------------------------------
@@ -312,7 +381,8 @@ def _child_main(conn: Connection, config: dict) -> None:
             if req.get("op") != "run":
                 return
             req["program"] = conn.recv_bytes() if req.get("program") else None
-            req["inputs"] = conn.recv_bytes()
+            if "inputs" not in req:
+                req["inputs"] = conn.recv_bytes()
         except (EOFError, OSError):
             return
         try:
@@ -330,8 +400,12 @@ def _child_main(conn: Connection, config: dict) -> None:
         poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
         reply["restart"] = poisoned
         outputs = reply.pop("outputs", None)
+        if outputs is not None:
+            reply["outputs_size"] = len(outputs)
+            if len(outputs) <= _IN_HEADER_BYTES:
+                reply["outputs"], outputs = outputs, None
         conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
-        if reply["ok"]:
+        if outputs is not None:
             conn.send_bytes(outputs)
         if poisoned:
             return
