@@ -17,8 +17,16 @@ from pathlib import Path
 
 import base58
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PrivateFormat, PublicFormat, NoEncryption
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 
 from gpunet.errors import ConfigError, IdentityError
 
@@ -125,11 +133,11 @@ class Identity:
             os.close(fd)
         os.replace(tmp, path)
 
-    @property
+    @functools.cached_property
     def public_bytes(self) -> bytes:
         return _public_bytes(self.private_key)
 
-    @property
+    @functools.cached_property  # every receipt and record names it: derive it once
     def peer_id(self) -> str:
         return peer_id_from_public_bytes(self.public_bytes)
 

@@ -21,7 +21,8 @@ floating-point operations) and an amount in micro-credits, ``amount = flops * pr
 from __future__ import annotations
 
 import dataclasses
-import functools
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
@@ -80,15 +81,47 @@ def _check_signature(peer_id: str, signature: bytes, message: bytes, who: str) -
         raise InvalidReceipt(f"{who} signature does not verify against {who} id {peer_id}")
 
 
-@functools.lru_cache(maxsize=8192)
-def _signature_valid(peer_id: str, signature: bytes, message: bytes) -> bool:
-    """Memoised on the exact bytes: a receipt passes through countersign, append and settle on one node, and each
-    step checks it; the verdict on identical bytes cannot change, so the Ed25519 work is done once."""
-    try:
-        public_key_from_peer_id(peer_id).verify(signature, message)
-        return True
-    except InvalidSignature:
-        return False
+class _Verdicts:
+    """Signature verdicts memoised on the exact bytes: a receipt passes through countersign, append and settle on one
+    node, and each step checks it; the verdict on identical bytes cannot change, so the Ed25519 work is done once.
+    A signature this process has just made with its own key is recorded as valid without being checked again."""
+
+    def __init__(self, size: int = 8192):
+        self._size = size
+        self._known: OrderedDict[tuple[str, bytes, bytes], bool] = OrderedDict()
+        self._lock = threading.Lock()  # ledger verification checks receipts from several threads
+
+    def valid(self, peer_id: str, signature: bytes, message: bytes) -> bool:
+        key = (peer_id, signature, message)
+        with self._lock:
+            verdict = self._known.get(key)
+        if verdict is None:
+            try:
+                public_key_from_peer_id(peer_id).verify(signature, message)
+                verdict = True
+            except InvalidSignature:
+                verdict = False
+            self._remember(key, verdict)
+        return verdict
+
+    def made_here(self, peer_id: str, signature: bytes, message: bytes) -> None:
+        self._remember((peer_id, signature, message), True)
+
+    def _remember(self, key: tuple[str, bytes, bytes], verdict: bool) -> None:
+        with self._lock:
+            self._known[key] = verdict
+            if len(self._known) > self._size:
+                self._known.popitem(last=False)
+
+
+_verdicts = _Verdicts()
+_signature_valid = _verdicts.valid
+
+
+def _sign(identity: Identity, message: bytes) -> bytes:
+    signature = identity.sign(message)
+    _verdicts.made_here(identity.peer_id, signature, message)
+    return signature
 
 
 @dataclass(frozen=True)
@@ -133,6 +166,15 @@ class Receipt:
                 raise InvalidReceipt(f"{name} must be empty or {SIGNATURE_LEN} bytes")
         body = msgpack.packb([FORMAT_VERSION, *(getattr(self, name) for name in _BODY_FIELDS)], use_bin_type=True)
         object.__setattr__(self, "body", body)
+
+    def _with_signature(self, name: str, signature: bytes) -> "Receipt":
+        """A copy with one signature set. The body is unchanged, so its fields are not checked again."""
+        if not isinstance(signature, bytes) or len(signature) != SIGNATURE_LEN:
+            raise InvalidReceipt(f"{name} must be {SIGNATURE_LEN} bytes")
+        copy = object.__new__(Receipt)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__[name] = signature
+        return copy
 
     # --- encoding ----------------------------------------------------------------------------------------------------
 
@@ -253,17 +295,27 @@ def sign_as_worker(
         ended_at_us=ended_at_us,
     )
     receipt.check_terms()
-    return dataclasses.replace(receipt, worker_signature=worker.sign(receipt.signing_bytes()))
+    return receipt._with_signature("worker_signature", _sign(worker, receipt.signing_bytes()))
 
 
 def countersign(
-    receipt: Receipt, client: Identity, *, output_hash: str, max_price: int | None, flops: int | None = None
+    receipt: Receipt,
+    client: Identity,
+    *,
+    output_hash: str,
+    max_price: int | None,
+    flops: int | None = None,
+    check_worker_signature: bool = True,
 ) -> Receipt:
     """The client's half: check the receipt against what the client actually got and agreed to, then countersign.
 
     ``output_hash`` is the hash of the outputs the client received, ``max_price`` its bound for this job (micro-credits
     per PFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one. Raises InvalidReceipt
     naming the first mismatch; a refused receipt is simply not countersigned.
+
+    ``check_worker_signature=False`` is for a caller that got the receipt over a channel authenticated as the worker
+    (libp2p) and verifies the complete receipt before storing it (``Ledger.append`` does): the terms are what the
+    client agrees to, and a bad worker signature only makes the receipt void, which the store then refuses.
     """
     if receipt.client_id != client.peer_id:
         raise InvalidReceipt(f"receipt names client {receipt.client_id}, not this client {client.peer_id}")
@@ -274,12 +326,13 @@ def countersign(
     if flops is not None and receipt.flops != flops:
         raise InvalidReceipt(f"receipt bills {receipt.flops} FLOPs, the client counted {flops}")
     receipt.check_terms()
-    receipt.verify_worker_signature()
-    return dataclasses.replace(receipt, client_signature=client.sign(receipt.signing_bytes()))
+    if check_worker_signature:
+        receipt.verify_worker_signature()
+    return receipt._with_signature("client_signature", _sign(client, receipt.signing_bytes()))
 
 
 def attach_countersignature(receipt: Receipt, client_signature: bytes) -> Receipt:
     """The worker's last step: the receipt it signed plus the client's countersignature, checked complete."""
-    complete = dataclasses.replace(receipt, client_signature=client_signature)
+    complete = receipt._with_signature("client_signature", client_signature)
     complete.verify()
     return complete

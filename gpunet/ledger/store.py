@@ -24,7 +24,7 @@ import hashlib
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -194,7 +194,7 @@ class Ledger:
         """
         receipt.verify()
         with self._transaction():
-            outcome, seq = self._insert(receipt, "append")
+            outcome, seq, _ = self._insert(receipt, "append")
         if outcome is _Outcome.CONFLICT:
             raise ReceiptConflict(f"job {receipt.job_id} already has a different receipt (entry {seq}); both kept")
         return self._entry(seq)
@@ -209,13 +209,53 @@ class Ledger:
         receipt.check_terms()
         receipt.verify_worker_signature()
         with self._transaction():
-            paid = self.get(receipt.job_id)
-            if paid is not None and paid.worker_id == receipt.worker_id:
-                return
-            self._db.execute(
-                "INSERT OR REPLACE INTO unpaid (job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?)",
-                (receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
-            )
+            self._insert_unpaid(receipt)
+
+    def write_batch(
+        self, complete: Sequence[Receipt] = (), unpaid: Sequence[Receipt] = ()
+    ) -> list[tuple[Receipt, LedgerError | InvalidReceipt]]:
+        """Group commit: ``append`` every complete receipt and ``record_unpaid`` every unpaid one in ONE transaction.
+
+        Each receipt is checked on its own; the ones refused (invalid, or conflicting with a stored one: the conflict is
+        recorded as by ``append``) come back with the reason, the rest are written. Unpaid ones go first, so a
+        complete receipt for the same job in the same batch settles them.
+        """
+        problems: list[tuple[Receipt, LedgerError | InvalidReceipt]] = []
+        good_unpaid, good_complete = [], []
+        for receipt in unpaid:
+            try:
+                receipt.check_terms()
+                receipt.verify_worker_signature()
+                good_unpaid.append(receipt)
+            except InvalidReceipt as e:
+                problems.append((receipt, e))
+        for receipt in complete:
+            try:
+                receipt.verify()
+                good_complete.append(receipt)
+            except InvalidReceipt as e:
+                problems.append((receipt, e))
+        with self._transaction():
+            for receipt in good_unpaid:
+                self._insert_unpaid(receipt)
+            last = None
+            for receipt in good_complete:
+                outcome, seq, digest = self._insert(receipt, "append", last)
+                if outcome is _Outcome.ADDED:
+                    last = (seq, digest)
+                if outcome is _Outcome.CONFLICT:
+                    problems.append((receipt, ReceiptConflict(
+                        f"job {receipt.job_id} already has a different receipt (entry {seq}); both kept")))
+        return problems
+
+    def _insert_unpaid(self, receipt: Receipt) -> None:
+        paid = self.get(receipt.job_id)
+        if paid is not None and paid.worker_id == receipt.worker_id:
+            return
+        self._db.execute(
+            "INSERT OR REPLACE INTO unpaid (job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?)",
+            (receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
+        )
 
     def merge(self, source: str | os.PathLike) -> MergeReport:
         """Import another node's receipts (its ledger file or a JSON export): union by job id.
@@ -240,7 +280,7 @@ class Ledger:
                         if position in failures:
                             report.refused.append((f"job {receipt.job_id}", failures[position]))
                             continue
-                        outcome, _ = self._insert(receipt, str(source))
+                        outcome, _, _ = self._insert(receipt, str(source))
                         if outcome is _Outcome.ADDED:
                             report.added += 1
                         elif outcome is _Outcome.DUPLICATE:
@@ -249,8 +289,14 @@ class Ledger:
                             report.conflicts.append(receipt.job_id)
         return report
 
-    def _insert(self, receipt: Receipt, source: str) -> tuple[_Outcome, int]:
-        """Inside a write transaction: chain a verified receipt, or say why not (returns the job's entry seq)."""
+    def _insert(
+        self, receipt: Receipt, source: str, last: tuple[int, bytes] | None = None
+    ) -> tuple[_Outcome, int, bytes | None]:
+        """Inside a write transaction: chain a verified receipt, or say why not. Returns the outcome, the job's entry
+        seq and, when added, the new entry's hash.
+
+        ``last``: the head (seq, entry hash) when the caller has just written it in this transaction; read otherwise.
+        """
         row = self._db.execute("SELECT seq, receipt FROM entries WHERE job_id = ?", (receipt.job_id,)).fetchone()
         if row is not None:
             seq, stored = row
@@ -259,21 +305,23 @@ class Ledger:
             except InvalidReceipt as e:
                 raise LedgerCorrupted(f"entry {seq}: {e}", entry=seq) from None
             if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
-                return _Outcome.DUPLICATE, seq
+                return _Outcome.DUPLICATE, seq, None
             self._db.execute(
                 "INSERT OR IGNORE INTO conflicts (job_id, receipt, source, detected_at_us) VALUES (?, ?, ?, ?)",
                 (receipt.job_id, receipt.to_bytes(), source, _now_us()),
             )
-            return _Outcome.CONFLICT, seq
-        last = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
+            return _Outcome.CONFLICT, seq, None
+        if last is None:
+            last = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
         seq, prev = (last[0] + 1, last[1]) if last else (1, GENESIS_HASH)
         data = receipt.to_bytes()
+        digest = entry_hash(seq, prev, data)
         self._db.execute(
             "INSERT INTO entries (seq, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?)",
-            (seq, receipt.job_id, data, prev, entry_hash(seq, prev, data)),
+            (seq, receipt.job_id, data, prev, digest),
         )
         self._db.execute("DELETE FROM unpaid WHERE job_id = ? AND worker_id = ?", (receipt.job_id, receipt.worker_id))
-        return _Outcome.ADDED, seq
+        return _Outcome.ADDED, seq, digest
 
     def _transaction(self) -> "_Transaction":
         return _Transaction(self._db)
