@@ -62,6 +62,11 @@ def settle_protocol(network: str) -> str:
     return f"/gpunet/{network}/settle/{PROTOCOL_VERSION}"
 
 
+def cancel_protocol(network: str) -> str:
+    """Unary: stop a job this client submitted (queued or running). A stream job is cancelled by closing its stream."""
+    return f"/gpunet/{network}/cancel/{PROTOCOL_VERSION}"
+
+
 def pack(obj: dict[str, Any]) -> bytes:
     """A unary message body (hivemind's persistent connection caps it at 4 MiB)."""
     return msgpack.packb(obj, use_bin_type=True)

@@ -1,6 +1,7 @@
 """Jobs through a real swarm, through the public API, as a user would submit them."""
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -248,3 +249,103 @@ def test_a_job_id_sent_twice_runs_once_and_bills_once(swarm, client_for):
     assert a.receipt == b.receipt and a.outputs == b.outputs
     assert info["record"]["jobs_done"] == 1
     assert abs(info["time"] - time.time()) < 5
+
+
+class Expanding(torch.nn.Module):
+    """A small input (16 KiB, so the unary door can carry it) that grows into seconds of 2048x2048 matmuls."""
+
+    def forward(self, x):
+        y = x.repeat(32, 32)
+        for _ in range(40):
+            y = torch.tanh(y @ y) * 0.5
+        return y[:4, :4]
+
+
+def _executor_cpu_seconds(worker) -> dict[int, float]:
+    """CPU time of each executor process of ``worker`` (its direct children that are not the DHT or daemon)."""
+    out = {}
+    for pid in _children(worker.pid):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline").read()
+            if "spawn_main" not in cmdline or not _children_free(pid):
+                continue
+            fields = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            continue
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _children_free(pid: int) -> bool:
+    return not _children(pid)  # the DHT process has the p2p daemon as a child; an executor has none
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _cancel_while_running(client, job, x, worker) -> int:
+    """Submit, wait until an executor is really computing it, cancel; returns that executor's pid."""
+    before = _executor_cpu_seconds(worker)
+    future = client.submit(job, x, requirements=Requirements(timeout=120))
+    busy = wait_for(lambda: [p for p, s in _executor_cpu_seconds(worker).items() if s - before.get(p, 0.0) > 0.5],
+                    60, "an executor to start computing the job")
+    assert future.cancel()
+    return busy[0]
+
+
+def test_cancelling_a_running_job_stops_it_on_the_worker(swarm, client_for):
+    """Through both doors: the stream (program sent) and the unary call (program cached, small input)."""
+    worker = swarm.start_worker("--max-concurrent", "1")
+    client = client_for(swarm)
+    job = gpunet.Job.from_module(Expanding(), (torch.randn(64, 64),))
+    x = torch.randn(64, 64)
+
+    _, small = mlp_job()
+    y = torch.randn(3, 16)
+    victim = _cancel_while_running(client, job, x, worker)  # first time: the stream door, program sent
+    wait_for(lambda: not _alive(victim), 30, "the cancelled job's executor to be stopped")
+    worker.wait_for_line(r"stopped while running", timeout=30)
+    # The worker keeps serving: a small job succeeds (on a fresh executor).
+    assert torch.allclose(client.submit(small, y).result(timeout=120), small.run_locally(y), atol=1e-6)
+
+    # The worker cached the program before running it: once its record says so, the next job takes the unary door.
+    wait_for(lambda: any(job.program_hash in w.record.programs for w in client.workers(refresh=True)), 30,
+             "the worker to advertise the cached program")
+    victim = _cancel_while_running(client, job, x, worker)
+    wait_for(lambda: not _alive(victim), 30, "the second cancelled job's executor to be stopped")
+    wait_for(lambda: len([line for line in worker.lines if "stopped while running" in line]) >= 2, 30,
+             "the worker to report the second cancellation")
+    assert torch.allclose(client.submit(small, y).result(timeout=120), small.run_locally(y), atol=1e-6)
+
+    # The cancel call itself, as the client sends it for a unary job it abandons (here sent by hand).
+    from gpunet.client.transport import send_cancel, send_job_unary
+
+    async def cancel_by_call():
+        p2p, worker_id = client._core.p2p, swarm.worker_id(worker)
+        before = _executor_cpu_seconds(worker)
+        call = asyncio.ensure_future(send_job_unary(p2p, swarm.network, worker_id, job_id="cancel-me",
+                                                    program_hash=job.program_hash, inputs=job.encode_inputs(x),
+                                                    timeout=60, max_price=None))
+        await asyncio.to_thread(wait_for, lambda: [p for p, s in _executor_cpu_seconds(worker).items()
+                                                   if s - before.get(p, 0.0) > 0.5], 60, "the job to run")
+        assert await send_cancel(p2p, swarm.network, worker_id, "cancel-me")
+        with pytest.raises(gpunet.JobFailed, match="stopped before it finished"):
+            await call
+        assert not await send_cancel(p2p, swarm.network, worker_id, "cancel-me")  # nothing left to stop
+
+    asyncio.run_coroutine_threadsafe(cancel_by_call(), client._loop).result(timeout=120)
+    wait_for(lambda: len([line for line in worker.lines if "stopped while running" in line]) >= 3, 30,
+             "the worker to report the third cancellation")

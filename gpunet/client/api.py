@@ -139,7 +139,8 @@ class AsyncClient:
 
     @property
     def ledger(self) -> Ledger:
-        """This client's ledger of receipts (the one the client appends to)."""
+        """This client's ledger of receipts (the one the client appends to), with every returned job in it."""
+        self._core.books.flush()
         return self._core.ledger
 
 
@@ -213,10 +214,16 @@ class Client:
         if self._closed:
             raise GpunetError("client is closed")
         future = JobFuture()
-        outcome = asyncio.run_coroutine_threadsafe(self._core.run(job, inputs, requirements), self._loop)
-        outcome.add_done_callback(future._settle)
-        future.add_done_callback(lambda f: outcome.cancel() if f.cancelled() else None)
+        self._loop.call_soon_threadsafe(self._start, future, job, inputs, requirements)
         return future
+
+    def _start(self, future: JobFuture, job, inputs, requirements) -> None:
+        """On the client's loop: run the job as a task that settles ``future`` (one cross-thread hop each way)."""
+        if future.cancelled():
+            return
+        task = self._loop.create_task(self._core.run(job, inputs, requirements))
+        task.add_done_callback(future._settle)
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
 
     def map(
         self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = True
@@ -250,7 +257,10 @@ class Client:
 
     @property
     def ledger(self) -> Ledger:
-        """This client's ledger, opened for the calling thread (SQLite connections are per thread)."""
+        """This client's ledger, opened for the calling thread (SQLite connections are per thread), with every returned
+        job in it (receipts still queued for the next group commit are written first)."""
+        if not self._closed:
+            self._call(self._core.flush_ledger())
         ledger = getattr(self._local, "ledger", None)
         if ledger is None:
             ledger = self._local.ledger = open_ledger(self._core.data_dir)

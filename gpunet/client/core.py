@@ -19,18 +19,33 @@ from typing import Sequence
 import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
+from gpunet.client.transport import (
+    UseStream,
+    send_cancel,
+    send_job,
+    send_job_unary,
+    send_settlements,
+)
 from gpunet.client.trust import Reputation, describe, majority, quorum
-from gpunet.client.transport import UseStream, send_job, send_job_unary, send_settlements
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
-    GpunetError, InvalidReceipt, JobRejected, JobTimeout, NetworkError, NoWorkersAvailable, ProgramNotCached,
-    ProtocolError, VerificationFailed, WorkerBusy,
+    GpunetError,
+    InvalidReceipt,
+    JobRejected,
+    JobTimeout,
+    NetworkError,
+    NoWorkersAvailable,
+    ProgramNotCached,
+    ProtocolError,
+    VerificationFailed,
+    WorkerBusy,
 )
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
+from gpunet.ledger.writer import LedgerWriter
 from gpunet.wire import INLINE_BYTES
 
 logger = logging.getLogger("gpunet.client")
@@ -111,6 +126,7 @@ class ClientCore:
         self.dht = None
         self.p2p = None
         self.ledger: Ledger | None = None
+        self.books: LedgerWriter | None = None  # receipts are filed in batches, after the result is handed back
         self._refresher: asyncio.Task | None = None
         self._fresh = asyncio.Event()
         self._estimates: dict[tuple, object] = {}
@@ -130,6 +146,7 @@ class ClientCore:
         net.tie_to_this_process(self.dht)
         self.p2p = await self.dht.replicate_p2p()
         self.ledger = open_ledger(self.data_dir)
+        self.books = LedgerWriter(self.ledger, on_refused=self._receipt_refused)
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
 
@@ -148,6 +165,7 @@ class ClientCore:
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
         if self.ledger is not None:
+            self.books.close()
             self.ledger.close()
         self.reputation.save()
 
@@ -170,6 +188,18 @@ class ClientCore:
 
     def workers(self) -> list[WorkerEntry]:
         return list(self.router.workers.values())
+
+    def _receipt_refused(self, receipt: Receipt, error: Exception) -> None:
+        """A receipt we countersigned did not enter our ledger (its worker signature is void): that worker is broken or
+        cheating; it is not paid (no valid receipt exists) and routing learns to avoid it."""
+        logger.warning("Worker %s sent a receipt for job %s that is not valid (%s); it is not paid",
+                       receipt.worker_id[-8:], receipt.job_id[:12], error)
+        self.reputation.record(receipt.worker_id, "failure")
+
+    async def flush_ledger(self) -> None:
+        """Write receipts still queued, so a reader of the ledger file sees every job that has returned."""
+        if self.books is not None:
+            self.books.flush()
 
     # --- jobs ------------------------------------------------------------------------------------------------------
 
@@ -292,11 +322,9 @@ class ClientCore:
             self.router.started(worker.id)
             t0 = time.perf_counter()
             try:
-                delivery = await asyncio.wait_for(
-                    self._send(worker, job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining),
-                               p.max_price),
-                    timeout=remaining,
-                )
+                async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
+                    delivery = await self._send(worker, job_id, p.job.program_hash, p.program, p.encoded,
+                                                max(0.1, remaining), p.max_price)
                 outputs = self._check(p, delivery)
             except WorkerBusy as e:
                 taken.discard(worker.id)
@@ -342,7 +370,10 @@ class ClientCore:
         """What came back must decode against the manifest and match its receipt; raises otherwise."""
         receipt = delivery.receipt
         problem = None
-        if receipt.input_hash != p.input_hash:
+        if receipt.worker_id != delivery.worker_id:  # the libp2p channel authenticated who answered
+            problem = InvalidReceipt(f"receipt names worker {receipt.worker_id[-8:]}, the answer came from "
+                                     f"{delivery.worker_id[-8:]}")
+        elif receipt.input_hash != p.input_hash:
             problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
         elif receipt.output_hash != hashlib.sha256(delivery.outputs).hexdigest():
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
@@ -357,14 +388,15 @@ class ClientCore:
     async def _pay(self, p: "_Prepared", c: "_Candidate", attempts: list[str], checked: bool = False) -> JobResult:
         """Countersign and record the receipt of an accepted result; refuse it if its terms are wrong."""
         try:
+            # The worker's signature is checked when the receipt is filed (a moment later, off the caller's path):
+            # the answer came over a channel authenticated as that worker, and the terms are checked here.
             signed = countersign(c.delivery.receipt, self.identity, output_hash=c.delivery.receipt.output_hash,
-                                 max_price=p.max_price, flops=p.flops)
+                                 max_price=p.max_price, flops=p.flops, check_worker_signature=False)
         except GpunetError as e:
             await c.delivery.refuse(str(e))
             self.reputation.record(c.worker_id, "failure")
             raise
-        if self.ledger.get(signed.job_id) is None:
-            self.ledger.append(signed)
+        self.books.append(signed)  # a job id is this client's own fresh uuid: never held already
         self.reputation.record(c.worker_id, "valid", checked=checked)
         # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
         # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
@@ -391,9 +423,11 @@ class ClientCore:
                                             inputs=inputs, timeout=timeout, max_price=max_price, settle=owed)
             except UseStream:
                 pass  # the countersignatures rode along; the worker took them before answering
-            except BaseException:
+            except BaseException as e:
                 self._owed.setdefault(worker.id, [])[:0] = owed  # not delivered: owe them still
                 self._schedule_flush()
+                if isinstance(e, asyncio.CancelledError):  # cancelled or timed out: the worker can stop work on it
+                    self._track(_quietly(send_cancel(self.p2p, self.network, worker.id, job_id)))
                 raise
         return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
                               program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,

@@ -7,6 +7,8 @@ Workers are filtered by the job's :class:`Requirements` and their state, then ra
     compute  = FLOPs from the dry run / the worker's measured throughput in the job's dtype (observed times refine it)
 
 and by price (``prefer``: ``balanced`` sums both normalised, ``fastest`` time alone, ``cheapest`` price then time).
+A worker's per-job overhead is learned from its answers; until then it is assumed a little better than the best
+measured one, so a newcomer gets a job and a fair measurement instead of being starved by an incumbent.
 Failing workers are banned with exponential backoff; a busy one is only skipped for a moment.
 """
 
@@ -23,6 +25,8 @@ from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, NoWorkersAvailable
 
 GiB = 2**30
+#: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
+EXPLORE_DISCOUNT = 0.9
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,9 @@ class Router:
         cached = self.holds_program(entry, job.program_hash)
         sent = job.input_bytes + (0 if cached else job.program_bytes)
         transfer = sent / (self.bandwidth or self.config.default_bandwidth)
-        overhead = self._overhead.get(entry.id, self.config.default_overhead)
+        overhead = self._overhead.get(entry.id)
+        if overhead is None:  # optimistic until measured, so every new worker gets tried (exploration)
+            overhead = (EXPLORE_DISCOUNT * min(self._overhead.values())) if self._overhead else self.config.default_overhead
         ahead = r.queue + self.inflight[entry.id]
         wait = ahead / max(1, r.max_concurrent) * (compute + overhead)
         score = self.reputation.score(entry.id) if self.reputation is not None else 1.0

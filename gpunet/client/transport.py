@@ -7,6 +7,7 @@ the worker's outputs and signed receipt, leaving the stream open for the counter
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
@@ -16,17 +17,36 @@ from hivemind.p2p import PeerID
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.wire import (
-    INLINE_BYTES, error_from_frame, field, info_protocol, job_protocol, pack, ping_protocol, read_frame, read_payload,
-    run_protocol, settle_protocol, unpack, write_frame, write_payload,
+    INLINE_BYTES,
+    cancel_protocol,
+    error_from_frame,
+    field,
+    info_protocol,
+    job_protocol,
+    pack,
+    ping_protocol,
+    read_frame,
+    read_payload,
+    run_protocol,
+    settle_protocol,
+    unpack,
+    write_frame,
+    write_payload,
 )
 
 MAX_OUTPUT_BYTES = 4 * 1024**3
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer(worker_id: str) -> PeerID:
+    return PeerID.from_base58(worker_id)
 
 
 @dataclass
 class Delivery:
     """A worker's answer: outputs and receipt, with a way back to the worker to countersign or refuse."""
 
+    worker_id: str  # the peer that answered, as the libp2p channel authenticated it
     outputs: bytes
     receipt: Receipt
     bytes_sent: int
@@ -84,7 +104,14 @@ async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
 async def send_settlements(p2p, network: str, worker_id: str, items: list[tuple[str, bytes]]) -> None:
     """Countersignatures for results received through the unary door, in one call."""
     request = pack({"t": "countersign_batch", "items": [list(i) for i in items]})
-    await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), settle_protocol(network), request)
+    await p2p._client.call_unary_handler(_peer(worker_id), settle_protocol(network), request)
+
+
+async def send_cancel(p2p, network: str, worker_id: str, job_id: str) -> bool:
+    """Ask a worker to stop a job we submitted through the unary door; True if it was still queued or running."""
+    reply = await p2p._client.call_unary_handler(_peer(worker_id), cancel_protocol(network),
+                                                 pack({"t": "cancel", "job": job_id}))
+    return bool(unpack(reply, "ok").get("cancelled"))
 
 
 async def send_job_unary(
@@ -104,7 +131,7 @@ async def send_job_unary(
     ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle calls.
     Raises UseStream when the worker wants the stream door instead, or the same errors as :func:`send_job`.
     """
-    peer = PeerID.from_base58(worker_id)
+    peer = _peer(worker_id)
     message = {"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs), "inputs": inputs,
                "timeout": float(timeout), "max_price": max_price}
     if settle:
@@ -126,7 +153,7 @@ async def send_job_unary(
     async def settle(message: dict) -> None:
         await p2p._client.call_unary_handler(peer, settle_protocol(network), pack(message))
 
-    return Delivery(outputs, receipt, len(inputs), 0.0, _settle=settle)
+    return Delivery(worker_id, outputs, receipt, len(inputs), 0.0, _settle=settle)
 
 
 async def send_job(
@@ -184,7 +211,7 @@ async def send_job(
         elif not isinstance(outputs, bytes) or len(outputs) != size:
             raise ProtocolError("inline outputs do not match their declared size")
         receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
-        return Delivery(outputs, receipt, sent, transfer_seconds, _writer=writer)
+        return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, _writer=writer)
     except BaseException:
         writer.close()
         raise

@@ -7,10 +7,12 @@ buffer when the data is aligned. Never pickle.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
-from typing import Mapping
+import warnings
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -69,18 +71,27 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
 
 def encode(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """Serialise named tensors. Tensors are ordered by decreasing item size so every one starts aligned."""
-    entries = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-    header: dict[str, object] = {}
-    offset = 0
-    for name, t in entries:
+    for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise JobRejected(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+    entries = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+    prefix = _encoded_header(tuple((name, t.dtype, tuple(t.shape)) for name, t in entries))
+    return b"".join([prefix, *(_raw_bytes(t) for _, t in entries)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _encoded_header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> bytes:
+    """Length prefix + padded JSON header for tensors of these names, dtypes and shapes (the same for every batch of
+    one job, so built once)."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, dtype, shape in layout:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % ALIGN)  # pad so the data section starts ALIGN-aligned
-    return b"".join([struct.pack("<Q", len(head)), head, *(_raw_bytes(t) for _, t in entries)])
+    return struct.pack("<Q", len(head)) + head
 
 
 def _reject(msg: str) -> JobRejected:
@@ -103,8 +114,28 @@ def decode(data: bytes | bytearray | memoryview, *, max_total_bytes: int = DEFAU
         raise _reject(f"header length {n} exceeds the limit of {MAX_HEADER_BYTES}")
     if 8 + n > total:
         raise _reject(f"header length {n} runs past the end of the {total}-byte buffer (truncated?)")
+    head = bytes(buf[8 : 8 + n])
+    plan = (_plan if n <= _PLAN_CACHE_HEADER_BYTES else _plan.__wrapped__)(head, total - (8 + n))
+    data_start = 8 + n
+    out = {name: _view(buf, data_start + begin, end - begin, dtype, shape)
+           for begin, end, name, dtype, shape in plan.specs}
+    return {name: out[name] for name in plan.order}
+
+
+class _Plan(NamedTuple):
+    specs: tuple[tuple[int, int, str, torch.dtype, tuple[int, ...]], ...]  # sorted by offset
+    order: tuple[str, ...]  # the header's order
+
+
+#: Headers up to this size have their checked layout cached: a job's inputs and outputs repeat the same header.
+_PLAN_CACHE_HEADER_BYTES = 4096
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(head: bytes, data_len: int) -> _Plan:
+    """Parse and check a header against a data section of ``data_len`` bytes; raises JobRejected (never cached)."""
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]), parse_constant=_no_constants)
+        header = json.loads(head, parse_constant=_no_constants)
     except (ValueError, RecursionError) as e:
         raise _reject(f"header is not valid JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
@@ -112,8 +143,6 @@ def decode(data: bytes | bytearray | memoryview, *, max_total_bytes: int = DEFAU
     header.pop("__metadata__", None)  # free-form strings in the format; ignored
     if len(header) > MAX_TENSORS:
         raise _reject(f"{len(header)} tensors exceeds the limit of {MAX_TENSORS}")
-    data_start = 8 + n
-    data_len = total - data_start
     specs = []
     for name, spec in header.items():
         if len(name) > MAX_NAME_LEN:
@@ -136,7 +165,7 @@ def decode(data: bytes | bytearray | memoryview, *, max_total_bytes: int = DEFAU
             raise _reject(f"tensor {name!r} offsets [{begin}, {end}] are outside the {data_len}-byte data section")
         if end - begin != nbytes:
             raise _reject(f"tensor {name!r} has {end - begin} bytes but its shape and dtype need {nbytes}")
-        specs.append((begin, end, name, dtype, shape))
+        specs.append((begin, end, name, dtype, tuple(shape)))
     specs.sort(key=lambda s: (s[0], s[1]))
     cursor = 0
     for begin, end, name, _, _ in specs:
@@ -145,13 +174,10 @@ def decode(data: bytes | bytearray | memoryview, *, max_total_bytes: int = DEFAU
         cursor = end
     if cursor != data_len:
         raise _reject(f"data section has {data_len} bytes but the tensors cover {cursor}")
-    out: dict[str, torch.Tensor] = {}
-    for begin, end, name, dtype, shape in specs:
-        out[name] = _view(buf, data_start + begin, end - begin, dtype, shape)
-    return {name: out[name] for name in header}
+    return _Plan(tuple(specs), tuple(header))
 
 
-def _view(buf: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def _view(buf: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buf[offset:offset+nbytes]``: zero-copy if aligned, else a copy. Never written to by gpunet."""
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
@@ -164,11 +190,12 @@ def _view(buf: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: 
 
 def _ro(buf: memoryview, offset: int, nbytes: int) -> torch.Tensor:
     # torch.frombuffer warns on read-only buffers; the interpreter only runs functional ops, so nothing writes to it.
-    import warnings
+    # (The filter is installed once, at import, for that message only: catch_warnings per tensor costs more than the
+    # decode itself for small tensors.)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def _is_int(x: object) -> bool:

@@ -26,17 +26,41 @@ from typing import Any, Callable
 
 import msgpack
 
-from gpunet.errors import GpunetError, JobFailed, JobRejected, ProgramNotCached, ProtocolError, WorkerBusy
+from gpunet.errors import (
+    GpunetError,
+    JobFailed,
+    JobRejected,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
+)
 from gpunet.ledger.identity import Identity
 from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_worker
 from gpunet.ledger.store import Ledger
-from gpunet.worker import metrics
-from gpunet.worker.cache import PROGRAM_HASH_RE
+from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures
 from gpunet.wire import (
-    FRAME_TIMEOUT, INLINE_BYTES, MAX_PING_BYTES, UNARY_OUTPUT_BYTES, error_frame, field, info_protocol, job_protocol,
-    pack, payload_deadline, ping_protocol, read_frame, read_payload, run_protocol, settle_protocol, unpack, write_frame,
+    FRAME_TIMEOUT,
+    INLINE_BYTES,
+    MAX_PING_BYTES,
+    UNARY_OUTPUT_BYTES,
+    cancel_protocol,
+    error_frame,
+    field,
+    info_protocol,
+    job_protocol,
+    pack,
+    payload_deadline,
+    ping_protocol,
+    read_frame,
+    read_payload,
+    run_protocol,
+    settle_protocol,
+    unpack,
+    write_frame,
     write_payload,
 )
+from gpunet.worker import metrics
+from gpunet.worker.cache import PROGRAM_HASH_RE
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -85,6 +109,7 @@ class JobService:
         self.network = network
         self.executor = executor
         self.ledger = ledger
+        self.books = LedgerWriter(ledger)  # receipts are filed in batches, after the reply has gone
         self.price_micro = price_micro
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
@@ -101,9 +126,13 @@ class JobService:
         self.jobs_done = 0
         self._slots = asyncio.Semaphore(max_concurrent)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
+        self._running: dict[tuple[str, str], asyncio.Task] = {}  # admitted jobs, queued or running: cancellable
         self._recent: OrderedDict[tuple[str, str], _Outcome] = OrderedDict()
         self._recent_bytes = 0
         self._p2p = None
+        self._to_settle: list[tuple[str, list]] = []  # ride-along countersignatures, checked after the reply
+        self._settle_timer: asyncio.TimerHandle | None = None
+        self._filing: set[asyncio.Task] = set()
 
     @property
     def queue_length(self) -> int:
@@ -121,6 +150,7 @@ class JobService:
         await p2p._client.add_unary_handler(ping_protocol(self.network), self._handle_ping)
         await p2p._client.add_unary_handler(run_protocol(self.network), self._handle_run)
         await p2p._client.add_unary_handler(settle_protocol(self.network), self._handle_settle)
+        await p2p._client.add_unary_handler(cancel_protocol(self.network), self._handle_cancel)
 
     async def stop(self) -> None:
         self.accepting = False
@@ -130,12 +160,49 @@ class JobService:
                     await self._p2p.remove_binary_stream_handler(proto)
                 except Exception:  # the daemon may already be gone at shutdown
                     pass
-            for proto in (ping_protocol(self.network), run_protocol(self.network), settle_protocol(self.network)):
+            for proto in (ping_protocol(self.network), run_protocol(self.network), settle_protocol(self.network),
+                          cancel_protocol(self.network)):
                 try:
                     await self._p2p._client.remove_unary_handler(proto)
                 except Exception:
                     pass
             await self._p2p.shutdown()  # our replica's connections to the daemon, not the daemon itself
+        if self._filing:  # countersignatures being checked in a thread: let them land
+            await asyncio.wait(set(self._filing), timeout=10)
+        self.file_settlements()
+
+    def _file_soon(self) -> None:
+        self._settle_timer = None
+        batches, self._to_settle = self._to_settle, []
+        task = asyncio.get_running_loop().create_task(self._check_then_file(batches))
+        self._filing.add(task)
+        task.add_done_callback(self._filing.discard)
+
+    async def _check_then_file(self, batches: list[tuple[str, list]]) -> None:
+        """Check countersignatures in a thread first (off the loop that serves jobs), then file them durably."""
+        complete = []
+        for client_id, items in batches:
+            for item in items if isinstance(items, list) else ():
+                receipt = self.unsettled.get((client_id, item[0])) if _settle_item_ok(item) else None
+                if receipt is not None:
+                    try:
+                        complete.append(receipt._with_signature("client_signature", item[1]))
+                    except GpunetError:
+                        pass  # malformed: refused with its reason when filed
+        await prewarm_signatures(complete)
+        for client_id, items in batches:
+            self._settle_batch(client_id, items)
+        self.books.flush()
+
+    def file_settlements(self) -> None:
+        """Check and file every countersignature received so far, and write all queued receipts."""
+        if self._settle_timer is not None:
+            self._settle_timer.cancel()
+            self._settle_timer = None
+        batches, self._to_settle = self._to_settle, []
+        for client_id, items in batches:
+            self._settle_batch(client_id, items)
+        self.books.flush()
 
     # --- ping and info ------------------------------------------------------------------------------------------------------
 
@@ -188,18 +255,16 @@ class JobService:
         try:
             frame = unpack(request, "submit")
             submit = _Submit.parse(frame, self.limits)
-            execution = asyncio.ensure_future(self._execute(client_id, submit, _UnaryPayloads(), None))
-            await asyncio.sleep(0)  # let the job reach its executor before we do the filing below
-            try:
-                # Countersignatures riding along are filed while the executor works, off the job's critical path.
-                self._settle_batch(client_id, frame.get("settle"))
-            finally:
-                outcome = await execution
+            if frame.get("settle") is not None:  # countersignatures riding along: checked and filed after the reply
+                self._to_settle.append((client_id, frame["settle"]))
+                if self._settle_timer is None:
+                    self._settle_timer = asyncio.get_running_loop().call_later(FLUSH_DELAY, self._file_soon)
+            outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
             if outcome is None:
                 return pack(self._busy_frame())
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return pack({"t": "use_stream"})  # the result waits in the recent results for the stream retry
-            if self.ledger.get(submit.job_id) is None:
+            if self.books.get(submit.job_id) is None:
                 self.unsettled[(client_id, submit.job_id)] = outcome.receipt  # countersigned by a later call
                 while len(self.unsettled) > MAX_UNSETTLED:
                     self.unsettled.popitem(last=False)
@@ -220,10 +285,22 @@ class JobService:
         try:
             frame = unpack(request, ("countersign", "refuse", "countersign_batch"))
             if frame["t"] == "countersign_batch":
-                self._settle_batch(remote_id.to_base58(), frame.get("items"))
+                await self._check_then_file([(remote_id.to_base58(), frame.get("items"))])
             else:
                 self._settle(remote_id.to_base58(), field(frame, "job", str), frame)
+            self.books.flush()
             return pack({"t": "ok"})
+        except GpunetError as e:
+            return pack(error_frame(e))
+
+    async def _handle_cancel(self, request: bytes, remote_id) -> bytes:
+        """A client stops one of its own jobs (queued or running; the executor running it is replaced)."""
+        try:
+            job_id = field(unpack(request, "cancel"), "job", str)
+            task = self._running.get((remote_id.to_base58(), job_id))
+            if task is not None:
+                task.cancel()
+            return pack({"t": "ok", "cancelled": task is not None})
         except GpunetError as e:
             return pack(error_frame(e))
 
@@ -236,7 +313,7 @@ class JobService:
             return
         for item in items:
             try:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+                if not _settle_item_ok(item):
                     raise ProtocolError("a settle item must be [job id, signature]")
                 self._settle(client_id, item[0], {"t": "countersign", "signature": item[1]})
             except GpunetError as e:
@@ -250,7 +327,7 @@ class JobService:
             raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
                               f"{req.max_price}")
         key = (client_id, req.job_id)
-        paid = self.ledger.get(req.job_id)
+        paid = self.books.get(req.job_id)
         if paid is not None and paid.client_id != client_id:
             raise JobRejected(f"job id {req.job_id[:16]} was already used by another client; use a fresh one")
         if key in self._recent:  # a retry of a finished job: same result, same receipt, no second bill
@@ -271,8 +348,8 @@ class JobService:
         try:
             program_bytes, inputs, input_hash = await payloads.fetch(req, need_program)
             metrics.BYTES_IN.inc(len(inputs) + len(program_bytes or b""))
-            outcome = await self._run(client_id, req.job_id, req.program_hash, program_bytes, inputs, input_hash,
-                                      req.timeout, req.max_price, reader)
+            outcome = await self._run(key, req.program_hash, program_bytes, inputs, input_hash, req.timeout,
+                                      req.max_price, reader)
             future.set_result(outcome)
         except BaseException as e:
             future.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -285,27 +362,35 @@ class JobService:
         return outcome
 
     async def _run(
-        self, client_id, job_id, program_hash, program_bytes, inputs: bytes, input_hash: str, timeout, max_price, reader
+        self, key: tuple[str, str], program_hash, program_bytes, inputs: bytes, input_hash: str, timeout, max_price,
+        reader,
     ) -> _Outcome:
-        # While queued, a stream client that hangs up (cancel, crash) gives its place back.
-        if reader is None or not self._slots.locked():
-            await self._slots.acquire()
-        else:
-            gone = asyncio.ensure_future(reader.read(1))
-            acquire = asyncio.ensure_future(self._slots.acquire())
-            try:
-                await asyncio.wait({gone, acquire}, return_when=asyncio.FIRST_COMPLETED)
-            except BaseException:  # cancelled while queued: give back a slot we may have just got
-                acquire.cancel()
+        """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the
+        client hanging up. Either way the executor running it is replaced, so abandoned work stops using the machine.
+        """
+        client_id, job_id = key
+        running = asyncio.ensure_future(
+            self._run_now(client_id, job_id, program_hash, program_bytes, inputs, input_hash, timeout, max_price))
+        self._running[key] = running
+        # The client sends nothing between its payload and our result, so any byte or EOF here means it is gone.
+        gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
+        try:
+            await asyncio.wait({running, gone} if gone else {running}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._running.pop(key, None)
+            if gone is not None:
                 gone.cancel()
-                if acquire.done() and not acquire.cancelled():
-                    self._slots.release()
-                raise
-            gone.cancel()
-            if not acquire.done():
-                acquire.cancel()
-                metrics.JOBS.labels("cancelled").inc()
-                raise JobFailed("client went away before the job started")
+            if not running.done():
+                running.cancel()
+                await asyncio.wait({running})  # let it give back its slot and executor before we answer
+        if running.cancelled():
+            raise JobFailed("job stopped before it finished: its client cancelled it or went away")
+        return running.result()
+
+    async def _run_now(
+        self, client_id, job_id, program_hash, program_bytes, inputs: bytes, input_hash: str, timeout, max_price
+    ) -> _Outcome:
+        await self._slots.acquire()
         self.running += 1
         started = time.time()
         logger.debug("Running job %s for client %s", job_id[:12], client_id[-8:])
@@ -315,6 +400,11 @@ class JobService:
                 result = await self.executor.run(program_hash, program_bytes, inputs, timeout=timeout)
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
+            raise
+        except asyncio.CancelledError:
+            metrics.JOBS.labels("cancelled").inc()
+            logger.info("Job %s for client %s stopped while running (cancelled, or the client went away); its "
+                        "executor was replaced", job_id[:12], client_id[-8:])
             raise
         finally:
             self.running -= 1
@@ -335,7 +425,7 @@ class JobService:
             started_at_us=int(started * 1e6),
             ended_at_us=int(ended * 1e6),
         )
-        self.ledger.record_unpaid(receipt)  # until the countersignature arrives, this is work the client owes
+        self.books.record_unpaid(receipt)  # until the countersignature arrives, this is work the client owes
         self.jobs_done += 1
         metrics.JOBS.labels("done").inc()
         logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
@@ -370,6 +460,7 @@ class JobService:
             return
         try:
             self._settle(client_id, receipt.job_id, frame, receipt)
+            self.books.flush()  # off the job's path already (the result has gone): make the payment durable now
         except GpunetError as e:
             logger.warning("Bad settlement from %s for job %s: %s", client_id[-8:], receipt.job_id[:12], e)
 
@@ -386,9 +477,13 @@ class JobService:
                            str(frame.get("reason"))[:200])
             return
         complete = attach_countersignature(receipt, field(frame, "signature", bytes))  # InvalidReceipt if forged
-        if self.ledger.get(job_id) is None:
-            self.ledger.append(complete)
+        if self.books.get(job_id) is None:
+            self.books.append(complete)
         self.unsettled.pop((client_id, job_id), None)
+
+
+def _settle_item_ok(item) -> bool:
+    return isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], bytes)
 
 
 async def _within(seconds: float, awaitable):

@@ -1,0 +1,89 @@
+"""Routing on synthetic worker views: filtering with reasons, ranking, bans, busy skips, load spreading, exploration."""
+
+import pytest
+
+from gpunet.client.routing import GiB, JobShape, Requirements, Router
+from gpunet.dht.records import DeviceInfo, WorkerRecord
+from gpunet.dht.registry import WorkerEntry
+from gpunet.errors import NoWorkersAvailable
+
+PROGRAM = "ab" * 32
+TINY = JobShape(flops=512, program_hash=PROGRAM, input_bytes=1024, program_bytes=10_000, dtype="fp32")
+HEAVY = JobShape(flops=10**12, program_hash=PROGRAM, input_bytes=1024, program_bytes=10_000, dtype="fp32")
+
+
+def worker(name: str, *, kind="cpu", tflops=1.0, price=1.0, state="online", queue=0, free_gb=8.0, programs=()):
+    record = WorkerRecord(
+        version="test", state=state, price=price, queue=queue, programs=list(programs), tflops={"fp32": tflops},
+        device=DeviceInfo(kind=kind, name=name, memory_total=int(16 * GiB), memory_free=int(free_gb * GiB)),
+    )
+    return WorkerEntry(id=name, record=record, expiration_time=1e12)
+
+
+def router(*entries) -> Router:
+    r = Router()
+    r.update(entries)
+    return r
+
+
+def test_requirements_filter_with_reasons():
+    r = router(worker("cpu-a"), worker("gpu-b", kind="cuda", price=9.0), worker("gone", state="draining"))
+    assert r.choose(Requirements(device="gpu"), TINY).id == "gpu-b"
+    assert r.choose(Requirements(max_price=2.0), TINY).id == "cpu-a"
+    with pytest.raises(NoWorkersAvailable) as e:
+        r.choose(Requirements(device="gpu", max_price=2.0), TINY)
+    assert "has no GPU" in str(e.value) and "charges 9/PFLOP" in str(e.value) and "is draining" in str(e.value)
+    with pytest.raises(NoWorkersAvailable, match="GiB free"):
+        r.choose(Requirements(min_memory_gb=64), TINY)
+
+
+def test_heavy_jobs_go_to_the_fastest_and_cheap_ones_by_preference():
+    r = router(worker("slow-cheap", tflops=0.1, price=0.5), worker("fast-dear", tflops=10.0, price=5.0))
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "fast-dear"
+    assert r.choose(Requirements(prefer="cheapest"), HEAVY).id == "slow-cheap"
+    assert r.choose(Requirements(), HEAVY).id == "fast-dear"  # balanced: 100x faster outweighs 10x dearer
+
+
+def test_a_cached_program_saves_the_transfer():
+    big = JobShape(flops=512, program_hash=PROGRAM, input_bytes=1024, program_bytes=2 * 10**9, dtype="fp32")
+    r = router(worker("cold"), worker("warm", programs=[PROGRAM]))
+    assert r.choose(Requirements(), big).id == "warm"
+
+
+def test_load_spreads_over_idle_workers():
+    r = router(worker("a"), worker("b"), worker("c"))
+    chosen = []
+    for _ in range(6):  # six jobs in flight at once, none finished
+        w = r.choose(Requirements(), HEAVY)
+        r.started(w.id)
+        chosen.append(w.id)
+    assert sorted(chosen) == ["a", "a", "b", "b", "c", "c"]
+    assert r.choose(Requirements(), HEAVY, exclude={"a", "b"}).id == "c"
+
+
+def test_a_new_worker_gets_tried_even_when_an_incumbent_is_fast():
+    r = router(worker("incumbent"))
+    for _ in range(20):
+        r.succeeded("incumbent", TINY, seconds=0.001, bytes_sent=1024, transfer_seconds=0.0)
+    r.update([worker("incumbent"), worker("newcomer", programs=[PROGRAM])])
+    assert r.choose(Requirements(), TINY).id == "newcomer"  # optimistic until measured
+    r.succeeded("newcomer", TINY, seconds=0.010, bytes_sent=1024, transfer_seconds=0.0)  # it turns out slower
+    assert r.choose(Requirements(), TINY).id == "incumbent"
+
+
+def test_failures_ban_with_exponential_backoff_and_busy_is_a_short_skip():
+    r = router(worker("flaky"), worker("steady", tflops=0.01))
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "flaky"
+    first = r.failed("flaky", now=100.0)
+    second = r.failed("flaky", now=100.0)
+    assert second == 2 * first
+    assert [w.id for w in r.eligible(Requirements(), now=100.0 + second - 0.1)] == ["steady"]
+    assert {w.id for w in r.eligible(Requirements(), now=100.0 + second + 0.1)} == {"flaky", "steady"}
+    r.succeeded("flaky", HEAVY, seconds=1.0, bytes_sent=0, transfer_seconds=0.0)  # a success wipes the strikes
+    assert r.failed("flaky", now=200.0) == first
+
+    only = router(worker("busy"))
+    only.busy("busy", now=50.0)
+    with pytest.raises(NoWorkersAvailable) as e:
+        only.eligible(Requirements(), now=50.1)
+    assert "is busy" in str(e.value) and e.value.retry_at == pytest.approx(50.0 + only.config.busy_cooldown)
