@@ -45,6 +45,7 @@ from gpunet.errors import (
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
+from gpunet.job.tensors import DTYPE_NAMES
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.wire import INLINE_BYTES
 
@@ -75,6 +76,8 @@ class _Prepared:
     deadline: float
     shape: JobShape
     max_price: int | None
+    outputs: tuple  # (dtype, shape) of each output, from the dry run: a worker's answer must match exactly
+    max_output_bytes: int  # their data plus room for the header: a bigger answer is refused before it is read
 
 
 @dataclass
@@ -224,6 +227,8 @@ class ClientCore:
             program=program, deadline=time.monotonic() + req.timeout,
             shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job)),
             max_price=price_to_micro(req.max_price) if req.max_price is not None else None,
+            outputs=estimate.outputs,
+            max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE,
         )
         if not self.router.workers:
             try:
@@ -324,7 +329,7 @@ class ClientCore:
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self._send(worker, job_id, p.job.program_hash, p.program, p.encoded,
-                                                max(0.1, remaining), p.max_price)
+                                                max(0.1, remaining), p.max_price, p.max_output_bytes)
                 outputs = self._check(p, delivery)
             except WorkerBusy as e:
                 taken.discard(worker.id)
@@ -379,7 +384,13 @@ class ClientCore:
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
         else:
             try:
-                return p.job.decode_outputs(delivery.outputs)
+                outputs = p.job.decode_outputs(delivery.outputs)
+                got = outputs if isinstance(outputs, tuple) else (outputs,)
+                for i, (t, (dtype, shape)) in enumerate(zip(got, p.outputs)):
+                    if tuple(t.shape) != shape or DTYPE_NAMES[t.dtype] != dtype:
+                        raise ProtocolError(f"output {i} is {DTYPE_NAMES[t.dtype]} {list(t.shape)}, the dry run "
+                                            f"predicts {dtype} {list(shape)}")
+                return outputs
             except GpunetError as e:
                 problem = ProtocolError(f"outputs do not match the program's output specs: {e}")
         self._track(delivery.refuse(str(problem)))
@@ -410,7 +421,7 @@ class ClientCore:
                          c.delivery.bytes_sent)
 
     async def _send(self, worker: WorkerEntry, job_id: str, program_hash: str, program: bytes, inputs: bytes,
-                    timeout: float, max_price: int | None):
+                    timeout: float, max_price: int | None, max_output_bytes: int):
         """The unary door (one round trip) when the job is small and the worker should hold the program; else, or
         when the worker says so, the stream door (any size, sends the program if needed)."""
         if len(inputs) <= INLINE_BYTES and self.router.holds_program(worker, program_hash):
@@ -431,7 +442,7 @@ class ClientCore:
                 raise
         return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
                               program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,
-                              max_price=max_price)
+                              max_price=max_price, max_output_bytes=max_output_bytes)
 
     def _track(self, coro) -> None:
         settlement = asyncio.ensure_future(coro)
@@ -452,6 +463,8 @@ class ClientCore:
 
 
 _LARGE_BYTES = 1 << 20
+#: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
+OUTPUT_HEADER_ALLOWANCE = 64 * 1024
 #: How long a countersignature may wait to ride on the next job to the same worker before it is sent on its own.
 SETTLE_DELAY = 0.05
 MAX_RIDE_ALONG = 256

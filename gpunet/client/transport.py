@@ -168,8 +168,13 @@ async def send_job(
     inputs: bytes,
     timeout: float,
     max_price: int | None,
+    max_output_bytes: int = MAX_OUTPUT_BYTES,
 ) -> Delivery:
-    """Run one job on one worker. Raises WorkerBusy, JobRejected, JobFailed, JobTimeout, ProtocolError, NetworkError."""
+    """Run one job on one worker. Raises WorkerBusy, JobRejected, JobFailed, JobTimeout, ProtocolError, NetworkError.
+
+    ``max_output_bytes``: the most the answer may declare (the client knows it from the dry run); more is refused
+    before anything is read.
+    """
     _, reader, writer = await open_stream(p2p, worker_id, maddrs, job_protocol(network))
     try:
         submit = {
@@ -206,7 +211,7 @@ async def send_job(
         outputs = frame.get("outputs")
         if outputs is None:
             t0 = time.perf_counter()
-            outputs = bytes(await read_payload(reader, size, MAX_OUTPUT_BYTES, "outputs"))
+            outputs = bytes(await read_payload(reader, size, min(max_output_bytes, MAX_OUTPUT_BYTES), "outputs"))
             transfer_seconds += time.perf_counter() - t0
         elif not isinstance(outputs, bytes) or len(outputs) != size:
             raise ProtocolError("inline outputs do not match their declared size")

@@ -8,9 +8,9 @@ so it covers everything the worker validates against, and never the inputs.
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +31,17 @@ DEFAULT_MAX_PROGRAM_BYTES = 8 * 1024**3
 
 @dataclass(frozen=True)
 class Estimate:
-    """What the dry run on meta tensors predicts: the FLOPs billed and the peak memory needed."""
+    """What the dry run on meta tensors predicts: the FLOPs billed, the peak memory needed, and each output's dtype
+    (safetensors name) and shape, which the client holds a worker's answer to."""
 
     flops: int
     peak_memory_bytes: int
+    outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def output_bytes(self) -> int:
+        """The outputs' data size: what a worker's answer carries, besides a small header."""
+        return sum(math.prod(shape) * tensors.DTYPES[dtype].itemsize for dtype, shape in self.outputs)
 
 
 @dataclass(frozen=True)

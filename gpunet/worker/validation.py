@@ -149,11 +149,15 @@ class Program:
         for slot in range(1, 1 + len(meta_inputs) + len(self.weights)):
             tracker.pin(slot, env[slot])
         with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-            execute(self.steps, env, self.output_slots, tracker)
+            outs = execute(self.steps, env, self.output_slots, tracker)
         flops = int(counter.get_total_flops())
         if flop_limit is not None and flops > flop_limit:
             raise JobRejected(f"job needs {flops} FLOPs, over the limit of {flop_limit}")
-        est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak))
+        try:
+            outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
+        except (AttributeError, JobRejected) as e:
+            raise JobRejected(f"dry run: an output is not a tensor gpunet can carry ({e})") from None
+        est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs)
         with self._lock:
             self._estimates[key] = est
             while len(self._estimates) > 64:

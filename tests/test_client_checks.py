@@ -1,0 +1,93 @@
+"""What the client checks in a worker's answer before it accepts and pays: the receipt's terms, who signed it, and
+outputs exactly as the dry run predicts them (shape and dtype), each refusal naming the problem."""
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+import gpunet
+from gpunet.client.core import ClientCore, _Prepared
+from gpunet.client.routing import JobShape, Requirements
+from gpunet.client.transport import Delivery
+from gpunet.errors import InvalidReceipt, ProtocolError
+from gpunet.job import tensors
+from gpunet.ledger import Identity, sign_as_worker
+
+JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
+X = torch.randn(4, 8)
+
+
+@pytest.fixture
+def core(tmp_path):
+    return ClientCore(initial_peers=[], network="gpunet-test", data_dir=tmp_path / "client")
+
+
+def prepared(core) -> _Prepared:
+    encoded = JOB.encode_inputs(X)
+    est = JOB.estimate(X)
+    return _Prepared(
+        job=JOB, req=Requirements(), job_id="job-1", encoded=encoded, input_hash=hashlib.sha256(encoded).hexdigest(),
+        flops=est.flops, program=JOB.program_bytes(), deadline=0.0,
+        shape=JobShape(est.flops, JOB.program_hash, len(encoded), 0), max_price=None, outputs=est.outputs,
+        max_output_bytes=est.output_bytes + 65536,
+    )
+
+
+def answer(core, p: _Prepared, outputs: bytes, *, worker=None, signer=None, claimed_by=None) -> Delivery:
+    worker = worker or Identity.generate()
+    receipt = sign_as_worker(
+        signer or worker, job_id=p.job_id, client_id=core.id, program_hash=JOB.program_hash, input_hash=p.input_hash,
+        output_hash=hashlib.sha256(outputs).hexdigest(), flops=p.flops, wall_time_us=10, price=1, max_price=None,
+        started_at_us=1, ended_at_us=2,
+    )
+    refused = []
+
+    async def settle(frame):
+        refused.append(frame)
+
+    delivery = Delivery(claimed_by or worker.peer_id, outputs, receipt, len(p.encoded), 0.0, _settle=settle)
+    delivery.refused = refused
+    return delivery
+
+
+def check(core, p, delivery):
+    async def run():
+        try:
+            return core._check(p, delivery)
+        finally:
+            await asyncio.sleep(0)  # let the refusal go out
+    return asyncio.run(run())
+
+
+def test_a_correct_answer_is_accepted(core):
+    p = prepared(core)
+    out = check(core, p, answer(core, p, tensors.encode({"output_0": JOB.run_locally(X)})))
+    assert torch.allclose(out, JOB.run_locally(X))
+
+
+@pytest.mark.parametrize("wrong, match", [
+    (torch.randn(4, 9), r"output 0 is F32 \[4, 9\], the dry run predicts F32 \[4, 8\]"),
+    (torch.randn(2, 8), r"output 0 is F32 \[2, 8\]"),
+    (torch.randn(4, 8, dtype=torch.float64), "does not match the manifest"),
+])
+def test_outputs_of_the_wrong_shape_or_dtype_are_refused(core, wrong, match):
+    p = prepared(core)
+    delivery = answer(core, p, tensors.encode({"output_0": wrong}))
+    with pytest.raises(ProtocolError, match=match):
+        check(core, p, delivery)
+    assert delivery.refused and delivery.refused[0]["t"] == "refuse"
+
+
+def test_a_receipt_naming_another_worker_is_refused(core):
+    """The answer came from one peer (the libp2p channel says which); a receipt naming another is not accepted."""
+    p = prepared(core)
+    delivery = answer(core, p, tensors.encode({"output_0": JOB.run_locally(X)}), claimed_by=Identity.generate().peer_id)
+    with pytest.raises(InvalidReceipt, match="answer came from"):
+        check(core, p, delivery)
+
+
+def test_the_output_cap_follows_the_dry_run():
+    est = JOB.estimate(X)
+    assert est.outputs == (("F32", (4, 8)),) and est.output_bytes == 4 * 8 * 4
