@@ -277,11 +277,15 @@ def _executor_cpu_seconds(worker) -> dict[int, float]:
 
 
 def _children(pid: int) -> list[int]:
+    """Child processes of ``pid``, whichever of its threads started them (the pool respawns executors in a thread)."""
+    out = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(c) for c in f.read().split()]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
     except OSError:
-        return []
+        pass
+    return out
 
 
 def _children_free(pid: int) -> bool:
@@ -349,3 +353,28 @@ def test_cancelling_a_running_job_stops_it_on_the_worker(swarm, client_for):
     asyncio.run_coroutine_threadsafe(cancel_by_call(), client._loop).result(timeout=120)
     wait_for(lambda: len([line for line in worker.lines if "stopped while running" in line]) >= 3, 30,
              "the worker to report the third cancellation")
+
+
+def test_a_script_that_never_closes_its_client_still_files_and_settles(swarm, tmp_path):
+    """Receipts are filed in batches; a client left open at interpreter exit writes them and pays what it owes."""
+    import subprocess
+    import sys
+
+    worker = swarm.start_worker()
+    script = f"""
+import torch, gpunet
+client = gpunet.Client(initial_peers=[{swarm.bootstrap_addr!r}], network={swarm.network!r},
+                       data_dir={str(tmp_path / "script-client")!r})
+job = gpunet.Job.from_function(lambda x: x + 1, (torch.randn(4),))
+for _ in range(3):
+    client.submit(job, torch.randn(4)).result()
+"""  # and no client.close()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    from gpunet.ledger import open_ledger
+
+    with open_ledger(tmp_path / "script-client") as ledger:
+        assert ledger.verify().count == 3
+    assert worker.terminate() == 0
+    with open_ledger(worker.data_dir) as ledger:
+        assert ledger.verify().count == 3 and not ledger.unpaid()

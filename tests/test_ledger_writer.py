@@ -111,6 +111,43 @@ def test_writer_keeps_receipts_it_could_not_write(tmp_path, caplog):
         books.close()
 
     asyncio.run(scenario())
+    readonly.close()
     assert "Could not write 1 receipt" in caplog.text
     with Ledger(path) as ledger:
         assert ledger.verify().count == 1
+
+
+def test_one_receipt_that_breaks_a_batch_does_not_hold_back_the_others(ledger):
+    import sqlite3
+
+    ledger.append(full_receipt(W1, C1, "job-corrupt"))
+    db = sqlite3.connect(ledger.path)  # an attacker (or a disk) garbles the stored row for that job id
+    db.executescript("DROP TRIGGER entries_no_update;")
+    db.execute("UPDATE entries SET receipt = x'00' WHERE job_id = 'job-corrupt'")
+    db.commit()
+    db.close()
+    refused = []
+
+    async def scenario():
+        books = LedgerWriter(ledger, delay=3600, on_refused=lambda r, e: refused.append((r.job_id, type(e).__name__)))
+        books.append(full_receipt(W1, C1, "job-corrupt", flops=9 * 10**12))  # its job id hits the garbled row
+        books.append(full_receipt(W1, C1, "job-fine"))
+        books.flush()
+        assert not books.pending
+
+    asyncio.run(scenario())
+    assert refused == [("job-corrupt", "LedgerCorrupted")]
+    assert ledger.get("job-fine") is not None
+
+
+def test_a_second_different_receipt_for_a_job_is_kept_as_evidence(ledger):
+    async def scenario():
+        books = LedgerWriter(ledger, delay=3600)
+        first = full_receipt(W1, C1, "job-1")
+        books.append(first)
+        books.append(full_receipt(W1, C1, "job-1", flops=5 * 10**12))
+        assert books.get("job-1") == first
+        books.close()
+
+    asyncio.run(scenario())
+    assert [c.job_id for c in ledger.conflicts()] == ["job-1"]

@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Sequence
@@ -61,6 +62,16 @@ class AsyncJobFuture(asyncio.Future):
     bytes_sent: int = 0
     _fill = JobFuture._fill
     _settle = JobFuture._settle
+
+
+def _shut_down(core: ClientCore, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Close the core on its loop, then stop the loop (explicitly by ``Client.close``, or at interpreter exit)."""
+    try:
+        if thread.is_alive():
+            asyncio.run_coroutine_threadsafe(core.close(), loop).result(timeout=60)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
 
 
 def _progress(total: int | None, enabled: bool):
@@ -179,6 +190,8 @@ class Client:
         except BaseException:
             self._stop_loop()
             raise
+        # A script that ends without close() still files its receipts and sends the countersignatures it owes.
+        self._shutdown = weakref.finalize(self, _shut_down, self._core, self._loop, self._thread)
 
     @property
     def id(self) -> str:
@@ -198,9 +211,8 @@ class Client:
             return
         self._closed = True
         try:
-            self._call(self._core.close())
+            self._shutdown()
         finally:
-            self._stop_loop()
             ledger = getattr(self._local, "ledger", None)
             if ledger is not None:
                 ledger.close()

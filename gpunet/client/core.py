@@ -70,7 +70,7 @@ class _Prepared:
     req: Requirements
     job_id: str
     encoded: bytes
-    input_hash: str
+    input_hash: str | None  # None while ``hashing`` computes it (big inputs: alongside their transfer)
     flops: int
     program: bytes
     deadline: float
@@ -78,6 +78,7 @@ class _Prepared:
     max_price: int | None
     outputs: tuple  # (dtype, shape) of each output, from the dry run: a worker's answer must match exactly
     max_output_bytes: int  # their data plus room for the header: a bigger answer is refused before it is read
+    hashing: asyncio.Future | None = None
 
 
 @dataclass
@@ -155,8 +156,12 @@ class ClientCore:
 
     async def close(self) -> None:
         self._flush_owed()
-        if self._settlements:  # workers are owed these countersignatures: deliver them before leaving
-            await asyncio.wait(set(self._settlements), timeout=10)
+        try:
+            if self._settlements:  # workers are owed these countersignatures: deliver them before leaving
+                await asyncio.wait(set(self._settlements), timeout=10)
+        finally:
+            if self.books is not None:  # our receipts first: nothing below may lose them
+                self.books.close()
         if self._refresher is not None:
             self._refresher.cancel()
             try:
@@ -166,7 +171,10 @@ class ClientCore:
         if self.p2p is not None:
             await self.p2p.shutdown()  # our replica's connections to the daemon, not the daemon itself
         if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
+            try:
+                await asyncio.to_thread(self.dht.shutdown)
+            except RuntimeError:  # at interpreter exit no new threads may start: shut it down from here
+                self.dht.shutdown()
         if self.ledger is not None:
             self.books.close()
             self.ledger.close()
@@ -219,7 +227,12 @@ class ClientCore:
         """Route, send, retry, verify as asked; returns the checked, countersigned result."""
         req = requirements or Requirements()
         job_id = job_id or uuid.uuid4().hex
-        encoded, input_hash = await _off_loop_if_large(_encode_and_hash, job, inputs)  # JobRejected: inputs misfit
+        encoded = await _off_loop_if_large(job.encode_inputs, inputs)  # JobRejected: inputs misfit
+        hashing = None
+        if len(encoded) >= _LARGE_BYTES:  # only needed to check the receipt: hash big inputs while they travel
+            input_hash, hashing = None, asyncio.ensure_future(asyncio.to_thread(_sha256_hex, encoded))
+        else:
+            input_hash = _sha256_hex(encoded)
         estimate = await self._estimate(job, inputs)
         program = job.program_bytes()
         p = _Prepared(
@@ -228,7 +241,7 @@ class ClientCore:
             shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job)),
             max_price=price_to_micro(req.max_price) if req.max_price is not None else None,
             outputs=estimate.outputs,
-            max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE,
+            max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
         )
         if not self.router.workers:
             try:
@@ -330,6 +343,8 @@ class ClientCore:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self._send(worker, job_id, p.job.program_hash, p.program, p.encoded,
                                                 max(0.1, remaining), p.max_price, p.max_output_bytes)
+                    if p.input_hash is None:
+                        p.input_hash = await p.hashing
                 outputs = self._check(p, delivery)
             except WorkerBusy as e:
                 taken.discard(worker.id)
@@ -477,16 +492,15 @@ async def _quietly(coro) -> None:
         logger.debug("A countersignature could not be delivered: %s", e)
 
 
-def _encode_and_hash(job, inputs) -> tuple[bytes, str]:
-    encoded = job.encode_inputs(*inputs)
-    return encoded, hashlib.sha256(encoded).hexdigest()
+def _sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-async def _off_loop_if_large(fn, job, inputs):
-    """Copying and hashing big inputs takes a while; do it in a thread so other jobs' I/O keeps moving."""
+async def _off_loop_if_large(encode, inputs):
+    """Copying big inputs takes a while; do it in a thread so other jobs' I/O keeps moving."""
     if sum(t.numel() * t.element_size() for t in inputs) >= _LARGE_BYTES:
-        return await asyncio.to_thread(fn, job, inputs)
-    return fn(job, inputs)
+        return await asyncio.to_thread(encode, *inputs)
+    return encode(*inputs)
 
 
 _THROUGHPUT_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}

@@ -122,6 +122,8 @@ class Router:
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
+        for gone in self._overhead.keys() - self.workers.keys():  # measurements of workers that left
+            del self._overhead[gone]
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
@@ -159,7 +161,7 @@ class Router:
         """Whether ``entry`` should have the program: it advertises it, or we sent it there since our last failure."""
         return program_hash in entry.record.programs or program_hash in self.known_programs.get(entry.id, ())
 
-    def expected_seconds(self, entry: WorkerEntry, job: JobShape) -> float:
+    def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None) -> float:
         r = entry.record
         tflops = (r.tflops.get(job.dtype) if job.dtype else None) or r.best_tflops or 1e-3
         compute = self._seconds_per_flop.get(entry.id, 1.0 / (tflops * 1e12)) * job.flops
@@ -167,15 +169,20 @@ class Router:
         sent = job.input_bytes + (0 if cached else job.program_bytes)
         transfer = sent / (self.bandwidth or self.config.default_bandwidth)
         overhead = self._overhead.get(entry.id)
-        if overhead is None:  # optimistic until measured, so every new worker gets tried (exploration)
-            overhead = (EXPLORE_DISCOUNT * min(self._overhead.values())) if self._overhead else self.config.default_overhead
+        if overhead is None:
+            overhead = self.unmeasured_overhead() if unmeasured_overhead is None else unmeasured_overhead
         ahead = r.queue + self.inflight[entry.id]
         wait = ahead / max(1, r.max_concurrent) * (compute + overhead)
         score = self.reputation.score(entry.id) if self.reputation is not None else 1.0
         return (wait + transfer + compute + overhead) / max(score, 0.01)
 
+    def unmeasured_overhead(self) -> float:
+        """Optimistic until measured, so every new worker gets tried (exploration)."""
+        return EXPLORE_DISCOUNT * min(self._overhead.values()) if self._overhead else self.config.default_overhead
+
     def rank(self, candidates: list[WorkerEntry], job: JobShape, prefer: str) -> list[WorkerEntry]:
-        times = {e.id: self.expected_seconds(e, job) for e in candidates}
+        guess = self.unmeasured_overhead()
+        times = {e.id: self.expected_seconds(e, job, guess) for e in candidates}
         if prefer == "fastest":
             key = lambda e: (times[e.id], e.record.price)  # noqa: E731
         elif prefer == "cheapest":

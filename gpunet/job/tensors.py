@@ -190,12 +190,14 @@ def _view(buf: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: 
 
 def _ro(buf: memoryview, offset: int, nbytes: int) -> torch.Tensor:
     # torch.frombuffer warns on read-only buffers; the interpreter only runs functional ops, so nothing writes to it.
-    # (The filter is installed once, at import, for that message only: catch_warnings per tensor costs more than the
-    # decode itself for small tensors.)
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# That warning is a warn-once inside torch: spend it here, silently, rather than wrap every decode in
+# catch_warnings (which costs more than decoding a small tensor).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 def _is_int(x: object) -> bool:

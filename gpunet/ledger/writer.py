@@ -46,13 +46,16 @@ class LedgerWriter:
         self.on_refused = on_refused
         self.delay = delay
         self.max_pending = max_pending
-        self._complete: dict[str, Receipt] = {}  # job id -> receipt, in queue order
+        self._complete: list[Receipt] = []  # in queue order; a second receipt for a job id is kept (conflict evidence)
+        self._by_job: dict[str, Receipt] = {}  # the first queued receipt per job id, for ``get``
         self._unpaid: list[Receipt] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._failing = False  # the last write failed: retry on a timer, never on the caller's path
 
     def append(self, receipt: Receipt) -> None:
         """Queue a complete receipt. Checked when written: a refused one is logged (and a conflict recorded)."""
-        self._complete.setdefault(receipt.job_id, receipt)
+        self._complete.append(receipt)
+        self._by_job.setdefault(receipt.job_id, receipt)
         self._schedule()
 
     def record_unpaid(self, receipt: Receipt) -> None:
@@ -62,32 +65,54 @@ class LedgerWriter:
 
     def get(self, job_id: str) -> Receipt | None:
         """The complete receipt for ``job_id``, queued or stored."""
-        return self._complete.get(job_id) or self.ledger.get(job_id)
+        return self._by_job.get(job_id) or self.ledger.get(job_id)
 
     @property
     def pending(self) -> int:
         return len(self._complete) + len(self._unpaid)
 
     def flush(self) -> None:
-        """Write everything queued now, in one transaction."""
+        """Write everything queued now, in one transaction (one by one if the batch as a whole fails)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self.pending:
             return
-        complete, unpaid = list(self._complete.values()), self._unpaid
+        complete, unpaid = self._complete, self._unpaid
         try:
             problems = self.ledger.write_batch(complete, unpaid)
-        except Exception as e:  # unwritable (disk full, locked for 30 s): keep them queued, keep serving, retry later
-            logger.error("Could not write %d receipt(s) to the ledger %s (kept in memory, retrying): %s",
-                         len(complete) + len(unpaid), self.ledger.path, e)
-            self._retry()
-            return
-        self._complete, self._unpaid = {}, []
+        except Exception as batch_error:
+            problems, kept_complete, kept_unpaid = self._write_one_by_one(complete, unpaid)
+            if len(kept_complete) + len(kept_unpaid) == len(complete) + len(unpaid):  # nothing went in: the file
+                logger.error("Could not write %d receipt(s) to the ledger %s (kept in memory, retrying): %s",
+                             self.pending, self.ledger.path, batch_error)
+                self._failing = True
+                self._retry()
+                return
+        self._complete, self._unpaid, self._by_job, self._failing = [], [], {}, False
         for receipt, error in problems:
             logger.warning("Receipt for job %s not recorded: %s", receipt.job_id[:16], error)
             if self.on_refused is not None:
                 self.on_refused(receipt, error)
+
+    def _write_one_by_one(self, complete: list[Receipt], unpaid: list[Receipt]):
+        """After a failed batch: write each receipt alone, so one that breaks the batch (say a corrupt stored row for
+        its job id) is refused with its reason instead of holding the others back. Returns the problems and what could
+        not be written at all."""
+        problems, kept_complete, kept_unpaid = [], [], []
+        for receipt in complete:
+            try:
+                problems += self.ledger.write_batch([receipt])
+            except Exception as e:
+                kept_complete.append(receipt)
+                problems.append((receipt, e))
+        for receipt in unpaid:
+            try:
+                problems += self.ledger.write_batch(unpaid=[receipt])
+            except Exception as e:
+                kept_unpaid.append(receipt)
+                problems.append((receipt, e))
+        return problems, kept_complete, kept_unpaid
 
     def close(self) -> None:
         self.flush()
@@ -99,15 +124,14 @@ class LedgerWriter:
             pass
 
     def _schedule(self) -> None:
-        if self.pending >= self.max_pending:
+        if self.pending >= self.max_pending and not self._failing:
             self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.delay, self._flush_soon)
 
     def _flush_soon(self) -> None:
         self._timer = None
-        complete, unpaid = list(self._complete.values()), list(self._unpaid)
-        task = asyncio.get_running_loop().create_task(self._check_then_flush(complete, unpaid))
+        task = asyncio.get_running_loop().create_task(self._check_then_flush(list(self._complete), list(self._unpaid)))
         _background.add(task)
         task.add_done_callback(_background.discard)
 

@@ -9,6 +9,7 @@ worker keeps serving; a job whose caller gives up (cancel, client gone) is stopp
 from __future__ import annotations
 
 import asyncio
+import mmap
 import multiprocessing
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -30,6 +32,7 @@ _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a 
 #: thread, so a large payload never stalls other jobs' network I/O.
 _INLINE_PIPE_BYTES = 1 << 20
 _IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
+_HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go through the pipe
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed}
 
 
@@ -55,6 +58,7 @@ class _Slot:
         self.start()
 
     def start(self) -> None:
+        self.killed = False
         self.conn, child = self._ctx.Pipe(duplex=True)
         self.proc = self._ctx.Process(target=_child_main, args=(child, self._config), daemon=True, name="gpunet-executor")
         self.proc.start()
@@ -63,9 +67,12 @@ class _Slot:
         self.hashes = set()
 
     async def ensure_ready(self) -> None:
-        """Wait (without blocking the loop) for a freshly started process to finish importing torch."""
+        """Wait (without blocking the loop) for a freshly started process to finish importing torch; a process killed
+        earlier (timeout, crash, cancel) is reaped and replaced here, in a thread."""
         if self.ready:
             return
+        if self.killed:
+            await asyncio.to_thread(self.restart)
         if await self.readable(_STARTUP_TIMEOUT):
             try:
                 if msgpack.unpackb(self.conn.recv_bytes()) == {"ready": True}:
@@ -73,8 +80,8 @@ class _Slot:
                     return
             except (EOFError, OSError, ValueError):
                 pass
-        how = self.exit_status()
-        self.restart()  # try a fresh process for the next job
+        how = await asyncio.to_thread(self.exit_status)
+        self.kill()  # the next job starts a fresh process
         raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
 
     async def readable(self, timeout: float) -> bool:
@@ -99,9 +106,19 @@ class _Slot:
             for fd in fds:
                 loop.remove_reader(fd)
 
-    def send(self, messages: list[bytes]) -> None:
+    def send(self, messages: list[bytes], shared: bytes | None = None) -> None:
+        """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor."""
         for message in messages:
             self.conn.send_bytes(message)
+        if shared is not None:
+            fd = os.memfd_create("gpunet-inputs", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(shared).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
+                reduction.send_handle(self.conn, fd, self.proc.pid)
+            finally:
+                os.close(fd)
 
     async def in_thread(self, fn, *args):
         """Blocking pipe I/O (a big payload) in a thread. If the caller is cancelled meanwhile, the process is killed
@@ -111,8 +128,12 @@ class _Slot:
         try:
             return await asyncio.shield(io)
         except asyncio.CancelledError:
-            self.proc.kill()
-            await asyncio.wait([io])
+            self.kill()
+            while not io.done():  # a second cancel must not let the pipe close under the thread either
+                try:
+                    await asyncio.wait([io])
+                except asyncio.CancelledError:
+                    pass
             raise
 
     def exit_status(self) -> str:
@@ -136,11 +157,19 @@ class _Slot:
             self.proc.join(5)
         self.conn.close()
 
+    def kill(self) -> None:
+        """Stop the process at once (no waiting: safe on the event loop); ``ensure_ready`` replaces it later."""
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.ready, self.killed = False, True
+
     def restart(self) -> None:
+        """Reap the old process and start a new one (blocking: joins and spawns)."""
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
         self.conn.close()
+        self.killed = False
         if not self.closed:
             self.start()
 
@@ -222,7 +251,7 @@ class Executor:
         if self._closed:
             return
         self._closed = True
-        for waiter in self._waiters:
+        for waiter in list(self._waiters):  # may run in another thread (the worker closes the pool in one)
             if not waiter.done():
                 waiter.get_loop().call_soon_threadsafe(_fail, waiter, JobFailed("executor is closed"))
         for s in self._slots:
@@ -239,70 +268,69 @@ class Executor:
     # --- internals ----------------------------------------------------------------------------------------------------
 
     async def _acquire(self, program_hash: str) -> _Slot:
-        """An idle executor, preferring one that already holds the program in memory; waits in line when none is."""
-        while True:
-            if self._closed:
-                raise JobFailed("executor is closed")
-            idle = [s for s in self._slots if not s.busy]
-            if idle and not self._waiters:
-                slot = next((s for s in idle if program_hash in s.hashes), idle[0])
-                slot.busy = True
-                return slot
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-            idle = [s for s in self._slots if not s.busy]
-            if idle:
-                slot = next((s for s in idle if program_hash in s.hashes), idle[0])
-                slot.busy = True
-                self._wake_next()  # another slot may be free too
-                return slot
+        """An idle executor, preferring one that already holds the program in memory; else wait in line (FIFO): a
+        released executor is handed straight to the first caller waiting, so no newcomer can overtake it."""
+        if self._closed:
+            raise JobFailed("executor is closed")
+        idle = [s for s in self._slots if not s.busy]
+        if idle and not self._waiters:
+            slot = next((s for s in idle if program_hash in s.hashes), idle[0])
+            slot.busy = True
+            return slot
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())  # handed a slot, then cancelled before using it: pass it on
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
 
     def _release(self, slot: _Slot) -> None:
-        slot.busy = False
-        self._wake_next()
-
-    def _wake_next(self) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(None)
+                waiter.set_result(slot)  # stays busy: it changes hands
                 return
+        slot.busy = False
 
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
         await slot.ensure_ready()
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
+        # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
+        # pipe, mapped by the child page-aligned, so its tensors are zero-copy views (no pipe copy, no re-alignment).
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
+        in_memory = len(inputs) > _INLINE_PIPE_BYTES and _HAVE_MEMFD
         if len(inputs) <= _IN_HEADER_BYTES:
             header["inputs"] = inputs
+        elif in_memory:
+            header["inputs_fd"] = len(inputs)
         messages = [msgpack.packb(header, use_bin_type=True)] + ([program_bytes] if program_bytes is not None else [])
-        if "inputs" not in header:
+        if "inputs" not in header and not in_memory:
             messages.append(inputs)
         slot.in_flight = True
         try:
             try:
-                if sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
+                if sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES and not in_memory:
                     slot.send(messages)
                 else:  # a big pipe write blocks until the child has read it: not on the event loop
-                    await slot.in_thread(slot.send, messages)
+                    await slot.in_thread(slot.send, messages, inputs if in_memory else None)
             except (OSError, ValueError):
                 return self._died(slot, "before the job was sent")
             return await self._await_reply(slot, program_hash, timeout)
         except asyncio.CancelledError:
-            # The caller gave up on a job that is running: stop it by replacing its process.
-            slot.restart()
+            # The caller gave up on a job that is running: stop it (the next job gets a fresh process).
+            slot.kill()
             raise
         finally:
             slot.in_flight = False
 
     async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
         if not await slot.readable(timeout):
-            slot.restart()
+            slot.kill()
             raise JobTimeout(f"job did not finish within {timeout:.1f} s; its executor was killed and replaced")
         try:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
@@ -315,7 +343,7 @@ class Executor:
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
         if reply.get("restart"):
-            slot.restart()
+            slot.kill()
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
@@ -324,8 +352,8 @@ class Executor:
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
     def _died(self, slot: _Slot, when: str) -> RunResult:
-        how = slot.exit_status()
-        slot.restart()
+        how = slot.exit_status()  # the process is gone: reaping it is immediate
+        slot.kill()
         raise JobFailed(f"executor process died {when} ({how}); it was replaced")
 
 
@@ -381,7 +409,9 @@ def _child_main(conn: Connection, config: dict) -> None:
             if req.get("op") != "run":
                 return
             req["program"] = conn.recv_bytes() if req.get("program") else None
-            if "inputs" not in req:
+            if "inputs_fd" in req:
+                req["inputs"] = _map_shared(reduction.recv_handle(conn), req["inputs_fd"])
+            elif "inputs" not in req:
                 req["inputs"] = conn.recv_bytes()
         except (EOFError, OSError):
             return
@@ -409,6 +439,14 @@ def _child_main(conn: Connection, config: dict) -> None:
             conn.send_bytes(outputs)
         if poisoned:
             return
+
+
+def _map_shared(fd: int, size: int) -> memoryview:
+    """The parent's memfd, mapped read-only; unmapped when the last tensor viewing it is gone."""
+    try:
+        return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
 
 
 def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program) -> dict:
