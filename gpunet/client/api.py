@@ -151,7 +151,8 @@ class AsyncClient:
     @property
     def ledger(self) -> Ledger:
         """This client's ledger of receipts (the one the client appends to), with every returned job in it."""
-        self._core.books.flush()
+        if self._core.books is not None:
+            self._core.books.flush()
         return self._core.ledger
 
 
