@@ -20,7 +20,7 @@ import hashlib
 import logging
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,6 +68,7 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 COUNTERSIGN_TIMEOUT = 30.0
 MAX_UNSETTLED = 4096
 MAX_RECENT_RESULTS = 4096
+MAX_TRACKED_CLIENTS = 10_000
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -80,6 +81,10 @@ class ServiceLimits:
     max_input_bytes: int = 1024**3
     max_timeout: float = 3600.0
     recent_results_bytes: int = 256 * 1024**2  # finished results kept for retries of the same job id
+    # Stopping a running job costs this worker a fresh executor (a torch import, the program cache): a client that
+    # stops more than this many within the window gets its new jobs refused until older stops age out.
+    max_stopped_jobs: int = 20
+    stopped_jobs_window: float = 600.0
 
 
 @dataclass
@@ -127,6 +132,7 @@ class JobService:
         self._slots = asyncio.Semaphore(max_concurrent)
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._running: dict[tuple[str, str], asyncio.Task] = {}  # admitted jobs, queued or running: cancellable
+        self._stopped: OrderedDict[str, deque[float]] = OrderedDict()  # per client: when it stopped running jobs
         self._recent: OrderedDict[tuple[str, str], _Outcome] = OrderedDict()
         self._recent_bytes = 0
         self._p2p = None
@@ -326,6 +332,11 @@ class JobService:
         if req.max_price is not None and req.max_price < self.price_micro:
             raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
                               f"{req.max_price}")
+        stopped = self._recent_stops(client_id)
+        if stopped >= self.limits.max_stopped_jobs:
+            raise JobRejected(f"this client stopped {stopped} running jobs here in the last "
+                              f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
+                              "executor); it takes no more of its jobs for now")
         key = (client_id, req.job_id)
         paid = self.books.get(req.job_id)
         if paid is not None and paid.client_id != client_id:
@@ -403,6 +414,7 @@ class JobService:
             raise
         except asyncio.CancelledError:
             metrics.JOBS.labels("cancelled").inc()
+            self._note_stop(client_id)
             logger.info("Job %s for client %s stopped while running (cancelled, or the client went away); its "
                         "executor was replaced", job_id[:12], client_id[-8:])
             raise
@@ -431,6 +443,21 @@ class JobService:
         logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
                      ended - started, result.flops / 1e9)
         return _Outcome(outputs, receipt)
+
+    def _note_stop(self, client_id: str) -> None:
+        self._stopped.setdefault(client_id, deque()).append(time.monotonic())
+        self._stopped.move_to_end(client_id)
+        while len(self._stopped) > MAX_TRACKED_CLIENTS:  # bounded: the least recently seen client is forgotten
+            self._stopped.popitem(last=False)
+
+    def _recent_stops(self, client_id: str) -> int:
+        stops = self._stopped.get(client_id)
+        if not stops:
+            return 0
+        horizon = time.monotonic() - self.limits.stopped_jobs_window
+        while stops and stops[0] < horizon:
+            stops.popleft()
+        return len(stops)
 
     def _remember(self, key, outcome: _Outcome) -> None:
         """Keep a finished result for retries of the same job id, bounded by bytes and by count (the newest stays)."""
