@@ -150,10 +150,10 @@ def status(
     from gpunet.client.trust import Reputation
     from gpunet.dht import network as net
     from gpunet.dht import registry
-    from gpunet.status import NetworkStatus, render_table
+    from gpunet.status import NetworkStatus, render_table, wide_console
 
     _setup_logging(verbose)
-    console = Console()
+    console = wide_console()
     try:
         dht = net.join(network, initial_peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     except GpunetError as e:

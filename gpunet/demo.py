@@ -24,7 +24,7 @@ from gpunet.ledger.identity import short_id
 from gpunet.ledger.receipts import format_credits
 from gpunet.ledger.store import open_ledger
 from gpunet.localnet import LocalNetwork, wait_for
-from gpunet.status import NetworkStatus, render_table
+from gpunet.status import NetworkStatus, render_table, wide_console
 
 
 class MatmulChain(torch.nn.Module):
@@ -66,14 +66,16 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
 
 
 def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Console | None = None) -> DemoReport:
-    console = console or Console()
+    console = console or wide_console()
     # SIGTERM ends the demo like Ctrl-C does: through the context managers, which stop every process.
     signal.signal(signal.SIGTERM, _interrupt)
     with LocalNetwork(network="gpunet-demo", heartbeat=2.0) as net:
         console.rule("[bold]gpunet demo: a local network on 127.0.0.1")
         bootstrap = net.start_bootstrap()
         console.print(f"bootstrap node: {bootstrap}", soft_wrap=True)
-        prices = [100.0 + 50.0 * i for i in range(workers)]
+        # Amounts are whole micro-credits per job, rounded down: prices high enough that a small batch costs ~100 of
+        # them keep that rounding under 1% (at 100 credits/PFLOP a 9 MFLOP batch would be worth less than one).
+        prices = [10_000.0 + 5_000.0 * i for i in range(workers)]
         procs = [net.start_worker("--price", str(p), "--public-name", f"volunteer-{i + 1}", wait_online=False)
                  for i, p in enumerate(prices)]
         for proc in procs:
@@ -151,8 +153,17 @@ def _print_work(console: Console, client: Client) -> None:
     console.print(table)
 
 
+def _count(data_dir) -> int:
+    with open_ledger(data_dir) as ledger:
+        return ledger.head().count
+
+
 def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
-    """Each worker's own ledger, read from its data dir after it stopped, verified."""
+    """Each node's own ledger file, verified. Workers file the last countersignatures by group commit a moment after
+    the client has gone, so each worker's file is read once it holds every receipt the client paid it for (or after
+    a deadline, and then the shortfall is shown)."""
+    with open_ledger(net.root / "client") as ledger:
+        paid = Counter(r.worker_id for r in ledger.receipts())
     table = Table(title="ledgers (each node's own SQLite file, verified)")
     for column in ("node", "receipts", "earned (credits)", "spent (credits)", "verify"):
         table.add_column(column)
@@ -161,6 +172,12 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
         worker_id = proc.find(r"Worker id: (\S+)")
         if not path.exists() or worker_id is None:
             continue
+        try:
+            wait_for(lambda: _count(proc.data_dir) >= paid[worker_id.group(1)], 10, "the worker to file its receipts",
+                     interval=0.02)
+        except TimeoutError:
+            console.print(f"[yellow]worker {short_id(worker_id.group(1))} holds fewer receipts than the client paid it "
+                          f"for ({_count(proc.data_dir)} < {paid[worker_id.group(1)]}); see `gpunet ledger unpaid`")
         with open_ledger(proc.data_dir) as ledger:
             head = ledger.verify()
             balances = ledger.balances()

@@ -96,6 +96,18 @@ def _duration(seconds: float) -> str:
 _STATE_STYLE = {"online": "green", "joining": "yellow", "draining": "magenta", "offline": "dim"}
 
 
+def wide_console(**kwargs):
+    """A rich Console for tables: the terminal's width, or 160 columns when output goes to a pipe or file (rich would
+    assume 80 there and cut every column short)."""
+    import sys
+
+    from rich.console import Console
+
+    stream = kwargs.get("file") or sys.stdout
+    tty = getattr(stream, "isatty", lambda: False)()
+    return Console(width=None if tty else 160, **kwargs)
+
+
 def render_table(status: NetworkStatus) -> Table:
     totals = status.totals
     table = Table(
@@ -122,7 +134,7 @@ def render_table(status: NetworkStatus) -> Table:
             f"{r.price:g}",
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
-            f"{r.credits_earned:.6g}",
+            f"{r.credits_earned:.6f}",  # as the ledger prints credits (micro-credit precision)
             _trust_cell(status._rating(w.id)),
             _duration(r.uptime(status.read_at)),
         )

@@ -87,3 +87,13 @@ def test_failures_ban_with_exponential_backoff_and_busy_is_a_short_skip():
     with pytest.raises(NoWorkersAvailable) as e:
         only.eligible(Requirements(), now=50.1)
     assert "is busy" in str(e.value) and e.value.retry_at == pytest.approx(50.0 + only.config.busy_cooldown)
+
+
+def test_a_cold_start_does_not_count_as_the_workers_speed():
+    """The first job to a worker carries the program (transfer, validation, load): it must not rank the worker last."""
+    r = router(worker("a"), worker("b"))
+    r.succeeded("a", TINY, seconds=0.002, bytes_sent=1024, transfer_seconds=0.0)
+    r.succeeded("b", TINY, seconds=0.800, bytes_sent=1024 + TINY.program_bytes, transfer_seconds=0.0, cold=True)
+    assert r.choose(Requirements(), TINY).id == "b"  # still unmeasured: explored, not buried
+    r.succeeded("b", TINY, seconds=0.0015, bytes_sent=1024, transfer_seconds=0.0)
+    assert r.choose(Requirements(), TINY).id == "b"  # measured warm: it is the faster one

@@ -124,7 +124,7 @@ class AsyncClient:
         return future
 
     async def map(
-        self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = False
+        self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = True
     ) -> AsyncIterator:
         """Like builtin ``map`` (one iterable per job input), in order, spread over the network."""
         window = _window(self._core, requirements)

@@ -383,7 +383,7 @@ class ClientCore:
             finally:
                 self.router.finished(worker.id)
             self.router.succeeded(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
-                                  delivery.transfer_seconds)
+                                  delivery.transfer_seconds, cold=delivery.bytes_sent > len(p.encoded))
             return _Candidate(worker.id, delivery, outputs, tried)
 
     def _check(self, p: "_Prepared", delivery):

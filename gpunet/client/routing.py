@@ -206,10 +206,19 @@ class Router:
         if self.inflight[worker_id] <= 0:
             del self.inflight[worker_id]
 
-    def succeeded(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float) -> None:
+    def succeeded(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float,
+                  cold: bool = False) -> None:
+        """Learn from a finished job. ``cold``: the worker had to receive and load the program first; that one-time
+        cost says nothing about its next jobs, so only bandwidth is learned from it (else one cold start would rank
+        a worker last for dozens of jobs, and load would pile onto whichever worker happened to warm up first)."""
         self.bans.pop(worker_id, None)  # a success wipes the strikes
         self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
         a = self.config.ema
+        if cold:
+            if bytes_sent > 1 << 20 and transfer_seconds > 0:
+                measured = bytes_sent / transfer_seconds
+                self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
+            return
         compute = seconds - transfer_seconds
         if job.flops >= 1e9 and compute > 0:  # only jobs big enough for their FLOPs to dominate teach throughput
             _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
