@@ -324,7 +324,7 @@ class Job:
         return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
 
     def __repr__(self) -> str:
-        return f"Job(hash={self.program_hash[:12]}, ops={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
+        return f"Job(hash={self.program_hash[:12]}, op_kinds={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
 
 
 def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:

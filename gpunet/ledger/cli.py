@@ -23,7 +23,7 @@ from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
 from gpunet.ledger.identity import KEY_FILENAME, Identity, resolve_data_dir, short_id
 from gpunet.ledger.receipts import Receipt, format_credits
-from gpunet.ledger.store import open_ledger
+from gpunet.ledger.store import LEDGER_FILENAME, open_ledger
 
 app = typer.Typer(
     name="ledger",
@@ -96,7 +96,13 @@ def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
         name = b.identity + (" (this node)" if b.identity == me else "")
         table.add_row(name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
                       format_credits(b.spent), format_credits(b.net))  # fmt: skip
-    _out.print(table if totals else "No receipts yet.")
+    if totals:
+        _out.print(table)
+    elif data_dir is None and (directory / "client" / LEDGER_FILENAME).exists():
+        _out.print(f"No receipts yet in {directory}. Jobs you submitted from Python are in the client's ledger: "
+                   f"gpunet ledger balance --data-dir {directory / 'client'}")
+    else:
+        _out.print("No receipts yet.")
     unpaid = [b for b in owed.values() if b.jobs_bought]
     if unpaid:
         total = sum(b.spent for b in unpaid)
