@@ -102,9 +102,20 @@ def test_killed_worker_jobs_complete_elsewhere_exactly_once(swarm, client_for):
     # The workers' own ledgers agree: every job is paid once, to the worker that delivered it.
     for proc in others:
         assert proc.terminate() == 0
-    paid = [r for proc in [doomed, *others] for r in _worker_receipts(proc)]
-    assert sorted(r.job_id for r in paid) == sorted(r.job_id for r in receipts)
-    assert {r.job_id: r.worker_id for r in paid} == {r.job_id: r.worker_id for r in receipts}
+    client_paid = {r.job_id: r.worker_id for r in receipts}
+    for proc in others:  # left cleanly: exactly the receipts the client paid it for
+        worker_id = swarm.worker_id(proc)
+        assert {r.job_id for r in _worker_receipts(proc)} == {j for j, w in client_paid.items() if w == worker_id}
+    # SIGKILLed moments after a job: its file may miss the last receipt or two (killed inside the group-commit
+    # window, docs/ledger.md) but holds nothing the client did not pay it for; the client's copy restores the rest.
+    mine = {j for j, w in client_paid.items() if w == doomed_id}
+    assert {r.job_id for r in _worker_receipts(doomed)} <= mine
+    from gpunet.ledger import open_ledger
+
+    with open_ledger(doomed.data_dir) as ledger:
+        report = ledger.merge(client.ledger.path)
+        assert not report.refused and not report.conflicts
+        assert {r.job_id for r in ledger.receipts() if r.worker_id == doomed_id} == mine
 
 
 def _worker_receipts(proc):
