@@ -70,8 +70,12 @@ def _shut_down(core: ClientCore, loop: asyncio.AbstractEventLoop, thread: thread
         if thread.is_alive():
             asyncio.run_coroutine_threadsafe(core.close(), loop).result(timeout=60)
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+        _stop_loop(loop, thread)
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
 
 
 def _progress(total: int | None, enabled: bool):
@@ -189,7 +193,7 @@ class Client:
         try:
             self._call(self._core.start())
         except BaseException:
-            self._stop_loop()
+            _stop_loop(self._loop, self._thread)
             raise
         # A script that ends without close() still files its receipts and sends the countersignatures it owes.
         self._shutdown = weakref.finalize(self, _shut_down, self._core, self._loop, self._thread)
@@ -217,10 +221,6 @@ class Client:
             ledger = getattr(self._local, "ledger", None)
             if ledger is not None:
                 ledger.close()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
 
     def submit(self, job, *inputs, requirements: Requirements | None = None) -> JobFuture:
         """Send ``job`` with ``inputs`` to the network; returns at once with a future of the output tensor(s)."""

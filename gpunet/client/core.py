@@ -45,7 +45,6 @@ from gpunet.errors import (
 from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
-from gpunet.job.tensors import DTYPE_NAMES
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.wire import INLINE_BYTES
 
@@ -176,7 +175,6 @@ class ClientCore:
             except RuntimeError:  # at interpreter exit no new threads may start: shut it down from here
                 self.dht.shutdown()
         if self.ledger is not None:
-            self.books.close()
             self.ledger.close()
         self.reputation.save()
 
@@ -395,17 +393,11 @@ class ClientCore:
                                      f"{delivery.worker_id[-8:]}")
         elif receipt.input_hash != p.input_hash:
             problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
-        elif receipt.output_hash != hashlib.sha256(delivery.outputs).hexdigest():
+        elif receipt.output_hash != _sha256_hex(delivery.outputs):
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
         else:
             try:
-                outputs = p.job.decode_outputs(delivery.outputs)
-                got = outputs if isinstance(outputs, tuple) else (outputs,)
-                for i, (t, (dtype, shape)) in enumerate(zip(got, p.outputs)):
-                    if tuple(t.shape) != shape or DTYPE_NAMES[t.dtype] != dtype:
-                        raise ProtocolError(f"output {i} is {DTYPE_NAMES[t.dtype]} {list(t.shape)}, the dry run "
-                                            f"predicts {dtype} {list(shape)}")
-                return outputs
+                return p.job.decode_outputs(delivery.outputs, expected=p.outputs)
             except GpunetError as e:
                 problem = ProtocolError(f"outputs do not match the program's output specs: {e}")
         self._track(delivery.refuse(str(problem)))

@@ -296,9 +296,12 @@ class Job:
         check_inputs(self.manifest, inputs)
         return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
 
-    def decode_outputs(self, data: bytes) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The worker's output bytes as the module returned them: one tensor or a tuple."""
-        outs = decode_outputs(self.manifest, data)
+    def decode_outputs(
+        self, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The worker's output bytes as the module returned them: one tensor or a tuple. ``expected``: each output's
+        (dtype, shape) as the dry run predicts them (``Estimate.outputs``), held exactly."""
+        outs = decode_outputs(self.manifest, data, expected)
         return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
 
     # --- local checks ------------------------------------------------------------------------------------------------
@@ -351,8 +354,11 @@ def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
                 raise JobRejected(f"dimension '{want}' is {bound[want]} in one input and {got} in input {i} ({spec.name})")
 
 
-def decode_outputs(manifest: Manifest, data: bytes) -> list[torch.Tensor]:
-    """Output bytes -> tensors in order, checked against the manifest's count and dtypes."""
+def decode_outputs(
+    manifest: Manifest, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None
+) -> list[torch.Tensor]:
+    """Output bytes -> tensors in order, checked against the manifest's count and dtypes (and, given ``expected``,
+    against the exact dtypes and shapes the dry run predicts)."""
     d = tensors.decode(data)
     n = len(manifest.outputs)
     keys = [f"output_{i}" for i in range(n)]
@@ -360,4 +366,8 @@ def decode_outputs(manifest: Manifest, data: bytes) -> list[torch.Tensor]:
     outs = [d[k] for k in keys]
     for spec, t in zip(manifest.outputs, outs):
         _expect(tensors.DTYPE_NAMES.get(t.dtype) == spec.dtype and t.dim() == len(spec.shape), f"{spec.name} does not match the manifest")
+    for i, (t, (dtype, shape)) in enumerate(zip(outs, expected or ())):
+        got = tensors.DTYPE_NAMES.get(t.dtype)
+        _expect(tuple(t.shape) == tuple(shape) and got == dtype,
+                f"output {i} is {got} {list(t.shape)}, the dry run predicts {dtype} {list(shape)}")
     return outs

@@ -169,7 +169,6 @@ class _Slot:
             self.proc.kill()
         self.proc.join(5)
         self.conn.close()
-        self.killed = False
         if not self.closed:
             self.start()
 
@@ -303,21 +302,22 @@ class Executor:
         # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
         # pipe, mapped by the child page-aligned, so its tensors are zero-copy views (no pipe copy, no re-alignment).
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
-        in_memory = len(inputs) > _INLINE_PIPE_BYTES and _HAVE_MEMFD
+        payloads = [program_bytes] if program_bytes is not None else []
+        shared = None
         if len(inputs) <= _IN_HEADER_BYTES:
             header["inputs"] = inputs
-        elif in_memory:
-            header["inputs_fd"] = len(inputs)
-        messages = [msgpack.packb(header, use_bin_type=True)] + ([program_bytes] if program_bytes is not None else [])
-        if "inputs" not in header and not in_memory:
-            messages.append(inputs)
+        elif len(inputs) > _INLINE_PIPE_BYTES and _HAVE_MEMFD:
+            header["inputs_fd"], shared = len(inputs), inputs
+        else:
+            payloads.append(inputs)
+        messages = [msgpack.packb(header, use_bin_type=True), *payloads]
         slot.in_flight = True
         try:
             try:
-                if sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES and not in_memory:
+                if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
                     slot.send(messages)
                 else:  # a big pipe write blocks until the child has read it: not on the event loop
-                    await slot.in_thread(slot.send, messages, inputs if in_memory else None)
+                    await slot.in_thread(slot.send, messages, shared)
             except (OSError, ValueError):
                 return self._died(slot, "before the job was sent")
             return await self._await_reply(slot, program_hash, timeout)

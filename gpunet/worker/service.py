@@ -196,9 +196,7 @@ class JobService:
                     except GpunetError:
                         pass  # malformed: refused with its reason when filed
         await prewarm_signatures(complete)
-        for client_id, items in batches:
-            self._settle_batch(client_id, items)
-        self.books.flush()
+        self._file(batches)
 
     def file_settlements(self) -> None:
         """Check and file every countersignature received so far, and write all queued receipts."""
@@ -206,6 +204,9 @@ class JobService:
             self._settle_timer.cancel()
             self._settle_timer = None
         batches, self._to_settle = self._to_settle, []
+        self._file(batches)
+
+    def _file(self, batches: list[tuple[str, list]]) -> None:
         for client_id, items in batches:
             self._settle_batch(client_id, items)
         self.books.flush()
