@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpunet.dht.network import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK
+from gpunet.errors import ConfigError
+
+DEFAULT_NETWORK = "gpunet"
+INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
+DATA_DIR_ENV = "GPUNET_DATA_DIR"
+DEFAULT_DATA_DIR = "~/.gpunet"
+#: Volunteers must be reachable by others, so long-lived nodes listen on every interface unless told otherwise.
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``~/.gpunet``; created if missing."""
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+    path = Path(raw).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise ConfigError(f"cannot create data dir {path}: {e.strerror}") from e
+    return path
 
 
 @dataclass

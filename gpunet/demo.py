@@ -19,8 +19,8 @@ from rich.table import Table
 from gpunet.client.api import Client
 from gpunet.client.routing import Requirements
 from gpunet.errors import GpunetError
+from gpunet.identity import short_id
 from gpunet.job import Job
-from gpunet.ledger.identity import short_id
 from gpunet.ledger.receipts import format_credits
 from gpunet.ledger.store import open_ledger
 from gpunet.localnet import LocalNetwork, wait_for

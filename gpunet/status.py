@@ -11,7 +11,7 @@ from rich.table import Table
 from gpunet.client.trust import Reputation
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
-from gpunet.ledger.identity import short_id
+from gpunet.identity import short_id
 
 
 @dataclass(frozen=True)

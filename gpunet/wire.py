@@ -19,7 +19,13 @@ from typing import Any
 import msgpack
 
 from gpunet.errors import (
-    GpunetError, JobFailed, JobRejected, JobTimeout, ProgramNotCached, ProtocolError, WorkerBusy,
+    GpunetError,
+    JobFailed,
+    JobRejected,
+    JobTimeout,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
 )
 
 PROTOCOL_VERSION = 1

@@ -18,8 +18,8 @@ from torch.export import Dim
 
 from gpunet import Job
 from gpunet.job import tensors
-from gpunet.worker.interpreter import run_program
-from gpunet.worker.validation import load_program
+from gpunet.job.interpreter import run_program
+from gpunet.job.validator import load_program
 
 
 class Block(nn.Module):

@@ -20,8 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gpunet.identity import public_key_from_peer_id
 from gpunet.ledger import Identity, Ledger, Receipt, sign_as_worker
-from gpunet.ledger.identity import public_key_from_peer_id
 
 
 def make_receipts(n: int, workers: list[Identity], clients: list[Identity]) -> list[Receipt]:

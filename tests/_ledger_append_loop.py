@@ -5,8 +5,8 @@ Run by the crash test: ``python _ledger_append_loop.py LEDGER_PATH JOB_PREFIX``.
 
 import sys
 
-from tests._ledger_util import full_receipt
 from gpunet.ledger import Identity, Ledger
+from tests._ledger_util import full_receipt
 
 path, prefix = sys.argv[1], sys.argv[2]
 worker, client = Identity.generate(), Identity.generate()

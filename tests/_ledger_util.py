@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import hashlib
 
-from gpunet.ledger import Identity, Receipt, attach_countersignature, countersign, sign_as_worker
+from gpunet.ledger import (
+    Identity,
+    Receipt,
+    attach_countersignature,
+    countersign,
+    sign_as_worker,
+)
 
 T0_US = 1_767_225_600_000_000  # 2026-01-01 UTC
 

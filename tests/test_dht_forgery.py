@@ -5,9 +5,19 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from gpunet.dht import network, registry
-from gpunet.dht.records import DeviceInfo, WorkerRecord, worker_bucket, worker_key, worker_keys
-from gpunet.dht.validation import SIGNATURE_TAG, OwnerSignatureValidator, WorkerRecordValidator
-from gpunet.ledger.identity import Identity
+from gpunet.dht.records import (
+    DeviceInfo,
+    WorkerRecord,
+    worker_bucket,
+    worker_key,
+    worker_keys,
+)
+from gpunet.dht.validation import (
+    SIGNATURE_TAG,
+    OwnerSignatureValidator,
+    WorkerRecordValidator,
+)
+from gpunet.identity import Identity
 
 pytestmark = pytest.mark.swarm
 

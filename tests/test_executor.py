@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
+from torch.export import Dim
 
 from gpunet import Job, JobFailed, JobRejected, JobTimeout, ProgramNotCached
 from gpunet.job import tensors
 from gpunet.worker.executor import Executor
-from torch.export import Dim
 
 W = torch.randn(8, 16)
 SMALL = Job.from_function(lambda x: torch.tanh(x @ W.T), (torch.randn(2, 16),), dynamic_shapes=({0: Dim("b", min=1, max=32)},))

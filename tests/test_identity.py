@@ -4,7 +4,7 @@ import stat
 import pytest
 
 from gpunet.errors import IdentityError
-from gpunet.ledger.identity import Identity, public_key_from_peer_id, verify
+from gpunet.identity import Identity, public_key_from_peer_id, verify
 
 
 def test_key_is_created_private_and_reused(tmp_path):

@@ -13,7 +13,7 @@ from torch.export import Dim
 import gpunet
 from gpunet import GpunetError, Job, JobRejected, UnsupportedProgram
 from gpunet.job.format import Manifest, ProgramParts, canonical_json
-from gpunet.worker.validation import validate_program
+from gpunet.job.validator import validate_program
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.export import Dim
 
 from gpunet import Job, JobFailed, JobRejected
 from gpunet.job import tensors
 from gpunet.job.format import ProgramParts, canonical_json
-from gpunet.worker.interpreter import run_program
-from gpunet.worker.validation import WorkerLimits, load_program
-from torch.export import Dim
+from gpunet.job.interpreter import run_program
+from gpunet.job.validator import WorkerLimits, load_program
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 LIMITS = WorkerLimits(max_peak_memory_bytes=64 * 1024**2, max_flops=10**9)
@@ -171,7 +171,7 @@ def _for_type(typ: str):
 @st.composite
 def allowed_call(draw):
     """An allowed op and arguments shaped like its schema (mostly well typed, so the dry run and run get exercised)."""
-    from gpunet.worker.validation import ALLOWED_OPS
+    from gpunet.job.validator import ALLOWED_OPS
 
     op = draw(st.sampled_from(sorted(ALLOWED_OPS)))
     positional = [a for a in ALLOWED_OPS[op]._schema.arguments if not a.kwarg_only]
@@ -184,7 +184,7 @@ def allowed_call(draw):
 @given(allowed_call())
 def test_any_allowed_op_with_arbitrary_arguments(call):
     """Whatever a client puts in an allowed op's arguments, validation and execution fail only with gpunet errors."""
-    from gpunet.worker.validation import ALLOWED_OPS
+    from gpunet.job.validator import ALLOWED_OPS
 
     op, args = call
     g = {"inputs": ["args_0"], "weights": [], "outputs": [{"ref": "evil"}],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._job_models import families
 from gpunet import Job
+from tests._job_models import families
 
 FAMILIES = {name: rest for name, *rest in families()}
 

@@ -8,13 +8,12 @@ import struct
 
 import pytest
 import torch
+from torch.export import Dim
 
 from gpunet import Job, JobRejected
-from gpunet.job import tensors
+from gpunet.job import interpreter, tensors
 from gpunet.job.format import ProgramParts, canonical_json
-from gpunet.worker import interpreter
-from gpunet.worker.validation import ALLOWED_OPS, load_program
-from torch.export import Dim
+from gpunet.job.validator import ALLOWED_OPS, load_program
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def nothing_runs_for_real(monkeypatch):
         return real(steps, env, outputs, tracker)
 
     monkeypatch.setattr(interpreter, "execute", guarded)
-    import gpunet.worker.validation as v
+    import gpunet.job.validator as v
 
     monkeypatch.setattr(v, "execute", guarded)
 

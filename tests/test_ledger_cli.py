@@ -9,9 +9,9 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from tests._ledger_util import full_receipt, worker_signed
 from gpunet.ledger import Identity, Receipt, open_ledger
 from gpunet.ledger.cli import app
+from tests._ledger_util import full_receipt, worker_signed
 
 runner = CliRunner()
 CLIENT, OTHER = Identity.generate(), Identity.generate()

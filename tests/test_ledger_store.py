@@ -5,12 +5,12 @@ import sqlite3
 
 import pytest
 
-from tests._ledger_util import full_receipt, worker_signed
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
 from gpunet.ledger import Identity, Ledger, Receipt, balances, open_ledger
 from gpunet.ledger import store as store_module
 from gpunet.ledger.export import write_json
 from gpunet.ledger.store import entry_hash
+from tests._ledger_util import full_receipt, worker_signed
 
 W1, W2, C1, C2, MALLORY = (Identity.generate() for _ in range(5))
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from gpunet.errors import InvalidReceipt, LedgerError, ReceiptConflict
+from gpunet.errors import InvalidReceipt, ReceiptConflict
 from gpunet.ledger import Identity, Ledger, countersign
 from gpunet.ledger.writer import LedgerWriter
 from tests._ledger_util import full_receipt, worker_signed

@@ -5,7 +5,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests._ledger_util import digest, full_receipt, worker_signed
 from gpunet.errors import InvalidReceipt
 from gpunet.ledger import (
     Identity,
@@ -16,6 +15,7 @@ from gpunet.ledger import (
     format_credits,
     price_to_micro,
 )
+from tests._ledger_util import digest, full_receipt, worker_signed
 
 WORKER, CLIENT, OTHER = Identity.generate(), Identity.generate(), Identity.generate()
 

@@ -1,17 +1,26 @@
 import msgpack
 import pytest
-from hivemind.dht.validation import DHTRecord
+from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from gpunet.dht.records import (
-    MAX_RECORD_BYTES, WORKER_BUCKETS, DeviceInfo, WorkerRecord, worker_bucket, worker_key, worker_keys,
+    MAX_RECORD_BYTES,
+    WORKER_BUCKETS,
+    DeviceInfo,
+    WorkerRecord,
+    worker_bucket,
+    worker_key,
+    worker_keys,
 )
 from gpunet.dht.validation import (
-    MAX_RECORD_TTL, OwnerSignatureValidator, WorkerRecordValidator, key_id, network_validators,
+    MAX_RECORD_TTL,
+    OwnerSignatureValidator,
+    WorkerRecordValidator,
+    key_id,
+    network_validators,
 )
 from gpunet.errors import InvalidRecord
-from gpunet.ledger.identity import Identity
-from hivemind.dht.validation import CompositeValidator
+from gpunet.identity import Identity
 
 
 def make_record(**overrides) -> WorkerRecord:

@@ -8,8 +8,8 @@ import pytest
 
 from gpunet.errors import JobFailed, JobRejected
 from gpunet.ledger import Identity, Ledger
-from gpunet.worker.service import JobService, ServiceLimits, _Submit, _UnaryPayloads
 from gpunet.wire import pack
+from gpunet.worker.service import JobService, ServiceLimits, _Submit, _UnaryPayloads
 
 PROGRAM = "ab" * 32
 ALICE, BOB = Identity.generate().peer_id, Identity.generate().peer_id

@@ -7,7 +7,13 @@ import torch
 
 import gpunet
 from gpunet import Requirements
-from gpunet.client.trust import ALWAYS_CHECK_UNTIL, Reputation, agree, majority, max_difference
+from gpunet.client.trust import (
+    ALWAYS_CHECK_UNTIL,
+    Reputation,
+    agree,
+    majority,
+    max_difference,
+)
 from tests.swarm import wait_for
 
 

@@ -4,8 +4,22 @@ import asyncio
 
 import pytest
 
-from gpunet.errors import JobFailed, JobRejected, JobTimeout, ProgramNotCached, ProtocolError, WorkerBusy
-from gpunet.wire import MAX_FRAME_BYTES, encode_frame, error_frame, error_from_frame, read_frame, read_payload
+from gpunet.errors import (
+    JobFailed,
+    JobRejected,
+    JobTimeout,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
+)
+from gpunet.wire import (
+    MAX_FRAME_BYTES,
+    encode_frame,
+    error_frame,
+    error_from_frame,
+    read_frame,
+    read_payload,
+)
 
 
 def _reader(data: bytes) -> asyncio.StreamReader:

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 from gpunet.client.core import ClientConfig, ClientCore, JobResult
 from gpunet.client.routing import Requirements
-from gpunet.dht.network import DEFAULT_NETWORK
+from gpunet.config import DEFAULT_NETWORK
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import GpunetError
 from gpunet.ledger.receipts import Receipt
@@ -81,7 +81,13 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> Non
 def _progress(total: int | None, enabled: bool):
     if not enabled:
         return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(TextColumn("gpunet"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=False)
     progress.start()

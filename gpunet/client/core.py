@@ -27,6 +27,7 @@ from gpunet.client.transport import (
     send_settlements,
 )
 from gpunet.client.trust import Reputation, describe, majority, quorum
+from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
@@ -42,7 +43,7 @@ from gpunet.errors import (
     VerificationFailed,
     WorkerBusy,
 )
-from gpunet.ledger.identity import Identity, resolve_data_dir
+from gpunet.identity import Identity
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
 from gpunet.ledger.writer import LedgerWriter
@@ -115,7 +116,7 @@ class ClientCore:
     def __init__(
         self,
         initial_peers: Sequence[str] | None = None,
-        network: str = net.DEFAULT_NETWORK,
+        network: str = DEFAULT_NETWORK,
         data_dir: str | Path | None = None,
         config: ClientConfig | None = None,
     ):

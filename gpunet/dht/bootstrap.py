@@ -6,14 +6,15 @@ import logging
 import signal
 import threading
 
+from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network
-from gpunet.ledger.identity import Identity, resolve_data_dir
+from gpunet.identity import Identity
 
 logger = logging.getLogger("gpunet.bootstrap")
 
 
 def run_bootstrap(
-    network_name: str = network.DEFAULT_NETWORK,
+    network_name: str = DEFAULT_NETWORK,
     initial_peers: list[str] | None = None,
     host_maddrs: list[str] | None = None,
     data_dir=None,

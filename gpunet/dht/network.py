@@ -9,14 +9,11 @@ from typing import Iterable, Sequence
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
+from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, INITIAL_PEERS_ENV
 from gpunet.dht.validation import network_validators
 from gpunet.errors import ConfigError, NetworkError
-from gpunet.ledger.identity import Identity
+from gpunet.identity import Identity
 
-DEFAULT_NETWORK = "gpunet"
-INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
-#: Volunteers must be reachable by others, so long-lived nodes listen on every interface unless told otherwise.
-DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 _NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 

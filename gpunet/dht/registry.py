@@ -9,8 +9,14 @@ from functools import partial
 import hivemind
 from hivemind.utils import get_dht_time
 
+from gpunet.dht.records import (
+    WorkerRecord,
+    WorkerState,
+    worker_bucket,
+    worker_key,
+    worker_keys,
+)
 from gpunet.dht.validation import MAX_RECORD_TTL
-from gpunet.dht.records import WorkerRecord, WorkerState, worker_bucket, worker_key, worker_keys
 from gpunet.errors import GpunetError, NetworkError
 
 

@@ -24,9 +24,14 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
-from gpunet.dht.records import MAX_RECORD_BYTES, WorkerRecord, worker_bucket, worker_keys
+from gpunet.dht.records import (
+    MAX_RECORD_BYTES,
+    WorkerRecord,
+    worker_bucket,
+    worker_keys,
+)
 from gpunet.errors import GpunetError
-from gpunet.ledger.identity import Identity, verify
+from gpunet.identity import Identity, verify
 
 #: Appended to a signed value, followed by the 64-byte Ed25519 signature.
 SIGNATURE_TAG = b"\x00gpunet-sig-v1\x00"

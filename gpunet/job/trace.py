@@ -6,11 +6,10 @@ named integer dimension ranges and safetensors weights. The worker never sees a 
 
 from __future__ import annotations
 
-import warnings
-
 import inspect
 import math
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 

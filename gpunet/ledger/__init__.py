@@ -7,8 +7,9 @@ Public API::
         ledger.balances(); ledger.receipts(); ledger.get(job_id); ledger.verify(); ledger.head()
 """
 
+from gpunet.config import resolve_data_dir
+from gpunet.identity import Identity
 from gpunet.ledger.balances import Balance, balances
-from gpunet.ledger.identity import Identity, resolve_data_dir
 from gpunet.ledger.receipts import (
     FORMAT_VERSION,
     Receipt,
@@ -19,7 +20,14 @@ from gpunet.ledger.receipts import (
     price_to_micro,
     sign_as_worker,
 )
-from gpunet.ledger.store import Conflict, Entry, Ledger, LedgerHead, MergeReport, open_ledger
+from gpunet.ledger.store import (
+    Conflict,
+    Entry,
+    Ledger,
+    LedgerHead,
+    MergeReport,
+    open_ledger,
+)
 
 __all__ = [
     "FORMAT_VERSION",

@@ -18,10 +18,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpunet.config import resolve_data_dir
 from gpunet.errors import GpunetError, LedgerCorrupted
+from gpunet.identity import KEY_FILENAME, Identity, short_id
 from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
-from gpunet.ledger.identity import KEY_FILENAME, Identity, resolve_data_dir, short_id
 from gpunet.ledger.receipts import Receipt, format_credits
 from gpunet.ledger.store import LEDGER_FILENAME, open_ledger
 

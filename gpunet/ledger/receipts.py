@@ -31,7 +31,7 @@ import msgpack
 from cryptography.exceptions import InvalidSignature
 
 from gpunet.errors import IdentityError, InvalidReceipt
-from gpunet.ledger.identity import Identity, public_key_from_peer_id
+from gpunet.identity import Identity, public_key_from_peer_id
 
 FORMAT_VERSION = 1
 SIGNING_DOMAIN = b"gpunet/receipt/v1\x00"

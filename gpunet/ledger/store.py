@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
 from gpunet.ledger.balances import Balance, BalanceSheet
 from gpunet.ledger.export import read_json_export
-from gpunet.ledger.identity import resolve_data_dir
 from gpunet.ledger.receipts import Receipt
 
 LEDGER_FILENAME = "ledger.sqlite"

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
+from gpunet.config import resolve_data_dir
 from gpunet.errors import GpunetError
-from gpunet.ledger.identity import resolve_data_dir
 from gpunet.worker import hardware as hw
 
 GiB = 2**30

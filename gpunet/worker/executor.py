@@ -392,8 +392,8 @@ def _child_main(conn: Connection, config: dict) -> None:
     import torch
 
     from gpunet.job import tensors
-    from gpunet.worker.interpreter import run_program
-    from gpunet.worker.validation import WorkerLimits, load_program
+    from gpunet.job.interpreter import run_program
+    from gpunet.job.validator import WorkerLimits, load_program
 
     torch.set_num_threads(config["threads"])
     device = config["device"]

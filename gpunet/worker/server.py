@@ -17,10 +17,10 @@ from pathlib import Path
 from hivemind.utils import get_dht_time
 
 from gpunet._version import __version__
-from gpunet.config import WorkerConfig
+from gpunet.config import WorkerConfig, resolve_data_dir
 from gpunet.dht import network, registry
 from gpunet.dht.records import MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
-from gpunet.ledger.identity import Identity, resolve_data_dir
+from gpunet.identity import Identity
 from gpunet.ledger.receipts import price_to_micro
 from gpunet.ledger.store import open_ledger
 from gpunet.worker import hardware as hw

@@ -34,7 +34,7 @@ from gpunet.errors import (
     ProtocolError,
     WorkerBusy,
 )
-from gpunet.ledger.identity import Identity
+from gpunet.identity import Identity
 from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_worker
 from gpunet.ledger.store import Ledger
 from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures

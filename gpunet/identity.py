@@ -8,9 +8,7 @@ id alone, which is how signatures on records and receipts are checked without an
 
 from __future__ import annotations
 
-import base64
 import functools
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +26,10 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from gpunet.errors import ConfigError, IdentityError
+from gpunet.config import resolve_data_dir
+from gpunet.errors import IdentityError
 
 KEY_FILENAME = "identity.key"
-DEFAULT_DATA_DIR = "~/.gpunet"
 
 _IDENTITY_MULTIHASH = 0x00  # multihash code for "identity": the digest is the data itself
 
@@ -41,17 +39,6 @@ _IDENTITY_MULTIHASH = 0x00  # multihash code for "identity": the digest is the d
 _ED25519_PUBLIC_PREFIX = bytes([0x08, 0x01, 0x12, 32])
 _ED25519_PRIVATE_PREFIX = bytes([0x08, 0x01, 0x12, 64])
 _ED25519_PUBLIC_PROTO_LEN = len(_ED25519_PUBLIC_PREFIX) + 32
-
-
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``~/.gpunet``; created if missing."""
-    raw = data_dir if data_dir is not None else os.environ.get("GPUNET_DATA_DIR") or DEFAULT_DATA_DIR
-    path = Path(raw).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as e:
-        raise ConfigError(f"cannot create data dir {path}: {e.strerror}") from e
-    return path
 
 
 def peer_id_from_public_bytes(public: bytes) -> str:
@@ -141,15 +128,8 @@ class Identity:
     def peer_id(self) -> str:
         return peer_id_from_public_bytes(self.public_bytes)
 
-    @property
-    def short_id(self) -> str:
-        return short_id(self.peer_id)
-
     def sign(self, message: bytes) -> bytes:
         return self.private_key.sign(message)
-
-    def fingerprint(self) -> str:
-        return base64.b32encode(hashlib.sha256(self.public_bytes).digest()[:10]).decode().lower()
 
 
 def short_id(peer_id: str) -> str:

@@ -19,8 +19,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from gpunet.errors import JobRejected
 from gpunet.job import graph as g
 from gpunet.job import tensors
-from gpunet.job.format import DEFAULT_MAX_PROGRAM_BYTES, MAX_GRAPH_BYTES, Estimate, Manifest, ProgramParts, check_inputs, parse_json
-from gpunet.worker.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
+from gpunet.job.format import (
+    DEFAULT_MAX_PROGRAM_BYTES,
+    MAX_GRAPH_BYTES,
+    Estimate,
+    Manifest,
+    ProgramParts,
+    check_inputs,
+    parse_json,
+)
+from gpunet.job.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
 #   file I/O and printing (not in core, never added), random ops and seeding (rand, randn, randperm, native_dropout,

@@ -1,0 +1,121 @@
+"""The user's handle on a computation: :class:`Job` traces it, ships it as plain data, and checks it locally with
+exactly the worker's validator and interpreter (both sides share them; the worker never imports the client)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from gpunet.job import tensors
+from gpunet.job.format import (
+    DEFAULT_MAX_PROGRAM_BYTES,
+    DimRange,
+    Estimate,
+    JobLimits,
+    Manifest,
+    ProgramParts,
+    TensorSpec,
+    canonical_json,
+    check_inputs,
+    decode_outputs,
+)
+from gpunet.job.interpreter import run_program
+from gpunet.job.trace import _FunctionModule, trace
+from gpunet.job.validator import load_program
+
+
+class Job:
+    """A traced computation, safe to ship: manifest + JSON graph + safetensors weights. Build with from_module."""
+
+    def __init__(self, parts: ProgramParts, manifest: Manifest | None = None):
+        self.parts = parts
+        self.manifest = manifest or Manifest.from_json(parts.manifest)
+        self._program = None  # worker-side validated program, built on first run_locally/estimate
+
+    # --- building ------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_module(
+        cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None,
+        limits: JobLimits | None = None,
+    ) -> "Job":
+        """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job."""
+        t = trace(module, example_inputs, dynamic_shapes)
+        manifest = Manifest(
+            torch_version=torch.__version__,
+            ops=t.ops,
+            inputs=tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in t.inputs),
+            outputs=tuple(TensorSpec(f"output_{i}", s["dtype"], tuple(s["shape"])) for i, s in enumerate(t.outputs)),
+            output_structure=t.output_structure,
+            dims={k: DimRange(v["min"], v["max"]) for k, v in t.dims.items()},
+            limits=limits or JobLimits(),
+        )
+        parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(t.weights))
+        return cls(parts, manifest)
+
+    @classmethod
+    def from_function(cls, fn: Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None, limits: JobLimits | None = None) -> "Job":
+        """Like from_module for a plain function of tensors (no parameters)."""
+        return cls.from_module(_FunctionModule(fn), example_inputs, dynamic_shapes, limits)
+
+    # --- bytes -----------------------------------------------------------------------------------------------------
+
+    @property
+    def program_hash(self) -> str:
+        """Content hash of manifest + graph + weights (inputs are not part of it)."""
+        return self.parts.hash
+
+    def to_bytes(self) -> bytes:
+        return self.parts.to_bytes()
+
+    program_bytes = to_bytes  # what the worker caches under program_hash
+
+    @classmethod
+    def from_bytes(cls, data: bytes, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "Job":
+        """Parse container bytes (structure and manifest only; ops are checked when the job is validated)."""
+        return cls(ProgramParts.from_bytes(data, max_bytes))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Job":
+        return cls.from_bytes(Path(path).read_bytes())
+
+    # --- inputs and outputs ----------------------------------------------------------------------------------------
+
+    def encode_inputs(self, *inputs: torch.Tensor) -> bytes:
+        """Inputs as safetensors bytes, after checking them against the manifest (JobRejected on a mismatch)."""
+        check_inputs(self.manifest, inputs)
+        return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
+
+    def decode_outputs(
+        self, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The worker's output bytes as the module returned them: one tensor or a tuple. ``expected``: each output's
+        (dtype, shape) as the dry run predicts them (``Estimate.outputs``), held exactly."""
+        outs = decode_outputs(self.manifest, data, expected)
+        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+
+    # --- local checks ------------------------------------------------------------------------------------------------
+
+    def _validated(self):
+        if self._program is None:
+            self._program = load_program(self.parts, device="cpu")
+        return self._program
+
+    def estimate(self, *inputs: torch.Tensor) -> Estimate:
+        """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills)."""
+        return self._validated().estimate(list(inputs))
+
+    def run_locally(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
+        prog = self._validated()
+        data = self.encode_inputs(*inputs)
+        outs = run_program(prog, tensors.decode(data))
+        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+
+    def __repr__(self) -> str:
+        return f"Job(hash={self.program_hash[:12]}, op_kinds={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
