@@ -10,10 +10,12 @@ import torch
 import gpunet
 from gpunet.client.core import ClientCore, _Prepared
 from gpunet.client.routing import JobShape, Requirements
+from gpunet.client.settlement import Settlement
 from gpunet.client.transport import Delivery
 from gpunet.errors import InvalidReceipt, ProtocolError
 from gpunet.job import tensors
 from gpunet.ledger import Identity, sign_as_worker
+from gpunet.protocol import Refuse
 
 JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
 X = torch.randn(4, 8)
@@ -21,7 +23,9 @@ X = torch.randn(4, 8)
 
 @pytest.fixture
 def core(tmp_path):
-    return ClientCore(initial_peers=[], network="gpunet-test", data_dir=tmp_path / "client")
+    core = ClientCore(initial_peers=[], network="gpunet-test", data_dir=tmp_path / "client")
+    core.settlement = Settlement(transport=None)  # refusals go through each delivery's own way back
+    return core
 
 
 def prepared(core) -> _Prepared:
@@ -44,10 +48,11 @@ def answer(core, p: _Prepared, outputs: bytes, *, worker=None, signer=None, clai
     )
     refused = []
 
-    async def settle(frame):
-        refused.append(frame)
+    async def finish(verdict):
+        refused.append(verdict)
 
-    delivery = Delivery(claimed_by or worker.peer_id, outputs, receipt, len(p.encoded), 0.0, _settle=settle)
+    delivery = Delivery(claimed_by or worker.peer_id, outputs, receipt, len(p.encoded), 0.0, via_unary=True,
+                        finish=finish)
     delivery.refused = refused
     return delivery
 
@@ -77,7 +82,7 @@ def test_outputs_of_the_wrong_shape_or_dtype_are_refused(core, wrong, match):
     delivery = answer(core, p, tensors.encode({"output_0": wrong}))
     with pytest.raises(ProtocolError, match=match):
         check(core, p, delivery)
-    assert delivery.refused and delivery.refused[0]["t"] == "refuse"
+    assert delivery.refused and isinstance(delivery.refused[0], Refuse)
 
 
 def test_a_receipt_naming_another_worker_is_refused(core):

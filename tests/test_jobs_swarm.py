@@ -4,6 +4,7 @@ import asyncio
 import os
 import time
 
+import msgpack
 import pytest
 import torch
 
@@ -195,18 +196,22 @@ def test_malformed_and_oversized_messages_get_an_error_and_the_worker_keeps_serv
     worker = swarm.start_worker()
     worker_id = swarm.worker_id(worker)
     client = client_for(swarm)
-    from gpunet.client.transport import open_stream
-    from gpunet.wire import encode_frame, job_protocol, read_frame
+    from gpunet import protocol
+    from gpunet.protocol import Door, Error
 
-    core = client._core
+    rpc = client._core.transport.rpc
     maddrs = client.workers()[0].record.maddrs
 
-    async def exchange(raw: bytes) -> dict:
-        _, reader, writer = await open_stream(core.p2p, worker_id, maddrs, job_protocol(swarm.network))
+    def encode_frame(fields: dict) -> bytes:  # raw frames, as a hostile peer would write them
+        body = msgpack.packb(fields, use_bin_type=True)
+        return len(body).to_bytes(4, "big") + body
+
+    async def exchange(raw: bytes) -> Error:
+        reader, writer = await rpc.open(worker_id, Door.JOB, maddrs)
         try:
             writer.write(raw)
             await writer.drain()
-            return await asyncio.wait_for(read_frame(reader), 30)
+            return await protocol.read(reader, Error, timeout=30)
         finally:
             writer.close()
 
@@ -226,7 +231,7 @@ def test_malformed_and_oversized_messages_get_an_error_and_the_worker_keeps_serv
     }
     for name, (raw, code) in cases.items():
         reply = ask(raw)
-        assert reply["t"] == "error" and reply["code"] == code, (name, reply)
+        assert reply.code == code, (name, reply)
 
     model, job = mlp_job()
     x = torch.randn(3, 16)
@@ -239,27 +244,26 @@ def test_a_job_id_sent_twice_runs_once_and_bills_once(swarm, client_for):
     worker_id = swarm.worker_id(worker)
     client = client_for(swarm)
     _, job = mlp_job()
-    from gpunet.client.transport import fetch_info, send_job
+    from gpunet.client.transport import JobRequest
 
-    core = client._core
+    transport = client._core.transport
     maddrs = client.workers()[0].record.maddrs
     inputs = job.encode_inputs(torch.randn(2, 16))
+    request = JobRequest("same-job-id", job.program_hash, job.program_bytes(), inputs, timeout=30, max_price=None)
 
     async def twice():
         answers = []
         for _ in range(2):
-            delivery = await send_job(core.p2p, swarm.network, worker_id, maddrs, job_id="same-job-id",
-                                      program_hash=job.program_hash, program_bytes=job.program_bytes(),
-                                      inputs=inputs, timeout=30, max_price=None)
+            delivery = await transport.run_stream(worker_id, maddrs, request)
             delivery.close()
             answers.append(delivery)
-        info = await fetch_info(core.p2p, swarm.network, worker_id, maddrs)
+        info = await transport.rpc.info(worker_id, maddrs)
         return answers, info
 
     (a, b), info = asyncio.run_coroutine_threadsafe(twice(), client._loop).result(90)
     assert a.receipt == b.receipt and a.outputs == b.outputs
-    assert info["record"]["jobs_done"] == 1
-    assert abs(info["time"] - time.time()) < 5
+    assert info.record["jobs_done"] == 1
+    assert abs(info.time - time.time()) < 5
 
 
 class Expanding(torch.nn.Module):
@@ -346,20 +350,19 @@ def test_cancelling_a_running_job_stops_it_on_the_worker(swarm, client_for):
     assert torch.allclose(client.submit(small, y).result(timeout=120), small.run_locally(y), atol=1e-6)
 
     # The cancel call itself, as the client sends it for a unary job it abandons (here sent by hand).
-    from gpunet.client.transport import send_cancel, send_job_unary
+    from gpunet.client.transport import JobRequest
 
     async def cancel_by_call():
-        p2p, worker_id = client._core.p2p, swarm.worker_id(worker)
+        transport, worker_id = client._core.transport, swarm.worker_id(worker)
         before = _executor_cpu_seconds(worker)
-        call = asyncio.ensure_future(send_job_unary(p2p, swarm.network, worker_id, job_id="cancel-me",
-                                                    program_hash=job.program_hash, inputs=job.encode_inputs(x),
-                                                    timeout=60, max_price=None))
+        request = JobRequest("cancel-me", job.program_hash, b"", job.encode_inputs(x), timeout=60, max_price=None)
+        call = asyncio.ensure_future(transport.run_unary(worker_id, request))
         await asyncio.to_thread(wait_for, lambda: [p for p, s in _executor_cpu_seconds(worker).items()
                                                    if s - before.get(p, 0.0) > 0.5], 60, "the job to run")
-        assert await send_cancel(p2p, swarm.network, worker_id, "cancel-me")
+        assert await transport.cancel(worker_id, "cancel-me")
         with pytest.raises(gpunet.JobFailed, match="stopped before it finished"):
             await call
-        assert not await send_cancel(p2p, swarm.network, worker_id, "cancel-me")  # nothing left to stop
+        assert not await transport.cancel(worker_id, "cancel-me")  # nothing left to stop
 
     asyncio.run_coroutine_threadsafe(cancel_by_call(), client._loop).result(timeout=120)
     wait_for(lambda: len([line for line in worker.lines if "stopped while running" in line]) >= 3, 30,

@@ -64,26 +64,26 @@ def test_load_spreads_over_idle_workers():
 def test_a_new_worker_gets_tried_even_when_an_incumbent_is_fast():
     r = router(worker("incumbent"))
     for _ in range(20):
-        r.succeeded("incumbent", TINY, seconds=0.001, bytes_sent=1024, transfer_seconds=0.0)
+        r.on_success("incumbent", TINY, seconds=0.001, bytes_sent=1024, transfer_seconds=0.0)
     r.update([worker("incumbent"), worker("newcomer", programs=[PROGRAM])])
     assert r.choose(Requirements(), TINY).id == "newcomer"  # optimistic until measured
-    r.succeeded("newcomer", TINY, seconds=0.010, bytes_sent=1024, transfer_seconds=0.0)  # it turns out slower
+    r.on_success("newcomer", TINY, seconds=0.010, bytes_sent=1024, transfer_seconds=0.0)  # it turns out slower
     assert r.choose(Requirements(), TINY).id == "incumbent"
 
 
 def test_failures_ban_with_exponential_backoff_and_busy_is_a_short_skip():
     r = router(worker("flaky"), worker("steady", tflops=0.01))
     assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "flaky"
-    first = r.failed("flaky", now=100.0)
-    second = r.failed("flaky", now=100.0)
+    first = r.on_failure("flaky", now=100.0)
+    second = r.on_failure("flaky", now=100.0)
     assert second == 2 * first
     assert [w.id for w in r.eligible(Requirements(), now=100.0 + second - 0.1)] == ["steady"]
     assert {w.id for w in r.eligible(Requirements(), now=100.0 + second + 0.1)} == {"flaky", "steady"}
-    r.succeeded("flaky", HEAVY, seconds=1.0, bytes_sent=0, transfer_seconds=0.0)  # a success wipes the strikes
-    assert r.failed("flaky", now=200.0) == first
+    r.on_success("flaky", HEAVY, seconds=1.0, bytes_sent=0, transfer_seconds=0.0)  # a success wipes the strikes
+    assert r.on_failure("flaky", now=200.0) == first
 
     only = router(worker("busy"))
-    only.busy("busy", now=50.0)
+    only.on_busy("busy", now=50.0)
     with pytest.raises(NoWorkersAvailable) as e:
         only.eligible(Requirements(), now=50.1)
     assert "is busy" in str(e.value) and e.value.retry_at == pytest.approx(50.0 + only.config.busy_cooldown)
@@ -92,8 +92,8 @@ def test_failures_ban_with_exponential_backoff_and_busy_is_a_short_skip():
 def test_a_cold_start_does_not_count_as_the_workers_speed():
     """The first job to a worker carries the program (transfer, validation, load): it must not rank the worker last."""
     r = router(worker("a"), worker("b"))
-    r.succeeded("a", TINY, seconds=0.002, bytes_sent=1024, transfer_seconds=0.0)
-    r.succeeded("b", TINY, seconds=0.800, bytes_sent=1024 + TINY.program_bytes, transfer_seconds=0.0, cold=True)
+    r.on_success("a", TINY, seconds=0.002, bytes_sent=1024, transfer_seconds=0.0)
+    r.on_success("b", TINY, seconds=0.800, bytes_sent=1024 + TINY.program_bytes, transfer_seconds=0.0, cold=True)
     assert r.choose(Requirements(), TINY).id == "b"  # still unmeasured: explored, not buried
-    r.succeeded("b", TINY, seconds=0.0015, bytes_sent=1024, transfer_seconds=0.0)
+    r.on_success("b", TINY, seconds=0.0015, bytes_sent=1024, transfer_seconds=0.0)
     assert r.choose(Requirements(), TINY).id == "b"  # measured warm: it is the faster one

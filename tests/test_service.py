@@ -1,18 +1,141 @@
-"""The worker's job service without a network: cancel by RPC, and the budget on stopping running jobs."""
+"""The worker without a network: admission (a pure state machine), settlement, and the service's cancel door."""
 
 import asyncio
-from types import SimpleNamespace
 
-import msgpack
 import pytest
 
-from gpunet.errors import JobFailed, JobRejected
-from gpunet.ledger import Identity, Ledger
-from gpunet.wire import pack
-from gpunet.worker.service import JobService, ServiceLimits, _Submit, _UnaryPayloads
+from gpunet import protocol
+from gpunet.errors import (
+    InvalidReceipt,
+    JobFailed,
+    JobRejected,
+    ProtocolError,
+    WorkerBusy,
+)
+from gpunet.ledger import Identity, Ledger, countersign, sign_as_worker
+from gpunet.ledger.writer import LedgerWriter
+from gpunet.protocol import Cancel, Countersign, Ok, Refuse, Submit
+from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.service import JobService, _UnaryPayloads
+from gpunet.worker.settlement import Settlement
 
 PROGRAM = "ab" * 32
 ALICE, BOB = Identity.generate().peer_id, Identity.generate().peer_id
+
+
+def job(job_id: str = "job-1", **kw) -> Submit:
+    return Submit(job_id, PROGRAM, 4, b"abcd", kw.pop("timeout", 60.0), kw.pop("max_price", None), **kw)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- admission: decisions and counts, no I/O --------------------------------------------------------------------
+
+
+def test_admission_refuses_by_price_limits_and_job_id_reuse():
+    a = Admission(price_micro=5, max_concurrent=1, max_queue=1, limits=ServiceLimits(max_timeout=60, max_input_bytes=3))
+    with pytest.raises(JobRejected, match="price 5 .* above the job's bound 4"):
+        a.screen(ALICE, job(max_price=4))
+    with pytest.raises(ProtocolError, match="timeout"):
+        a.screen(ALICE, job(timeout=61))
+    with pytest.raises(JobRejected, match="inputs of 4 bytes exceed"):
+        a.screen(ALICE, job())
+    a.limits = ServiceLimits()
+    with pytest.raises(JobRejected, match="already used by another client"):
+        a.screen(ALICE, job(), paid_by=BOB)
+    a.screen(ALICE, job(), paid_by=ALICE)  # its own retry is fine
+    a.screen(ALICE, job(max_price=5))
+
+
+def test_admission_counts_places_and_answers_busy_when_full():
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=1)
+    assert a.admit() and a.admit()
+    assert not a.admit()  # one running + one queued: full
+    a.started()
+    assert (a.running, a.queue_length, a.active) == (1, 1, 2)
+    a.ended(done=True)
+    a.released()
+    assert a.jobs_done == 1 and a.admit()
+
+
+def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
+    async def scenario():
+        a = Admission(price_micro=1, max_concurrent=2, max_queue=0)
+        assert a.admit()
+        a.delivered()  # a result out on a stream, its countersignature not read yet
+        a.released()
+        a.drain()
+        with pytest.raises(WorkerBusy, match="draining"):
+            a.admit()
+        drained = a.drained()
+        await asyncio.sleep(0)
+        assert not drained.done()  # still waiting for that countersignature
+        a.settled()
+        await asyncio.wait_for(drained, 1)
+        assert a.drained().done()  # already drained: resolves at once
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_keeps_stopping_jobs_is_refused_until_its_stops_age_out():
+    clock = Clock()
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, clock=clock,
+                  limits=ServiceLimits(max_stopped_jobs=2, stopped_jobs_window=600))
+    a.stopped_running(ALICE)
+    clock.now += 300
+    a.stopped_running(ALICE)
+    with pytest.raises(JobRejected, match="stopped 2 running jobs"):
+        a.screen(ALICE, job())
+    a.screen(BOB, job())  # others are unaffected
+    clock.now += 301  # the first stop is now older than the window
+    assert a.recent_stops(ALICE) == 1
+    a.screen(ALICE, job())
+
+
+# --- settlement: receipts wait for their countersignature --------------------------------------------------------
+
+
+def _delivered(worker: Identity, client: Identity, job_id: str):
+    return sign_as_worker(worker, job_id=job_id, client_id=client.peer_id, program_hash=PROGRAM, input_hash="0" * 64,
+                          output_hash="1" * 64, flops=10**9, wall_time_us=10, price=1, max_price=None,
+                          started_at_us=1, ended_at_us=2)
+
+
+def test_settlement_files_countersigned_receipts_and_refuses_forged_or_unknown_ones(tmp_path):
+    worker, client = Identity.generate(), Identity.generate()
+
+    async def scenario(ledger):
+        books = LedgerWriter(ledger)
+        s = Settlement(books, max_unsettled=2)
+        receipts = [_delivered(worker, client, f"job-{i}") for i in range(3)]
+        for r in receipts:
+            books.record_unpaid(r)
+            s.expect(client.peer_id, r)
+        assert len(s.unsettled) == 2  # bounded: the oldest went (it stays in the ledger's unpaid list)
+        good = countersign(receipts[1], client, output_hash="1" * 64, max_price=None)
+        s.ride_along(client.peer_id, (("job-1", good.client_signature),))
+        with pytest.raises(InvalidReceipt):
+            s.settle(client.peer_id, Countersign("job-2", b"\x00" * 64))
+        with pytest.raises(JobRejected, match="no result of job job-0"):
+            s.settle(client.peer_id, Countersign("job-0", good.client_signature))
+        s.settle(client.peer_id, Refuse("job-2", "outvoted"))
+        await asyncio.wait_for(s.all_settled(), 1)  # ...once the ride-along signature is checked and filed
+        await s.close()
+        return books
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        asyncio.run(scenario(ledger))
+        assert [r.job_id for r in ledger.receipts()] == ["job-1"]
+        assert {r.job_id for r in ledger.unpaid()} == {"job-0", "job-2"}
+
+
+# --- the service's cancel door ----------------------------------------------------------------------------------
 
 
 class HangingExecutor:
@@ -28,14 +151,13 @@ class HangingExecutor:
 @pytest.fixture
 def service(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        yield JobService(identity=Identity.generate(), network="t", executor=HangingExecutor(), ledger=ledger,
-                         price_micro=1, max_concurrent=1, max_queue=4, record=lambda: None,
-                         limits=ServiceLimits(max_stopped_jobs=2))
+        admission = Admission(price_micro=1, max_concurrent=1, max_queue=4, limits=ServiceLimits(max_stopped_jobs=2))
+        yield JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger, admission=admission,
+                         record=lambda: None)
 
 
 def submit(service, client: str, job_id: str) -> asyncio.Future:
-    job = _Submit(job_id, PROGRAM, 4, b"abcd", 60.0, None)
-    return asyncio.ensure_future(service._execute(client, job, _UnaryPayloads(), None))
+    return asyncio.ensure_future(service._execute(client, job(job_id), _UnaryPayloads(), None))
 
 
 async def until(condition, what: str, deadline: float = 5.0) -> None:
@@ -46,19 +168,19 @@ async def until(condition, what: str, deadline: float = 5.0) -> None:
 
 
 async def cancel_by_rpc(service, client: str, job_id: str) -> bool:
-    reply = await service._handle_cancel(pack({"t": "cancel", "job": job_id}), SimpleNamespace(to_base58=lambda: client))
-    return msgpack.unpackb(reply)["cancelled"]
+    reply = await service._handle_cancel(protocol.encode(Cancel(job_id)), client)
+    return protocol.decode(reply, Ok).cancelled
 
 
 def test_cancel_rpc_stops_only_the_callers_own_job(service):
     async def scenario():
         job = submit(service, ALICE, "job-1")
-        await until(lambda: service.running == 1, "the job to run")
+        await until(lambda: service.admission.running == 1, "the job to run")
         assert not await cancel_by_rpc(service, BOB, "job-1")  # the id is Alice's: Bob cannot touch it
         assert await cancel_by_rpc(service, ALICE, "job-1")
         with pytest.raises(JobFailed, match="stopped before it finished"):
             await job
-        assert service.running == 0 and service.admitted == 0 and not service._running
+        assert service.admission.running == 0 and service.admission.admitted == 0 and not service._jobs
         assert not await cancel_by_rpc(service, ALICE, "job-1")
 
     asyncio.run(scenario())
@@ -68,14 +190,14 @@ def test_a_client_that_keeps_stopping_running_jobs_is_refused_for_a_while(servic
     async def scenario():
         for i in range(2):
             job = submit(service, ALICE, f"job-{i}")
-            await until(lambda: service.running == 1, "the job to run")
+            await until(lambda: service.admission.running == 1, "the job to run")
             assert await cancel_by_rpc(service, ALICE, f"job-{i}")
             with pytest.raises(JobFailed):
                 await job
         with pytest.raises(JobRejected, match="stopped 2 running jobs"):
             await submit(service, ALICE, "job-9")
         other = submit(service, BOB, "job-b")  # others are unaffected
-        await until(lambda: service.running == 1, "Bob's job to run")
+        await until(lambda: service.admission.running == 1, "Bob's job to run")
         other.cancel()
         with pytest.raises((asyncio.CancelledError, JobFailed)):
             await other
@@ -86,14 +208,14 @@ def test_a_client_that_keeps_stopping_running_jobs_is_refused_for_a_while(servic
 def test_a_queued_job_cancelled_before_it_runs_does_not_count(service):
     async def scenario():
         first = submit(service, ALICE, "job-run")
-        await until(lambda: service.running == 1, "the first job to run")
+        await until(lambda: service.admission.running == 1, "the first job to run")
         for i in range(3):  # queued behind it (one slot): stopping these costs the worker nothing
             queued = submit(service, ALICE, f"job-q{i}")
-            await until(lambda: service.queue_length == 1, "the job to queue")
+            await until(lambda: service.admission.queue_length == 1, "the job to queue")
             assert await cancel_by_rpc(service, ALICE, f"job-q{i}")
             with pytest.raises(JobFailed):
                 await queued
-        assert service._recent_stops(ALICE) == 0
+        assert service.admission.recent_stops(ALICE) == 0
         first.cancel()
         with pytest.raises((asyncio.CancelledError, JobFailed)):
             await first

@@ -22,6 +22,7 @@ from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import GpunetError
 from gpunet.ledger.receipts import Receipt
 from gpunet.ledger.store import Ledger, open_ledger
+from gpunet.utils import new_event_loop
 
 
 class JobFuture(concurrent.futures.Future):
@@ -191,7 +192,7 @@ class Client:
         config: ClientConfig | None = None,
     ):
         self._core = ClientCore(initial_peers, network, data_dir, config)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpunet-client", daemon=True)
         self._thread.start()
         self._local = threading.local()

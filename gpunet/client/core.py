@@ -8,7 +8,6 @@ worker is skipped and the job retried elsewhere; a job id is never paid twice.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 import uuid
@@ -19,24 +18,17 @@ from typing import Sequence
 import torch
 
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
-from gpunet.client.transport import (
-    UseStream,
-    send_cancel,
-    send_job,
-    send_job_unary,
-    send_settlements,
-)
+from gpunet.client.settlement import Settlement
+from gpunet.client.transport import JobRequest, P2PTransport, Transport
 from gpunet.client.trust import Reputation, describe, majority, quorum
 from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network as net
-from gpunet.dht import registry
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
     GpunetError,
     InvalidReceipt,
     JobRejected,
     JobTimeout,
-    NetworkError,
     NoWorkersAvailable,
     ProgramNotCached,
     ProtocolError,
@@ -47,7 +39,7 @@ from gpunet.identity import Identity
 from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
 from gpunet.ledger.store import Ledger, open_ledger
 from gpunet.ledger.writer import LedgerWriter
-from gpunet.wire import INLINE_BYTES
+from gpunet.utils import LRU, sha256_hex
 
 logger = logging.getLogger("gpunet.client")
 
@@ -59,6 +51,7 @@ class ClientConfig:
     refresh_period: float = 2.0  # seconds between worker-list refreshes
     discovery_wait: float = 10.0  # how long a job waits for a first worker to appear in an empty view
     max_rejections: int = 3  # worker-specific refusals tolerated before the refusal is final
+    max_resends: int = 2  # times a worker may lose a program between admission and run before it counts as failing
     routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
@@ -119,7 +112,9 @@ class ClientCore:
         network: str = DEFAULT_NETWORK,
         data_dir: str | Path | None = None,
         config: ClientConfig | None = None,
+        transport: Transport | None = None,
     ):
+        """``transport``: how jobs reach workers; by default this client's own node on the p2p network."""
         self.network = net.check_network_name(network)
         self.initial_peers = net.resolve_initial_peers(initial_peers)
         self.data_dir = client_data_dir(data_dir)
@@ -127,38 +122,31 @@ class ClientCore:
         self.identity = Identity.load_or_create(self.data_dir)
         self.reputation = Reputation.load(self.data_dir)
         self.router = Router(self.config.routing, reputation=self.reputation)
-        self.dht = None
-        self.p2p = None
+        self.transport = transport
+        self.settlement: Settlement | None = None
         self.ledger: Ledger | None = None
         self.books: LedgerWriter | None = None  # receipts are filed in batches, after the result is handed back
         self._refresher: asyncio.Task | None = None
         self._fresh = asyncio.Event()
-        self._estimates: dict[tuple, object] = {}
-        self._settlements: set[asyncio.Future] = set()  # countersignatures on their way to workers
-        self._owed: dict[str, list[tuple[str, bytes]]] = {}  # unary-door countersignatures not yet sent, per worker
-        self._flusher: asyncio.TimerHandle | None = None
+        self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
 
     @property
     def id(self) -> str:
         return self.identity.peer_id
 
     async def start(self) -> None:
-        self.dht = await asyncio.to_thread(
-            net.join, self.network, self.initial_peers, identity=self.identity, client_mode=True,
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        )
-        net.tie_to_this_process(self.dht)
-        self.p2p = await self.dht.replicate_p2p()
+        if self.transport is None:
+            self.transport = await P2PTransport.connect(self.network, self.initial_peers, self.identity)
+        self.settlement = Settlement(self.transport)
         self.ledger = open_ledger(self.data_dir)
         self.books = LedgerWriter(self.ledger, on_refused=self._receipt_refused)
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def close(self) -> None:
-        self._flush_owed()
         try:
-            if self._settlements:  # workers are owed these countersignatures: deliver them before leaving
-                await asyncio.wait(set(self._settlements), timeout=10)
+            if self.settlement is not None:  # workers are owed these countersignatures: deliver them before leaving
+                await self.settlement.close()
         finally:
             if self.books is not None:  # our receipts first: nothing below may lose them
                 self.books.close()
@@ -168,13 +156,8 @@ class ClientCore:
                 await self._refresher
             except (asyncio.CancelledError, Exception):
                 pass
-        if self.p2p is not None:
-            await self.p2p.shutdown()  # our replica's connections to the daemon, not the daemon itself
-        if self.dht is not None:
-            try:
-                await asyncio.to_thread(self.dht.shutdown)
-            except RuntimeError:  # at interpreter exit no new threads may start: shut it down from here
-                self.dht.shutdown()
+        if self.transport is not None:
+            await self.transport.close()
         if self.ledger is not None:
             self.ledger.close()
         self.reputation.save()
@@ -182,7 +165,7 @@ class ClientCore:
     # --- the worker view -------------------------------------------------------------------------------------------
 
     async def refresh(self) -> list[WorkerEntry]:
-        entries = await registry.discover_async(self.dht, self.network)
+        entries = await self.transport.discover()
         self.router.update(entries)
         if entries:
             self._fresh.set()
@@ -216,10 +199,12 @@ class ClientCore:
     async def _estimate(self, job, inputs: Sequence[torch.Tensor]):
         """FLOPs and memory by the same dry run the worker bills from; cached per program and input shapes."""
         key = (job.program_hash, *((tuple(t.shape), t.dtype) for t in inputs))
-        if key not in self._estimates:
+        estimate = self._estimates.get(key)
+        if estimate is None:
             # The first dry run of a program also validates it exactly as a worker would; keep it off the loop.
-            self._estimates[key] = await asyncio.to_thread(job.estimate, *inputs)
-        return self._estimates[key]
+            estimate = await asyncio.to_thread(job.estimate, *inputs)
+            self._estimates.put(key, estimate)
+        return estimate
 
     async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
                   job_id: str | None = None) -> JobResult:
@@ -229,9 +214,9 @@ class ClientCore:
         encoded = await _off_loop_if_large(job.encode_inputs, inputs)  # JobRejected: inputs misfit
         hashing = None
         if len(encoded) >= _LARGE_BYTES:  # only needed to check the receipt: hash big inputs while they travel
-            input_hash, hashing = None, asyncio.ensure_future(asyncio.to_thread(_sha256_hex, encoded))
+            input_hash, hashing = None, asyncio.ensure_future(asyncio.to_thread(sha256_hex, encoded))
         else:
-            input_hash = _sha256_hex(encoded)
+            input_hash = sha256_hex(encoded)
         estimate = await self._estimate(job, inputs)
         program = job.program_bytes()
         p = _Prepared(
@@ -264,7 +249,7 @@ class ClientCore:
             # Whatever went wrong (a replica failed, the caller cancelled), no result we did not pay for stays open.
             for i, c in enumerate(candidates):
                 if i not in paid:
-                    self._track(c.delivery.refuse("job abandoned before its results were compared"))
+                    self.settlement.refuse(c.delivery, "job abandoned before its results were compared")
             raise
 
     async def _verify(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
@@ -300,7 +285,7 @@ class ClientCore:
             if i not in group:
                 self.reputation.record(c.worker_id, "rejected")
                 paid.add(i)  # settled: refused on purpose
-                await c.delivery.refuse("result outvoted by the majority of redundant results")
+                self.settlement.refuse(c.delivery, "result outvoted by the majority of redundant results")
                 logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid",
                                c.worker_id[-8:], p.job_id[:12])
         attempts = [c.worker_id for c in candidates]
@@ -338,25 +323,28 @@ class ClientCore:
             tried.append(worker.id)
             self.router.started(worker.id)
             t0 = time.perf_counter()
+            request = JobRequest(job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
+                                 p.max_output_bytes)
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
-                    delivery = await self._send(worker, job_id, p.job.program_hash, p.program, p.encoded,
-                                                max(0.1, remaining), p.max_price, p.max_output_bytes)
+                    delivery = await self.transport.submit(
+                        worker, request, cached=self.router.holds_program(worker, p.job.program_hash),
+                        settlement=self.settlement)
                     if p.input_hash is None:
                         p.input_hash = await p.hashing
                 outputs = self._check(p, delivery)
             except WorkerBusy as e:
                 taken.discard(worker.id)
-                self.router.busy(worker.id)
+                self.router.on_busy(worker.id)
                 last_error = e
                 await asyncio.sleep(0.01)
                 continue
             except ProgramNotCached as e:
                 taken.discard(worker.id)
-                self.router.known_programs.get(worker.id, set()).discard(p.job.program_hash)
+                self.router.on_program_lost(worker.id, p.job.program_hash)
                 resends += 1
                 last_error = e
-                if resends > 2:  # a worker that keeps losing it is failing after all
+                if resends > self.config.max_resends:  # a worker that keeps losing it is failing after all
                     failed.add(worker.id)
                 continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
@@ -367,12 +355,10 @@ class ClientCore:
                 if len(rejections) >= self.config.max_rejections:
                     raise JobRejected(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
                 continue
-            except (asyncio.TimeoutError, GpunetError, ConnectionError, OSError) as e:
+            except (asyncio.TimeoutError, GpunetError) as e:  # the transport raises only gpunet errors
                 taken.discard(worker.id)
-                error = e if isinstance(e, GpunetError) else NetworkError(f"{type(e).__name__}: {e}")
-                if isinstance(e, asyncio.TimeoutError):
-                    error = JobTimeout(f"worker {worker.id[-8:]} took too long")
-                ban = self.router.failed(worker.id)
+                error = JobTimeout(f"worker {worker.id[-8:]} took too long") if isinstance(e, asyncio.TimeoutError) else e
+                ban = self.router.on_failure(worker.id)
                 self.reputation.record(worker.id, "timeout" if isinstance(error, JobTimeout) else "failure")
                 failed.add(worker.id)
                 last_error = error
@@ -381,7 +367,7 @@ class ClientCore:
                 continue
             finally:
                 self.router.finished(worker.id)
-            self.router.succeeded(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
+            self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds, cold=delivery.bytes_sent > len(p.encoded))
             return _Candidate(worker.id, delivery, outputs, tried)
 
@@ -394,14 +380,14 @@ class ClientCore:
                                      f"{delivery.worker_id[-8:]}")
         elif receipt.input_hash != p.input_hash:
             problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
-        elif receipt.output_hash != _sha256_hex(delivery.outputs):
+        elif receipt.output_hash != sha256_hex(delivery.outputs):
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
         else:
             try:
                 return p.job.decode_outputs(delivery.outputs, expected=p.outputs)
             except GpunetError as e:
                 problem = ProtocolError(f"outputs do not match the program's output specs: {e}")
-        self._track(delivery.refuse(str(problem)))
+        self.settlement.refuse(delivery, str(problem))
         raise problem
 
     async def _pay(self, p: "_Prepared", c: "_Candidate", attempts: list[str], checked: bool = False) -> JobResult:
@@ -412,81 +398,23 @@ class ClientCore:
             signed = countersign(c.delivery.receipt, self.identity, output_hash=c.delivery.receipt.output_hash,
                                  max_price=p.max_price, flops=p.flops, check_worker_signature=False)
         except GpunetError as e:
-            await c.delivery.refuse(str(e))
+            self.settlement.refuse(c.delivery, str(e))
             self.reputation.record(c.worker_id, "failure")
             raise
         self.books.append(signed)  # a job id is this client's own fresh uuid: never held already
         self.reputation.record(c.worker_id, "valid", checked=checked)
         # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
         # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
-        if c.delivery.via_unary:
-            self._owed.setdefault(c.worker_id, []).append((signed.job_id, signed.client_signature))
-            self._schedule_flush()
-        else:
-            self._track(c.delivery.countersign(signed.client_signature))
+        self.settlement.countersign(c.delivery, signed.client_signature)
         # attempts: every worker this job went to, in order (for a verified job: the replicas, then any retries).
         return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
                          c.delivery.bytes_sent)
-
-    async def _send(self, worker: WorkerEntry, job_id: str, program_hash: str, program: bytes, inputs: bytes,
-                    timeout: float, max_price: int | None, max_output_bytes: int):
-        """The unary door (one round trip) when the job is small and the worker should hold the program; else, or
-        when the worker says so, the stream door (any size, sends the program if needed)."""
-        if len(inputs) <= INLINE_BYTES and self.router.holds_program(worker, program_hash):
-            owed = self._owed.pop(worker.id, [])
-            if len(owed) > MAX_RIDE_ALONG:  # the rest go in a batch of their own
-                owed, self._owed[worker.id] = owed[:MAX_RIDE_ALONG], owed[MAX_RIDE_ALONG:]
-                self._schedule_flush()
-            try:
-                return await send_job_unary(self.p2p, self.network, worker.id, job_id=job_id, program_hash=program_hash,
-                                            inputs=inputs, timeout=timeout, max_price=max_price, settle=owed)
-            except UseStream:
-                pass  # the countersignatures rode along; the worker took them before answering
-            except BaseException as e:
-                self._owed.setdefault(worker.id, [])[:0] = owed  # not delivered: owe them still
-                self._schedule_flush()
-                if isinstance(e, asyncio.CancelledError):  # cancelled or timed out: the worker can stop work on it
-                    self._track(_quietly(send_cancel(self.p2p, self.network, worker.id, job_id)))
-                raise
-        return await send_job(self.p2p, self.network, worker.id, list(worker.record.maddrs), job_id=job_id,
-                              program_hash=program_hash, program_bytes=program, inputs=inputs, timeout=timeout,
-                              max_price=max_price, max_output_bytes=max_output_bytes)
-
-    def _track(self, coro) -> None:
-        settlement = asyncio.ensure_future(coro)
-        self._settlements.add(settlement)
-        settlement.add_done_callback(self._settlements.discard)
-
-    def _schedule_flush(self) -> None:
-        if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().call_later(SETTLE_DELAY, self._flush_owed)
-
-    def _flush_owed(self) -> None:
-        """Send every countersignature still owed in one call per worker."""
-        self._flusher = None
-        owed, self._owed = self._owed, {}
-        for worker_id, items in owed.items():
-            for lo in range(0, len(items), 256):
-                self._track(_quietly(send_settlements(self.p2p, self.network, worker_id, items[lo : lo + 256])))
 
 
 _LARGE_BYTES = 1 << 20
 #: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
 OUTPUT_HEADER_ALLOWANCE = 64 * 1024
-#: How long a countersignature may wait to ride on the next job to the same worker before it is sent on its own.
-SETTLE_DELAY = 0.05
-MAX_RIDE_ALONG = 256
-
-
-async def _quietly(coro) -> None:
-    try:
-        await coro
-    except Exception as e:  # the worker keeps the job as unpaid; nothing else to do
-        logger.debug("A countersignature could not be delivered: %s", e)
-
-
-def _sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+MAX_ESTIMATES = 1024
 
 
 async def _off_loop_if_large(encode, inputs):

@@ -1,5 +1,8 @@
 """Routing: which worker gets a job. Decides *who*; :mod:`gpunet.client.transport` decides *how*.
 
+Pure: no I/O. The client reports each outcome (``on_success``, ``on_failure``, ``on_busy``, ``on_program_lost``)
+and asks again.
+
 Workers are filtered by the job's :class:`Requirements` and their state, then ranked by expected completion time::
 
     wait     = (record queue + this client's jobs in flight there) / max_concurrent * typical job time there
@@ -206,7 +209,7 @@ class Router:
         if self.inflight[worker_id] <= 0:
             del self.inflight[worker_id]
 
-    def succeeded(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float,
+    def on_success(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float,
                   cold: bool = False) -> None:
         """Learn from a finished job. ``cold``: the worker had to receive and load the program first; that one-time
         cost says nothing about its next jobs, so only bandwidth is learned from it (else one cold start would rank
@@ -228,7 +231,7 @@ class Router:
             measured = bytes_sent / transfer_seconds
             self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
 
-    def failed(self, worker_id: str, now: float | None = None) -> float:
+    def on_failure(self, worker_id: str, now: float | None = None) -> float:
         """Ban ``worker_id`` for ban_base * 2^(strikes-1) seconds (capped); returns the ban's length."""
         now = time.monotonic() if now is None else now
         ban = self.bans.setdefault(worker_id, _Ban())
@@ -239,7 +242,11 @@ class Router:
         self.known_programs.pop(worker_id, None)
         return length
 
-    def busy(self, worker_id: str, now: float | None = None) -> None:
+    def on_program_lost(self, worker_id: str, program_hash: str) -> None:
+        """The worker no longer holds a program we sent it (evicted): the next job there carries it again."""
+        self.known_programs.get(worker_id, set()).discard(program_hash)
+
+    def on_busy(self, worker_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         ban = self.bans.setdefault(worker_id, _Ban())
         if ban.until <= now + self.config.busy_cooldown:

@@ -1,250 +1,226 @@
-"""The client's side of the job protocol (see :mod:`gpunet.worker.service` for the exchange): moves bytes, nothing else.
+"""How a job reaches a worker: the client's side of the doors in :mod:`gpunet.protocol`. Moves bytes, decides nothing.
 
-Routing decides who; this module opens the libp2p stream to that worker, sends the job, streams payloads, and returns
-the worker's outputs and signed receipt, leaving the stream open for the countersignature.
+Routing (:mod:`gpunet.client.routing`) decides *who*; a :class:`Transport` decides *how*: the unary door (one round
+trip, countersignatures owed to that worker riding along) for a small job whose program the worker should hold, the
+stream door (any size, the program sent if asked) otherwise or when the worker says so. Everything the network can
+throw (the daemon's errors, ``ConnectionError``, ``OSError``) leaves a transport as a :class:`~gpunet.GpunetError`.
+
+:class:`P2PTransport` is the real one over hivemind; ``ClientCore(transport=...)`` takes any object with the same
+methods (tests use an in-process fake, so retries, bans and verification are checked without go-libp2p).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 
-from hivemind.p2p import PeerID
-
-from gpunet.errors import NetworkError, ProtocolError
+from gpunet import protocol
+from gpunet.errors import GpunetError, NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
-from gpunet.wire import (
+from gpunet.protocol import (
     INLINE_BYTES,
-    cancel_protocol,
-    error_from_frame,
-    field,
-    info_protocol,
-    job_protocol,
-    pack,
-    ping_protocol,
-    read_frame,
-    read_payload,
-    run_protocol,
-    settle_protocol,
-    unpack,
-    write_frame,
-    write_payload,
+    Cancel,
+    Countersign,
+    Door,
+    Error,
+    Ok,
+    Payload,
+    Refuse,
+    Result,
+    Send,
+    SettleBatch,
+    Submit,
+    UseStream,
 )
 
+if TYPE_CHECKING:
+    from gpunet.client.settlement import Settlement
+    from gpunet.dht.registry import WorkerEntry
+    from gpunet.identity import Identity
+    from gpunet.rpc import RPC
+
 MAX_OUTPUT_BYTES = 4 * 1024**3
+Verdict = Countersign | Refuse
 
 
-@functools.lru_cache(maxsize=4096)
-def _peer(worker_id: str) -> PeerID:
-    return PeerID.from_base58(worker_id)
+@dataclass(frozen=True)
+class JobRequest:
+    """One job as it goes to one worker."""
+
+    job_id: str
+    program_hash: str
+    program: bytes  # the container; sent only when the worker asks for it
+    inputs: bytes
+    timeout: float
+    max_price: int | None  # micro-credits per PFLOP
+    max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
+
+
+async def _nothing(verdict: Verdict) -> None:
+    pass
 
 
 @dataclass
 class Delivery:
-    """A worker's answer: outputs and receipt, with a way back to the worker to countersign or refuse."""
+    """A worker's answer: outputs and receipt, with the way back to that worker for the client's verdict."""
 
     worker_id: str  # the peer that answered, as the libp2p channel authenticated it
     outputs: bytes
     receipt: Receipt
     bytes_sent: int
     transfer_seconds: float
-    _writer: asyncio.StreamWriter | None = None  # the stream door: answer on the same stream
-    _settle: Callable[[dict], Awaitable[None]] | None = None  # the unary door: a settle call
+    via_unary: bool = False  # countersignatures for unary answers can ride on the next job to the worker
+    finish: Callable[[Verdict], Awaitable[None]] = _nothing  # send the verdict (and close the stream, if any)
+    close: Callable[[], None] = lambda: None  # hang up without a verdict: the work stays unpaid
 
-    @property
-    def via_unary(self) -> bool:
-        return self._writer is None
 
-    async def countersign(self, signature: bytes) -> None:
-        await self._finish({"t": "countersign", "job": self.receipt.job_id, "signature": signature})
+class Transport(Protocol):
+    async def discover(self) -> list["WorkerEntry"]: ...
 
-    async def refuse(self, reason: str) -> None:
-        await self._finish({"t": "refuse", "job": self.receipt.job_id, "reason": reason[:500]})
+    async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
+                     settlement: "Settlement") -> Delivery:
+        """Run ``request`` on ``worker``; ``cached``: the worker should hold the program. Raises WorkerBusy,
+        JobRejected, JobFailed, JobTimeout, ProgramNotCached, ProtocolError or NetworkError."""
 
-    async def _finish(self, frame: dict) -> None:
+    async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None: ...
+
+    async def cancel(self, worker_id: str, job_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class P2PTransport:
+    """Jobs over hivemind's p2p daemon, as this client's own DHT node (a client: it serves no records)."""
+
+    def __init__(self, dht, rpc: "RPC"):
+        self.dht, self.rpc = dht, rpc
+
+    @classmethod
+    async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
+        from gpunet.dht import network as net
+        from gpunet.rpc import RPC
+
+        dht = await asyncio.to_thread(net.join, network, initial_peers, identity=identity, client_mode=True,
+                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"])
         try:
-            if self._writer is not None:
-                await write_frame(self._writer, frame)
-            elif self._settle is not None:
-                await self._settle(frame)
-        except Exception:
-            pass  # the worker keeps it as unpaid; nothing more we can do
-        finally:
-            self.close()
+            net.tie_to_this_process(dht)
+            return cls(dht, RPC(await dht.replicate_p2p(), network))
+        except BaseException:
+            dht.shutdown()
+            raise
 
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+    async def discover(self) -> list["WorkerEntry"]:
+        from gpunet.dht import registry
+
+        return await registry.discover_async(self.dht, self.rpc.network)
+
+    async def close(self) -> None:
+        await self.rpc.close()
+        try:
+            await asyncio.to_thread(self.dht.shutdown)
+        except RuntimeError:  # at interpreter exit no new threads may start: shut it down from here
+            self.dht.shutdown()
+
+    # --- jobs ------------------------------------------------------------------------------------------------------
+
+    async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
+                     settlement: "Settlement") -> Delivery:
+        try:
+            if len(request.inputs) <= INLINE_BYTES and cached:
+                owed = settlement.take(worker.id)
+                try:
+                    return await self.run_unary(worker.id, request, settle=owed)
+                except _UseStream:
+                    pass  # the countersignatures rode along; the worker took them before answering
+                except BaseException as e:
+                    settlement.give_back(worker.id, owed)  # not delivered: owe them still
+                    if isinstance(e, asyncio.CancelledError):  # cancelled or timed out: the worker can stop work on it
+                        settlement.track(self.cancel(worker.id, request.job_id))
+                    raise
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+        except (ConnectionError, OSError) as e:
+            raise NetworkError(f"worker {worker.id[-8:]}: {type(e).__name__}: {e}") from None
+
+    async def run_unary(self, worker_id: str, request: JobRequest, settle: Sequence[tuple[str, bytes]] = ()
+                        ) -> Delivery:
+        """One round trip over the daemon's persistent connection, for a small job whose program the worker holds.
+
+        ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle
+        calls. Raises _UseStream when the worker wants the stream door instead.
+        """
+        submit = Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
+                        request.max_price, tuple(settle))
+        reply = await self.rpc.call(worker_id, Door.RUN, submit, Result, UseStream, Error)
+        if isinstance(reply, UseStream):
+            raise _UseStream()
+        if isinstance(reply, Error):
+            raise reply.exception()
+        if reply.outputs is None:
+            raise ProtocolError("a unary result must carry its outputs")
+        receipt = Receipt.from_bytes(reply.receipt)
+
+        async def finish(verdict: Verdict) -> None:
+            await self.rpc.call(worker_id, Door.SETTLE, verdict, Ok, Error)
+
+        return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish)
+
+    async def run_stream(self, worker_id: str, maddrs: Sequence[str], request: JobRequest) -> Delivery:
+        """The stream door: any size; sends the program when the worker asks for it."""
+        reader, writer = await self.rpc.open(worker_id, Door.JOB, maddrs)
+        try:
+            inline = len(request.inputs) <= INLINE_BYTES
+            await protocol.write(writer, Submit(request.job_id, request.program_hash, len(request.inputs),
+                                                request.inputs if inline else None, request.timeout,
+                                                request.max_price))
+            sent = len(request.inputs) if inline else 0
+            reply = await protocol.read(reader, Send, Result, Error)
+            transfer_seconds = 0.0
+            if isinstance(reply, Send):
+                t0 = time.perf_counter()
+                await protocol.write(writer, Payload(len(request.program) if reply.program else None,
+                                                     len(request.inputs) if reply.inputs else None))
+                if reply.program:
+                    await protocol.write_payload(writer, request.program)
+                    sent += len(request.program)
+                if reply.inputs:
+                    await protocol.write_payload(writer, request.inputs)
+                    sent += len(request.inputs)
+                transfer_seconds = time.perf_counter() - t0
+                reply = await protocol.read(reader, Result, Error)
+            if isinstance(reply, Error):
+                raise reply.exception()
+            outputs = reply.outputs
+            if outputs is None:
+                t0 = time.perf_counter()
+                outputs = bytes(await protocol.read_payload(
+                    reader, reply.outputs_size, min(request.max_output_bytes, MAX_OUTPUT_BYTES), "outputs"))
+                transfer_seconds += time.perf_counter() - t0
+            receipt = Receipt.from_bytes(reply.receipt)
+        except BaseException:
+            writer.close()
+            raise
+
+        async def finish(verdict: Verdict) -> None:
+            try:
+                await protocol.write(writer, verdict)
+            finally:
+                writer.close()
+
+        return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, finish=finish, close=writer.close)
+
+    async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
+        """Countersignatures for results received through the unary door, in one call."""
+        await self.rpc.call(worker_id, Door.SETTLE, SettleBatch(tuple(items)), Ok, Error)
+
+    async def cancel(self, worker_id: str, job_id: str) -> bool:
+        """Ask a worker to stop a job we submitted through the unary door; True if it was still queued or running."""
+        reply = await self.rpc.call(worker_id, Door.CANCEL, Cancel(job_id), Ok, Error)
+        if isinstance(reply, Error):
+            raise reply.exception()
+        return bool(reply.cancelled)
 
 
-class UseStream(Exception):
+class _UseStream(GpunetError):
     """The worker cannot take this job through the unary door (it lacks the program, or the outputs are large)."""
-
-
-async def open_stream(p2p, worker_id: str, maddrs: list[str], protocol: str):
-    """A stream to ``worker_id``; dials its advertised addresses if the daemon does not know the peer yet."""
-    peer = PeerID.from_base58(worker_id)
-    try:
-        return await p2p.call_binary_stream_handler(peer, protocol)
-    except Exception as first:
-        if not maddrs:
-            raise NetworkError(f"cannot reach worker {worker_id[-8:]}: {first}") from None
-    try:
-        from hivemind.utils.multiaddr import Multiaddr
-
-        await p2p._client.connect(peer, [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
-        return await p2p.call_binary_stream_handler(peer, protocol)
-    except Exception as e:
-        raise NetworkError(f"cannot reach worker {worker_id[-8:]}: {e}") from None
-
-
-async def send_settlements(p2p, network: str, worker_id: str, items: list[tuple[str, bytes]]) -> None:
-    """Countersignatures for results received through the unary door, in one call."""
-    request = pack({"t": "countersign_batch", "items": [list(i) for i in items]})
-    await p2p._client.call_unary_handler(_peer(worker_id), settle_protocol(network), request)
-
-
-async def send_cancel(p2p, network: str, worker_id: str, job_id: str) -> bool:
-    """Ask a worker to stop a job we submitted through the unary door; True if it was still queued or running."""
-    reply = await p2p._client.call_unary_handler(_peer(worker_id), cancel_protocol(network),
-                                                 pack({"t": "cancel", "job": job_id}))
-    return bool(unpack(reply, "ok").get("cancelled"))
-
-
-async def send_job_unary(
-    p2p,
-    network: str,
-    worker_id: str,
-    *,
-    job_id: str,
-    program_hash: str,
-    inputs: bytes,
-    timeout: float,
-    max_price: int | None,
-    settle: list[tuple[str, bytes]] = (),
-) -> Delivery:
-    """One round trip over the daemon's persistent connection, for a small job whose program the worker holds.
-
-    ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle calls.
-    Raises UseStream when the worker wants the stream door instead, or the same errors as :func:`send_job`.
-    """
-    peer = _peer(worker_id)
-    message = {"t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs), "inputs": inputs,
-               "timeout": float(timeout), "max_price": max_price}
-    if settle:
-        message["settle"] = [list(i) for i in settle]
-    try:
-        reply = await p2p._client.call_unary_handler(peer, run_protocol(network), pack(message))
-    except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
-        raise NetworkError(f"worker {worker_id[-8:]} did not answer: {e}") from None
-    frame = unpack(reply, ("use_stream", "error", "result"))
-    if frame["t"] == "use_stream":
-        raise UseStream()
-    if frame["t"] == "error":
-        raise error_from_frame(frame)
-    outputs = field(frame, "outputs", bytes)
-    if len(outputs) != field(frame, "outputs_size", int):
-        raise ProtocolError("outputs do not match their declared size")
-    receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
-
-    async def settle(message: dict) -> None:
-        await p2p._client.call_unary_handler(peer, settle_protocol(network), pack(message))
-
-    return Delivery(worker_id, outputs, receipt, len(inputs), 0.0, _settle=settle)
-
-
-async def send_job(
-    p2p,
-    network: str,
-    worker_id: str,
-    maddrs: list[str],
-    *,
-    job_id: str,
-    program_hash: str,
-    program_bytes: bytes,
-    inputs: bytes,
-    timeout: float,
-    max_price: int | None,
-    max_output_bytes: int = MAX_OUTPUT_BYTES,
-) -> Delivery:
-    """Run one job on one worker. Raises WorkerBusy, JobRejected, JobFailed, JobTimeout, ProtocolError, NetworkError.
-
-    ``max_output_bytes``: the most the answer may declare (the client knows it from the dry run); more is refused
-    before anything is read.
-    """
-    _, reader, writer = await open_stream(p2p, worker_id, maddrs, job_protocol(network))
-    try:
-        submit = {
-            "t": "submit", "job": job_id, "program": program_hash, "inputs_size": len(inputs),
-            "timeout": float(timeout), "max_price": max_price,
-        }
-        inline = len(inputs) <= INLINE_BYTES
-        if inline:
-            submit["inputs"] = inputs
-        await write_frame(writer, submit)
-        sent = len(inputs) if inline else 0
-        frame = await read_frame(reader, ("send", "result", "error"))
-        transfer_seconds = 0.0
-        if frame["t"] == "send":
-            want_program = field(frame, "program", bool)
-            want_inputs = field(frame, "inputs", bool)
-            t0 = time.perf_counter()
-            await write_frame(writer, {
-                "t": "payload",
-                "program_size": len(program_bytes) if want_program else None,
-                "inputs_size": len(inputs) if want_inputs else None,
-            })
-            if want_program:
-                await write_payload(writer, program_bytes)
-                sent += len(program_bytes)
-            if want_inputs:
-                await write_payload(writer, inputs)
-                sent += len(inputs)
-            transfer_seconds = time.perf_counter() - t0
-            frame = await read_frame(reader, ("result", "error"))
-        if frame["t"] == "error":
-            raise error_from_frame(frame)
-        size = field(frame, "outputs_size", int)
-        outputs = frame.get("outputs")
-        if outputs is None:
-            t0 = time.perf_counter()
-            outputs = bytes(await read_payload(reader, size, min(max_output_bytes, MAX_OUTPUT_BYTES), "outputs"))
-            transfer_seconds += time.perf_counter() - t0
-        elif not isinstance(outputs, bytes) or len(outputs) != size:
-            raise ProtocolError("inline outputs do not match their declared size")
-        receipt = Receipt.from_bytes(field(frame, "receipt", bytes))
-        return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, _writer=writer)
-    except BaseException:
-        writer.close()
-        raise
-
-
-async def ping(p2p, network: str, worker_id: str, payload: bytes = b"") -> dict:
-    """One unary round trip to a worker: its clock and our payload echoed back."""
-    import msgpack
-
-    try:
-        reply = await p2p._client.call_unary_handler(PeerID.from_base58(worker_id), ping_protocol(network), payload)
-    except Exception as e:
-        raise NetworkError(f"worker {worker_id[-8:]} did not answer a ping: {e}") from None
-    try:
-        return msgpack.unpackb(reply, raw=False)
-    except Exception:
-        raise ProtocolError("ping reply is not valid msgpack") from None
-
-
-async def fetch_info(p2p, network: str, worker_id: str, maddrs: list[str]) -> dict:
-    """A worker's live record and clock, straight from the worker (used by ``doctor`` and tests)."""
-    _, reader, writer = await open_stream(p2p, worker_id, maddrs, info_protocol(network))
-    try:
-        t0 = time.time()
-        await write_frame(writer, {"t": "info"})
-        frame = await read_frame(reader, "info")
-        frame["rtt"] = time.time() - t0
-        frame["local_time"] = (t0 + time.time()) / 2
-        return frame
-    finally:
-        writer.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
 from typing import Iterable
 
 import msgpack
@@ -32,6 +31,7 @@ from gpunet.dht.records import (
 )
 from gpunet.errors import GpunetError
 from gpunet.identity import Identity, verify
+from gpunet.utils import LRU
 
 #: Appended to a signed value, followed by the 64-byte Ed25519 signature.
 SIGNATURE_TAG = b"\x00gpunet-sig-v1\x00"
@@ -52,8 +52,7 @@ class _VerdictCache:
     """
 
     def __init__(self, capacity: int = 200_000):
-        self._capacity = capacity
-        self._verdicts: OrderedDict[bytes, bool] = OrderedDict()
+        self._verdicts: LRU[bytes, bool] = LRU(capacity)
 
     @staticmethod
     def digest(*parts: bytes) -> bytes:
@@ -64,15 +63,10 @@ class _VerdictCache:
         return h.digest()
 
     def get(self, digest: bytes) -> bool | None:
-        verdict = self._verdicts.get(digest)
-        if verdict is not None:
-            self._verdicts.move_to_end(digest)
-        return verdict
+        return self._verdicts.get(digest)
 
     def put(self, digest: bytes, verdict: bool) -> bool:
-        self._verdicts[digest] = verdict
-        if len(self._verdicts) > self._capacity:
-            self._verdicts.popitem(last=False)
+        self._verdicts.put(digest, verdict)
         return verdict
 
 

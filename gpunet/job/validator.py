@@ -9,7 +9,6 @@ job over a limit before a byte is allocated on the real device. Failures raise J
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -29,6 +28,7 @@ from gpunet.job.format import (
     parse_json,
 )
 from gpunet.job.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
+from gpunet.utils import LRU
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
 #   file I/O and printing (not in core, never added), random ops and seeding (rand, randn, randperm, native_dropout,
@@ -121,7 +121,7 @@ class Program:
         self.output_slots: list[int] = []
         self.weights: list[torch.Tensor] = []
         self._meta_weights: list[torch.Tensor] = []
-        self._estimates: OrderedDict[tuple, Estimate] = OrderedDict()
+        self._estimates: LRU[tuple, Estimate] = LRU(64)
         self._lock = threading.Lock()
 
     @property
@@ -146,9 +146,9 @@ class Program:
         check_inputs(self.manifest, inputs)
         key = tuple((t.dtype, tuple(t.shape)) for t in inputs)
         with self._lock:
-            if key in self._estimates:
-                self._estimates.move_to_end(key)
-                return self._estimates[key]
+            known = self._estimates.get(key)
+        if known is not None:
+            return known
         mem_limit = _tighter(self.limits.max_peak_memory_bytes, self.manifest.limits.max_peak_memory_bytes)
         flop_limit = _tighter(self.limits.max_flops, self.manifest.limits.max_flops)
         meta_inputs = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs]
@@ -167,9 +167,7 @@ class Program:
             raise JobRejected(f"dry run: an output is not a tensor gpunet can carry ({e})") from None
         est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs)
         with self._lock:
-            self._estimates[key] = est
-            while len(self._estimates) > 64:
-                self._estimates.popitem(last=False)
+            self._estimates.put(key, est)
         return est
 
 

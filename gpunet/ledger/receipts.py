@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from typing import Any
@@ -32,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 
 from gpunet.errors import IdentityError, InvalidReceipt
 from gpunet.identity import Identity, public_key_from_peer_id
+from gpunet.utils import LRU
 
 FORMAT_VERSION = 1
 SIGNING_DOMAIN = b"gpunet/receipt/v1\x00"
@@ -87,8 +87,7 @@ class _Verdicts:
     A signature this process has just made with its own key is recorded as valid without being checked again."""
 
     def __init__(self, size: int = 8192):
-        self._size = size
-        self._known: OrderedDict[tuple[str, bytes, bytes], bool] = OrderedDict()
+        self._known: LRU[tuple[str, bytes, bytes], bool] = LRU(size)
         self._lock = threading.Lock()  # ledger verification checks receipts from several threads
 
     def valid(self, peer_id: str, signature: bytes, message: bytes) -> bool:
@@ -109,9 +108,7 @@ class _Verdicts:
 
     def _remember(self, key: tuple[str, bytes, bytes], verdict: bool) -> None:
         with self._lock:
-            self._known[key] = verdict
-            if len(self._known) > self._size:
-                self._known.popitem(last=False)
+            self._known.put(key, verdict)
 
 
 _verdicts = _Verdicts()

@@ -23,6 +23,7 @@ from typing import Callable
 from gpunet.errors import InvalidReceipt
 from gpunet.ledger.receipts import Receipt
 from gpunet.ledger.store import Ledger
+from gpunet.utils import Debounce
 
 logger = logging.getLogger("gpunet.ledger")
 
@@ -49,7 +50,7 @@ class LedgerWriter:
         self._complete: list[Receipt] = []  # in queue order; a second receipt for a job id is kept (conflict evidence)
         self._by_job: dict[str, Receipt] = {}  # the first queued receipt per job id, for ``get``
         self._unpaid: list[Receipt] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = Debounce(delay, self._flush_soon)
         self._failing = False  # the last write failed: retry on a timer, never on the caller's path
 
     def append(self, receipt: Receipt) -> None:
@@ -73,9 +74,7 @@ class LedgerWriter:
 
     def flush(self) -> None:
         """Write everything queued now, in one transaction (one by one if the batch as a whole fails)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         if not self.pending:
             return
         complete, unpaid = self._complete, self._unpaid
@@ -118,19 +117,15 @@ class LedgerWriter:
         self.flush()
 
     def _retry(self) -> None:
-        try:
-            self._timer = asyncio.get_running_loop().call_later(max(1.0, self.delay), self._flush_soon)
-        except RuntimeError:  # no loop (closing): the caller hears of it through the log
-            pass
+        self._timer.poke(max(1.0, self.delay))  # without a loop (closing) the caller hears of it through the log
 
     def _schedule(self) -> None:
         if self.pending >= self.max_pending and not self._failing:
             self.flush()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.delay, self._flush_soon)
+        else:
+            self._timer.poke()
 
     def _flush_soon(self) -> None:
-        self._timer = None
         task = asyncio.get_running_loop().create_task(self._check_then_flush(list(self._complete), list(self._unpaid)))
         _background.add(task)
         task.add_done_callback(_background.discard)

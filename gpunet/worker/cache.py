@@ -7,15 +7,14 @@ shared by the executor processes: writes are atomic (temp file + rename) and evi
 from __future__ import annotations
 
 import os
-import re
 import tempfile
-from collections import OrderedDict
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from gpunet.errors import JobRejected
+from gpunet.protocol import PROGRAM_HASH_RE
+from gpunet.utils import LRU
 
-PROGRAM_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")
 V = TypeVar("V")
 
 
@@ -26,41 +25,8 @@ def check_hash(program_hash: str) -> str:
     return program_hash
 
 
-class MemoryLRU(Generic[V]):
-    """At most ``max_items`` values and ``max_bytes`` in total (each value's size given on insert)."""
-
-    def __init__(self, max_items: int, max_bytes: int):
-        self.max_items, self.max_bytes = max_items, max_bytes
-        self._items: OrderedDict[str, tuple[V, int]] = OrderedDict()
-        self._bytes = 0
-
-    def get(self, key: str) -> V | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        self._items.move_to_end(key)
-        return item[0]
-
-    def put(self, key: str, value: V, nbytes: int) -> None:
-        if nbytes > self.max_bytes:
-            return  # larger than the whole cache: keep nothing rather than evict everything
-        self.pop(key)
-        self._items[key] = (value, nbytes)
-        self._bytes += nbytes
-        while len(self._items) > self.max_items or self._bytes > self.max_bytes:
-            _, (_, n) = self._items.popitem(last=False)
-            self._bytes -= n
-
-    def pop(self, key: str) -> None:
-        item = self._items.pop(key, None)
-        if item is not None:
-            self._bytes -= item[1]
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
-
-    def keys(self) -> list[str]:
-        return list(self._items)
+class MemoryLRU(LRU[str, V]):
+    """Loaded programs: at most ``max_items`` and ``max_bytes`` in total (each program's size given on insert)."""
 
 
 class DiskCache:

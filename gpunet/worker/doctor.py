@@ -185,22 +185,21 @@ def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Che
 
 
 async def _clock_offsets(dht, network: str, worker_ids: list[str]) -> list[float]:
-    from gpunet.client.transport import ping
+    from gpunet.rpc import RPC
 
-    p2p = await dht.replicate_p2p()
+    rpc = RPC(await dht.replicate_p2p(), network)
     offsets = []
     try:
         for worker_id in worker_ids:
             try:
                 before = time.time()
-                reply = await asyncio.wait_for(ping(p2p, network, worker_id), 5)
+                reply = await asyncio.wait_for(rpc.ping(worker_id), 5)
                 after = time.time()
             except Exception:
                 continue  # an unreachable worker says nothing about our clock
-            if isinstance(reply, dict) and isinstance(reply.get("time"), float):
-                offsets.append(reply["time"] - (before + after) / 2)
+            offsets.append(reply.time - (before + after) / 2)
     finally:
-        await p2p.shutdown()
+        await rpc.close()
     return offsets
 
 

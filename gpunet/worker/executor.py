@@ -105,6 +105,9 @@ class _Slot:
             timer.cancel()
             for fd in fds:
                 loop.remove_reader(fd)
+            # uvloop (libuv) switches a watched descriptor to non-blocking mode; the pipe's reads that follow expect
+            # a blocking one (a reply is read whole once its first bytes are in), so put it back.
+            os.set_blocking(self.conn.fileno(), True)
 
     def send(self, messages: list[bytes], shared: bytes | None = None) -> None:
         """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor."""

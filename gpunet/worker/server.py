@@ -23,6 +23,7 @@ from gpunet.dht.records import MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import price_to_micro
 from gpunet.ledger.store import open_ledger
+from gpunet.utils import new_event_loop
 from gpunet.worker import hardware as hw
 from gpunet.worker import metrics, throughput
 
@@ -59,7 +60,7 @@ class Worker:
     # --- the record ------------------------------------------------------------------------------------------------
 
     def record(self) -> WorkerRecord:
-        service, ledger = self.service, self.ledger
+        admission, ledger = self.service.admission if self.service else None, self.ledger
         head = ledger.head() if ledger is not None else None
         return WorkerRecord(
             version=__version__,
@@ -68,8 +69,8 @@ class Worker:
             tflops=self.tflops,
             price=float(self.config.price),
             max_concurrent=self.config.max_concurrent,
-            queue=service.queue_length if service else 0,
-            jobs_done=service.jobs_done if service else 0,
+            queue=admission.queue_length if admission else 0,
+            jobs_done=admission.jobs_done if admission else 0,
             started_at=self.started_at,
             updated_at=time.time(),
             programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
@@ -85,8 +86,8 @@ class Worker:
         if state is not None:
             self.state = state
         if self.service is not None:
-            metrics.QUEUE.set(self.service.queue_length)
-            metrics.RUNNING.set(self.service.running)
+            metrics.QUEUE.set(self.service.admission.queue_length)
+            metrics.RUNNING.set(self.service.admission.running)
         if self.state is not WorkerState.OFFLINE:
             self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
         # A newer expiration is what makes the DHT replace our previous record (the tombstone included).
@@ -101,7 +102,8 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        return asyncio.run(self.serve())
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(self.serve())
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
@@ -160,31 +162,28 @@ class Worker:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.config.heartbeat)
             except asyncio.TimeoutError:
                 await self.announce()
-                done = self.service.jobs_done if self.service else 0
+                admission = self.service.admission
+                done = admission.jobs_done
                 if done != reported:
                     logger.info("Served %d job(s) since the last heartbeat (%d in all); %d queued, %d running",
-                                done - reported, done, self.service.queue_length, self.service.running)
+                                done - reported, done, admission.queue_length, admission.running)
                     reported = done
 
     async def _drain(self) -> None:
-        if self.service is not None:
-            self.service.accepting = False
+        admission, settlement = self.service.admission, self.service.settlement
+        admission.drain()
         await self.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
-        while self.service is not None and self.service.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.service is not None and self.service.active:
-            logger.warning("%d job(s) still running after %.0f s; abandoning them", self.service.active, self.config.drain_timeout)
+        if not await _within(admission.drained(), deadline - time.monotonic()):
+            logger.warning("%d job(s) still running after %.0f s; abandoning them", admission.active,
+                           self.config.drain_timeout)
         # Results already delivered may still have their countersignature on the way: give it a moment.
         grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))
-        settle_by = time.monotonic() + grace
-        while self.service is not None and self.service.unsettled and time.monotonic() < settle_by:
-            await asyncio.sleep(0.05)
-        if self.service is not None and self.service.unsettled:
+        if not await _within(settlement.all_settled(), grace):
             logger.warning("%d delivered job(s) were never countersigned; they stay in `gpunet ledger unpaid`",
-                           len(self.service.unsettled))
+                           len(settlement.unsettled))
         await self.announce(WorkerState.OFFLINE)
-        logger.info("Left the network (served %d jobs). Goodbye.", self.service.jobs_done if self.service else 0)
+        logger.info("Left the network (served %d jobs). Goodbye.", admission.jobs_done)
 
     # --- job services: the RPC handler and executors plug in here ---------------------------------------------------
 
@@ -197,6 +196,8 @@ class Worker:
 
     async def start_services(self) -> None:
         """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
+        from gpunet.rpc import RPC
+        from gpunet.worker.admission import Admission
         from gpunet.worker.executor import Executor
         from gpunet.worker.service import JobService
 
@@ -211,16 +212,14 @@ class Worker:
         self.ledger = open_ledger(self.data_dir)
         self.service = JobService(
             identity=self.identity,
-            network=cfg.network,
             executor=self.executor,
             ledger=self.ledger,
-            price_micro=price_to_micro(cfg.price),
-            max_concurrent=cfg.max_concurrent,
-            max_queue=cfg.max_queue,
+            admission=Admission(price_micro=price_to_micro(cfg.price), max_concurrent=cfg.max_concurrent,
+                                max_queue=cfg.max_queue),
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
         )
-        await self.service.start(await self.dht.replicate_p2p())
+        await self.service.start(RPC(await self.dht.replicate_p2p(), cfg.network))
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
@@ -233,6 +232,15 @@ class Worker:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
+
+
+async def _within(future: asyncio.Future, seconds: float) -> bool:
+    """Whether ``future`` resolved within ``seconds`` (it is cancelled otherwise)."""
+    try:
+        await asyncio.wait_for(future, max(0.0, seconds))
+        return True
+    except asyncio.TimeoutError:
+        return False
 
 
 def _fault_injector(fraction: float):

@@ -1,0 +1,85 @@
+"""The client's side of paying: countersignatures (and refusals) on their way to workers, off the caller's path.
+
+A result that came on a stream is countersigned on that stream. One that came through the unary door is owed: the
+countersignature rides on this client's next job to that worker (no extra message in steady traffic), or goes in a
+batch call ``SETTLE_DELAY`` seconds later. Every send is tracked, so :meth:`close` delivers what is owed before the
+client leaves; a send that fails leaves the job in the worker's unpaid list, which is all that can be done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Awaitable
+
+from gpunet.protocol import Countersign, Refuse
+from gpunet.utils import Debounce
+
+if TYPE_CHECKING:
+    from gpunet.client.transport import Delivery, Transport
+
+logger = logging.getLogger("gpunet.client")
+
+#: How long a countersignature may wait to ride on the next job to the same worker before it is sent on its own.
+SETTLE_DELAY = 0.05
+MAX_RIDE_ALONG = 256
+MAX_BATCH = 256
+
+
+class Settlement:
+    def __init__(self, transport: "Transport"):
+        self.transport = transport
+        self._owed: dict[str, list[tuple[str, bytes]]] = {}  # worker id -> (job id, signature) not yet sent
+        self._timer = Debounce(SETTLE_DELAY, self.flush)
+        self._sending: set[asyncio.Future] = set()
+
+    def countersign(self, delivery: "Delivery", signature: bytes) -> None:
+        if delivery.via_unary:
+            self._owed.setdefault(delivery.worker_id, []).append((delivery.receipt.job_id, signature))
+            self._timer.poke()
+        else:
+            self.track(delivery.finish(Countersign(delivery.receipt.job_id, signature)))
+
+    def refuse(self, delivery: "Delivery", reason: str) -> None:
+        self.track(delivery.finish(Refuse(delivery.receipt.job_id, reason[:500])))
+
+    def take(self, worker_id: str) -> list[tuple[str, bytes]]:
+        """Countersignatures to ride on a job to ``worker_id`` (at most MAX_RIDE_ALONG; the rest go in a batch)."""
+        owed = self._owed.pop(worker_id, [])
+        if len(owed) > MAX_RIDE_ALONG:
+            owed, self._owed[worker_id] = owed[:MAX_RIDE_ALONG], owed[MAX_RIDE_ALONG:]
+            self._timer.poke()
+        return owed
+
+    def give_back(self, worker_id: str, items: list[tuple[str, bytes]]) -> None:
+        """Taken but not delivered (the job failed): owed still."""
+        if items:
+            self._owed.setdefault(worker_id, [])[:0] = items
+            self._timer.poke()
+
+    def flush(self) -> None:
+        """Send every countersignature still owed, in one call per worker (per MAX_BATCH)."""
+        self._timer.cancel()
+        owed, self._owed = self._owed, {}
+        for worker_id, items in owed.items():
+            for lo in range(0, len(items), MAX_BATCH):
+                self.track(self.transport.settle(worker_id, items[lo : lo + MAX_BATCH]))
+
+    def track(self, send: Awaitable) -> None:
+        """Run ``send`` in the background; :meth:`close` waits for it."""
+        future = asyncio.ensure_future(_quietly(send))
+        self._sending.add(future)
+        future.add_done_callback(self._sending.discard)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Deliver what is owed before leaving (workers are waiting for it)."""
+        self.flush()
+        if self._sending:
+            await asyncio.wait(set(self._sending), timeout=timeout)
+
+
+async def _quietly(send: Awaitable) -> None:
+    try:
+        await send
+    except Exception as e:  # the worker keeps the job as unpaid; nothing else to do
+        logger.debug("A countersignature could not be delivered: %s", e)

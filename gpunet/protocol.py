@@ -1,0 +1,533 @@
+"""Every message of the job protocol, defined once for both ends: typed, with one encoder and one strict parser each.
+
+Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
+
+* ``job`` (a stream, any size)::
+
+      client -> Submit{job, program, inputs_size, [inputs], timeout, max_price}
+      worker -> Error{busy | rejected | ...}            at once: admission, before any payload moves
+      worker -> Send{program, inputs}                   only when it lacks the program or the inputs were not inline
+      client -> Payload{program_size, inputs_size} + raw program + raw inputs
+      worker -> Result{outputs_size, [outputs], receipt} + raw outputs   | Error{code, message}
+      client -> Countersign{job, signature} | Refuse{job, reason}         (or nothing: the work stays unpaid)
+
+* ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
+  Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok;
+  ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info.
+
+On a stream a *frame* is a 4-byte big-endian length then a msgpack map whose ``"t"`` names the message, at most
+64 KiB; a *payload* is raw bytes whose size a preceding frame declared, checked against the reader's cap before
+anything is allocated and read in 1 MiB chunks. A unary body is the same msgpack map (hivemind caps it at 4 MiB).
+Nothing read from the wire is ever unpickled or evaluated; unknown fields are ignored, so either end may add some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from gpunet.errors import (
+    GpunetError,
+    JobFailed,
+    JobRejected,
+    JobTimeout,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
+)
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024
+CHUNK_BYTES = 1 << 20
+#: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
+INLINE_BYTES = 32 * 1024
+#: Unary replies ride hivemind's persistent daemon connection, whose messages are capped at 4 MiB.
+UNARY_OUTPUT_BYTES = 1 << 20
+#: A stream peer must send its next frame within this many seconds (a stalled peer must not hold a job slot).
+FRAME_TIMEOUT = 10.0
+#: ...and a payload at no less than this rate, beyond the frame timeout.
+MIN_PAYLOAD_RATE = 1 << 20
+MAX_PING_BYTES = 4096
+#: Countersignatures one message may carry.
+MAX_SETTLE_ITEMS = 1024
+JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
+PROGRAM_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")  # it becomes a file name: no path tricks
+_LEN = struct.Struct(">I")
+
+
+class Door(enum.Enum):
+    """A way into a worker: one libp2p protocol name each, and whether it is a stream or a unary call."""
+
+    JOB = ("job", True)
+    INFO = ("info", True)
+    RUN = ("run", False)
+    SETTLE = ("settle", False)
+    CANCEL = ("cancel", False)
+    PING = ("ping", False)
+
+    def __init__(self, slug: str, stream: bool):
+        self.slug, self.stream = slug, stream
+
+    def protocol(self, network: str) -> str:
+        return f"/gpunet/{network}/{self.slug}/{PROTOCOL_VERSION}"
+
+
+# --- checked fields ------------------------------------------------------------------------------------------------
+
+
+def _get(d: dict, name: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+    """A field of the expected type (bool is never accepted as int); ProtocolError otherwise."""
+    value = d.get(name)
+    if value is None and optional:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError(f"message {d.get('t')!r}: field {name!r} must be {'/'.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def _job_id(d: dict, name: str = "job") -> str:
+    job_id = _get(d, name, str)
+    if not JOB_ID_RE.match(job_id):
+        raise ProtocolError("job id must be 1-64 characters of [A-Za-z0-9_.:-]")
+    return job_id
+
+
+def _size(d: dict, name: str, optional: bool = False) -> int | None:
+    size = _get(d, name, int, optional)
+    if size is not None and size < 0:
+        raise ProtocolError(f"message {d.get('t')!r}: {name} must be a non-negative integer")
+    return size
+
+
+def _settle_items(raw: Any) -> tuple[tuple[tuple[str, bytes], ...], int]:
+    """Countersignatures ``[[job id, signature], ...]``: the well-formed ones, and how many were not."""
+    if raw is None:
+        return (), 0
+    if not isinstance(raw, list) or len(raw) > MAX_SETTLE_ITEMS:
+        return (), 1
+    good = tuple((i[0], i[1]) for i in raw if isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                 and JOB_ID_RE.match(i[0]) and isinstance(i[1], bytes))
+    return good, len(raw) - len(good)
+
+
+# --- the messages --------------------------------------------------------------------------------------------------
+
+M = TypeVar("M", bound="Message")
+MESSAGES: dict[str, type["Message"]] = {}
+
+
+class Message:
+    """A protocol message: ``T`` is its type tag on the wire."""
+
+    T: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        MESSAGES[cls.T] = cls
+
+    def to_wire(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_wire(cls: type[M], d: dict) -> M:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """A job: which program, the inputs (inline when small), how long it may take and the most it may cost."""
+
+    T: ClassVar[str] = "submit"
+    job_id: str
+    program: str
+    inputs_size: int
+    inputs: bytes | None = None
+    timeout: float = 60.0
+    max_price: int | None = None
+    settle: tuple[tuple[str, bytes], ...] = ()  # unary door: countersignatures owed to this worker, riding along
+    settle_malformed: int = 0  # parsed but unusable settle items (logged by the worker; never fatal to the job)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "job": self.job_id, "program": self.program, "inputs_size": self.inputs_size,
+             "timeout": float(self.timeout), "max_price": self.max_price}
+        if self.inputs is not None:
+            d["inputs"] = self.inputs
+        if self.settle:
+            d["settle"] = [list(i) for i in self.settle]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Submit":
+        program = _get(d, "program", str)
+        if not PROGRAM_HASH_RE.match(program):
+            raise ProtocolError("program hash must be 64 lowercase hex characters")
+        inputs_size = _size(d, "inputs_size")
+        inputs = _get(d, "inputs", bytes, optional=True)
+        if inputs is not None and len(inputs) != inputs_size:
+            raise ProtocolError("inline inputs do not match the declared inputs size")
+        timeout = float(_get(d, "timeout", (int, float), optional=True) or 60.0)
+        if not timeout > 0:  # also refuses NaN
+            raise ProtocolError("timeout must be a positive number of seconds")
+        settle, malformed = _settle_items(d.get("settle"))
+        return cls(_job_id(d), program, inputs_size, inputs, timeout, _get(d, "max_price", int, optional=True),
+                   settle, malformed)
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Message):
+    """The worker asks for what it lacks."""
+
+    T: ClassVar[str] = "send"
+    program: bool
+    inputs: bool
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "program": self.program, "inputs": self.inputs}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Send":
+        return cls(_get(d, "program", bool), _get(d, "inputs", bool))
+
+
+@dataclass(frozen=True, slots=True)
+class Payload(Message):
+    """Announces the raw bytes that follow on the stream: the program, then the inputs (either may be absent)."""
+
+    T: ClassVar[str] = "payload"
+    program_size: int | None
+    inputs_size: int | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "program_size": self.program_size, "inputs_size": self.inputs_size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Payload":
+        return cls(_size(d, "program_size", optional=True), _size(d, "inputs_size", optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """The outputs (inline when small, else raw bytes after this frame) and the worker-signed receipt."""
+
+    T: ClassVar[str] = "result"
+    outputs_size: int
+    receipt: bytes
+    outputs: bytes | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "outputs_size": self.outputs_size, "receipt": self.receipt}
+        if self.outputs is not None:
+            d["outputs"] = self.outputs
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Result":
+        size = _size(d, "outputs_size")
+        outputs = _get(d, "outputs", bytes, optional=True)
+        if outputs is not None and len(outputs) != size:
+            raise ProtocolError("inline outputs do not match their declared size")
+        return cls(size, _get(d, "receipt", bytes), outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class Countersign(Message):
+    """The client accepts a result: its signature over the receipt."""
+
+    T: ClassVar[str] = "countersign"
+    job_id: str
+    signature: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id, "signature": self.signature}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Countersign":
+        return cls(_job_id(d), _get(d, "signature", bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse(Message):
+    """The client rejects a result (wrong hash, outvoted, bad terms): it is not paid."""
+
+    T: ClassVar[str] = "refuse"
+    job_id: str
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id, "reason": self.reason[:500]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Refuse":
+        return cls(_job_id(d), str(d.get("reason", ""))[:500])
+
+
+@dataclass(frozen=True, slots=True)
+class SettleBatch(Message):
+    """Countersignatures of several unary-door results to one worker, in one call."""
+
+    T: ClassVar[str] = "countersign_batch"
+    items: tuple[tuple[str, bytes], ...]
+    malformed: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "items": [list(i) for i in self.items]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SettleBatch":
+        items, malformed = _settle_items(d.get("items"))
+        return cls(items, malformed)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Stop a job this client submitted (queued or running). A stream job is cancelled by closing its stream."""
+
+    T: ClassVar[str] = "cancel"
+    job_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Cancel":
+        return cls(_job_id(d))
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(Message):
+    """A unary call was taken; ``cancelled`` answers a Cancel (whether the job was still queued or running)."""
+
+    T: ClassVar[str] = "ok"
+    cancelled: bool | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "cancelled": self.cancelled}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Ok":
+        return cls(_get(d, "cancelled", bool, optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class UseStream(Message):
+    """The unary door cannot take this job (the worker lacks the program, or the outputs are large): use the stream."""
+
+    T: ClassVar[str] = "use_stream"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "UseStream":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """A liveness and clock probe (and the raw-RPC baseline in benchmarks): the echo comes back."""
+
+    T: ClassVar[str] = "ping"
+    echo: bytes = b""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "echo": self.echo}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Ping":
+        return cls(_get(d, "echo", bytes, optional=True) or b"")
+
+
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    T: ClassVar[str] = "pong"
+    time: float
+    echo: bytes = b""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "time": self.time, "echo": self.echo}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Pong":
+        return cls(float(_get(d, "time", (int, float))), _get(d, "echo", bytes, optional=True) or b"")
+
+
+@dataclass(frozen=True, slots=True)
+class GetInfo(Message):
+    T: ClassVar[str] = "get_info"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "GetInfo":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Info(Message):
+    """A worker's live record (as in the DHT) and its clock, straight from the worker."""
+
+    T: ClassVar[str] = "info"
+    time: float
+    record: dict
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "time": self.time, "record": self.record}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Info":
+        return cls(float(_get(d, "time", (int, float))), _get(d, "record", dict))
+
+
+# --- errors across the wire: a code, the same exception on both sides ----------------------------------------------
+
+_CODES: dict[str, type[GpunetError]] = {
+    "busy": WorkerBusy,
+    "rejected": JobRejected,
+    "failed": JobFailed,
+    "timeout": JobTimeout,
+    "protocol": ProtocolError,
+    "not_cached": ProgramNotCached,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A refusal or failure; :meth:`exception` is the same gpunet error the worker raised."""
+
+    T: ClassVar[str] = "error"
+    code: str
+    message: str
+    queue: int = 0  # busy: the worker's queue length
+    program: str | None = None  # not_cached: the program to resend
+
+    @classmethod
+    def of(cls, error: GpunetError, queue: int = 0) -> "Error":
+        """The message that carries ``error`` to the peer (first matching family wins)."""
+        code = next((c for c, kind in _CODES.items() if isinstance(error, kind)), "failed")
+        program = error.program_hash if isinstance(error, ProgramNotCached) else None
+        return cls(code, str(error)[:2000], queue, program)
+
+    def exception(self) -> GpunetError:
+        """The exception this stands for; unknown codes become JobFailed."""
+        message = self.message or "worker reported an error"
+        if self.code == "busy":
+            return WorkerBusy(message, self.queue)
+        if self.code == "not_cached":
+            return ProgramNotCached(self.program or "?")
+        return _CODES.get(self.code, JobFailed)(message)
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "code": self.code, "message": self.message, "queue": self.queue}
+        if self.program is not None:
+            d["program"] = self.program
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Error":
+        queue = d.get("queue")
+        program = d.get("program")
+        return cls(str(d.get("code", "failed"))[:32], str(d.get("message", ""))[:2000],
+                   queue if type(queue) is int else 0, program if isinstance(program, str) else None)
+
+
+# --- encoding: unary bodies and stream frames ----------------------------------------------------------------------
+
+
+def encode(message: Message) -> bytes:
+    """A unary message body."""
+    return msgpack.packb(message.to_wire(), use_bin_type=True)
+
+
+def decode(data: bytes, *expect: type[M]) -> M:
+    """Parse a message; ProtocolError unless it is well formed and one of ``expect`` (any type when none given)."""
+    try:
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types on malformed input
+        raise ProtocolError(f"message is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("t"), str):
+        raise ProtocolError("message is not a map with a type")
+    kind = MESSAGES.get(d["t"])
+    if kind is None or (expect and kind not in expect):
+        wanted = "/".join(k.T for k in expect) or "a known message"
+        raise ProtocolError(f"expected {wanted}, got {d['t'][:32]!r}")
+    return kind.from_wire(d)
+
+
+def encode_frame(message: Message) -> bytes:
+    body = encode(message)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LEN.pack(len(body)) + body
+
+
+async def write(writer: asyncio.StreamWriter, message: Message) -> None:
+    writer.write(encode_frame(message))
+    await writer.drain()
+
+
+async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | None = None) -> M:
+    """Read one frame; ProtocolError on EOF, oversize, bad msgpack, an unexpected type, or ``timeout`` seconds of
+    silence (a stalled peer must not hold what it holds forever)."""
+    try:
+        async with asyncio.timeout(timeout):
+            (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+            if size > MAX_FRAME_BYTES:
+                raise ProtocolError(f"peer announced a {size}-byte frame; the cap is {MAX_FRAME_BYTES}")
+            body = await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ProtocolError("peer closed the stream mid-message") from None
+    except TimeoutError:
+        raise ProtocolError(f"peer sent nothing for {timeout:.0f} s") from None
+    except (ConnectionError, OSError) as e:
+        raise ProtocolError(f"stream broke: {e}") from None
+    return decode(body, *expect)
+
+
+def payload_deadline(size: int) -> float:
+    return FRAME_TIMEOUT + size / MIN_PAYLOAD_RATE
+
+
+async def write_payload(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    for offset in range(0, len(view), CHUNK_BYTES):
+        writer.write(view[offset : offset + CHUNK_BYTES])
+        await writer.drain()
+
+
+async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str, hasher=None,
+                       timeout: float | None = None) -> bytearray:
+    """Read exactly ``size`` declared bytes, refusing sizes over ``cap`` before allocating anything.
+
+    ``hasher`` (a hashlib object) is fed each chunk as it arrives, so hashing overlaps the transfer. ``timeout``
+    bounds the whole read (see :func:`payload_deadline`).
+    """
+    if type(size) is not int or size < 0:
+        raise ProtocolError(f"{what} size must be a non-negative integer")
+    if size > cap:
+        raise ProtocolError(f"{what} of {size} bytes exceeds this peer's limit of {cap} bytes")
+    # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
+    buf = bytearray()
+    offset = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while offset < size:
+                chunk = await reader.read(min(CHUNK_BYTES, size - offset))
+                if not chunk:
+                    raise ProtocolError(f"peer closed the stream after {offset} of {size} {what} bytes")
+                buf += chunk
+                offset += len(chunk)
+                if hasher is not None:
+                    hasher.update(chunk)
+    except TimeoutError:
+        raise ProtocolError(f"{what} arrived too slowly ({offset} of {size} bytes in {timeout:.0f} s)") from None
+    except (ConnectionError, OSError) as e:
+        raise ProtocolError(f"stream broke while reading {what}: {e}") from None
+    return buf

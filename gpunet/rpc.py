@@ -1,0 +1,117 @@
+"""The one adapter between gpunet and hivemind's p2p layer: serve doors, call them, open streams.
+
+hivemind's public ``P2P`` offers binary stream handlers; its unary handlers (one request, one reply over the daemon's
+persistent connection, no stream set-up) live on the private ``P2P._client``. This module is the only code that
+touches those internals, so a hivemind upgrade changes one file. Transport failures (the daemon's generic errors,
+``ConnectionError``, ``OSError``) become :class:`~gpunet.errors.NetworkError` here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Awaitable, Callable, Iterable
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from gpunet import protocol
+from gpunet.errors import NetworkError
+from gpunet.protocol import Door, Message
+
+UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller's peer id) -> reply body
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@functools.lru_cache(maxsize=4096)
+def peer(peer_id: str) -> PeerID:
+    return PeerID.from_base58(peer_id)
+
+
+class RPC:
+    """gpunet's doors on one node's p2p replica (``await dht.replicate_p2p()``), for one network name."""
+
+    def __init__(self, p2p: P2P, network: str):
+        self.p2p = p2p
+        self.network = network
+        self._served: list[Door] = []
+
+    # --- serving ---------------------------------------------------------------------------------------------------
+
+    async def serve_unary(self, door: Door, handler: UnaryHandler) -> None:
+        async def adapted(request: bytes, remote: PeerID) -> bytes:
+            return await handler(request, remote.to_base58())
+
+        await self.p2p._client.add_unary_handler(door.protocol(self.network), adapted)
+        self._served.append(door)
+
+    async def serve_stream(self, door: Door, handler: StreamHandler) -> None:
+        async def adapted(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await handler(info.peer_id.to_base58(), reader, writer)
+
+        await self.p2p.add_binary_stream_handler(door.protocol(self.network), adapted)
+        self._served.append(door)
+
+    async def close(self) -> None:
+        """Stop serving every door, then close this replica's connections to the daemon (not the daemon itself)."""
+        for door in self._served:
+            try:
+                if door.stream:
+                    await self.p2p.remove_binary_stream_handler(door.protocol(self.network))
+                else:
+                    await self.p2p._client.remove_unary_handler(door.protocol(self.network))
+            except Exception:  # the daemon may already be gone at shutdown
+                pass
+        self._served.clear()
+        await self.p2p.shutdown()
+
+    # --- calling ---------------------------------------------------------------------------------------------------
+
+    async def call(self, peer_id: str, door: Door, message: Message, *expect: type[protocol.M]) -> protocol.M:
+        """One unary round trip; the reply parsed as one of ``expect`` (ProtocolError otherwise)."""
+        return protocol.decode(await self.call_raw(peer_id, door, protocol.encode(message)), *expect)
+
+    async def call_raw(self, peer_id: str, door: Door, body: bytes) -> bytes:
+        try:
+            return await self.p2p._client.call_unary_handler(peer(peer_id), door.protocol(self.network), body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
+            raise NetworkError(f"worker {peer_id[-8:]} did not answer ({door.slug}): {e}") from None
+
+    async def open(self, peer_id: str, door: Door, maddrs: Iterable[str] = ()
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A stream to ``peer_id``; dials its advertised addresses if the daemon does not know the peer yet."""
+        maddrs = list(maddrs)
+        name = door.protocol(self.network)
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer(peer_id), name)
+            return reader, writer
+        except asyncio.CancelledError:
+            raise
+        except Exception as first:
+            if not maddrs:
+                raise NetworkError(f"cannot reach worker {peer_id[-8:]}: {first}") from None
+        try:
+            await self.p2p._client.connect(peer(peer_id), [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
+            _, reader, writer = await self.p2p.call_binary_stream_handler(peer(peer_id), name)
+            return reader, writer
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise NetworkError(f"cannot reach worker {peer_id[-8:]}: {e}") from None
+
+    # --- small requests both sides use -------------------------------------------------------------------------------
+
+    async def ping(self, peer_id: str, echo: bytes = b"") -> protocol.Pong:
+        """One unary round trip to a worker: its clock and our bytes echoed back."""
+        return await self.call(peer_id, Door.PING, protocol.Ping(echo), protocol.Pong)
+
+    async def info(self, peer_id: str, maddrs: Iterable[str] = ()) -> protocol.Info:
+        """A worker's live record and clock, straight from the worker."""
+        reader, writer = await self.open(peer_id, Door.INFO, maddrs)
+        try:
+            await protocol.write(writer, protocol.GetInfo())
+            return await protocol.read(reader, protocol.Info, timeout=protocol.FRAME_TIMEOUT)
+        finally:
+            writer.close()

@@ -1,0 +1,127 @@
+"""Small pieces every part of gpunet uses: a bounded cache, a debounce timer, a hash. One copy each."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Callable, Generic, Hashable, Iterator, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+#: Set to 0 to run gpunet's own event loops on the standard asyncio loop (benchmarks compare both).
+UVLOOP_ENV = "GPUNET_UVLOOP"
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (faster per message; hivemind's DHT process uses it already), else
+    asyncio's own. ``GPUNET_UVLOOP=0`` chooses asyncio's."""
+    if os.environ.get(UVLOOP_ENV, "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class LRU(Generic[K, V]):
+    """A dict bounded by entry count and (optionally) by total bytes, evicting the least recently used first.
+
+    Every cache that holds what peers send or ask for must be bounded, or a peer could grow it without end. Not
+    thread-safe: callers that share one across threads hold their own lock.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int | None = None, keep_newest: bool = False):
+        """``keep_newest``: a value larger than ``max_bytes`` is kept, alone; otherwise it is not kept at all (rather
+        than evicting everything else for it)."""
+        self.max_items, self.max_bytes, self.keep_newest = max_items, max_bytes, keep_newest
+        self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: K, default: V | None = None) -> V | None:
+        """The value (now the most recently used), or ``default``."""
+        item = self._items.get(key)
+        if item is None:
+            return default
+        self._items.move_to_end(key)
+        return item[0]
+
+    def put(self, key: K, value: V, nbytes: int = 0) -> None:
+        """Insert or replace, then evict the least recently used down to the bounds."""
+        if self.max_bytes is not None and nbytes > self.max_bytes and not self.keep_newest:
+            self.pop(key)
+            return
+        self.pop(key)
+        self._items[key] = (value, nbytes)
+        self.nbytes += nbytes
+        while len(self._items) > 1 and (len(self._items) > self.max_items
+                                        or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
+            _, (_, n) = self._items.popitem(last=False)
+            self.nbytes -= n
+
+    def pop(self, key: K, default: V | None = None) -> V | None:
+        item = self._items.pop(key, None)
+        if item is None:
+            return default
+        self.nbytes -= item[1]
+        return item[0]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(list(self._items))
+
+    def keys(self) -> list[K]:
+        """Least recently used first."""
+        return list(self._items)
+
+    def values(self) -> list[V]:
+        return [v for v, _ in self._items.values()]
+
+
+class Debounce:
+    """Runs ``callback`` once, ``delay`` seconds after the first :meth:`poke` since it last ran: many pokes, one call.
+
+    How a node batches work that need not happen at once (ledger writes, countersignatures), without a timer per item.
+    Use from one event loop's thread.
+    """
+
+    def __init__(self, delay: float, callback: Callable[[], None]):
+        self.delay = delay
+        self._callback = callback
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._timer is not None
+
+    def poke(self, delay: float | None = None) -> None:
+        """Schedule the callback unless it already is. Without a running loop (closing down) nothing is scheduled."""
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._timer = loop.call_later(self.delay if delay is None else delay, self._fire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._callback()

@@ -1,0 +1,159 @@
+"""Which jobs a worker takes, and how many it holds: a pure state machine, apart from the I/O that serves jobs.
+
+Like dask/distributed's ``worker_state_machine``, nothing here reads a socket, sleeps or logs; the service
+(:mod:`gpunet.worker.service`) reports what happened (admitted, started, finished, stopped, delivered, settled) and
+asks what to do. The clock is injected, so the stopped-jobs window is tested without waiting.
+
+Rules, in the order a submit meets them:
+
+1. a job id one client used is never taken from another (``paid_by``);
+2. the worker's price must be within the job's bound; its timeout and inputs within this worker's limits;
+3. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
+   the oldest stop ages out (each stop costs the worker a fresh executor);
+4. (the service then answers a retry of a known job id from its result, without admitting it again;)
+5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
+from gpunet.protocol import Submit
+from gpunet.utils import LRU
+
+MAX_TRACKED_CLIENTS = 10_000
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_program_bytes: int = 2 * 1024**3
+    max_input_bytes: int = 1024**3
+    max_timeout: float = 3600.0
+    recent_results_bytes: int = 256 * 1024**2  # finished results kept for retries of the same job id
+    # Stopping a running job costs this worker a fresh executor (a torch import, the program cache): a client that
+    # stops more than this many within the window gets its new jobs refused until older stops age out.
+    max_stopped_jobs: int = 20
+    stopped_jobs_window: float = 600.0
+
+
+class Admission:
+    """The worker's job counts and admission decisions. Use from one event loop's thread."""
+
+    def __init__(self, *, price_micro: int, max_concurrent: int, max_queue: int,
+                 limits: ServiceLimits = ServiceLimits(), clock: Callable[[], float] = time.monotonic):
+        self.price_micro = price_micro
+        self.max_concurrent = max_concurrent
+        self.max_queue = max_queue
+        self.limits = limits
+        self.clock = clock
+        self.accepting = True
+        self.admitted = 0  # jobs holding a place: queued or running
+        self.running = 0
+        self.settling = 0  # results delivered on a stream whose countersignature has not been read yet
+        self.jobs_done = 0
+        self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
+        self._drained: list[asyncio.Future] = []
+
+    @property
+    def queue_length(self) -> int:
+        return self.admitted - self.running
+
+    @property
+    def active(self) -> int:
+        """Jobs not finished with: queued, running, or waiting for their countersignature. Draining waits for 0."""
+        return self.admitted + self.settling
+
+    # --- decisions -------------------------------------------------------------------------------------------------
+
+    def screen(self, client_id: str, submit: Submit, paid_by: str | None = None) -> None:
+        """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
+        if paid_by is not None and paid_by != client_id:
+            raise JobRejected(f"job id {submit.job_id[:16]} was already used by another client; use a fresh one")
+        if submit.max_price is not None and submit.max_price < self.price_micro:
+            raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
+                              f"{submit.max_price}")
+        if submit.timeout > self.limits.max_timeout:
+            raise ProtocolError(f"timeout must be in (0, {self.limits.max_timeout:g}] seconds")
+        if submit.inputs_size > self.limits.max_input_bytes:
+            raise JobRejected(f"inputs of {submit.inputs_size} bytes exceed this worker's limit of "
+                              f"{self.limits.max_input_bytes}")
+        stopped = self.recent_stops(client_id)
+        if stopped >= self.limits.max_stopped_jobs:
+            raise JobRejected(f"this client stopped {stopped} running jobs here in the last "
+                              f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
+                              "executor); it takes no more of its jobs for now")
+
+    def admit(self) -> bool:
+        """Take a place for a new job: True if taken, False when full (answer busy); WorkerBusy while draining."""
+        if not self.accepting:
+            raise WorkerBusy("worker is draining: it finishes running jobs and takes no new ones", self.queue_length)
+        if self.admitted >= self.max_concurrent + self.max_queue:
+            return False
+        self.admitted += 1
+        return True
+
+    def recent_stops(self, client_id: str) -> int:
+        stops = self._stops.get(client_id)
+        if not stops:
+            return 0
+        horizon = self.clock() - self.limits.stopped_jobs_window
+        while stops and stops[0] < horizon:
+            stops.popleft()
+        return len(stops)
+
+    # --- what happened ---------------------------------------------------------------------------------------------
+
+    def released(self) -> None:
+        """An admitted job left (finished, failed or cancelled)."""
+        self.admitted -= 1
+        self._check_drained()
+
+    def started(self) -> None:
+        self.running += 1
+
+    def ended(self, done: bool) -> None:
+        """A running job stopped running; ``done``: it produced a result."""
+        self.running -= 1
+        self.jobs_done += done
+
+    def stopped_running(self, client_id: str) -> None:
+        """The client stopped one of its jobs while it ran (the executor had to be replaced)."""
+        stops = self._stops.get(client_id)
+        if stops is None:
+            stops = deque()
+        stops.append(self.clock())
+        self._stops.put(client_id, stops)  # the least recently seen client is forgotten beyond the bound
+
+    def delivered(self) -> None:
+        """A result went out on a stream; its countersignature is awaited there."""
+        self.settling += 1
+
+    def settled(self) -> None:
+        self.settling -= 1
+        self._check_drained()
+
+    # --- draining --------------------------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Take nothing new from now on."""
+        self.accepting = False
+        self._check_drained()
+
+    def drained(self) -> asyncio.Future:
+        """Resolves once the worker is draining and holds no job (queued, running or awaiting countersignature)."""
+        future = asyncio.get_running_loop().create_future()
+        self._drained.append(future)
+        self._check_drained()
+        return future
+
+    def _check_drained(self) -> None:
+        if not self.accepting and self.active == 0:
+            waiting, self._drained = self._drained, []
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)

@@ -1,0 +1,205 @@
+"""The client's retry, ban, busy, resend and verification logic over an in-process fake transport: no go-libp2p,
+no sockets, milliseconds a test. (The same paths over the real network are in test_jobs_swarm.py and test_trust.py.)
+
+FakeTransport runs each job for real (the job's own validator and interpreter, on this CPU) and signs a real receipt
+with each fake worker's own key, so the client's checks, countersignatures and ledger see what they would see from a
+network; only the bytes never leave the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+import gpunet
+from gpunet.client.core import ClientCore
+from gpunet.client.transport import Delivery, JobRequest
+from gpunet.dht.records import DeviceInfo, WorkerRecord
+from gpunet.dht.registry import WorkerEntry
+from gpunet.errors import JobFailed, JobRejected, JobTimeout, NetworkError, ProgramNotCached, WorkerBusy
+from gpunet.job import tensors
+from gpunet.ledger import Identity, price_to_micro, sign_as_worker
+from gpunet.protocol import Countersign, Refuse
+
+JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
+X = torch.randn(4, 8)
+
+
+class FakeWorker:
+    """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
+    ok, lie, busy, fail, vanish, hang, lost (program evicted), reject."""
+
+    def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
+        self.name, self.script, self.price = name, list(script), price
+        self.identity = Identity.generate()
+        self.id = self.identity.peer_id
+        self.jobs: list[str] = []
+        self.verdicts: list[Countersign | Refuse] = []
+        self.entry = WorkerEntry(self.id, WorkerRecord(
+            version="test", state="online", price=price, tflops={"fp32": tflops},
+            device=DeviceInfo(kind="cpu", name=name, memory_total=16 * 2**30, memory_free=8 * 2**30)), 1e12)
+
+
+class FakeTransport:
+    def __init__(self, client_id: str, *workers: FakeWorker):
+        self.client_id = client_id
+        self.workers = {w.id: w for w in workers}
+        self.settled: dict[str, list[str]] = {}
+        self.closed = False
+
+    async def discover(self) -> list[WorkerEntry]:
+        return [w.entry for w in self.workers.values()]
+
+    async def submit(self, worker: WorkerEntry, request: JobRequest, *, cached: bool, settlement) -> Delivery:
+        w = self.workers[worker.id]
+        w.jobs.append(request.job_id)
+        act = w.script.pop(0) if w.script else "ok"
+        if act == "busy":
+            raise WorkerBusy("worker queue is full", 3)
+        if act == "fail":
+            raise JobFailed("executor crashed")
+        if act == "vanish":
+            raise NetworkError(f"worker {worker.id[-8:]} did not answer")
+        if act == "reject":
+            raise JobRejected("this worker's limit is lower")
+        if act == "lost":
+            raise ProgramNotCached(request.program_hash)
+        if act == "hang":
+            await asyncio.Event().wait()
+        job = gpunet.Job.from_bytes(request.program)
+        inputs = tensors.decode(request.inputs)
+        x = [inputs[f"input_{i}"] for i in range(len(inputs))]
+        out = job.run_locally(*x)
+        if act == "lie":
+            out = out * 1.5 + 1
+        outputs = tensors.encode({"output_0": out})
+        receipt = sign_as_worker(
+            w.identity, job_id=request.job_id, client_id=self.client_id, program_hash=request.program_hash,
+            input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(outputs).hexdigest(),
+            flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_micro(w.price),
+            max_price=request.max_price, started_at_us=1, ended_at_us=2)
+
+        async def finish(verdict):
+            w.verdicts.append(verdict)
+
+        sent = len(request.inputs) + (0 if cached else len(request.program))
+        return Delivery(worker.id, outputs, receipt, sent, 0.0, via_unary=cached, finish=finish)
+
+    async def settle(self, worker_id: str, items) -> None:
+        self.settled.setdefault(worker_id, []).extend(job_id for job_id, _ in items)
+
+    async def cancel(self, worker_id: str, job_id: str) -> bool:
+        return False
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def run(tmp_path, workers, scenario, with_transport=False):
+    """Start a ClientCore over a FakeTransport of ``workers``, run ``scenario(core)``, close it; return the result."""
+    data_dir = tmp_path / "client"
+    transport = FakeTransport(Identity.load_or_create(data_dir).peer_id, *workers)
+
+    async def main():
+        core = ClientCore(network="gpunet-test", data_dir=data_dir, transport=transport)
+        await core.start()
+        try:
+            return await scenario(core)
+        finally:
+            await core.close()
+
+    result = asyncio.run(main())
+    assert transport.closed
+    return (result, transport) if with_transport else result
+
+
+def test_a_failing_worker_is_banned_and_the_job_retried_elsewhere(tmp_path):
+    bad, good = FakeWorker("bad", "vanish", tflops=100.0), FakeWorker("good")  # routing tries the fast one first
+
+    async def scenario(core):
+        result = await core.run(JOB, [X])
+        assert core.router.bans[bad.id].strikes == 1 and core.router.bans[bad.id].until > 0
+        return result
+
+    result = run(tmp_path, [bad, good], scenario)
+    assert torch.allclose(result.outputs, JOB.run_locally(X))
+    assert result.worker_id == good.id and result.attempts == [bad.id, good.id]
+    assert result.receipt.client_signature and result.receipt.worker_id == good.id
+
+
+def test_a_busy_worker_is_skipped_for_a_moment_not_banned(tmp_path):
+    busy = FakeWorker("busy", "busy", tflops=100.0)
+
+    async def scenario(core):
+        result = await core.run(JOB, [X])
+        assert busy.id not in core.router.bans or core.router.bans[busy.id].strikes == 0
+        return result
+
+    result = run(tmp_path, [busy], scenario)
+    assert result.worker_id == busy.id and busy.jobs == [result.receipt.job_id] * 2  # asked again after the pause
+
+
+def test_a_lost_program_is_resent_to_the_same_worker_without_a_ban(tmp_path):
+    w = FakeWorker("forgetful", "lost")
+
+    async def scenario(core):
+        core.router.known_programs[w.id] = {JOB.program_hash}
+        result = await core.run(JOB, [X])
+        assert not core.router.bans.get(w.id)
+        return result
+
+    result = run(tmp_path, [w], scenario)
+    assert result.worker_id == w.id and result.bytes_sent > len(JOB.program_bytes())  # sent the program again
+
+
+def test_refusals_stop_after_max_rejections_and_say_why(tmp_path):
+    workers = [FakeWorker(f"r{i}", "reject") for i in range(4)]
+
+    async def scenario(core):
+        with pytest.raises(JobRejected, match="3 workers refused .* limit is lower"):
+            await core.run(JOB, [X])
+
+    run(tmp_path, workers, scenario)
+    assert sum(len(w.jobs) for w in workers) == 3
+
+
+def test_a_job_that_runs_out_of_time_says_whom_it_tried(tmp_path):
+    slow = FakeWorker("slow", "hang")
+
+    async def scenario(core):
+        with pytest.raises(JobTimeout, match="did not finish within 0.3 s; tried"):
+            await core.run(JOB, [X], gpunet.Requirements(timeout=0.3))
+
+    run(tmp_path, [slow], scenario)
+
+
+def test_redundancy_outvotes_a_liar_who_is_then_not_paid(tmp_path):
+    liar, a, b = FakeWorker("liar", "lie", tflops=100.0), FakeWorker("a"), FakeWorker("b")
+
+    async def scenario(core):
+        result = await core.run(JOB, [X], gpunet.Requirements(redundancy=3))
+        await core.flush_ledger()
+        paid = {r.worker_id for r in core.ledger.receipts()}
+        assert core.reputation.avoided(liar.id) or core.reputation.score(liar.id) < core.reputation.score(a.id)
+        return result, paid
+
+    result, paid = run(tmp_path, [liar, a, b], scenario)
+    assert torch.allclose(result.outputs, JOB.run_locally(X))
+    assert liar.id not in paid and paid == {a.id, b.id}
+    assert [type(v) for v in liar.verdicts] == [Refuse]
+
+
+def test_unary_countersignatures_are_delivered_before_the_client_closes(tmp_path):
+    w = FakeWorker("w")
+
+    async def scenario(core):
+        core.router.known_programs[w.id] = {JOB.program_hash}  # it holds the program: the one-round-trip door
+        return [await core.run(JOB, [X]) for _ in range(3)]
+
+    results, transport = run(tmp_path, [w], scenario, with_transport=True)
+    assert all(r.receipt.client_signature for r in results)
+    assert w.verdicts == []  # nothing went back on a stream: each rode along or went in a batch, none lost at close
+    assert sorted(transport.settled[w.id]) == sorted(r.receipt.job_id for r in results)

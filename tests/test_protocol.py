@@ -1,0 +1,155 @@
+"""The job protocol without a network: every message round-trips, bad bytes are ProtocolErrors, errors keep their
+family across the wire, payload sizes are checked before anything is allocated."""
+
+import asyncio
+
+import msgpack
+import pytest
+
+from gpunet import protocol
+from gpunet.errors import (
+    JobFailed,
+    JobRejected,
+    JobTimeout,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
+)
+from gpunet.protocol import (
+    MAX_FRAME_BYTES,
+    MESSAGES,
+    Cancel,
+    Countersign,
+    Door,
+    Error,
+    GetInfo,
+    Info,
+    Ok,
+    Payload,
+    Ping,
+    Pong,
+    Refuse,
+    Result,
+    Send,
+    SettleBatch,
+    Submit,
+    UseStream,
+    encode_frame,
+    read,
+    read_payload,
+)
+
+H = "ab" * 32
+EXAMPLES = [
+    Submit("job-1", H, 3, b"abc", 30.0, 7, (("job-0", b"s" * 64),)),
+    Submit("job-2", H, 10**9),
+    Send(True, False),
+    Payload(10, None),
+    Result(3, b"receipt", b"xyz"),
+    Result(10**6, b"receipt"),
+    Countersign("job-1", b"s" * 64),
+    Refuse("job-1", "outvoted"),
+    SettleBatch((("a", b"1"), ("b", b"2"))),
+    Cancel("job-1"),
+    Ok(),
+    Ok(cancelled=True),
+    UseStream(),
+    Ping(b"hello"),
+    Pong(1.5, b"hello"),
+    GetInfo(),
+    Info(2.0, {"state": "online"}),
+    Error("busy", "full", 3),
+]
+
+
+def _reader(data: bytes) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    return reader
+
+
+def test_every_message_has_an_example_here():
+    assert {type(m) for m in EXAMPLES} == set(MESSAGES.values())
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip_and_ignore_unknown_fields(message):
+    assert protocol.decode(protocol.encode(message)) == message
+    extended = msgpack.packb({**message.to_wire(), "from_the_future": [1, 2]}, use_bin_type=True)
+    assert protocol.decode(extended, type(message)) == message
+
+
+def test_doors_name_one_protocol_each():
+    names = {door.protocol("net") for door in Door}
+    assert len(names) == len(Door) and all(n.startswith("/gpunet/net/") for n in names)
+
+
+@pytest.mark.parametrize("error", [WorkerBusy("full", 3), JobRejected("op aten.from_file"), JobFailed("boom"),
+                                   JobTimeout("slow"), ProtocolError("bad"), ProgramNotCached(H)])
+def test_errors_cross_the_wire_as_the_same_family(error):
+    back = protocol.decode(protocol.encode(Error.of(error, queue=3)), Error).exception()
+    assert type(back) is type(error)
+    if isinstance(error, ProgramNotCached):
+        assert back.program_hash == error.program_hash
+    if isinstance(error, WorkerBusy):
+        assert back.queue_length == 3
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"job": 7, "program": H, "inputs_size": 1}, "'job' must be str"),
+    ({"job": "../../etc", "program": H, "inputs_size": 1}, "job id"),
+    ({"job": "ok\n", "program": H, "inputs_size": 1}, "job id"),
+    ({"job": "j", "program": H.upper(), "inputs_size": 1}, "program hash"),
+    ({"job": "j", "program": H, "inputs_size": -1}, "non-negative"),
+    ({"job": "j", "program": H, "inputs_size": True}, "must be int"),
+    ({"job": "j", "program": H, "inputs_size": 9, "inputs": b"abc"}, "inline inputs"),
+    ({"job": "j", "program": H, "inputs_size": 1, "timeout": -1.0}, "timeout"),
+    ({"job": "j", "program": H, "inputs_size": 1, "timeout": float("nan")}, "timeout"),
+])
+def test_a_malformed_submit_is_a_protocol_error(fields, match):
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(msgpack.packb({"t": "submit", **fields}, use_bin_type=True))
+
+
+def test_malformed_countersignatures_riding_along_never_spoil_the_job():
+    raw = {"t": "submit", "job": "j", "program": H, "inputs_size": 0,
+           "settle": [["good", b"sig"], ["bad"], [7, b"x"], ["../x", b"y"], "nonsense"]}
+    submit = protocol.decode(msgpack.packb(raw, use_bin_type=True), Submit)
+    assert submit.settle == (("good", b"sig"),) and submit.settle_malformed == 4
+
+
+def test_frames_round_trip_and_bad_frames_are_protocol_errors():
+    async def go():
+        assert await read(_reader(encode_frame(GetInfo())), GetInfo) == GetInfo()
+        for raw in [b"", b"\x00\x00", (MAX_FRAME_BYTES + 1).to_bytes(4, "big"), b"\x00\x00\x00\x01\xc1",
+                    b"\x00\x00\x00\x01\x01", encode_frame(Ping()), b"\x00\x00\x00\x03\x92\x01\x02",
+                    b"\x00\x00\x00\x0b" + msgpack.packb({"t": "nonsense"})]:
+            with pytest.raises(ProtocolError):
+                await read(_reader(raw), GetInfo)
+
+    asyncio.run(go())
+
+
+def test_a_silent_peer_is_a_protocol_error_after_the_timeout():
+    async def go():
+        reader = asyncio.StreamReader()  # never fed: the peer sends nothing
+        with pytest.raises(ProtocolError, match="sent nothing"):
+            await read(reader, GetInfo, timeout=0.05)
+        with pytest.raises(ProtocolError, match="too slowly"):
+            await read_payload(reader, 10, 100, "inputs", timeout=0.05)
+
+    asyncio.run(go())
+
+
+def test_payload_sizes_are_checked_before_reading_and_buffers_grow_with_the_data():
+    async def go():
+        assert await read_payload(_reader(b"abc"), 3, 10, "x") == b"abc"
+        with pytest.raises(ProtocolError, match="exceeds"):
+            await read_payload(_reader(b""), 11, 10, "x")
+        with pytest.raises(ProtocolError, match="non-negative"):
+            await read_payload(_reader(b""), -1, 10, "x")
+        with pytest.raises(ProtocolError, match="after 2 of 2000000000"):
+            await read_payload(_reader(b"ab"), 2_000_000_000, 4_000_000_000, "x")  # no 2 GB allocated for it
+
+    asyncio.run(go())
