@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import json
 import multiprocessing
 import socket
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import gpunet  # noqa: E402
-from gpunet.client.transport import ping  # noqa: E402
+from gpunet.utils import UVLOOP_ENV  # noqa: E402
 from gpunet.localnet import LocalNetwork  # noqa: E402
 
 
@@ -46,13 +47,13 @@ def bench_tiny(client: gpunet.Client, worker_id: str, network: str, n: int, bloc
     job = tiny_job()
     x = torch.randn(256)
     payload = b"x" * 1024
-    p2p = client._core.p2p
+    rpc = client._core.transport.rpc  # the client's own hivemind p2p connection
 
     async def raw_rpcs(count: int) -> list[float]:  # timed on the client's loop: no thread hop in the baseline
         out = []
         for _ in range(count):
             t0 = time.perf_counter()
-            await ping(p2p, network, worker_id, payload)
+            await rpc.ping(worker_id, payload)  # one unary hivemind RPC carrying 1 KB each way
             out.append(time.perf_counter() - t0)
         return out
 
@@ -197,6 +198,22 @@ def bench_compute(client: gpunet.Client, threads: int) -> dict:
             "gflop": job.estimate(x).flops / 1e9}
 
 
+def bench_small_jobs_on_asyncio(n: int) -> dict:
+    """The tiny-job figures with gpunet's own event loops (worker, client) on asyncio's loop instead of uvloop, on a
+    network of its own started just for it: the baseline that tells whether uvloop earns its place."""
+    os.environ[UVLOOP_ENV] = "0"  # read by the worker processes started below and by the client's loop
+    try:
+        with LocalNetwork(network="bench-jobs-asyncio", heartbeat=5.0) as net:
+            bootstrap = net.start_bootstrap()
+            worker = net.start_worker("--max-concurrent", "2", "--max-queue", "64")
+            with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
+                assert not type(client._loop).__module__.startswith("uvloop")
+                return {"tiny": bench_tiny(client, net.worker_id(worker), net.network, n),
+                        "throughput": bench_throughput(client, 5 * n)}
+    finally:
+        del os.environ[UVLOOP_ENV]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
@@ -204,6 +221,10 @@ def main() -> None:
     args = parser.parse_args()
     n = 100 if args.quick else 300
     results: dict = {"benchmark": "network_jobs"}
+    results["asyncio_loop"] = plain = bench_small_jobs_on_asyncio(n)
+    print(f"standard asyncio event loops (GPUNET_UVLOOP=0): tiny job p50 {plain['tiny']['gpunet_p50_ms']:.2f} ms "
+          f"(raw RPC {plain['tiny']['raw_rpc_p50_ms']:.2f} ms); 32 in flight {plain['throughput']['jobs_per_s']:.0f} "
+          "jobs/s", flush=True)
     with LocalNetwork(network="bench-jobs", heartbeat=5.0) as net:
         bootstrap = net.start_bootstrap()
         worker = net.start_worker("--max-concurrent", "2", "--max-queue", "64")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up gpunet in ./.venv on a fresh machine: Python 3.10+ and pip are all it needs.
+# Set up gpunet in ./.venv on a fresh machine: Python 3.11+ and pip are all it needs.
 # torch is pinned to the CPU build 2.13.0 first, so pip never pulls a multi-GB CUDA build here;
 # on a GPU host, install the CUDA build of torch you want into .venv instead and skip that line.
 set -euo pipefail
