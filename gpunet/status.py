@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
+import hivemind
 from rich.table import Table
 
 from gpunet.client.trust import Reputation
+from gpunet.config import LOOPBACK_MADDR
+from gpunet.dht import network as net
+from gpunet.dht import registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.identity import short_id
+
+
+def join_as_client(network: str, initial_peers: Sequence[str] | None) -> hivemind.DHT:
+    """Join ``network`` only to read it: a DHT client that serves nobody, so it listens on loopback alone."""
+    return net.join(network, initial_peers, client_mode=True, host_maddrs=[LOOPBACK_MADDR])
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,33 @@ class NetworkStatus:
                 }
             )
         return {"network": self.network, "workers": workers, "totals": self.totals}
+
+
+class StatusReader:
+    """The one reader of a network's status (``gpunet status``, ``gpunet doctor``): joins once, reads as often as asked.
+
+    With ``reputation_dir`` (a client's data dir) each read also carries how that client rates each worker.
+    """
+
+    def __init__(self, network: str, initial_peers: Sequence[str] | None, reputation_dir: Path | None = None):
+        self.network = network
+        self.reputation_dir = reputation_dir
+        self.dht = join_as_client(network, initial_peers)
+
+    def read(self, timeout: float = 30.0) -> NetworkStatus:
+        # Reloaded on every read: a client running meanwhile keeps rating workers.
+        reputation = Reputation.load(self.reputation_dir) if self.reputation_dir is not None else None
+        workers = registry.discover(self.dht, self.network, timeout=timeout)
+        return NetworkStatus(self.network, workers, reputation=reputation)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+    def __enter__(self) -> "StatusReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _trust_cell(rating: dict | None) -> str:
