@@ -31,7 +31,7 @@ from gpunet.dht import network, registry  # noqa: E402
 from gpunet.dht.records import DeviceInfo, WorkerRecord, worker_bucket, worker_key  # noqa: E402
 from gpunet.dht.validation import SIGNATURE_TAG  # noqa: E402
 from gpunet.identity import Identity  # noqa: E402
-from gpunet.localnet import LOOPBACK, LocalNetwork, wait_for  # noqa: E402
+from gpunet.testing import LOOPBACK, LocalNetwork, wait_for  # noqa: E402
 
 NETWORK = "bench"
 WRITERS = 4

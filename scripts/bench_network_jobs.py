@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import gpunet  # noqa: E402
 from gpunet.client.transport import ping  # noqa: E402
-from gpunet.localnet import LocalNetwork  # noqa: E402
+from gpunet.testing import LocalNetwork  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
