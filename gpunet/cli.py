@@ -1,4 +1,8 @@
-"""The ``gpunet`` command: a thin shell over the library; every command calls public functions the tests call too."""
+"""The ``gpunet`` command: a thin shell over the library; every command calls public functions the tests call too.
+
+Defaults come from the library (``WorkerConfig``, ``DEFAULT_NETWORK``), never restated here; every command ends on an
+error the same way (``error: <message>``, exit 1 for a runtime failure, 2 for unusable input: see gpunet.cli_errors).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ import typer
 from rich.console import Console
 
 from gpunet._version import __version__
-from gpunet.errors import GpunetError
+from gpunet.cli_errors import EXIT_FAILURE, handle_errors
+from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, WorkerConfig
 
 app = typer.Typer(
     name="gpunet",
@@ -23,21 +28,26 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True)
 
 from gpunet.ledger.cli import app as ledger_app  # noqa: E402  (a sub-app; imports nothing heavy)
 
 app.add_typer(ledger_app, name="ledger", help="Read, verify, export and merge this node's ledger of receipts.")
 
+#: The worker's defaults, shown and used by its options: WorkerConfig is their one source.
+_WORKER = WorkerConfig()
+
 # Options shared by several commands.
 InitialPeers = typer.Option(
     None, "--initial-peers", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
 )
-Network = typer.Option("gpunet", "--network", help="Network name; networks with different names never mix.")
+Network = typer.Option(DEFAULT_NETWORK, "--network", help="Network name; networks with different names never mix.")
 DataDir = typer.Option(None, "--data-dir", envvar="GPUNET_DATA_DIR", help="Where the node key, caches and ledger live (default: ~/.gpunet).")
 HostMaddrs = typer.Option(
-    None, "--host-maddrs", help="Multiaddr to listen on, repeatable (default: /ip4/0.0.0.0/tcp/0, all interfaces, a random port)."
+    None, "--host-maddrs",
+    help=f"Multiaddr to listen on, repeatable (default: {', '.join(DEFAULT_HOST_MADDRS)}, all interfaces, a random "
+    "port).",
 )
+Device = typer.Option(_WORKER.device, "--device", help="auto, cpu or cuda:N.")
 Verbose = typer.Option(0, "--verbose", "-v", count=True, help="-v: log every job; -vv: network internals too.")
 
 
@@ -52,11 +62,6 @@ def _setup_logging(verbose: int) -> None:
     )
 
 
-def _fail(error: Exception, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {error}")
-    return typer.Exit(code)
-
-
 @app.command()
 def version() -> None:
     """Print gpunet's version."""
@@ -64,28 +69,35 @@ def version() -> None:
 
 
 @app.command()
+@handle_errors
 def worker(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda:N."),
-    price: float = typer.Option(1.0, "--price", min=0, help="Credits per PFLOP of counted work."),
-    max_concurrent: int = typer.Option(1, "--max-concurrent", min=1, help="Jobs executing at once."),
-    max_queue: int = typer.Option(8, "--max-queue", min=0, help="Jobs waiting; beyond this the worker answers busy."),
-    public_name: Optional[str] = typer.Option(None, "--public-name", help="A name shown in `gpunet status`."),
+    device: str = Device,
+    price: float = typer.Option(_WORKER.price, "--price", min=0, help="Credits per PFLOP of counted work."),
+    max_concurrent: int = typer.Option(
+        _WORKER.max_concurrent, "--max-concurrent", min=1, help="Jobs executing at once."),
+    max_queue: int = typer.Option(
+        _WORKER.max_queue, "--max-queue", min=0, help="Jobs waiting; beyond this the worker answers busy."),
+    public_name: Optional[str] = typer.Option(
+        _WORKER.public_name, "--public-name", help="A name shown in `gpunet status`."),
     host_maddrs: Optional[List[str]] = HostMaddrs,
     data_dir: Optional[Path] = DataDir,
-    heartbeat: float = typer.Option(10.0, "--heartbeat", min=0.5, help="Seconds between record refreshes."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0, help="Seconds running jobs get after SIGTERM."),
-    rebenchmark: bool = typer.Option(False, "--rebenchmark", help="Measure the device's speed again."),
-    memory_budget_gb: Optional[float] = typer.Option(None, "--memory-budget-gb", min=0.1, help="Memory per executor."),
-    metrics_port: int = typer.Option(0, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
+    heartbeat: float = typer.Option(
+        _WORKER.heartbeat, "--heartbeat", min=0.5, help="Seconds between record refreshes."),
+    drain_timeout: float = typer.Option(
+        _WORKER.drain_timeout, "--drain-timeout", min=0, help="Seconds running jobs get after SIGTERM."),
+    rebenchmark: bool = typer.Option(_WORKER.rebenchmark, "--rebenchmark", help="Measure the device's speed again."),
+    memory_budget_gb: Optional[float] = typer.Option(
+        _WORKER.memory_budget_gb, "--memory-budget-gb", min=0.1, help="Memory per executor."),
+    metrics_port: int = typer.Option(
+        _WORKER.metrics_port, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     fault_corrupt_fraction: float = typer.Option(
-        0.0, "--fault-corrupt-fraction", min=0.0, max=1.0, hidden=True,
+        _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
-    from gpunet.config import WorkerConfig
     from gpunet.worker.server import Worker
 
     _setup_logging(verbose)
@@ -107,14 +119,11 @@ def worker(
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
-    try:
-        code = Worker(config).run()
-    except GpunetError as e:
-        raise _fail(e)
-    raise typer.Exit(code)
+    raise typer.Exit(Worker(config).run())
 
 
 @app.command()
+@handle_errors
 def bootstrap(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
@@ -126,14 +135,11 @@ def bootstrap(
     from gpunet.dht.bootstrap import run_bootstrap
 
     _setup_logging(verbose)
-    try:
-        code = run_bootstrap(network, list(initial_peers or []), list(host_maddrs or []) or None, data_dir)
-    except GpunetError as e:
-        raise _fail(e)
-    raise typer.Exit(code)
+    raise typer.Exit(run_bootstrap(network, list(initial_peers or []), list(host_maddrs or []) or None, data_dir))
 
 
 @app.command()
+@handle_errors
 def status(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
@@ -148,50 +154,38 @@ def status(
     """Show every live worker of a network, the network's totals, and how your client rates each worker."""
     from gpunet.client.core import client_data_dir
     from gpunet.client.trust import Reputation
-    from gpunet.dht import network as net
-    from gpunet.dht import registry
-    from gpunet.status import NetworkStatus, render_table, wide_console
+    from gpunet.status import StatusReader, render_table, wide_console
 
     _setup_logging(verbose)
     console = wide_console()
-    try:
-        dht = net.join(network, initial_peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    except GpunetError as e:
-        raise _fail(e, 2)
-    try:
-
-        def read() -> NetworkStatus:
-            reputation = Reputation.load(client_data_dir(client_dir))
-            return NetworkStatus(network, registry.discover(dht, network, timeout=timeout), reputation=reputation)
-
+    ratings_dir = client_data_dir(client_dir)
+    with StatusReader(network, initial_peers, ratings=lambda: Reputation.load(ratings_dir)) as reader:
+        snapshot = reader.read(timeout)
         if not watch:
-            snapshot = read()
             if as_json:
                 typer.echo(json.dumps(snapshot.to_json()))
             else:
                 console.print(render_table(snapshot))
             if not snapshot.workers:
-                err.print(f"no workers in network {network!r}: is that the right --network?")
+                Console(stderr=True).print(f"no workers in network {network!r}: is that the right --network?")
             return
         from rich.live import Live
 
-        with Live(render_table(read()), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
-                snapshot = read()
-                if as_json:
-                    typer.echo(json.dumps(snapshot.to_json()))
-                else:
-                    live.update(render_table(snapshot), refresh=True)
-    except KeyboardInterrupt:
-        pass
-    except GpunetError as e:
-        raise _fail(e, 2)
-    finally:
-        dht.shutdown()
+        try:
+            with Live(render_table(snapshot), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    snapshot = reader.read(timeout)
+                    if as_json:
+                        typer.echo(json.dumps(snapshot.to_json()))
+                    else:
+                        live.update(render_table(snapshot), refresh=True)
+        except KeyboardInterrupt:
+            pass  # the way to leave --watch: not a failure
 
 
 @app.command()
+@handle_errors
 def demo(
     workers: int = typer.Option(3, "--workers", min=1, max=16, help="Worker processes to start."),
     jobs: int = typer.Option(200, "--jobs", min=1, help="Transformer batches to send through the network."),
@@ -204,20 +198,16 @@ def demo(
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
-    try:
-        run_demo(workers=workers, jobs=jobs, keep=keep)
-    except KeyboardInterrupt:
-        raise typer.Exit(130)
-    except GpunetError as e:
-        raise _fail(e)
+    run_demo(workers=workers, jobs=jobs, keep=keep)
 
 
 @app.command()
+@handle_errors
 def doctor(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
     data_dir: Optional[Path] = DataDir,
-    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda:N."),
+    device: str = Device,
     host_maddrs: Optional[List[str]] = HostMaddrs,
     as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
 ) -> None:
@@ -232,7 +222,7 @@ def doctor(
         typer.echo(json.dumps([c.to_json() for c in checks]))
     else:
         Console().print(render_checks(checks))
-    raise typer.Exit(1 if any(c.outcome is Outcome.FAIL for c in checks) else 0)
+    raise typer.Exit(EXIT_FAILURE if any(c.outcome is Outcome.FAIL for c in checks) else 0)
 
 
 def main() -> None:

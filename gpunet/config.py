@@ -14,6 +14,8 @@ DATA_DIR_ENV = "GPUNET_DATA_DIR"
 DEFAULT_DATA_DIR = "~/.gpunet"
 #: Volunteers must be reachable by others, so long-lived nodes listen on every interface unless told otherwise.
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+#: Nodes that only read the network (status, doctor) and local test networks listen on loopback alone.
+LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:

@@ -16,15 +16,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gpunet.client.api import Client
-from gpunet.client.routing import Requirements
-from gpunet.errors import GpunetError
+import gpunet
 from gpunet.identity import short_id
-from gpunet.job import Job
-from gpunet.ledger.receipts import format_credits
-from gpunet.ledger.store import open_ledger
-from gpunet.localnet import LocalNetwork, wait_for
+from gpunet.ledger import format_credits, open_ledger
 from gpunet.status import NetworkStatus, render_table, wide_console
+from gpunet.testing import LocalNetwork, wait_for
 
 
 class MatmulChain(torch.nn.Module):
@@ -61,7 +57,7 @@ def _transformer() -> torch.nn.Module:
 def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> float:
     err = (got - want).abs().max().item()
     if not err <= tol:
-        raise GpunetError(f"{name}: a result differs from local execution by {err:.3g} (> {tol:g})")
+        raise gpunet.GpunetError(f"{name}: a result differs from local execution by {err:.3g} (> {tol:g})")
     return err
 
 
@@ -82,14 +78,14 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
             net.wait_online(proc)
         console.print(f"{workers} workers online (prices {', '.join(f'{p:g}' for p in prices)} credits/PFLOP)")
 
-        with Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
+        with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
             console.print(f"client {short_id(client.id)} sees {len(client.workers(refresh=True))} workers")
 
             # 1. a small transformer over many batches, spread over the network
             model = _transformer()
             batch = torch.export.Dim("batch", min=1, max=256)
             example = torch.randn(8, 16, 64)
-            job = Job.from_module(model, (example,), dynamic_shapes=({0: batch},))
+            job = gpunet.Job.from_module(model, (example,), dynamic_shapes=({0: batch},))
             console.print(f"traced a TransformerEncoderLayer into a safe job: {job}")
             batches = [torch.randn(8, 16, 64) for _ in range(jobs)]
             start = time.perf_counter()
@@ -102,10 +98,11 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
 
             # 2. a compute-bound job, a few times
             heavy = MatmulChain()
-            heavy_job = Job.from_module(heavy, (torch.randn(256, 512),))
+            heavy_job = gpunet.Job.from_module(heavy, (torch.randn(256, 512),))
             heavy_inputs = [torch.randn(256, 512) for _ in range(max(2, workers))]
             start = time.perf_counter()
-            futures = [client.submit(heavy_job, x, requirements=Requirements(prefer="fastest")) for x in heavy_inputs]
+            fastest = gpunet.Requirements(prefer="fastest")
+            futures = [client.submit(heavy_job, x, requirements=fastest) for x in heavy_inputs]
             with torch.no_grad():
                 for x, f in zip(heavy_inputs, futures):
                     _check("matmul chain", f.result(), heavy(x), 1e-4)
@@ -138,7 +135,7 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
     return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds, max_error=max_error)
 
 
-def _print_work(console: Console, client: Client) -> None:
+def _print_work(console: Console, client: gpunet.Client) -> None:
     work: dict[str, list] = defaultdict(lambda: [0, 0, 0])
     for r in client.ledger.receipts():
         w = work[r.worker_id]
@@ -167,25 +164,19 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
     table = Table(title="ledgers (each node's own SQLite file, verified)")
     for column in ("node", "receipts", "earned (credits)", "spent (credits)", "verify"):
         table.add_column(column)
-    for proc in net.procs:
-        path = proc.data_dir / "ledger.sqlite"
-        worker_id = proc.find(r"Worker id: (\S+)")
-        if not path.exists() or worker_id is None:
-            continue
+    for proc in net.workers:
+        worker_id = net.worker_id(proc)
         try:
-            wait_for(lambda: _count(proc.data_dir) >= paid[worker_id.group(1)], 10, "the worker to file its receipts",
+            wait_for(lambda: _count(proc.data_dir) >= paid[worker_id], 10, "the worker to file its receipts",
                      interval=0.02)
         except TimeoutError:
-            console.print(f"[yellow]worker {short_id(worker_id.group(1))} holds fewer receipts than the client paid it "
-                          f"for ({_count(proc.data_dir)} < {paid[worker_id.group(1)]}); see `gpunet ledger unpaid`")
+            console.print(f"[yellow]worker {short_id(worker_id)} holds fewer receipts than the client paid it "
+                          f"for ({_count(proc.data_dir)} < {paid[worker_id]}); see `gpunet ledger unpaid`")
         with open_ledger(proc.data_dir) as ledger:
             head = ledger.verify()
-            balances = ledger.balances()
-            ids = {r.worker_id for r in ledger.receipts()}
-            me = next(iter(ids)) if len(ids) == 1 else None
-            earned = balances[me].earned if me else 0
-            table.add_row(f"worker {short_id(worker_id.group(1))}", str(head.count), format_credits(earned), "0.000000",
-                          "[green]ok")
+            mine = ledger.balances().get(worker_id)
+            table.add_row(f"worker {short_id(worker_id)}", str(head.count), format_credits(mine.earned if mine else 0),
+                          "0.000000", "[green]ok")
     with open_ledger(net.root / "client") as ledger:
         head = ledger.verify()
         spent = ledger.balances().get(client_id)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rich.table import Table
 
-from gpunet.client.trust import Reputation
+from gpunet.dht import network as net
+from gpunet.dht import registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.identity import short_id
+
+if TYPE_CHECKING:
+    from gpunet.client.trust import Reputation
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,34 @@ class NetworkStatus:
                 }
             )
         return {"network": self.network, "workers": workers, "totals": self.totals}
+
+
+class StatusReader:
+    """The one reader of a network's status (``gpunet status``, ``gpunet doctor``): joins once, reads as often as asked.
+
+    With ``ratings`` (say, loading a client's reputation file) each read also carries how that client rates each
+    worker; it is called on every read, since a client running meanwhile keeps rating workers.
+    """
+
+    def __init__(self, network: str, initial_peers: Sequence[str] | None,
+                 ratings: Callable[[], "Reputation | None"] | None = None):
+        self.network = network
+        self.ratings = ratings
+        self.dht = net.join_as_client(network, initial_peers)
+
+    def read(self, timeout: float = 30.0) -> NetworkStatus:
+        reputation = self.ratings() if self.ratings is not None else None
+        workers = registry.discover(self.dht, self.network, timeout=timeout)
+        return NetworkStatus(self.network, workers, reputation=reputation)
+
+    def close(self) -> None:
+        self.dht.shutdown()
+
+    def __enter__(self) -> "StatusReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _trust_cell(rating: dict | None) -> str:

@@ -31,7 +31,7 @@ from gpunet.dht import network, registry  # noqa: E402
 from gpunet.dht.records import DeviceInfo, WorkerRecord, worker_bucket, worker_key  # noqa: E402
 from gpunet.dht.validation import SIGNATURE_TAG  # noqa: E402
 from gpunet.identity import Identity  # noqa: E402
-from gpunet.localnet import LOOPBACK, LocalNetwork, wait_for  # noqa: E402
+from gpunet.testing import LOOPBACK, LocalNetwork, wait_for  # noqa: E402
 
 NETWORK = "bench"
 WRITERS = 4
@@ -102,7 +102,7 @@ def wire_bytes(entries) -> int:
 
 
 def time_listing(bootstrap: str, expected: int, repeats: int) -> dict:
-    client = network.join(NETWORK, [bootstrap], client_mode=True, host_maddrs=[LOOPBACK])
+    client = network.join_as_client(NETWORK, [bootstrap])
     try:
         # Wait until replication settled and the whole network is visible, then time steady-state listings.
         wait_for(lambda: len(registry.discover(client, NETWORK)) >= expected, 120, f"{expected} workers listed")

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import gpunet  # noqa: E402
+from gpunet.testing import LocalNetwork  # noqa: E402
 from gpunet.utils import UVLOOP_ENV  # noqa: E402
-from gpunet.localnet import LocalNetwork  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import gpunet  # noqa: E402
 from gpunet import Requirements  # noqa: E402
-from gpunet.localnet import LocalNetwork, wait_for  # noqa: E402
+from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
 
 # Price-sensitive users (prefer="cheapest") are the liar's best customers: the adversarial case.
 POLICIES = {

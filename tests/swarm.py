@@ -1,4 +1,4 @@
-"""Test helpers over :mod:`gpunet.localnet`: the same local network the demo runs, plus CLI-driven checks."""
+"""Test helpers over :mod:`gpunet.testing`: the same local network the demo runs, plus CLI-driven checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import subprocess
 from typing import Callable
 
-from gpunet.localnet import LocalNetwork, Proc, gpunet_cmd, wait_for  # noqa: F401  (re-exported for tests)
+from gpunet.testing import LocalNetwork, Proc, gpunet_cmd, wait_for  # noqa: F401  (re-exported for tests)
 
 
 def run_cli(*args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -102,8 +102,7 @@ class P2PTransport:
         from gpunet.dht import network as net
         from gpunet.rpc import RPC
 
-        dht = await asyncio.to_thread(net.join, network, initial_peers, identity=identity, client_mode=True,
-                                      host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        dht = await asyncio.to_thread(net.join_as_client, network, initial_peers, identity)
         try:
             net.tie_to_this_process(dht)
             return cls(dht, RPC(await dht.replicate_p2p(), network))

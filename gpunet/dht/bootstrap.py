@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 
+from gpunet import readyfile
 from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network
 from gpunet.identity import Identity
@@ -19,8 +20,11 @@ def run_bootstrap(
     host_maddrs: list[str] | None = None,
     data_dir=None,
 ) -> int:
-    """Serve the DHT until SIGTERM/Ctrl-C; prints the address to join with. Returns the exit code."""
-    identity = Identity.load_or_create(resolve_data_dir(data_dir))
+    """Serve the DHT until SIGTERM/Ctrl-C; prints the address to join with and keeps a ready file (gpunet.readyfile).
+    Returns the exit code."""
+    data_dir = resolve_data_dir(data_dir)
+    readyfile.remove_ready(data_dir)  # one left by an earlier run that died must never be read as ours
+    identity = Identity.load_or_create(data_dir)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -29,11 +33,15 @@ def run_bootstrap(
     )
     try:
         network.tie_to_this_process(dht)
+        maddrs = network.visible_maddrs(dht)
         print(f"gpunet bootstrap node for network {network_name!r} is up. Join it with:", flush=True)
-        for maddr in network.visible_maddrs(dht):
+        for maddr in maddrs:
             print(f"  gpunet worker --network {network_name} --initial-peers {maddr}", flush=True)
+        readyfile.write_ready(data_dir, role="bootstrap", id=identity.peer_id, addresses=maddrs, network=network_name,
+                              state="online")
         stop.wait()
         logger.info("Stopping the bootstrap node")
         return 0
     finally:
+        readyfile.remove_ready(data_dir)
         dht.shutdown()

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, INITIAL_PEERS_ENV
+from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, INITIAL_PEERS_ENV, LOOPBACK_MADDR
 from gpunet.dht.validation import network_validators
 from gpunet.errors import ConfigError, NetworkError
 from gpunet.identity import Identity
@@ -76,6 +76,13 @@ def join(
     except Exception as e:
         where = f"the initial peers {', '.join(peers)}" if peers else "a new network"
         raise NetworkError(f"could not join {where}: {e}") from e
+
+
+def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: Identity | None = None
+                   ) -> hivemind.DHT:
+    """Join ``network`` to use it, not to serve it: a DHT client that stores no records for others and listens on
+    loopback alone (others never dial a client; it dials them)."""
+    return join(network, initial_peers, identity=identity, client_mode=True, host_maddrs=[LOOPBACK_MADDR])
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list[str]:

@@ -1,12 +1,11 @@
 """``gpunet ledger …``: read, check, export and merge this node's ledger. A thin shell over :mod:`gpunet.ledger`.
 
-Exit codes: 0 success; 1 the ledger failed verification, a merge refused receipts or found conflicts, or a job was
-not found; 2 unusable input (no such file, not a ledger, bad option).
+Exit codes, as for every ``gpunet`` command (gpunet.cli_errors): 0 success; 1 the ledger failed verification, a merge
+refused receipts or found conflicts, or a job was not found; 2 unusable input (no such file, not a ledger, bad option).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from datetime import datetime, timezone
@@ -18,8 +17,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpunet.cli_errors import handle_errors
 from gpunet.config import resolve_data_dir
-from gpunet.errors import GpunetError, LedgerCorrupted
+from gpunet.errors import LedgerCorrupted
 from gpunet.identity import KEY_FILENAME, Identity, short_id
 from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
@@ -45,17 +45,8 @@ _err = Console(stderr=True)
 
 
 def _command(func: Callable) -> Callable:
-    """Register a subcommand whose gpunet errors end as one clear line on stderr and exit code 2."""
-
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except GpunetError as e:
-            _err.print(f"[red]error:[/red] {e}", highlight=False)
-            raise typer.Exit(2) from None
-
-    return app.command()(wrapper)
+    """Register a subcommand that ends on an error as every gpunet command does (gpunet.cli_errors)."""
+    return app.command()(handle_errors(func))
 
 
 def _print_json(value: object) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
-from gpunet.config import resolve_data_dir
+from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, resolve_data_dir
 from gpunet.errors import GpunetError
 from gpunet.worker import hardware as hw
 
@@ -126,7 +126,7 @@ def _ipv4_addresses() -> list[str]:
 
 
 def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
-    maddrs = list(host_maddrs or ["/ip4/0.0.0.0/tcp/0"])
+    maddrs = list(host_maddrs or DEFAULT_HOST_MADDRS)
     ips = []
     for maddr in maddrs:
         parts = maddr.split("/")
@@ -151,7 +151,7 @@ def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
 
 def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Check]:
     from gpunet.dht import network as net
-    from gpunet.dht import registry
+    from gpunet.status import StatusReader
 
     try:
         peers = net.resolve_initial_peers(initial_peers)
@@ -162,14 +162,12 @@ def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Che
         return [Check("network", Outcome.SKIP, "no initial peers given", advice),
                 Check("clock", Outcome.SKIP, "no peers to compare with", advice)]
     try:
-        dht = net.join(network, peers, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        reader = StatusReader(network, peers)
     except GpunetError as e:
         return [Check("network", Outcome.FAIL, str(e), "check the address and that the peer is up and reachable")]
-    try:
-        workers = registry.discover(dht, network)
-        offsets = asyncio.run(_clock_offsets(dht, network, [w.id for w in workers[:5]]))
-    finally:
-        dht.shutdown()
+    with reader:
+        workers = reader.read().workers
+        offsets = asyncio.run(_clock_offsets(reader.dht, network, [w.id for w in workers[:5]]))
     checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible")]
     if not offsets:
         checks.append(Check("clock", Outcome.SKIP, "no worker answered a ping to compare clocks with"))
@@ -207,7 +205,7 @@ def run_checks(
     *,
     data_dir=None,
     device: str = "auto",
-    network: str = "gpunet",
+    network: str = DEFAULT_NETWORK,
     initial_peers: Sequence[str] | None = None,
     host_maddrs: Sequence[str] | None = None,
     nvml=None,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
+from gpunet import readyfile
 from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
 from gpunet.dht import network, registry
@@ -97,6 +98,9 @@ class Worker:
             self._last_expiration = expiration
         else:
             logger.warning("Could not publish this worker's record (no peer accepted it); retrying next heartbeat")
+        if state is not None:  # what deployment tools wait on, instead of reading our output
+            readyfile.write_ready(self.data_dir, role="worker", id=self.id, addresses=self.maddrs,
+                                  network=self.config.network, state=self.state.value)
         return ok
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
@@ -109,6 +113,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig)
+        readyfile.remove_ready(self.data_dir)  # one left by an earlier run that died must never be read as ours
         cfg = self.config
         info = self.hardware.info
         logger.info("Device: %s (%s x%d, %.1f GiB)", info.name, info.kind, info.count, info.memory_total / 2**30)
@@ -136,6 +141,7 @@ class Worker:
             await self._drain()
             return 0
         finally:
+            readyfile.remove_ready(self.data_dir)
             await self.stop_services()
             await asyncio.to_thread(self.dht.shutdown)
 

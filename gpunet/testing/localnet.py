@@ -1,8 +1,9 @@
 """A gpunet network on this machine: a bootstrap node and workers as real processes on 127.0.0.1.
 
-Used by ``gpunet demo``, the benchmarks and the end-to-end tests alike. Each process runs in its own session, so it
-and its children (DHT process, p2p daemon) are stopped by process-group id, never by name. Every wait is on a
-condition with a deadline.
+A deployment helper, used by ``gpunet demo``, the benchmarks and the end-to-end tests alike. Each process runs in its
+own session, so it and its children (DHT process, p2p daemon) are stopped by process-group id, never by name. A node is
+ready when its ready file (:mod:`gpunet.readyfile`) says so, written by the very process started here; addresses and
+ids come from that file too, never from the node's output. Every wait is on a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+from gpunet.config import LOOPBACK_MADDR
+from gpunet.readyfile import read_ready
+
+LOOPBACK = LOOPBACK_MADDR
 T = TypeVar("T")
 
 
@@ -42,12 +46,15 @@ def gpunet_cmd(*args: str) -> list[str]:
 
 @dataclass(eq=False)
 class Proc:
-    """A gpunet process with its output collected line by line."""
+    """A gpunet process: its ready file, and its output collected line by line (for people, and for tests that watch
+    its log)."""
 
     name: str
+    role: str  # "bootstrap" or "worker"
     popen: subprocess.Popen
     data_dir: Path
     lines: list[str] = field(default_factory=list)
+    ready: dict[str, Any] | None = None  # its ready file as last read: the id and addresses outlive the process
 
     def __post_init__(self):
         for stream in (self.popen.stdout, self.popen.stderr):
@@ -65,21 +72,49 @@ class Proc:
     def output(self) -> str:
         return "\n".join(self.lines)
 
-    def find(self, pattern: str) -> re.Match | None:
-        for line in list(self.lines):
-            match = re.search(pattern, line)
-            if match:
-                return match
-        return None
+    def read_ready(self) -> dict[str, Any] | None:
+        """This process's ready file as it stands, or None. A file another process wrote (left in the same data dir by
+        an earlier run) is never taken for this one's."""
+        info = read_ready(self.data_dir)
+        if info is None or info["pid"] != self.pid:
+            return None
+        self.ready = info
+        return info
+
+    def wait_ready(self, *states: str, timeout: float = 90) -> dict[str, Any]:
+        """Wait until this process's ready file says one of ``states`` (any, if none given); return the file."""
+
+        def ready():
+            info = self.read_ready()
+            if info is not None and (not states or info.get("state") in states):
+                return info
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self.output}")
+            return None
+
+        try:
+            return wait_for(ready, timeout, f"{self.name} to be {' or '.join(states) or 'up'}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; output so far:\n{self.output}") from None
+
+    @property
+    def id(self) -> str:
+        """The node's peer id, from its ready file (waiting for the node to write it, if it has not yet)."""
+        return (self.ready or self.wait_ready())["id"]
 
     def wait_for_line(self, pattern: str, timeout: float = 90) -> re.Match:
+        """Wait for a line of output matching ``pattern``: for watching a node's log, not for readiness."""
+
         def found():
-            match = self.find(pattern)
+            match = next(filter(None, (re.search(pattern, line) for line in list(self.lines))), None)
             if not match and self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self.output}")
             return match
 
-        return wait_for(found, timeout, f"{self.name} to print {pattern!r}; output so far:\n{self.output}")
+        try:
+            return wait_for(found, timeout, f"{self.name} to print {pattern!r}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; output so far:\n{self.output}") from None
 
     def group_alive(self) -> bool:
         try:
@@ -132,6 +167,7 @@ class LocalNetwork:
         self.network = network
         self.heartbeat = heartbeat
         self.procs: list[Proc] = []
+        self.bootstrap: Proc | None = None
         self.bootstrap_addr: str | None = None
         self._count = 0
 
@@ -141,9 +177,10 @@ class LocalNetwork:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, name: str, args: list[str], data_dir: Path | None = None) -> Proc:
+    def _start(self, role: str, args: list[str], data_dir: Path | None = None) -> Proc:
         self._count += 1
-        data_dir = Path(data_dir or self.root / f"{name}-{self._count}")
+        name = f"{role}-{self._count}"
+        data_dir = Path(data_dir or self.root / name)
         data_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "GPUNET_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
         env.pop("GPUNET_INITIAL_PEERS", None)
@@ -156,13 +193,14 @@ class LocalNetwork:
             env=env,
             start_new_session=True,
         )
-        proc = Proc(f"{name}-{self._count}", popen, data_dir)
+        proc = Proc(name, role, popen, data_dir)
         self.procs.append(proc)
         return proc
 
     def start_bootstrap(self) -> str:
-        proc = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", LOOPBACK])
-        self.bootstrap_addr = proc.wait_for_line(r"--initial-peers (/ip4/127\.0\.0\.1/\S+)").group(1)
+        """Start the network's entry point; returns the address workers and clients join with."""
+        self.bootstrap = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", LOOPBACK])
+        self.bootstrap_addr = self.bootstrap.wait_ready("online")["addresses"][0]
         return self.bootstrap_addr
 
     def start_worker(
@@ -186,13 +224,19 @@ class LocalNetwork:
             self.wait_online(proc)
         return procs
 
+    @property
+    def workers(self) -> list[Proc]:
+        """Every worker started here, in order (running or not)."""
+        return [p for p in self.procs if p.role == "worker"]
+
     @staticmethod
     def wait_online(proc: Proc) -> None:
-        proc.wait_for_line(r"Online: taking jobs")
+        """Wait until the worker has published its ``online`` record and takes jobs."""
+        proc.wait_ready("online")
 
     @staticmethod
     def worker_id(proc: Proc) -> str:
-        return proc.wait_for_line(r"Worker id: (\S+)").group(1)
+        return proc.id
 
     def close(self) -> None:
         for proc in reversed(self.procs):

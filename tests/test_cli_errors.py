@@ -1,0 +1,35 @@
+"""Every command ends on an error the same way, seen through the real CLI: one ``error: ...`` line on stderr, no
+traceback, and the documented exit code (gpunet.cli_errors): 2 for unusable input, 1 for a runtime failure."""
+
+import pytest
+
+from tests.swarm import run_cli
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def unusable_dir(tmp_path):
+    """A data dir that cannot be created: its parent is a file."""
+    (tmp_path / "a-file").write_text("")
+    return str(tmp_path / "a-file" / "data")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["worker", "--device", "cpu", "--data-dir", "{dir}"], "cannot create data dir"),
+        (["ledger", "balance", "--data-dir", "{dir}"], "cannot create data dir"),
+        (["status", "--initial-peers", "not-an-address"], "initial peer 'not-an-address' is not a multiaddr"),
+        (["bootstrap", "--network", "no.dots", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "network name 'no.dots'"),
+    ],
+    ids=["worker", "ledger", "status", "bootstrap"],
+)
+def test_a_config_error_is_one_line_and_exit_code_2(args, message, unusable_dir, tmp_path):
+    result = run_cli(*(a.format(dir=unusable_dir) for a in args), timeout=120, env={"GPUNET_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    assert result.stdout == ""
