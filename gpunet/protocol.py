@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -89,6 +90,19 @@ def _get(d: dict, name: str, kind: type | tuple[type, ...], optional: bool = Fal
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
         raise ProtocolError(f"message {d.get('t')!r}: field {name!r} must be {'/'.join(k.__name__ for k in kinds)}")
+    return value
+
+
+def _text(d: dict, name: str, limit: int) -> str:
+    """A free-text field (a reason, a message): a string cut to ``limit``, or empty when it is anything else."""
+    value = d.get(name)
+    return value[:limit] if isinstance(value, str) else ""
+
+
+def _time(d: dict, name: str) -> float:
+    value = float(_get(d, name, (int, float)))
+    if not math.isfinite(value):
+        raise ProtocolError(f"message {d.get('t')!r}: {name} must be a finite number")
     return value
 
 
@@ -265,7 +279,7 @@ class Refuse(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "Refuse":
-        return cls(_job_id(d), str(d.get("reason", ""))[:500])
+        return cls(_job_id(d), _text(d, "reason", 500))
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,7 +369,7 @@ class Pong(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "Pong":
-        return cls(float(_get(d, "time", (int, float))), _get(d, "echo", bytes, optional=True) or b"")
+        return cls(_time(d, "time"), _get(d, "echo", bytes, optional=True) or b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +397,7 @@ class Info(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "Info":
-        return cls(float(_get(d, "time", (int, float))), _get(d, "record", dict))
+        return cls(_time(d, "time"), _get(d, "record", dict))
 
 
 # --- errors across the wire: a code, the same exception on both sides ----------------------------------------------
@@ -434,8 +448,9 @@ class Error(Message):
     def from_wire(cls, d: dict) -> "Error":
         queue = d.get("queue")
         program = d.get("program")
-        return cls(str(d.get("code", "failed"))[:32], str(d.get("message", ""))[:2000],
-                   queue if type(queue) is int else 0, program if isinstance(program, str) else None)
+        return cls(_text(d, "code", 32) or "failed", _text(d, "message", 2000),
+                   queue if type(queue) is int and 0 <= queue < 2**31 else 0,
+                   program if isinstance(program, str) and PROGRAM_HASH_RE.match(program) else None)
 
 
 # --- encoding: unary bodies and stream frames ----------------------------------------------------------------------
@@ -458,7 +473,12 @@ def decode(data: bytes, *expect: type[M]) -> M:
     if kind is None or (expect and kind not in expect):
         wanted = "/".join(k.T for k in expect) or "a known message"
         raise ProtocolError(f"expected {wanted}, got {d['t'][:32]!r}")
-    return kind.from_wire(d)
+    try:
+        return kind.from_wire(d)
+    except GpunetError:
+        raise
+    except Exception as e:  # a parser bug must still read as a peer's bad message, never crash a handler
+        raise ProtocolError(f"malformed {kind.T!r} message ({type(e).__name__})") from None
 
 
 def encode_frame(message: Message) -> bytes:
@@ -469,8 +489,11 @@ def encode_frame(message: Message) -> bytes:
 
 
 async def write(writer: asyncio.StreamWriter, message: Message) -> None:
-    writer.write(encode_frame(message))
-    await writer.drain()
+    try:
+        writer.write(encode_frame(message))
+        await writer.drain()
+    except (ConnectionError, OSError) as e:
+        raise ProtocolError(f"stream broke: {e}") from None
 
 
 async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | None = None) -> M:
@@ -497,9 +520,12 @@ def payload_deadline(size: int) -> float:
 
 async def write_payload(writer: asyncio.StreamWriter, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
-    for offset in range(0, len(view), CHUNK_BYTES):
-        writer.write(view[offset : offset + CHUNK_BYTES])
-        await writer.drain()
+    try:
+        for offset in range(0, len(view), CHUNK_BYTES):
+            writer.write(view[offset : offset + CHUNK_BYTES])
+            await writer.drain()
+    except (ConnectionError, OSError) as e:
+        raise ProtocolError(f"stream broke while writing: {e}") from None
 
 
 async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str, hasher=None,

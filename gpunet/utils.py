@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import os
 from collections import OrderedDict
-from typing import Callable, Generic, Hashable, Iterator, TypeVar
+from typing import Callable, Generic, Hashable, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -81,9 +81,6 @@ class LRU(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __iter__(self) -> Iterator[K]:
-        return iter(list(self._items))
-
     def keys(self) -> list[K]:
         """Least recently used first."""
         return list(self._items)
@@ -109,13 +106,9 @@ class Debounce:
         return self._timer is not None
 
     def poke(self, delay: float | None = None) -> None:
-        """Schedule the callback unless it already is. Without a running loop (closing down) nothing is scheduled."""
+        """Schedule the callback unless it already is (RuntimeError outside a running event loop)."""
         if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            self._timer = loop.call_later(self.delay if delay is None else delay, self._fire)
+            self._timer = asyncio.get_running_loop().call_later(self.delay if delay is None else delay, self._fire)
 
     def cancel(self) -> None:
         if self._timer is not None:
@@ -125,3 +118,27 @@ class Debounce:
     def _fire(self) -> None:
         self._timer = None
         self._callback()
+
+
+class When:
+    """Futures that resolve once ``condition()`` is seen to hold: call :meth:`check` whenever it may have become true.
+
+    How a node waits for a state (drained, all paid) without polling it.
+    """
+
+    def __init__(self, condition: Callable[[], bool]):
+        self._condition = condition
+        self._waiting: list[asyncio.Future] = []
+
+    def wait(self) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        self.check()
+        return future
+
+    def check(self) -> None:
+        if self._waiting and self._condition():
+            waiting, self._waiting = self._waiting, []
+            for future in waiting:
+                if not future.done():
+                    future.set_result(None)

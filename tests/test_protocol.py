@@ -153,3 +153,36 @@ def test_payload_sizes_are_checked_before_reading_and_buffers_grow_with_the_data
             await read_payload(_reader(b"ab"), 2_000_000_000, 4_000_000_000, "x")  # no 2 GB allocated for it
 
     asyncio.run(go())
+
+
+def test_hostile_field_values_never_escape_as_anything_but_protocol_errors():
+    nested: list = []
+    for _ in range(900):
+        nested = [nested]
+    raw = msgpack.packb({"t": "refuse", "job": "j", "reason": nested}, use_bin_type=True)
+    assert protocol.decode(raw, Refuse) == Refuse("j", "")  # a reason that is not text is no reason
+    err = protocol.decode(msgpack.packb({"t": "error", "code": nested, "message": 7, "queue": -5,
+                                         "program": "../../x"}, use_bin_type=True), Error)
+    assert err == Error("failed", "", 0, None)
+    for t in (float("nan"), float("inf")):
+        with pytest.raises(ProtocolError, match="finite"):
+            protocol.decode(msgpack.packb({"t": "pong", "time": t}), Pong)
+    with pytest.raises(ProtocolError, match="'record' must be dict"):
+        protocol.decode(msgpack.packb({"t": "info", "time": 1.0, "record": nested}), Info)
+
+
+def test_a_broken_stream_on_write_is_a_protocol_error():
+    class Broken:
+        def write(self, data):
+            raise ConnectionResetError("peer reset")
+
+        async def drain(self):
+            pass
+
+    async def go():
+        with pytest.raises(ProtocolError, match="stream broke"):
+            await protocol.write(Broken(), Ok())
+        with pytest.raises(ProtocolError, match="stream broke"):
+            await protocol.write_payload(Broken(), b"x" * 10)
+
+    asyncio.run(go())

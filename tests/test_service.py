@@ -67,16 +67,17 @@ def test_admission_counts_places_and_answers_busy_when_full():
 def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
     async def scenario():
         a = Admission(price_micro=1, max_concurrent=2, max_queue=0)
+        a.stream_opened()  # as the service does: a job stream counts from its submit...
         assert a.admit()
-        a.delivered()  # a result out on a stream, its countersignature not read yet
-        a.released()
+        drained = None
         a.drain()
+        drained = a.drained()
         with pytest.raises(WorkerBusy, match="draining"):
             a.admit()
-        drained = a.drained()
+        a.released()  # ...so the job leaving admission, its result still to be written, is no gap to leave through
         await asyncio.sleep(0)
-        assert not drained.done()  # still waiting for that countersignature
-        a.settled()
+        assert not drained.done()
+        a.stream_closed()  # result sent, countersignature read (or given up on)
         await asyncio.wait_for(drained, 1)
         assert a.drained().done()  # already drained: resolves at once
 

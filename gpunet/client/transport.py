@@ -139,8 +139,13 @@ class P2PTransport:
                         settlement.track(self.cancel(worker.id, request.job_id))
                     raise
             return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+        except GpunetError:
+            raise
         except (ConnectionError, OSError) as e:
             raise NetworkError(f"worker {worker.id[-8:]}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # whatever a broken or hostile worker makes us trip on: its fault, not the job's
+            raise ProtocolError(f"worker {worker.id[-8:]} sent an answer that cannot be read ({type(e).__name__})"
+                                ) from None
 
     async def run_unary(self, worker_id: str, request: JobRequest, settle: Sequence[tuple[str, bytes]] = ()
                         ) -> Delivery:

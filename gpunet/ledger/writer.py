@@ -117,7 +117,10 @@ class LedgerWriter:
         self.flush()
 
     def _retry(self) -> None:
-        self._timer.poke(max(1.0, self.delay))  # without a loop (closing) the caller hears of it through the log
+        try:
+            self._timer.poke(max(1.0, self.delay))
+        except RuntimeError:  # no loop (closing): the caller hears of it through the log
+            pass
 
     def _schedule(self) -> None:
         if self.pending >= self.max_pending and not self._failing:

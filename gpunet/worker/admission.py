@@ -1,7 +1,7 @@
 """Which jobs a worker takes, and how many it holds: a pure state machine, apart from the I/O that serves jobs.
 
 Like dask/distributed's ``worker_state_machine``, nothing here reads a socket, sleeps or logs; the service
-(:mod:`gpunet.worker.service`) reports what happened (admitted, started, finished, stopped, delivered, settled) and
+(:mod:`gpunet.worker.service`) reports what happened (admitted, started, ended, stopped, stream opened and closed) and
 asks what to do. The clock is injected, so the stopped-jobs window is tested without waiting.
 
 Rules, in the order a submit meets them:
@@ -24,7 +24,7 @@ from typing import Callable
 
 from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
 from gpunet.protocol import Submit
-from gpunet.utils import LRU
+from gpunet.utils import LRU, When
 
 MAX_TRACKED_CLIENTS = 10_000
 
@@ -54,10 +54,13 @@ class Admission:
         self.accepting = True
         self.admitted = 0  # jobs holding a place: queued or running
         self.running = 0
-        self.settling = 0  # results delivered on a stream whose countersignature has not been read yet
+        # Job streams open, from their submit until the countersignature is read: a result on its way out, or its
+        # payment on its way in, keeps the worker from leaving (counted from the start, so no hand-off gap exists
+        # between a job's release and its delivery).
+        self.streams = 0
         self.jobs_done = 0
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
-        self._drained: list[asyncio.Future] = []
+        self._drained = When(lambda: not self.accepting and self.active == 0)
 
     @property
     def queue_length(self) -> int:
@@ -65,8 +68,9 @@ class Admission:
 
     @property
     def active(self) -> int:
-        """Jobs not finished with: queued, running, or waiting for their countersignature. Draining waits for 0."""
-        return self.admitted + self.settling
+        """Jobs not finished with: admitted (queued or running), or on a stream still open (a result going out, a
+        countersignature coming in). Draining waits for 0."""
+        return self.admitted + self.streams
 
     # --- decisions -------------------------------------------------------------------------------------------------
 
@@ -111,7 +115,7 @@ class Admission:
     def released(self) -> None:
         """An admitted job left (finished, failed or cancelled)."""
         self.admitted -= 1
-        self._check_drained()
+        self._drained.check()
 
     def started(self) -> None:
         self.running += 1
@@ -129,31 +133,21 @@ class Admission:
         stops.append(self.clock())
         self._stops.put(client_id, stops)  # the least recently seen client is forgotten beyond the bound
 
-    def delivered(self) -> None:
-        """A result went out on a stream; its countersignature is awaited there."""
-        self.settling += 1
+    def stream_opened(self) -> None:
+        """A job stream came in: whatever it brings, the worker answers it (and reads its payment) before leaving."""
+        self.streams += 1
 
-    def settled(self) -> None:
-        self.settling -= 1
-        self._check_drained()
+    def stream_closed(self) -> None:
+        self.streams -= 1
+        self._drained.check()
 
     # --- draining --------------------------------------------------------------------------------------------------
 
     def drain(self) -> None:
         """Take nothing new from now on."""
         self.accepting = False
-        self._check_drained()
+        self._drained.check()
 
     def drained(self) -> asyncio.Future:
-        """Resolves once the worker is draining and holds no job (queued, running or awaiting countersignature)."""
-        future = asyncio.get_running_loop().create_future()
-        self._drained.append(future)
-        self._check_drained()
-        return future
-
-    def _check_drained(self) -> None:
-        if not self.accepting and self.active == 0:
-            waiting, self._drained = self._drained, []
-            for future in waiting:
-                if not future.done():
-                    future.set_result(None)
+        """Resolves once the worker is draining and holds no job (queued, running, or on a stream still open)."""
+        return self._drained.wait()

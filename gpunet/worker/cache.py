@@ -25,8 +25,8 @@ def check_hash(program_hash: str) -> str:
     return program_hash
 
 
-class MemoryLRU(LRU[str, V]):
-    """Loaded programs: at most ``max_items`` and ``max_bytes`` in total (each program's size given on insert)."""
+#: Loaded programs: at most ``max_items`` and ``max_bytes`` in total (each program's size given on insert).
+MemoryLRU = LRU
 
 
 class DiskCache:

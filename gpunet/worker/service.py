@@ -154,6 +154,7 @@ class JobService:
     # --- jobs: the stream door (any size) --------------------------------------------------------------------------
 
     async def _handle_job(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.admission.stream_opened()
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
             outcome = await self._execute(client_id, submit, _StreamPayloads(reader, writer, self.limits), reader)
@@ -161,11 +162,7 @@ class JobService:
                 await protocol.write(writer, self._busy())
                 return
             await self._reply(outcome, writer)
-            self.admission.delivered()
-            try:
-                await self._settle_from_stream(client_id, outcome.receipt, reader)
-            finally:
-                self.admission.settled()
+            await self._settle_from_stream(client_id, outcome.receipt, reader)
         except ProtocolError as e:
             metrics.JOBS.labels("protocol_error").inc()
             logger.info("Dropped a malformed request from %s: %s", client_id[-8:], e)
@@ -177,6 +174,7 @@ class JobService:
             await _try_send(writer, Error.of(JobFailed(f"worker error: {type(e).__name__}")))
         finally:
             writer.close()
+            self.admission.stream_closed()
 
     async def _settle_from_stream(self, client_id: str, receipt: Receipt, reader) -> None:
         """Wait briefly for the countersignature on the stream; without it the receipt stays in the unpaid list."""
@@ -235,10 +233,9 @@ class JobService:
         """A client stops one of its own jobs (queued or running; the executor running it is replaced)."""
         try:
             job = self._jobs.get((client_id, protocol.decode(request, Cancel).job_id))
-            running = job is not None and job.run is not None
-            if running:
-                job.run.cancel()
-            return protocol.encode(Ok(cancelled=running))
+            # Only a job still running can be stopped (cancel() is False for one that has just finished).
+            stopped = job is not None and job.run is not None and job.run.cancel()
+            return protocol.encode(Ok(cancelled=stopped))
         except GpunetError as e:
             return protocol.encode(Error.of(e))
 
@@ -258,11 +255,15 @@ class JobService:
             return known
         if key in self._jobs:  # a retry while the first run is still going: wait for it
             return await asyncio.shield(self._jobs[key].outcome)
-        need_program = not self.executor.has_program(submit.program)
-        payloads.precheck(submit, need_program)
-        if not self.admission.admit():
+        if not self.admission.admit():  # busy or draining comes first: no point switching doors to hear it
             metrics.JOBS.labels("busy").inc()
             return None
+        need_program = not self.executor.has_program(submit.program)
+        try:
+            payloads.precheck(submit, need_program)
+        except BaseException:
+            self.admission.released()
+            raise
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
         try:
             got = await payloads.fetch(submit, need_program)
@@ -286,15 +287,19 @@ class JobService:
         job.run = asyncio.ensure_future(self._run_now(key, submit, got))
         # The client sends nothing between its payload and our result, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
+        tasks = {job.run, gone} if gone is not None else {job.run}
         try:
-            await asyncio.wait({job.run, gone} if gone else {job.run}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if gone is not None:
-                gone.cancel()
-                await asyncio.wait({gone})  # the reader is free again only once the watch has really ended
-            if not job.run.done():
-                job.run.cancel()
-                await asyncio.wait({job.run})  # let it give back its slot and executor before we answer
+            for task in tasks:  # the job if still running (a hang-up, a cancel), and always the watch
+                task.cancel()
+            # Let the job give back its slot and executor before we answer; the reader is free again only once the
+            # watch has really ended. A second cancel of ours must not leave either behind.
+            while not all(task.done() for task in tasks):
+                try:
+                    await asyncio.wait(tasks)
+                except asyncio.CancelledError:
+                    pass
         if job.run.cancelled():
             raise JobFailed("job stopped before it finished: its client cancelled it or went away")
         return job.run.result()
@@ -346,11 +351,16 @@ class JobService:
         return Outcome(outputs, receipt)
 
     async def _reply(self, outcome: Outcome, writer) -> None:
+        """The result, within the time its size allows: a client that stops reading does not pin it here."""
         inline = len(outcome.outputs) <= INLINE_BYTES
-        await protocol.write(writer, Result(len(outcome.outputs), outcome.receipt.to_bytes(),
-                                            outcome.outputs if inline else None))
-        if not inline:
-            await protocol.write_payload(writer, outcome.outputs)
+        try:
+            async with asyncio.timeout(protocol.payload_deadline(len(outcome.outputs))):
+                await protocol.write(writer, Result(len(outcome.outputs), outcome.receipt.to_bytes(),
+                                                    outcome.outputs if inline else None))
+                if not inline:
+                    await protocol.write_payload(writer, outcome.outputs)
+        except TimeoutError:
+            raise ProtocolError("the client stopped reading the result") from None
         metrics.BYTES_OUT.inc(len(outcome.outputs))
 
 

@@ -19,7 +19,7 @@ from gpunet.errors import GpunetError, JobRejected
 from gpunet.ledger.receipts import Receipt, attach_countersignature
 from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures
 from gpunet.protocol import Countersign, Refuse
-from gpunet.utils import LRU, Debounce
+from gpunet.utils import LRU, Debounce, When
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -37,7 +37,7 @@ class Settlement:
         self._queued: list[tuple[str, tuple[tuple[str, bytes], ...]]] = []  # ride-along, not yet checked
         self._timer = Debounce(FLUSH_DELAY, self._check_soon)
         self._checking: set[asyncio.Task] = set()
-        self._all_settled: list[asyncio.Future] = []
+        self._all_settled = When(lambda: not len(self.unsettled))
 
     def expect(self, client_id: str, receipt: Receipt) -> None:
         """A result went out through the unary door: its countersignature comes in a later call."""
@@ -64,7 +64,7 @@ class Settlement:
         if isinstance(message, Refuse):
             self._forget(key)
             logger.warning("Client %s refused the receipt for job %s: %s", client_id[-8:], message.job_id[:12],
-                           message.reason[:200])
+                           message.reason)
             return
         complete = attach_countersignature(receipt, message.signature)  # InvalidReceipt if forged
         if self.books.get(message.job_id) is None:
@@ -84,21 +84,13 @@ class Settlement:
 
     def all_settled(self) -> asyncio.Future:
         """Resolves once no delivered result awaits its countersignature."""
-        future = asyncio.get_running_loop().create_future()
-        self._all_settled.append(future)
-        self._forget(None)
-        return future
+        return self._all_settled.wait()
 
     # --- internals -------------------------------------------------------------------------------------------------
 
-    def _forget(self, key: Key | None) -> None:
-        if key is not None:
-            self.unsettled.pop(key)
-        if not len(self.unsettled):
-            waiting, self._all_settled = self._all_settled, []
-            for future in waiting:
-                if not future.done():
-                    future.set_result(None)
+    def _forget(self, key: Key) -> None:
+        self.unsettled.pop(key)
+        self._all_settled.check()
 
     def _check_soon(self) -> None:
         queued, self._queued = self._queued, []
