@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import os
 import json
 import multiprocessing
@@ -165,6 +166,25 @@ def bench_bulk(client: gpunet.Client, mib: int) -> dict:
     return {"mib": mib, "gpunet_mb_s": best, "raw_tcp_mb_s": raw_tcp_mb_s(mib * 2**20)}
 
 
+def bench_program_once(client: gpunet.Client, jobs: int = 30, n: int = 3700) -> dict:
+    """``jobs`` jobs of one cold 55 MB program submitted at once: how many copies of the program cross to the worker
+    (each job would carry one without single-flight uploads), and when the first answer comes back."""
+    torch.manual_seed(0)
+    job = gpunet.Job.from_module(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.ReLU()), (torch.randn(2, n),))
+    program = len(job.program_bytes())
+    xs = [torch.randn(2, n) for _ in range(jobs)]
+    t0 = time.perf_counter()
+    futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=600)) for x in xs]
+    first = None
+    for f in concurrent.futures.as_completed(futures):
+        f.result()
+        first = first or time.perf_counter() - t0
+    everything = time.perf_counter() - t0
+    sent = sum(f.bytes_sent for f in futures) - jobs * len(job.encode_inputs(xs[0]))
+    return {"jobs": jobs, "program_mb": program / 1e6, "copies_sent": sent / program, "first_answer_s": first,
+            "all_answers_s": everything, "raw_tcp_one_copy_s": program / (raw_tcp_mb_s(program) * 1e6)}
+
+
 class Heavy(torch.nn.Module):
     """A few seconds of matmuls on one CPU thread: 8 weight matrices applied 15 times (120 matmuls, ~260 GFLOP)."""
 
@@ -242,6 +262,10 @@ def main() -> None:
                 results["bulk"].append(bulk)
                 print(f"bulk input {mib} MiB: {bulk['gpunet_mb_s']:.0f} MB/s | raw loopback TCP "
                       f"{bulk['raw_tcp_mb_s']:.0f} MB/s", flush=True)
+            results["program_once"] = once = bench_program_once(client)
+            print(f"{once['jobs']} jobs of a cold {once['program_mb']:.0f} MB program at once: {once['copies_sent']:.2f} "
+                  f"copies sent, first answer {once['first_answer_s']:.2f} s, all {once['all_answers_s']:.2f} s | "
+                  f"raw loopback TCP, one copy: {once['raw_tcp_one_copy_s']:.2f} s", flush=True)
             results["compute"] = c = bench_compute(client, threads=1)
             print(f"compute-bound job ({c['gflop']:.0f} GFLOP): network {c['network_s']:.2f} s | local "
                   f"{c['local_s']:.2f} s (efficiency {c['efficiency'] * 100:.0f}%)", flush=True)

@@ -392,3 +392,25 @@ for _ in range(3):
     assert worker.terminate() == 0
     with open_ledger(worker.data_dir) as ledger:
         assert ledger.verify().count == 3 and not ledger.unpaid()
+
+
+def test_a_big_program_crosses_each_link_once_however_many_jobs_want_it(swarm, client_for):
+    """30 jobs of a 55 MB program at once on 3 cold workers: each worker gets one copy, not one per job."""
+    workers = swarm.start_workers(3, "--max-queue", "32")
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3700, 3700), torch.nn.ReLU()).eval()
+    job = gpunet.Job.from_module(model, (torch.randn(2, 3700),))
+    program = len(job.program_bytes())
+    assert program > 50e6
+    xs = [torch.randn(2, 3700) for _ in range(30)]
+    futures = [client.submit(job, x, requirements=Requirements(timeout=300)) for x in xs]
+    for f, x in zip(futures, xs):
+        assert torch.allclose(f.result(timeout=300), model(x).detach(), atol=1e-5)
+    inputs = len(job.encode_inputs(xs[0]))
+    program_bytes_sent = sum(f.bytes_sent - inputs for f in futures)
+    ran_it = {f.worker_id for f in futures}
+    assert program_bytes_sent <= len(ran_it) * program, (
+        f"{program_bytes_sent / program:.1f} copies of the program sent for {len(ran_it)} workers")
+    assert all(w.popen.poll() is None for w in workers)

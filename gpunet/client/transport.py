@@ -96,6 +96,9 @@ class P2PTransport:
 
     def __init__(self, dht, rpc: "RPC"):
         self.dht, self.rpc = dht, rpc
+        # (worker, program) -> resolves once the job that went first with that program to that worker no longer
+        # needs the link for it (the worker had it, or the upload is written, or that job failed)
+        self._first_with_program: dict[tuple[str, str], asyncio.Future] = {}
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -138,7 +141,9 @@ class P2PTransport:
                     if isinstance(e, asyncio.CancelledError):  # cancelled or timed out: the worker can stop work on it
                         settlement.track(self.cancel(worker.id, request.job_id))
                     raise
-            return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+            if cached:
+                return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+            return await self._run_stream_once_per_program(worker, request)
         except GpunetError:
             raise
         except (ConnectionError, OSError) as e:
@@ -170,8 +175,27 @@ class P2PTransport:
 
         return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish)
 
-    async def run_stream(self, worker_id: str, maddrs: Sequence[str], request: JobRequest) -> Delivery:
-        """The stream door: any size; sends the program when the worker asks for it."""
+    async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest) -> Delivery:
+        """A job for a program the worker may lack: the first such job to that worker goes at once (and carries the
+        program if asked); the others wait until the program has crossed, so this client never sends a second copy
+        of a program to a worker it is already sending it to. Should the first fail, they go anyway."""
+        key = (worker.id, request.program_hash)
+        first = self._first_with_program.get(key)
+        if first is not None:
+            await asyncio.shield(first)
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+        crossed = self._first_with_program[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request, program_crossed=crossed)
+        finally:
+            if not crossed.done():
+                crossed.set_result(None)
+            del self._first_with_program[key]
+
+    async def run_stream(self, worker_id: str, maddrs: Sequence[str], request: JobRequest,
+                         program_crossed: asyncio.Future | None = None) -> Delivery:
+        """The stream door: any size; sends the program when the worker asks for it. ``program_crossed`` resolves
+        once the worker holds the program or has been sent it (before the job's own result comes)."""
         reader, writer = await self.rpc.open(worker_id, Door.JOB, maddrs)
         try:
             inline = len(request.inputs) <= INLINE_BYTES
@@ -180,6 +204,8 @@ class P2PTransport:
                                                 request.max_price))
             sent = len(request.inputs) if inline else 0
             reply = await protocol.read(reader, Send, Result, Error)
+            if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
+                program_crossed.set_result(None)  # it holds the program (or refused the job): nothing to carry
             transfer_seconds = 0.0
             if isinstance(reply, Send):
                 t0 = time.perf_counter()
@@ -188,6 +214,8 @@ class P2PTransport:
                 if reply.program:
                     await protocol.write_payload(writer, request.program)
                     sent += len(request.program)
+                if program_crossed is not None and not program_crossed.done():
+                    program_crossed.set_result(None)
                 if reply.inputs:
                     await protocol.write_payload(writer, request.inputs)
                     sent += len(request.inputs)

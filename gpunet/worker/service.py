@@ -56,6 +56,7 @@ from gpunet.utils import LRU, sha256_hex
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.settlement import Settlement
+from gpunet.worker.uploads import Upload, Uploads
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -73,10 +74,12 @@ class Outcome:
 
 @dataclass
 class _Job:
-    """An admitted job: its result to come (a retry of the same id waits for it) and, once running, its task."""
+    """An admitted job: its result to come (a retry of the same id waits for it), once running its task, and the
+    program's bytes if this job brought them (other jobs for that program use this copy meanwhile)."""
 
     outcome: asyncio.Future
     run: asyncio.Task | None = None
+    upload: Upload | None = None
 
 
 @dataclass
@@ -112,6 +115,7 @@ class JobService:
         self._corrupt_outputs = corrupt_outputs
         self._slots = asyncio.Semaphore(admission.max_concurrent)
         self._jobs: dict[tuple[str, str], _Job] = {}
+        self.uploads = Uploads()
         self._rpc: RPC | None = None
 
     async def start(self, rpc: RPC) -> None:
@@ -266,8 +270,8 @@ class JobService:
             raise
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
         try:
-            got = await payloads.fetch(submit, need_program)
-            metrics.BYTES_IN.inc(len(got.inputs) + len(got.program or b""))
+            got = await self._receive(job, submit, payloads, need_program)
+            metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
             outcome = await self._run(key, job, submit, got, reader)
             job.outcome.set_result(outcome)
         except BaseException as e:
@@ -276,9 +280,35 @@ class JobService:
             raise
         finally:
             del self._jobs[key]
+            if job.upload is not None:  # run or not, the program is cached now or will not be from this copy
+                self.uploads.end(job.upload)
             self.admission.released()
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
+
+    async def _receive(self, job: _Job, submit: Submit, payloads, need_program: bool) -> _Inputs:
+        """What the job lacks, each program crossing the link once: a job whose program is already on its way in (or
+        being loaded) for another job uses that copy instead of asking its own client for one more."""
+        tried: set[Upload] = set()
+        while need_program:
+            upload = self.uploads.coming(submit.program)
+            if upload is None or upload in tried:
+                break  # none on its way (or only one we gave up on): this job brings its own
+            tried.add(upload)
+            program = await upload.share()
+            if program is not None:
+                got = await payloads.fetch(submit, need_program=False)
+                got.program = program
+                return got
+            # That copy failed or is too slow. The program may have been loaded meanwhile, or another job may have
+            # taken over bringing it: look again.
+            need_program = not self.executor.has_program(submit.program)
+        if not need_program:
+            return await payloads.fetch(submit, need_program=False)
+        job.upload = self.uploads.begin(submit.program)
+        got = await payloads.fetch(submit, need_program=True)
+        job.upload.arrived(got.program)
+        return got
 
     async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, got: _Inputs, reader) -> Outcome:
         """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the

@@ -1,0 +1,80 @@
+"""Programs on their way in: each crosses the link once, however many jobs for it arrive meanwhile.
+
+When several jobs for a program the worker lacks arrive together, the first asks its client for the program; the
+others wait for that copy (and keep using it while the executor loads it) instead of each asking for one more.
+Nothing is trusted blindly: before a copy serves a job other than the one it came with, its content hash is checked
+(once, in a thread), so one client cannot poison another's jobs with bytes that do not match the hash. A copy that
+fails (its client hung up, it does not match, it takes longer than ``SHARED_WAIT``) leaves each waiting job to ask
+its own client, as if no copy had been on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpunet.errors import GpunetError
+from gpunet.job.format import ProgramParts
+
+#: The longest a job waits for another job's copy of its program before asking its own client for one.
+SHARED_WAIT = 60.0
+
+
+def _content_hash(data: bytes) -> str | None:
+    try:
+        return ProgramParts.from_bytes(data, max_bytes=len(data)).hash
+    except GpunetError:
+        return None
+
+
+class Upload:
+    """One program's bytes coming in with one job (then kept while that job's executor loads them)."""
+
+    def __init__(self, program_hash: str):
+        self.program_hash = program_hash
+        self._bytes: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._checked: asyncio.Future | None = None
+
+    def arrived(self, data: bytes) -> None:
+        if not self._bytes.done():
+            self._bytes.set_result(data)
+
+    def failed(self) -> None:
+        if not self._bytes.done():
+            self._bytes.set_result(None)
+
+    async def share(self, timeout: float = SHARED_WAIT) -> bytes | None:
+        """The bytes, once here and checked against the hash; None if this copy failed or is too slow in coming."""
+        try:
+            data = await asyncio.wait_for(asyncio.shield(self._bytes), timeout)
+        except TimeoutError:
+            return None
+        if data is None:
+            return None
+        if self._checked is None:
+            self._checked = asyncio.ensure_future(asyncio.to_thread(_content_hash, data))
+        return data if await asyncio.shield(self._checked) == self.program_hash else None
+
+
+class Uploads:
+    """The programs this worker is receiving or loading, by hash."""
+
+    def __init__(self):
+        self._coming: dict[str, Upload] = {}
+
+    def __len__(self) -> int:
+        return len(self._coming)
+
+    def coming(self, program_hash: str) -> Upload | None:
+        """The copy of this program on its way in (or being loaded) with another job, if any."""
+        return self._coming.get(program_hash)
+
+    def begin(self, program_hash: str) -> Upload:
+        """This job brings the program: jobs for it that come meanwhile wait for this copy."""
+        upload = self._coming[program_hash] = Upload(program_hash)
+        return upload
+
+    def end(self, upload: Upload) -> None:
+        """The job that brought it is done (the program is cached now, or it never will be from this copy)."""
+        upload.failed()  # waiters still waiting for bytes that never came: ask your own client
+        if self._coming.get(upload.program_hash) is upload:
+            del self._coming[upload.program_hash]
