@@ -107,7 +107,6 @@ class P2PTransport:
 
         dht = await asyncio.to_thread(net.join_as_client, network, initial_peers, identity)
         try:
-            net.tie_to_this_process(dht)
             return cls(dht, RPC(await dht.replicate_p2p(), network))
         except BaseException:
             dht.shutdown()

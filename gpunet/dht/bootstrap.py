@@ -32,7 +32,6 @@ def run_bootstrap(
         network_name, initial_peers, identity=identity, host_maddrs=host_maddrs, start_new=True
     )
     try:
-        network.tie_to_this_process(dht)
         maddrs = network.visible_maddrs(dht)
         print(f"gpunet bootstrap node for network {network_name!r} is up. Join it with:", flush=True)
         for maddr in maddrs:

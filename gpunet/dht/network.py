@@ -65,7 +65,7 @@ def join(
         # hivemind's identity-collision check assumes RSA keys; our Ed25519 id is our own key, so skip it.
         kwargs.update(identity_path=str(identity.path), check_if_identity_free=False)
     try:
-        return hivemind.DHT(
+        dht = hivemind.DHT(
             initial_peers=peers or None,
             start=True,
             client_mode=client_mode,
@@ -76,6 +76,8 @@ def join(
     except Exception as e:
         where = f"the initial peers {', '.join(peers)}" if peers else "a new network"
         raise NetworkError(f"could not join {where}: {e}") from e
+    _tie_to_this_process(dht)
+    return dht
 
 
 def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: Identity | None = None
@@ -93,9 +95,16 @@ def visible_maddrs(dht: hivemind.DHT) -> list[str]:
 
 async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: float = 1.0) -> None:
     """Runs inside the DHT process: if the node's owner dies (even by SIGKILL), stop the DHT and its p2p daemon too,
-    so a killed worker leaves no orphan serving a stale identity."""
-    import asyncio
+    so a killed worker leaves no orphan serving a stale identity.
 
+    First it restores SIGTERM's default here: the DHT process is forked from its owner and inherits the owner's
+    Python-level handlers, which in this process would only set a flag nobody reads, so hivemind's own
+    ``terminate()`` at shutdown (and ``systemctl stop``) could not stop it. (hivemind ignores SIGINT here on purpose:
+    the owner decides when its DHT stops.)"""
+    import asyncio
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while os.getppid() == parent_pid:
         await asyncio.sleep(period)
     try:
@@ -104,7 +113,7 @@ async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: f
         os._exit(0)
 
 
-def tie_to_this_process(dht: hivemind.DHT) -> None:
+def _tie_to_this_process(dht: hivemind.DHT) -> None:
     """Make the DHT child process (and its daemon) exit when this process dies, however it dies."""
     from functools import partial
 

@@ -9,12 +9,14 @@ worker keeps serving; a job whose caller gives up (cancel, client gone) is stopp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -61,7 +63,8 @@ class _Slot:
         self.killed = False
         self.conn, child = self._ctx.Pipe(duplex=True)
         self.proc = self._ctx.Process(target=_child_main, args=(child, self._config), daemon=True, name="gpunet-executor")
-        self.proc.start()
+        with _sigint_ignored_by_children():
+            self.proc.start()
         child.close()
         self.ready = False
         self.hashes = set()
@@ -390,8 +393,27 @@ def _limit_memory(budget: int, device: str) -> None:
         pass  # not Linux: the dry-run limit still applies
 
 
+@contextlib.contextmanager
+def _sigint_ignored_by_children():
+    """Start processes with SIGINT ignored: an ignored signal stays ignored across exec, and Python then never
+    installs its KeyboardInterrupt handler, so a Ctrl-C to the process group while an executor boots cannot kill it
+    with a traceback (stopping executors is the worker's call, after it drains). Only the main thread may change
+    signal handlers; a process started from another thread (a respawn) relies on _child_main alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+
 def _child_main(conn: Connection, config: dict) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
+    # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
+    # first), so a keypress must not kill one mid-job or mid-import with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
 
     from gpunet.job import tensors

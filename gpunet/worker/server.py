@@ -130,7 +130,6 @@ class Worker:
             start_new=True,
         )
         try:
-            network.tie_to_this_process(self.dht)
             self.maddrs = network.visible_maddrs(self.dht)
             self._print_welcome(starting_network)
             await self.announce(WorkerState.JOINING)
