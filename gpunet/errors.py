@@ -57,6 +57,11 @@ class JobRejected(JobError):
         self.reason = reason
 
 
+class UsageError(GpunetError, TypeError):
+    """gpunet was handed something it cannot use (a model where a Job belongs, a list where a tensor belongs); the
+    message says what to pass instead."""
+
+
 class UnsupportedProgram(JobError, ValueError):
     """A module or function cannot become a gpunet job (tracing failed, or it needs something the format cannot carry)."""
 

@@ -42,6 +42,7 @@ from gpunet.errors import (
     ProtocolError,
     WorkerBusy,
 )
+from gpunet.utils import human_bytes
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
@@ -538,7 +539,7 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
     if type(size) is not int or size < 0:
         raise ProtocolError(f"{what} size must be a non-negative integer")
     if size > cap:
-        raise ProtocolError(f"{what} of {size} bytes exceeds this peer's limit of {cap} bytes")
+        raise ProtocolError(f"{what} of {size} bytes ({human_bytes(size)}) exceeds this peer's limit of {human_bytes(cap)}")
     # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
     buf = bytearray()
     offset = 0

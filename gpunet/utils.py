@@ -29,6 +29,16 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def human_bytes(n: int) -> str:
+    """A size as people read it: ``13.1 TiB``, ``512 KiB``, ``12 bytes``."""
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -203,3 +203,31 @@ def test_unary_countersignatures_are_delivered_before_the_client_closes(tmp_path
     assert all(r.receipt.client_signature for r in results)
     assert w.verdicts == []  # nothing went back on a stream: each rode along or went in a batch, none lost at close
     assert sorted(transport.settled[w.id]) == sorted(r.receipt.job_id for r in results)
+
+
+def test_wrong_arguments_say_what_to_pass_and_numpy_arrays_are_taken_as_they_are(tmp_path):
+    import numpy as np
+
+    from gpunet.errors import UsageError
+
+    model = torch.nn.Linear(8, 8)
+
+    async def scenario(core):
+        with pytest.raises(UsageError, match="not a Linear .* gpunet.Job.from_module"):
+            await core.run(model, [X])
+        with pytest.raises(UsageError, match="input 0 is a list; pass each input as a torch.Tensor"):
+            await core.run(JOB, [X.tolist()])
+        return await core.run(JOB, [X.numpy()])
+
+    result = run(tmp_path, [FakeWorker("w")], scenario)
+    assert torch.allclose(result.outputs, JOB.run_locally(X))
+    assert torch.allclose(gpunet.Job.from_module(model, torch.randn(4, 8)).run_locally(X), model(X).detach())  # 1 tensor
+
+
+def test_too_few_workers_for_the_redundancy_asked_is_said_as_such(tmp_path):
+    async def scenario(core):
+        with pytest.raises(gpunet.NoWorkersAvailable) as e:
+            await core.run(JOB, [X], gpunet.Requirements(redundancy=3))
+        assert "already runs another copy of this job" in str(e.value) and "failed" not in str(e.value)
+
+    run(tmp_path, [FakeWorker("a"), FakeWorker("b")], scenario)

@@ -222,3 +222,12 @@ def test_a_queued_job_cancelled_before_it_runs_does_not_count(service):
             await first
 
     asyncio.run(scenario())
+
+
+def test_limits_are_said_in_units_people_read():
+    from gpunet.utils import human_bytes
+
+    assert [human_bytes(n) for n in (12, 2048, 14_400_240_000_000)] == ["12 bytes", "2.0 KiB", "13.1 TiB"]
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_input_bytes=2**30))
+    with pytest.raises(JobRejected, match=r"inputs of 2.0 GiB exceed this worker's limit of 1.0 GiB"):
+        a.screen(ALICE, Submit("j", PROGRAM, 2**31))

@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from gpunet.client.core import ClientConfig, ClientCore, JobResult
+from gpunet.client.core import ClientConfig, ClientCore, JobResult, check_call
 from gpunet.client.routing import Requirements
 from gpunet.config import DEFAULT_NETWORK
 from gpunet.dht.registry import WorkerEntry
@@ -128,6 +128,7 @@ class AsyncClient:
         await self._core.close()
 
     def submit(self, job, *inputs, requirements: Requirements | None = None) -> AsyncJobFuture:
+        inputs = check_call(job, inputs)  # a wrong argument fails here, not later in the future
         future = AsyncJobFuture()
         task = asyncio.ensure_future(self._core.run(job, inputs, requirements))
         task.add_done_callback(future._settle)
@@ -233,6 +234,7 @@ class Client:
         """Send ``job`` with ``inputs`` to the network; returns at once with a future of the output tensor(s)."""
         if self._closed:
             raise GpunetError("client is closed")
+        inputs = check_call(job, inputs)  # a wrong argument fails here, not later in the future
         future = JobFuture()
         self._loop.call_soon_threadsafe(self._start, future, job, inputs, requirements)
         return future

@@ -32,6 +32,7 @@ from gpunet.errors import (
     NoWorkersAvailable,
     ProgramNotCached,
     ProtocolError,
+    UsageError,
     VerificationFailed,
     WorkerBusy,
 )
@@ -209,6 +210,7 @@ class ClientCore:
     async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
                   job_id: str | None = None) -> JobResult:
         """Route, send, retry, verify as asked; returns the checked, countersigned result."""
+        inputs = check_call(job, inputs)
         req = requirements or Requirements()
         job_id = job_id or uuid.uuid4().hex
         encoded = await _off_loop_if_large(job.encode_inputs, inputs)  # JobRejected: inputs misfit
@@ -311,7 +313,7 @@ class ClientCore:
                 raise JobTimeout(f"job {job_id[:12]} did not finish within {req.timeout:g} s; tried {_names(tried)}"
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
-                worker = self.router.choose(req, p.shape, exclude=failed | taken)
+                worker = self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed)
             except NoWorkersAvailable as e:
                 if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
                     await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
@@ -409,6 +411,26 @@ class ClientCore:
         # attempts: every worker this job went to, in order (for a verified job: the replicas, then any retries).
         return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
                          c.delivery.bytes_sent)
+
+
+def check_call(job, inputs: Sequence) -> tuple[torch.Tensor, ...]:
+    """What a submit was handed, as a Job and tensors (numpy arrays are taken as they are); UsageError otherwise,
+    saying what to pass. Called where the user calls, so the mistake surfaces there and not in a future."""
+    from gpunet.job import Job
+
+    if not isinstance(job, Job):
+        hint = (" (trace it first: gpunet.Job.from_module(model, example_inputs=(x,)))"
+                if isinstance(job, torch.nn.Module) or callable(job) else "")
+        raise UsageError(f"submit takes a gpunet.Job, not a {type(job).__name__}{hint}")
+    tensors = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy" and hasattr(x, "__array__"):
+            x = torch.from_numpy(x) if type(x).__name__ == "ndarray" else torch.as_tensor(x)
+        if not isinstance(x, torch.Tensor):
+            raise UsageError(f"input {i} is a {type(x).__name__}; pass each input as a torch.Tensor (or numpy array), "
+                             "one positional argument per input the job was traced with")
+        tensors.append(x)
+    return tuple(tensors)
 
 
 _LARGE_BYTES = 1 << 20

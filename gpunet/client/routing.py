@@ -130,8 +130,10 @@ class Router:
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
-    def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None) -> list[WorkerEntry]:
-        """Workers that meet ``req``, are not banned and not excluded; raises NoWorkersAvailable saying why not."""
+    def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None,
+                 replicas: set[str] = frozenset()) -> list[WorkerEntry]:
+        """Workers that meet ``req``, are not banned, did not fail this job (``exclude``) and do not run another copy
+        of it (``replicas``); raises NoWorkersAvailable saying why not."""
         now = time.monotonic() if now is None else now
         ok, reasons = [], Counter()
         retry_at = None  # when the first temporarily excluded worker becomes eligible again
@@ -139,6 +141,8 @@ class Router:
             why = req.refusal(entry)
             if why is None and entry.id in exclude:
                 why = "already failed this job"
+            if why is None and entry.id in replicas:
+                why = "already runs another copy of this job (redundancy needs distinct workers)"
             if why is None and self.reputation is not None and self.reputation.avoided(entry.id):
                 why = "has a poor reputation (results outvoted or failures)"
             ban = self.bans.get(entry.id)
@@ -196,8 +200,9 @@ class Router:
             key = lambda e: times[e.id] / t_min + (e.record.price / p_min if p_min > 0 else (1.0 if e.record.price == 0 else 2.0))  # noqa: E731
         return sorted(candidates, key=key)
 
-    def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset()) -> WorkerEntry:
-        return self.rank(self.eligible(req, exclude), job, req.prefer)[0]
+    def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset(),
+               replicas: set[str] = frozenset()) -> WorkerEntry:
+        return self.rank(self.eligible(req, exclude, replicas=replicas), job, req.prefer)[0]
 
     # --- outcomes --------------------------------------------------------------------------------------------------
 

@@ -9,7 +9,12 @@ from typing import Iterable, Sequence
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
-from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, INITIAL_PEERS_ENV, LOOPBACK_MADDR
+from gpunet.config import (
+    DEFAULT_HOST_MADDRS,
+    DEFAULT_NETWORK,
+    INITIAL_PEERS_ENV,
+    LOOPBACK_MADDR,
+)
 from gpunet.dht.validation import network_validators
 from gpunet.errors import ConfigError, NetworkError
 from gpunet.identity import Identity

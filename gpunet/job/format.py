@@ -21,6 +21,7 @@ import torch
 from gpunet.errors import JobRejected
 from gpunet.job import tensors
 from gpunet.job.graph import GRAPH_NAME_RE
+from gpunet.utils import human_bytes
 
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -160,7 +161,7 @@ def canonical_json(obj: Any) -> bytes:
 def parse_json(data: bytes, what: str, max_bytes: int) -> Any:
     """Parse untrusted JSON with a size cap; JobRejected on anything wrong (deep nesting -> RecursionError)."""
     if len(data) > max_bytes:
-        raise JobRejected(f"{what} is {len(data)} bytes, over the limit of {max_bytes}")
+        raise JobRejected(f"{what} is {human_bytes(len(data))}, over the limit of {human_bytes(max_bytes)}")
     try:
         return json.loads(data, parse_constant=_no_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
@@ -210,7 +211,7 @@ class ProgramParts:
             raise JobRejected("program must be bytes")
         n = len(data)
         if n > max_bytes:
-            raise JobRejected(f"program is {n} bytes, over the limit of {max_bytes}")
+            raise JobRejected(f"program is {human_bytes(n)}, over the limit of {human_bytes(max_bytes)}")
         try:
             obj = msgpack.unpackb(
                 data, raw=False, strict_map_key=True, max_bin_len=n, max_str_len=1024, max_array_len=16,

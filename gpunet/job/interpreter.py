@@ -13,6 +13,7 @@ import torch
 
 from gpunet.errors import GpunetError, JobFailed, JobRejected
 from gpunet.job.tensors import ALIGN
+from gpunet.utils import human_bytes
 
 
 @dataclass
@@ -79,7 +80,8 @@ class MemoryTracker:
         if self.live > self.peak:
             self.peak = self.live
             if self.limit is not None and self.peak > self.limit:
-                raise JobRejected(f"{where}: peak memory {self.peak} bytes exceeds the limit of {self.limit} bytes")
+                raise JobRejected(f"{where}: peak memory {human_bytes(self.peak)} exceeds the limit of "
+                                  f"{human_bytes(self.limit)}")
 
 
 def _nbytes(value: Any) -> int:

@@ -41,7 +41,10 @@ class Job:
         cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None,
         limits: JobLimits | None = None,
     ) -> "Job":
-        """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job."""
+        """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
+        ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple)."""
+        if isinstance(example_inputs, torch.Tensor):
+            example_inputs = (example_inputs,)
         t = trace(module, example_inputs, dynamic_shapes)
         manifest = Manifest(
             torch_version=torch.__version__,

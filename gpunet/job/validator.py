@@ -160,7 +160,7 @@ class Program:
             outs = execute(self.steps, env, self.output_slots, tracker)
         flops = int(counter.get_total_flops())
         if flop_limit is not None and flops > flop_limit:
-            raise JobRejected(f"job needs {flops} FLOPs, over the limit of {flop_limit}")
+            raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g}")
         try:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:

@@ -24,7 +24,7 @@ from typing import Callable
 
 from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
 from gpunet.protocol import Submit
-from gpunet.utils import LRU, When
+from gpunet.utils import LRU, When, human_bytes
 
 MAX_TRACKED_CLIENTS = 10_000
 
@@ -84,8 +84,8 @@ class Admission:
         if submit.timeout > self.limits.max_timeout:
             raise ProtocolError(f"timeout must be in (0, {self.limits.max_timeout:g}] seconds")
         if submit.inputs_size > self.limits.max_input_bytes:
-            raise JobRejected(f"inputs of {submit.inputs_size} bytes exceed this worker's limit of "
-                              f"{self.limits.max_input_bytes}")
+            raise JobRejected(f"inputs of {human_bytes(submit.inputs_size)} exceed this worker's limit of "
+                              f"{human_bytes(self.limits.max_input_bytes)}")
         stopped = self.recent_stops(client_id)
         if stopped >= self.limits.max_stopped_jobs:
             raise JobRejected(f"this client stopped {stopped} running jobs here in the last "
