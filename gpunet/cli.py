@@ -27,6 +27,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags shown as flags (rich's renders "--json <bool>"), arguments as FILE
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 from gpunet.ledger.cli import app as ledger_app  # noqa: E402  (a sub-app; imports nothing heavy)
@@ -38,16 +40,16 @@ _WORKER = WorkerConfig()
 
 # Options shared by several commands.
 InitialPeers = typer.Option(
-    None, "--initial-peers", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
+    None, "--initial-peers", metavar="MADDR", help="Multiaddr of a peer already in the network (repeatable). Env: GPUNET_INITIAL_PEERS."
 )
-Network = typer.Option(DEFAULT_NETWORK, "--network", help="Network name; networks with different names never mix.")
-DataDir = typer.Option(None, "--data-dir", envvar="GPUNET_DATA_DIR", help="Where the node key, caches and ledger live (default: ~/.gpunet).")
+Network = typer.Option(DEFAULT_NETWORK, "--network", metavar="NAME", help="Network name; networks with different names never mix.")
+DataDir = typer.Option(None, "--data-dir", metavar="DIR", envvar="GPUNET_DATA_DIR", help="Where the node key, caches and ledger live (default: ~/.gpunet).")
 HostMaddrs = typer.Option(
-    None, "--host-maddrs",
+    None, "--host-maddrs", metavar="MADDR",
     help=f"Multiaddr to listen on, repeatable (default: {', '.join(DEFAULT_HOST_MADDRS)}, all interfaces, a random "
     "port).",
 )
-Device = typer.Option(_WORKER.device, "--device", help="auto, cpu or cuda:N.")
+Device = typer.Option(_WORKER.device, "--device", metavar="DEVICE", help="auto, cpu or cuda:N.")
 Verbose = typer.Option(0, "--verbose", "-v", count=True, help="-v: log every job; -vv: network internals too.")
 
 
@@ -68,32 +70,46 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print gpunet's version and exit."),
+) -> None:
+    """gpunet: a peer-to-peer compute network for tensor jobs."""
+
+
 @app.command()
 @handle_errors
 def worker(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
     device: str = Device,
-    price: float = typer.Option(_WORKER.price, "--price", min=0, help="Credits per PFLOP of counted work."),
+    price: float = typer.Option(_WORKER.price, "--price", metavar="CREDITS", min=0, help="Credits per PFLOP of counted work."),
     max_concurrent: int = typer.Option(
-        _WORKER.max_concurrent, "--max-concurrent", min=1, help="Jobs executing at once."),
+        _WORKER.max_concurrent, "--max-concurrent", metavar="N", min=1, help="Jobs executing at once."),
     max_queue: int = typer.Option(
-        _WORKER.max_queue, "--max-queue", min=0, help="Jobs waiting; beyond this the worker answers busy."),
+        _WORKER.max_queue, "--max-queue", metavar="N", min=0, help="Jobs waiting; beyond this the worker answers busy."),
     public_name: Optional[str] = typer.Option(
-        _WORKER.public_name, "--public-name", help="A name shown in `gpunet status`."),
+        _WORKER.public_name, "--public-name", metavar="NAME", help="A name shown in `gpunet status`."),
     host_maddrs: Optional[List[str]] = HostMaddrs,
     data_dir: Optional[Path] = DataDir,
     heartbeat: float = typer.Option(
-        _WORKER.heartbeat, "--heartbeat", min=0.5, help="Seconds between record refreshes."),
+        _WORKER.heartbeat, "--heartbeat", metavar="SECONDS", min=0.5, help="Seconds between record refreshes."),
     drain_timeout: float = typer.Option(
-        _WORKER.drain_timeout, "--drain-timeout", min=0, help="Seconds running jobs get after SIGTERM."),
+        _WORKER.drain_timeout, "--drain-timeout", metavar="SECONDS", min=0, help="Seconds running jobs get after SIGTERM."),
     rebenchmark: bool = typer.Option(_WORKER.rebenchmark, "--rebenchmark", help="Measure the device's speed again."),
     memory_budget_gb: Optional[float] = typer.Option(
-        _WORKER.memory_budget_gb, "--memory-budget-gb", min=0.1, help="Memory per executor."),
+        _WORKER.memory_budget_gb, "--memory-budget-gb", metavar="GIB", min=0.1, help="Memory per executor."),
     metrics_port: int = typer.Option(
-        _WORKER.metrics_port, "--metrics-port", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
+        _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     fault_corrupt_fraction: float = typer.Option(
-        _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", min=0.0, max=1.0, hidden=True,
+        _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", metavar="F", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
     verbose: int = Verbose,
 ) -> None:
@@ -145,10 +161,10 @@ def status(
     network: str = Network,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     watch: bool = typer.Option(False, "--watch", help="Refresh until Ctrl-C."),
-    interval: float = typer.Option(5.0, "--interval", min=0.5, help="Seconds between refreshes with --watch."),
-    timeout: float = typer.Option(30.0, "--timeout", min=1, help="Give up reading the network after this long."),
+    interval: float = typer.Option(5.0, "--interval", metavar="SECONDS", min=0.5, help="Seconds between refreshes with --watch."),
+    timeout: float = typer.Option(30.0, "--timeout", metavar="SECONDS", min=1, help="Give up reading the network after this long."),
     client_dir: Optional[Path] = typer.Option(
-        None, "--client-dir", help="Show the ratings of the client using this data dir (default: ~/.gpunet/client)."),
+        None, "--client-dir", metavar="DIR", help="Show the ratings of the client using this data dir (default: ~/.gpunet/client)."),
     verbose: int = Verbose,
 ) -> None:
     """Show every live worker of a network, the network's totals, and how your client rates each worker."""
@@ -158,8 +174,12 @@ def status(
 
     _setup_logging(verbose)
     console = wide_console()
-    ratings_dir = client_data_dir(client_dir)
-    with StatusReader(network, initial_peers, ratings=lambda: Reputation.load(ratings_dir)) as reader:
+    ratings_dir = client_data_dir(client_dir, create=False)  # status only reads: it needs no writable home
+
+    def ratings():
+        return Reputation.load(ratings_dir) if ratings_dir.is_dir() else None
+
+    with StatusReader(network, initial_peers, ratings=ratings) as reader:
         snapshot = reader.read(timeout)
         if not watch:
             if as_json:
@@ -187,8 +207,8 @@ def status(
 @app.command()
 @handle_errors
 def demo(
-    workers: int = typer.Option(3, "--workers", min=1, max=16, help="Worker processes to start."),
-    jobs: int = typer.Option(200, "--jobs", min=1, help="Transformer batches to send through the network."),
+    workers: int = typer.Option(3, "--workers", metavar="N", min=1, max=16, help="Worker processes to start."),
+    jobs: int = typer.Option(200, "--jobs", metavar="N", min=1, help="Transformer batches to send through the network."),
     keep: bool = typer.Option(False, "--keep", help="Leave the network up afterwards and print how to connect."),
     verbose: int = Verbose,
 ) -> None:

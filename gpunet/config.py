@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,15 +20,30 @@ DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``~/.gpunet``; created if missing."""
+def resolve_data_dir(data_dir: str | os.PathLike | None = None, *, writable: bool = False) -> Path:
+    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``~/.gpunet``; created if missing.
+
+    ``writable``: a node is about to keep its key, ledger and caches there; ConfigError now, with the reason, rather
+    than a traceback from whichever write comes first.
+    """
     raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
     path = Path(raw).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise ConfigError(f"cannot create data dir {path}: {e.strerror}") from e
+    if writable:
+        try:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as e:
+            raise ConfigError(f"data dir {path} is not writable ({e.strerror}): gpunet keeps its key, ledger and "
+                              "caches there; pass a writable --data-dir (or GPUNET_DATA_DIR)") from None
     return path
+
+
+#: The most a worker may charge, in credits per PFLOP: amounts must fit the ledger's 64-bit integer micro-credits.
+MAX_PRICE = 1e9
 
 
 @dataclass
@@ -48,3 +65,7 @@ class WorkerConfig:
     memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
     metrics_port: int = 0  # 0: no Prometheus endpoint
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
+
+    def __post_init__(self):
+        if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):
+            raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per PFLOP, not {self.price!r}")

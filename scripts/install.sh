@@ -11,5 +11,6 @@ quiet .venv/bin/python -m pip install -q --upgrade pip
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     quiet .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
-quiet .venv/bin/python -m pip install -q -e ".[test]"
+# (setuptools warns, in a ten-line banner, that an editable install can be shadowed by a same-named folder: known.)
+PYTHONWARNINGS="ignore:Editable installation" quiet .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -c "import gpunet, torch, hivemind; print('gpunet', gpunet.__version__, '| torch', torch.__version__, '| hivemind', hivemind.__version__)"

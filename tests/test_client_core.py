@@ -206,7 +206,6 @@ def test_unary_countersignatures_are_delivered_before_the_client_closes(tmp_path
 
 
 def test_wrong_arguments_say_what_to_pass_and_numpy_arrays_are_taken_as_they_are(tmp_path):
-    import numpy as np
 
     from gpunet.errors import UsageError
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import JobRequest, P2PTransport, Transport
 from gpunet.client.trust import Reputation, describe, majority, quorum
-from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
+from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network as net
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
@@ -96,14 +97,18 @@ class JobResult:
     bytes_sent: int  # to the worker that delivered: inputs, plus the program unless it had it cached
 
 
-def client_data_dir(data_dir: str | Path | None) -> Path:
-    """A client's node dir: the given one, else ``<GPUNET_DATA_DIR or ~/.gpunet>/client``.
+def client_data_dir(data_dir: str | Path | None, *, create: bool = True) -> Path:
+    """A client's node dir: the given one, else ``<GPUNET_DATA_DIR or ~/.gpunet>/client``; created (and checked to be
+    writable) unless ``create`` is false (a reader such as ``gpunet status`` only looks).
 
     Apart from a worker's on purpose: two daemons with one libp2p identity on one network would be one peer to others.
     """
+    if not create:
+        base = data_dir if data_dir is not None else Path(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR) / "client"
+        return Path(base).expanduser()
     if data_dir is not None:
-        return resolve_data_dir(data_dir)
-    return resolve_data_dir(resolve_data_dir() / "client")
+        return resolve_data_dir(data_dir, writable=True)
+    return resolve_data_dir(resolve_data_dir() / "client", writable=True)
 
 
 class ClientCore:

@@ -22,7 +22,9 @@ def run_bootstrap(
 ) -> int:
     """Serve the DHT until SIGTERM/Ctrl-C; prints the address to join with and keeps a ready file (gpunet.readyfile).
     Returns the exit code."""
-    data_dir = resolve_data_dir(data_dir)
+    network.check_network_name(network_name)
+    network.resolve_initial_peers(initial_peers)
+    data_dir = resolve_data_dir(data_dir, writable=True)
     readyfile.remove_ready(data_dir)  # one left by an earlier run that died must never be read as ours
     identity = Identity.load_or_create(data_dir)
     stop = threading.Event()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from typing import Iterable, Sequence
 
 import hivemind
@@ -62,6 +63,7 @@ def join(
     peers = resolve_initial_peers(initial_peers)
     if not peers and not start_new:
         raise ConfigError(f"no initial peers: pass --initial-peers or set {INITIAL_PEERS_ENV}")
+    _check_ports_free(host_maddrs or DEFAULT_HOST_MADDRS)
     identities = [*([identity] if identity else []), *signing_identities]
     kwargs = {}
     if identity is not None:
@@ -83,6 +85,23 @@ def join(
         raise NetworkError(f"could not join {where}: {e}") from e
     _tie_to_this_process(dht)
     return dht
+
+
+def _check_ports_free(maddrs: Iterable[str]) -> None:
+    """Refuse a fixed listen port that something already holds. The p2p daemon listens with SO_REUSEPORT, so a second
+    node on the same port would start "fine" and then share the port's connections with the first at random."""
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
+            continue
+        family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's TIME_WAIT is no conflict
+            try:
+                probe.bind((parts[2], int(parts[4])))
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {maddr}: {e.strerror} (is another gpunet node already using "
+                                  "that port? pick another, or /tcp/0 for any free one)") from None
 
 
 def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: Identity | None = None

@@ -197,7 +197,10 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
         if n.op in ("placeholder", "output") or n.name not in live:
             continue
         if n.op != "call_function":
-            raise UnsupportedProgram(f"node {n.name}: {n.op} nodes are not supported")
+            what = ("control flow (torch.cond, torch.while_loop, torch.map) and submodule calls"
+                    if n.op == "get_attr" else f"{n.op} nodes")
+            raise UnsupportedProgram(f"node {n.name}: {what} cannot travel in a gpunet job: write the computation as "
+                                     "straight-line tensor code (select with torch.where instead of branching)")
         op = _op_name(n.target)
         if op in _DROPPED_TARGETS:
             continue

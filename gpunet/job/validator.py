@@ -171,6 +171,26 @@ class Program:
         return est
 
 
+#: Why common ops are missing from the allowlist, in the user's terms: what to change in the model.
+_HINTS = (
+    (("dropout", "bernoulli"), "dropout is active: call model.eval() before Job.from_module"),
+    (("rand", "normal", "uniform", "multinomial", "randperm", "exponential"),
+     "workers run deterministic graphs (results are compared and paid by content): draw the random numbers on the "
+     "client, e.g. noise = torch.randn(...), and pass them to the job as an input; if it comes from dropout, call "
+     "model.eval() before Job.from_module"),
+    (("empty",), "uninitialised memory could leak another job's data: use torch.zeros/torch.full instead"),
+    (("from_file", "_local_scalar", "item"), "the job may not read files or turn tensors into Python numbers"),
+)
+
+
+def _hint(op: str) -> str:
+    name = op.split(".", 1)[-1].split(".")[0]
+    for keys, hint in _HINTS:
+        if any(k in name for k in keys):
+            return f" ({hint})"
+    return ""
+
+
 def _tighter(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
 
@@ -327,7 +347,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
         return step, ("symint",)
     aten = ALLOWED_OPS.get(op)
     if aten is None:
-        raise _reject(where, f"op {op[:80]!r} is not in the worker's allowlist")
+        raise _reject(where, f"op {op[:80]!r} is not in the worker's allowlist{_hint(op)}")
     schema = aten._schema
     if prog.manifest.ops.get(op) != str(schema):
         raise _reject(where, f"the manifest's schema for {op} does not match this worker's ({schema})")

@@ -7,6 +7,7 @@ refused receipts or found conflicts, or a job was not found; 2 unusable input (n
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -18,13 +19,13 @@ from rich.console import Console
 from rich.table import Table
 
 from gpunet.cli_errors import handle_errors
-from gpunet.config import resolve_data_dir
-from gpunet.errors import LedgerCorrupted
+from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
+from gpunet.errors import LedgerCorrupted, LedgerError
 from gpunet.identity import KEY_FILENAME, Identity, short_id
 from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
 from gpunet.ledger.receipts import Receipt, format_credits
-from gpunet.ledger.store import LEDGER_FILENAME, open_ledger
+from gpunet.ledger.store import LEDGER_FILENAME, Ledger, open_ledger
 
 app = typer.Typer(
     name="ledger",
@@ -32,11 +33,13 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags shown as flags (rich's renders "--json <bool>"), arguments as FILE
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 DataDir = Annotated[
     Optional[Path],
-    typer.Option("--data-dir", help="Node data dir (default: $GPUNET_DATA_DIR or ~/.gpunet).", show_default=False),
+    typer.Option("--data-dir", metavar="DIR", help="Node data dir (default: $GPUNET_DATA_DIR or ~/.gpunet).", show_default=False),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for programs instead of a table.")]
 
@@ -59,6 +62,21 @@ def _own_id(data_dir: Path) -> str | None:
     return Identity.load(path).peer_id if path.exists() else None
 
 
+def _read_ledger(data_dir: Path | None) -> Ledger:
+    """The ledger a reading command looks at; LedgerError (exit 2) if there is none: reading never creates a data
+    dir or an empty ledger, so a mistyped --data-dir is said as such instead of showing "no receipts"."""
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+    path = Path(raw).expanduser() / LEDGER_FILENAME
+    if not path.is_file():
+        client = path.parent / "client" / LEDGER_FILENAME
+        if data_dir is None and client.is_file():
+            raise LedgerError(f"no ledger at {path}; jobs you submitted from Python are in the client's ledger: "
+                              f"add --data-dir {client.parent}")
+        raise LedgerError(f"no ledger at {path}: is --data-dir right? (a worker keeps its ledger in its data dir, a "
+                          "Python client in <data dir>/client)")
+    return open_ledger(path.parent)
+
+
 def _time(us: int) -> str:
     return datetime.fromtimestamp(us / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M")
 
@@ -66,9 +84,9 @@ def _time(us: int) -> str:
 @_command
 def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Earned, spent and net credits per identity in this ledger, and work still awaiting a countersignature."""
-    directory = resolve_data_dir(data_dir)
-    me = _own_id(directory)
-    with open_ledger(directory) as ledger:
+    with _read_ledger(data_dir) as ledger:
+        directory = ledger.path.parent
+        me = _own_id(directory)
         totals = sorted(ledger.balances().values(), key=lambda b: (-b.net, b.identity))
         owed = balances(ledger.unpaid())
     if as_json:
@@ -128,12 +146,12 @@ def _receipt_table(title: str, rows: list[tuple[int | None, Receipt]]) -> Table:
 @_command
 def show(
     data_dir: DataDir = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="How many of the newest entries.")] = 20,
-    job: Annotated[Optional[str], typer.Option("--job", help="Show the full receipt of one job.")] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", metavar="N", min=1, help="How many of the newest entries.")] = 20,
+    job: Annotated[Optional[str], typer.Option("--job", metavar="ID", help="Show the full receipt of one job.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """The newest receipts, or one job's full receipt."""
-    with open_ledger(data_dir) as ledger:
+    with _read_ledger(data_dir) as ledger:
         if job is not None:
             receipt = ledger.get(job)
             if receipt is None:
@@ -158,7 +176,7 @@ def show(
 @_command
 def verify(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Check every signature and the whole hash chain; exit 1 naming the first bad entry on any tampering."""
-    with open_ledger(data_dir) as ledger:
+    with _read_ledger(data_dir) as ledger:
         path = ledger.path
         try:
             head = ledger.verify()
@@ -183,11 +201,11 @@ class ExportFormat(str, Enum):
 @_command
 def export(
     data_dir: DataDir = None,
-    format: Annotated[ExportFormat, typer.Option("--format", "-f", help="Output format.")] = ExportFormat.csv,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
+    format: Annotated[ExportFormat, typer.Option("--format", "-f", metavar="FORMAT", help="Output format.")] = ExportFormat.csv,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here instead of stdout.")] = None,
 ) -> None:
     """Every receipt, for settlement outside gpunet (each row keeps the exact signed receipt, base64)."""
-    with open_ledger(data_dir) as ledger:
+    with _read_ledger(data_dir) as ledger:
         entries = ledger.entries()
         head = ledger.head()
     out = open(output, "w", newline="") if output else sys.stdout
@@ -202,7 +220,7 @@ def export(
 
 @_command
 def merge(
-    file: Annotated[Path, typer.Argument(help="Another node's ledger.sqlite, or a `gpunet ledger export -f json`.")],
+    file: Annotated[Path, typer.Argument(metavar="FILE", help="Another node's ledger.sqlite, or a `gpunet ledger export -f json`.")],
     data_dir: DataDir = None,
     as_json: AsJson = False,
 ) -> None:
@@ -226,7 +244,7 @@ def merge(
 @_command
 def unpaid(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Jobs this node ran whose client never countersigned the receipt."""
-    with open_ledger(data_dir) as ledger:
+    with _read_ledger(data_dir) as ledger:
         receipts = ledger.unpaid()
     if as_json:
         _print_json([r.to_dict() for r in receipts])
@@ -237,7 +255,7 @@ def unpaid(data_dir: DataDir = None, as_json: AsJson = False) -> None:
 @_command
 def conflicts(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     """Jobs for which two different valid receipts were seen: evidence of fraud, kept side by side."""
-    with open_ledger(data_dir) as ledger:
+    with _read_ledger(data_dir) as ledger:
         found = ledger.conflicts()
     if as_json:
         _print_json([{"job_id": c.job_id, "source": c.source, "held": c.existing.to_dict(), "other": c.other.to_dict()}

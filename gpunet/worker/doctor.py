@@ -103,6 +103,10 @@ def check_ram(gpu_count: int, gpu_memory: int) -> Check:
 
 
 def check_disk(data_dir: Path) -> Check:
+    try:
+        resolve_data_dir(data_dir, writable=True)
+    except GpunetError as e:
+        return Check("disk", Outcome.FAIL, str(e), "make the data dir writable, or pass another --data-dir")
     free = shutil.disk_usage(data_dir).free
     detail = f"{free / GiB:.1f} GiB free in {data_dir}"
     if free < 1 * GiB:

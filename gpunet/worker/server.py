@@ -39,7 +39,10 @@ class Worker:
 
     def __init__(self, config: WorkerConfig, nvml=None):
         self.config = config
-        self.data_dir: Path = resolve_data_dir(config.data_dir)
+        # Arguments first: a typo must not wait for the first-run speed test to be reported.
+        network.check_network_name(config.network)
+        network.resolve_initial_peers(config.initial_peers)
+        self.data_dir: Path = resolve_data_dir(config.data_dir, writable=True)
         self.identity = Identity.load_or_create(self.data_dir)
         self._nvml = nvml
         self.hardware = hw.detect(config.device, nvml)

@@ -1,0 +1,123 @@
+"""What a newcomer hits first, through the real CLI and the public API: each mistake gets one clear line and the
+documented exit code (2: unusable input), never a traceback, and nothing is created or started by a mistake."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gpunet
+from tests.swarm import run_cli, wait_for
+
+
+def _no_traceback(result) -> None:
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+
+
+@pytest.fixture
+def immutable_dir(tmp_path):
+    """A data dir nobody may write into, not even root (chattr +i)."""
+    d = tmp_path / "locked"
+    d.mkdir()
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(d)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this filesystem")
+    yield d
+    subprocess.run(["chattr", "-i", str(d)], check=True)
+
+
+@pytest.mark.parametrize("command", [["worker"], ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]])
+def test_an_unwritable_data_dir_is_said_at_once(immutable_dir, command):
+    result = run_cli(*command, "--data-dir", str(immutable_dir), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "is not writable" in result.stderr and "--data-dir" in result.stderr
+    _no_traceback(result)
+
+
+def test_an_unwritable_client_dir_and_doctor_say_so(immutable_dir):
+    with pytest.raises(gpunet.ConfigError, match="is not writable"):
+        gpunet.Client(initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWPsS6WVgn6NikYPt6GFjsnxXuFDX5YHMHeymcq9WqUm4L"],
+                      data_dir=immutable_dir)
+    result = run_cli("doctor", "--data-dir", str(immutable_dir), "--json", timeout=120)
+    disk = next(c for c in json.loads(result.stdout) if c["name"] == "disk")
+    assert disk["outcome"] == "fail" and "not writable" in disk["detail"]
+
+
+@pytest.mark.parametrize("price", ["inf", "nan", "1e30", "-5"])
+def test_a_price_that_cannot_be_paid_is_refused(tmp_path, price):
+    result = run_cli("worker", "--price", price, "--data-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "price" in result.stderr.lower()
+    _no_traceback(result)
+
+
+def test_garbage_initial_peers_are_refused_before_the_speed_test(tmp_path):
+    t0 = time.monotonic()
+    result = run_cli("worker", "--initial-peers", "not-an-address", "--data-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2 and "is not a multiaddr" in result.stderr, result.stderr
+    assert "Measuring" not in result.stderr and not (tmp_path / "throughput.json").exists()
+    assert time.monotonic() - t0 < 30
+    _no_traceback(result)
+
+
+def test_reading_a_ledger_that_is_not_there_creates_nothing(tmp_path):
+    typo = tmp_path / "no-such-dir"
+    for command in (["balance"], ["show"], ["verify"], ["unpaid"], ["export"]):
+        result = run_cli("ledger", *command, "--data-dir", str(typo), timeout=60)
+        assert result.returncode == 2 and "no ledger at" in result.stderr, (command, result.stderr)
+        _no_traceback(result)
+    assert not typo.exists()
+
+
+def test_version_and_short_help():
+    assert run_cli("--version").stdout.strip() == gpunet.__version__
+    result = run_cli("ledger", "merge", "-h")
+    assert result.returncode == 0 and "FILE" in result.stdout and "<bool>" not in result.stdout
+
+
+@pytest.mark.swarm
+def test_a_second_node_on_a_port_in_use_is_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    maddr = f"/ip4/127.0.0.1/tcp/{port}"
+    first = subprocess.Popen([sys.executable, "-m", "gpunet", "bootstrap", "--host-maddrs", maddr, "--data-dir",
+                              str(tmp_path / "a")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "a" / "ready.json").exists(), 60, "the first bootstrap to be up")
+        second = run_cli("bootstrap", "--host-maddrs", maddr, "--data-dir", str(tmp_path / "b"), timeout=60)
+        assert second.returncode == 2 and "cannot listen on" in second.stderr, second.stderr
+        _no_traceback(second)
+    finally:
+        os.killpg(first.pid, 2)
+        first.wait(timeout=30)
+
+
+class _Noisy(__import__("torch").nn.Module):
+    def forward(self, x):
+        return x + __import__("torch").randn_like(x)
+
+
+class _Branchy(__import__("torch").nn.Module):
+    def forward(self, x):
+        import torch
+
+        return torch.cond(x.sum() > 0, lambda t: t + 1, lambda t: t - 1, (x,))
+
+
+def test_models_that_cannot_travel_say_what_to_change():
+    import torch
+
+    x = torch.randn(4, 8)
+    dropout = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    with pytest.raises(gpunet.GpunetError, match=r"model.eval\(\)"):
+        gpunet.Job.from_module(dropout, (x,)).run_locally(x)
+    with pytest.raises(gpunet.GpunetError, match="pass them to the job as an input"):
+        gpunet.Job.from_module(_Noisy(), (x,)).run_locally(x)
+    with pytest.raises(gpunet.GpunetError, match="control flow"):
+        gpunet.Job.from_module(_Branchy(), (x,)).run_locally(x)
