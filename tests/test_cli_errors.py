@@ -21,7 +21,7 @@ def unusable_dir(tmp_path):
     "args, message",
     [
         (["worker", "--device", "cpu", "--data-dir", "{dir}"], "cannot create data dir"),
-        (["ledger", "balance", "--data-dir", "{dir}"], "cannot create data dir"),
+        (["ledger", "balance", "--data-dir", "{dir}"], "no ledger at"),  # reading creates nothing
         (["status", "--initial-peers", "not-an-address"], "initial peer 'not-an-address' is not a multiaddr"),
         (["bootstrap", "--network", "no.dots", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "network name 'no.dots'"),
     ],
