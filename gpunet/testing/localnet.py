@@ -86,16 +86,9 @@ class Proc:
 
         def ready():
             info = self.read_ready()
-            if info is not None and (not states or info.get("state") in states):
-                return info
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self.output}")
-            return None
+            return info if info is not None and (not states or info.get("state") in states) else None
 
-        try:
-            return wait_for(ready, timeout, f"{self.name} to be {' or '.join(states) or 'up'}")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}; output so far:\n{self.output}") from None
+        return self._wait_while_running(ready, timeout, f"to be {' or '.join(states) or 'up'}")
 
     @property
     def id(self) -> str:
@@ -106,13 +99,21 @@ class Proc:
         """Wait for a line of output matching ``pattern``: for watching a node's log, not for readiness."""
 
         def found():
-            match = next(filter(None, (re.search(pattern, line) for line in list(self.lines))), None)
-            if not match and self.popen.poll() is not None:
+            return next(filter(None, (re.search(pattern, line) for line in list(self.lines))), None)
+
+        return self._wait_while_running(found, timeout, f"to print {pattern!r}")
+
+    def _wait_while_running(self, check: Callable[[], T], timeout: float, what: str) -> T:
+        """``wait_for(check)``, failing at once if this process exits first; either failure shows its output."""
+
+        def poll():
+            result = check()
+            if not result and self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.popen.returncode}:\n{self.output}")
-            return match
+            return result
 
         try:
-            return wait_for(found, timeout, f"{self.name} to print {pattern!r}")
+            return wait_for(poll, timeout, f"{self.name} {what}")
         except TimeoutError as e:
             raise TimeoutError(f"{e}; output so far:\n{self.output}") from None
 
