@@ -44,7 +44,9 @@ class NetworkStatus:
         if self.reputation is None or worker_id not in self.reputation.workers:
             return None
         t = self.reputation.workers[worker_id]
-        return {"score": round(self.reputation.score(worker_id), 4), "streak": t.streak, "valid": round(t.valid, 2),
+        return {"score": round(self.reputation.score(worker_id), 4), "honesty": round(t.honesty, 4),
+                "availability": round(t.availability, 4), "streak": t.streak, "valid": round(t.valid, 2),
+                "invalid": round(t.invalid, 2),
                 "rejected": round(t.rejected, 2), "failures": round(t.failures, 2), "timeouts": round(t.timeouts, 2)}
 
     def to_json(self) -> dict[str, Any]:

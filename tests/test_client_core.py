@@ -30,7 +30,7 @@ X = torch.randn(4, 8)
 
 class FakeWorker:
     """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
-    ok, lie, busy, fail, vanish, hang, lost (program evicted), reject."""
+    ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject."""
 
     def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
         self.name, self.script, self.price = name, list(script), price
@@ -76,9 +76,10 @@ class FakeTransport:
         if act == "lie":
             out = out * 1.5 + 1
         outputs = tensors.encode({"output_0": out})
+        signed_outputs = b"not what was sent" if act == "garble" else outputs  # a receipt for other outputs
         receipt = sign_as_worker(
             w.identity, job_id=request.job_id, client_id=self.client_id, program_hash=request.program_hash,
-            input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(outputs).hexdigest(),
+            input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(signed_outputs).hexdigest(),
             flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_micro(w.price),
             max_price=request.max_price, started_at_us=1, ended_at_us=2)
 
@@ -230,3 +231,18 @@ def test_too_few_workers_for_the_redundancy_asked_is_said_as_such(tmp_path):
         assert "already runs another copy of this job" in str(e.value) and "failed" not in str(e.value)
 
     run(tmp_path, [FakeWorker("a"), FakeWorker("b")], scenario)
+
+
+def test_an_unavailable_worker_is_not_treated_as_a_liar_but_a_wrong_answer_is(tmp_path):
+    flaky, wrong, good = FakeWorker("flaky", *["vanish"] * 3), FakeWorker("wrong", "garble"), FakeWorker("good")
+
+    async def scenario(core):
+        for _ in range(3):  # each job: maybe flaky (it vanishes), maybe wrong, then the good one
+            core.router.bans.clear()
+            await core.run(JOB, [X])
+        return core.reputation
+
+    rep = run(tmp_path, [flaky, wrong, good], scenario)
+    assert rep.workers[flaky.id].failures > 0.9 and not rep.avoided(flaky.id)  # unavailable: ranked lower, not shunned
+    assert rep.score(flaky.id) < rep.score(good.id)
+    assert rep.workers[wrong.id].invalid > 0.9 and rep.avoided(wrong.id)  # a hash that does not match: shunned

@@ -366,3 +366,19 @@ def test_merge_of_something_that_is_not_a_ledger_is_a_clear_error(ledger, tmp_pa
     with pytest.raises(LedgerError, match="source"):
         ledger.merge(source)
     assert ledger.head().count == 0
+
+
+def test_merging_a_running_nodes_file_copied_without_its_wal_says_what_to_copy(tmp_path):
+    import shutil
+
+    receipts = [full_receipt(W1, C1, f"live-{i}") for i in range(3)]
+    with Ledger(tmp_path / "node.sqlite") as node, Ledger(tmp_path / "mine.sqlite") as mine:
+        for r in receipts:
+            node.append(r)  # the node is running: its newest pages sit in node.sqlite-wal
+        assert (tmp_path / "node.sqlite-wal").exists()
+        shutil.copy(tmp_path / "node.sqlite", tmp_path / "copied.sqlite")  # the file alone, as a user might copy it
+        with pytest.raises(LedgerError, match=r"copied.sqlite-wal beside the ledger file: copy both files"):
+            mine.merge(tmp_path / "copied.sqlite")
+        shutil.copy(tmp_path / "node.sqlite-wal", tmp_path / "copied.sqlite-wal")  # ...as told: both files
+        assert mine.merge(tmp_path / "copied.sqlite").added == 3
+        assert mine.merge(tmp_path / "node.sqlite").duplicates == 3  # and straight from the running node's file

@@ -193,7 +193,7 @@ class ClientCore:
         cheating; it is not paid (no valid receipt exists) and routing learns to avoid it."""
         logger.warning("Worker %s sent a receipt for job %s that is not valid (%s); it is not paid",
                        receipt.worker_id[-8:], receipt.job_id[:12], error)
-        self.reputation.record(receipt.worker_id, "failure")
+        self.reputation.record(receipt.worker_id, "invalid")
 
     async def flush_ledger(self) -> None:
         """Write receipts still queued, so a reader of the ledger file sees every job that has returned."""
@@ -339,7 +339,19 @@ class ClientCore:
                         settlement=self.settlement)
                     if p.input_hash is None:
                         p.input_hash = await p.hashing
-                outputs = self._check(p, delivery)
+                try:
+                    outputs = self._check(p, delivery)
+                except GpunetError as e:
+                    raise _WrongAnswer(e) from None
+            except _WrongAnswer as wrong:  # it answered, but not with what it was asked: honesty, not availability
+                taken.discard(worker.id)
+                ban = self.router.on_failure(worker.id)
+                self.reputation.record(worker.id, "invalid")
+                failed.add(worker.id)
+                last_error = wrong.error
+                logger.warning("Worker %s answered job %s wrongly (%s); banned %.0f s, retrying elsewhere",
+                               worker.id[-8:], job_id[:12], wrong.error, ban)
+                continue
             except WorkerBusy as e:
                 taken.discard(worker.id)
                 self.router.on_busy(worker.id)
@@ -406,7 +418,7 @@ class ClientCore:
                                  max_price=p.max_price, flops=p.flops, check_worker_signature=False)
         except GpunetError as e:
             self.settlement.refuse(c.delivery, str(e))
-            self.reputation.record(c.worker_id, "failure")
+            self.reputation.record(c.worker_id, "invalid")  # a receipt with terms we never agreed to
             raise
         self.books.append(signed)  # a job id is this client's own fresh uuid: never held already
         self.reputation.record(c.worker_id, "valid", checked=checked)
@@ -416,6 +428,14 @@ class ClientCore:
         # attempts: every worker this job went to, in order (for a verified job: the replicas, then any retries).
         return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
                          c.delivery.bytes_sent)
+
+
+class _WrongAnswer(Exception):
+    """A worker's answer failed the client's checks (internal: told apart from failing to answer at all)."""
+
+    def __init__(self, error: GpunetError):
+        super().__init__(str(error))
+        self.error = error
 
 
 def check_call(job, inputs: Sequence) -> tuple[torch.Tensor, ...]:

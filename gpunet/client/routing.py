@@ -144,7 +144,7 @@ class Router:
             if why is None and entry.id in replicas:
                 why = "already runs another copy of this job (redundancy needs distinct workers)"
             if why is None and self.reputation is not None and self.reputation.avoided(entry.id):
-                why = "has a poor reputation (results outvoted or failures)"
+                why = "was caught returning wrong results (outvoted, or answers that failed checks)"
             ban = self.bans.get(entry.id)
             if why is None and ban is not None and ban.until > now:
                 why = "is busy" if ban.busy else "is banned for recent failures"

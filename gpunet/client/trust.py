@@ -10,13 +10,19 @@ leave no group that large, more workers are asked, up to ``2k - 1`` results in a
 breaks a tie); still no quorum → :class:`~gpunet.VerificationFailed`. Results outside the winning group are not
 countersigned: their workers are not paid, and it counts against them.
 
-**Reputation** (per worker, kept by each client in ``<data dir>/reputation.json``, never self-reported)::
+**Reputation** (per worker, kept by each client in ``<data dir>/reputation.json``, never self-reported) has two
+parts, kept apart because being unavailable is not lying::
 
-    score = (valid + 1) / (valid + 1 + 10 * rejected + failures + 0.5 * timeouts)
+    honesty      = (valid + 1) / (valid + 1 + 10 * rejected + 3 * invalid)
+    availability = (valid + 1) / (valid + 1 + failures + 0.5 * timeouts)
+    score        = honesty * availability
 
 where each count decays with a half-life of one day, so recent behaviour weighs most. A result outvoted by the
-majority is *rejected* and weighs ten failures. Routing skips workers scoring under 0.5 and otherwise divides their
-expected speed by the score.
+majority is *rejected*; an answer that fails the client's own checks (hashes, the dry run's shapes, a void or
+overreaching receipt) is *invalid*; a job the worker did not finish (it crashed, drained, vanished) is a *failure*,
+or a *timeout*. Routing skips workers whose honesty is under 0.5 (saying so when no worker is left) and divides the
+expected speed of the others by their score: an unreliable worker gets less work, never a liar's treatment, and
+short outages are handled by routing's bans, not by reputation.
 
 **Adaptive replication** (``Requirements(verify="adaptive")``), after BOINC: a worker's *streak* is its number of
 consecutive results that were checked and valid. A worker with a streak under 50 is always checked (its result is
@@ -40,6 +46,7 @@ import torch
 
 HALF_LIFE = 24 * 3600.0
 REJECTED_WEIGHT = 10.0
+INVALID_WEIGHT = 3.0
 TIMEOUT_WEIGHT = 0.5
 AVOID_BELOW = 0.5
 ALWAYS_CHECK_UNTIL = 50
@@ -115,6 +122,7 @@ def describe(results: Sequence, workers: Sequence[str]) -> str:
 class WorkerTrust:
     valid: float = 0.0
     rejected: float = 0.0
+    invalid: float = 0.0
     failures: float = 0.0
     timeouts: float = 0.0
     streak: int = 0  # consecutive checked-and-valid results
@@ -124,15 +132,22 @@ class WorkerTrust:
         factor = 0.5 ** (max(0.0, now - self.updated) / HALF_LIFE)
         self.valid *= factor
         self.rejected *= factor
+        self.invalid *= factor
         self.failures *= factor
         self.timeouts *= factor
         self.updated = now
 
     @property
+    def honesty(self) -> float:
+        return (self.valid + 1) / (self.valid + 1 + REJECTED_WEIGHT * self.rejected + INVALID_WEIGHT * self.invalid)
+
+    @property
+    def availability(self) -> float:
+        return (self.valid + 1) / (self.valid + 1 + self.failures + TIMEOUT_WEIGHT * self.timeouts)
+
+    @property
     def score(self) -> float:
-        return (self.valid + 1) / (
-            self.valid + 1 + REJECTED_WEIGHT * self.rejected + self.failures + TIMEOUT_WEIGHT * self.timeouts
-        )
+        return self.honesty * self.availability
 
 
 class Reputation:
@@ -163,11 +178,14 @@ class Reputation:
     def score(self, worker_id: str) -> float:
         return self._get(worker_id).score if worker_id in self.workers else 1.0
 
+    def honesty(self, worker_id: str) -> float:
+        return self._get(worker_id).honesty if worker_id in self.workers else 1.0
+
     def streak(self, worker_id: str) -> int:
         return self.workers[worker_id].streak if worker_id in self.workers else 0
 
     def record(self, worker_id: str, outcome: str, checked: bool = False) -> None:
-        """``outcome`` is valid, rejected, failure or timeout; ``checked`` says a valid result was verified."""
+        """``outcome`` is valid, rejected, invalid, failure or timeout; ``checked`` says a valid result was verified."""
         trust = self._get(worker_id)
         if outcome == "valid":
             trust.valid += 1
@@ -175,6 +193,9 @@ class Reputation:
                 trust.streak += 1
         elif outcome == "rejected":
             trust.rejected += 1
+            trust.streak = 0
+        elif outcome == "invalid":
+            trust.invalid += 1
             trust.streak = 0
         elif outcome == "failure":
             trust.failures += 1
@@ -191,7 +212,8 @@ class Reputation:
         return self._rng.random() < max(1.0 / streak, MIN_CHECK_PROBABILITY)
 
     def avoided(self, worker_id: str) -> bool:
-        return self.score(worker_id) < AVOID_BELOW
+        """Caught lying or cheating (outvoted, or answers that fail checks): not merely unavailable."""
+        return self.honesty(worker_id) < AVOID_BELOW
 
     def save(self) -> None:
         if self.path is None:

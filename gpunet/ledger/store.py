@@ -497,8 +497,19 @@ def _read_source(path: Path) -> list[tuple[str, bytes]]:
             magic = f.read(len(_SQLITE_MAGIC))
     except OSError as e:
         raise LedgerError(f"cannot read {path}: {e.strerror}") from e
+    wal_missing = (f"; a running node keeps its newest receipts in {path.name}-wal beside the ledger file: copy both "
+                   "files together (or the whole data dir), or run `gpunet ledger export --format json` on that node "
+                   "and merge the export")
+    has_wal = Path(f"{path}-wal").exists()  # looked at first: opening the file may leave an empty one behind
+    if not magic and not has_wal:
+        raise LedgerError(f"{path} is empty{wal_missing}")
     if magic == _SQLITE_MAGIC:
-        other = Ledger(path, create=False, readonly=True)
+        try:
+            other = Ledger(path, create=False, readonly=True)
+        except LedgerError as e:
+            if has_wal:
+                raise
+            raise LedgerError(f"{e}{wal_missing}") from None
         try:
             rows = other._db.execute("SELECT seq, receipt FROM entries ORDER BY seq").fetchall()
         finally:
