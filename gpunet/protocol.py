@@ -68,13 +68,14 @@ class Door(enum.Enum):
 
     JOB = ("job", True)
     INFO = ("info", True)
-    RUN = ("run", False)
-    SETTLE = ("settle", False)
-    CANCEL = ("cancel", False)
-    PING = ("ping", False)
+    RUN = ("run", False, 256 * 1024)  # inline inputs (32 KiB) and up to 256 ride-along countersignatures
+    SETTLE = ("settle", False, 256 * 1024)
+    CANCEL = ("cancel", False, 4096)
+    PING = ("ping", False, 2 * MAX_PING_BYTES)
 
-    def __init__(self, slug: str, stream: bool):
-        self.slug, self.stream = slug, stream
+    def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
+        """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
+        self.slug, self.stream, self.max_request = slug, stream, max_request
 
     def protocol(self, network: str) -> str:
         return f"/gpunet/{network}/{self.slug}/{PROTOCOL_VERSION}"
@@ -464,8 +465,9 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes, *expect: type[M]) -> M:
     """Parse a message; ProtocolError unless it is well formed and one of ``expect`` (any type when none given)."""
-    try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    try:  # container sizes capped too: a small body of many tiny arrays must not cost a second of parsing
+        d = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=MAX_SETTLE_ITEMS,
+                            max_map_len=256, max_str_len=MAX_FRAME_BYTES, max_bin_len=len(data))
     except Exception as e:  # msgpack raises several unrelated exception types on malformed input
         raise ProtocolError(f"message is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(d, dict) or not isinstance(d.get("t"), str):
@@ -543,18 +545,26 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
     # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
     buf = bytearray()
     offset = 0
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     try:
         async with asyncio.timeout(timeout):
             while offset < size:
-                chunk = await reader.read(min(CHUNK_BYTES, size - offset))
+                # Progress, not just a deadline: every chunk within FRAME_TIMEOUT, and at MIN_PAYLOAD_RATE overall once
+                # past that grace, so a declared size cannot hold a job slot open without the bytes coming.
+                async with asyncio.timeout(FRAME_TIMEOUT):
+                    chunk = await reader.read(min(CHUNK_BYTES, size - offset))
                 if not chunk:
                     raise ProtocolError(f"peer closed the stream after {offset} of {size} {what} bytes")
                 buf += chunk
                 offset += len(chunk)
                 if hasher is not None:
                     hasher.update(chunk)
+                elapsed = loop.time() - started
+                if offset < size and offset < (elapsed - FRAME_TIMEOUT) * MIN_PAYLOAD_RATE:
+                    raise ProtocolError(f"{what} arrives too slowly ({offset} of {size} bytes in {elapsed:.0f} s)")
     except TimeoutError:
-        raise ProtocolError(f"{what} arrived too slowly ({offset} of {size} bytes in {timeout:.0f} s)") from None
+        raise ProtocolError(f"{what} arrived too slowly ({offset} of {size} bytes)") from None
     except (ConnectionError, OSError) as e:
         raise ProtocolError(f"stream broke while reading {what}: {e}") from None
     return buf

@@ -16,7 +16,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from gpunet import protocol
-from gpunet.errors import NetworkError
+from gpunet.errors import NetworkError, ProtocolError
 from gpunet.protocol import Door, Message
 
 UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller's peer id) -> reply body
@@ -40,6 +40,9 @@ class RPC:
 
     async def serve_unary(self, door: Door, handler: UnaryHandler) -> None:
         async def adapted(request: bytes, remote: PeerID) -> bytes:
+            if len(request) > door.max_request:  # refused before any of it is parsed
+                error = ProtocolError(f"{door.slug} request of {len(request)} bytes; the limit is {door.max_request}")
+                return protocol.encode(protocol.Error.of(error))
             return await handler(request, remote.to_base58())
 
         await self.p2p._client.add_unary_handler(door.protocol(self.network), adapted)

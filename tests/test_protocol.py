@@ -186,3 +186,22 @@ def test_a_broken_stream_on_write_is_a_protocol_error():
             await protocol.write_payload(Broken(), b"x" * 10)
 
     asyncio.run(go())
+
+
+def test_a_payload_that_stops_coming_frees_its_slot_quickly(monkeypatch):
+    monkeypatch.setattr(protocol, "FRAME_TIMEOUT", 0.1)
+
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"x" * 10)  # ten bytes of a declared gigabyte, then nothing
+        with pytest.raises(ProtocolError, match="too slowly"):
+            await read_payload(reader, 10**9, 2 * 10**9, "program", timeout=protocol.payload_deadline(10**9))
+
+    asyncio.run(go())
+
+
+def test_many_tiny_containers_are_refused_before_they_cost_parsing_time():
+    body = msgpack.packb({"t": "ping", "echo": b"", "junk": [[]] * 100_000})
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        protocol.decode(body)
+    assert Door.RUN.max_request < 1 << 20 and Door.PING.max_request <= 8192

@@ -1,6 +1,7 @@
 """The worker without a network: admission (a pure state machine), settlement, and the service's cancel door."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -231,3 +232,47 @@ def test_limits_are_said_in_units_people_read():
     a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_input_bytes=2**30))
     with pytest.raises(JobRejected, match=r"inputs of 2.0 GiB exceed this worker's limit of 1.0 GiB"):
         a.screen(ALICE, Submit("j", PROGRAM, 2**31))
+
+
+class QuickExecutor(HangingExecutor):
+    """Finishes every job at once with the same small output."""
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None):
+        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001)
+
+
+def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_path):
+    """A second receipt for one job id would read as fraud by this worker (and be work nobody pays for)."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=QuickExecutor(), ledger=ledger,
+                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4), record=lambda: None)
+
+        async def scenario():
+            first = await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
+            assert await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None) is first  # a retry: same
+            service.results.pop((ALICE, "job-x"))  # pushed out of the cache by later work
+            with pytest.raises(JobRejected, match="already run here .* use a fresh job id"):
+                await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
+            with pytest.raises(JobRejected, match="already used by another client"):
+                await service._execute(BOB, job("job-x"), _UnaryPayloads(), None)
+            service.books.flush()
+
+        asyncio.run(scenario())
+        assert [r.job_id for r in ledger.unpaid()] == ["job-x"]  # one receipt, never two
+
+
+def test_the_same_job_id_in_flight_for_two_clients_runs_once(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger,
+                             admission=Admission(price_micro=1, max_concurrent=2, max_queue=4), record=lambda: None)
+
+        async def scenario():
+            alice = submit(service, ALICE, "shared-id")
+            await until(lambda: service.admission.running == 1, "Alice's job to run")
+            with pytest.raises(JobRejected, match="in use by another client"):
+                await service._execute(BOB, job("shared-id"), _UnaryPayloads(), None)
+            alice.cancel()
+            with pytest.raises((asyncio.CancelledError, JobFailed)):
+                await alice
+
+        asyncio.run(scenario())

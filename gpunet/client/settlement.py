@@ -78,8 +78,13 @@ class Settlement:
             await asyncio.wait(set(self._sending), timeout=timeout)
 
 
+#: The longest one countersignature (or refusal) may take to deliver; a worker that never answers is not waited for.
+SEND_TIMEOUT = 30.0
+
+
 async def _quietly(send: Awaitable) -> None:
     try:
-        await send
+        async with asyncio.timeout(SEND_TIMEOUT):
+            await send
     except Exception as e:  # the worker keeps the job as unpaid; nothing else to do
         logger.debug("A countersignature could not be delivered: %s", e)

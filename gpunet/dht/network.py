@@ -95,6 +95,8 @@ def _check_ports_free(maddrs: Iterable[str]) -> None:
         if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] in ("", "0"):
             continue
         family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+        if not parts[4].isdigit() or not 0 < int(parts[4]) < 65536:
+            raise ConfigError(f"listen address {maddr}: {parts[4]!r} is not a TCP port")
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart's TIME_WAIT is no conflict
             try:

@@ -336,6 +336,10 @@ class Ledger:
         row = self._db.execute("SELECT receipt FROM entries WHERE job_id = ?", (job_id,)).fetchone()
         return Receipt.from_bytes(row[0]) if row else None
 
+    def get_unpaid(self, job_id: str) -> Receipt | None:
+        row = self._db.execute("SELECT receipt FROM unpaid WHERE job_id = ?", (job_id,)).fetchone()
+        return Receipt.from_bytes(row[0]) if row else None
+
     def entries(self, limit: int | None = None, *, newest_first: bool = False) -> list[Entry]:
         order = "DESC" if newest_first else "ASC"
         rows = self._db.execute(

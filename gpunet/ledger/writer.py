@@ -68,6 +68,11 @@ class LedgerWriter:
         """The complete receipt for ``job_id``, queued or stored."""
         return self._by_job.get(job_id) or self.ledger.get(job_id)
 
+    def signed(self, job_id: str) -> Receipt | None:
+        """Any receipt for ``job_id`` this node holds, paid or still unpaid, queued or stored."""
+        queued = next((r for r in reversed(self._unpaid) if r.job_id == job_id), None) if self._unpaid else None
+        return self.get(job_id) or queued or self.ledger.get_unpaid(job_id)
+
     @property
     def pending(self) -> int:
         return len(self._complete) + len(self._unpaid)

@@ -21,6 +21,7 @@ from gpunet import protocol
 from gpunet.errors import (
     GpunetError,
     JobFailed,
+    JobRejected,
     ProgramNotCached,
     ProtocolError,
     WorkerBusy,
@@ -252,13 +253,20 @@ class JobService:
     async def _execute(self, client_id: str, submit: Submit, payloads, reader) -> Outcome | None:
         """Admit, de-duplicate and run one job; None when the worker is busy (the caller answers busy)."""
         key = (client_id, submit.job_id)
-        paid = self.books.get(submit.job_id)
-        self.admission.screen(client_id, submit, paid_by=paid.client_id if paid is not None else None)
+        signed = self.books.signed(submit.job_id)
+        self.admission.screen(client_id, submit, paid_by=signed.client_id if signed is not None else None)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same result, same receipt, no second bill
             return known
         if key in self._jobs:  # a retry while the first run is still going: wait for it
             return await asyncio.shield(self._jobs[key].outcome)
+        # One job id, one receipt, ever: a second receipt for an id would read as fraud by this worker (and a run
+        # nobody pays for). So an id signed before, or running for another client, is never run again.
+        if signed is not None:
+            raise JobRejected(f"job id {submit.job_id[:16]} was already run here and its result is no longer kept; "
+                              "use a fresh job id")
+        if any(job_id == submit.job_id for _, job_id in self._jobs):
+            raise JobRejected(f"job id {submit.job_id[:16]} is in use by another client; use a fresh one")
         if not self.admission.admit():  # busy or draining comes first: no point switching doors to hear it
             metrics.JOBS.labels("busy").inc()
             return None
@@ -395,10 +403,12 @@ class JobService:
 
 
 async def _try_send(writer, message: Error) -> None:
+    """Tell the peer why, if it is still reading; a peer that stopped reading gets the connection cut instead."""
     try:
-        await protocol.write(writer, message)
+        async with asyncio.timeout(2.0):
+            await protocol.write(writer, message)
     except Exception:
-        pass
+        writer.transport.abort()
 
 
 class _NeedsStream(Exception):
