@@ -95,10 +95,14 @@ def _get(d: dict, name: str, kind: type | tuple[type, ...], optional: bool = Fal
     return value
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
 def _text(d: dict, name: str, limit: int) -> str:
-    """A free-text field (a reason, a message): a string cut to ``limit``, or empty when it is anything else."""
+    """A free-text field (a reason, a message): a string cut to ``limit`` with control characters replaced (it ends
+    up in logs and terminals: no forged log lines, no escape sequences), or empty when it is anything else."""
     value = d.get(name)
-    return value[:limit] if isinstance(value, str) else ""
+    return _CONTROL.sub("?", value[:limit]) if isinstance(value, str) else ""
 
 
 def _time(d: dict, name: str) -> float:

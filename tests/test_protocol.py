@@ -205,3 +205,8 @@ def test_many_tiny_containers_are_refused_before_they_cost_parsing_time():
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         protocol.decode(body)
     assert Door.RUN.max_request < 1 << 20 and Door.PING.max_request <= 8192
+
+
+def test_peer_text_cannot_forge_log_lines_or_drive_the_terminal():
+    raw = msgpack.packb({"t": "refuse", "job": "j", "reason": "ok\n12:00 INFO forged line\x1b[2J"})
+    assert protocol.decode(raw, Refuse).reason == "ok?12:00 INFO forged line?[2J"

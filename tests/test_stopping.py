@@ -47,11 +47,3 @@ def test_killing_status_watch_leaves_no_dht_or_daemon_behind(swarm):
         except ProcessLookupError:
             pass
         watch.wait(timeout=10)
-
-
-def test_worker_leaves_cleanly_on_ctrl_c_to_its_process_group(swarm):
-    worker = swarm.start_worker()
-    os.killpg(worker.pid, signal.SIGINT)
-    assert worker.popen.wait(timeout=60) == 0, worker.output
-    wait_for(lambda: _group_gone(worker.pid), 20, "the worker's executors, DHT process and p2p daemon to exit")
-    assert "KeyboardInterrupt" not in worker.output and "Traceback" not in worker.output, worker.output
