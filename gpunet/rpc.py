@@ -55,8 +55,21 @@ class RPC:
         await self.p2p.add_binary_stream_handler(door.protocol(self.network), adapted)
         self._served.append(door)
 
+    async def daemon_alive(self, timeout: float = 1.0) -> bool:
+        """Whether the p2p daemon still accepts control connections. A signal to the whole process group (Ctrl-C in a
+        terminal, ``systemctl stop``) kills it at the same moment as us; a request to a dead daemon would never end."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.p2p.daemon_listen_maddr["unix"]),
+                                               timeout)
+        except (OSError, asyncio.TimeoutError, TypeError, ValueError):
+            return False
+        writer.close()
+        return True
+
     async def close(self) -> None:
         """Stop serving every door, then close this replica's connections to the daemon (not the daemon itself)."""
+        if not await self.daemon_alive():
+            self._served.clear()  # nothing to unregister from, and asking would wait forever
         for door in self._served:
             try:
                 if door.stream:

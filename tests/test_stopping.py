@@ -47,3 +47,68 @@ def test_killing_status_watch_leaves_no_dht_or_daemon_behind(swarm):
         except ProcessLookupError:
             pass
         watch.wait(timeout=10)
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command name) of every process below ``pid``, read from /proc."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+        names[int(entry)] = name
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, names[child]))
+            todo.append(child)
+    return found
+
+
+def _assert_left_cleanly(worker, timeout: float = 20) -> None:
+    try:
+        code = worker.popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker did not exit within {timeout} s:\n{worker.output}")
+    assert code == 0, worker.output
+    wait_for(lambda: _group_gone(worker.pid), 20, "the worker's executors, DHT process and p2p daemon to exit")
+    assert "Traceback" not in worker.output, worker.output
+
+
+@pytest.mark.parametrize("attempt", range(2))
+def test_worker_leaves_within_seconds_on_ctrl_c_to_its_process_group(swarm, attempt):
+    worker = swarm.start_worker()
+    os.killpg(worker.pid, signal.SIGINT)  # the p2p daemon and executors get it at the same moment
+    _assert_left_cleanly(worker)
+    assert "KeyboardInterrupt" not in worker.output, worker.output
+
+
+def test_worker_leaves_on_sigterm_to_its_process_group(swarm):
+    worker = swarm.start_worker()
+    os.killpg(worker.pid, signal.SIGTERM)  # `systemctl stop` with the default KillMode=control-group
+    _assert_left_cleanly(worker)
+
+
+def test_worker_leaves_on_sigterm_to_itself_alone(swarm):
+    worker = swarm.start_worker()
+    worker.popen.send_signal(signal.SIGTERM)
+    _assert_left_cleanly(worker)
+    assert worker.read_ready() is None
+
+
+def test_worker_whose_p2p_daemon_died_first_still_leaves(swarm):
+    worker = swarm.start_worker()
+    daemons = [pid for pid, name in _descendants(worker.pid) if name == "p2pd"]
+    assert daemons, _descendants(worker.pid)
+    for pid in daemons:
+        os.kill(pid, signal.SIGKILL)
+    worker.popen.send_signal(signal.SIGINT)
+    _assert_left_cleanly(worker)

@@ -21,6 +21,7 @@ from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
 from gpunet.dht import network, registry
 from gpunet.dht.records import MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
+from gpunet.errors import NetworkError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import price_to_micro
 from gpunet.ledger.store import open_ledger
@@ -32,6 +33,9 @@ logger = logging.getLogger("gpunet.worker")
 
 #: Seconds a draining worker waits for countersignatures of results it already delivered.
 UNSETTLED_GRACE = 5.0
+#: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
+#: the p2p daemon (and, on SIGTERM, the DHT process) may be dead already: nothing may wait on them without a bound.
+LEAVE_STEP_TIMEOUT = 3.0
 
 
 class Worker:
@@ -53,6 +57,7 @@ class Worker:
         self.ledger = None
         self.tflops: dict[str, float] = {}
         self.dht = None
+        self.rpc = None
         self.maddrs: list[str] = []
         self._last_expiration = 0.0
         self._stop = asyncio.Event()
@@ -96,10 +101,13 @@ class Worker:
             self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
         # A newer expiration is what makes the DHT replace our previous record (the tombstone included).
         expiration = max(get_dht_time() + registry.default_ttl(self.config.heartbeat), self._last_expiration + 1e-3)
-        ok = await registry.announce_async(self.dht, self.config.network, self.id, self.record(), expiration)
+        leaving = self.state in (WorkerState.DRAINING, WorkerState.OFFLINE)
+        timeout = LEAVE_STEP_TIMEOUT if leaving else max(10.0, self.config.heartbeat)
+        ok = self.dht.is_alive() and bool(await _bounded(
+            registry.announce_async(self.dht, self.config.network, self.id, self.record(), expiration), timeout))
         if ok:
             self._last_expiration = expiration
-        else:
+        elif not leaving:
             logger.warning("Could not publish this worker's record (no peer accepted it); retrying next heartbeat")
         if state is not None:  # what deployment tools wait on, instead of reading our output
             readyfile.write_ready(self.data_dir, role="worker", id=self.id, addresses=self.maddrs,
@@ -116,6 +124,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig)
+        loop.set_exception_handler(_quiet_lost_daemon)
         readyfile.remove_ready(self.data_dir)  # one left by an earlier run that died must never be read as ours
         cfg = self.config
         info = self.hardware.info
@@ -145,7 +154,19 @@ class Worker:
         finally:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
-            await asyncio.to_thread(self.dht.shutdown)
+            await asyncio.to_thread(self._stop_dht)
+
+    async def network_alive(self) -> bool:
+        """Whether our DHT process and p2p daemon are still there to talk through."""
+        return self.dht.is_alive() and (self.rpc is None or await self.rpc.daemon_alive())
+
+    def _stop_dht(self) -> None:
+        if self.dht.is_alive() and self.rpc is not None and not asyncio.run(self.rpc.daemon_alive()):
+            # Its daemon is gone: a polite shutdown would wait its whole grace period on it.
+            self.dht.terminate()
+            self.dht.join(LEAVE_STEP_TIMEOUT)
+        else:
+            self.dht.shutdown()  # bounded: a grace period, then SIGTERM
 
     def _print_welcome(self, starting_network: bool) -> None:
         joinable = self.maddrs[0] if self.maddrs else "(no address)"
@@ -166,6 +187,11 @@ class Worker:
     async def _heartbeat_until_stopped(self) -> None:
         reported = 0
         while not self._stop.is_set():
+            if not self.dht.is_alive():
+                await asyncio.sleep(0.1)  # a signal to the whole group kills it too: let our own handler run first
+                if self._stop.is_set():
+                    break
+                raise NetworkError("this worker's DHT process died; leaving (a supervisor may restart the worker)")
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.config.heartbeat)
             except asyncio.TimeoutError:
@@ -180,6 +206,11 @@ class Worker:
     async def _drain(self) -> None:
         admission, settlement = self.service.admission, self.service.settlement
         admission.drain()
+        if not await self.network_alive():
+            # The whole process group was signalled (a terminal's Ctrl-C, systemctl stop): our p2p daemon is gone, so
+            # nobody can reach us or read a goodbye; running jobs cannot deliver either. Leave at once.
+            logger.info("The p2p daemon has already stopped; leaving without announcing it (the record expires)")
+            return
         await self.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
         if not await _within(admission.drained(), deadline - time.monotonic()):
@@ -227,7 +258,8 @@ class Worker:
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
         )
-        await self.service.start(RPC(await self.dht.replicate_p2p(), cfg.network))
+        self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
+        await self.service.start(self.rpc)
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
@@ -235,11 +267,30 @@ class Worker:
     async def stop_services(self) -> None:
         """Stop serving jobs (after draining), stop every executor process, close the ledger."""
         if self.service is not None:
-            await self.service.stop()
+            if not await _bounded(self.service.stop(), LEAVE_STEP_TIMEOUT, default=False, result=True):
+                logger.warning("The p2p daemon did not answer while closing the job doors; leaving anyway")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
+
+
+def _quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """hivemind's daemon client leaves a background write task failing with ConnectionError when the daemon dies
+    (at a group-wide Ctrl-C, every time): expected then, so logged at debug, not as a traceback."""
+    if isinstance(context.get("exception"), ConnectionError):
+        logger.debug("p2p daemon connection lost: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
+
+
+async def _bounded(awaitable, seconds: float, default=None, result=None):
+    """``await awaitable`` for at most ``seconds``: its value (or ``result`` when given), else ``default``."""
+    try:
+        value = await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        return default
+    return value if result is None else result
 
 
 async def _within(future: asyncio.Future, seconds: float) -> bool:
