@@ -16,6 +16,7 @@ from gpunet.config import (
     INITIAL_PEERS_ENV,
     LOOPBACK_MADDR,
 )
+from gpunet.dht import hardening
 from gpunet.dht.validation import network_validators
 from gpunet.errors import ConfigError, NetworkError
 from gpunet.identity import Identity
@@ -64,6 +65,7 @@ def join(
     if not peers and not start_new:
         raise ConfigError(f"no initial peers: pass --initial-peers or set {INITIAL_PEERS_ENV}")
     _check_ports_free(host_maddrs or DEFAULT_HOST_MADDRS)
+    hardening.install()  # before the DHT process forks: it inherits the entry-by-entry validation and bucket caps
     identities = [*([identity] if identity else []), *signing_identities]
     kwargs = {}
     if identity is not None:

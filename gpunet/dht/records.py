@@ -24,12 +24,16 @@ WORKER_RECORD_FORMAT = 1
 #: of the record format, not a setting.
 WORKER_BUCKETS = 64
 
-#: Caps applied before a record is accepted; they bound what a malicious peer can make every reader parse.
-MAX_RECORD_BYTES = 8 * 1024
+#: Caps applied before a record is accepted; they bound what a malicious peer can make every reader parse and every
+#: DHT node store and serve. A record whose every field is at its schema maximum packs to about 3.5 KiB (honest ones
+#: are ~500 bytes); fields this version does not know (a newer version's) may add at most ``MAX_UNKNOWN_FIELD_BYTES``.
+#: A bucket of padded records could otherwise be pushed past the daemon's 4 MiB reply cap by a few hundred sybils.
+MAX_RECORD_BYTES = 4 * 1024
+MAX_UNKNOWN_FIELD_BYTES = 512
 MAX_CACHED_PROGRAMS = 16
+MAX_ADVERTISED_MADDRS = 6
 
 _Name = Annotated[str, Field(max_length=64)]
-_Text = Annotated[str, Field(max_length=256)]
 _NonNegInt = Annotated[int, Field(ge=0)]
 _NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -46,12 +50,25 @@ class WorkerState(str, enum.Enum):
 class _WireModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
+    @classmethod
+    def unknown_field_bytes(cls, data: dict) -> int:
+        """Packed size of the fields of ``data`` this version does not know, nested models included."""
+        size = 0
+        for name, value in data.items():
+            field = cls.model_fields.get(name) if isinstance(name, str) else None
+            if field is None:
+                size += len(msgpack.packb([name, value], default=repr))
+            elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation,
+                                                                                               _WireModel):
+                size += field.annotation.unknown_field_bytes(value)
+        return size
+
 
 class DeviceInfo(_WireModel):
     """What a worker computes on: one kind of device, possibly several of them."""
 
     kind: Annotated[str, Field(pattern=r"^(cpu|cuda)$")]
-    name: _Text
+    name: Annotated[str, Field(max_length=128)]
     count: Annotated[int, Field(ge=1, le=1024)] = 1
     memory_total: _NonNegInt = 0  # bytes, per device
     memory_free: _NonNegInt = 0  # bytes, per device (the least free across devices)
@@ -75,9 +92,10 @@ class WorkerRecord(_WireModel):
     jobs_done: _NonNegInt = 0
     started_at: _NonNegFloat = 0.0  # unix time the worker came up; uptime = now - started_at
     updated_at: _NonNegFloat = 0.0  # unix time of this heartbeat (by the worker's clock)
-    programs: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=MAX_CACHED_PROGRAMS)
+    programs: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
+                                                                          max_length=MAX_CACHED_PROGRAMS)
     name: _Name | None = None
-    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=8)
+    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=MAX_ADVERTISED_MADDRS)
     ledger_count: _NonNegInt = 0
     ledger_head: Annotated[str, Field(max_length=64)] | None = None
     credits_earned: _NonNegFloat = 0.0
@@ -94,6 +112,10 @@ class WorkerRecord(_WireModel):
         fmt = data.get("format")
         if isinstance(fmt, int) and fmt > WORKER_RECORD_FORMAT:
             raise InvalidRecord(f"worker record format {fmt} is newer than this gpunet understands")
+        unknown = cls.unknown_field_bytes(data)
+        if unknown > MAX_UNKNOWN_FIELD_BYTES:
+            raise InvalidRecord(f"worker record carries {unknown} bytes of unknown fields; at most "
+                                f"{MAX_UNKNOWN_FIELD_BYTES} are allowed")
         try:
             return cls.model_validate(data)
         except ValidationError as e:

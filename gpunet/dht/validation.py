@@ -21,7 +21,7 @@ from typing import Iterable
 import msgpack
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from gpunet.dht.records import (
     MAX_RECORD_BYTES,
@@ -88,13 +88,18 @@ def split_signed_value(value: bytes) -> tuple[bytes, bytes] | None:
 
 
 def _subkey_owner(record: DHTRecord) -> str | None:
+    """The peer id a record's subkey names, if the subkey is exactly its canonical encoding. Readers re-encode subkeys
+    canonically before checking signatures, so a record signed over another encoding of the same id (str16 for str8)
+    would pass here and fail for every reader: refused now, at store time."""
     if record.subkey is None or len(record.subkey) > _MAX_SUBKEY_BYTES:
         return None
     try:
         owner = msgpack.unpackb(record.subkey, raw=False)
     except Exception:
         return None
-    return owner if isinstance(owner, str) else None
+    if not isinstance(owner, str) or MSGPackSerializer.dumps(owner) != record.subkey:
+        return None
+    return owner
 
 
 class OwnerSignatureValidator(RecordValidatorBase):

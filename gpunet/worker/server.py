@@ -20,7 +20,7 @@ from gpunet import readyfile
 from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
 from gpunet.dht import network, registry
-from gpunet.dht.records import MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
+from gpunet.dht.records import MAX_ADVERTISED_MADDRS, MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
 from gpunet.errors import NetworkError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import price_to_micro
@@ -84,7 +84,7 @@ class Worker:
             updated_at=time.time(),
             programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
             name=self.config.public_name,
-            maddrs=self.maddrs[:4],
+            maddrs=self.maddrs[:MAX_ADVERTISED_MADDRS],
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
             credits_earned=ledger.earned(self.id) / 1e6 if ledger is not None else 0.0,
