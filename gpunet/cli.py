@@ -106,6 +106,9 @@ def worker(
     rebenchmark: bool = typer.Option(_WORKER.rebenchmark, "--rebenchmark", help="Measure the device's speed again."),
     memory_budget_gb: Optional[float] = typer.Option(
         _WORKER.memory_budget_gb, "--memory-budget-gb", metavar="GIB", min=0.1, help="Memory per executor."),
+    buffer_gb: Optional[float] = typer.Option(
+        _WORKER.buffer_gb, "--buffer-gb", metavar="GIB", min=0.01,
+        help="Job payloads held in memory at once (default: a quarter of RAM, at least 1 GiB)."),
     metrics_port: int = typer.Option(
         _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     fault_corrupt_fraction: float = typer.Option(
@@ -130,6 +133,7 @@ def worker(
         drain_timeout=drain_timeout,
         rebenchmark=rebenchmark,
         memory_budget_gb=memory_budget_gb,
+        buffer_gb=buffer_gb,
         metrics_port=metrics_port,
         fault_corrupt_fraction=fault_corrupt_fraction,
     )

@@ -535,6 +535,14 @@ async def write_payload(writer: asyncio.StreamWriter, data: bytes | bytearray | 
         raise ProtocolError(f"stream broke while writing: {e}") from None
 
 
+def check_payload_size(size: Any, cap: int, what: str) -> None:
+    """A declared payload size, checked before anything is allocated or charged for it."""
+    if type(size) is not int or size < 0:
+        raise ProtocolError(f"{what} size must be a non-negative integer")
+    if size > cap:
+        raise ProtocolError(f"{what} of {size} bytes ({human_bytes(size)}) exceeds this peer's limit of {human_bytes(cap)}")
+
+
 async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str, hasher=None,
                        timeout: float | None = None) -> bytearray:
     """Read exactly ``size`` declared bytes, refusing sizes over ``cap`` before allocating anything.
@@ -542,10 +550,7 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
     ``hasher`` (a hashlib object) is fed each chunk as it arrives, so hashing overlaps the transfer. ``timeout``
     bounds the whole read (see :func:`payload_deadline`).
     """
-    if type(size) is not int or size < 0:
-        raise ProtocolError(f"{what} size must be a non-negative integer")
-    if size > cap:
-        raise ProtocolError(f"{what} of {size} bytes ({human_bytes(size)}) exceeds this peer's limit of {human_bytes(cap)}")
+    check_payload_size(size, cap, what)
     # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
     buf = bytearray()
     offset = 0
@@ -568,7 +573,12 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
                 if offset < size and offset < (elapsed - FRAME_TIMEOUT) * MIN_PAYLOAD_RATE:
                     raise ProtocolError(f"{what} arrives too slowly ({offset} of {size} bytes in {elapsed:.0f} s)")
     except TimeoutError:
+        buf.clear()  # the exception's traceback keeps this frame alive: free its buffer now
         raise ProtocolError(f"{what} arrived too slowly ({offset} of {size} bytes)") from None
     except (ConnectionError, OSError) as e:
+        buf.clear()
         raise ProtocolError(f"stream broke while reading {what}: {e}") from None
+    except BaseException:
+        buf.clear()
+        raise
     return buf

@@ -20,12 +20,22 @@ from gpunet.errors import NetworkError, ProtocolError
 from gpunet.protocol import Door, Message
 
 UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller's peer id) -> reply body
-StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+# (caller's peer id, reader, writer, caller's network address: "/ip4/1.2.3.4", or a relay's circuit address)
+StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
 @functools.lru_cache(maxsize=4096)
 def peer(peer_id: str) -> PeerID:
     return PeerID.from_base58(peer_id)
+
+
+def host_of(maddr) -> str:
+    """The network-address part of a peer's multiaddr (``/ip4/1.2.3.4`` of ``/ip4/1.2.3.4/tcp/5``): identities are
+    free, so some limits count per address. A relayed peer is counted by its whole address (it ends in its relay)."""
+    text = str(maddr)
+    if "/p2p-circuit" in text:
+        return text
+    return "/".join(text.split("/")[:3])
 
 
 class RPC:
@@ -50,7 +60,7 @@ class RPC:
 
     async def serve_stream(self, door: Door, handler: StreamHandler) -> None:
         async def adapted(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await handler(info.peer_id.to_base58(), reader, writer)
+            await handler(info.peer_id.to_base58(), reader, writer, host_of(info.addr))
 
         await self.p2p.add_binary_stream_handler(door.protocol(self.network), adapted)
         self._served.append(door)

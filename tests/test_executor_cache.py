@@ -39,6 +39,21 @@ def test_disk_cache_round_trip_and_lru_eviction(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_disk_cache_is_bounded_in_files_too(tmp_path):
+    """A flood of tiny programs: bytes alone would let the directory (and every scan of it) grow without end."""
+    disk = DiskCache(tmp_path, max_bytes=10**9, max_files=3)
+    hashes = [f"{i:064x}" for i in range(10)]
+    for i, h in enumerate(hashes):
+        disk.put(h, b"x")
+        os.utime(disk._path(h), (time.time() - 100 + i, time.time() - 100 + i))
+    assert disk.hashes() == hashes[-3:]  # least recently used first
+    stale = tmp_path / ".tmp-left-by-a-killed-executor"
+    stale.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    disk.put(hashes[0], b"y")
+    assert not stale.exists() and len(list(tmp_path.iterdir())) == 3
+
+
 def test_disk_cache_skips_programs_larger_than_itself(tmp_path):
     disk = DiskCache(tmp_path, max_bytes=10)
     disk.put(H[0], b"x" * 11)

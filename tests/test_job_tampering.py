@@ -168,6 +168,13 @@ def test_huge_full_is_caught_by_the_dry_run(base):
     assert "evil" in err.reason and "aten.full.default" in err.reason
 
 
+def test_an_expanded_view_output_is_counted_as_the_dense_copy_it_becomes(base):
+    """expand() of 12 bytes is a 0-byte view in the dry run; returned, it would be made dense: 12 GiB."""
+    data = _edit(base, **_add_node("aten.expand.default", [{"ref": "add_3"}, [2**30, 2, 3]]))
+    err = _rejected(data, match="peak memory")
+    assert "outputs" in err.reason
+
+
 def test_dynamic_dimension_outside_its_range(base):
     _rejected(_edit(base), torch.randn(9, 3), match=r"'batch' = 9 is outside its range \[1, 8\]")
     _rejected(_edit(base), torch.randn(2, 4), match="dim 1 is 4, expected 3")

@@ -382,3 +382,39 @@ def test_merging_a_running_nodes_file_copied_without_its_wal_says_what_to_copy(t
         shutil.copy(tmp_path / "node.sqlite-wal", tmp_path / "copied.sqlite-wal")  # ...as told: both files
         assert mine.merge(tmp_path / "copied.sqlite").added == 3
         assert mine.merge(tmp_path / "node.sqlite").duplicates == 3  # and straight from the running node's file
+
+
+def _crafted(tmp_path, name: str, entries_sql: str, rows_sql: str = "") -> str:
+    """A ledger file whose ``entries`` is redefined by a hostile peer: same schema version, different table."""
+    path = tmp_path / name
+    Ledger(path).close()
+    db = sqlite3.connect(path)
+    db.executescript(f"DROP TRIGGER IF EXISTS entries_no_update; DROP TRIGGER IF EXISTS entries_no_delete; "
+                     f"DROP TABLE entries; {entries_sql}; {rows_sql}")
+    db.close()
+    return path
+
+
+@pytest.mark.parametrize("entries_sql, rows_sql", [
+    # a few KiB of file that would read as gigabytes, or as rows without end
+    ("CREATE TABLE entries (seq INTEGER PRIMARY KEY, job_id TEXT, receipt BLOB GENERATED ALWAYS AS "
+     "(zeroblob(1000000000)) VIRTUAL, prev_hash BLOB, entry_hash BLOB)",
+     "INSERT INTO entries (seq, job_id) VALUES (1, 'a'), (2, 'b')"),
+    ("CREATE VIEW entries AS WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+     "SELECT i AS seq, 'x' || i AS job_id, zeroblob(100) AS receipt FROM n", ""),
+])
+def test_merge_refuses_a_crafted_file_before_reading_it(tmp_path, entries_sql, rows_sql):
+    crafted = _crafted(tmp_path, "crafted.sqlite", entries_sql, rows_sql)
+    with Ledger(tmp_path / "mine.sqlite") as mine:
+        with pytest.raises(LedgerError, match="not a (plain table|gpunet ledger)"):
+            mine.merge(crafted)
+        assert mine.head().count == 0
+
+
+def test_merge_refuses_values_longer_than_any_receipt_without_reading_them(tmp_path):
+    crafted = _crafted(tmp_path, "big.sqlite",
+                       "CREATE TABLE entries (seq INTEGER PRIMARY KEY, job_id TEXT, receipt BLOB, prev_hash BLOB, "
+                       "entry_hash BLOB)", "INSERT INTO entries VALUES (1, 'a', zeroblob(10000000), x'', x'')")
+    with Ledger(tmp_path / "mine.sqlite") as mine:
+        with pytest.raises(LedgerError, match="larger than any receipt"):
+            mine.merge(crafted)

@@ -21,7 +21,7 @@ from gpunet.worker.service import JobService, _UnaryPayloads
 from gpunet.worker.settlement import Settlement
 
 PROGRAM = "ab" * 32
-ALICE, BOB = Identity.generate().peer_id, Identity.generate().peer_id
+ALICE, BOB, CAROL = (Identity.generate().peer_id for _ in range(3))
 
 
 def job(job_id: str = "job-1", **kw) -> Submit:
@@ -55,27 +55,54 @@ def test_admission_refuses_by_price_limits_and_job_id_reuse():
 
 
 def test_admission_counts_places_and_answers_busy_when_full():
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=1)
-    assert a.admit() and a.admit()
-    assert not a.admit()  # one running + one queued: full
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=2)
+    assert a.admit(ALICE) and a.admit(ALICE)
+    assert not a.admit(ALICE)  # one client holds at most the running slots and half the queue
+    assert a.admit(BOB)
+    assert not a.admit(BOB) and not a.has_room(BOB)  # one running + two queued: full
     a.started()
-    assert (a.running, a.queue_length, a.active) == (1, 1, 2)
+    assert (a.running, a.queue_length, a.active) == (1, 2, 3)
     a.ended(done=True)
-    a.released()
-    assert a.jobs_done == 1 and a.admit()
+    a.released(ALICE)
+    assert a.jobs_done == 1 and a.admit(BOB)
+
+
+def test_uploads_take_no_queue_place_but_are_capped_per_client_and_per_address():
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=0,
+                  limits=ServiceLimits(max_uploads_per_client=2, max_uploads_per_host=3))
+    assert a.begin_upload(ALICE, "/ip4/10.0.0.1") and a.begin_upload(ALICE, "/ip4/10.0.0.1")
+    assert not a.begin_upload(ALICE, "/ip4/10.0.0.2")  # the same identity from anywhere
+    assert a.begin_upload(BOB, "/ip4/10.0.0.1")
+    assert not a.begin_upload("sybil", "/ip4/10.0.0.1")  # a fresh identity from the same address
+    assert a.begin_upload("sybil", "/ip4/10.0.0.9")
+    assert a.has_room(CAROL) and a.queue_length == 0  # nine idle uploads make nobody busy
+    a.upload_done(ALICE, "/ip4/10.0.0.1")
+    assert a.uploads(ALICE) == 1 and a.begin_upload("sybil2", "/ip4/10.0.0.1")
+
+
+def test_payload_bytes_are_charged_before_reading_and_given_back():
+    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_buffered_bytes=100))
+    a.charge(60)
+    with pytest.raises(WorkerBusy, match="receiving"):
+        a.charge(41)  # not now
+    with pytest.raises(JobRejected, match="over this worker's buffer"):
+        a.charge(101)  # never
+    a.release_bytes(60)
+    a.charge(100)
+    assert a.buffered_bytes == 100
 
 
 def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
     async def scenario():
         a = Admission(price_micro=1, max_concurrent=2, max_queue=0)
         a.stream_opened()  # as the service does: a job stream counts from its submit...
-        assert a.admit()
+        assert a.admit(ALICE)
         drained = None
         a.drain()
         drained = a.drained()
         with pytest.raises(WorkerBusy, match="draining"):
-            a.admit()
-        a.released()  # ...so the job leaving admission, its result still to be written, is no gap to leave through
+            a.admit(ALICE)
+        a.released(ALICE)  # ...so the job leaving admission, its result still to be written, is no gap to leave through
         await asyncio.sleep(0)
         assert not drained.done()
         a.stream_closed()  # result sent, countersignature read (or given up on)

@@ -62,6 +62,22 @@ class MemoryTracker:
         else:
             self._new(step.slot, _nbytes(value), where=f"node {step.name!r} ({step.op})")
 
+    def materialise_outputs(self, outputs: Sequence[Any]) -> None:
+        """What the end of a run allocates on top of what is live: each output that is a strided view (an ``expand``
+        of a few bytes can stand for gigabytes) is copied dense, and every output is then encoded into the reply."""
+        extra = 0
+        for out in outputs:
+            nbytes = _nbytes(out)
+            extra += nbytes  # the encoded reply
+            if isinstance(out, torch.Tensor) and not out.is_contiguous():
+                extra += nbytes  # the dense copy made before encoding
+        self.live += extra
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.limit is not None and self.peak > self.limit:
+                raise JobRejected(f"the outputs: peak memory {human_bytes(self.peak)} (outputs made dense and encoded) "
+                                  f"exceeds the limit of {human_bytes(self.limit)}")
+
     def freed(self, slot: int) -> None:
         sid = self._storage_of.pop(slot, None)
         if sid is not None:

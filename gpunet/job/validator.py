@@ -165,6 +165,7 @@ class Program:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:
             raise JobRejected(f"dry run: an output is not a tensor gpunet can carry ({e})") from None
+        tracker.materialise_outputs(outs)
         est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs)
         with self._lock:
             self._estimates.put(key, est)

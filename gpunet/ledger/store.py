@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
 from gpunet.ledger.balances import Balance, BalanceSheet
 from gpunet.ledger.export import read_json_export
-from gpunet.ledger.receipts import Receipt
+from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
 
 LEDGER_FILENAME = "ledger.sqlite"
 SCHEMA_VERSION = 1
@@ -265,11 +266,14 @@ class Ledger:
         """
         source = Path(source)
         report = MergeReport(source=str(source))
-        items = _read_source(source)
+        items = iter(_read_source(source))  # streamed: a ledger file is read a batch at a time
         with ThreadPoolExecutor(_verify_threads()) as pool:
-            for start in range(0, len(items), _VERIFY_BATCH):
+            for start in itertools.count(0, _VERIFY_BATCH):
+                batch = list(itertools.islice(items, _VERIFY_BATCH))
+                if not batch:
+                    break
                 decoded: list[tuple[int, Receipt]] = []
-                for position, (where, data) in enumerate(items[start : start + _VERIFY_BATCH], start):
+                for position, (where, data) in enumerate(batch, start):
                     try:
                         decoded.append((position, Receipt.from_bytes(data)))
                     except InvalidReceipt as e:
@@ -494,7 +498,7 @@ def _verify_chunk(items: list[tuple]) -> list[tuple]:
     return failures
 
 
-def _read_source(path: Path) -> list[tuple[str, bytes]]:
+def _read_source(path: Path) -> Iterable[tuple[str, bytes]]:
     """``(where, receipt bytes)`` from a ledger file or a JSON export, in the source's order."""
     try:
         with open(path, "rb") as f:
@@ -515,11 +519,45 @@ def _read_source(path: Path) -> list[tuple[str, bytes]]:
                 raise
             raise LedgerError(f"{e}{wal_missing}") from None
         try:
-            rows = other._db.execute("SELECT seq, receipt FROM entries ORDER BY seq").fetchall()
-        finally:
+            _check_foreign(other)
+        except BaseException:
             other.close()
-        return [(f"entry {seq}", bytes(data)) for seq, data in rows]
+            raise
+        return _foreign_entries(other)
     return read_json_export(path)
+
+
+def _check_foreign(other: "Ledger") -> None:
+    """Another node's ledger file is untrusted input: its ``entries`` must be a plain stored table (a view, a virtual
+    table or a generated column could turn a few KiB of file into endless or gigabyte-sized rows), and no value may
+    be longer than a receipt can be (SQLite then refuses to build one)."""
+    db = other._db
+    try:
+        db.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_RECEIPT_BYTES + 1024)
+        kind = db.execute("SELECT type, sql FROM sqlite_master WHERE name = 'entries'").fetchone()
+        plain = kind is not None and kind[0] == "table" and str(kind[1]).upper().startswith("CREATE TABLE")
+        if not plain or any(column[6] != 0 for column in db.execute("PRAGMA table_xinfo(entries)")):
+            raise LedgerError(f"{other.path}: its entries are not a plain table of stored columns (a view, virtual "
+                              "table or generated column); this is not a gpunet ledger")
+    except sqlite3.Error as e:
+        raise LedgerError(f"{other.path} is not a usable gpunet ledger: {e}") from None
+
+
+def _foreign_entries(other: "Ledger") -> Iterator[tuple[str, bytes]]:
+    """The checked file's entries, a batch at a time as they are merged."""
+    db = other._db
+    try:
+        cursor = db.execute("SELECT seq, receipt FROM entries ORDER BY seq")
+        while rows := cursor.fetchmany(_VERIFY_BATCH):
+            for seq, data in rows:
+                yield f"entry {seq}", data if isinstance(data, bytes) else b""
+    except sqlite3.DataError as e:
+        raise LedgerError(f"{other.path}: a value is larger than any receipt ({e}); this is not a gpunet ledger") \
+            from None
+    except sqlite3.Error as e:
+        raise LedgerError(f"{other.path} is not a usable gpunet ledger: {e}") from None
+    finally:
+        other.close()
 
 
 def _now_us() -> int:

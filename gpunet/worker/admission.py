@@ -11,7 +11,13 @@ Rules, in the order a submit meets them:
 3. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor);
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
-5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy.
+5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy,
+   and so does one where this client already holds ``max_jobs_per_client`` places;
+6. a job whose bytes must still arrive is an *upload*, not a queued job: it takes no queue place until its bytes are
+   in (so idle streams cannot make a worker busy for everyone); at most ``max_uploads_per_client`` (per peer id) and
+   ``max_uploads_per_host`` (per network address: identities are free, addresses less so) run at once, and each
+   payload's declared size is charged to the worker's ``max_buffered_bytes`` before a byte of it is read. The charge
+   is given back when the job ends (its bytes are held until then).
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ class ServiceLimits:
     # stops more than this many within the window gets its new jobs refused until older stops age out.
     max_stopped_jobs: int = 20
     stopped_jobs_window: float = 600.0
+    # What payloads may hold in this process at once (declared sizes, charged before reading), and how many uploads
+    # one identity and one network address may have in progress.
+    max_buffered_bytes: int = 4 * 1024**3
+    max_uploads_per_client: int = 4
+    max_uploads_per_host: int = 32
 
 
 class Admission:
@@ -59,6 +70,10 @@ class Admission:
         # between a job's release and its delivery).
         self.streams = 0
         self.jobs_done = 0
+        self.buffered_bytes = 0  # declared payload bytes charged (uploads in progress and jobs holding their bytes)
+        self._uploads_by_client: dict[str, int] = {}
+        self._uploads_by_host: dict[str, int] = {}
+        self._places_by_client: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
@@ -92,14 +107,60 @@ class Admission:
                               f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
                               "executor); it takes no more of its jobs for now")
 
-    def admit(self) -> bool:
-        """Take a place for a new job: True if taken, False when full (answer busy); WorkerBusy while draining."""
+    @property
+    def max_jobs_per_client(self) -> int:
+        """Places one client may hold: all running slots, but never the whole queue (others can always get in line)."""
+        return self.max_concurrent + self.max_queue // 2
+
+    def has_room(self, client_id: str) -> bool:
+        """Whether ``admit(client_id)`` would succeed now; WorkerBusy while draining. Asked before a job's bytes are
+        read, so nobody uploads to a worker that would answer busy anyway."""
         if not self.accepting:
             raise WorkerBusy("worker is draining: it finishes running jobs and takes no new ones", self.queue_length)
-        if self.admitted >= self.max_concurrent + self.max_queue:
+        return (self.admitted < self.max_concurrent + self.max_queue
+                and self._places_by_client.get(client_id, 0) < self.max_jobs_per_client)
+
+    def admit(self, client_id: str) -> bool:
+        """Take a place for a job whose bytes are all here: True if taken, False when full (answer busy)."""
+        if not self.has_room(client_id):
             return False
         self.admitted += 1
+        _count(self._places_by_client, client_id, +1)
         return True
+
+    def begin_upload(self, client_id: str, host: str) -> bool:
+        """Count an upload in progress from this client and address; False when either is at its limit (busy)."""
+        if (self._uploads_by_client.get(client_id, 0) >= self.limits.max_uploads_per_client
+                or self._uploads_by_host.get(host, 0) >= self.limits.max_uploads_per_host):
+            return False
+        _count(self._uploads_by_client, client_id, +1)
+        _count(self._uploads_by_host, host, +1)
+        return True
+
+    def upload_done(self, client_id: str, host: str) -> None:
+        """The upload's bytes are all in (or it failed): it no longer counts as an upload in progress."""
+        _count(self._uploads_by_client, client_id, -1)
+        _count(self._uploads_by_host, host, -1)
+
+    def charge(self, nbytes: int) -> None:
+        """Charge a payload's declared size before any of it is read; WorkerBusy when the buffer is full for now,
+        JobRejected when the payload could never fit."""
+        if nbytes > self.limits.max_buffered_bytes:
+            raise JobRejected(f"payload of {human_bytes(nbytes)} is over this worker's buffer of "
+                              f"{human_bytes(self.limits.max_buffered_bytes)}")
+        if self.buffered_bytes + nbytes > self.limits.max_buffered_bytes:
+            raise WorkerBusy(f"worker is receiving {human_bytes(self.buffered_bytes)} of payloads already",
+                             self.queue_length)
+        self.buffered_bytes += nbytes
+
+    def release_bytes(self, nbytes: int) -> None:
+        """The job that held these bytes is over."""
+        self.buffered_bytes -= nbytes
+
+    def uploads(self, client_id: str | None = None) -> int:
+        if client_id is None:
+            return sum(self._uploads_by_client.values())
+        return self._uploads_by_client.get(client_id, 0)
 
     def recent_stops(self, client_id: str) -> int:
         stops = self._stops.get(client_id)
@@ -112,9 +173,10 @@ class Admission:
 
     # --- what happened ---------------------------------------------------------------------------------------------
 
-    def released(self) -> None:
+    def released(self, client_id: str) -> None:
         """An admitted job left (finished, failed or cancelled)."""
         self.admitted -= 1
+        _count(self._places_by_client, client_id, -1)
         self._drained.check()
 
     def started(self) -> None:
@@ -151,3 +213,12 @@ class Admission:
     def drained(self) -> asyncio.Future:
         """Resolves once the worker is draining and holds no job (queued, running, or on a stream still open)."""
         return self._drained.wait()
+
+
+def _count(counts: dict[str, int], key: str, delta: int) -> None:
+    """Per-key counters that forget a key at zero (so they hold only clients with something in progress)."""
+    value = counts.get(key, 0) + delta
+    if value > 0:
+        counts[key] = value
+    else:
+        counts.pop(key, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -30,14 +31,19 @@ MemoryLRU = LRU
 
 
 class DiskCache:
-    """Program bytes as ``<dir>/<hash>.gpunet``; least recently used (by mtime) evicted beyond ``max_bytes``."""
+    """Program bytes as ``<dir>/<hash>.gpunet``; least recently used (by mtime) evicted beyond ``max_bytes`` or
+    ``max_files``. Bounding the count as well as the bytes bounds every directory scan (a flood of tiny programs
+    cannot make one slow) and the listing the worker advertises."""
 
     SUFFIX = ".gpunet"
+    #: Left-over temporary files (a process killed mid-write) older than this are removed at the next eviction.
+    STALE_TMP_SECONDS = 3600.0
 
-    def __init__(self, directory: str | Path, max_bytes: int):
+    def __init__(self, directory: str | Path, max_bytes: int, max_files: int = 1024):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.max_files = max_files
 
     def _path(self, program_hash: str) -> Path:
         return self.dir / (check_hash(program_hash) + self.SUFFIX)
@@ -72,20 +78,33 @@ class DiskCache:
         self._evict(keep=path)
 
     def hashes(self) -> list[str]:
-        return [p.name[: -len(self.SUFFIX)] for p in self.dir.glob("*" + self.SUFFIX)]
+        """Cached program hashes, least recently used first."""
+        return [Path(path).name[: -len(self.SUFFIX)] for _, _, path in self._entries()]
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """(mtime, size, path) of each cached program, oldest first; stale temporary files are removed on the way."""
+        entries = []
+        now = time.time()
+        with os.scandir(self.dir) as it:
+            for entry in it:
+                try:
+                    if entry.name.endswith(self.SUFFIX):
+                        st = entry.stat()
+                        entries.append((st.st_mtime, st.st_size, entry.path))
+                    elif entry.name.startswith(".tmp-") and now - entry.stat().st_mtime > self.STALE_TMP_SECONDS:
+                        os.unlink(entry.path)
+                except FileNotFoundError:  # another executor evicted it meanwhile
+                    continue
+        entries.sort()
+        return entries
 
     def _evict(self, keep: Path) -> None:
-        entries = []
-        for p in self.dir.glob("*" + self.SUFFIX):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            entries.append((st.st_mtime, st.st_size, p))
-        total = sum(size for _, size, _ in entries)
-        for _, size, p in sorted(entries, key=lambda e: e[0]):
-            if total <= self.max_bytes:
+        entries = self._entries()
+        total, count = sum(size for _, size, _ in entries), len(entries)
+        for _, size, path in entries:
+            if total <= self.max_bytes and count <= self.max_files:
                 break
-            if p != keep:
-                p.unlink(missing_ok=True)
+            if path != str(keep):
+                Path(path).unlink(missing_ok=True)
                 total -= size
+                count -= 1

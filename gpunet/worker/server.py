@@ -233,10 +233,18 @@ class Worker:
         share = 0.8 if self.hardware.is_gpu else 0.5
         return max(256 * 2**20, int(self.hardware.info.memory_free * share / self.config.max_concurrent))
 
+    def _buffer_budget(self) -> int:
+        """Bytes of job payloads this process may hold at once (declared sizes, charged before reading)."""
+        if self.config.buffer_gb:
+            return int(self.config.buffer_gb * 2**30)
+        import psutil
+
+        return max(2**30, psutil.virtual_memory().total // 4)
+
     async def start_services(self) -> None:
         """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
         from gpunet.rpc import RPC
-        from gpunet.worker.admission import Admission
+        from gpunet.worker.admission import Admission, ServiceLimits
         from gpunet.worker.executor import Executor
         from gpunet.worker.service import JobService
 
@@ -254,7 +262,8 @@ class Worker:
             executor=self.executor,
             ledger=self.ledger,
             admission=Admission(price_micro=price_to_micro(cfg.price), max_concurrent=cfg.max_concurrent,
-                                max_queue=cfg.max_queue),
+                                max_queue=cfg.max_queue,
+                                limits=ServiceLimits(max_buffered_bytes=self._buffer_budget())),
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
         )

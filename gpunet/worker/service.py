@@ -15,6 +15,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from gpunet import protocol
@@ -81,6 +82,7 @@ class _Job:
     outcome: asyncio.Future
     run: asyncio.Task | None = None
     upload: Upload | None = None
+    charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
 
 
 @dataclass
@@ -147,7 +149,8 @@ class JobService:
             return protocol.encode(Error.of(e))
         return protocol.encode(Pong(time.time(), echo))
 
-    async def _handle_info(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle_info(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           host: str = "") -> None:
         try:
             await protocol.read(reader, GetInfo, timeout=FRAME_TIMEOUT)
             await protocol.write(writer, Info(time.time(), self._record().to_wire()))
@@ -158,14 +161,13 @@ class JobService:
 
     # --- jobs: the stream door (any size) --------------------------------------------------------------------------
 
-    async def _handle_job(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle_job(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          host: str = "") -> None:
         self.admission.stream_opened()
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
-            outcome = await self._execute(client_id, submit, _StreamPayloads(reader, writer, self.limits), reader)
-            if outcome is None:
-                await protocol.write(writer, self._busy())
-                return
+            payloads = _StreamPayloads(reader, writer, self.limits)
+            outcome = await self._execute(client_id, submit, payloads, reader, host)
             await self._reply(outcome, writer)
             await self._settle_from_stream(client_id, outcome.receipt, reader)
         except ProtocolError as e:
@@ -206,8 +208,6 @@ class JobService:
                                submit.settle_malformed, client_id[-8:])
             self.settlement.ride_along(client_id, submit.settle)  # checked and filed after the reply
             outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
-            if outcome is None:
-                return protocol.encode(self._busy())
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return protocol.encode(UseStream())  # the result waits in the recent results for the stream retry
             self.settlement.expect(client_id, outcome.receipt)  # countersigned by a later call
@@ -244,14 +244,18 @@ class JobService:
         except GpunetError as e:
             return protocol.encode(Error.of(e))
 
-    def _busy(self) -> Error:
-        queue = self.admission.queue_length
-        return Error.of(WorkerBusy("worker queue is full", queue), queue=queue)
+    def _busy(self, why: str = "worker queue is full") -> WorkerBusy:
+        metrics.JOBS.labels("busy").inc()
+        return WorkerBusy(why, self.admission.queue_length)
 
     # --- jobs: what both doors share -------------------------------------------------------------------------------
 
-    async def _execute(self, client_id: str, submit: Submit, payloads, reader) -> Outcome | None:
-        """Admit, de-duplicate and run one job; None when the worker is busy (the caller answers busy)."""
+    async def _execute(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Outcome:
+        """Admit, de-duplicate and run one job; WorkerBusy when the worker (or this client's share of it) is full.
+
+        A job whose bytes must still arrive takes no queue place while they do (see :mod:`~gpunet.worker.admission`):
+        it counts as an upload of its client and address, its payload is charged to the buffer budget before it is
+        read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
         signed = self.books.signed(submit.job_id)
         self.admission.screen(client_id, submit, paid_by=signed.client_id if signed is not None else None)
@@ -267,19 +271,25 @@ class JobService:
                               "use a fresh job id")
         if any(job_id == submit.job_id for _, job_id in self._jobs):
             raise JobRejected(f"job id {submit.job_id[:16]} is in use by another client; use a fresh one")
-        if not self.admission.admit():  # busy or draining comes first: no point switching doors to hear it
-            metrics.JOBS.labels("busy").inc()
-            return None
+        if not self.admission.has_room(client_id):  # busy or draining comes first: no point switching doors to hear it
+            raise self._busy()
         need_program = not self.executor.has_program(submit.program)
-        try:
-            payloads.precheck(submit, need_program)
-        except BaseException:
-            self.admission.released()
-            raise
+        payloads.precheck(submit, need_program)
+        uploading = need_program or submit.inputs is None
+        if uploading and not self.admission.begin_upload(client_id, host):
+            raise self._busy("this client (or its address) has as many uploads in progress as this worker takes")
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
+        admitted, got = False, None
         try:
-            got = await self._receive(job, submit, payloads, need_program)
+            try:
+                got = await self._receive(job, submit, payloads, need_program, charge=partial(self._charge, job))
+            finally:
+                if uploading:
+                    self.admission.upload_done(client_id, host)
             metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
+            if not self.admission.admit(client_id):
+                raise self._busy()
+            admitted = True
             outcome = await self._run(key, job, submit, got, reader)
             job.outcome.set_result(outcome)
         except BaseException as e:
@@ -290,11 +300,23 @@ class JobService:
             del self._jobs[key]
             if job.upload is not None:  # run or not, the program is cached now or will not be from this copy
                 self.uploads.end(job.upload)
-            self.admission.released()
+            if admitted:
+                self.admission.released(client_id)
+            self.admission.release_bytes(job.charged)
+            # A failure's traceback keeps this frame (and the job's future keeps the failure): let go of the payload
+            # here, so an abandoned upload's memory is freed now, not whenever the cycle collector runs.
+            if got is not None and isinstance(got.inputs, bytearray):
+                _release(got.inputs)
+            got = job.upload = None
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
 
-    async def _receive(self, job: _Job, submit: Submit, payloads, need_program: bool) -> _Inputs:
+    def _charge(self, job: _Job, nbytes: int) -> None:
+        self.admission.charge(nbytes)
+        job.charged += nbytes
+
+    async def _receive(self, job: _Job, submit: Submit, payloads, need_program: bool,
+                       charge: Callable[[int], None]) -> _Inputs:
         """What the job lacks, each program crossing the link once: a job whose program is already on its way in (or
         being loaded) for another job uses that copy instead of asking its own client for one more."""
         tried: set[Upload] = set()
@@ -305,16 +327,16 @@ class JobService:
             tried.add(upload)
             program = await upload.share()
             if program is not None:
-                got = await payloads.fetch(submit, need_program=False)
+                got = await payloads.fetch(submit, need_program=False, charge=charge)
                 got.program = program
                 return got
             # That copy failed or is too slow. The program may have been loaded meanwhile, or another job may have
             # taken over bringing it: look again.
             need_program = not self.executor.has_program(submit.program)
         if not need_program:
-            return await payloads.fetch(submit, need_program=False)
+            return await payloads.fetch(submit, need_program=False, charge=charge)
         job.upload = self.uploads.begin(submit.program)
-        got = await payloads.fetch(submit, need_program=True)
+        got = await payloads.fetch(submit, need_program=True, charge=charge)
         job.upload.arrived(got.program)
         return got
 
@@ -411,6 +433,13 @@ async def _try_send(writer, message: Error) -> None:
         writer.transport.abort()
 
 
+def _release(buffer: bytearray) -> None:
+    try:
+        buffer.clear()
+    except BufferError:  # still viewed somewhere (never by us once the job is over): it goes with its last view
+        pass
+
+
 class _NeedsStream(Exception):
     """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
 
@@ -424,7 +453,7 @@ class _StreamPayloads:
     def precheck(self, submit: Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
 
-    async def fetch(self, submit: Submit, need_program: bool) -> _Inputs:
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> _Inputs:
         need_inputs = submit.inputs is None
         if not (need_program or need_inputs):
             return _Inputs(None, submit.inputs, sha256_hex(submit.inputs))
@@ -432,6 +461,11 @@ class _StreamPayloads:
         payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
         if need_inputs and payload.inputs_size != submit.inputs_size:
             raise ProtocolError("inputs payload size differs from the size the submit declared")
+        # Every declared size is checked against its cap and charged to the worker's buffer before a byte is read.
+        protocol.check_payload_size(submit.inputs_size if need_inputs else 0, self.limits.max_input_bytes, "inputs")
+        if need_program:
+            protocol.check_payload_size(payload.program_size, self.limits.max_program_bytes, "program")
+        charge((submit.inputs_size if need_inputs else 0) + (payload.program_size if need_program else 0))
         program = None
         if need_program:
             size = payload.program_size
@@ -453,5 +487,5 @@ class _UnaryPayloads:
         if need_program or submit.inputs is None:
             raise _NeedsStream()
 
-    async def fetch(self, submit: Submit, need_program: bool) -> _Inputs:
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> _Inputs:
         return _Inputs(None, submit.inputs, sha256_hex(submit.inputs))

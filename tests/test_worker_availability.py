@@ -1,0 +1,109 @@
+"""A worker stays available to everyone while a hostile client (hand-written protocol frames, over a real swarm)
+holds streams open, drips bytes or hangs up mid-upload: uploads take no queue place, are capped per client and per
+address, are charged to a byte budget before reading, and an abandoned one gives its memory back at once."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+import torch
+
+import gpunet
+from gpunet import protocol
+from gpunet.protocol import Door, Error, Payload, Send, Submit
+from tests.swarm import wait_for
+from tests.test_jobs_swarm import mlp_job
+
+pytestmark = pytest.mark.swarm
+
+@pytest.fixture
+def clients(tmp_path):
+    made = []
+
+    def make(swarm, name):
+        c = gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network, data_dir=tmp_path / name)
+        made.append(c)
+        wait_for(lambda: c.workers(refresh=True), 30, "the client to see workers")
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def on_loop(client, coro, timeout=120):
+    return asyncio.run_coroutine_threadsafe(coro, client._loop).result(timeout)
+
+
+async def open_upload(client, worker_id: str, maddrs, job_id: str, program: str, inputs_size: int):
+    """Submit a job with streamed inputs, announce them, send none: returns (reader, writer, what the worker said)."""
+    reader, writer = await client._core.transport.rpc.open(worker_id, Door.JOB, maddrs)
+    await protocol.write(writer, Submit(job_id, program, inputs_size))
+    reply = await protocol.read(reader, Send, Error, timeout=30)
+    if isinstance(reply, Send):
+        await protocol.write(writer, Payload(1 << 10 if reply.program else None, inputs_size))
+    return reader, writer, reply
+
+
+def test_idle_uploads_make_nobody_else_wait(swarm, clients):
+    worker = swarm.start_worker("--max-queue", "8")
+    worker_id = swarm.worker_id(worker)
+    mallory, alice = clients(swarm, "mallory"), clients(swarm, "alice")
+    maddrs = mallory.workers()[0].record.maddrs
+    model, job = mlp_job()
+    x = torch.randn(3, 16)
+    assert torch.equal(mallory.submit(job, x).result(timeout=60), model(x).detach())  # the program is cached now
+
+    async def hold_nine():
+        return await asyncio.gather(*(open_upload(mallory, worker_id, maddrs, f"idle-{i}", job.program_hash, 1 << 20)
+                                      for i in range(9)))
+
+    held = on_loop(mallory, hold_nine())
+    try:
+        answers = [reply for _, _, reply in held]
+        # Four uploads from one identity at a time; the rest are told "busy" at once (before sending anything).
+        assert sum(isinstance(a, Send) for a in answers) == 4, answers
+        assert all(a.code == "busy" for a in answers if isinstance(a, Error))
+        # Nine idle streams used to fill every place (1 running + 8 queued): the worker was "busy" for everyone.
+        assert torch.equal(alice.submit(job, x).result(timeout=60), model(x).detach())
+    finally:
+        for _, writer, _ in held:
+            writer.close()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_uploads_abandoned_midway_give_their_memory_back(swarm, clients):
+    worker = swarm.start_worker()
+    worker_id = swarm.worker_id(worker)
+    mallory = clients(swarm, "mallory")
+    maddrs = mallory.workers()[0].record.maddrs
+    model, job = mlp_job()
+    x = torch.randn(3, 16)
+    assert torch.equal(mallory.submit(job, x).result(timeout=60), model(x).detach())  # the program is cached now
+    size, sent = 96 << 20, 64 << 20
+    chunk = hashlib.sha256(b"x").digest() * (1 << 15)  # 1 MiB
+
+    async def send_and_hang_up(i: int) -> None:
+        reader, writer, reply = await open_upload(mallory, worker_id, maddrs, f"abandoned-{i}", job.program_hash, size)
+        assert isinstance(reply, Send) and not reply.program, reply
+        for _ in range(sent >> 20):
+            writer.write(chunk)
+            await writer.drain()
+        writer.transport.abort()  # gone mid-upload
+
+    baseline = _rss(worker.pid)
+    for i in range(20):
+        on_loop(mallory, send_and_hang_up(i))
+    # 20 x 64 MiB were received and abandoned: 1.25 GiB if any were kept. Wait for the worker to see the last hang-up.
+    wait_for(lambda: _rss(worker.pid) < baseline + (256 << 20), 60,
+             "the worker's memory to come back after abandoned uploads", interval=0.5)
+    assert torch.equal(mallory.submit(job, x).result(timeout=60), model(x).detach())  # and it still serves
