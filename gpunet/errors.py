@@ -78,6 +78,11 @@ class JobFailed(JobError):
     """A job started but did not produce a result (it raised, or its executor died)."""
 
 
+class ExecutorDied(JobFailed):
+    """(Worker side) the executor process died under a job — a kernel crash, the OOM killer. It costs the worker a
+    fresh executor, so the worker counts it against the job's client; the client sees a JobFailed."""
+
+
 class JobTimeout(JobError):
     """A job did not finish within its deadline."""
 

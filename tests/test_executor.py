@@ -107,6 +107,33 @@ def test_an_executor_killed_mid_job_is_replaced_and_the_next_job_succeeds(ex):
     assert asyncio.run(scenario()).flops == 2 * 4 * 16 * 8
 
 
+def test_after_a_death_a_warm_spare_takes_the_next_dead_executors_place(tmp_path):
+    """A crash loop from one client must not make every other job wait for a torch import."""
+    with Executor(processes=1, memory_budget_bytes=1024**3, default_timeout=60, cache_dir=tmp_path) as ex:
+
+        async def kill_one_running_job():
+            task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(),
+                                              SLOW.encode_inputs(torch.randn(768, 768)), 60))
+            await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 60, "the job to reach an executor")
+            os.kill(ex.busy_pids()[0], signal.SIGKILL)
+            with pytest.raises(JobFailed, match="died"):
+                await task
+
+        async def scenario():
+            await kill_one_running_job()
+            await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(2, 16)), 60)
+            await asyncio.to_thread(_wait_for, lambda: ex._spare is not None, 60, "a spare to be started")
+            spare_pid = ex._spare.proc.pid
+            await kill_one_running_job()
+            await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(2, 16)), 60)
+            assert ex.pids() == [spare_pid]  # the spare took the dead one's place
+            await asyncio.to_thread(_wait_for, lambda: ex._spare is not None, 60, "the next spare")
+
+        asyncio.run(scenario())
+        spare = ex._spare.proc
+    assert not spare.is_alive()  # close() stops the spare too
+
+
 def _expand(x):  # a 4 KiB input (it rides in the pipe header) that becomes seconds of matmuls
     y = x.repeat(24, 24)
     for _ in range(60):

@@ -119,7 +119,7 @@ def test_a_client_that_keeps_stopping_jobs_is_refused_until_its_stops_age_out():
     a.stopped_running(ALICE)
     clock.now += 300
     a.stopped_running(ALICE)
-    with pytest.raises(JobRejected, match="stopped 2 running jobs"):
+    with pytest.raises(JobRejected, match="running jobs here 2 times"):
         a.screen(ALICE, job())
     a.screen(BOB, job())  # others are unaffected
     clock.now += 301  # the first stop is now older than the window
@@ -223,7 +223,7 @@ def test_a_client_that_keeps_stopping_running_jobs_is_refused_for_a_while(servic
             assert await cancel_by_rpc(service, ALICE, f"job-{i}")
             with pytest.raises(JobFailed):
                 await job
-        with pytest.raises(JobRejected, match="stopped 2 running jobs"):
+        with pytest.raises(JobRejected, match="running jobs here 2 times"):
             await submit(service, ALICE, "job-9")
         other = submit(service, BOB, "job-b")  # others are unaffected
         await until(lambda: service.admission.running == 1, "Bob's job to run")
@@ -301,5 +301,34 @@ def test_the_same_job_id_in_flight_for_two_clients_runs_once(tmp_path):
             alice.cancel()
             with pytest.raises((asyncio.CancelledError, JobFailed)):
                 await alice
+
+        asyncio.run(scenario())
+
+
+class CrashingExecutor(HangingExecutor):
+    """Every job kills its executor, as a kernel segfault would."""
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None):
+        from gpunet.errors import ExecutorDied
+
+        raise ExecutorDied("executor process died while running the job (killed by signal SIGSEGV); it was replaced")
+
+
+def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
+                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4,
+                                                 limits=ServiceLimits(max_stopped_jobs=20)), record=lambda: None)
+
+        async def scenario():
+            from gpunet.errors import JobFailed
+
+            for i in range(4):  # each crash counts five times
+                with pytest.raises(JobFailed, match="SIGSEGV"):
+                    await service._execute(ALICE, job(f"crash-{i}"), _UnaryPayloads(), None)
+            with pytest.raises(JobRejected, match="crashed running jobs here 20 times"):
+                await service._execute(ALICE, job("crash-5"), _UnaryPayloads(), None)
+            with pytest.raises(JobFailed, match="SIGSEGV"):  # another client is still served
+                await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None)
 
         asyncio.run(scenario())

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gpunet.errors import JobRejected
 from gpunet.job import graph as g
-from gpunet.job import tensors
+from gpunet.job import guards, tensors
 from gpunet.job.format import (
     DEFAULT_MAX_PROGRAM_BYTES,
     MAX_GRAPH_BYTES,
@@ -390,7 +390,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     if schema.returns[0].alias_info is not None:  # a view: shares the storage of its (first) tensor argument
         first = pos_t[0] if pos_t else None
         view_of = first.slot if isinstance(first, _Ref) else None
-    step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of)
+    step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of, guard=guards.GUARDS.get(op))
     return step, kind
 
 

@@ -9,7 +9,8 @@ Rules, in the order a submit meets them:
 1. a job id one client used is never taken from another (``paid_by``);
 2. the worker's price must be within the job's bound; its timeout and inputs within this worker's limits;
 3. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
-   the oldest stop ages out (each stop costs the worker a fresh executor);
+   the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
+   past its timeout counts as a stop too, a crash several times over);
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
 5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy,
    and so does one where this client already holds ``max_jobs_per_client`` places;
@@ -103,7 +104,7 @@ class Admission:
                               f"{human_bytes(self.limits.max_input_bytes)}")
         stopped = self.recent_stops(client_id)
         if stopped >= self.limits.max_stopped_jobs:
-            raise JobRejected(f"this client stopped {stopped} running jobs here in the last "
+            raise JobRejected(f"this client stopped, timed out or crashed running jobs here {stopped} times in the last "
                               f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
                               "executor); it takes no more of its jobs for now")
 
@@ -187,12 +188,13 @@ class Admission:
         self.running -= 1
         self.jobs_done += done
 
-    def stopped_running(self, client_id: str) -> None:
-        """The client stopped one of its jobs while it ran (the executor had to be replaced)."""
+    def stopped_running(self, client_id: str, weight: int = 1) -> None:
+        """One of the client's jobs cost the worker its executor: stopped while it ran (cancelled, the client went
+        away, over its timeout), or it crashed the process (counted ``weight`` times)."""
         stops = self._stops.get(client_id)
         if stops is None:
             stops = deque()
-        stops.append(self.clock())
+        stops.extend([self.clock()] * weight)
         self._stops.put(client_id, stops)  # the least recently seen client is forgotten beyond the bound
 
     def stream_opened(self) -> None:

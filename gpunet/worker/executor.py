@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgpack
 
-from gpunet.errors import JobFailed, JobRejected, JobTimeout, ProgramNotCached
+from gpunet.errors import ExecutorDied, JobFailed, JobRejected, JobTimeout, ProgramNotCached
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
@@ -59,6 +59,16 @@ class _Slot:
         self.closed = False
         self.start()
 
+    sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
+
+    def take_over(self, spare: "_Slot") -> tuple:
+        """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
+        the old (process, pipe) to reap."""
+        old = (self.proc, self.conn)
+        self.proc, self.conn = spare.proc, spare.conn
+        self.ready, self.killed, self.hashes = False, False, set()
+        return old
+
     def start(self) -> None:
         self.killed = False
         self.conn, child = self._ctx.Pipe(duplex=True)
@@ -78,14 +88,16 @@ class _Slot:
             await asyncio.to_thread(self.restart)
         if await self.readable(_STARTUP_TIMEOUT):
             try:
-                if msgpack.unpackb(self.conn.recv_bytes()) == {"ready": True}:
+                hello = msgpack.unpackb(self.conn.recv_bytes())
+                if isinstance(hello, dict) and hello.get("ready") is True:
                     self.ready = True
+                    self.sandbox = list(hello.get("sandbox") or [])
                     return
             except (EOFError, OSError, ValueError):
                 pass
         how = await asyncio.to_thread(self.exit_status)
         self.kill()  # the next job starts a fresh process
-        raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
+        raise ExecutorDied(f"executor process died before the job was sent ({how}); it was replaced")
 
     async def readable(self, timeout: float) -> bool:
         """Wait until the pipe has a message or the process has died (True), or ``timeout`` passes (False)."""
@@ -199,6 +211,8 @@ class Executor:
         memory_cache_programs: int = 8,
         max_flops: int = 10**15,
         threads_per_process: int | None = None,
+        sandbox: bool = True,
+        protected: list[str] = (),
     ):
         self.default_timeout = default_timeout
         self._tmp = None
@@ -214,9 +228,16 @@ class Executor:
             "memory_cache_programs": memory_cache_programs,
             "max_flops": max_flops,
             "threads": threads_per_process or max(1, (os.cpu_count() or 1) // processes),
+            "sandbox": sandbox,  # see gpunet.worker.sandbox
+            "protected": [str(p) for p in protected],
         }
-        ctx = multiprocessing.get_context("spawn")
-        self._slots = [_Slot(ctx, config) for _ in range(processes)]
+        self._ctx, self._config = multiprocessing.get_context("spawn"), config
+        self._slots = [_Slot(self._ctx, config) for _ in range(processes)]
+        # Once an executor has died, a warm spare stands by: the next death (a crash loop is one client's doing) costs
+        # the jobs of others no torch import.
+        self._spare: _Slot | None = None
+        self._spare_starting = False
+        self._spare_lock = threading.Lock()  # the spare is started in a thread; close() may run in another
         self._waiters: deque[asyncio.Future] = deque()  # callers waiting for an idle executor, first come first served
         self._closed = False
 
@@ -244,6 +265,13 @@ class Executor:
         finally:
             self._release(slot)
 
+    async def sandbox_report(self) -> list[str]:
+        """What the executors' sandbox enforces (each executor locks itself down once torch is imported)."""
+        slot = self._slots[0]
+        if not slot.ready:
+            await slot.ensure_ready()
+        return slot.sandbox
+
     def busy_pids(self) -> list[int]:
         """Process ids of executors with a job in flight (for monitoring, and for tests that kill one)."""
         return [s.proc.pid for s in self._slots if s.in_flight]
@@ -255,12 +283,17 @@ class Executor:
         """Stop every executor process this pool started, and remove a temporary cache directory."""
         if self._closed:
             return
-        self._closed = True
+        with self._spare_lock:
+            self._closed = True
         for waiter in list(self._waiters):  # may run in another thread (the worker closes the pool in one)
             if not waiter.done():
                 waiter.get_loop().call_soon_threadsafe(_fail, waiter, JobFailed("executor is closed"))
         for s in self._slots:
             s.stop()
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.stop()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -301,7 +334,31 @@ class Executor:
                 return
         slot.busy = False
 
+    async def _revive(self, slot: _Slot) -> None:
+        """A killed executor is replaced by the warm spare if one is ready, and a new spare is started."""
+        if not slot.killed or self._closed:
+            return
+        if self._spare is not None:
+            spare, self._spare = self._spare, None
+            old_proc, old_conn = slot.take_over(spare)
+            await asyncio.to_thread(_reap, old_proc, old_conn)
+        if not self._spare_starting:
+            self._spare_starting = True
+            asyncio.get_running_loop().run_in_executor(None, self._start_spare)
+
+    def _start_spare(self) -> None:
+        try:
+            spare = _Slot(self._ctx, self._config)
+        finally:
+            self._spare_starting = False
+        with self._spare_lock:
+            if not self._closed:
+                self._spare, spare = spare, None
+        if spare is not None:
+            spare.stop()
+
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
+        await self._revive(slot)
         await slot.ensure_ready()
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
@@ -360,7 +417,14 @@ class Executor:
     def _died(self, slot: _Slot, when: str) -> RunResult:
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
-        raise JobFailed(f"executor process died {when} ({how}); it was replaced")
+        raise ExecutorDied(f"executor process died {when} ({how}); it was replaced")
+
+
+def _reap(proc, conn) -> None:
+    if proc.is_alive():
+        proc.kill()
+    proc.join(5)
+    conn.close()
 
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
@@ -409,6 +473,16 @@ def _sigint_ignored_by_children():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
+def _enter_sandbox(config: dict) -> list[str]:
+    from gpunet.worker import sandbox
+
+    try:
+        return sandbox.enter([config["cache_dir"]], max_file_bytes=config["disk_cache_bytes"],
+                             protected=config.get("protected", []))
+    except OSError as e:  # a kernel that refuses part of it: run, and say so
+        return [f"sandbox incomplete: {e}"]
+
+
 def _child_main(conn: Connection, config: dict) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
@@ -427,7 +501,8 @@ def _child_main(conn: Connection, config: dict) -> None:
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
     _limit_memory(budget, device)
-    conn.send_bytes(msgpack.packb({"ready": True}))
+    sandbox = _enter_sandbox(config) if config.get("sandbox") else ["no sandbox (turned off)"]
+    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": sandbox}))
     while True:
         try:
             req = msgpack.unpackb(conn.recv_bytes(), raw=False)

@@ -255,7 +255,11 @@ class Worker:
             memory_budget_bytes=self._memory_budget(),
             default_timeout=60.0,
             cache_dir=self.data_dir / "programs",
+            protected=[str(self.data_dir), str(Path.home())],
         )
+        for line in await self.executor.sandbox_report():  # before any job: the executors lock themselves down
+            (logger.warning if line.startswith(("WARNING", "no ", "sandbox incomplete")) else logger.info)(
+                "Executor sandbox: %s", line.removeprefix("WARNING: "))
         self.ledger = open_ledger(self.data_dir)
         self.service = JobService(
             identity=self.identity,

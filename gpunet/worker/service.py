@@ -20,9 +20,11 @@ from typing import Any, Callable
 
 from gpunet import protocol
 from gpunet.errors import (
+    ExecutorDied,
     GpunetError,
     JobFailed,
     JobRejected,
+    JobTimeout,
     ProgramNotCached,
     ProtocolError,
     WorkerBusy,
@@ -63,6 +65,9 @@ from gpunet.worker.uploads import Upload, Uploads
 logger = logging.getLogger("gpunet.worker")
 
 COUNTERSIGN_TIMEOUT = 30.0
+#: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
+#: accident an honest client makes often, and each one costs the worker a torch import.
+CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
 
 __all__ = ["JobService", "ServiceLimits"]
@@ -376,6 +381,12 @@ class JobService:
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
                 result = await self.executor.run(submit.program, got.program, got.inputs, timeout=submit.timeout)
             done = True
+        except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
+            metrics.JOBS.labels(type(e).__name__).inc()
+            self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1)
+            if isinstance(e, ExecutorDied):
+                logger.warning("Job %s for client %s killed its executor: %s", job_id[:12], client_id[-8:], e)
+            raise
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
             raise

@@ -1,0 +1,61 @@
+"""The op fuzzer (gpunet/testing/opfuzz.py, scripts/fuzz_ops.py) finds kernels that crash instead of raising, and
+the worker's argument guards (gpunet/job/guards.py) keep jobs from reaching them. CI runs a bounded sweep; run
+``python scripts/fuzz_ops.py --cases 150 --baselines 10`` for a long one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from gpunet import Job, JobFailed
+from gpunet.job.validator import ALLOWED_OPS
+from gpunet.testing import opfuzz
+from gpunet.worker.executor import Executor
+
+EMBEDDING_BAG = "aten._embedding_bag.default"
+
+
+def test_the_fuzzer_finds_the_embedding_bag_crash_and_the_guard_stops_it():
+    op = {EMBEDDING_BAG: ALLOWED_OPS[EMBEDDING_BAG]}
+    raw = opfuzz.fuzz(op, cases_per_op=200, baselines_per_op=10, guarded=False)
+    assert raw.crashes, "the fuzzer no longer finds max-mode embedding_bag with empty offsets"
+    assert all(c.how.startswith("crashed") for c in raw.crashes)
+    guarded = opfuzz.fuzz(op, cases_per_op=200, baselines_per_op=10, guarded=True)
+    assert guarded.executed > 50 and not guarded.crashes
+
+
+def test_no_allowlisted_op_crashes_a_guarded_executor():
+    """A bounded sweep of every allowlisted op (a few seconds of cases per op)."""
+    report = opfuzz.fuzz(cases_per_op=12, baselines_per_op=2, seed=7, guarded=True)
+    assert report.ops == len(ALLOWED_OPS) and report.executed > 1000
+    assert not report.crashes, [(c.op, c.args, c.how) for c in report.crashes]
+
+
+class MaxBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 3, mode="max")
+
+    def forward(self, indices, offsets):
+        return self.bag(indices, offsets)
+
+
+def test_a_job_that_would_segfault_its_executor_fails_cleanly(tmp_path):
+    model = MaxBag().eval()
+    job = Job.from_module(model, (torch.tensor([1, 2, 3]), torch.tensor([0, 2])),
+                          dynamic_shapes=({0: torch.export.Dim("n", min=1, max=64)},
+                                          {0: torch.export.Dim("bags", min=0, max=64)}))
+    with Executor(processes=1, memory_budget_bytes=1024**3, cache_dir=tmp_path) as ex:
+        async def run(indices, offsets):
+            return await ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(indices, offsets), 60)
+
+        ok = asyncio.run(run(torch.tensor([1, 2, 3]), torch.tensor([0, 2])))
+        assert ok.outputs
+        pid = ex.pids()[0]
+        try:
+            asyncio.run(run(torch.tensor([1, 2, 3]), torch.zeros(0, dtype=torch.int64)))
+            raise AssertionError("the job ran")
+        except JobFailed as e:
+            assert "refused before the kernel ran" in str(e), e
+        assert ex.pids() == [pid]  # the executor lived

@@ -1,0 +1,89 @@
+"""The executor's sandbox (gpunet/worker/sandbox.py): code running in an executor process — what a memory-corruption
+bug in a kernel could give a crafted job — cannot read the identity key or the home directory, open a socket, run a
+program or start a process, while the executor itself still runs jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpunet import Job
+from gpunet.worker import executor as executor_module
+from gpunet.worker import sandbox
+from gpunet.worker.executor import Executor
+
+pytestmark = pytest.mark.skipif(not sandbox.landlock_abi(), reason="this kernel has no Landlock")
+
+
+def _attempt(what, fn) -> str:
+    try:
+        fn()
+        return f"{what}: allowed"
+    except OSError as e:
+        return f"{what}: refused ({e.errno})"
+
+
+def _probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
+    """Runs in a fresh process that locks itself down exactly as an executor does, then tries what an attacker would."""
+    import torch  # noqa: F401  (as the executor: imported before the sandbox closes)
+
+    report = executor_module._enter_sandbox(config)
+    results = [
+        _attempt("read key", lambda: open(key, "rb").read()),
+        _attempt("read home", lambda: open(home_file, "rb").read()),
+        _attempt("list data dir", lambda: os.listdir(os.path.dirname(key))),
+        _attempt("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+        _attempt("unix socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
+        _attempt("exec", lambda: os.execv("/bin/true", ["true"])),
+        _attempt("fork", lambda: os._exit(0) if os.fork() == 0 else None),
+        _attempt("parent memory", lambda: open(f"/proc/{parent}/mem", "rb").read(1)),
+        _attempt("write outside cache", lambda: open(os.path.join(os.path.dirname(key), "x"), "wb").write(b"x")),
+        _attempt("write cache", lambda: open(os.path.join(config["cache_dir"], "ok"), "wb").write(b"x")),
+    ]
+    out.send((report, results))
+
+
+def test_an_executor_process_cannot_reach_the_key_the_home_dir_or_the_network(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    (data / "programs").mkdir(parents=True)
+    key = data / "identity.key"
+    key.write_bytes(b"secret")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("private")
+    config = {"cache_dir": str(data / "programs"), "disk_cache_bytes": 2**30, "protected": [str(data)]}
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_probe, args=(config, str(key), str(home / "notes.txt"), os.getpid(), theirs))
+    proc.start()
+    try:
+        assert ours.poll(120), "the probe did not report"
+        report, results = ours.recv()
+    finally:
+        proc.join(30)
+    assert any(line.startswith("landlock") for line in report) and any("seccomp" in line for line in report), report
+    assert results[-1] == "write cache: allowed", results
+    assert all("refused" in r for r in results[:-1]), results
+
+
+def test_a_sandboxed_executor_still_runs_jobs_and_uses_its_disk_cache(tmp_path):
+    w = torch.randn(8, 16)
+    job = Job.from_function(lambda x: torch.tanh(x @ w.T), (torch.randn(2, 16),))
+    (tmp_path / "identity.key").write_bytes(b"secret")
+    x = torch.randn(2, 16)
+    with Executor(processes=1, cache_dir=tmp_path / "programs", protected=[str(tmp_path)]) as ex:
+        report = asyncio.run(ex.sandbox_report())
+        assert any(line.startswith("landlock") for line in report), report
+        asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
+    assert list(Path(tmp_path / "programs").glob("*.gpunet"))  # written by the sandboxed executor
+    with Executor(processes=1, cache_dir=tmp_path / "programs", protected=[str(tmp_path)]) as ex:  # a fresh one
+        result = asyncio.run(ex.run(job.program_hash, None, job.encode_inputs(x), 60))  # read from its disk cache
+    from gpunet.job import tensors
+
+    assert torch.equal(tensors.decode(result.outputs)["output_0"], torch.tanh(x @ w.T))
