@@ -109,6 +109,10 @@ def worker(
     buffer_gb: Optional[float] = typer.Option(
         _WORKER.buffer_gb, "--buffer-gb", metavar="GIB", min=0.01,
         help="Job payloads held in memory at once (default: a quarter of RAM, at least 1 GiB)."),
+    sandbox: bool = typer.Option(
+        _WORKER.sandbox, "--sandbox/--no-sandbox",
+        help="Lock executors down (Landlock, seccomp, rlimits; see docs/security.md). Turn off only if your kernel or "
+             "GPU driver refuses it."),
     metrics_port: int = typer.Option(
         _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     fault_corrupt_fraction: float = typer.Option(
@@ -134,6 +138,7 @@ def worker(
         rebenchmark=rebenchmark,
         memory_budget_gb=memory_budget_gb,
         buffer_gb=buffer_gb,
+        sandbox=sandbox,
         metrics_port=metrics_port,
         fault_corrupt_fraction=fault_corrupt_fraction,
     )
@@ -189,21 +194,28 @@ def status(
             if as_json:
                 typer.echo(json.dumps(snapshot.to_json()))
             else:
-                console.print(render_table(snapshot))
+                console.print(render_table(snapshot, console.width))
             if not snapshot.workers:
                 Console(stderr=True).print(f"no workers in network {network!r}: is that the right --network?")
             return
         from rich.live import Live
 
         try:
-            with Live(render_table(snapshot), console=console, auto_refresh=False) as live:
+            if as_json or not console.is_terminal:
+                # Into a pipe or file: one complete frame (or JSON line) per refresh, written as it is read, never a
+                # terminal animation that only lands at exit.
                 while True:
-                    time.sleep(interval)
-                    snapshot = reader.read(timeout)
                     if as_json:
                         typer.echo(json.dumps(snapshot.to_json()))
                     else:
-                        live.update(render_table(snapshot), refresh=True)
+                        console.print(render_table(snapshot, console.width))
+                    sys.stdout.flush()
+                    time.sleep(interval)
+                    snapshot = reader.read(timeout)
+            with Live(render_table(snapshot, console.width), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(render_table(reader.read(timeout), console.width), refresh=True)
         except KeyboardInterrupt:
             pass  # the way to leave --watch: not a failure
 

@@ -64,6 +64,7 @@ class WorkerConfig:
     rebenchmark: bool = False
     memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
     buffer_gb: float | None = None  # job payloads held in the worker at once; default: a quarter of RAM (>= 1 GiB)
+    sandbox: bool = True  # executors lock themselves down (gpunet.worker.sandbox); off only for a kernel that balks
     metrics_port: int = 0  # 0: no Prometheus endpoint
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
 

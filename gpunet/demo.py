@@ -115,7 +115,7 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
             # Records refresh every heartbeat: show the table once they carry the final job counts.
             wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= sum(per_worker.values()),
                      10 * net.heartbeat, "worker records to report every job")
-            console.print(render_table(NetworkStatus(net.network, client.workers())))
+            console.print(render_table(NetworkStatus(net.network, client.workers()), console.width))
 
         _print_ledgers(console, net, client.id)
         if keep:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 from typing import Awaitable, Callable, Iterable
 
 from hivemind.p2p import P2P, PeerID
@@ -31,11 +32,18 @@ def peer(peer_id: str) -> PeerID:
 
 def host_of(maddr) -> str:
     """The network-address part of a peer's multiaddr (``/ip4/1.2.3.4`` of ``/ip4/1.2.3.4/tcp/5``): identities are
-    free, so some limits count per address. A relayed peer is counted by its whole address (it ends in its relay)."""
+    free, so some limits count per address. An IPv6 peer is counted by its /64 (one subscriber usually holds a whole
+    /64); a relayed peer by its whole address (it ends in its relay)."""
     text = str(maddr)
     if "/p2p-circuit" in text:
         return text
-    return "/".join(text.split("/")[:3])
+    parts = text.split("/")
+    if len(parts) >= 3 and parts[1] == "ip6":
+        try:
+            return f"/ip6/{ipaddress.IPv6Network(parts[2] + '/64', strict=False).network_address}/64"
+        except ValueError:
+            pass
+    return "/".join(parts[:3])
 
 
 class RPC:

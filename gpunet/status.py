@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from rich.table import Table
+from rich.text import Text
 
 from gpunet.dht import network as net
 from gpunet.dht import registry
@@ -142,7 +143,13 @@ def wide_console(**kwargs):
     return Console(width=None if tty else 160, **kwargs)
 
 
-def render_table(status: NetworkStatus) -> Table:
+_COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "up")
+#: On a narrow terminal, columns are left out in this order (whole, never cut) until the table fits.
+_DROP_ORDER = ("up", "trust", "queue", "GiB free", "jobs", "state")
+
+
+def render_table(status: NetworkStatus, width: int | None = None) -> Table:
+    """The status table; ``width``: the console's, so columns that do not fit are left out whole, never cut."""
     totals = status.totals
     table = Table(
         title=f"gpunet network {status.network!r}",
@@ -151,15 +158,12 @@ def render_table(status: NetworkStatus) -> Table:
             f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
         ),
     )
-    for column in ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "up"):
-        left = column in ("worker", "state", "device")
-        table.add_column(column, justify="left" if left else "right", no_wrap=True, overflow="ellipsis",
-                         min_width=6 if column == "device" else None)
+    rows = []
     for w in status.workers:
         r = w.record
         count = "" if r.device.count == 1 else f"{r.device.count}x "
         best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
-        table.add_row(
+        rows.append((
             short_id(w.id) + (f"\n{r.name}" if r.name else ""),
             f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]",
             f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
@@ -171,7 +175,30 @@ def render_table(status: NetworkStatus) -> Table:
             f"{r.credits_earned:.6f}",  # as the ledger prints credits (micro-credit precision)
             _trust_cell(status._rating(w.id)),
             _duration(r.uptime(status.read_at)),
-        )
+        ))
+    columns = list(_COLUMNS)
+    widths = {c: max([len(c), *(len(Text.from_markup(row[i]).plain) for row in rows)]) for i, c in enumerate(columns)}
+    widths["worker"], widths["device"] = 12, 10  # text columns give way down to this, with an ellipsis
+    hidden = []
+    while width is not None and sum(widths[c] + 3 for c in columns) + 1 > width and len(hidden) < len(_DROP_ORDER):
+        drop = _DROP_ORDER[len(hidden)]
+        columns.remove(drop)
+        hidden.append(drop)
+    room = None
+    if width is not None:  # what the figures leave, shared by the two text columns
+        room = max(12, width - 1 - sum(widths[c] + 3 for c in columns if c not in ("worker", "device")) - 6)
+    for column in columns:
+        if column in ("worker", "device"):  # text that may be shortened (with an ellipsis) on a narrow terminal
+            table.add_column(column, justify="left", no_wrap=True, overflow="ellipsis", min_width=6,
+                             max_width=None if room is None else max(6, room // 2))
+        else:  # figures are never cut: they keep their full width and the text columns give way
+            table.add_column(column, justify="left" if column == "state" else "right", no_wrap=True,
+                             min_width=widths[column])
+    keep = [i for i, c in enumerate(_COLUMNS) if c in columns]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    if hidden:
+        table.caption += f"; too narrow for {', '.join(hidden)} (widen the terminal, or --json)"
     versions = sorted({w.record.version for w in status.workers})
     if versions:
         table.caption += f"; gpunet {', '.join(versions)}"

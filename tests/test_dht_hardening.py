@@ -10,7 +10,7 @@ from hivemind.dht.routing import DHTID, RoutingTable
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.proto import dht_pb2
-from hivemind.utils import MSGPackSerializer, get_dht_time
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration, get_dht_time
 
 from gpunet.dht import hardening
 from gpunet.dht.records import (
@@ -74,7 +74,7 @@ def test_one_invalid_entry_no_longer_hides_the_others():
     dictionary = DictionaryDHTValue()
     dictionary.store(*signed_entry(good, key, record("good"), expiration), expiration)
     bad_id, bad_value = signed_entry(bad, key, record("bad"), expiration)
-    dictionary.store(bad_id, bad_value[:-1] + b"\x00", expiration)  # its signature broken
+    dictionary.store(bad_id, bad_value[:-1] + bytes([bad_value[-1] ^ 1]), expiration)  # its signature broken
     dictionary.store("not even a peer id", b"garbage", expiration)
     assert hardening.validate_entries(protocol(), key_id(key), dictionary)
     assert [subkey for subkey, _ in dictionary.items()] == [good.peer_id]
@@ -141,3 +141,37 @@ def test_unknown_fields_beyond_the_allowance_are_refused():
     nested["device"] = {**nested["device"], "padding": "x" * 1000}
     with pytest.raises(InvalidRecord, match="unknown fields"):
         WorkerRecord.from_wire(nested)
+
+
+def test_a_peers_claimed_expiration_is_recomputed_from_the_valid_entries(monkeypatch):
+    """An empty dictionary claimed to expire at +inf ended latest-value searches at once (and was cached forever)."""
+    now = get_dht_time()
+    full = DictionaryDHTValue()
+    full.store("a", b"x", now + 30)
+    full.store("b", b"y", now + 20)
+    replies = {DHTID.generate(): (ValueWithExpiration(DictionaryDHTValue(), float("inf")), {}),
+               DHTID.generate(): (ValueWithExpiration(full, float("inf")), {}),
+               DHTID.generate(): (None, {})}
+
+    async def lying_peer(self, peer, keys):
+        return dict(replies)
+
+    monkeypatch.setattr(hardening, "_original_call_find", lying_peer)
+    empty_key, full_key, missing_key = replies
+    out = asyncio.run(hardening._call_find(protocol(), None, list(replies)))
+    assert out[empty_key][0] is None and out[missing_key][0] is None
+    assert out[full_key][0].expiration_time == pytest.approx(now + 30)
+
+
+def test_nothing_is_stored_in_the_cache(monkeypatch):
+    """A cached copy with a later expiration used to answer finds instead of the stored bucket."""
+    key, (identity,) = same_bucket_identities(1)
+    proto = protocol()
+    expiration = get_dht_time() + 500
+    subkey, value = signed_entry(identity, key, record("sybil"), expiration)
+    request = dht_pb2.StoreRequest(keys=[key_id(key)], subkeys=[MSGPackSerializer.dumps(subkey)], values=[value],
+                                   expiration_time=[expiration], in_cache=[True])
+    response = asyncio.run(DHTProtocol.rpc_store(proto, request, None))
+    assert list(response.store_ok) == [True]
+    assert proto.cache.get(DHTID.from_bytes(key_id(key))) is None
+    assert proto.storage.get(DHTID.from_bytes(key_id(key))) is not None

@@ -56,8 +56,9 @@ class SignAnything(OwnerSignatureValidator):
 
 
 def hostile_node(swarm) -> hivemind.DHT:
-    """A DHT peer of the attacker's, which sends hand-made store requests to the honest peers."""
-    return hivemind.DHT(initial_peers=[swarm.bootstrap_addr], start=True, host_maddrs=LOOPBACK,
+    """A DHT peer of the attacker's, which sends hand-made store requests to the honest peers (in client mode: it
+    stores and serves nothing itself, so what readers see is what the honest peers serve)."""
+    return hivemind.DHT(initial_peers=[swarm.bootstrap_addr], start=True, host_maddrs=LOOPBACK, client_mode=True,
                         record_validators=[SignAnything(worker_keys(swarm.network)), NoSchema(swarm.network)])
 
 
@@ -68,13 +69,14 @@ def _signed(identity: Identity, key_id: bytes, subkey: bytes, record: dict, expi
     return payload + SIGNATURE_TAG + identity.sign(signing_bytes(DHTRecord(key_id, subkey, payload, expiration)))
 
 
-async def _send_to_every_peer(node, key_id: bytes, subkeys: list[bytes], values: list[bytes], expiration: float) -> int:
+async def _send_to_every_peer(node, key_id: bytes, subkeys: list[bytes], values: list[bytes], expiration: float,
+                              in_cache: bool = False) -> int:
     """Store requests straight to every peer the attacker knows, 50 records a request; how many entries were taken."""
     accepted = 0
     for lo in range(0, len(subkeys), 50):
         n = len(subkeys[lo:lo + 50])
         request = dht_pb2.StoreRequest(keys=[key_id] * n, subkeys=subkeys[lo:lo + 50], values=values[lo:lo + 50],
-                                       expiration_time=[expiration] * n, in_cache=[False] * n,
+                                       expiration_time=[expiration] * n, in_cache=[in_cache] * n,
                                        peer=node.protocol.node_info)
         for _node_id, peer_id in node.protocol.routing_table.get_nearest_neighbors(DHTID.from_bytes(key_id), k=64):
             response = await node.protocol.get_stub(peer_id).rpc_store(request, timeout=30)
@@ -145,3 +147,4 @@ def test_padded_sybil_records_cannot_flood_a_bucket_out_of_sight(swarm):
         wait_listed(swarm, ["honest"])  # 600 x 7 KiB would be 4.2 MiB in one bucket: past the reply cap
     finally:
         attacker.shutdown()
+

@@ -121,3 +121,18 @@ def test_models_that_cannot_travel_say_what_to_change():
         gpunet.Job.from_module(_Noisy(), (x,)).run_locally(x)
     with pytest.raises(gpunet.GpunetError, match="control flow"):
         gpunet.Job.from_module(_Branchy(), (x,)).run_locally(x)
+
+
+class _IfOnTensor(__import__("torch").nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+def test_an_if_on_a_tensor_is_explained_once_without_torch_dumping_its_graph(capfd):
+    import torch
+
+    with pytest.raises(gpunet.UnsupportedProgram, match="branches on tensor values.*torch.where"):
+        gpunet.Job.from_module(_IfOnTensor(), (torch.randn(3),))
+    assert "def forward" not in capfd.readouterr().err

@@ -418,3 +418,15 @@ def test_merge_refuses_values_longer_than_any_receipt_without_reading_them(tmp_p
     with Ledger(tmp_path / "mine.sqlite") as mine:
         with pytest.raises(LedgerError, match="larger than any receipt"):
             mine.merge(crafted)
+
+
+def test_a_file_of_many_bad_rows_is_counted_not_kept_row_by_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_module.MergeReport, "MAX_LISTED", 5)
+    crafted = _crafted(tmp_path, "junk.sqlite",
+                       "CREATE TABLE entries (seq INTEGER PRIMARY KEY, job_id TEXT, receipt BLOB, prev_hash BLOB, "
+                       "entry_hash BLOB)",
+                       "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n LIMIT 50) "
+                       "INSERT INTO entries SELECT i, 'j' || i, x'00', x'', x'' FROM n")
+    with Ledger(tmp_path / "mine.sqlite") as mine:
+        report = mine.merge(crafted)
+    assert report.refused_count == 50 and len(report.refused) == 5 and not report.clean

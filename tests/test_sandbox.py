@@ -7,46 +7,17 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from gpunet import Job
-from gpunet.worker import executor as executor_module
 from gpunet.worker import sandbox
 from gpunet.worker.executor import Executor
+from tests import _sandbox_probe
 
 pytestmark = pytest.mark.skipif(not sandbox.landlock_abi(), reason="this kernel has no Landlock")
-
-
-def _attempt(what, fn) -> str:
-    try:
-        fn()
-        return f"{what}: allowed"
-    except OSError as e:
-        return f"{what}: refused ({e.errno})"
-
-
-def _probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
-    """Runs in a fresh process that locks itself down exactly as an executor does, then tries what an attacker would."""
-    import torch  # noqa: F401  (as the executor: imported before the sandbox closes)
-
-    report = executor_module._enter_sandbox(config)
-    results = [
-        _attempt("read key", lambda: open(key, "rb").read()),
-        _attempt("read home", lambda: open(home_file, "rb").read()),
-        _attempt("list data dir", lambda: os.listdir(os.path.dirname(key))),
-        _attempt("socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
-        _attempt("unix socket", lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)),
-        _attempt("exec", lambda: os.execv("/bin/true", ["true"])),
-        _attempt("fork", lambda: os._exit(0) if os.fork() == 0 else None),
-        _attempt("parent memory", lambda: open(f"/proc/{parent}/mem", "rb").read(1)),
-        _attempt("write outside cache", lambda: open(os.path.join(os.path.dirname(key), "x"), "wb").write(b"x")),
-        _attempt("write cache", lambda: open(os.path.join(config["cache_dir"], "ok"), "wb").write(b"x")),
-    ]
-    out.send((report, results))
 
 
 def test_an_executor_process_cannot_reach_the_key_the_home_dir_or_the_network(tmp_path, monkeypatch):
@@ -60,7 +31,7 @@ def test_an_executor_process_cannot_reach_the_key_the_home_dir_or_the_network(tm
     config = {"cache_dir": str(data / "programs"), "disk_cache_bytes": 2**30, "protected": [str(data)]}
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=_probe, args=(config, str(key), str(home / "notes.txt"), os.getpid(), theirs))
+    proc = ctx.Process(target=_sandbox_probe.probe, args=(config, str(key), str(home / "notes.txt"), os.getpid(), theirs))
     proc.start()
     try:
         assert ours.poll(120), "the probe did not report"

@@ -82,14 +82,19 @@ def test_uploads_take_no_queue_place_but_are_capped_per_client_and_per_address()
 
 def test_payload_bytes_are_charged_before_reading_and_given_back():
     a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_buffered_bytes=100))
-    a.charge(60)
+    a.charge(40, ALICE, "/ip4/10.0.0.1")
+    a.charge(40, BOB, "/ip4/10.0.0.2")
     with pytest.raises(WorkerBusy, match="receiving"):
-        a.charge(41)  # not now
-    with pytest.raises(JobRejected, match="over this worker's buffer"):
-        a.charge(101)  # never
-    a.release_bytes(60)
-    a.charge(100)
-    assert a.buffered_bytes == 100
+        a.charge(21, CAROL, "/ip4/10.0.0.3")  # not now: the buffer is full
+    with pytest.raises(JobRejected, match="one client may send"):
+        a.charge(51, CAROL, "/ip4/10.0.0.3")  # never: over one client's share
+    a.release_bytes(40, BOB, "/ip4/10.0.0.2")
+    with pytest.raises(WorkerBusy, match="share"):
+        a.charge(11, ALICE, "/ip4/10.0.0.1")  # Alice holds 40 of her 50 already
+    with pytest.raises(WorkerBusy, match="share"):
+        a.charge(11, "sybil", "/ip4/10.0.0.1")  # a fresh identity at her address: the same share
+    a.charge(50, CAROL, "/ip4/10.0.0.3")
+    assert a.buffered_bytes == 90
 
 
 def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
@@ -330,5 +335,26 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
                 await service._execute(ALICE, job("crash-5"), _UnaryPayloads(), None)
             with pytest.raises(JobFailed, match="SIGSEGV"):  # another client is still served
                 await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None)
+
+        asyncio.run(scenario())
+
+
+def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
+                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4,
+                                                 limits=ServiceLimits(max_stopped_jobs=5, host_stops_factor=2)),
+                             record=lambda: None)
+
+        async def scenario():
+            from gpunet.errors import JobFailed
+
+            for i in range(2):  # two sybils, one crash each: 2 x 5 = the address's allowance of 2 x 5
+                with pytest.raises(JobFailed, match="SIGSEGV"):
+                    await service._execute(f"sybil-{i}", job(f"crash-{i}"), _UnaryPayloads(), None, "/ip4/10.6.6.6")
+            with pytest.raises(JobRejected, match="clients at this address"):
+                await service._execute("sybil-9", job("crash-9"), _UnaryPayloads(), None, "/ip4/10.6.6.6")
+            with pytest.raises(JobFailed, match="SIGSEGV"):  # elsewhere, still served
+                await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None, "/ip4/10.0.0.2")
 
         asyncio.run(scenario())

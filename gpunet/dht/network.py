@@ -80,6 +80,8 @@ def join(
             client_mode=client_mode,
             host_maddrs=list(host_maddrs or DEFAULT_HOST_MADDRS),
             record_validators=network_validators(network, identities),
+            cache_locally=False,  # listings read the latest records; a cached answer is only a way to serve stale ones
+            cache_nearest=0,
             **kwargs,
         )
     except Exception as e:

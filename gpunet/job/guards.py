@@ -10,31 +10,52 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
+
 from gpunet.errors import JobFailed
 
-Guard = Callable[[list], None]
+Guard = Callable[[list, dict], None]
+
+
+def _bind(overload, args: list, kwargs: dict) -> dict[str, Any]:
+    """Every argument of a call by its schema name, defaults filled in: a guard must see an argument however the
+    program passed it (positionally or by keyword)."""
+    bound = {}
+    for i, arg in enumerate(overload._schema.arguments):
+        if i < len(args) and not arg.kwarg_only:
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
 
 
 def _refuse(op: str, why: str) -> None:
     raise JobFailed(f"{op}: {why} (refused before the kernel ran)")
 
 
-def _embedding_bag(args: list) -> None:
-    """The CPU kernel trusts its offsets: empty offsets in max mode segfault, and decreasing or negative ones read
-    outside the indices (one error message even printed a heap address)."""
+def _embedding_bag(args: list, kwargs: dict) -> None:
+    """The CPU kernel trusts its offsets: empty offsets in max mode segfault (and with ``include_last_offset``, a
+    single offset does), and decreasing or negative ones read outside the indices (one error even printed a heap
+    address)."""
     op = "aten._embedding_bag"
-    weight, indices, offsets = args[0], args[1], args[2]
-    if indices.dim() != 1 or offsets.dim() != 1:
-        _refuse(op, "indices and offsets must be 1-D")
+    a = _bind(torch.ops.aten._embedding_bag.default, args, kwargs)
+    weight, indices, offsets = a["weight"], a["indices"], a["offsets"]
+    if indices.dim() != 1 or offsets.dim() != 1 or weight.dim() != 2:
+        _refuse(op, "weight must be 2-D, indices and offsets 1-D")
     n = indices.numel()
-    if offsets.numel() == 0:
-        if n:
-            _refuse(op, "offsets must not be empty when there are indices")
-    elif int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > n:
+    if a["include_last_offset"]:
+        if offsets.numel() < 2 or int(offsets[-1]) != n:
+            _refuse(op, "with include_last_offset, offsets must hold at least one bag and end at the number of "
+                        "indices")
+    elif offsets.numel() == 0 and n:
+        _refuse(op, "offsets must not be empty when there are indices")
+    if offsets.numel() and (int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > n):
         _refuse(op, "offsets must start at 0, never decrease, and stay within the indices")
     if n and (int(indices.min()) < 0 or int(indices.max()) >= weight.shape[0]):
         _refuse(op, f"indices must be in [0, {weight.shape[0]})")
-    per_sample = args[6] if len(args) > 6 else None
+    per_sample = a["per_sample_weights"]
     if per_sample is not None and tuple(per_sample.shape) != tuple(indices.shape):
         _refuse(op, "per_sample_weights must have the shape of indices")
 
@@ -48,13 +69,15 @@ def _fft_dims(op: str, tensor, dims: list, normalization) -> None:
         _refuse(op, "normalization must be 0, 1 or 2")
 
 
-def _fft_r2c(args: list) -> None:
-    _fft_dims("aten._fft_r2c", args[0], list(args[1]), args[2])
+def _fft_r2c(args: list, kwargs: dict) -> None:
+    a = _bind(torch.ops.aten._fft_r2c.default, args, kwargs)
+    _fft_dims("aten._fft_r2c", a["self"], list(a["dim"]), a["normalization"])
 
 
-def _fft_c2r(args: list) -> None:
-    _fft_dims("aten._fft_c2r", args[0], list(args[1]), args[2])
-    if args[3] < 1:
+def _fft_c2r(args: list, kwargs: dict) -> None:
+    a = _bind(torch.ops.aten._fft_c2r.default, args, kwargs)
+    _fft_dims("aten._fft_c2r", a["self"], list(a["dim"]), a["normalization"])
+    if a["last_dim_size"] < 1:
         _refuse("aten._fft_c2r", "last_dim_size must be at least 1")
 
 
@@ -66,9 +89,9 @@ GUARDS: dict[str, Guard] = {
 }
 
 
-def check(op: str, args: list[Any]) -> None:
-    """Raise JobFailed if ``args`` would make ``op``'s kernel unsafe; nothing for ops without a guard."""
+def check(op: str, args: list[Any], kwargs: dict[str, Any] | None = None) -> None:
+    """Raise JobFailed if this call would make ``op``'s kernel unsafe; nothing for ops without a guard."""
     guard = GUARDS.get(op)
     if guard is not None:
-        guard(args)
+        guard(args, kwargs or {})
 

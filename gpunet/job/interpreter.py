@@ -32,7 +32,7 @@ class Step:
     kw_lists: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
     free_after: tuple[int, ...] = ()
     view_of: int | None = None  # slot whose storage the output aliases (views), for memory accounting
-    guard: Callable[[list], None] | None = None  # checks real argument values first (gpunet.job.guards)
+    guard: Callable[[list, dict], None] | None = None  # checks real argument values first (gpunet.job.guards)
 
 
 DEVICE_SLOT = 0  # env[0] holds the device; every Device argument is a reference to it
@@ -135,7 +135,7 @@ def execute(
             args = _fill(step.args, step.arg_refs, step.arg_lists, env) if step.arg_refs or step.arg_lists else step.args
             kwargs = _fill(step.kwargs, step.kw_refs, step.kw_lists, env) if step.kw_refs or step.kw_lists else step.kwargs
             if step.guard is not None and tracker is None:  # values exist only in a real run
-                step.guard(args)
+                step.guard(args, kwargs)
             out = step.fn(*args, **kwargs)
             env[step.slot] = out
             if tracker is not None:

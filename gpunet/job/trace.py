@@ -6,7 +6,10 @@ named integer dimension ranges and safetensors weights. The worker never sees a 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import math
 import operator
 import warnings
@@ -58,15 +61,37 @@ def trace(
     if isinstance(module, _FunctionModule) and isinstance(dynamic_shapes, (list, tuple)):
         export_dynamic = (tuple(dynamic_shapes),)  # forward(*args) takes its inputs as one varargs tuple
     try:
-        with warnings.catch_warnings():  # torch.export's own deprecation chatter is noise to a gpunet user
+        # torch.export's deprecation chatter, and the partial graph it prints to stderr (twice) before raising on
+        # data-dependent control flow, are noise to a gpunet user: the error below says what to change.
+        with warnings.catch_warnings(), _quiet_torch_loggers(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
         ep = ep.run_decompositions()
     except GpunetError:
         raise
     except Exception as e:  # torch.export raises many types; the user needs the message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
+            raise UnsupportedProgram(
+                "the model branches on tensor values (an `if`/`while` on a tensor, or `.item()`), which a traced job "
+                "cannot do: compute both sides and pick with torch.where, or make the decision on the client and "
+                f"submit a different job (torch.export: {first[:300]})") from None
         raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e}") from e
     return _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+
+
+@contextlib.contextmanager
+def _quiet_torch_loggers():
+    names = ("torch.fx.experimental.symbolic_shapes", "torch._dynamo", "torch.export", "torch._export")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _user_dim_names(module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any) -> dict[tuple[int, int], str]:

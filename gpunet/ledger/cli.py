@@ -231,12 +231,16 @@ def merge(
         _print_json(report.to_dict())
     else:
         _out.print(f"merged {file}: {report.added} added, {report.duplicates} already held, "
-                   f"{len(report.refused)} refused, {len(report.conflicts)} conflicts", highlight=False)  # fmt: skip
+                   f"{report.refused_count} refused, {report.conflicts_count} conflicts", highlight=False)  # fmt: skip
         for where, reason in report.refused:
             _err.print(f"refused {where}: {reason}", highlight=False)
         for job_id in report.conflicts:
             _err.print(f"[red]CONFLICT[/red] job {job_id}: a different valid receipt is already held; both kept "
                        "(see `gpunet ledger conflicts`)", highlight=False)  # fmt: skip
+        unlisted = report.refused_count - len(report.refused) + report.conflicts_count - len(report.conflicts)
+        if unlisted:
+            _err.print(f"... and {unlisted} more (only the first {report.MAX_LISTED} of each are listed)",
+                       highlight=False)
     if not report.clean:
         raise typer.Exit(1)
 

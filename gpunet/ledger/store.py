@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
@@ -111,12 +111,27 @@ class MergeReport:
     source: str
     added: int = 0
     duplicates: int = 0
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (which receipt, why)
-    conflicts: list[str] = field(default_factory=list)  # job ids
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (which receipt, why): the first MAX_LISTED
+    conflicts: list[str] = field(default_factory=list)  # job ids: the first MAX_LISTED
+    refused_count: int = 0  # all of them (a hostile file of millions of bad rows must not fill memory with reasons)
+    conflicts_count: int = 0
+
+    #: Refusals and conflicts listed one by one; beyond this they are only counted.
+    MAX_LISTED: ClassVar[int] = 1000
+
+    def refuse(self, where: str, why: str) -> None:
+        self.refused_count += 1
+        if len(self.refused) < self.MAX_LISTED:
+            self.refused.append((where, why))
+
+    def conflict(self, job_id: str) -> None:
+        self.conflicts_count += 1
+        if len(self.conflicts) < self.MAX_LISTED:
+            self.conflicts.append(job_id)
 
     @property
     def clean(self) -> bool:
-        return not self.refused and not self.conflicts
+        return not self.refused_count and not self.conflicts_count
 
     def to_dict(self) -> dict:
         return {
@@ -125,6 +140,8 @@ class MergeReport:
             "duplicates": self.duplicates,
             "refused": [{"receipt": where, "reason": reason} for where, reason in self.refused],
             "conflicts": self.conflicts,
+            "refused_count": self.refused_count,
+            "conflicts_count": self.conflicts_count,
         }
 
 
@@ -277,12 +294,12 @@ class Ledger:
                     try:
                         decoded.append((position, Receipt.from_bytes(data)))
                     except InvalidReceipt as e:
-                        report.refused.append((where, str(e)))
+                        report.refuse(where, str(e))
                 failures = dict(_verify_all(pool, decoded, _verify_threads()))
                 with self._transaction():
                     for position, receipt in decoded:
                         if position in failures:
-                            report.refused.append((f"job {receipt.job_id}", failures[position]))
+                            report.refuse(f"job {receipt.job_id}", failures[position])
                             continue
                         outcome, _, _ = self._insert(receipt, str(source))
                         if outcome is _Outcome.ADDED:
@@ -290,7 +307,7 @@ class Ledger:
                         elif outcome is _Outcome.DUPLICATE:
                             report.duplicates += 1
                         else:
-                            report.conflicts.append(receipt.job_id)
+                            report.conflict(receipt.job_id)
         return report
 
     def _insert(

@@ -288,3 +288,12 @@ def fuzz(ops: dict[str, torch._ops.OpOverload] | None = None, cases_per_op: int 
     finally:
         runner.close()
     return report
+
+
+def replay(crashes: list[Crash], guarded: bool = True) -> list[str]:
+    """Run recorded crash cases again (in a child process): "ok", "raised" or how it crashed, one per case."""
+    runner = _Runner()
+    try:
+        return [runner.run(c.op, c.args, guarded) for c in crashes]
+    finally:
+        runner.close()

@@ -51,6 +51,11 @@ class ServiceLimits:
     max_buffered_bytes: int = 4 * 1024**3
     max_uploads_per_client: int = 4
     max_uploads_per_host: int = 32
+    # Of the buffer, one identity and one address may hold at most this share (declared sizes are charged before the
+    # bytes come, so without it one address could hold it all while sending almost nothing).
+    buffer_share: float = 0.5
+    # An address (identities are free) may stop or crash this many times the per-client allowance.
+    host_stops_factor: int = 4
 
 
 class Admission:
@@ -74,8 +79,11 @@ class Admission:
         self.buffered_bytes = 0  # declared payload bytes charged (uploads in progress and jobs holding their bytes)
         self._uploads_by_client: dict[str, int] = {}
         self._uploads_by_host: dict[str, int] = {}
+        self._bytes_by_client: dict[str, int] = {}
+        self._bytes_by_host: dict[str, int] = {}
         self._places_by_client: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
+        self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
     @property
@@ -90,7 +98,7 @@ class Admission:
 
     # --- decisions -------------------------------------------------------------------------------------------------
 
-    def screen(self, client_id: str, submit: Submit, paid_by: str | None = None) -> None:
+    def screen(self, client_id: str, submit: Submit, paid_by: str | None = None, host: str = "") -> None:
         """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
         if paid_by is not None and paid_by != client_id:
             raise JobRejected(f"job id {submit.job_id[:16]} was already used by another client; use a fresh one")
@@ -107,6 +115,10 @@ class Admission:
             raise JobRejected(f"this client stopped, timed out or crashed running jobs here {stopped} times in the last "
                               f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
                               "executor); it takes no more of its jobs for now")
+        if host and self._recent(self._host_stops, host) >= self.limits.max_stopped_jobs * self.limits.host_stops_factor:
+            raise JobRejected("clients at this address stopped, timed out or crashed too many running jobs here "
+                              f"in the last {self.limits.stopped_jobs_window / 60:.0f} min; no more of their jobs "
+                              "for now")
 
     @property
     def max_jobs_per_client(self) -> int:
@@ -143,20 +155,29 @@ class Admission:
         _count(self._uploads_by_client, client_id, -1)
         _count(self._uploads_by_host, host, -1)
 
-    def charge(self, nbytes: int) -> None:
-        """Charge a payload's declared size before any of it is read; WorkerBusy when the buffer is full for now,
-        JobRejected when the payload could never fit."""
-        if nbytes > self.limits.max_buffered_bytes:
-            raise JobRejected(f"payload of {human_bytes(nbytes)} is over this worker's buffer of "
-                              f"{human_bytes(self.limits.max_buffered_bytes)}")
-        if self.buffered_bytes + nbytes > self.limits.max_buffered_bytes:
+    def charge(self, nbytes: int, client_id: str = "", host: str = "") -> None:
+        """Charge a payload's declared size before any of it is read; WorkerBusy when the buffer (or this client's or
+        address's share of it) is full for now, JobRejected when the payload could never fit."""
+        total, share = self.limits.max_buffered_bytes, int(self.limits.max_buffered_bytes * self.limits.buffer_share)
+        if nbytes > share:
+            raise JobRejected(f"payload of {human_bytes(nbytes)} is over what one client may send this worker at "
+                              f"once ({human_bytes(share)})")
+        if self.buffered_bytes + nbytes > total:
             raise WorkerBusy(f"worker is receiving {human_bytes(self.buffered_bytes)} of payloads already",
                              self.queue_length)
+        if (self._bytes_by_client.get(client_id, 0) + nbytes > share
+                or self._bytes_by_host.get(host, 0) + nbytes > share):
+            raise WorkerBusy("this client (or its address) already has its share of this worker's payload buffer "
+                             "in flight", self.queue_length)
         self.buffered_bytes += nbytes
+        _count(self._bytes_by_client, client_id, nbytes)
+        _count(self._bytes_by_host, host, nbytes)
 
-    def release_bytes(self, nbytes: int) -> None:
+    def release_bytes(self, nbytes: int, client_id: str = "", host: str = "") -> None:
         """The job that held these bytes is over."""
         self.buffered_bytes -= nbytes
+        _count(self._bytes_by_client, client_id, -nbytes)
+        _count(self._bytes_by_host, host, -nbytes)
 
     def uploads(self, client_id: str | None = None) -> int:
         if client_id is None:
@@ -164,7 +185,10 @@ class Admission:
         return self._uploads_by_client.get(client_id, 0)
 
     def recent_stops(self, client_id: str) -> int:
-        stops = self._stops.get(client_id)
+        return self._recent(self._stops, client_id)
+
+    def _recent(self, table: LRU, key: str) -> int:
+        stops = table.get(key)
         if not stops:
             return 0
         horizon = self.clock() - self.limits.stopped_jobs_window
@@ -188,14 +212,17 @@ class Admission:
         self.running -= 1
         self.jobs_done += done
 
-    def stopped_running(self, client_id: str, weight: int = 1) -> None:
+    def stopped_running(self, client_id: str, weight: int = 1, host: str = "") -> None:
         """One of the client's jobs cost the worker its executor: stopped while it ran (cancelled, the client went
         away, over its timeout), or it crashed the process (counted ``weight`` times)."""
-        stops = self._stops.get(client_id)
-        if stops is None:
-            stops = deque()
-        stops.extend([self.clock()] * weight)
-        self._stops.put(client_id, stops)  # the least recently seen client is forgotten beyond the bound
+        for table, key in ((self._stops, client_id), (self._host_stops, host)):
+            if not key:
+                continue
+            stops = table.get(key)
+            if stops is None:
+                stops = deque()
+            stops.extend([self.clock()] * weight)
+            table.put(key, stops)  # the least recently seen is forgotten beyond the bound
 
     def stream_opened(self) -> None:
         """A job stream came in: whatever it brings, the worker answers it (and reads its payment) before leaving."""

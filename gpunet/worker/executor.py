@@ -97,7 +97,7 @@ class _Slot:
                 pass
         how = await asyncio.to_thread(self.exit_status)
         self.kill()  # the next job starts a fresh process
-        raise ExecutorDied(f"executor process died before the job was sent ({how}); it was replaced")
+        raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
 
     async def readable(self, timeout: float) -> bool:
         """Wait until the pipe has a message or the process has died (True), or ``timeout`` passes (False)."""
@@ -382,7 +382,7 @@ class Executor:
                 else:  # a big pipe write blocks until the child has read it: not on the event loop
                     await slot.in_thread(slot.send, messages, shared)
             except (OSError, ValueError):
-                return self._died(slot, "before the job was sent")
+                return self._died(slot, "before the job was sent", by_the_job=False)
             return await self._await_reply(slot, program_hash, timeout)
         except asyncio.CancelledError:
             # The caller gave up on a job that is running: stop it (the next job gets a fresh process).
@@ -414,10 +414,12 @@ class Executor:
             raise ProgramNotCached(program_hash)
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
-    def _died(self, slot: _Slot, when: str) -> RunResult:
+    def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
+        """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
+        in it; a process that died before the job reached it is no fault of the job's."""
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
-        raise ExecutorDied(f"executor process died {when} ({how}); it was replaced")
+        raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
 
 
 def _reap(proc, conn) -> None:
@@ -473,21 +475,18 @@ def _sigint_ignored_by_children():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
-def _enter_sandbox(config: dict) -> list[str]:
-    from gpunet.worker import sandbox
-
-    try:
-        return sandbox.enter([config["cache_dir"]], max_file_bytes=config["disk_cache_bytes"],
-                             protected=config.get("protected", []))
-    except OSError as e:  # a kernel that refuses part of it: run, and say so
-        return [f"sandbox incomplete: {e}"]
-
-
 def _child_main(conn: Connection, config: dict) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
     # first), so a keypress must not kill one mid-job or mid-import with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from gpunet.worker import sandbox
+
+    # Files first, while this process has a single thread (Landlock binds the threads started after it); the rest
+    # once torch is imported (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.sandbox.
+    report = ["no sandbox (turned off)"]
+    if config.get("sandbox"):
+        report = sandbox.enter_files([config["cache_dir"]], protected=config.get("protected", []))
     import torch
 
     from gpunet.job import tensors
@@ -501,8 +500,9 @@ def _child_main(conn: Connection, config: dict) -> None:
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
     _limit_memory(budget, device)
-    sandbox = _enter_sandbox(config) if config.get("sandbox") else ["no sandbox (turned off)"]
-    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": sandbox}))
+    if config.get("sandbox"):
+        report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
+    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report}))
     while True:
         try:
             req = msgpack.unpackb(conn.recv_bytes(), raw=False)

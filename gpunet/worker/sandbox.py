@@ -50,19 +50,40 @@ _FILE_RW = _FILE_READ | _WRITE_FILE | _TRUNCATE
 _DIR_RW = _DIR_READ | _WRITE_FILE | _TRUNCATE | _REMOVE_FILE | _MAKE_REG
 
 # --- seccomp ----------------------------------------------------------------------------------------------------------
-_PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 22, 2
+_PR_SET_NO_NEW_PRIVS = 38
+_SECCOMP_SET_MODE_FILTER, _SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
 _LD_W_ABS, _JEQ_K, _JSET_K, _JGE_K, _RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
 _CLONE_THREAD = 0x00010000
-# (audit arch, syscall numbers) by machine: socket, execve, execveat, fork, vfork, clone, clone3
+# (audit arch, syscall numbers) by machine
 _SYSCALLS = {
-    "x86_64": (0xC000003E, dict(socket=41, execve=59, execveat=322, fork=57, vfork=58, clone=56, clone3=435)),
-    "aarch64": (0xC00000B7, dict(socket=198, execve=221, execveat=281, fork=None, vfork=None, clone=220, clone3=435)),
+    "x86_64": (0xC000003E, dict(
+        socket=41, socketpair=53, execve=59, execveat=322, fork=57, vfork=58, clone=56, clone3=435, seccomp=317,
+        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, ptrace=101, process_vm_readv=310,
+        process_vm_writev=311, perf_event_open=298, bpf=321, userfaultfd=323, keyctl=250, add_key=248,
+        request_key=249, tkill=200, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, kill=62, tgkill=234,
+        unshare=272, setns=308, mount=165, open_by_handle_at=304)),
+    "aarch64": (0xC00000B7, dict(
+        socket=198, socketpair=199, execve=221, execveat=281, fork=None, vfork=None, clone=220, clone3=435,
+        seccomp=277, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, ptrace=117,
+        process_vm_readv=270, process_vm_writev=271, perf_event_open=241, bpf=280, userfaultfd=282, keyctl=219,
+        add_key=217, request_key=218, tkill=130, pidfd_open=434, pidfd_send_signal=424, pidfd_getfd=438, kill=129,
+        tgkill=131, unshare=97, setns=268, mount=40, open_by_handle_at=265)),
 }
+#: Refused outright: new sockets (io_uring can make them too), running programs and new processes, reaching into
+#: other processes, and kernel interfaces a job never needs.
+_DENIED = ("socket", "socketpair", "io_uring_setup", "io_uring_enter", "io_uring_register", "execve", "execveat",
+           "fork", "vfork", "ptrace", "process_vm_readv", "process_vm_writev", "perf_event_open", "bpf",
+           "userfaultfd", "keyctl", "add_key", "request_key", "tkill", "pidfd_open", "pidfd_send_signal",
+           "pidfd_getfd", "unshare", "setns", "mount", "open_by_handle_at")
 
 #: Reads beneath these are allowed when they exist (system libraries, process and device information).
-_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/proc", "/sys", "/etc/ld.so.cache", "/etc/ld.so.conf",
-                "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group")
+#: Of /proc, only this process and system-wide facts: another process's cmdline (the p2p daemon's names its control
+#: socket) or environment is none of an executor's business.
+_SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sys", "/etc/ld.so.cache", "/etc/ld.so.conf",
+                "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group",
+                "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/sys/kernel", "/proc/sys/vm",
+                "/proc/driver/nvidia")
 #: Device files a job's process may read and write (GPU devices are added when present).
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")
 
@@ -85,13 +106,15 @@ def landlock_abi() -> int:
 
 
 def readable_roots() -> list[str]:
-    """What an executor reads: the interpreter's installation and virtualenv, the packages it imports lazily."""
-    import torch
+    """What an executor reads: the interpreter's installation and virtualenv, the packages it imports (found without
+    importing them: Landlock is entered before torch starts its threads)."""
+    import importlib.util
 
-    import gpunet
-
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             str(Path(gpunet.__file__).resolve().parent), str(Path(torch.__file__).resolve().parent)}
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    for package in ("gpunet", "torch"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin:
+            roots.add(str(Path(spec.origin).resolve().parent))
     for entry in sys.path:  # site-packages and the like; never the working directory (it may be a home directory)
         if entry and os.path.isdir(entry) and Path(entry).resolve() != Path.cwd().resolve():
             if "site-packages" in entry or "dist-packages" in entry or entry.startswith(sys.base_prefix):
@@ -153,11 +176,13 @@ def _landlock(read_roots: list[str], write_dirs: list[str], abi: int) -> list[st
 
 
 def _seccomp() -> list[str]:
+    """A filter for every thread of the process (TSYNC: torch has started threads by now)."""
     machine = platform.machine()
     if machine not in _SYSCALLS:
-        return []
+        return [f"no seccomp filter for {machine}"]
     arch, nr = _SYSCALLS[machine]
     deny = _RET_ERRNO | errno.EACCES
+    pid = os.getpid()
     prog: list[tuple[int, int, int, int]] = [
         (_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
         (_JEQ_K, 1, 0, arch),
@@ -166,13 +191,19 @@ def _seccomp() -> list[str]:
         (_JGE_K, 0, 1, 0x40000000),
         (_RET_K, 0, 0, deny),  # x32 syscalls
     ]
-    for name in ("socket", "execve", "execveat", "fork", "vfork"):
-        if nr[name] is not None:
+    for name in _DENIED:
+        if nr.get(name) is not None:
             prog += [(_JEQ_K, 0, 1, nr[name]), (_RET_K, 0, 0, deny)]
     prog += [(_JEQ_K, 0, 1, nr["clone3"]), (_RET_K, 0, 0, _RET_ERRNO | errno.ENOSYS)]  # libc falls back to clone
-    # clone: threads (CLONE_THREAD set) only
-    prog += [(_JEQ_K, 0, 3, nr["clone"]), (_LD_W_ABS, 0, 0, 16), (_JSET_K, 1, 0, _CLONE_THREAD),
+    # clone: threads (CLONE_THREAD set) only. Each block below ends in a return when its syscall matches, and is
+    # skipped whole (the accumulator still holding the syscall number) when it does not.
+    prog += [(_JEQ_K, 0, 4, nr["clone"]), (_LD_W_ABS, 0, 0, 16), (_JSET_K, 1, 0, _CLONE_THREAD),
              (_RET_K, 0, 0, deny), (_RET_K, 0, 0, _RET_ALLOW)]
+    # kill and tgkill: this process only (the first argument, low 32 bits, must be our pid)
+    for name in ("kill", "tgkill"):
+        prog += [(_JEQ_K, 0, 4, nr[name]), (_LD_W_ABS, 0, 0, 16), (_JEQ_K, 1, 0, pid), (_RET_K, 0, 0, deny),
+                 (_RET_K, 0, 0, _RET_ALLOW)]
+    prog += [(_RET_K, 0, 0, _RET_ALLOW)]
     filters = b"".join(struct.pack("=HBBI", code, jt, jf, k) for code, jt, jf, k in prog)
     buf = ctypes.create_string_buffer(filters, len(filters))
 
@@ -180,9 +211,12 @@ def _seccomp() -> list[str]:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = _Prog(len(prog), ctypes.addressof(buf))
-    if _libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(nr["seccomp"], ctypes.c_uint(_SECCOMP_SET_MODE_FILTER), ctypes.c_uint(_SECCOMP_FILTER_FLAG_TSYNC),
+                    ctypes.byref(fprog)) != 0:
         raise _fail("seccomp")
-    return ["seccomp: no new sockets, no execve, no new processes"]
+    return ["seccomp (every thread): no sockets, io_uring, execve, new processes, ptrace, bpf or signals to others"]
 
 
 def _rlimits(max_file_bytes: int) -> list[str]:
@@ -194,26 +228,47 @@ def _rlimits(max_file_bytes: int) -> list[str]:
     return [f"rlimits: 512 open files, files up to {max_file_bytes >> 20} MiB, no core dumps"]
 
 
-def enter(writable_dirs: list[str], max_file_bytes: int, protected: list[str] = ()) -> list[str]:
-    """Lock this process down (irreversibly); returns what applied, one line each. ``protected``: paths that must end
-    up out of reach (the data dir): a warning line is returned if one lies beneath something readable."""
+def threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def enter_files(writable_dirs: list[str], protected: list[str] = ()) -> list[str]:
+    """Phase 1, first thing in a fresh executor process, while it has one thread: Landlock binds the calling thread
+    and the threads it starts later, so it must come before torch starts its thread pools."""
     if sys.platform != "linux":
         return ["no sandbox: not Linux"]
-    applied = []
-    libc = _libc()
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return [f"no sandbox: {_fail('no_new_privs')}"]
-    applied += _rlimits(max_file_bytes)
+    if threads() > 1:
+        return [f"no landlock: the process already has {threads()} threads (it must be entered before any start)"]
     abi = landlock_abi()
-    if abi:
-        roots = readable_roots()
-        applied += _landlock(roots, writable_dirs, abi)
-        for path in protected:
-            inside = [r for r in roots if _beneath(path, r)]
-            if inside:
-                applied.append(f"WARNING: {path} lies beneath {inside[0]}, which executors can read")
-    else:
-        applied.append("no landlock in this kernel: executors can read what the worker's user can")
+    if not abi:
+        return ["no landlock in this kernel: executors can read what the worker's user can"]
+    roots = readable_roots()
+    try:
+        applied = _landlock(roots, writable_dirs, abi)
+    except OSError as e:
+        return [f"no landlock: {e}"]
+    for path in protected:
+        inside = [r for r in roots if _beneath(path, r)]
+        if inside:
+            applied.append(f"WARNING: {path} lies beneath {inside[0]}, which executors can read")
+    return applied
+
+
+def enter_syscalls(max_file_bytes: int) -> list[str]:
+    """Phase 2, once torch is imported (its threads exist): rlimits, then a seccomp filter synchronised to every
+    thread. Each part applies on its own: one the kernel refuses does not turn off the others."""
+    if sys.platform != "linux":
+        return []
+    applied = []
+    try:
+        applied += _rlimits(max_file_bytes)
+    except (OSError, ValueError) as e:
+        applied.append(f"no rlimits: {e}")
     try:
         applied += _seccomp()
     except OSError as e:

@@ -36,6 +36,8 @@ UNSETTLED_GRACE = 5.0
 #: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
 #: the p2p daemon (and, on SIGTERM, the DHT process) may be dead already: nothing may wait on them without a bound.
 LEAVE_STEP_TIMEOUT = 3.0
+#: Seconds between repeats of the "could not publish" warning while it lasts.
+UNPUBLISHED_REPEAT = 300.0
 
 
 class Worker:
@@ -60,6 +62,8 @@ class Worker:
         self.rpc = None
         self.maddrs: list[str] = []
         self._last_expiration = 0.0
+        self._unpublished = 0  # heartbeats in a row whose record no peer accepted
+        self._unpublished_said = -UNPUBLISHED_REPEAT
         self._stop = asyncio.Event()
 
     @property
@@ -107,8 +111,18 @@ class Worker:
             registry.announce_async(self.dht, self.config.network, self.id, self.record(), expiration), timeout))
         if ok:
             self._last_expiration = expiration
+            if self._unpublished:
+                logger.info("This worker's record is published again (after %d failed heartbeat(s))", self._unpublished)
+                self._unpublished = 0
         elif not leaving:
-            logger.warning("Could not publish this worker's record (no peer accepted it); retrying next heartbeat")
+            # Said once, then at most every few minutes: one missed store is common (a peer busy or gone) and the
+            # record lives three heartbeats; a worker that stays unpublished is what the owner needs to hear about.
+            self._unpublished += 1
+            now = time.monotonic()
+            if now - self._unpublished_said >= UNPUBLISHED_REPEAT:
+                self._unpublished_said = now
+                logger.warning("Could not publish this worker's record (no peer accepted it; %d heartbeat(s) in a row); "
+                               "retrying every heartbeat", self._unpublished)
         if state is not None:  # what deployment tools wait on, instead of reading our output
             readyfile.write_ready(self.data_dir, role="worker", id=self.id, addresses=self.maddrs,
                                   network=self.config.network, state=self.state.value)
@@ -256,6 +270,7 @@ class Worker:
             default_timeout=60.0,
             cache_dir=self.data_dir / "programs",
             protected=[str(self.data_dir), str(Path.home())],
+            sandbox=cfg.sandbox,
         )
         for line in await self.executor.sandbox_report():  # before any job: the executors lock themselves down
             (logger.warning if line.startswith(("WARNING", "no ", "sandbox incomplete")) else logger.info)(

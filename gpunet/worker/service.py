@@ -263,7 +263,7 @@ class JobService:
         read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
         signed = self.books.signed(submit.job_id)
-        self.admission.screen(client_id, submit, paid_by=signed.client_id if signed is not None else None)
+        self.admission.screen(client_id, submit, paid_by=signed.client_id if signed is not None else None, host=host)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same result, same receipt, no second bill
             return known
@@ -287,7 +287,8 @@ class JobService:
         admitted, got = False, None
         try:
             try:
-                got = await self._receive(job, submit, payloads, need_program, charge=partial(self._charge, job))
+                got = await self._receive(job, submit, payloads, need_program,
+                                          charge=partial(self._charge, job, client_id, host))
             finally:
                 if uploading:
                     self.admission.upload_done(client_id, host)
@@ -295,7 +296,7 @@ class JobService:
             if not self.admission.admit(client_id):
                 raise self._busy()
             admitted = True
-            outcome = await self._run(key, job, submit, got, reader)
+            outcome = await self._run(key, job, submit, got, reader, host)
             job.outcome.set_result(outcome)
         except BaseException as e:
             job.outcome.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -307,7 +308,7 @@ class JobService:
                 self.uploads.end(job.upload)
             if admitted:
                 self.admission.released(client_id)
-            self.admission.release_bytes(job.charged)
+            self.admission.release_bytes(job.charged, client_id, host)
             # A failure's traceback keeps this frame (and the job's future keeps the failure): let go of the payload
             # here, so an abandoned upload's memory is freed now, not whenever the cycle collector runs.
             if got is not None and isinstance(got.inputs, bytearray):
@@ -316,8 +317,8 @@ class JobService:
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
 
-    def _charge(self, job: _Job, nbytes: int) -> None:
-        self.admission.charge(nbytes)
+    def _charge(self, job: _Job, client_id: str, host: str, nbytes: int) -> None:
+        self.admission.charge(nbytes, client_id, host)
         job.charged += nbytes
 
     async def _receive(self, job: _Job, submit: Submit, payloads, need_program: bool,
@@ -345,11 +346,12 @@ class JobService:
         job.upload.arrived(got.program)
         return got
 
-    async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, got: _Inputs, reader) -> Outcome:
+    async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, got: _Inputs, reader,
+                   host: str = "") -> Outcome:
         """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the
         client hanging up. Either way the executor running it is replaced, so abandoned work stops using the machine.
         """
-        job.run = asyncio.ensure_future(self._run_now(key, submit, got))
+        job.run = asyncio.ensure_future(self._run_now(key, submit, got, host))
         # The client sends nothing between its payload and our result, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
         tasks = {job.run, gone} if gone is not None else {job.run}
@@ -369,7 +371,7 @@ class JobService:
             raise JobFailed("job stopped before it finished: its client cancelled it or went away")
         return job.run.result()
 
-    async def _run_now(self, key: tuple[str, str], submit: Submit, got: _Inputs) -> Outcome:
+    async def _run_now(self, key: tuple[str, str], submit: Submit, got: _Inputs, host: str = "") -> Outcome:
         client_id, job_id = key
         await self._slots.acquire()
         self.admission.started()
@@ -383,7 +385,8 @@ class JobService:
             done = True
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()
-            self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1)
+            self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1,
+                                           host=host)
             if isinstance(e, ExecutorDied):
                 logger.warning("Job %s for client %s killed its executor: %s", job_id[:12], client_id[-8:], e)
             raise
@@ -392,7 +395,7 @@ class JobService:
             raise
         except asyncio.CancelledError:
             metrics.JOBS.labels("cancelled").inc()
-            self.admission.stopped_running(client_id)
+            self.admission.stopped_running(client_id, host=host)
             logger.info("Job %s for client %s stopped while running (cancelled, or the client went away); its "
                         "executor was replaced", job_id[:12], client_id[-8:])
             raise

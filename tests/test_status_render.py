@@ -1,0 +1,29 @@
+"""`gpunet status` tables: figures are never cut on a narrow terminal (text columns give way instead)."""
+
+import io
+import time
+
+from rich.console import Console
+
+from gpunet.dht.records import DeviceInfo, WorkerRecord
+from gpunet.dht.registry import WorkerEntry
+from gpunet.identity import Identity
+from gpunet.status import NetworkStatus, render_table
+
+
+def test_figures_are_whole_at_80_columns():
+    record = WorkerRecord(version="0.1.0", state="online", name="a-volunteer-with-a-rather-long-public-name",
+                          device=DeviceInfo(kind="cuda", name="NVIDIA GeForce RTX 4090 Laptop GPU", memory_total=2**34,
+                                            memory_free=2**33),
+                          tflops={"fp32": 0.0231, "bf16": 165.2}, price=12.5, jobs_done=123456,
+                          credits_earned=1234.567891, started_at=time.time() - 3600)
+    status = NetworkStatus("gpunet", [WorkerEntry(Identity.generate().peer_id, record, time.time() + 30)])
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(render_table(status, width=80))
+    text = out.getvalue()
+    for figure in ("165 bf16", "1234.567891", "12.5"):
+        assert figure in text, text
+    assert "too narrow" in text and "GiB free" in text  # what was left out is said
+    wide = io.StringIO()
+    Console(file=wide, width=160, color_system=None).print(render_table(status, width=160))
+    assert "too narrow" not in wide.getvalue() and "123456" in wide.getvalue() and "8.0/16.0" in wide.getvalue()
