@@ -544,11 +544,12 @@ def check_payload_size(size: Any, cap: int, what: str) -> None:
 
 
 async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: str, hasher=None,
-                       timeout: float | None = None) -> bytearray:
+                       timeout: float | None = None, into=None) -> bytearray | None:
     """Read exactly ``size`` declared bytes, refusing sizes over ``cap`` before allocating anything.
 
     ``hasher`` (a hashlib object) is fed each chunk as it arrives, so hashing overlaps the transfer. ``timeout``
-    bounds the whole read (see :func:`payload_deadline`).
+    bounds the whole read (see :func:`payload_deadline`). ``into``: a binary file the bytes are written to instead
+    (None is returned): a big payload then lives in the page cache, not in this process's heap.
     """
     check_payload_size(size, cap, what)
     # Grown as bytes arrive (amortised doubling), so a declared size costs memory only once it is actually sent.
@@ -565,7 +566,10 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
                     chunk = await reader.read(min(CHUNK_BYTES, size - offset))
                 if not chunk:
                     raise ProtocolError(f"peer closed the stream after {offset} of {size} {what} bytes")
-                buf += chunk
+                if into is None:
+                    buf += chunk
+                else:
+                    into.write(chunk)
                 offset += len(chunk)
                 if hasher is not None:
                     hasher.update(chunk)
@@ -581,4 +585,7 @@ async def read_payload(reader: asyncio.StreamReader, size: Any, cap: int, what: 
     except BaseException:
         buf.clear()
         raise
+    if into is not None:
+        into.flush()
+        return None
     return buf

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 
 import pytest
 import torch
@@ -107,3 +108,32 @@ def test_uploads_abandoned_midway_give_their_memory_back(swarm, clients):
     wait_for(lambda: _rss(worker.pid) < baseline + (256 << 20), 60,
              "the worker's memory to come back after abandoned uploads", interval=0.5)
     assert torch.equal(mallory.submit(job, x).result(timeout=60), model(x).detach())  # and it still serves
+
+
+def test_big_inputs_are_spooled_to_disk_and_reach_the_executor_intact(swarm, clients):
+    """Inputs of 32 MiB and more are written to an unlinked file in <data dir>/spool as they arrive and mapped by the
+    executor: the worker's heap never holds them."""
+    worker = swarm.start_worker()
+    alice = clients(swarm, "alice")
+    job = gpunet.Job.from_function(lambda x: x.sum(dim=0), (torch.randn(4, 1024),),
+                                   dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=1 << 16)},))
+    x = torch.randn(12 << 10, 1024)  # 48 MiB
+    pid = worker.pid
+    spooled = []
+
+    def watch():  # the spooled file shows among the worker's descriptors while the job is in
+        fds = f"/proc/{pid}/fd"
+        for fd in os.listdir(fds):
+            try:
+                target = os.readlink(os.path.join(fds, fd))
+            except OSError:
+                continue
+            if "/spool/" in target:
+                spooled.append(target)
+        return bool(spooled)
+
+    future = alice.submit(job, x)
+    wait_for(watch, 60, "the inputs to be spooled")
+    assert torch.allclose(future.result(timeout=120), x.sum(dim=0), rtol=1e-4, atol=1e-3)
+    assert all("(deleted)" in t for t in spooled)  # unlinked from the start: nothing is left behind
+    assert not os.listdir(worker.data_dir / "spool")

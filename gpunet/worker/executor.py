@@ -128,7 +128,9 @@ class _Slot:
         """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor."""
         for message in messages:
             self.conn.send_bytes(message)
-        if shared is not None:
+        if shared is not None and hasattr(shared, "fileno"):  # already in a file (a spooled payload): pass it as is
+            reduction.send_handle(self.conn, shared.fileno(), self.proc.pid)
+        elif shared is not None:
             fd = os.memfd_create("gpunet-inputs", os.MFD_CLOEXEC)
             try:
                 view = memoryview(shared).cast("B")
@@ -229,6 +231,7 @@ class Executor:
             "max_flops": max_flops,
             "threads": threads_per_process or max(1, (os.cpu_count() or 1) // processes),
             "sandbox": sandbox,  # see gpunet.worker.sandbox
+            "tmp_dir": str(Path(cache_dir).parent / "executor-tmp"),
             "protected": [str(p) for p in protected],
         }
         self._ctx, self._config = multiprocessing.get_context("spawn"), config
@@ -367,7 +370,9 @@ class Executor:
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
         payloads = [program_bytes] if program_bytes is not None else []
         shared = None
-        if len(inputs) <= _IN_HEADER_BYTES:
+        if hasattr(inputs, "fileno"):  # spooled to a file by the service: the child maps the file itself
+            header["inputs_fd"], shared = len(inputs), inputs
+        elif len(inputs) <= _IN_HEADER_BYTES:
             header["inputs"] = inputs
         elif len(inputs) > _INLINE_PIPE_BYTES and _HAVE_MEMFD:
             header["inputs_fd"], shared = len(inputs), inputs
@@ -486,7 +491,10 @@ def _child_main(conn: Connection, config: dict) -> None:
     # once torch is imported (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.sandbox.
     report = ["no sandbox (turned off)"]
     if config.get("sandbox"):
-        report = sandbox.enter_files([config["cache_dir"]], protected=config.get("protected", []))
+        # Some torch code paths want a temporary directory: a private one, the only other place it may write.
+        os.makedirs(config["tmp_dir"], exist_ok=True)
+        os.environ["TMPDIR"] = config["tmp_dir"]
+        report = sandbox.enter_files([config["cache_dir"], config["tmp_dir"]], protected=config.get("protected", []))
     import torch
 
     from gpunet.job import tensors

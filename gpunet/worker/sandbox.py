@@ -47,7 +47,7 @@ _SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 _FILE_READ = _EXECUTE | _READ_FILE
 _DIR_READ = _FILE_READ | _READ_DIR
 _FILE_RW = _FILE_READ | _WRITE_FILE | _TRUNCATE
-_DIR_RW = _DIR_READ | _WRITE_FILE | _TRUNCATE | _REMOVE_FILE | _MAKE_REG
+_DIR_RW = _DIR_READ | _WRITE_FILE | _TRUNCATE | _REMOVE_FILE | _MAKE_REG | _MAKE_DIR | _REMOVE_DIR
 
 # --- seccomp ----------------------------------------------------------------------------------------------------------
 _PR_SET_NO_NEW_PRIVS = 38

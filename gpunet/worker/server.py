@@ -247,6 +247,12 @@ class Worker:
         share = 0.8 if self.hardware.is_gpu else 0.5
         return max(256 * 2**20, int(self.hardware.info.memory_free * share / self.config.max_concurrent))
 
+    def _spool_dir(self) -> Path:
+        """Where big job inputs are written as they arrive (unlinked files: nothing is left after a crash)."""
+        spool = self.data_dir / "spool"
+        spool.mkdir(exist_ok=True)
+        return spool
+
     def _buffer_budget(self) -> int:
         """Bytes of job payloads this process may hold at once (declared sizes, charged before reading)."""
         if self.config.buffer_gb:
@@ -285,6 +291,7 @@ class Worker:
                                 limits=ServiceLimits(max_buffered_bytes=self._buffer_budget())),
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
+            spool_dir=str(self._spool_dir()),
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)

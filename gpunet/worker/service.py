@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -93,8 +94,29 @@ class _Job:
 @dataclass
 class _Inputs:
     program: bytes | None
-    inputs: bytes | bytearray
+    inputs: bytes | bytearray | "Spooled"
     input_hash: str
+
+
+#: Streamed inputs at least this big are written to an unlinked file as they arrive (when the service has a spool
+#: directory) and reach the executor as that file's descriptor: page cache, not the worker's heap.
+SPOOL_BYTES = 32 * 2**20
+
+
+class Spooled:
+    """A payload in an unlinked temporary file: its size, and its descriptor for the executor to map."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size = file, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class JobService:
@@ -109,6 +131,7 @@ class JobService:
         admission: Admission,
         record: Callable[[], Any],
         corrupt_outputs: Callable[[bytes], bytes] | None = None,
+        spool_dir: str | None = None,
     ):
         self.identity = identity
         self.executor = executor
@@ -124,6 +147,7 @@ class JobService:
         self._slots = asyncio.Semaphore(admission.max_concurrent)
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.uploads = Uploads()
+        self.spool_dir = spool_dir  # where big inputs are written as they arrive (None: kept in memory)
         self._rpc: RPC | None = None
 
     async def start(self, rpc: RPC) -> None:
@@ -171,7 +195,7 @@ class JobService:
         self.admission.stream_opened()
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
-            payloads = _StreamPayloads(reader, writer, self.limits)
+            payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir)
             outcome = await self._execute(client_id, submit, payloads, reader, host)
             await self._reply(outcome, writer)
             await self._settle_from_stream(client_id, outcome.receipt, reader)
@@ -313,6 +337,8 @@ class JobService:
             # here, so an abandoned upload's memory is freed now, not whenever the cycle collector runs.
             if got is not None and isinstance(got.inputs, bytearray):
                 _release(got.inputs)
+            elif got is not None and isinstance(got.inputs, Spooled):
+                got.inputs.close()  # unlinked already: closing gives the disk space back
             got = job.upload = None
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
@@ -461,8 +487,8 @@ class _NeedsStream(Exception):
 class _StreamPayloads:
     """Asks the client for what the worker lacks (program, inputs) and reads it, capped, from the stream."""
 
-    def __init__(self, reader, writer, limits: ServiceLimits):
-        self.reader, self.writer, self.limits = reader, writer, limits
+    def __init__(self, reader, writer, limits: ServiceLimits, spool_dir: str | None = None):
+        self.reader, self.writer, self.limits, self.spool_dir = reader, writer, limits, spool_dir
 
     def precheck(self, submit: Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
@@ -489,8 +515,18 @@ class _StreamPayloads:
         if not need_inputs:
             return _Inputs(program, submit.inputs, sha256_hex(submit.inputs))
         hasher = hashlib.sha256()
+        deadline = protocol.payload_deadline(submit.inputs_size)
+        if self.spool_dir is not None and submit.inputs_size >= SPOOL_BYTES:
+            spooled = Spooled(tempfile.TemporaryFile(dir=self.spool_dir), submit.inputs_size)
+            try:
+                await protocol.read_payload(self.reader, submit.inputs_size, self.limits.max_input_bytes, "inputs",
+                                            hasher, timeout=deadline, into=spooled.file)
+            except BaseException:
+                spooled.close()
+                raise
+            return _Inputs(program, spooled, hasher.hexdigest())
         inputs = await protocol.read_payload(self.reader, submit.inputs_size, self.limits.max_input_bytes, "inputs",
-                                             hasher, timeout=protocol.payload_deadline(submit.inputs_size))
+                                             hasher, timeout=deadline)
         return _Inputs(program, inputs, hasher.hexdigest())  # a bytearray: no second copy of a large input
 
 
