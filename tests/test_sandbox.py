@@ -58,3 +58,23 @@ def test_a_sandboxed_executor_still_runs_jobs_and_uses_its_disk_cache(tmp_path):
     from gpunet.job import tensors
 
     assert torch.equal(tensors.decode(result.outputs)["output_0"], torch.tanh(x @ w.T))
+
+
+def test_every_model_family_runs_the_same_inside_the_sandbox(tmp_path):
+    """The sandbox must not change what a job computes: each family of the model zoo, run by a sandboxed executor,
+    equals its local run (a path torch needs and the sandbox denies would show up here as a failed job)."""
+    from gpunet.job import tensors
+    from tests._job_models import families
+
+    with Executor(processes=1, cache_dir=tmp_path / "programs", protected=[str(tmp_path)]) as ex:
+        assert any(line.startswith("landlock") for line in asyncio.run(ex.sandbox_report()))
+        for name, module, example, dynamic, others in families():
+            job = Job.from_module(module, example, dynamic_shapes=dynamic)
+            for x in [*example, *others][:2]:
+                result = asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 120))
+                got = list(tensors.decode(result.outputs).values())
+                want = job.run_locally(x)
+                want = list(want) if isinstance(want, tuple) else [want]
+                assert len(got) == len(want), name
+                for a, b in zip(got, want):
+                    assert torch.equal(a, b), name
