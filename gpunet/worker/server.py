@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -257,9 +258,11 @@ class Worker:
         """Bytes of job payloads this process may hold at once (declared sizes, charged before reading)."""
         if self.config.buffer_gb:
             return int(self.config.buffer_gb * 2**30)
-        import psutil
-
-        return max(2**30, psutil.virtual_memory().total // 4)
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not POSIX: assume a small machine
+            total = 4 * 2**30
+        return max(2**30, total // 4)
 
     async def start_services(self) -> None:
         """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
