@@ -40,7 +40,8 @@ def main() -> int:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         before, after = report.steady_rss_mb
-        print(f"{report.jobs} jobs on {report.workers} workers in {report.seconds:.1f} s with {report.kills} kills: "
+        print(f"{report.jobs} jobs on {report.workers} workers in {report.seconds:.1f} s with {report.kills} kills "
+              f"({report.slow_exits} slow to exit): "
               f"{report.wrong} wrong, {report.missing} missing, {report.paid_twice} paid twice; "
               f"{report.client_receipts} client receipts; {report.ledgers_verified} ledgers verified"
               f"{', errors: ' + '; '.join(report.ledger_errors) if report.ledger_errors else ''}; "

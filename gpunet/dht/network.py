@@ -140,6 +140,14 @@ async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: f
     try:
         await asyncio.wait_for(node.shutdown(), timeout=5)
     finally:
+        # A shutdown that timed out (a loaded machine) would leave the p2p daemon running after us, forever, with
+        # the node's identity: it is our child, so we stop it ourselves.
+        daemon = getattr(getattr(node, "p2p", None), "_child", None)
+        if daemon is not None and daemon.returncode is None:
+            try:
+                daemon.kill()
+            except ProcessLookupError:
+                pass
         os._exit(0)
 
 
