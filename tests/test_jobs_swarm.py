@@ -36,21 +36,6 @@ def mlp_job():
     return model, gpunet.Job.from_module(model, (torch.randn(8, 16),), dynamic_shapes=({0: batch},))
 
 
-@pytest.fixture
-def client_for(tmp_path):
-    clients = []
-
-    def make(swarm):
-        c = gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network, data_dir=tmp_path / "client")
-        clients.append(c)
-        wait_for(lambda: c.workers(refresh=True), 30, "the client to see workers")
-        return c
-
-    yield make
-    for c in clients:
-        c.close()
-
-
 def test_submit_and_map_return_correct_results_in_order(swarm, client_for):
     workers = swarm.start_workers(3)
     ids = {swarm.worker_id(w) for w in workers}

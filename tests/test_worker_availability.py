@@ -19,21 +19,6 @@ from tests.test_jobs_swarm import mlp_job
 
 pytestmark = pytest.mark.swarm
 
-@pytest.fixture
-def clients(tmp_path):
-    made = []
-
-    def make(swarm, name):
-        c = gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network, data_dir=tmp_path / name)
-        made.append(c)
-        wait_for(lambda: c.workers(refresh=True), 30, "the client to see workers")
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
 def on_loop(client, coro, timeout=120):
     return asyncio.run_coroutine_threadsafe(coro, client._loop).result(timeout)
 
@@ -48,10 +33,10 @@ async def open_upload(client, worker_id: str, maddrs, job_id: str, program: str,
     return reader, writer, reply
 
 
-def test_idle_uploads_make_nobody_else_wait(swarm, clients):
+def test_idle_uploads_make_nobody_else_wait(swarm, client_for):
     worker = swarm.start_worker("--max-queue", "8")
     worker_id = swarm.worker_id(worker)
-    mallory, alice = clients(swarm, "mallory"), clients(swarm, "alice")
+    mallory, alice = client_for(swarm, "mallory"), client_for(swarm, "alice")
     maddrs = mallory.workers()[0].record.maddrs
     model, job = mlp_job()
     x = torch.randn(3, 16)
@@ -82,10 +67,10 @@ def _rss(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_uploads_abandoned_midway_give_their_memory_back(swarm, clients):
+def test_uploads_abandoned_midway_give_their_memory_back(swarm, client_for):
     worker = swarm.start_worker()
     worker_id = swarm.worker_id(worker)
-    mallory = clients(swarm, "mallory")
+    mallory = client_for(swarm, "mallory")
     maddrs = mallory.workers()[0].record.maddrs
     model, job = mlp_job()
     x = torch.randn(3, 16)
@@ -110,11 +95,11 @@ def test_uploads_abandoned_midway_give_their_memory_back(swarm, clients):
     assert torch.equal(mallory.submit(job, x).result(timeout=60), model(x).detach())  # and it still serves
 
 
-def test_big_inputs_are_spooled_to_disk_and_reach_the_executor_intact(swarm, clients):
+def test_big_inputs_are_spooled_to_disk_and_reach_the_executor_intact(swarm, client_for):
     """Inputs of 32 MiB and more are written to an unlinked file in <data dir>/spool as they arrive and mapped by the
     executor: the worker's heap never holds them."""
     worker = swarm.start_worker()
-    alice = clients(swarm, "alice")
+    alice = client_for(swarm, "alice")
     job = gpunet.Job.from_function(lambda x: x.sum(dim=0), (torch.randn(4, 1024),),
                                    dynamic_shapes=({0: torch.export.Dim("rows", min=1, max=1 << 16)},))
     x = torch.randn(12 << 10, 1024)  # 48 MiB
