@@ -52,7 +52,7 @@ class MemoryTracker:
 
     def pin(self, slot: int, value: Any) -> None:
         """An input or weight: counted, never freed."""
-        self._new(slot, _nbytes(value), where="inputs and weights")
+        self._new(slot, nbytes(value), where="inputs and weights")
         self._refs[self._storage_of[slot]] += 1
 
     def produced(self, step: Step, value: Any) -> None:
@@ -61,23 +61,18 @@ class MemoryTracker:
             self._storage_of[step.slot] = sid
             self._refs[sid] += 1
         else:
-            self._new(step.slot, _nbytes(value), where=f"node {step.name!r} ({step.op})")
+            self._new(step.slot, nbytes(value), where=f"node {step.name!r} ({step.op})")
 
     def materialise_outputs(self, outputs: Sequence[Any]) -> None:
         """What the end of a run allocates on top of what is live: each output that is a strided view (an ``expand``
         of a few bytes can stand for gigabytes) is copied dense, and every output is then encoded into the reply."""
         extra = 0
         for out in outputs:
-            nbytes = _nbytes(out)
-            extra += nbytes  # the encoded reply
+            size = nbytes(out)
+            extra += size  # the encoded reply
             if isinstance(out, torch.Tensor) and not out.is_contiguous():
-                extra += nbytes  # the dense copy made before encoding
-        self.live += extra
-        if self.live > self.peak:
-            self.peak = self.live
-            if self.limit is not None and self.peak > self.limit:
-                raise JobRejected(f"the outputs: peak memory {human_bytes(self.peak)} (outputs made dense and encoded) "
-                                  f"exceeds the limit of {human_bytes(self.limit)}")
+                extra += size  # the dense copy made before encoding
+        self._grow(extra, where="the outputs (made dense and encoded)")
 
     def freed(self, slot: int) -> None:
         sid = self._storage_of.pop(slot, None)
@@ -87,13 +82,16 @@ class MemoryTracker:
                 self.live -= self._size.pop(sid)
                 del self._refs[sid]
 
-    def _new(self, slot: int, nbytes: int, where: str) -> None:
+    def _new(self, slot: int, size: int, where: str) -> None:
         self._counter += 1
         sid = self._counter
-        self._size[sid] = nbytes
+        self._size[sid] = size
         self._refs[sid] = 1
         self._storage_of[slot] = sid
-        self.live += nbytes
+        self._grow(size, where)
+
+    def _grow(self, size: int, where: str) -> None:
+        self.live += size
         if self.live > self.peak:
             self.peak = self.live
             if self.limit is not None and self.peak > self.limit:
@@ -101,11 +99,12 @@ class MemoryTracker:
                                   f"{human_bytes(self.limit)}")
 
 
-def _nbytes(value: Any) -> int:
+def nbytes(value: Any) -> int:
+    """Bytes of a tensor, or of the tensors in a (nested) list or tuple; 0 for anything else."""
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
+        return sum(nbytes(v) for v in value)
     return 0
 
 

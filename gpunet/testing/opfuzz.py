@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import torch
 
+from gpunet.job.interpreter import nbytes
+
 #: Skip real execution of a case whose dry run promises more than this (the fuzzer hunts crashes, not big kernels).
 MAX_CASE_BYTES = 16 * 2**20
 
@@ -156,14 +158,6 @@ def _build(value: Any, device: str) -> Any:
     return value
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 def dry_run(op: torch._ops.OpOverload, args: list) -> bool:
     """Whether the meta-device dry run accepts the call (and its result is small enough to execute here)."""
     try:
@@ -171,7 +165,7 @@ def dry_run(op: torch._ops.OpOverload, args: list) -> bool:
             out = op(*_build(args, "meta"))
     except Exception:
         return False
-    return _nbytes(out) <= MAX_CASE_BYTES
+    return nbytes(out) <= MAX_CASE_BYTES
 
 
 def _child(conn) -> None:
