@@ -69,14 +69,13 @@ def _signed(identity: Identity, key_id: bytes, subkey: bytes, record: dict, expi
     return payload + SIGNATURE_TAG + identity.sign(signing_bytes(DHTRecord(key_id, subkey, payload, expiration)))
 
 
-async def _send_to_every_peer(node, key_id: bytes, subkeys: list[bytes], values: list[bytes], expiration: float,
-                              in_cache: bool = False) -> int:
+async def _send_to_every_peer(node, key_id: bytes, subkeys: list[bytes], values: list[bytes], expiration: float) -> int:
     """Store requests straight to every peer the attacker knows, 50 records a request; how many entries were taken."""
     accepted = 0
     for lo in range(0, len(subkeys), 50):
         n = len(subkeys[lo:lo + 50])
         request = dht_pb2.StoreRequest(keys=[key_id] * n, subkeys=subkeys[lo:lo + 50], values=values[lo:lo + 50],
-                                       expiration_time=[expiration] * n, in_cache=[in_cache] * n,
+                                       expiration_time=[expiration] * n, in_cache=[False] * n,
                                        peer=node.protocol.node_info)
         for _node_id, peer_id in node.protocol.routing_table.get_nearest_neighbors(DHTID.from_bytes(key_id), k=64):
             response = await node.protocol.get_stub(peer_id).rpc_store(request, timeout=30)

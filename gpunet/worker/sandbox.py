@@ -242,8 +242,9 @@ def enter_files(writable_dirs: list[str], protected: list[str] = ()) -> list[str
         return ["no sandbox: not Linux"]
     if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         return [f"no sandbox: {_fail('no_new_privs')}"]
-    if threads() > 1:
-        return [f"no landlock: the process already has {threads()} threads (it must be entered before any start)"]
+    running = threads()
+    if running > 1:
+        return [f"no landlock: the process already has {running} threads (it must be entered before any start)"]
     abi = landlock_abi()
     if not abi:
         return ["no landlock in this kernel: executors can read what the worker's user can"]

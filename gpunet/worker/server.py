@@ -169,19 +169,19 @@ class Worker:
         finally:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
-            await asyncio.to_thread(self._stop_dht)
+            await self._stop_dht()
 
     async def network_alive(self) -> bool:
         """Whether our DHT process and p2p daemon are still there to talk through."""
         return self.dht.is_alive() and (self.rpc is None or await self.rpc.daemon_alive())
 
-    def _stop_dht(self) -> None:
-        if self.dht.is_alive() and self.rpc is not None and not asyncio.run(self.rpc.daemon_alive()):
+    async def _stop_dht(self) -> None:
+        if self.dht.is_alive() and self.rpc is not None and not await self.rpc.daemon_alive():
             # Its daemon is gone: a polite shutdown would wait its whole grace period on it.
             self.dht.terminate()
-            self.dht.join(LEAVE_STEP_TIMEOUT)
+            await asyncio.to_thread(self.dht.join, LEAVE_STEP_TIMEOUT)
         else:
-            self.dht.shutdown()  # bounded: a grace period, then SIGTERM
+            await asyncio.to_thread(self.dht.shutdown)  # bounded: a grace period, then SIGTERM
 
     def _print_welcome(self, starting_network: bool) -> None:
         joinable = self.maddrs[0] if self.maddrs else "(no address)"
