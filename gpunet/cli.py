@@ -90,7 +90,7 @@ def worker(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
     device: str = Device,
-    price: float = typer.Option(_WORKER.price, "--price", metavar="CREDITS", min=0, help="Credits per PFLOP of counted work."),
+    price: float = typer.Option(_WORKER.price, "--price", metavar="CREDITS", min=0, help="Credits per TFLOP of counted work (default 1)."),
     max_concurrent: int = typer.Option(
         _WORKER.max_concurrent, "--max-concurrent", metavar="N", min=1, help="Jobs executing at once."),
     max_queue: int = typer.Option(

@@ -42,8 +42,9 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None, *, writable: boo
     return path
 
 
-#: The most a worker may charge, in credits per PFLOP: amounts must fit the ledger's 64-bit integer micro-credits.
-MAX_PRICE = 1e9
+#: The most a worker may charge, in credits per TFLOP (10,000 times the default): a receipt's amount is a 64-bit count
+#: of nano-credits, so at this price one job can bill up to 1.8 EFLOP (about half an hour of a 1 PFLOPS accelerator).
+MAX_PRICE = 1e4
 
 
 @dataclass
@@ -53,7 +54,7 @@ class WorkerConfig:
     network: str = DEFAULT_NETWORK
     initial_peers: list[str] = field(default_factory=list)
     device: str = "auto"
-    price: float = 1.0  # credits per PFLOP of counted work
+    price: float = 1.0  # credits per TFLOP of counted work
     max_concurrent: int = 1  # jobs executing at once
     max_queue: int = 8  # jobs waiting beyond those; more are refused with "busy"
     public_name: str | None = None
@@ -70,4 +71,4 @@ class WorkerConfig:
 
     def __post_init__(self):
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):
-            raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per PFLOP, not {self.price!r}")
+            raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per TFLOP, not {self.price!r}")

@@ -69,14 +69,12 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
         console.rule("[bold]gpunet demo: a local network on 127.0.0.1")
         bootstrap = net.start_bootstrap()
         console.print(f"bootstrap node: {bootstrap}", soft_wrap=True)
-        # Amounts are whole micro-credits per job, rounded down: prices high enough that a small batch costs ~100 of
-        # them keep that rounding under 1% (at 100 credits/PFLOP a 9 MFLOP batch would be worth less than one).
-        prices = [10_000.0 + 5_000.0 * i for i in range(workers)]
+        prices = [1.0 + 0.5 * i for i in range(workers)]  # credits per TFLOP; 1 is a worker's default
         procs = [net.start_worker("--price", str(p), "--public-name", f"volunteer-{i + 1}", wait_online=False)
                  for i, p in enumerate(prices)]
         for proc in procs:
             net.wait_online(proc)
-        console.print(f"{workers} workers online (prices {', '.join(f'{p:g}' for p in prices)} credits/PFLOP)")
+        console.print(f"{workers} workers online (prices {', '.join(f'{p:g}' for p in prices)} credits/TFLOP)")
 
         with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
             console.print(f"client {short_id(client.id)} sees {len(client.workers(refresh=True))} workers")
@@ -176,9 +174,9 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
             head = ledger.verify()
             mine = ledger.balances().get(worker_id)
             table.add_row(f"worker {short_id(worker_id)}", str(head.count), format_credits(mine.earned if mine else 0),
-                          "0.000000", "[green]ok")
+                          "0.00", "[green]ok")
     with open_ledger(net.root / "client") as ledger:
         head = ledger.verify()
         spent = ledger.balances().get(client_id)
-        table.add_row("client", str(head.count), "0.000000", format_credits(spent.spent if spent else 0), "[green]ok")
+        table.add_row("client", str(head.count), "0.00", format_credits(spent.spent if spent else 0), "[green]ok")
     console.print(table)

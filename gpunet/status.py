@@ -14,6 +14,7 @@ from gpunet.dht import registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.identity import short_id
+from gpunet.ledger.receipts import NANO, format_credits
 
 if TYPE_CHECKING:
     from gpunet.client.trust import Reputation
@@ -172,7 +173,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             f"{r.price:g}",
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
-            f"{r.credits_earned:.6f}",  # as the ledger prints credits (micro-credit precision)
+            format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
             _duration(r.uptime(status.read_at)),
         ))

@@ -21,7 +21,7 @@ from gpunet.dht.records import DeviceInfo, WorkerRecord
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import JobFailed, JobRejected, JobTimeout, NetworkError, ProgramNotCached, WorkerBusy
 from gpunet.job import tensors
-from gpunet.ledger import Identity, price_to_micro, sign_as_worker
+from gpunet.ledger import Identity, price_to_nano, sign_as_worker
 from gpunet.protocol import Countersign, Refuse
 
 JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
@@ -80,7 +80,7 @@ class FakeTransport:
         receipt = sign_as_worker(
             w.identity, job_id=request.job_id, client_id=self.client_id, program_hash=request.program_hash,
             input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(signed_outputs).hexdigest(),
-            flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_micro(w.price),
+            flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_nano(w.price),
             max_price=request.max_price, started_at_us=1, ended_at_us=2)
 
         async def finish(verdict):

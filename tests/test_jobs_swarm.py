@@ -115,12 +115,12 @@ def _worker_receipts(proc):
 
 
 def test_both_sides_hold_the_same_receipts_and_the_books_balance(swarm, client_for):
-    workers = [swarm.start_worker("--price", "1000"), swarm.start_worker("--price", "2000")]
+    workers = [swarm.start_worker("--price", "1"), swarm.start_worker("--price", "2")]
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
     job = gpunet.Job.from_function(lambda a, b: a @ b, (torch.randn(128, 128), torch.randn(128, 128)))
     futures = [client.submit(job, torch.randn(128, 128), torch.randn(128, 128), requirements=Requirements(
-        max_price=5000)) for _ in range(24)]
+        max_price=5)) for _ in range(24)]
     for f in futures:
         f.result(timeout=120)
     assert all(f.receipt.amount > 0 for f in futures)
@@ -143,7 +143,7 @@ def test_requirements_nobody_meets_fail_fast(swarm, client_for):
     x = torch.randn(2, 16)
     for req, why in [
         (Requirements(device="gpu"), "has no GPU"),
-        (Requirements(max_price=1.0), "charges 3/PFLOP"),
+        (Requirements(max_price=1.0), "charges 3 credits/TFLOP"),
         (Requirements(min_memory_gb=100_000), "GiB free"),
         (Requirements(dtype="fp16"), "does not run fp16"),
     ]:

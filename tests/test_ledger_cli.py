@@ -39,10 +39,10 @@ def test_balance(node):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     mine = next(b for b in doc["balances"] if b["identity"] == me.peer_id)
-    assert (doc["identity"], mine["earned"], mine["jobs_worked"]) == (me.peer_id, 6_000_000, 3)
-    assert doc["unpaid"] == [{"client_id": OTHER.peer_id, "amount": 7_500, "jobs": 1}]
+    assert (doc["identity"], mine["earned"], mine["jobs_worked"]) == (me.peer_id, 6_000_000_000, 3)
+    assert doc["unpaid"] == [{"client_id": OTHER.peer_id, "amount": 7_500_000, "jobs": 1}]
     table = run("balance", data_dir=data_dir)
-    assert table.exit_code == 0 and "6.000000" in table.stdout and "Not countersigned: 1 job(s)" in table.stdout
+    assert table.exit_code == 0 and "6.00" in table.stdout and "Not countersigned: 1 job(s)" in table.stdout
 
 
 def test_show(node):
@@ -50,7 +50,7 @@ def test_show(node):
     newest = json.loads(run("show", "--limit", "2", "--json", data_dir=data_dir).stdout)
     assert [e["job_id"] for e in newest["entries"]] == ["job-3", "job-2"] and newest["head"]["count"] == 3
     one = run("show", "--job", "job-2", "--json", data_dir=data_dir)
-    assert json.loads(one.stdout)["amount"] == 2_000_000
+    assert json.loads(one.stdout)["amount"] == 2_000_000_000
     missing = run("show", "--job", "nope", data_dir=data_dir)
     assert missing.exit_code == 1 and "no receipt for job 'nope'" in missing.output
     assert "job-unpaid" in run("unpaid", data_dir=data_dir).stdout
@@ -77,7 +77,7 @@ def test_export_csv_and_json_round_trip_through_merge(node, tmp_path):
     data_dir, me = node
     rows = list(csv.DictReader(io.StringIO(run("export", "--format", "csv", data_dir=data_dir).stdout)))
     assert [r["job_id"] for r in rows] == ["job-1", "job-2", "job-3"]
-    assert [r["amount_credits"] for r in rows] == ["1.000000", "2.000000", "3.000000"]
+    assert [r["amount_credits"] for r in rows] == ["1.00", "2.00", "3.00"]
     Receipt.from_bytes(base64.b64decode(rows[0]["receipt"])).verify()  # every row carries its signed receipt
     out = tmp_path / "export.json"
     result = run("export", "-f", "json", "-o", str(out), data_dir=data_dir)

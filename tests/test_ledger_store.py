@@ -163,19 +163,19 @@ def test_balances_are_exact_and_what_clients_spend_workers_earn(ledger):
     receipts = [
         full_receipt(W1, C1, "a", flops=10**15, price=2_000_000),  # 2 credits
         full_receipt(W2, C1, "b", flops=5 * 10**14, price=3_000_000, max_price=None),  # 1.5 credits
-        full_receipt(W1, C2, "c", flops=333, price=1_000_000),  # rounds down to 0
+        full_receipt(W1, C2, "c", flops=333, price=1_000_000),  # rounds up to one nano-credit
     ]
     for r in receipts:
         ledger.append(r)
     b = ledger.balances()
-    assert (b[W1.peer_id].earned, b[W1.peer_id].jobs_worked) == (2_000_000, 2)
-    assert (b[C1.peer_id].spent, b[C1.peer_id].net) == (3_500_000, -3_500_000)
-    assert b[W2.peer_id].net == 1_500_000 and b[C2.peer_id].jobs_bought == 1
+    assert (b[W1.peer_id].earned, b[W1.peer_id].jobs_worked) == (2_000_000_001, 2)
+    assert (b[C1.peer_id].spent, b[C1.peer_id].net) == (3_500_000_000, -3_500_000_000)
+    assert b[W2.peer_id].net == 1_500_000_000 and (b[C2.peer_id].jobs_bought, b[C2.peer_id].spent) == (1, 1)
     assert sum(x.earned for x in b.values()) == sum(x.spent for x in b.values())
     assert balances(receipts + receipts) == b  # a pure function of the receipt set
-    assert ledger.earned(W1.peer_id) == 2_000_000 and ledger.earned(MALLORY.peer_id) == 0
+    assert ledger.earned(W1.peer_id) == 2_000_000_001 and ledger.earned(MALLORY.peer_id) == 0
     ledger.append(full_receipt(W1, C2, "d", flops=10**15, price=1_000_000))  # totals follow new entries
-    assert ledger.earned(W1.peer_id) == 3_000_000
+    assert ledger.earned(W1.peer_id) == 3_000_000_001
     assert ledger.balances() == balances(ledger.receipts())
 
 

@@ -13,7 +13,8 @@ from gpunet.ledger import (
     compute_amount,
     countersign,
     format_credits,
-    price_to_micro,
+    price_to_nano,
+    sign_as_worker,
 )
 from tests._ledger_util import digest, full_receipt, worker_signed
 
@@ -29,7 +30,7 @@ def test_flow_produces_a_receipt_both_signatures_verify():
     complete = attach_countersignature(half, signed.client_signature)
     complete.verify()
     assert complete == signed
-    assert complete.amount == 7_500  # 3 TFLOP at 2.5 credits/PFLOP = 0.0075 credits
+    assert complete.amount == 7_500_000  # 3 TFLOP at 0.0025 credits/TFLOP = 0.0075 credits, in nano-credits
     assert complete.worker_id == WORKER.peer_id and complete.client_id == CLIENT.peer_id
 
 
@@ -109,8 +110,8 @@ def test_non_canonical_and_foreign_encodings_are_refused():
     assert wide != r.body
     with pytest.raises(InvalidReceipt, match="canonical"):
         Receipt.from_bytes(msgpack.packb([wide, r.worker_signature, r.client_signature]))
-    future = msgpack.packb([2, *msgpack.unpackb(r.body)[1:]])
-    with pytest.raises(InvalidReceipt, match="version 2"):
+    future = msgpack.packb([3, *msgpack.unpackb(r.body)[1:]])
+    with pytest.raises(InvalidReceipt, match="version 3"):
         Receipt.from_bytes(msgpack.packb([future, b"", b""]))
     with pytest.raises(InvalidReceipt):
         Receipt.from_bytes(b"x" * 5000)
@@ -127,17 +128,63 @@ def test_garbage_bytes_are_an_invalid_receipt_never_a_crash(data):
 @given(st.integers(0, 2**64 - 1), st.integers(0, 10**12))
 def test_amount_is_exact_integer_arithmetic(flops, price):
     amount = compute_amount(flops, price)
-    assert amount * 10**15 <= flops * price < (amount + 1) * 10**15
+    assert (amount - 1) * 10**12 < flops * price <= amount * 10**12  # rounded up, by less than one nano-credit
+
+
+def test_paid_work_is_never_worth_zero():
+    default = price_to_nano(1.0)  # a worker's default price, credits per TFLOP
+    assert compute_amount(1, default) == 1  # one FLOP still earns a nano-credit
+    assert format_credits(compute_amount(10**6, default)) == "0.000001"  # a 1 MFLOP job
+    assert format_credits(compute_amount(3 * 10**9, default)) == "0.003"
+    assert compute_amount(0, default) == 0 and compute_amount(10**15, 0) == 0  # no work, or free work: nothing
+
+
+def test_a_job_too_big_to_bill_is_refused_with_the_reason():
+    with pytest.raises(InvalidReceipt, match="split the work"):
+        worker_signed(WORKER, CLIENT, "job-huge", flops=2**64 - 1, price=10**13, max_price=None)
 
 
 def test_prices_and_credits_are_exact_decimals():
-    assert price_to_micro(0.1) == 100_000
-    assert price_to_micro("2.5") == 2_500_000
-    assert price_to_micro(1e-7) == 0
-    assert format_credits(1_234_567) == "1.234567" and format_credits(-5) == "-0.000005"
+    assert price_to_nano(0.1) == 100_000_000
+    assert price_to_nano("2.5") == 2_500_000_000
+    assert price_to_nano(1e-10) == 0
+    assert format_credits(1_234_567_000) == "1.234567" and format_credits(1_500_000_000) == "1.50"
+    assert format_credits(-5) == "-0.000000005" and format_credits(0) == "0.00"
     for bad in (-1, "nan", "abc", float("inf")):
         with pytest.raises(InvalidReceipt):
-            price_to_micro(bad)
+            price_to_nano(bad)
+
+
+def _v1_receipt(job_id: str, *, flops: int, price: int) -> Receipt:
+    """A receipt as gpunet signed them before format 2 (micro-credits per PFLOP, amounts in micro-credits rounded
+    down), built and signed by hand."""
+    unsigned = Receipt(job_id=job_id, client_id=CLIENT.peer_id, worker_id=WORKER.peer_id, program_hash=digest("p"),
+                       input_hash=digest("i"), output_hash=digest("o"), flops=flops, wall_time_us=1, price=price,
+                       max_price=None, amount=compute_amount(flops, price, version=1), started_at_us=1,
+                       ended_at_us=2, version=1)
+    assert unsigned.signing_bytes().startswith(b"gpunet/receipt/v1\x00")
+    assert msgpack.unpackb(unsigned.body)[0] == 1
+    half = dataclasses.replace(unsigned, worker_signature=WORKER.sign(unsigned.signing_bytes()))
+    return dataclasses.replace(half, client_signature=CLIENT.sign(half.signing_bytes()))
+
+
+def test_format_1_receipts_still_verify_with_their_amounts_in_nano_credits(tmp_path):
+    from gpunet.ledger import open_ledger
+
+    old = _v1_receipt("job-v1", flops=2 * 10**15, price=3_000_000)  # 2 PFLOP at 3 credits/PFLOP = 6 credits
+    again = Receipt.from_bytes(old.to_bytes())
+    again.verify()
+    assert again.version == 1 and again.amount == 6 * 10**9 and format_credits(again.amount) == "6.00"
+    assert msgpack.unpackb(msgpack.unpackb(old.to_bytes())[0])[11] == 6_000_000  # signed as micro-credits
+    with open_ledger(tmp_path) as ledger:
+        ledger.append(again)
+        ledger.append(full_receipt(WORKER, CLIENT, "job-v2", flops=10**12, price=10**9, max_price=None))  # 1 credit
+        ledger.verify()
+        assert ledger.balances()[WORKER.peer_id].earned == 7 * 10**9
+    # The format is signed: the same fields presented as format 2 do not verify with the format-1 signatures.
+    as_v2 = dataclasses.replace(old, version=2, amount=compute_amount(old.flops, old.price))
+    with pytest.raises(InvalidReceipt, match="signature"):
+        as_v2.verify()
 
 
 @pytest.mark.parametrize(

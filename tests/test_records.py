@@ -37,6 +37,13 @@ def test_round_trip_and_unknown_fields_are_ignored():
     assert WorkerRecord.from_wire_bytes(msgpack.packb(wire)) == record
 
 
+def test_a_format_1_record_is_read_with_its_price_per_tflop():
+    """Format 1 quoted prices per PFLOP; a worker of an earlier release still routes at the price it meant."""
+    old = {**make_record().to_wire(), "format": 1, "price": 2500.0}  # 2,500 credits/PFLOP
+    assert WorkerRecord.from_wire(old).price == 2.5
+    assert WorkerRecord.from_wire({**old, "format": 2}).price == 2500.0
+
+
 @pytest.mark.parametrize(
     "patch, complaint",
     [

@@ -32,7 +32,7 @@ def test_requirements_filter_with_reasons():
     assert r.choose(Requirements(max_price=2.0), TINY).id == "cpu-a"
     with pytest.raises(NoWorkersAvailable) as e:
         r.choose(Requirements(device="gpu", max_price=2.0), TINY)
-    assert "has no GPU" in str(e.value) and "charges 9/PFLOP" in str(e.value) and "is draining" in str(e.value)
+    assert "has no GPU" in str(e.value) and "charges 9 credits/TFLOP" in str(e.value) and "is draining" in str(e.value)
     with pytest.raises(NoWorkersAvailable, match="GiB free"):
         r.choose(Requirements(min_memory_gb=64), TINY)
 

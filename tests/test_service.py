@@ -40,9 +40,9 @@ class Clock:
 
 
 def test_admission_refuses_by_price_limits_and_job_id_reuse():
-    a = Admission(price_micro=5, max_concurrent=1, max_queue=1, limits=ServiceLimits(max_timeout=60, max_input_bytes=3))
-    with pytest.raises(JobRejected, match="price 5 .* above the job's bound 4"):
-        a.screen(ALICE, job(max_price=4))
+    a = Admission(price_nano=5 * 10**9, max_concurrent=1, max_queue=1, limits=ServiceLimits(max_timeout=60, max_input_bytes=3))
+    with pytest.raises(JobRejected, match="price 5.00 credits/TFLOP is above the job.s bound 4.50"):
+        a.screen(ALICE, job(max_price=4_500_000_000))
     with pytest.raises(ProtocolError, match="timeout"):
         a.screen(ALICE, job(timeout=61))
     with pytest.raises(JobRejected, match="inputs of 4 bytes exceed"):
@@ -51,11 +51,11 @@ def test_admission_refuses_by_price_limits_and_job_id_reuse():
     with pytest.raises(JobRejected, match="already used by another client"):
         a.screen(ALICE, job(), paid_by=BOB)
     a.screen(ALICE, job(), paid_by=ALICE)  # its own retry is fine
-    a.screen(ALICE, job(max_price=5))
+    a.screen(ALICE, job(max_price=5 * 10**9))
 
 
 def test_admission_counts_places_and_answers_busy_when_full():
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=2)
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=2)
     assert a.admit(ALICE) and a.admit(ALICE)
     assert not a.admit(ALICE)  # one client holds at most the running slots and half the queue
     assert a.admit(BOB)
@@ -68,7 +68,7 @@ def test_admission_counts_places_and_answers_busy_when_full():
 
 
 def test_uploads_take_no_queue_place_but_are_capped_per_client_and_per_address():
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=0,
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0,
                   limits=ServiceLimits(max_uploads_per_client=2, max_uploads_per_host=3))
     assert a.begin_upload(ALICE, "/ip4/10.0.0.1") and a.begin_upload(ALICE, "/ip4/10.0.0.1")
     assert not a.begin_upload(ALICE, "/ip4/10.0.0.2")  # the same identity from anywhere
@@ -81,7 +81,7 @@ def test_uploads_take_no_queue_place_but_are_capped_per_client_and_per_address()
 
 
 def test_payload_bytes_are_charged_before_reading_and_given_back():
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_buffered_bytes=100))
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_buffered_bytes=100))
     a.charge(40, ALICE, "/ip4/10.0.0.1")
     a.charge(40, BOB, "/ip4/10.0.0.2")
     with pytest.raises(WorkerBusy, match="receiving"):
@@ -99,7 +99,7 @@ def test_payload_bytes_are_charged_before_reading_and_given_back():
 
 def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
     async def scenario():
-        a = Admission(price_micro=1, max_concurrent=2, max_queue=0)
+        a = Admission(price_nano=1, max_concurrent=2, max_queue=0)
         a.stream_opened()  # as the service does: a job stream counts from its submit...
         assert a.admit(ALICE)
         drained = None
@@ -119,7 +119,7 @@ def test_draining_takes_nothing_new_and_resolves_when_the_last_job_is_paid():
 
 def test_a_client_that_keeps_stopping_jobs_is_refused_until_its_stops_age_out():
     clock = Clock()
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, clock=clock,
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
                   limits=ServiceLimits(max_stopped_jobs=2, stopped_jobs_window=600))
     a.stopped_running(ALICE)
     clock.now += 300
@@ -185,7 +185,7 @@ class HangingExecutor:
 @pytest.fixture
 def service(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        admission = Admission(price_micro=1, max_concurrent=1, max_queue=4, limits=ServiceLimits(max_stopped_jobs=2))
+        admission = Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=ServiceLimits(max_stopped_jobs=2))
         yield JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger, admission=admission,
                          record=lambda: None)
 
@@ -261,7 +261,7 @@ def test_limits_are_said_in_units_people_read():
     from gpunet.utils import human_bytes
 
     assert [human_bytes(n) for n in (12, 2048, 14_400_240_000_000)] == ["12 bytes", "2.0 KiB", "13.1 TiB"]
-    a = Admission(price_micro=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_input_bytes=2**30))
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, limits=ServiceLimits(max_input_bytes=2**30))
     with pytest.raises(JobRejected, match=r"inputs of 2.0 GiB exceed this worker's limit of 1.0 GiB"):
         a.screen(ALICE, Submit("j", PROGRAM, 2**31))
 
@@ -277,7 +277,7 @@ def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_pa
     """A second receipt for one job id would read as fraud by this worker (and be work nobody pays for)."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=QuickExecutor(), ledger=ledger,
-                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4), record=lambda: None)
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4), record=lambda: None)
 
         async def scenario():
             first = await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
@@ -296,7 +296,7 @@ def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_pa
 def test_the_same_job_id_in_flight_for_two_clients_runs_once(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger,
-                             admission=Admission(price_micro=1, max_concurrent=2, max_queue=4), record=lambda: None)
+                             admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
 
         async def scenario():
             alice = submit(service, ALICE, "shared-id")
@@ -322,7 +322,7 @@ class CrashingExecutor(HangingExecutor):
 def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
-                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
                                                  limits=ServiceLimits(max_stopped_jobs=20)), record=lambda: None)
 
         async def scenario():
@@ -342,7 +342,7 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
 def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
-                             admission=Admission(price_micro=1, max_concurrent=1, max_queue=4,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
                                                  limits=ServiceLimits(max_stopped_jobs=5, host_stops_factor=2)),
                              record=lambda: None)
 

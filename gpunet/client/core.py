@@ -38,7 +38,7 @@ from gpunet.errors import (
     WorkerBusy,
 )
 from gpunet.identity import Identity
-from gpunet.ledger.receipts import Receipt, countersign, price_to_micro
+from gpunet.ledger.receipts import Receipt, countersign, price_to_nano
 from gpunet.ledger.store import Ledger, open_ledger
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.utils import LRU, sha256_hex
@@ -230,7 +230,7 @@ class ClientCore:
             job=job, req=req, job_id=job_id, encoded=encoded, input_hash=input_hash, flops=estimate.flops,
             program=program, deadline=time.monotonic() + req.timeout,
             shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job)),
-            max_price=price_to_micro(req.max_price) if req.max_price is not None else None,
+            max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
             outputs=estimate.outputs,
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
         )

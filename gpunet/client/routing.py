@@ -40,7 +40,7 @@ class Requirements:
     min_memory_gb: float = 0.0
     dtype: str | None = None  # "fp32" | "fp16" | "bf16": the worker must have measured throughput in it
     min_tflops: float = 0.0
-    max_price: float | None = None  # credits per PFLOP
+    max_price: float | None = None  # credits per TFLOP
     timeout: float = 120.0  # seconds for the whole job, retries included
     prefer: Literal["balanced", "fastest", "cheapest"] = "balanced"
     redundancy: int = 1  # run on this many distinct workers and accept the majority (see gpunet.client.trust)
@@ -77,7 +77,7 @@ class Requirements:
         if tflops < self.min_tflops:
             return f"measures {tflops:.3g} TFLOPS (< {self.min_tflops:g})"
         if self.max_price is not None and r.price > self.max_price:
-            return f"charges {r.price:g}/PFLOP (> {self.max_price:g})"
+            return f"charges {r.price:g} credits/TFLOP (> {self.max_price:g})"
         return None
 
 

@@ -54,7 +54,7 @@ class JobRequest:
     program: bytes  # the container; sent only when the worker asks for it
     inputs: bytes
     timeout: float
-    max_price: int | None  # micro-credits per PFLOP
+    max_price: int | None  # nano-credits per TFLOP
     max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
 
 

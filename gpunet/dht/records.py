@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gpunet.errors import InvalidRecord
 
-WORKER_RECORD_FORMAT = 1
+#: 2: ``price`` is in credits per TFLOP (it was per PFLOP in format 1; such records are read with it converted).
+WORKER_RECORD_FORMAT = 2
 
 #: Worker records are spread over this many DHT keys so that one key stays far below hivemind's 4 MiB message limit
 #: (about 400 bytes a record: 10,000 workers put ~60 KiB in a bucket). Readers and writers must agree, so it is part
@@ -86,7 +87,7 @@ class WorkerRecord(_WireModel):
     state: Annotated[WorkerState, Field(strict=False)]  # lax only here: accepts the enum's string value
     device: DeviceInfo
     tflops: dict[Annotated[str, Field(max_length=16)], _NonNegFloat] = Field(default_factory=dict, max_length=8)
-    price: _NonNegFloat = 0.0  # credits per PFLOP of counted work
+    price: _NonNegFloat = 0.0  # credits per TFLOP of counted work (format 1: per PFLOP, converted on reading)
     max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
     queue: _NonNegInt = 0
     jobs_done: _NonNegInt = 0
@@ -116,6 +117,8 @@ class WorkerRecord(_WireModel):
         if unknown > MAX_UNKNOWN_FIELD_BYTES:
             raise InvalidRecord(f"worker record carries {unknown} bytes of unknown fields; at most "
                                 f"{MAX_UNKNOWN_FIELD_BYTES} are allowed")
+        if fmt == 1 and type(data.get("price")) in (int, float):
+            data = {**data, "price": data["price"] / 1000}  # per PFLOP -> per TFLOP
         try:
             return cls.model_validate(data)
         except ValidationError as e:

@@ -17,7 +17,7 @@ from gpunet.ledger.receipts import (
     compute_amount,
     countersign,
     format_credits,
-    price_to_micro,
+    price_to_nano,
     sign_as_worker,
 )
 from gpunet.ledger.store import (
@@ -45,7 +45,7 @@ __all__ = [
     "countersign",
     "format_credits",
     "open_ledger",
-    "price_to_micro",
+    "price_to_nano",
     "resolve_data_dir",
     "sign_as_worker",
 ]

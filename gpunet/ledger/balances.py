@@ -1,6 +1,6 @@
 """Balances: what each identity earned as a worker and spent as a client, a pure function of a set of receipts.
 
-Amounts are integer micro-credits, so the sum a client spent equals, to the micro-credit, the sum its workers earned.
+Amounts are integer nano-credits, so the sum a client spent equals, to the nano-credit, the sum its workers earned.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from gpunet.ledger.receipts import Receipt
 
 @dataclass(frozen=True)
 class Balance:
-    """One identity's totals over some receipts (money in micro-credits)."""
+    """One identity's totals over some receipts (money in nano-credits)."""
 
     identity: str
     earned: int = 0

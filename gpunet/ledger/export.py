@@ -1,6 +1,6 @@
 """Exports for settlement outside gpunet: CSV for spreadsheets, JSON for programs.
 
-Each row carries the readable fields (money both as integer micro-credits and as exact decimal credits) and the
+Each row carries the readable fields (money both as integer nano-credits and as exact decimal credits) and the
 receipt's exact bytes (base64), so an export stays checkable: ``gpunet ledger merge`` accepts a JSON export, and any
 row can be re-verified by decoding its ``receipt`` column.
 """
@@ -22,10 +22,11 @@ if TYPE_CHECKING:
     from gpunet.ledger.store import Entry, LedgerHead
 
 EXPORT_FORMAT = "gpunet-ledger-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: prices per TFLOP, amounts in nano-credits (receipt format 2); version 1 exports still merge
+READABLE_EXPORT_VERSIONS = (1, 2)
 CSV_COLUMNS = (
     "seq", "job_id", "client_id", "worker_id", "program_hash", "input_hash", "output_hash", "flops", "wall_time_us",
-    "price", "max_price", "amount", "price_credits_per_pflop", "amount_credits", "started_at_us", "ended_at_us",
+    "price", "max_price", "amount", "price_credits_per_tflop", "amount_credits", "started_at_us", "ended_at_us",
     "worker_signature", "client_signature", "receipt",
 )  # fmt: skip
 
@@ -33,7 +34,7 @@ CSV_COLUMNS = (
 def export_row(seq: int, receipt: Receipt) -> dict[str, Any]:
     """One receipt as export fields, in ``CSV_COLUMNS`` order (plus ``format_version``)."""
     row: dict[str, Any] = {"seq": seq, **receipt.to_dict()}
-    row["price_credits_per_pflop"] = format_credits(receipt.price)
+    row["price_credits_per_tflop"] = format_credits(receipt.price)
     row["amount_credits"] = format_credits(receipt.amount)
     row["receipt"] = base64.b64encode(receipt.to_bytes()).decode()
     return row
@@ -73,8 +74,9 @@ def read_json_export(path: str | Path) -> list[tuple[str, bytes]]:
         raise LedgerError(f"{path} is neither a gpunet ledger nor a gpunet JSON export") from None
     if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT or not isinstance(doc.get("receipts"), list):
         raise LedgerError(f"{path} is not a gpunet JSON export")
-    if doc.get("version") != EXPORT_VERSION:
-        raise LedgerError(f"{path} is export version {doc.get('version')!r}; this gpunet reads {EXPORT_VERSION}")
+    if doc.get("version") not in READABLE_EXPORT_VERSIONS:
+        raise LedgerError(f"{path} is export version {doc.get('version')!r:.20}; this gpunet reads "
+                          f"{', '.join(map(str, READABLE_EXPORT_VERSIONS))}")
     out = []
     for position, row in enumerate(doc["receipts"], 1):
         try:

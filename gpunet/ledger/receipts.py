@@ -3,19 +3,25 @@
 A receipt is valid anywhere by itself. Its worker id and client id are libp2p peer ids, which inline the Ed25519 public
 keys, so checking both signatures needs no key exchange and no server.
 
-Encoding (format version 1), chosen so a signature is reproducible byte for byte:
+Encoding (format version 2), chosen so a signature is reproducible byte for byte:
 
 - the *body* is a msgpack array ``[FORMAT_VERSION, job_id, client_id, worker_id, program_hash, input_hash, output_hash,
   flops, wall_time_us, price, max_price, amount, started_at_us, ended_at_us]`` in that fixed order, packed with
   msgpack's smallest-form rules (ints, str, nil only: no floats, no maps), so one set of fields has exactly one body;
-- both parties sign ``SIGNING_DOMAIN + body`` (the domain keeps a receipt signature from ever doubling as a signature on
-  a DHT record made by the same key);
+- both parties sign ``signing_domain(version) + body`` (the domain keeps a receipt signature from ever doubling as a
+  signature on a DHT record made by the same key, or as one on a receipt of another format);
 - the stored form is the msgpack array ``[body, worker_signature, client_signature]``; decoding keeps the body bytes,
   so verification never re-encodes, and refuses a body that is not the canonical encoding of its own fields.
 
-Money is integers only, so both sides compute the identical amount: a price is in micro-credits per PFLOP (10**15
-floating-point operations) and an amount in micro-credits, ``amount = flops * price // 10**15`` (see
-:func:`compute_amount`, the one place that rule lives).
+Money is integers only, so both sides compute the identical amount: a price is in nano-credits per TFLOP (10**12
+floating-point operations) and an amount in nano-credits, ``amount = ceil(flops * price / 10**12)`` (see
+:func:`compute_amount`, the one place that rule lives). Rounding up means paid work is never worth zero: at the default
+price of 1 credit/TFLOP a 1 MFLOP job earns 0.000001 credits, and the rounding is at most one nano-credit a job.
+
+Format 1 (micro-credits per PFLOP, amounts in micro-credits rounded down, so jobs under 1 GFLOP were worth 0 at the
+default price) is still read and verified, so ledgers written before keep their value: its price is the same number in
+either unit (1 micro-credit/PFLOP = 1 nano-credit/TFLOP) and its amount is held here in nano-credits (x 1000), so every
+reader of :class:`Receipt` sees one unit; the body is re-encoded in the format's own terms for its signatures.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ from gpunet.errors import IdentityError, InvalidReceipt
 from gpunet.identity import Identity, public_key_from_peer_id
 from gpunet.utils import LRU
 
-FORMAT_VERSION = 1
-SIGNING_DOMAIN = b"gpunet/receipt/v1\x00"
-MICRO = 10**6  # micro-credits per credit
-FLOPS_PER_PFLOP = 10**15
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+NANO = 10**9  # nano-credits per credit
+FLOPS_PER_TFLOP = 10**12
+_V1_AMOUNT_SCALE = 1000  # format 1 amounts were micro-credits
 MAX_RECEIPT_BYTES = 4096  # a real receipt is ~400 bytes; anything larger is refused before it is decoded
 SIGNATURE_LEN = 64
 
@@ -46,15 +53,26 @@ _TEXT_FIELDS = ("job_id", "client_id", "worker_id", "program_hash", "input_hash"
 _INT_FIELDS = ("flops", "wall_time_us", "price", "amount", "started_at_us", "ended_at_us")
 
 
-def compute_amount(flops: int, price: int) -> int:
-    """Micro-credits owed for ``flops`` operations at ``price`` micro-credits per PFLOP, rounded down."""
-    return flops * price // FLOPS_PER_PFLOP
+def signing_domain(version: int = FORMAT_VERSION) -> bytes:
+    return f"gpunet/receipt/v{version}".encode() + b"\x00"
 
 
-def price_to_micro(price: float | str | Decimal) -> int:
-    """A price in credits per PFLOP (as a user types it, e.g. ``2.5``) as integer micro-credits per PFLOP.
+SIGNING_DOMAIN = signing_domain()
 
-    Goes through the decimal text of the number, so ``0.1`` becomes exactly 100000; rounds half-even to a micro-credit.
+
+def compute_amount(flops: int, price: int, version: int = FORMAT_VERSION) -> int:
+    """Nano-credits owed for ``flops`` operations at ``price`` nano-credits per TFLOP, rounded up (never 0 for paid
+    work). ``version=1`` gives a format-1 receipt's amount, converted to nano-credits."""
+    if version == 1:
+        return flops * price // 10**15 * _V1_AMOUNT_SCALE
+    return -(-flops * price // FLOPS_PER_TFLOP)
+
+
+def price_to_nano(price: float | str | Decimal) -> int:
+    """A price in credits per TFLOP (as a user types it, e.g. ``2.5``) as integer nano-credits per TFLOP.
+
+    Goes through the decimal text of the number, so ``0.1`` becomes exactly 100000000; rounds half-even to a
+    nano-credit.
     """
     try:
         value = Decimal(str(price))
@@ -62,14 +80,16 @@ def price_to_micro(price: float | str | Decimal) -> int:
         raise InvalidReceipt(f"price {price!r} is not a number") from None
     if not value.is_finite() or value < 0:
         raise InvalidReceipt(f"price {price!r} must be a finite number >= 0")
-    return int((value * MICRO).to_integral_value(rounding=ROUND_HALF_EVEN))
+    return int((value * NANO).to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
-def format_credits(micro: int) -> str:
-    """Micro-credits as an exact decimal string of credits (``1234567`` → ``"1.234567"``); never a float."""
-    sign = "-" if micro < 0 else ""
-    whole, frac = divmod(abs(micro), MICRO)
-    return f"{sign}{whole}.{frac:06d}"
+def format_credits(nano: int) -> str:
+    """Nano-credits as an exact decimal string of credits, never a float: at least two decimals, more only where they
+    are not zero (``1_500_000_000`` → ``"1.50"``, ``1234`` → ``"0.000001234"``)."""
+    sign = "-" if nano < 0 else ""
+    whole, frac = divmod(abs(nano), NANO)
+    digits = f"{frac:09d}".rstrip("0").ljust(2, "0")
+    return f"{sign}{whole}.{digits}"
 
 
 def _check_signature(peer_id: str, signature: bytes, message: bytes, who: str) -> None:
@@ -125,10 +145,10 @@ def _sign(identity: Identity, message: bytes) -> bytes:
 class Receipt:
     """One finished job: who ran what for whom, what it cost, and both parties' signatures over that.
 
-    Money fields are integers: ``price`` and ``max_price`` (the client's bound, ``None`` for none) in micro-credits
-    per PFLOP, ``amount`` in micro-credits. Times are integer microseconds (``started_at_us``/``ended_at_us`` since the
-    Unix epoch, ``wall_time_us`` of execution). Construction checks types and ranges; :meth:`verify` checks the rules
-    and the signatures.
+    Money fields are integers: ``price`` and ``max_price`` (the client's bound, ``None`` for none) in nano-credits
+    per TFLOP, ``amount`` in nano-credits (for a format-1 receipt too; see the module docstring). Times are integer
+    microseconds (``started_at_us``/``ended_at_us`` since the Unix epoch, ``wall_time_us`` of execution).
+    Construction checks types and ranges; :meth:`verify` checks the rules and the signatures.
     """
 
     job_id: str
@@ -146,6 +166,7 @@ class Receipt:
     ended_at_us: int
     worker_signature: bytes = b""
     client_signature: bytes = b""
+    version: int = FORMAT_VERSION  # the format it was signed in; new receipts are always FORMAT_VERSION
     body: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -161,7 +182,15 @@ class Receipt:
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) not in (0, SIGNATURE_LEN):
                 raise InvalidReceipt(f"{name} must be empty or {SIGNATURE_LEN} bytes")
-        body = msgpack.packb([FORMAT_VERSION, *(getattr(self, name) for name in _BODY_FIELDS)], use_bin_type=True)
+        if type(self.version) is not int or self.version not in READABLE_VERSIONS:
+            raise InvalidReceipt(f"receipt format version {self.version!r} unknown (this gpunet reads "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
+        fields = [getattr(self, name) for name in _BODY_FIELDS]
+        if self.version == 1:
+            if self.amount % _V1_AMOUNT_SCALE:
+                raise InvalidReceipt("a format-1 receipt's amount is whole micro-credits")
+            fields[_BODY_FIELDS.index("amount")] = self.amount // _V1_AMOUNT_SCALE
+        body = msgpack.packb([self.version, *fields], use_bin_type=True)
         object.__setattr__(self, "body", body)
 
     def _with_signature(self, name: str, signature: bytes) -> "Receipt":
@@ -177,7 +206,7 @@ class Receipt:
 
     def signing_bytes(self) -> bytes:
         """What both the worker and the client sign."""
-        return SIGNING_DOMAIN + self.body
+        return signing_domain(self.version) + self.body
 
     def to_bytes(self) -> bytes:
         return msgpack.packb([self.body, self.worker_signature, self.client_signature], use_bin_type=True)
@@ -195,18 +224,25 @@ class Receipt:
             raise InvalidReceipt(f"not an encoded receipt: {e}") from None
         if not isinstance(fields, list) or not fields:
             raise InvalidReceipt("receipt body is not a msgpack array")
-        if fields[0] != FORMAT_VERSION:
-            raise InvalidReceipt(f"receipt format version {fields[0]!r} unknown (this gpunet reads {FORMAT_VERSION})")
+        version = fields[0]
+        if type(version) is not int or version not in READABLE_VERSIONS:
+            raise InvalidReceipt(f"receipt format version {version!r:.20} unknown (this gpunet reads "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))})")
         if len(fields) != 1 + len(_BODY_FIELDS):
-            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {FORMAT_VERSION} has {_N_FIELDS}")
-        receipt = cls(*fields[1:], worker_signature=worker_signature, client_signature=client_signature)
+            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {version} has {_N_FIELDS}")
+        values = fields[1:]
+        if version == 1:
+            amount_at = _BODY_FIELDS.index("amount")
+            if type(values[amount_at]) is int:
+                values[amount_at] *= _V1_AMOUNT_SCALE
+        receipt = cls(*values, worker_signature=worker_signature, client_signature=client_signature, version=version)
         if receipt.body != body:
             raise InvalidReceipt("receipt body is not in canonical encoding")
         return receipt
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (signatures as hex) for JSON and tables; the exact receipt is ``to_bytes()``."""
-        out: dict[str, Any] = {"format_version": FORMAT_VERSION}
+        out: dict[str, Any] = {"format_version": self.version}
         out.update({name: getattr(self, name) for name in _BODY_FIELDS})
         out["worker_signature"] = self.worker_signature.hex()
         out["client_signature"] = self.client_signature.hex()
@@ -222,10 +258,9 @@ class Receipt:
         """The rules any honest receipt obeys, signatures aside; raises InvalidReceipt naming the broken one."""
         if self.worker_id == self.client_id:
             raise InvalidReceipt("worker and client are the same identity")
-        if self.amount != compute_amount(self.flops, self.price):
-            raise InvalidReceipt(
-                f"amount {self.amount} is not flops x price = {compute_amount(self.flops, self.price)} micro-credits"
-            )
+        owed = compute_amount(self.flops, self.price, self.version)
+        if self.amount != owed:
+            raise InvalidReceipt(f"amount {self.amount} is not flops x price = {owed} nano-credits")
         if self.max_price is not None and self.price > self.max_price:
             raise InvalidReceipt(f"price {self.price} is above the client's bound {self.max_price}")
         if self.ended_at_us < self.started_at_us:
@@ -245,7 +280,7 @@ class Receipt:
         _check_signature(self.client_id, self.client_signature, self.signing_bytes(), "client")
 
 
-_NOT_IN_BODY = ("worker_signature", "client_signature", "body")
+_NOT_IN_BODY = ("worker_signature", "client_signature", "version", "body")
 _BODY_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.name not in _NOT_IN_BODY)  # the fixed order
 _N_FIELDS = len(_BODY_FIELDS)
 
@@ -276,6 +311,9 @@ def sign_as_worker(
     """The worker's half: the receipt for a job it ran, amount computed here, signed by ``worker``."""
     _check_uint("flops", flops)
     _check_uint("price", price)
+    if compute_amount(flops, price) > _MAX_UINT:
+        raise InvalidReceipt(f"{flops:.3g} FLOPs at {format_credits(price)} credits/TFLOP come to more than one receipt "
+                             "can bill (2**64 nano-credits); split the work into smaller jobs")
     receipt = Receipt(
         job_id=job_id,
         client_id=client_id,
@@ -306,8 +344,8 @@ def countersign(
 ) -> Receipt:
     """The client's half: check the receipt against what the client actually got and agreed to, then countersign.
 
-    ``output_hash`` is the hash of the outputs the client received, ``max_price`` its bound for this job (micro-credits
-    per PFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one. Raises InvalidReceipt
+    ``output_hash`` is the hash of the outputs the client received, ``max_price`` its bound for this job (nano-credits
+    per TFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one. Raises InvalidReceipt
     naming the first mismatch; a refused receipt is simply not countersigned.
 
     ``check_worker_signature=False`` is for a caller that got the receipt over a channel authenticated as the worker

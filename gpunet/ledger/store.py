@@ -389,7 +389,7 @@ class Ledger:
         return self._sheet.snapshot()
 
     def earned(self, peer_id: str) -> int:
-        """Micro-credits ``peer_id`` earned as a worker in this ledger (the figure a worker announces)."""
+        """Nano-credits ``peer_id`` earned as a worker in this ledger (the figure a worker announces)."""
         balance = self.balances().get(peer_id)
         return balance.earned if balance else 0
 

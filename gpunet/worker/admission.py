@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
+from gpunet.ledger.receipts import format_credits
 from gpunet.protocol import Submit
 from gpunet.utils import LRU, When, human_bytes
 
@@ -61,9 +62,9 @@ class ServiceLimits:
 class Admission:
     """The worker's job counts and admission decisions. Use from one event loop's thread."""
 
-    def __init__(self, *, price_micro: int, max_concurrent: int, max_queue: int,
+    def __init__(self, *, price_nano: int, max_concurrent: int, max_queue: int,
                  limits: ServiceLimits = ServiceLimits(), clock: Callable[[], float] = time.monotonic):
-        self.price_micro = price_micro
+        self.price_nano = price_nano  # per TFLOP
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.limits = limits
@@ -102,9 +103,9 @@ class Admission:
         """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
         if paid_by is not None and paid_by != client_id:
             raise JobRejected(f"job id {submit.job_id[:16]} was already used by another client; use a fresh one")
-        if submit.max_price is not None and submit.max_price < self.price_micro:
-            raise JobRejected(f"this worker's price {self.price_micro} micro-credits/PFLOP is above the job's bound "
-                              f"{submit.max_price}")
+        if submit.max_price is not None and submit.max_price < self.price_nano:
+            raise JobRejected(f"this worker's price {format_credits(self.price_nano)} credits/TFLOP is above the job's "
+                              f"bound {format_credits(submit.max_price)}")
         if submit.timeout > self.limits.max_timeout:
             raise ProtocolError(f"timeout must be in (0, {self.limits.max_timeout:g}] seconds")
         if submit.inputs_size > self.limits.max_input_bytes:

@@ -24,7 +24,7 @@ from gpunet.dht import network, registry
 from gpunet.dht.records import MAX_ADVERTISED_MADDRS, MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
 from gpunet.errors import NetworkError
 from gpunet.identity import Identity
-from gpunet.ledger.receipts import price_to_micro
+from gpunet.ledger.receipts import NANO, price_to_nano
 from gpunet.ledger.store import open_ledger
 from gpunet.utils import new_event_loop
 from gpunet.worker import hardware as hw
@@ -92,7 +92,7 @@ class Worker:
             maddrs=self.maddrs[:MAX_ADVERTISED_MADDRS],
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
-            credits_earned=ledger.earned(self.id) / 1e6 if ledger is not None else 0.0,
+            credits_earned=ledger.earned(self.id) / NANO if ledger is not None else 0.0,
         )
 
     async def announce(self, state: WorkerState | None = None) -> bool:
@@ -162,7 +162,7 @@ class Worker:
             await self.announce(WorkerState.JOINING)
             await self.start_services()
             await self.announce(WorkerState.ONLINE)
-            logger.info("Online: taking jobs at %.3g credits/PFLOP (worker id %s)", cfg.price, self.id)
+            logger.info("Online: taking jobs at %.3g credits/TFLOP (worker id %s)", cfg.price, self.id)
             await self._heartbeat_until_stopped()
             await self._drain()
             return 0
@@ -289,7 +289,7 @@ class Worker:
             identity=self.identity,
             executor=self.executor,
             ledger=self.ledger,
-            admission=Admission(price_micro=price_to_micro(cfg.price), max_concurrent=cfg.max_concurrent,
+            admission=Admission(price_nano=price_to_nano(cfg.price), max_concurrent=cfg.max_concurrent,
                                 max_queue=cfg.max_queue,
                                 limits=ServiceLimits(max_buffered_bytes=self._buffer_budget())),
             record=self.record,

@@ -439,7 +439,7 @@ class JobService:
             output_hash=sha256_hex(outputs),
             flops=int(result.flops),
             wall_time_us=int(result.wall_time * 1e6),
-            price=self.admission.price_micro,
+            price=self.admission.price_nano,
             max_price=submit.max_price,
             started_at_us=int(started * 1e6),
             ended_at_us=int(ended * 1e6),
