@@ -104,6 +104,9 @@ def worker(
     drain_timeout: float = typer.Option(
         _WORKER.drain_timeout, "--drain-timeout", metavar="SECONDS", min=0, help="Seconds running jobs get after SIGTERM."),
     rebenchmark: bool = typer.Option(_WORKER.rebenchmark, "--rebenchmark", help="Measure the device's speed again."),
+    remeasure_every: float = typer.Option(
+        _WORKER.remeasure_every, "--remeasure-every", metavar="SECONDS", min=0,
+        help="Measure the speed again after this long, when no job is running (0: never)."),
     memory_budget_gb: Optional[float] = typer.Option(
         _WORKER.memory_budget_gb, "--memory-budget-gb", metavar="GIB", min=0.1, help="Memory per executor."),
     buffer_gb: Optional[float] = typer.Option(
@@ -136,6 +139,7 @@ def worker(
         heartbeat=heartbeat,
         drain_timeout=drain_timeout,
         rebenchmark=rebenchmark,
+        remeasure_every=remeasure_every,
         memory_budget_gb=memory_budget_gb,
         buffer_gb=buffer_gb,
         sandbox=sandbox,

@@ -63,6 +63,7 @@ class WorkerConfig:
     heartbeat: float = 10.0  # seconds between record refreshes; records live three heartbeats
     drain_timeout: float = 30.0  # seconds running jobs get to finish after SIGTERM
     rebenchmark: bool = False
+    remeasure_every: float = 600.0  # seconds between idle speed re-measurements (0: never); see worker.throughput
     memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
     buffer_gb: float | None = None  # job payloads held in the worker at once; default: a quarter of RAM (>= 1 GiB)
     sandbox: bool = True  # executors lock themselves down (gpunet.worker.sandbox); off only for a kernel that balks

@@ -136,3 +136,23 @@ def test_an_if_on_a_tensor_is_explained_once_without_torch_dumping_its_graph(cap
     with pytest.raises(gpunet.UnsupportedProgram, match="branches on tensor values.*torch.where"):
         gpunet.Job.from_module(_IfOnTensor(), (torch.randn(3),))
     assert "def forward" not in capfd.readouterr().err
+
+
+@pytest.mark.swarm
+def test_a_speed_measured_under_load_is_refreshed_while_idle(swarm, client_for, tmp_path):
+    """A worker that first measured itself while the machine was busy publishes a real figure later, by itself."""
+    from gpunet.worker import hardware, throughput
+
+    data_dir = tmp_path / "slow-start"
+    data_dir.mkdir()
+    key = throughput._cache_key(hardware.cpu_hardware())
+    (data_dir / throughput.CACHE_FILENAME).write_text(json.dumps({key: {"fp32": 1e-5, "bf16": 1e-5}}))
+    proc = swarm.start_worker("--remeasure-every", "1", data_dir=data_dir)
+    client = client_for(swarm)
+
+    def fp32() -> float:
+        workers = client.workers(refresh=True)
+        return workers[0].record.tflops.get("fp32", 0.0) if workers else 0.0
+
+    wait_for(lambda: fp32() > 1e-3, 60, "the worker to publish a re-measured speed")
+    assert "Speed measured again while idle" in proc.output

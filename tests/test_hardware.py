@@ -83,6 +83,33 @@ def test_throughput_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert throughput.benchmark(cpu, tmp_path, rebenchmark=True) == {"fp32": 123.0, "bf16": 123.0}
 
 
+def test_an_idle_remeasurement_replaces_a_figure_taken_under_load(tmp_path, monkeypatch):
+    """The published figure is the best of the last few measurements: one from a busy moment neither sticks forever
+    nor drags a good figure down; a lasting change shows once the good one has aged out."""
+    cpu = hw.cpu_hardware()
+    readings = iter([0.02, 0.12, 0.03, 0.05, 0.05, 0.05])
+    monkeypatch.setattr(throughput, "_measure", lambda hardware: {"fp32": next(readings)})
+    assert throughput.benchmark(cpu, tmp_path) == {"fp32": 0.02}  # started while the machine was busy
+    assert throughput.remeasure(cpu, tmp_path) == {"fp32": 0.12}  # measured again while idle
+    assert throughput.remeasure(cpu, tmp_path) == {"fp32": 0.12}  # a busy moment does not drag it down
+    assert throughput.benchmark(cpu, tmp_path) == {"fp32": 0.12}  # and a restart publishes the same
+    assert throughput.remeasure(cpu, tmp_path) == {"fp32": 0.12}
+    assert throughput.remeasure(cpu, tmp_path) == {"fp32": 0.05}  # slower for good: shows after RECENT rounds
+    assert throughput.benchmark(cpu, tmp_path, rebenchmark=True) == {"fp32": 0.05}  # --rebenchmark starts afresh
+
+
+def test_a_cache_written_before_remeasurement_is_still_read(tmp_path, monkeypatch):
+    import json
+
+    cpu = hw.cpu_hardware()
+    (tmp_path / throughput.CACHE_FILENAME).write_text(json.dumps({throughput._cache_key(cpu): {"fp32": 0.07}}))
+    monkeypatch.setattr(throughput, "_measure", lambda hardware: pytest.fail("should use the cache"))
+    assert throughput.benchmark(cpu, tmp_path) == {"fp32": 0.07}
+    (tmp_path / throughput.CACHE_FILENAME).write_text("{not json")
+    monkeypatch.setattr(throughput, "_measure", lambda hardware: {"fp32": 0.09})
+    assert throughput.benchmark(cpu, tmp_path) == {"fp32": 0.09}  # a damaged cache is measured again
+
+
 def test_doctor_reports_gpu_and_reachability():
     assert check_gpu("auto", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.WARN
     assert check_gpu("cuda:0", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.FAIL

@@ -14,7 +14,6 @@ from gpunet.ledger import (
     countersign,
     format_credits,
     price_to_nano,
-    sign_as_worker,
 )
 from tests._ledger_util import digest, full_receipt, worker_signed
 

@@ -97,3 +97,42 @@ def test_a_cold_start_does_not_count_as_the_workers_speed():
     assert r.choose(Requirements(), TINY).id == "b"  # still unmeasured: explored, not buried
     r.on_success("b", TINY, seconds=0.0015, bytes_sent=1024, transfer_seconds=0.0)
     assert r.choose(Requirements(), TINY).id == "b"  # measured warm: it is the faster one
+
+
+def test_waiting_behind_our_own_jobs_is_not_counted_as_the_workers_speed():
+    """A job sent behind 4 of ours took 5 places' worth of time: per place it was the faster worker (a demo run once
+    split 200 jobs 150/43/7 because queue time was learned as per-job cost and counted again as wait)."""
+    r = router(worker("queued"), worker("idle"))
+    r.on_success("queued", TINY, seconds=0.010, bytes_sent=1024, transfer_seconds=0.0, ahead=4)  # 2 ms a place
+    r.on_success("idle", TINY, seconds=0.003, bytes_sent=1024, transfer_seconds=0.0, ahead=0)
+    assert r.choose(Requirements(), TINY).id == "queued"
+    assert r.started("queued") == 0 and r.started("queued") == 1  # started() reports the jobs already ahead
+
+
+def test_an_estimate_from_a_bad_moment_is_measured_again(monkeypatch):
+    import gpunet.client.routing as routing
+
+    clock = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
+    r = router(worker("hiccup"), worker("steady"))
+    r.on_success("hiccup", TINY, seconds=0.700, bytes_sent=1024, transfer_seconds=0.0)  # one bad moment
+    r.on_success("steady", TINY, seconds=0.005, bytes_sent=1024, transfer_seconds=0.0)
+    assert r.choose(Requirements(), TINY).id == "steady"
+    clock[0] += r.config.remeasure_after + 1  # steady keeps getting work; hiccup's figure goes stale
+    r.on_success("steady", TINY, seconds=0.005, bytes_sent=1024, transfer_seconds=0.0)
+    assert r.choose(Requirements(), TINY).id == "hiccup"  # one probe job...
+    r.started("hiccup")
+    assert r.choose(Requirements(), TINY).id == "steady"  # ...not a pile of them while it runs
+    r.finished("hiccup")
+    r.on_success("hiccup", TINY, seconds=0.002, bytes_sent=1024, transfer_seconds=0.0)  # replaces, not blends
+    assert r.choose(Requirements(), TINY).id == "hiccup"
+
+
+def test_why_a_worker_is_left_out_is_kept_while_others_get_the_work():
+    r = router(worker("fine"), worker("dear", price=9.0), worker("flaky"), worker("leaving", state="draining"))
+    r.on_failure("flaky")
+    assert r.choose(Requirements(max_price=2.0), TINY, exclude={"fine-but-failed-this-job"}).id == "fine"
+    assert r.skipped == {"dear": "charges 9 credits/TFLOP (> 2)", "flaky": "is banned for recent failures",
+                         "leaving": "is draining"}
+    r.choose(Requirements(), TINY, exclude={"fine"})  # a per-job exclusion is not a reason to report
+    assert "fine" not in r.skipped and "dear" not in r.skipped  # eligible again: no longer reported

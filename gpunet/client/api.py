@@ -90,7 +90,9 @@ def _progress(total: int | None, enabled: bool):
         TimeRemainingColumn,
     )
 
-    progress = Progress(TextColumn("gpunet"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), transient=False)
+    # While running: the time left; once done: the time it took (not a frozen "0:00:00").
+    progress = Progress(TextColumn("gpunet"), BarColumn(), MofNCompleteColumn(),
+                        TimeRemainingColumn(elapsed_when_finished=True), transient=False)
     progress.start()
     task = progress.add_task("jobs", total=total)
     return progress, task

@@ -128,6 +128,7 @@ class ClientCore:
         self.identity = Identity.load_or_create(self.data_dir)
         self.reputation = Reputation.load(self.data_dir)
         self.router = Router(self.config.routing, reputation=self.reputation)
+        self._said_skips: dict[str, str] = {}  # worker id -> the reason last logged for leaving it out
         self.transport = transport
         self.settlement: Settlement | None = None
         self.ledger: Ledger | None = None
@@ -319,6 +320,7 @@ class ClientCore:
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
                 worker = self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed)
+                self._say_skips()
             except NoWorkersAvailable as e:
                 if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
                     await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
@@ -328,14 +330,17 @@ class ClientCore:
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
             taken.add(worker.id)
             tried.append(worker.id)
-            self.router.started(worker.id)
+            ahead = self.router.started(worker.id)
+            # Cold: sent before this worker was known to hold the program, so it waited for the program to arrive
+            # and load (whether this job carried it or another one did).
+            cold = not self.router.holds_program(worker, p.job.program_hash)
             t0 = time.perf_counter()
             request = JobRequest(job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
                                  p.max_output_bytes)
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self.transport.submit(
-                        worker, request, cached=self.router.holds_program(worker, p.job.program_hash),
+                        worker, request, cached=not cold,
                         settlement=self.settlement)
                     if p.input_hash is None:
                         p.input_hash = await p.hashing
@@ -387,8 +392,20 @@ class ClientCore:
             finally:
                 self.router.finished(worker.id)
             self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
-                                  delivery.transfer_seconds, cold=delivery.bytes_sent > len(p.encoded))
+                                  delivery.transfer_seconds, cold=cold, ahead=ahead)
             return _Candidate(worker.id, delivery, outputs, tried)
+
+    def _say_skips(self) -> None:
+        """Log, once per worker and reason, why routing leaves a known worker out while others get the work."""
+        skipped = self.router.skipped
+        if skipped == self._said_skips:
+            return
+        for worker_id, why in skipped.items():
+            if self._said_skips.get(worker_id) != why:
+                entry = self.router.workers.get(worker_id)
+                name = f" ({entry.record.name})" if entry is not None and entry.record.name else ""
+                logger.info("Routing skips worker %s%s: it %s", worker_id[-8:], name, why)
+        self._said_skips = dict(skipped)
 
     def _check(self, p: "_Prepared", delivery):
         """What came back must decode against the manifest and match its receipt; raises otherwise."""

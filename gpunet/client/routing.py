@@ -11,7 +11,9 @@ Workers are filtered by the job's :class:`Requirements` and their state, then ra
 
 and by price (``prefer``: ``balanced`` sums both normalised, ``fastest`` time alone, ``cheapest`` price then time).
 A worker's per-job overhead is learned from its answers; until then it is assumed a little better than the best
-measured one, so a newcomer gets a job and a fair measurement instead of being starved by an incumbent.
+measured one, so a newcomer gets a job and a fair measurement instead of being starved by an incumbent. An estimate
+that nothing has refreshed for a few seconds is treated the same way once, so a worker measured at a bad moment is
+measured again.
 Failing workers are banned with exponential backoff; a busy one is only skipped for a moment.
 """
 
@@ -91,6 +93,9 @@ class RoutingConfig:
     default_bandwidth: float = 100e6  # bytes/s until measured
     default_overhead: float = 0.005  # seconds of round trip and scheduling per job, until measured
     ema: float = 0.3
+    #: A worker's speed estimate that no job has refreshed for this many seconds is tried again: while none of this
+    #: client's jobs is there, it ranks as unmeasured (optimistic), so one bad moment does not starve it for good.
+    remeasure_after: float = 3.0
 
 
 @dataclass
@@ -122,11 +127,22 @@ class Router:
     bandwidth: float = 0.0
     _seconds_per_flop: dict[str, float] = field(default_factory=dict)  # observed, per worker
     _overhead: dict[str, float] = field(default_factory=dict)  # observed seconds a job costs beyond its FLOPs
+    _measured_at: dict[str, float] = field(default_factory=dict)  # monotonic time of a worker's last sample
+    #: Why each worker was left out the last time it was considered (not for per-job reasons such as "already failed
+    #: this job", nor a moment's "busy"): the client says so once, so a skipped worker is never skipped silently.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
-        for gone in self._overhead.keys() - self.workers.keys():  # measurements of workers that left
-            del self._overhead[gone]
+        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):  # measurements of workers that left
+            for gone in table.keys() - self.workers.keys():
+                del table[gone]
+
+    def _stale(self, worker_id: str, now: float | None = None) -> bool:
+        """Its estimate is old and none of our jobs is there: rank it as unmeasured, so it gets one probe job."""
+        at = self._measured_at.get(worker_id)
+        now = time.monotonic() if now is None else now
+        return at is not None and now - at > self.config.remeasure_after and not self.inflight[worker_id]
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
@@ -151,8 +167,11 @@ class Router:
                 retry_at = ban.until if retry_at is None else min(retry_at, ban.until)
             if why is None:
                 ok.append(entry)
+                self.skipped.pop(entry.id, None)
             else:
                 reasons[why] += 1
+                if not (entry.id in exclude or entry.id in replicas or why == "is busy"):
+                    self.skipped[entry.id] = why
         if not ok:
             if not self.workers:
                 raise NoWorkersAvailable("no workers are online in this network")
@@ -171,11 +190,13 @@ class Router:
     def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None) -> float:
         r = entry.record
         tflops = (r.tflops.get(job.dtype) if job.dtype else None) or r.best_tflops or 1e-3
-        compute = self._seconds_per_flop.get(entry.id, 1.0 / (tflops * 1e12)) * job.flops
+        stale = self._stale(entry.id)
+        claimed = 1.0 / (tflops * 1e12)
+        compute = (claimed if stale else self._seconds_per_flop.get(entry.id, claimed)) * job.flops
         cached = self.holds_program(entry, job.program_hash)
         sent = job.input_bytes + (0 if cached else job.program_bytes)
         transfer = sent / (self.bandwidth or self.config.default_bandwidth)
-        overhead = self._overhead.get(entry.id)
+        overhead = None if stale else self._overhead.get(entry.id)
         if overhead is None:
             overhead = self.unmeasured_overhead() if unmeasured_overhead is None else unmeasured_overhead
         ahead = r.queue + self.inflight[entry.id]
@@ -206,8 +227,12 @@ class Router:
 
     # --- outcomes --------------------------------------------------------------------------------------------------
 
-    def started(self, worker_id: str) -> None:
+    def started(self, worker_id: str) -> int:
+        """Count a job sent to ``worker_id``; returns how many of this client's jobs were already there ahead of it
+        (pass it back to :meth:`on_success`)."""
+        ahead = self.inflight[worker_id]
         self.inflight[worker_id] += 1
+        return ahead
 
     def finished(self, worker_id: str) -> None:
         self.inflight[worker_id] -= 1
@@ -215,10 +240,15 @@ class Router:
             del self.inflight[worker_id]
 
     def on_success(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float,
-                  cold: bool = False) -> None:
+                  cold: bool = False, ahead: int = 0) -> None:
         """Learn from a finished job. ``cold``: the worker had to receive and load the program first; that one-time
         cost says nothing about its next jobs, so only bandwidth is learned from it (else one cold start would rank
-        a worker last for dozens of jobs, and load would pile onto whichever worker happened to warm up first)."""
+        a worker last for dozens of jobs, and load would pile onto whichever worker happened to warm up first).
+
+        ``ahead``: this client's jobs that were at the worker before this one (from :meth:`started`). The time
+        measured includes waiting behind them, which :meth:`expected_seconds` already counts as ``wait``; learning
+        it as the job's own cost too would count the queue twice, so a worker that had been kept busy looked slow
+        and got starved (one demo run split 200 jobs 150/43/7). The sample is the time per place in that queue."""
         self.bans.pop(worker_id, None)  # a success wipes the strikes
         self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
         a = self.config.ema
@@ -227,7 +257,15 @@ class Router:
                 measured = bytes_sent / transfer_seconds
                 self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
             return
-        compute = seconds - transfer_seconds
+        entry = self.workers.get(worker_id)
+        places = 1 + ahead / max(1, entry.record.max_concurrent if entry is not None else 1)
+        compute = (seconds - transfer_seconds) / places
+        now = time.monotonic()
+        at = self._measured_at.get(worker_id)
+        if at is not None and now - at > self.config.remeasure_after:  # a re-measurement replaces the old estimate
+            self._overhead.pop(worker_id, None)
+            self._seconds_per_flop.pop(worker_id, None)
+        self._measured_at[worker_id] = now
         if job.flops >= 1e9 and compute > 0:  # only jobs big enough for their FLOPs to dominate teach throughput
             _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
         else:

@@ -201,6 +201,8 @@ class Worker:
 
     async def _heartbeat_until_stopped(self) -> None:
         reported = 0
+        every = self.config.remeasure_every
+        speed_due = time.monotonic() + every
         while not self._stop.is_set():
             if not self.dht.is_alive():
                 await asyncio.sleep(0.1)  # a signal to the whole group kills it too: let our own handler run first
@@ -217,6 +219,17 @@ class Worker:
                     logger.info("Served %d job(s) since the last heartbeat (%d in all); %d queued, %d running",
                                 done - reported, done, admission.queue_length, admission.running)
                     reported = done
+                if every and time.monotonic() >= speed_due and not admission.active:
+                    await self._remeasure_speed()
+                    speed_due = time.monotonic() + every
+
+    async def _remeasure_speed(self) -> None:
+        """Measure the device again while no job runs (see worker.throughput); the next heartbeat publishes it."""
+        before = self.tflops
+        self.tflops = await asyncio.to_thread(throughput.remeasure, self.hardware, self.data_dir)
+        changed = any(abs(v - before.get(k, 0.0)) > 0.1 * max(v, before.get(k, 0.0)) for k, v in self.tflops.items())
+        (logger.info if changed else logger.debug)(
+            "Speed measured again while idle: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
     async def _drain(self) -> None:
         admission, settlement = self.service.admission, self.service.settlement

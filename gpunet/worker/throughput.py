@@ -2,6 +2,11 @@
 
 The measurement takes a second or two, so it is cached in the data dir keyed by device name, device kind and torch
 version: a restarted worker is up at once; a new driver/torch or ``--rebenchmark`` measures again.
+
+A figure taken while the machine was busy (two workers starting together measured 0.02 TFLOPS, later 0.05-0.16) would
+otherwise stay forever, so a running worker measures again now and then while it has no jobs (:func:`remeasure`).
+The published figure is the best of the last :data:`RECENT` measurements: one taken at a bad moment cannot drag it
+down, while a lasting change (a throttled or replaced card) shows within a few rounds.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from gpunet.worker.hardware import Hardware
 logger = logging.getLogger(__name__)
 
 CACHE_FILENAME = "throughput.json"
+RECENT = 3  # measurements the published figure is the best of
 
 
 def supported_dtypes(hardware: Hardware) -> list[torch.dtype]:
@@ -63,23 +69,60 @@ def _cache_key(hardware: Hardware) -> str:
 def benchmark(hardware: Hardware, data_dir: Path, rebenchmark: bool = False) -> dict[str, float]:
     """TFLOPS per dtype name for ``hardware``, from the cache unless absent or ``rebenchmark``."""
     path = Path(data_dir) / CACHE_FILENAME
-    key = _cache_key(hardware)
-    cache: dict = {}
-    if path.exists():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cache = {}
-    cached = cache.get(key)
-    if cached and not rebenchmark and isinstance(cached, dict):
-        return {str(k): float(v) for k, v in cached.items()}
-    n = 4096 if hardware.is_gpu else 1024
+    cache, recent = _read(path, _cache_key(hardware))
+    if recent and not rebenchmark:
+        return _best(recent)
     logger.info("Measuring this device's speed (once; cached in %s)", path)
-    result = {}
-    for dtype in supported_dtypes(hardware):
-        result[dtype_name(dtype)] = round(measure_matmul_tflops(hardware.torch_device, dtype, n), 4)
-    cache[key] = result
+    return _record(path, hardware, cache, [])
+
+
+def remeasure(hardware: Hardware, data_dir: Path) -> dict[str, float]:
+    """Measure again and return the figure to publish: the best of the last ``RECENT`` measurements (cached)."""
+    path = Path(data_dir) / CACHE_FILENAME
+    cache, recent = _read(path, _cache_key(hardware))
+    return _record(path, hardware, cache, recent)
+
+
+def _measure(hardware: Hardware) -> dict[str, float]:
+    n = 4096 if hardware.is_gpu else 1024
+    return {dtype_name(dtype): round(measure_matmul_tflops(hardware.torch_device, dtype, n), 4)
+            for dtype in supported_dtypes(hardware)}
+
+
+def _best(recent: list[dict[str, float]]) -> dict[str, float]:
+    names = {name for figures in recent for name in figures}
+    return {name: max(figures.get(name, 0.0) for figures in recent) for name in sorted(names)}
+
+
+def _read(path: Path, key: str) -> tuple[dict, list[dict[str, float]]]:
+    """The whole cache file, and this device's recent measurements (newest last); a damaged file reads as empty."""
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}, []
+    if not isinstance(cache, dict):
+        return {}, []
+    entry = cache.get(key)
+    if isinstance(entry, dict) and "recent" in entry:
+        raw = entry["recent"]
+    elif isinstance(entry, dict):
+        raw = [entry]  # the layout before idle re-measurement: one figure per dtype
+    else:
+        raw = []
+    recent = []
+    for figures in raw if isinstance(raw, list) else []:
+        if isinstance(figures, dict):
+            try:
+                recent.append({str(k): float(v) for k, v in figures.items()})
+            except (TypeError, ValueError):
+                continue
+    return cache, recent[-RECENT:]
+
+
+def _record(path: Path, hardware: Hardware, cache: dict, recent: list[dict[str, float]]) -> dict[str, float]:
+    recent = [*recent, _measure(hardware)][-RECENT:]
+    cache[_cache_key(hardware)] = {"recent": recent}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     tmp.replace(path)
-    return result
+    return _best(recent)
