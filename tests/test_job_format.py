@@ -7,6 +7,8 @@ import json
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch.export import Dim
 
@@ -118,3 +120,25 @@ def test_a_dimension_without_max_parses_as_unbounded(job):
     name = next(iter(obj["dims"]))
     obj["dims"][name] = {"min": 1}
     assert Manifest.from_json(json.dumps(obj).encode()).dims[name].max is None
+
+
+def test_a_received_program_is_held_once_its_weights_a_view_of_the_container(job):
+    """Checking a multi-GiB program's hash must not copy it: the weights are read in place."""
+    data = job.to_bytes()
+    parts = ProgramParts.from_bytes(data)
+    assert isinstance(parts.weights, memoryview) and parts.weights.obj is data
+    assert parts.hash == job.program_hash and bytes(parts.weights) == job.parts.weights
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=20), st.one_of(st.binary(max_size=300), st.integers(0, 2**64 - 1),
+                                                      st.none(), st.booleans(), st.text(max_size=30)), max_size=16))
+def test_the_container_reader_agrees_with_msgpack(fields):
+    from gpunet.job.format import _split_container
+
+    data = msgpack.packb(fields, use_bin_type=True)
+    read = _split_container(memoryview(data))
+    assert {k: bytes(v) if isinstance(v, memoryview) else v for k, v in read.items()} == fields
+    for cut in {1, len(data) // 2, len(data) - 1} - {0, len(data)}:  # truncated anywhere: refused, never a crash
+        with pytest.raises(JobRejected):
+            _split_container(memoryview(data[:cut]))

@@ -183,11 +183,12 @@ def program_hash(manifest: bytes, graph: bytes, weights: bytes) -> str:
 
 @dataclass(frozen=True)
 class ProgramParts:
-    """The three byte strings of a program, as shipped (what the hash covers)."""
+    """The three byte strings of a program, as shipped (what the hash covers). Read from a container, ``weights`` is
+    a view into the container's bytes, not a copy: a program of several GiB is held once, not twice."""
 
     manifest: bytes
     graph: bytes
-    weights: bytes
+    weights: bytes | memoryview
 
     @functools.cached_property
     def hash(self) -> str:
@@ -205,26 +206,87 @@ class ProgramParts:
         )
 
     @classmethod
-    def from_bytes(cls, data: bytes, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "ProgramParts":
-        """Split container bytes; every size is capped before msgpack allocates it."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "ProgramParts":
+        """Split container bytes without copying the weights (see :func:`_split_container`); manifest and graph, which
+        are capped in size, are copied out as bytes."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise JobRejected("program must be bytes")
-        n = len(data)
+        view = memoryview(data).cast("B")
+        n = view.nbytes
         if n > max_bytes:
             raise JobRejected(f"program is {human_bytes(n)}, over the limit of {human_bytes(max_bytes)}")
-        try:
-            obj = msgpack.unpackb(
-                data, raw=False, strict_map_key=True, max_bin_len=n, max_str_len=1024, max_array_len=16,
-                max_map_len=16, max_ext_len=0, use_list=True,
-            )
-        except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError, ...
-            raise JobRejected(f"program container is not valid msgpack ({type(e).__name__})") from None
-        _expect(isinstance(obj, dict), "program container is not a map")
+        obj = _split_container(view)
         version = obj.get("gpunet_program")
         _expect(type(version) is int and version == FORMAT_VERSION, f"unknown program format version {str(version)[:20]!r}")
         parts = [obj.get(k) for k in ("manifest", "graph", "weights")]
-        _expect(all(isinstance(p, bytes) for p in parts), "program container needs manifest, graph and weights as bytes")
-        return cls(*parts)
+        _expect(all(isinstance(p, memoryview) for p in parts), "program container needs manifest, graph and weights as bytes")
+        manifest, graph, weights = parts
+        _expect(manifest.nbytes <= MAX_MANIFEST_BYTES, f"manifest is over {human_bytes(MAX_MANIFEST_BYTES)}")
+        _expect(graph.nbytes <= MAX_GRAPH_BYTES, f"graph is over {human_bytes(MAX_GRAPH_BYTES)}")
+        return cls(bytes(manifest), bytes(graph), weights)
+
+
+_UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_BIN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_STR = {0xD9: 1, 0xDA: 2, 0xDB: 4}
+
+
+def _split_container(view: memoryview) -> dict[str, Any]:
+    """The container's top-level map, with each bin value a memoryview into ``view`` (no copy).
+
+    msgpack's own unpacker copies every bin into a new bytes object, so checking a received program's hash held it
+    twice. This reads exactly the shapes a container has: a map (at most 16 entries) of str keys to positive ints,
+    nil, booleans, str or bin; anything else, a duplicate key, trailing bytes or a length past the end is refused.
+    """
+    n = view.nbytes
+    pos = 0
+
+    def take(count: int) -> memoryview:
+        nonlocal pos
+        if count > n - pos:
+            raise JobRejected("program container is truncated (a length runs past its end)")
+        out = view[pos:pos + count]
+        pos += count
+        return out
+
+    def length(size: int) -> int:
+        return int.from_bytes(take(size), "big")
+
+    def value() -> Any:
+        tag = take(1)[0]
+        if tag <= 0x7F:
+            return tag
+        if 0xA0 <= tag <= 0xBF or tag in _STR:
+            raw = take(tag & 0x1F if tag <= 0xBF else length(_STR[tag]))
+            _expect(raw.nbytes <= 1024, "program container has an over-long string")
+            try:
+                return bytes(raw).decode()
+            except UnicodeDecodeError:
+                raise JobRejected("program container has a string that is not UTF-8") from None
+        if tag in _BIN:
+            return take(length(_BIN[tag]))
+        if tag in _UINT:
+            return length(_UINT[tag])
+        if tag in (0xC0, 0xC2, 0xC3):
+            return {0xC0: None, 0xC2: False, 0xC3: True}[tag]
+        raise JobRejected(f"program container is not a gpunet container (msgpack type 0x{tag:02x} where none belongs)")
+
+    tag = take(1)[0] if n else None
+    if tag is not None and 0x80 <= tag <= 0x8F:
+        entries = tag & 0x0F
+    elif tag == 0xDE:
+        entries = length(2)
+    else:
+        raise JobRejected("program container is not a msgpack map")
+    _expect(entries <= 16, "program container has too many fields")
+    out: dict[str, Any] = {}
+    for _ in range(entries):
+        key = value()
+        _expect(isinstance(key, str), "program container has a key that is not a string")
+        _expect(key not in out, f"program container has field {key[:40]!r} twice")
+        out[key] = value()
+    _expect(pos == n, "program container has trailing bytes")
+    return out
 
 
 def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
