@@ -18,6 +18,16 @@ def _attempt(what, fn) -> str:
         return f"{what}: refused ({e.errno})"
 
 
+def _root_powers() -> str:
+    """Any capability left in any thread of this process (what root's processes have unless they drop them)."""
+    left = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/status") as f:
+            left += [line.split()[0] for line in f if line.startswith(("CapEff", "CapPrm", "CapBnd", "CapAmb"))
+                     and int(line.split()[1], 16)]
+    return f"root powers: allowed ({', '.join(sorted(set(left)))})" if left else "root powers: refused (none left)"
+
+
 def probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
     """Runs in a fresh process that locks itself down exactly as an executor does (files before torch starts its
     threads, system calls after), then tries what an attacker would, from a thread started before the lockdown too."""
@@ -48,6 +58,7 @@ def probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
         _attempt("other process's cmdline", lambda: open(f"/proc/{parent}/cmdline", "rb").read()),
         _attempt("socketpair", lambda: socket.socketpair()),
         _attempt("signal the parent", lambda: os.kill(parent, 0)),
+        _root_powers(),
         *done,
         _attempt("write cache", lambda: open(os.path.join(config["cache_dir"], "ok"), "wb").write(b"x")),
     ]

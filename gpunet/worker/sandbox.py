@@ -14,10 +14,15 @@ needs, it locks itself down before it takes a job.
   processes (threads only).
 * **rlimits**: open files, the size of files written, no core dumps (plus the address-space limit the executor sets
   for its memory budget).
+* **capabilities**: a worker started as root (a container, a systemd unit without ``User=``) gives its executors none
+  of root's powers: every capability is dropped from the process and its bounding set, so the kernel treats it as
+  an ordinary user's process that happens to own root's files (which Landlock keeps out of reach) — no raw I/O, no
+  module loading, no bypassing file permissions, nothing to regain by ``setuid``.
 
 What applied is returned (and logged by the worker once); what the kernel lacks is skipped and said.
-Not done: a separate uid when started as root (Landlock binds root too, but a distinct uid would add ownership
-checks), and network/mount namespaces (they need privileges or unprivileged user namespaces).
+Not done: a separate uid when started as root (the executor needs its cache directory inside the data dir, which is
+root's and mode 0700; with no capabilities left, the remaining difference is ownership of root's files, which
+Landlock already denies), and network/mount namespaces (they need privileges or unprivileged user namespaces).
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ _FILE_READ = _EXECUTE | _READ_FILE
 _DIR_READ = _FILE_READ | _READ_DIR
 _FILE_RW = _FILE_READ | _WRITE_FILE | _TRUNCATE
 _DIR_RW = _DIR_READ | _WRITE_FILE | _TRUNCATE | _REMOVE_FILE | _MAKE_REG | _MAKE_DIR | _REMOVE_DIR
+
+# --- capabilities (include/uapi/linux/capability.h, prctl.h) ---------------------------------------------------------
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAPABILITY_VERSION_3 = 0x20080522
 
 # --- seccomp ----------------------------------------------------------------------------------------------------------
 _PR_SET_NO_NEW_PRIVS = 38
@@ -228,6 +237,48 @@ def _rlimits(max_file_bytes: int) -> list[str]:
     return [f"rlimits: 512 open files, files up to {max_file_bytes >> 20} MiB, no core dumps"]
 
 
+def capabilities() -> dict[str, int]:
+    """This thread's capability sets from /proc (``CapEff``, ``CapPrm``, ``CapBnd``, ...) as integers."""
+    sets = {}
+    try:
+        with open("/proc/thread-self/status") as f:
+            for line in f:
+                if line.startswith("Cap"):
+                    name, value = line.split(":", 1)
+                    sets[name] = int(value, 16)
+    except OSError:
+        pass
+    return sets
+
+
+def _drop_capabilities() -> list[str]:
+    """Every capability out of the permitted, effective, inheritable, ambient and bounding sets of this thread (and
+    so of the threads it starts); a no-op for an ordinary user, whose sets are empty already."""
+    if not any(capabilities().get(s) for s in ("CapPrm", "CapEff", "CapBnd", "CapAmb")):
+        return []
+    libc = _libc()
+    try:
+        last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        last = 63
+    for cap in range(last + 1):  # the bounding set first: dropping it needs CAP_SETPCAP, which capset removes
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+    class _Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class _Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    if libc.capset(ctypes.byref(_Header(_CAPABILITY_VERSION_3, 0)), (_Data * 2)()) != 0:
+        raise _fail("capset")
+    left = capabilities()
+    if left.get("CapEff") or left.get("CapPrm"):
+        raise OSError(errno.EPERM, "capabilities remain after capset")
+    return [f"capabilities: all dropped (uid {os.getuid()} keeps none of root's powers)"]
+
+
 def threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -245,14 +296,18 @@ def enter_files(writable_dirs: list[str], protected: list[str] = ()) -> list[str
     running = threads()
     if running > 1:
         return [f"no landlock: the process already has {running} threads (it must be entered before any start)"]
+    try:  # capabilities are per thread: dropped here, while this is the only one, none of the later ones has any
+        dropped = _drop_capabilities()
+    except OSError as e:
+        dropped = [f"WARNING: capabilities not dropped: {e}"]
     abi = landlock_abi()
     if not abi:
-        return ["no landlock in this kernel: executors can read what the worker's user can"]
+        return [*dropped, "no landlock in this kernel: executors can read what the worker's user can"]
     roots = readable_roots()
     try:
-        applied = _landlock(roots, writable_dirs, abi)
+        applied = dropped + _landlock(roots, writable_dirs, abi)
     except OSError as e:
-        return [f"no landlock: {e}"]
+        return [*dropped, f"no landlock: {e}"]
     for path in protected:
         inside = [r for r in roots if _beneath(path, r)]
         if inside:
