@@ -290,8 +290,8 @@ def _smuggle(ledger: Ledger, receipt: Receipt) -> None:
     seq, prev = ledger.head()
     data = receipt.to_bytes()
     prev_hash = bytes.fromhex(prev)
-    tamper(ledger, "INSERT INTO entries VALUES (?, ?, ?, ?, ?)",
-           (seq + 1, receipt.job_id, data, prev_hash, entry_hash(seq + 1, prev_hash, data)))  # fmt: skip
+    tamper(ledger, "INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)",
+           (seq + 1, receipt.client_id, receipt.job_id, data, prev_hash, entry_hash(seq + 1, prev_hash, data)))  # fmt: skip
 
 
 def test_merge_refuses_forged_and_wrong_key_receipts(tmp_path):
@@ -430,3 +430,50 @@ def test_a_file_of_many_bad_rows_is_counted_not_kept_row_by_row(tmp_path, monkey
     with Ledger(tmp_path / "mine.sqlite") as mine:
         report = mine.merge(crafted)
     assert report.refused_count == 50 and len(report.refused) == 5 and not report.clean
+
+
+_SCHEMA_1 = """
+CREATE TABLE entries (seq INTEGER PRIMARY KEY, job_id TEXT NOT NULL UNIQUE, receipt BLOB NOT NULL,
+                      prev_hash BLOB NOT NULL, entry_hash BLOB NOT NULL);
+CREATE TRIGGER entries_no_update BEFORE UPDATE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+CREATE TRIGGER entries_no_delete BEFORE DELETE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+CREATE TABLE unpaid (job_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, receipt BLOB NOT NULL,
+                     recorded_at_us INTEGER NOT NULL);
+CREATE TABLE conflicts (id INTEGER PRIMARY KEY, job_id TEXT NOT NULL, receipt BLOB NOT NULL, source TEXT NOT NULL,
+                        detected_at_us INTEGER NOT NULL, UNIQUE (job_id, receipt));
+PRAGMA user_version = 1;
+"""
+
+
+def _schema_1_file(path, receipts, unpaid):
+    """A ledger as gpunet wrote it before job ids were namespaced by client (schema 1)."""
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA_1)
+    prev = store_module.GENESIS_HASH
+    for seq, r in enumerate(receipts, 1):
+        data = r.to_bytes()
+        digest = entry_hash(seq, prev, data)
+        db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?)", (seq, r.job_id, data, prev, digest))
+        prev = digest
+    for r in unpaid:
+        db.execute("INSERT INTO unpaid VALUES (?, ?, ?, ?)", (r.job_id, r.worker_id, r.to_bytes(), 1))
+    db.commit()
+    db.close()
+
+
+def test_a_schema_1_ledger_is_read_as_it_is_and_migrated_when_opened_for_writing(tmp_path):
+    receipts = [full_receipt(W1, C1, f"job-{i}") for i in range(5)]
+    owed = worker_signed(W1, C2, "job-owed")
+    _schema_1_file(tmp_path / "old.sqlite", receipts, [owed])
+    with Ledger(tmp_path / "old.sqlite", create=False, readonly=True) as old:  # e.g. `gpunet ledger balance`
+        head, sheet = old.verify(), old.balances()
+        assert old.get("job-3") == receipts[3] and old.get_unpaid("job-owed") == owed
+    assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == 1  # untouched
+    with Ledger(tmp_path / "old.sqlite") as ledger:  # a node starting on it
+        assert ledger.verify() == head and ledger.balances() == sheet  # the same chain, the same money
+        assert ledger.get("job-3", C1.peer_id) == receipts[3] and ledger.unpaid() == [owed]
+        ledger.append(full_receipt(W2, C2, "job-3"))  # another client's job-3: its own job, not a conflict
+        assert ledger.conflicts() == [] and ledger.verify().count == 6
+    assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == 2

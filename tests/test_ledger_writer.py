@@ -71,7 +71,7 @@ def test_writer_queues_batches_and_flushes_on_its_own(ledger):
             books.append(r)
         books.append(forged("job-forged"))
         books.record_unpaid(worker_signed(W1, C1, "job-unpaid"))
-        assert books.get("job-3") == receipts[3]  # visible at once, before it is written
+        assert books.get(C1.peer_id, "job-3") == receipts[3]  # visible at once, before it is written
         assert ledger.get("job-3") is None
         deadline = asyncio.get_running_loop().time() + 10
         while books.pending and asyncio.get_running_loop().time() < deadline:
@@ -146,7 +146,7 @@ def test_a_second_different_receipt_for_a_job_is_kept_as_evidence(ledger):
         first = full_receipt(W1, C1, "job-1")
         books.append(first)
         books.append(full_receipt(W1, C1, "job-1", flops=5 * 10**12))
-        assert books.get("job-1") == first
+        assert books.get(C1.peer_id, "job-1") == first
         books.close()
 
     asyncio.run(scenario())

@@ -48,9 +48,6 @@ def test_admission_refuses_by_price_limits_and_job_id_reuse():
     with pytest.raises(JobRejected, match="inputs of 4 bytes exceed"):
         a.screen(ALICE, job())
     a.limits = ServiceLimits()
-    with pytest.raises(JobRejected, match="already used by another client"):
-        a.screen(ALICE, job(), paid_by=BOB)
-    a.screen(ALICE, job(), paid_by=ALICE)  # its own retry is fine
     a.screen(ALICE, job(max_price=5 * 10**9))
 
 
@@ -285,15 +282,28 @@ def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_pa
             service.results.pop((ALICE, "job-x"))  # pushed out of the cache by later work
             with pytest.raises(JobRejected, match="already run here .* use a fresh job id"):
                 await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
-            with pytest.raises(JobRejected, match="already used by another client"):
-                await service._execute(BOB, job("job-x"), _UnaryPayloads(), None)
+            bobs = await service._execute(BOB, job("job-x"), _UnaryPayloads(), None)  # his own job, by his own id
+            assert bobs.receipt.client_id == BOB
             service.books.flush()
 
         asyncio.run(scenario())
-        assert [r.job_id for r in ledger.unpaid()] == ["job-x"]  # one receipt, never two
+        assert sorted((r.client_id, r.job_id) for r in ledger.unpaid()) == sorted([(ALICE, "job-x"), (BOB, "job-x")])
 
 
-def test_the_same_job_id_in_flight_for_two_clients_runs_once(tmp_path):
+def test_another_clients_job_under_the_same_id_is_a_different_job_in_the_ledger(tmp_path):
+    """Job ids are each client's own: a receipt two strangers sign under a real job's id is no conflict with it (in
+    schema 1 it was, and turned the real receipt into disputed evidence)."""
+    from tests._ledger_util import full_receipt
+
+    worker, alice, mallory, sybil = (Identity.generate() for _ in range(4))
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        real = ledger.append(full_receipt(worker, alice, "job-1")).receipt
+        ledger.append(full_receipt(sybil, mallory, "job-1"))  # planted under the same id
+        assert ledger.conflicts() == [] and ledger.get("job-1", alice.peer_id) == real
+        assert [r.client_id for r in ledger.find("job-1")] == [alice.peer_id, mallory.peer_id]
+
+
+def test_the_same_job_id_in_flight_for_two_clients_is_two_jobs(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
@@ -301,11 +311,12 @@ def test_the_same_job_id_in_flight_for_two_clients_runs_once(tmp_path):
         async def scenario():
             alice = submit(service, ALICE, "shared-id")
             await until(lambda: service.admission.running == 1, "Alice's job to run")
-            with pytest.raises(JobRejected, match="in use by another client"):
-                await service._execute(BOB, job("shared-id"), _UnaryPayloads(), None)
-            alice.cancel()
-            with pytest.raises((asyncio.CancelledError, JobFailed)):
-                await alice
+            bob = submit(service, BOB, "shared-id")  # not blocked by Alice's, nor joined to it
+            await until(lambda: service.admission.running == 2, "Bob's job to run beside it")
+            for task in (alice, bob):
+                task.cancel()
+                with pytest.raises((asyncio.CancelledError, JobFailed)):
+                    await task
 
         asyncio.run(scenario())
 

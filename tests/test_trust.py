@@ -90,7 +90,7 @@ def test_redundant_jobs_catch_a_liar_pay_only_the_honest_and_avoid_it_later(swar
         with torch.no_grad():
             for x, f in zip(xs, futures):
                 assert torch.allclose(f.result(timeout=120), model(x), atol=1e-5)  # the right answer, every time
-                assert f.worker_id in honest_ids
+                assert f.worker_id in honest_ids and f.checked  # compared with another worker's, and agreed
         paid = {r.worker_id for r in client.ledger.receipts()}
         assert liar_id not in paid and paid <= honest_ids  # the liar is never paid
         assert client._core.reputation.avoided(liar_id)
@@ -121,3 +121,22 @@ def test_honest_workers_never_trip_the_tolerance_and_adaptive_checks_fall(swarm,
         list(client.map(job, xs, requirements=adaptive, progress=False))
         checks = len(list(client.ledger.receipts())) - before - len(xs)  # each check pays one extra receipt
         assert checks < len(xs) // 2  # after 120 verified results each, most jobs run once
+
+
+@pytest.mark.swarm
+def test_a_job_id_squatted_by_another_client_blocks_nothing(swarm, client_for):
+    """Id squatting: a worker that saw a job id (running one replica) used it first, as a client, on the worker that
+    would run the next one. Ids are each client's own now, so the real job runs, and both receipts stand."""
+    worker = swarm.start_worker()
+    alice, mallory = client_for(swarm, "alice"), client_for(swarm, "mallory")
+    for c in (alice, mallory):
+        wait_for(lambda c=c: len(c.workers(refresh=True)) == 1, 30, "the worker")
+    job = gpunet.Job.from_function(lambda a: a * 2 + 1, (torch.randn(8),))
+    x = torch.randn(8)
+    mallory._call(mallory._core.run(job, (torch.zeros(8),), job_id="alices-next-id"))  # squatted first
+    result = alice._call(alice._core.run(job, (x,), job_id="alices-next-id"))
+    assert torch.equal(result.outputs, x * 2 + 1) and result.receipt.client_id == alice.id
+    assert worker.terminate() == 0
+    with gpunet.ledger.open_ledger(worker.data_dir) as ledger:
+        assert sorted(r.client_id for r in ledger.find("alices-next-id")) == sorted([alice.id, mallory.id])
+        assert ledger.conflicts() == []

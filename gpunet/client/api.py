@@ -27,16 +27,19 @@ from gpunet.utils import new_event_loop
 
 class JobFuture(concurrent.futures.Future):
     """A submitted job. ``result()`` is the output tensor(s); once done, ``worker_id`` and ``receipt`` say who ran it
-    and what was paid, ``attempts`` lists every worker tried and ``bytes_sent`` what the delivering one received."""
+    and what was paid, ``attempts`` lists every worker tried and ``bytes_sent`` what the delivering one received.
+    ``checked`` is True when the result was compared with another worker's (redundancy, or an adaptive spot check)
+    and agreed; an adaptive job that found no second worker to check with says False here (and in the log)."""
 
     worker_id: str | None = None
     receipt: Receipt | None = None
     attempts: list[str] = []
     bytes_sent: int = 0
+    checked: bool = False
 
     def _fill(self, result: JobResult) -> None:
-        self.worker_id, self.receipt, self.attempts, self.bytes_sent = (
-            result.worker_id, result.receipt, result.attempts, result.bytes_sent)
+        self.worker_id, self.receipt, self.attempts, self.bytes_sent, self.checked = (
+            result.worker_id, result.receipt, result.attempts, result.bytes_sent, result.checked)
 
     def _settle(self, outcome) -> None:
         """Mirror a finished ``outcome`` (a concurrent future or an asyncio task of a JobResult) onto this future."""
@@ -61,6 +64,7 @@ class AsyncJobFuture(asyncio.Future):
     receipt: Receipt | None = None
     attempts: list[str] = []
     bytes_sent: int = 0
+    checked: bool = False
     _fill = JobFuture._fill
     _settle = JobFuture._settle
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class JobResult:
     receipt: Receipt
     attempts: list[str]  # worker ids tried, in order, the last one delivered
     bytes_sent: int  # to the worker that delivered: inputs, plus the program unless it had it cached
+    checked: bool = False  # compared with another worker's result, and agreed
 
 
 def client_data_dir(data_dir: str | Path | None, *, create: bool = True) -> Path:
@@ -261,11 +263,12 @@ class ClientCore:
             raise
 
     async def _verify(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
-        async def one_more(replica: int) -> None:
-            candidates.append(await self._deliver(p, f"{p.job_id}.r{replica}", taken))
+        async def one_more() -> None:
+            # Unguessable: a worker that ran one replica must not be able to tell which ids the others will have.
+            candidates.append(await self._deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", taken))
 
         k = p.req.redundancy
-        replicas = [asyncio.ensure_future(one_more(i)) for i in range(k)]
+        replicas = [asyncio.ensure_future(one_more()) for _ in range(k)]
         try:
             await asyncio.gather(*replicas)
         except BaseException:
@@ -276,14 +279,15 @@ class ClientCore:
         if p.req.verify == "adaptive" and k == 1 and self.reputation.should_check(candidates[0].worker_id):
             k, checked = 2, True
             try:
-                await one_more(1)
+                await one_more()
             except NoWorkersAvailable:  # nobody to compare with: take the result unchecked, say so
-                logger.info("No second worker to spot-check job %s; accepted unchecked", p.job_id[:12])
+                logger.warning("No second worker to spot-check job %s; its result is returned marked unchecked "
+                               "(future.checked is False)", p.job_id[:12])
                 paid.add(0)
                 return await self._pay(p, candidates[0], [], checked=False)
         group = majority([c.outputs for c in candidates])
         while (group is None or len(group) < quorum(k)) and len(candidates) < 2 * k - 1:
-            await one_more(len(candidates))
+            await one_more()
             group = majority([c.outputs for c in candidates])
         if group is None or len(group) < quorum(k):
             raise VerificationFailed(
@@ -444,7 +448,7 @@ class ClientCore:
         self.settlement.countersign(c.delivery, signed.client_signature)
         # attempts: every worker this job went to, in order (for a verified job: the replicas, then any retries).
         return JobResult(c.outputs, c.worker_id, signed, attempts + [a for a in c.attempts if a not in attempts],
-                         c.delivery.bytes_sent)
+                         c.delivery.bytes_sent, checked)
 
 
 class _WrongAnswer(Exception):

@@ -41,12 +41,13 @@ class BalanceSheet:
 
     def __init__(self) -> None:
         self._totals: dict[str, list[int]] = {}  # identity -> [earned, spent, jobs_worked, jobs_bought]
-        self._seen: set[str] = set()
+        self._seen: set[tuple[str, str]] = set()  # (client id, job id): job ids are each client's own
 
     def add(self, receipt: Receipt) -> None:
-        if receipt.job_id in self._seen:
+        key = (receipt.client_id, receipt.job_id)
+        if key in self._seen:
             return
-        self._seen.add(receipt.job_id)
+        self._seen.add(key)
         worker = self._totals.setdefault(receipt.worker_id, [0, 0, 0, 0])
         worker[0] += receipt.amount
         worker[2] += 1
@@ -59,7 +60,7 @@ class BalanceSheet:
 
 
 def balances(receipts: Iterable[Receipt]) -> dict[str, Balance]:
-    """Per-identity earned / spent / net. Each receipt counts once however often it is passed (keyed by job id)."""
+    """Per-identity earned / spent / net. Each receipt counts once however often it is passed (keyed by client and job id)."""
     sheet = BalanceSheet()
     for receipt in receipts:
         sheet.add(receipt)

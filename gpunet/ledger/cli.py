@@ -153,17 +153,19 @@ def show(
     """The newest receipts, or one job's full receipt."""
     with _read_ledger(data_dir) as ledger:
         if job is not None:
-            receipt = ledger.get(job)
-            if receipt is None:
+            found = ledger.find(job)  # job ids are each client's own: two clients may have used the same one
+            if not found:
                 _err.print(f"no receipt for job {job!r} in this ledger", highlight=False)
                 raise typer.Exit(1)
-            if as_json:
-                _print_json(receipt.to_dict())
+            if as_json:  # one object; a list only when several clients' jobs share the id
+                _print_json(found[0].to_dict() if len(found) == 1 else [r.to_dict() for r in found])
                 return
-            table = Table(title=f"Receipt for job {job}", title_justify="left", show_header=False)
-            for key, value in receipt.to_dict().items():
-                table.add_row(key, str(value))
-            _out.print(table)
+            for receipt in found:
+                table = Table(title=f"Receipt for job {job} of client {short_id(receipt.client_id)}",
+                              title_justify="left", show_header=False)
+                for key, value in receipt.to_dict().items():
+                    table.add_row(key, str(value))
+                _out.print(table)
             return
         entries = ledger.entries(limit, newest_first=True)
         head = ledger.head()

@@ -2,7 +2,10 @@
 
 Each entry holds one receipt and the hash of the previous entry; ``entry_hash = sha256(domain | seq | prev_hash |
 receipt bytes)``, so changing, removing or reordering any entry breaks every hash after it, and the receipt's own two
-signatures catch an attacker who rewrites the chain too. Job id is unique: a retried job is stored once.
+signatures catch an attacker who rewrites the chain too. A job is known by its client and its id: a retried job is
+stored once, and ids are the client's own namespace (schema 2; in schema 1 a job id was global, so a receipt two
+strangers signed under a real job's id turned the real one into a "conflict"). Schema 1 files are migrated when
+opened for writing, and read as they are otherwise.
 
 Durability: WAL journal with ``synchronous=NORMAL``. A committed append is in the WAL before ``append`` returns, so it
 survives the process being killed at any point (SIGKILL mid-write loses at most the uncommitted entry in flight, and
@@ -39,39 +42,47 @@ from gpunet.ledger.export import read_json_export
 from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
 
 LEDGER_FILENAME = "ledger.sqlite"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 GENESIS_HASH = bytes(32)
 _ENTRY_DOMAIN = b"gpunet/ledger-entry/v1\x00"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _VERIFY_BATCH = 2048
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
+_TABLES = """
+CREATE TABLE entries (
     seq        INTEGER PRIMARY KEY,
-    job_id     TEXT    NOT NULL UNIQUE,
+    client_id  TEXT    NOT NULL,
+    job_id     TEXT    NOT NULL,
     receipt    BLOB    NOT NULL,
     prev_hash  BLOB    NOT NULL,
-    entry_hash BLOB    NOT NULL
+    entry_hash BLOB    NOT NULL,
+    UNIQUE (client_id, job_id)
 );
-CREATE TRIGGER IF NOT EXISTS entries_no_update BEFORE UPDATE ON entries
-    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
-CREATE TRIGGER IF NOT EXISTS entries_no_delete BEFORE DELETE ON entries
-    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
-CREATE TABLE IF NOT EXISTS unpaid (
-    job_id         TEXT    PRIMARY KEY,
+CREATE TABLE unpaid (
+    client_id      TEXT    NOT NULL,
+    job_id         TEXT    NOT NULL,
     worker_id      TEXT    NOT NULL,
     receipt        BLOB    NOT NULL,
-    recorded_at_us INTEGER NOT NULL
+    recorded_at_us INTEGER NOT NULL,
+    PRIMARY KEY (client_id, job_id)
 );
-CREATE TABLE IF NOT EXISTS conflicts (
+CREATE TABLE conflicts (
     id             INTEGER PRIMARY KEY,
+    client_id      TEXT    NOT NULL,
     job_id         TEXT    NOT NULL,
     receipt        BLOB    NOT NULL,
     source         TEXT    NOT NULL,
     detected_at_us INTEGER NOT NULL,
-    UNIQUE (job_id, receipt)
+    UNIQUE (client_id, job_id, receipt)
 );
 """
+_TRIGGERS = """
+CREATE TRIGGER entries_no_update BEFORE UPDATE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+CREATE TRIGGER entries_no_delete BEFORE DELETE ON entries
+    BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
+"""
+_SCHEMA = _TABLES + _TRIGGERS
 
 
 def entry_hash(seq: int, prev_hash: bytes, receipt_bytes: bytes) -> bytes:
@@ -187,11 +198,51 @@ class Ledger:
         if version == 0 and not tables and not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
-        elif version != SCHEMA_VERSION or "entries" not in tables:
-            raise LedgerError(f"{self.path} is not a gpunet ledger of schema version {SCHEMA_VERSION}")
+        elif version not in (1, SCHEMA_VERSION) or "entries" not in tables:
+            raise LedgerError(f"{self.path} is not a gpunet ledger of schema version 1 or {SCHEMA_VERSION}")
+        elif version == 1 and not readonly:
+            self._migrate_from_1()
+        self._schema = self._db.execute("PRAGMA user_version").fetchone()[0]
         if not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute(f"PRAGMA synchronous = {synchronous}")
+
+    def _migrate_from_1(self) -> None:
+        """Schema 1 -> 2: the same entries (so the same chain and head), keyed by client and job id. One transaction:
+        an interrupted migration leaves the schema-1 file as it was."""
+        def client_of(data: bytes) -> str:
+            try:
+                return Receipt.from_bytes(data).client_id
+            except InvalidReceipt:
+                return ""  # kept as it is: verify names the entry
+
+        db = self._db
+        with self._transaction():
+            for table in ("entries", "unpaid", "conflicts"):
+                db.execute(f"ALTER TABLE {table} RENAME TO old_{table}")
+            db.execute("DROP TRIGGER IF EXISTS entries_no_update")
+            db.execute("DROP TRIGGER IF EXISTS entries_no_delete")
+            for statement in _TABLES.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            for seq, job_id, data, prev, digest in db.execute(
+                    "SELECT seq, job_id, receipt, prev_hash, entry_hash FROM old_entries ORDER BY seq").fetchall():
+                db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", (seq, client_of(data), job_id, data, prev,
+                                                                             digest))
+            for job_id, worker_id, data, at in db.execute(
+                    "SELECT job_id, worker_id, receipt, recorded_at_us FROM old_unpaid").fetchall():
+                db.execute("INSERT OR IGNORE INTO unpaid VALUES (?, ?, ?, ?, ?)", (client_of(data), job_id, worker_id,
+                                                                                   data, at))
+            for job_id, data, source, at in db.execute(
+                    "SELECT job_id, receipt, source, detected_at_us FROM old_conflicts ORDER BY id").fetchall():
+                db.execute("INSERT OR IGNORE INTO conflicts (client_id, job_id, receipt, source, detected_at_us) "
+                           "VALUES (?, ?, ?, ?, ?)", (client_of(data), job_id, data, source, at))
+            for table in ("entries", "unpaid", "conflicts"):
+                db.execute(f"DROP TABLE old_{table}")
+            for statement in _TRIGGERS.split("END;"):
+                if statement.strip():
+                    db.execute(statement + "END;")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def close(self) -> None:
         self._db.close()
@@ -267,12 +318,12 @@ class Ledger:
         return problems
 
     def _insert_unpaid(self, receipt: Receipt) -> None:
-        paid = self.get(receipt.job_id)
+        paid = self.get(receipt.job_id, receipt.client_id)
         if paid is not None and paid.worker_id == receipt.worker_id:
             return
         self._db.execute(
-            "INSERT OR REPLACE INTO unpaid (job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?)",
-            (receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
+            "INSERT OR REPLACE INTO unpaid (client_id, job_id, worker_id, receipt, recorded_at_us) VALUES (?, ?, ?, ?, ?)",
+            (receipt.client_id, receipt.job_id, receipt.worker_id, receipt.to_bytes(), _now_us()),
         )
 
     def merge(self, source: str | os.PathLike) -> MergeReport:
@@ -318,7 +369,8 @@ class Ledger:
 
         ``last``: the head (seq, entry hash) when the caller has just written it in this transaction; read otherwise.
         """
-        row = self._db.execute("SELECT seq, receipt FROM entries WHERE job_id = ?", (receipt.job_id,)).fetchone()
+        row = self._db.execute("SELECT seq, receipt FROM entries WHERE client_id = ? AND job_id = ?",
+                               (receipt.client_id, receipt.job_id)).fetchone()
         if row is not None:
             seq, stored = row
             try:
@@ -328,8 +380,9 @@ class Ledger:
             if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
                 return _Outcome.DUPLICATE, seq, None
             self._db.execute(
-                "INSERT OR IGNORE INTO conflicts (job_id, receipt, source, detected_at_us) VALUES (?, ?, ?, ?)",
-                (receipt.job_id, receipt.to_bytes(), source, _now_us()),
+                "INSERT OR IGNORE INTO conflicts (client_id, job_id, receipt, source, detected_at_us) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (receipt.client_id, receipt.job_id, receipt.to_bytes(), source, _now_us()),
             )
             return _Outcome.CONFLICT, seq, None
         if last is None:
@@ -338,10 +391,11 @@ class Ledger:
         data = receipt.to_bytes()
         digest = entry_hash(seq, prev, data)
         self._db.execute(
-            "INSERT INTO entries (seq, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?)",
-            (seq, receipt.job_id, data, prev, digest),
+            "INSERT INTO entries (seq, client_id, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?, ?)",
+            (seq, receipt.client_id, receipt.job_id, data, prev, digest),
         )
-        self._db.execute("DELETE FROM unpaid WHERE job_id = ? AND worker_id = ?", (receipt.job_id, receipt.worker_id))
+        self._db.execute("DELETE FROM unpaid WHERE client_id = ? AND job_id = ? AND worker_id = ?",
+                         (receipt.client_id, receipt.job_id, receipt.worker_id))
         return _Outcome.ADDED, seq, digest
 
     def _transaction(self) -> "_Transaction":
@@ -353,13 +407,27 @@ class Ledger:
         row = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
         return LedgerHead(row[0], row[1].hex()) if row else LedgerHead(0, GENESIS_HASH.hex())
 
-    def get(self, job_id: str) -> Receipt | None:
-        row = self._db.execute("SELECT receipt FROM entries WHERE job_id = ?", (job_id,)).fetchone()
-        return Receipt.from_bytes(row[0]) if row else None
+    def get(self, job_id: str, client_id: str | None = None) -> Receipt | None:
+        """The receipt for ``client_id``'s job ``job_id``; without ``client_id``, the first stored under that id
+        (ids are each client's own: :meth:`find` lists every client's)."""
+        return next(iter(self._lookup("entries", job_id, client_id)), None)
 
-    def get_unpaid(self, job_id: str) -> Receipt | None:
-        row = self._db.execute("SELECT receipt FROM unpaid WHERE job_id = ?", (job_id,)).fetchone()
-        return Receipt.from_bytes(row[0]) if row else None
+    def find(self, job_id: str) -> list[Receipt]:
+        """Every stored receipt with this job id, whatever its client, in ledger order."""
+        return self._lookup("entries", job_id, None)
+
+    def get_unpaid(self, job_id: str, client_id: str | None = None) -> Receipt | None:
+        return next(iter(self._lookup("unpaid", job_id, client_id)), None)
+
+    def _lookup(self, table: str, job_id: str, client_id: str | None) -> list[Receipt]:
+        order = "seq" if table == "entries" else "recorded_at_us"
+        if client_id is None or self._schema == 1:  # a schema-1 file read as it is: no client column
+            rows = self._db.execute(f"SELECT receipt FROM {table} WHERE job_id = ? ORDER BY {order}", (job_id,))
+        else:
+            rows = self._db.execute(f"SELECT receipt FROM {table} WHERE client_id = ? AND job_id = ? ORDER BY {order}",
+                                    (client_id, job_id))
+        found = [Receipt.from_bytes(data) for (data,) in rows]
+        return [r for r in found if client_id is None or r.client_id == client_id]
 
     def entries(self, limit: int | None = None, *, newest_first: bool = False) -> list[Entry]:
         order = "DESC" if newest_first else "ASC"
@@ -399,9 +467,10 @@ class Ledger:
         return [Receipt.from_bytes(data) for (data,) in rows]
 
     def conflicts(self) -> list[Conflict]:
+        same_job = "e.job_id = c.job_id" + ("" if self._schema == 1 else " AND e.client_id = c.client_id")
         rows = self._db.execute(
             "SELECT c.job_id, e.receipt, c.receipt, c.source, c.detected_at_us FROM conflicts c "
-            "JOIN entries e ON e.job_id = c.job_id ORDER BY c.id"
+            f"JOIN entries e ON {same_job} ORDER BY c.id"
         )
         return [
             Conflict(job_id, Receipt.from_bytes(existing), Receipt.from_bytes(other), source, at)
@@ -424,12 +493,14 @@ class Ledger:
         threads = threads or _verify_threads()
         expected_seq, prev = 1, GENESIS_HASH
         try:
-            cursor = self._db.execute("SELECT seq, job_id, receipt, prev_hash, entry_hash FROM entries ORDER BY seq")
+            client = "''" if self._schema == 1 else "client_id"
+            cursor = self._db.execute(f"SELECT seq, {client}, job_id, receipt, prev_hash, entry_hash FROM entries "
+                                      "ORDER BY seq")
             with closing(cursor), ThreadPoolExecutor(threads) as pool:
                 while rows := cursor.fetchmany(_VERIFY_BATCH):
                     chain_failure: tuple[int, str] | None = None
                     decoded: list[tuple[int, Receipt]] = []
-                    for seq, job_id, data, prev_hash, digest in rows:
+                    for seq, client_id, job_id, data, prev_hash, digest in rows:
                         problem = None
                         if seq != expected_seq:
                             seq, problem = expected_seq, f"missing (the next stored entry is {seq})"
@@ -445,6 +516,9 @@ class Ledger:
                             else:
                                 if receipt.job_id != job_id:
                                     problem = f"indexed under job {job_id} but holds a receipt for job {receipt.job_id}"
+                                elif self._schema > 1 and receipt.client_id != client_id:
+                                    problem = (f"indexed under client {client_id} but holds a receipt of client "
+                                               f"{receipt.client_id}")
                                 decoded.append((seq, receipt))
                         if problem is not None:
                             chain_failure = (seq, problem)

@@ -48,7 +48,7 @@ class LedgerWriter:
         self.delay = delay
         self.max_pending = max_pending
         self._complete: list[Receipt] = []  # in queue order; a second receipt for a job id is kept (conflict evidence)
-        self._by_job: dict[str, Receipt] = {}  # the first queued receipt per job id, for ``get``
+        self._by_job: dict[tuple[str, str], Receipt] = {}  # the first queued receipt per (client, job id), for ``get``
         self._unpaid: list[Receipt] = []
         self._timer = Debounce(delay, self._flush_soon)
         self._failing = False  # the last write failed: retry on a timer, never on the caller's path
@@ -56,7 +56,7 @@ class LedgerWriter:
     def append(self, receipt: Receipt) -> None:
         """Queue a complete receipt. Checked when written: a refused one is logged (and a conflict recorded)."""
         self._complete.append(receipt)
-        self._by_job.setdefault(receipt.job_id, receipt)
+        self._by_job.setdefault((receipt.client_id, receipt.job_id), receipt)
         self._schedule()
 
     def record_unpaid(self, receipt: Receipt) -> None:
@@ -64,14 +64,15 @@ class LedgerWriter:
         self._unpaid.append(receipt)
         self._schedule()
 
-    def get(self, job_id: str) -> Receipt | None:
-        """The complete receipt for ``job_id``, queued or stored."""
-        return self._by_job.get(job_id) or self.ledger.get(job_id)
+    def get(self, client_id: str, job_id: str) -> Receipt | None:
+        """The complete receipt for ``client_id``'s job ``job_id``, queued or stored."""
+        return self._by_job.get((client_id, job_id)) or self.ledger.get(job_id, client_id)
 
-    def signed(self, job_id: str) -> Receipt | None:
-        """Any receipt for ``job_id`` this node holds, paid or still unpaid, queued or stored."""
-        queued = next((r for r in reversed(self._unpaid) if r.job_id == job_id), None) if self._unpaid else None
-        return self.get(job_id) or queued or self.ledger.get_unpaid(job_id)
+    def signed(self, client_id: str, job_id: str) -> Receipt | None:
+        """Any receipt for ``client_id``'s job ``job_id`` this node holds, paid or still unpaid, queued or stored."""
+        queued = next((r for r in reversed(self._unpaid) if r.job_id == job_id and r.client_id == client_id),
+                      None) if self._unpaid else None
+        return self.get(client_id, job_id) or queued or self.ledger.get_unpaid(job_id, client_id)
 
     @property
     def pending(self) -> int:

@@ -150,7 +150,7 @@ def soak(root: Path, workers: int = 5, jobs: int = 1000, kill_every: tuple[float
                 with Ledger(data_dir / LEDGER_FILENAME, create=False, readonly=True) as ledger:
                     ledger.verify()
                     report.ledgers_verified += 1
-                    paid_by.update({r.job_id for r in ledger.receipts() if r.client_signature})
+                    paid_by.update({(r.client_id, r.job_id) for r in ledger.receipts() if r.client_signature})
             except Exception as e:
                 report.ledger_errors.append(f"{data_dir.name}: {e}")
         report.paid_twice = sum(1 for n in paid_by.values() if n > 1)

@@ -6,7 +6,7 @@ asks what to do. The clock is injected, so the stopped-jobs window is tested wit
 
 Rules, in the order a submit meets them:
 
-1. a job id one client used is never taken from another (``paid_by``);
+1. (job ids are each client's own: the service keys jobs and receipts by client and id;)
 2. the worker's price must be within the job's bound; its timeout and inputs within this worker's limits;
 3. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
@@ -99,10 +99,8 @@ class Admission:
 
     # --- decisions -------------------------------------------------------------------------------------------------
 
-    def screen(self, client_id: str, submit: Submit, paid_by: str | None = None, host: str = "") -> None:
+    def screen(self, client_id: str, submit: Submit, host: str = "") -> None:
         """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
-        if paid_by is not None and paid_by != client_id:
-            raise JobRejected(f"job id {submit.job_id[:16]} was already used by another client; use a fresh one")
         if submit.max_price is not None and submit.max_price < self.price_nano:
             raise JobRejected(f"this worker's price {format_credits(self.price_nano)} credits/TFLOP is above the job's "
                               f"bound {format_credits(submit.max_price)}")

@@ -286,20 +286,19 @@ class JobService:
         it counts as an upload of its client and address, its payload is charged to the buffer budget before it is
         read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
-        signed = self.books.signed(submit.job_id)
-        self.admission.screen(client_id, submit, paid_by=signed.client_id if signed is not None else None, host=host)
+        signed = self.books.signed(client_id, submit.job_id)
+        self.admission.screen(client_id, submit, host=host)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same result, same receipt, no second bill
             return known
         if key in self._jobs:  # a retry while the first run is still going: wait for it
             return await asyncio.shield(self._jobs[key].outcome)
-        # One job id, one receipt, ever: a second receipt for an id would read as fraud by this worker (and a run
-        # nobody pays for). So an id signed before, or running for another client, is never run again.
+        # One job, one receipt, ever: a second receipt for a client's job id would read as fraud by this worker (and
+        # a run nobody pays for). Job ids are each client's own: another client using the same id (guessed, or seen
+        # while running a replica) is a different job, so it can neither block nor take over this one.
         if signed is not None:
             raise JobRejected(f"job id {submit.job_id[:16]} was already run here and its result is no longer kept; "
                               "use a fresh job id")
-        if any(job_id == submit.job_id for _, job_id in self._jobs):
-            raise JobRejected(f"job id {submit.job_id[:16]} is in use by another client; use a fresh one")
         if not self.admission.has_room(client_id):  # busy or draining comes first: no point switching doors to hear it
             raise self._busy()
         need_program = not self.executor.has_program(submit.program)

@@ -41,7 +41,7 @@ class Settlement:
 
     def expect(self, client_id: str, receipt: Receipt) -> None:
         """A result went out through the unary door: its countersignature comes in a later call."""
-        if self.books.get(receipt.job_id) is None:
+        if self.books.get(client_id, receipt.job_id) is None:
             self.unsettled.put((client_id, receipt.job_id), receipt)
 
     def ride_along(self, client_id: str, items: tuple[tuple[str, bytes], ...]) -> None:
@@ -67,7 +67,7 @@ class Settlement:
                            message.reason)
             return
         complete = attach_countersignature(receipt, message.signature)  # InvalidReceipt if forged
-        if self.books.get(message.job_id) is None:
+        if self.books.get(client_id, message.job_id) is None:
             self.books.append(complete)
         self._forget(key)
 
