@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gpunet import Job
+from gpunet.job import cost
 from tests._job_models import families
 
 FAMILIES = {name: rest for name, *rest in families()}
@@ -89,7 +90,9 @@ def test_outputs_round_trip_through_bytes(jobs):
 def test_estimate_counts_flops_and_scales_with_batch(jobs):
     job = jobs["mlp"]
     e1, e4 = job.estimate(torch.randn(1, 16)), job.estimate(torch.randn(4, 16))
-    assert e1.flops == 2 * (16 * 32 + 32 * 32 + 32 * 4)  # three matmuls, 2 FLOPs per multiply-add
+    matmuls = 2 * (16 * 32 + 32 * 32 + 32 * 4)  # three matmuls, 2 FLOPs per multiply-add
+    activations = cost.TRANSCENDENTAL * 32 + cost.ELEMENTWISE * 32  # GELU, then ReLU: per element (gpunet.job.cost)
+    assert e1.flops == matmuls + activations
     assert e4.flops == 4 * e1.flops
     assert e4.peak_memory_bytes > e1.peak_memory_bytes > 0
 

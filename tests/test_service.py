@@ -129,6 +129,56 @@ def test_a_client_that_keeps_stopping_jobs_is_refused_until_its_stops_age_out():
     a.screen(ALICE, job())
 
 
+def test_a_client_that_does_not_pay_is_refused_past_its_credit_line():
+    """Outputs go out before their countersignature (a client compares replicas first), so a worker extends credit:
+    results left unpaid past the grace count against their client, and at the limit its jobs are refused."""
+    clock = Clock()
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
+                  limits=ServiceLimits(max_unpaid_jobs=3, countersign_grace=60, unpaid_window=3600))
+    for i in range(3):
+        a.delivered(ALICE, f"job-{i}", host="10.0.0.1")
+    a.screen(ALICE, job())  # within the grace: its countersignatures may still be on their way
+    clock.now += 61
+    with pytest.raises(JobRejected, match="not paid for 3 results"):
+        a.screen(ALICE, job())
+    a.screen(BOB, job())  # others are unaffected
+    a.paid(ALICE, "job-1")  # a late countersignature restores the credit
+    a.screen(ALICE, job())
+    a.delivered(ALICE, "job-3")
+    clock.now += 61
+    with pytest.raises(JobRejected, match="not paid"):
+        a.screen(ALICE, job())
+    clock.now += 3600  # an hour on, old debts are forgiven
+    a.screen(ALICE, job())
+    for n in range(12):  # fresh identities from one address: the address has a line too (x host_stops_factor)
+        a.delivered(f"sybil-{n}", "job", host="10.0.0.9")
+    clock.now += 61
+    with pytest.raises(JobRejected, match="clients at this address"):
+        a.screen("sybil-new", job(), host="10.0.0.9")
+
+
+def test_a_countersignature_pays_off_the_credit_line_through_the_settlement(tmp_path):
+    async def scenario(ledger):
+        worker, client = Identity.generate(), Identity.generate()
+        clock = Clock()
+        a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
+                      limits=ServiceLimits(max_unpaid_jobs=1, countersign_grace=0))
+        books = LedgerWriter(ledger, delay=3600)
+        settlement = Settlement(books, on_paid=a.paid)
+        receipt = _delivered(worker, client, "job-paid")
+        a.delivered(client.peer_id, "job-paid")
+        settlement.expect(client.peer_id, receipt)
+        clock.now += 1
+        with pytest.raises(JobRejected, match="not paid"):
+            a.screen(client.peer_id, job())
+        settlement.settle(client.peer_id, Countersign("job-paid", client.sign(receipt.signing_bytes())))
+        a.screen(client.peer_id, job())
+        books.close()
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        asyncio.run(scenario(ledger))
+
+
 # --- settlement: receipts wait for their countersignature --------------------------------------------------------
 
 

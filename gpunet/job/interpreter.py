@@ -33,6 +33,7 @@ class Step:
     free_after: tuple[int, ...] = ()
     view_of: int | None = None  # slot whose storage the output aliases (views), for memory accounting
     guard: Callable[[list, dict], None] | None = None  # checks real argument values first (gpunet.job.guards)
+    cost: Callable[[list, dict, Any], int] | None = None  # counted work from shapes (gpunet.job.cost); None: free
 
 
 DEVICE_SLOT = 0  # env[0] holds the device; every Device argument is a reference to it
@@ -122,11 +123,13 @@ def _fill(template: Any, refs: list, lists: list, env: list) -> Any:
 
 
 def execute(
-    steps: Sequence[Step], env: list, outputs: Sequence[int], tracker: MemoryTracker | None = None
+    steps: Sequence[Step], env: list, outputs: Sequence[int], tracker: MemoryTracker | None = None,
+    meter: list[int] | None = None,
 ) -> list:
     """Run ``steps`` over ``env`` (device, inputs, weights, then one slot per node) and return the output values.
 
     Errors raised by an op become JobFailed naming the node (JobRejected in a dry run, where the tracker is set).
+    ``meter``: a one-element list the dry run adds each node's counted work to (see :mod:`gpunet.job.cost`).
     """
     step = None
     try:
@@ -137,6 +140,8 @@ def execute(
                 step.guard(args, kwargs)
             out = step.fn(*args, **kwargs)
             env[step.slot] = out
+            if meter is not None and step.cost is not None:
+                meter[0] += step.cost(args, kwargs, out)
             if tracker is not None:
                 tracker.produced(step, out)
                 for s in step.free_after:

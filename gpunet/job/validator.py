@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from gpunet.errors import JobRejected
 from gpunet.job import graph as g
-from gpunet.job import guards, tensors
+from gpunet.job import cost, guards, tensors
 from gpunet.job.format import (
     DEFAULT_MAX_PROGRAM_BYTES,
     MAX_GRAPH_BYTES,
@@ -156,11 +155,13 @@ class Program:
         env = self.new_env(meta_inputs, self._meta_weights)
         for slot in range(1, 1 + len(meta_inputs) + len(self.weights)):
             tracker.pin(slot, env[slot])
-        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-            outs = execute(self.steps, env, self.output_slots, tracker)
-        flops = int(counter.get_total_flops())
+        meter = [0]
+        with torch.inference_mode():
+            outs = execute(self.steps, env, self.output_slots, tracker, meter)
+        flops = meter[0]
         if flop_limit is not None and flops > flop_limit:
-            raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g}")
+            raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "
+                              "matmuls and convolutions by their FLOPs, every other op by a documented equivalent)")
         try:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:
@@ -349,6 +350,9 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     aten = ALLOWED_OPS.get(op)
     if aten is None:
         raise _reject(where, f"op {op[:80]!r} is not in the worker's allowlist{_hint(op)}")
+    formula = cost.formula_for(op)
+    if formula is None:  # every op a job may use has a counted cost, or it is not run
+        raise _reject(where, f"op {op[:80]!r} has no cost formula in this worker")
     schema = aten._schema
     if prog.manifest.ops.get(op) != str(schema):
         raise _reject(where, f"the manifest's schema for {op} does not match this worker's ({schema})")
@@ -390,7 +394,8 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     if schema.returns[0].alias_info is not None:  # a view: shares the storage of its (first) tensor argument
         first = pos_t[0] if pos_t else None
         view_of = first.slot if isinstance(first, _Ref) else None
-    step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of, guard=guards.GUARDS.get(op))
+    step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of, guard=guards.GUARDS.get(op),
+                cost=formula)
     return step, kind
 
 

@@ -8,7 +8,11 @@ Rules, in the order a submit meets them:
 
 1. (job ids are each client's own: the service keys jobs and receipts by client and id;)
 2. the worker's price must be within the job's bound; its timeout and inputs within this worker's limits;
-3. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
+3. a client that holds ``max_unpaid_jobs`` results it has not countersigned for longer than ``countersign_grace``
+   (refused, or never answered) is refused until it pays or they age out of ``unpaid_window``: the worker's credit
+   line, since outputs go out before their payment (the client must be able to compare them first); an address
+   holds ``host_stops_factor`` times as many;
+3b. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
    past its timeout counts as a stop too, a crash several times over);
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
@@ -57,6 +61,12 @@ class ServiceLimits:
     buffer_share: float = 0.5
     # An address (identities are free) may stop or crash this many times the per-client allowance.
     host_stops_factor: int = 4
+    # The credit line: results delivered but not countersigned within the grace (a countersignature rides on the
+    # client's next job or comes in a batch soon after) count against their client for the window; at this many,
+    # its jobs are refused. A refusal counts too: the client got the outputs and did not pay.
+    max_unpaid_jobs: int = 16
+    countersign_grace: float = 120.0
+    unpaid_window: float = 3600.0
 
 
 class Admission:
@@ -85,6 +95,9 @@ class Admission:
         self._places_by_client: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
+        # Delivered, not yet paid: per client {job id: (delivered at, address)}, and per address {(client, job)}.
+        self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
+        self._owed_by_host: LRU[str, dict[tuple[str, str], float]] = LRU(MAX_TRACKED_CLIENTS)
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
     @property
@@ -109,6 +122,15 @@ class Admission:
         if submit.inputs_size > self.limits.max_input_bytes:
             raise JobRejected(f"inputs of {human_bytes(submit.inputs_size)} exceed this worker's limit of "
                               f"{human_bytes(self.limits.max_input_bytes)}")
+        overdue = self.overdue(client_id)
+        if overdue >= self.limits.max_unpaid_jobs:
+            raise JobRejected(f"this client has not paid for {overdue} results this worker delivered (no "
+                              f"countersignature within {self.limits.countersign_grace:.0f} s, or refused); it takes "
+                              "no more of its jobs until they are countersigned or an hour has passed")
+        if host and self._overdue(self._owed_by_host.get(host)) >= self.limits.max_unpaid_jobs * \
+                self.limits.host_stops_factor:
+            raise JobRejected("clients at this address have not paid for too many results from this worker; no more "
+                              "of their jobs for now")
         stopped = self.recent_stops(client_id)
         if stopped >= self.limits.max_stopped_jobs:
             raise JobRejected(f"this client stopped, timed out or crashed running jobs here {stopped} times in the last "
@@ -183,6 +205,19 @@ class Admission:
             return sum(self._uploads_by_client.values())
         return self._uploads_by_client.get(client_id, 0)
 
+    def overdue(self, client_id: str) -> int:
+        """Results this client was delivered and has not countersigned within the grace (within the window)."""
+        owed = self._owed.get(client_id)
+        return self._overdue({job: at for job, (at, _) in owed.items()} if owed else None)
+
+    def _overdue(self, owed: dict | None) -> int:
+        if not owed:
+            return 0
+        now = self.clock()
+        for key in [k for k, at in owed.items() if now - at > self.limits.unpaid_window]:
+            del owed[key]  # aged out: forgiven
+        return sum(1 for at in owed.values() if now - at > self.limits.countersign_grace)
+
     def recent_stops(self, client_id: str) -> int:
         return self._recent(self._stops, client_id)
 
@@ -222,6 +257,30 @@ class Admission:
                 stops = deque()
             stops.extend([self.clock()] * weight)
             table.put(key, stops)  # the least recently seen is forgotten beyond the bound
+
+    def delivered(self, client_id: str, job_id: str, host: str = "") -> None:
+        """A result (with its receipt) is going out to ``client_id``: owed until :meth:`paid`."""
+        now = self.clock()
+        owed = self._owed.get(client_id)
+        if owed is None:
+            owed = {}
+        owed.setdefault(job_id, (now, host))
+        self._owed.put(client_id, owed)
+        if host:
+            by_host = self._owed_by_host.get(host)
+            if by_host is None:
+                by_host = {}
+            by_host.setdefault((client_id, job_id), now)
+            self._owed_by_host.put(host, by_host)
+
+    def paid(self, client_id: str, job_id: str) -> None:
+        """Its countersignature arrived."""
+        owed = self._owed.get(client_id)
+        entry = owed.pop(job_id, None) if owed else None
+        if entry is not None and entry[1]:
+            by_host = self._owed_by_host.get(entry[1])
+            if by_host:
+                by_host.pop((client_id, job_id), None)
 
     def stream_opened(self) -> None:
         """A job stream came in: whatever it brings, the worker answers it (and reads its payment) before leaving."""

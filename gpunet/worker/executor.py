@@ -215,8 +215,12 @@ class Executor:
         threads_per_process: int | None = None,
         sandbox: bool = True,
         protected: list[str] = (),
+        speed_tflops: float | None = None,
     ):
         self.default_timeout = default_timeout
+        #: The device's measured speed (best dtype): a job runs no longer than its counted work allows at a small share
+        #: of it (gpunet.job.cost.seconds_allowed). None: only the job's own timeout applies.
+        self.speed_tflops = speed_tflops
         self._tmp = None
         if cache_dir is None:
             self._tmp = tempfile.mkdtemp(prefix="gpunet-programs-")
@@ -397,11 +401,29 @@ class Executor:
             slot.in_flight = False
 
     async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
-        if not await slot.readable(timeout):
-            slot.kill()
-            raise JobTimeout(f"job did not finish within {timeout:.1f} s; its executor was killed and replaced")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        why = f"job did not finish within {timeout:.1f} s"
+        while True:
+            if not await slot.readable(max(0.0, deadline - loop.time())):
+                slot.kill()
+                raise JobTimeout(f"{why}; its executor was killed and replaced")
+            try:
+                reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
+            except (EOFError, OSError, ValueError):
+                return self._died(slot, "while running the job")
+            if not reply.get("started"):
+                break
+            # The dry run has counted the job's work: it runs no longer than that pays for. (Imported here: this
+            # module is the executor's entry point and must not import torch before the sandbox is entered.)
+            from gpunet.job.cost import seconds_allowed
+
+            allowed = seconds_allowed(int(reply.get("flops", 0)), self.speed_tflops) if self.speed_tflops else None
+            if allowed is not None and loop.time() + allowed < deadline:
+                deadline = loop.time() + allowed
+                why = (f"job ran past the {allowed:.0f} s its counted work ({reply.get('flops', 0):.3g} FLOPs) allows "
+                       f"on this worker ({self.speed_tflops:.3g} TFLOPS)")
         try:
-            reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
             outputs = reply.get("outputs")
             if reply.get("ok") and outputs is None:
                 if reply.get("outputs_size", 0) <= _INLINE_PIPE_BYTES:
@@ -524,7 +546,8 @@ def _child_main(conn: Connection, config: dict) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program)
+            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
+                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})))
         except (JobRejected, JobFailed) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
         except ProgramNotCached as e:
@@ -557,7 +580,7 @@ def _map_shared(fd: int, size: int) -> memoryview:
         os.close(fd)
 
 
-def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program) -> dict:
+def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program, started=None) -> dict:
     h = check_hash(req["hash"])
     prog = programs.get(h)
     if prog is None:
@@ -570,6 +593,8 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         programs.put(h, prog, sum(w.numel() * w.element_size() for w in prog.weights))
     inputs = prog.inputs_from_dict(tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes))
     est = prog.estimate(inputs)
+    if started is not None:  # the parent caps the run time by the counted work
+        started(est.flops)
     t0 = time.perf_counter()
     outs = run_program(prog, inputs)
     if device.startswith("cuda"):

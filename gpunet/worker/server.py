@@ -227,6 +227,8 @@ class Worker:
         """Measure the device again while no job runs (see worker.throughput); the next heartbeat publishes it."""
         before = self.tflops
         self.tflops = await asyncio.to_thread(throughput.remeasure, self.hardware, self.data_dir)
+        if self.executor is not None:
+            self.executor.speed_tflops = max(self.tflops.values(), default=None)
         changed = any(abs(v - before.get(k, 0.0)) > 0.1 * max(v, before.get(k, 0.0)) for k, v in self.tflops.items())
         (logger.info if changed else logger.debug)(
             "Speed measured again while idle: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
@@ -293,6 +295,7 @@ class Worker:
             cache_dir=self.data_dir / "programs",
             protected=[str(self.data_dir), str(Path.home())],
             sandbox=cfg.sandbox,
+            speed_tflops=max(self.tflops.values(), default=None),
         )
         for line in await self.executor.sandbox_report():  # before any job: the executors lock themselves down
             (logger.warning if line.startswith(("WARNING", "no ", "sandbox incomplete")) else logger.info)(

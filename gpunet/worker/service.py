@@ -141,7 +141,7 @@ class JobService:
         # Finished results, kept for retries of the same job id (the newest stays even if alone it is over the bound).
         self.results: LRU[tuple[str, str], Outcome] = LRU(MAX_RECENT_RESULTS, self.limits.recent_results_bytes,
                                                         keep_newest=True)
-        self.settlement = Settlement(self.books, find_receipt=self._recent_receipt)
+        self.settlement = Settlement(self.books, find_receipt=self._recent_receipt, on_paid=admission.paid)
         self._record = record
         self._corrupt_outputs = corrupt_outputs
         self._slots = asyncio.Semaphore(admission.max_concurrent)
@@ -444,6 +444,7 @@ class JobService:
             ended_at_us=int(ended * 1e6),
         )
         self.books.record_unpaid(receipt)  # until the countersignature arrives, this is work the client owes
+        self.admission.delivered(client_id, job_id, host)
         metrics.JOBS.labels("done").inc()
         logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
                      ended - started, result.flops / 1e9)

@@ -29,9 +29,11 @@ Key = tuple[str, str]  # (client id, job id)
 
 class Settlement:
     def __init__(self, books: LedgerWriter, find_receipt: Callable[[Key], Receipt | None] = lambda key: None,
-                 max_unsettled: int = MAX_UNSETTLED):
-        """``find_receipt``: where else a delivered receipt may still be known (the service's recent results)."""
+                 max_unsettled: int = MAX_UNSETTLED, on_paid: Callable[[str, str], None] = lambda client, job: None):
+        """``find_receipt``: where else a delivered receipt may still be known (the service's recent results);
+        ``on_paid(client_id, job_id)``: hears of every valid countersignature (the credit line)."""
         self.books = books
+        self._on_paid = on_paid
         self.unsettled: LRU[Key, Receipt] = LRU(max_unsettled)
         self._find_receipt = find_receipt
         self._queued: list[tuple[str, tuple[tuple[str, bytes], ...]]] = []  # ride-along, not yet checked
@@ -69,6 +71,7 @@ class Settlement:
         complete = attach_countersignature(receipt, message.signature)  # InvalidReceipt if forged
         if self.books.get(client_id, message.job_id) is None:
             self.books.append(complete)
+        self._on_paid(client_id, message.job_id)
         self._forget(key)
 
     def flush(self) -> None:

@@ -1,0 +1,186 @@
+"""What a job costs: a counted amount of work for every op in the allowlist, in FLOPs or a documented equivalent.
+
+The dry run adds each node's cost (on meta tensors, from shapes alone), so the client and the worker count the same
+number; it is what receipts bill and what ``max_flops`` limits. torch's own FLOP counter knows only matrix products,
+convolutions and attention: a matrix product spelled ``_cdist_forward`` was billed 0, and 40 s of sorts and
+elementwise chains passed any limit. So here every allowlisted op has a formula, and an op without one is refused by
+the validator (``tests/test_job_cost.py`` checks the allowlist against this table).
+
+The equivalents, per op class (``n`` = elements of the output unless said otherwise):
+
+* **matmul, convolution**: torch's formulas (2 FLOPs per multiply-add).
+* **distances**: ``_cdist_forward`` 3·B·M·N·D (a difference, a product and a sum per term), ``_pdist_forward``
+  3·N(N-1)/2·D.
+* **elementwise and copies** (arithmetic, comparisons, activations, casts, gathers, scatters, padding, concatenation,
+  fills, index ops): ``ELEMENTWISE`` per output element. Memory-bound work is slower per element than a matmul is per
+  FLOP, so the constant is above 1; it makes the time a worker allows a job (see ``seconds_allowed``) cover it.
+* **transcendental** (exp, log, trig, erf, gelu, sigmoid, tanh, pow, ...): ``TRANSCENDENTAL`` per output element.
+* **reductions and normalisations** (sum, mean, var, softmax, layer/group/batch norm, cumsum, argmax, ...):
+  ``REDUCTION`` per *input* element.
+* **sort, topk**: ``ELEMENTWISE`` · n · ceil(log2(size of the sorted dim)) over the input.
+* **pooling, upsampling, grid sampling**: ``ELEMENTWISE`` per output element per window element (or per
+  interpolation point); adaptive pooling per input element.
+* **FFT**: 5·n·log2(n) over the transformed signal.
+* **views and shape queries** (view, permute, expand, slice, select, squeeze, alias, sym_size...): 0 — no data moves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+ELEMENTWISE = 4
+TRANSCENDENTAL = 8
+REDUCTION = 4
+
+#: A worker assumes no job runs slower than this share of its measured peak (matmul) speed: memory-bound ops on a GPU
+#: reach about 0.2-0.5% of its matmul peak in FLOP-equivalents of ELEMENTWISE per element, a CPU's far more.
+MIN_EFFICIENCY = 0.002
+#: Seconds every job is allowed on top of its counted work (program load, a cold executor, the first kernel launches).
+GRACE_SECONDS = 30.0
+
+
+def _numel(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, (list, tuple)):
+        return sum(_numel(v) for v in x)
+    return 0
+
+
+def _first_tensor(args: tuple) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            found = _first_tensor(tuple(a))
+            if found is not None:
+                return found
+    return None
+
+
+def _per_output(k: int) -> Callable:
+    return lambda args, kwargs, out: k * _numel(out)
+
+
+def _per_input(k: int) -> Callable:
+    return lambda args, kwargs, out: k * _numel(_first_tensor(args))
+
+
+def _free(args, kwargs, out) -> int:
+    return 0
+
+
+def _torch_formula(packet) -> Callable:
+    formula = flop_registry[packet]
+    return lambda args, kwargs, out: int(formula(*args, **kwargs, out_val=out))
+
+
+def _cdist(args, kwargs, out) -> int:
+    x1, x2 = args[0], args[1]
+    batch = math.prod(x1.shape[:-2]) if x1.dim() > 2 else 1
+    return 3 * batch * x1.shape[-2] * x2.shape[-2] * x1.shape[-1]
+
+
+def _pdist(args, kwargs, out) -> int:
+    x = args[0]
+    n, d = x.shape[0], x.shape[1]
+    return 3 * (n * (n - 1) // 2) * d
+
+
+def _sort(args, kwargs, out) -> int:
+    x = args[0]
+    dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim", -1)
+    size = x.shape[dim] if x.dim() else 1
+    return ELEMENTWISE * x.numel() * max(1, math.ceil(math.log2(max(size, 2))))
+
+
+def _topk(args, kwargs, out) -> int:
+    x = args[0]
+    dim = args[2] if len(args) > 2 and isinstance(args[2], int) else kwargs.get("dim", -1)
+    size = x.shape[dim] if x.dim() else 1
+    return ELEMENTWISE * x.numel() * max(1, math.ceil(math.log2(max(size, 2))))
+
+
+def _window(args, kwargs, out) -> int:
+    kernel = args[1] if len(args) > 1 else kwargs.get("kernel_size", [1])
+    size = math.prod(kernel) if isinstance(kernel, (list, tuple)) else int(kernel)
+    return ELEMENTWISE * _numel(out) * max(1, size)
+
+
+def _interpolate(points: int) -> Callable:
+    return lambda args, kwargs, out: ELEMENTWISE * points * _numel(out)
+
+
+def _fft(args, kwargs, out) -> int:
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim", [])
+    n = math.prod(x.shape[d] for d in dims) if dims and x.dim() else max(1, x.numel())
+    batch = x.numel() // max(1, n)
+    return int(5 * batch * n * max(1.0, math.log2(max(n, 2))))
+
+
+def _embedding_bag(args, kwargs, out) -> int:
+    weight, indices = args[0], args[1]
+    return ELEMENTWISE * indices.numel() * (weight.shape[1] if weight.dim() > 1 else 1)
+
+
+_VIEWS = """alias expand permute select slice split split_with_sizes squeeze unsqueeze view diagonal sym_size
+sym_numel"""
+_ELEMENTWISE_OPS = """abs add bitwise_and bitwise_not bitwise_or bitwise_xor ceil clamp clone _to_copy copy div eq
+fill floor fmod ge gt hardtanh isinf isnan le leaky_relu logical_and logical_not logical_or logical_xor lt maximum
+minimum mul ne neg relu remainder round sign sub trunc where cat constant_pad_nd flip full full_like arange
+scalar_tensor gather index index_put index_select masked_scatter repeat scatter scatter_add scatter_reduce
+select_scatter slice_scatter embedding reflection_pad1d reflection_pad2d reflection_pad3d replication_pad2d
+replication_pad3d tril triu col2im"""
+_TRANSCENDENTAL_OPS = """acos acosh asin asinh atan atan2 atanh cos cosh elu erf exp expm1 gelu log log10 log1p log2
+pow reciprocal rsqrt sigmoid sin sinh sqrt tan tanh"""
+_REDUCTION_OPS = """amax amin any argmax argmin cumsum max mean min prod sum var _softmax _log_softmax
+native_layer_norm native_group_norm _native_batch_norm_legit_no_training _adaptive_avg_pool2d _adaptive_avg_pool3d
+adaptive_avg_pool1d"""
+
+#: Cost formula by op packet name (``aten.<name>`` without the overload): every allowlisted op must have one.
+FORMULAS: dict[str, Callable] = {
+    **{name: _free for name in _VIEWS.split()},
+    **{name: _per_output(ELEMENTWISE) for name in _ELEMENTWISE_OPS.split()},
+    **{name: _per_output(TRANSCENDENTAL) for name in _TRANSCENDENTAL_OPS.split()},
+    **{name: _per_input(REDUCTION) for name in _REDUCTION_OPS.split()},
+    "mm": _torch_formula(torch.ops.aten.mm),
+    "addmm": _torch_formula(torch.ops.aten.addmm),
+    "bmm": _torch_formula(torch.ops.aten.bmm),
+    "convolution": _torch_formula(torch.ops.aten.convolution),
+    "_cdist_forward": _cdist,
+    "_pdist_forward": _pdist,
+    "sort": _sort,
+    "topk": _topk,
+    "avg_pool1d": _window,
+    "avg_pool2d": _window,
+    "avg_pool3d": _window,
+    "max_pool2d_with_indices": _window,
+    "max_pool3d_with_indices": _window,
+    "upsample_nearest2d": _interpolate(1),
+    "upsample_bilinear2d": _interpolate(4),
+    "grid_sampler_2d": _interpolate(4),
+    "_fft_r2c": _fft,
+    "_fft_c2r": _fft,
+    "_embedding_bag": _embedding_bag,
+}
+
+
+def packet_name(op_name: str) -> str:
+    """``aten.mm.default`` -> ``mm``."""
+    return op_name.split(".")[1] if op_name.startswith("aten.") else op_name.split(".")[0]
+
+
+def formula_for(op_name: str) -> Callable | None:
+    return FORMULAS.get(packet_name(op_name))
+
+
+def seconds_allowed(cost: int, tflops: float) -> float:
+    """The longest a job of ``cost`` counted work may run on a device measured at ``tflops`` (its best dtype): what
+    it is paid for, at ``MIN_EFFICIENCY`` of that speed, plus ``GRACE_SECONDS``."""
+    rate = max(tflops, 1e-3) * 1e12 * MIN_EFFICIENCY
+    return GRACE_SECONDS + cost / rate

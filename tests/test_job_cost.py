@@ -1,0 +1,97 @@
+"""Counted work (gpunet/job/cost.py): every allowlisted op has a cost, so nothing runs for free or past its limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import gpunet
+from gpunet import Job, JobRejected, JobTimeout
+from gpunet.job import cost
+from gpunet.job.validator import ALLOWED_OPS
+from gpunet.worker.executor import Executor
+
+
+def test_every_allowlisted_op_has_a_cost_formula_and_no_formula_is_stale():
+    assert [op for op in ALLOWED_OPS if cost.formula_for(op) is None] == []
+    assert set(cost.FORMULAS) == {cost.packet_name(op) for op in ALLOWED_OPS}
+
+
+def _ops(job: Job) -> set[str]:
+    return set(job.manifest.ops)
+
+
+def test_a_matrix_product_spelled_cdist_is_billed():
+    """torch's FLOP counter bills _cdist_forward 0: a matmul in disguise ran for free."""
+    a, b = torch.randn(64, 32), torch.randn(128, 32)
+    job = Job.from_function(lambda x, y: torch.cdist(x, y, compute_mode="donot_use_mm_for_euclid_dist"), (a, b))
+    assert _ops(job) == {"aten._cdist_forward.default"}
+    assert job.estimate(a, b).flops == 3 * 64 * 128 * 32
+
+
+def test_elementwise_chains_and_sorts_count_against_the_limit():
+    """40 s of elementwise chains and sorts used to count 0 FLOPs and pass any max_flops."""
+    x = torch.randn(1000, 1000)
+
+    def chain(t):
+        for _ in range(50):
+            t = torch.tanh(t) * 1.0001
+        return torch.sort(t, dim=1).values
+
+    job = Job.from_function(chain, (x,))
+    flops = job.estimate(x).flops
+    assert flops >= 50 * (cost.TRANSCENDENTAL + cost.ELEMENTWISE) * x.numel() + cost.ELEMENTWISE * x.numel() * 10
+    limited = Job.from_function(chain, (x,), limits=gpunet.JobLimits(max_flops=10**8))
+    with pytest.raises(JobRejected, match="over the limit"):
+        limited.run_locally(x)
+
+
+def test_views_cost_nothing_and_matmuls_cost_their_flops():
+    w = torch.randn(64, 64)
+    job = Job.from_function(lambda x: (x @ w).view(-1)[:10].unsqueeze(0).permute(1, 0), (torch.randn(8, 64),))
+    assert job.estimate(torch.randn(8, 64)).flops == 2 * 8 * 64 * 64
+
+
+def test_a_worker_stops_a_job_that_runs_longer_than_its_counted_work_pays_for(tmp_path, monkeypatch):
+    """The cap is the counted work at a small share of the worker's measured speed, plus a grace; a worker claiming
+    to be enormously fast with no grace allows this job almost no time, so the cap shows without a long test."""
+    monkeypatch.setattr(cost, "GRACE_SECONDS", 0.0)
+    x = torch.randn(256, 256)
+
+    def slow(t):
+        for _ in range(40):
+            t = torch.tanh(t @ t)
+        return t
+
+    job = Job.from_function(slow, (x,))
+    ex = Executor(processes=1, cache_dir=tmp_path / "cache", speed_tflops=1e6, sandbox=False)
+    try:
+        with pytest.raises(JobTimeout, match="counted work"):
+            asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
+        ex.speed_tflops = None  # no measured speed: only the job's own timeout applies
+        asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
+    finally:
+        ex.close()
+
+
+@pytest.mark.swarm
+def test_work_that_used_to_be_free_is_billed_by_a_real_worker(swarm, client_for):
+    """Sorts, distances and elementwise chains were billed 0 FLOPs: free compute for any client."""
+    from tests.swarm import wait_for
+
+    swarm.start_worker()
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 1, 30, "the worker")
+    x, y = torch.randn(200, 16), torch.randn(300, 16)
+
+    def no_matmul(a, b):
+        d = torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
+        return torch.sort(torch.exp(-d), dim=1).values
+
+    job = Job.from_function(no_matmul, (x, y))
+    future = client.submit(job, x, y)
+    assert torch.allclose(future.result(timeout=120), no_matmul(x, y))
+    assert future.receipt.flops == job.estimate(x, y).flops >= 3 * 200 * 300 * 16
+    assert future.receipt.amount > 0
