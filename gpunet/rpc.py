@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
 from typing import Awaitable, Callable, Iterable
 
 from hivemind.p2p import P2P, PeerID
@@ -19,6 +18,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from gpunet import protocol
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.protocol import Door, Message
+from gpunet.utils import host_of
 
 UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller's peer id) -> reply body
 # (caller's peer id, reader, writer, caller's network address: "/ip4/1.2.3.4", or a relay's circuit address)
@@ -28,22 +28,6 @@ StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, str],
 @functools.lru_cache(maxsize=4096)
 def peer(peer_id: str) -> PeerID:
     return PeerID.from_base58(peer_id)
-
-
-def host_of(maddr) -> str:
-    """The network-address part of a peer's multiaddr (``/ip4/1.2.3.4`` of ``/ip4/1.2.3.4/tcp/5``): identities are
-    free, so some limits count per address. An IPv6 peer is counted by its /64 (one subscriber usually holds a whole
-    /64); a relayed peer by its whole address (it ends in its relay)."""
-    text = str(maddr)
-    if "/p2p-circuit" in text:
-        return text
-    parts = text.split("/")
-    if len(parts) >= 3 and parts[1] == "ip6":
-        try:
-            return f"/ip6/{ipaddress.IPv6Network(parts[2] + '/64', strict=False).network_address}/64"
-        except ValueError:
-            pass
-    return "/".join(parts[:3])
 
 
 class RPC:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import os
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
@@ -152,3 +153,19 @@ class When:
             for future in waiting:
                 if not future.done():
                     future.set_result(None)
+
+
+def host_of(maddr) -> str:
+    """The network-address part of a peer's multiaddr (``/ip4/1.2.3.4`` of ``/ip4/1.2.3.4/tcp/5``): identities are
+    free, so some limits count per address. An IPv6 peer is counted by its /64 (one subscriber usually holds a whole
+    /64); a relayed peer by its whole address (it ends in its relay)."""
+    text = str(maddr)
+    if "/p2p-circuit" in text:
+        return text
+    parts = text.split("/")
+    if len(parts) >= 3 and parts[1] == "ip6":
+        try:
+            return f"/ip6/{ipaddress.IPv6Network(parts[2] + '/64', strict=False).network_address}/64"
+        except ValueError:
+            pass
+    return "/".join(parts[:3])

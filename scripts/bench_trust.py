@@ -9,7 +9,12 @@ no verification (the baseline: what a marketplace without checks delivers), ``re
 delivered), the extra compute (executions per job - 1, overall and over the second half of the jobs, i.e. after
 adaptive mode's warm-up), and how many of the liar's jobs passed before it was first caught.
 
-    python scripts/bench_trust.py [--jobs 200] [--json]
+``--collusion`` runs the free-identity attack instead: three honest workers and two colluding liars that return the
+same wrong answer for every job (so they confirm each other) and undercut everyone's price, each policy by a fresh
+client (no worker established with it yet), plus ``verify="local-sample"`` (the client's own computation is the
+check).
+
+    python scripts/bench_trust.py [--jobs 200] [--collusion] [--json]
 """
 
 from __future__ import annotations
@@ -32,19 +37,22 @@ POLICIES = {
     "none (baseline)": Requirements(timeout=300, prefer="cheapest"),
     "redundancy=2": Requirements(redundancy=2, timeout=300, prefer="cheapest"),
     "adaptive": Requirements(verify="adaptive", timeout=300, prefer="cheapest"),
+    "local-sample": Requirements(verify="local-sample", timeout=300, prefer="cheapest"),
 }
 
 
-def run_policy(net: LocalNetwork, bootstrap: str, liar_id: str, name: str, req: Requirements, jobs: int) -> dict:
+def run_policy(net: LocalNetwork, bootstrap: str, liar_ids: set[str], name: str, req: Requirements, jobs: int,
+               workers: int) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     job = gpunet.Job.from_module(model, (torch.randn(4, 32),))
     xs = [torch.randn(4, 32) for _ in range(jobs)]
     data_dir = net.root / f"client-{name.split()[0]}"
     with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=data_dir) as client:
-        wait_for(lambda: len(client.workers(refresh=True)) == 4, 60, "four workers")
+        wait_for(lambda: len(client.workers(refresh=True)) == workers, 60, f"{workers} workers")
         bad = executions = liar_jobs = late_executions = settled = 0
         caught_after = None
+        paid_liars: set[str] = set()
         window = []
         with torch.no_grad():
             expected = [model(x) for x in xs]
@@ -60,11 +68,12 @@ def run_policy(net: LocalNetwork, bootstrap: str, liar_id: str, name: str, req: 
             executions += len(f.attempts)
             if settled > jobs // 2:
                 late_executions += len(f.attempts)
-            liar_jobs += f.attempts.count(liar_id)
+            liar_jobs += sum(f.attempts.count(liar) for liar in liar_ids)
             bad += not torch.allclose(got, want, atol=1e-5)
             rep = client._core.reputation
-            if caught_after is None and liar_id in rep.workers and rep.workers[liar_id].rejected > 0:
+            if caught_after is None and any(liar in rep.workers and rep.workers[liar].rejected > 0 for liar in liar_ids):
                 caught_after = liar_jobs
+            paid_liars.update(r.worker_id for r in [f.receipt] if r is not None and r.worker_id in liar_ids)
 
         for x, want in zip(xs, expected):
             window.append((client.submit(job, x, requirements=req), want))
@@ -75,16 +84,32 @@ def run_policy(net: LocalNetwork, bootstrap: str, liar_id: str, name: str, req: 
     late_jobs = jobs - jobs // 2
     return {"policy": name, "jobs": jobs, "bad_answers": bad / jobs, "extra_compute": executions / jobs - 1,
             "extra_compute_second_half": late_executions / late_jobs - 1,
-            "liar_jobs": liar_jobs, "liar_caught_after": caught_after}
+            "liar_jobs": liar_jobs, "liar_caught_after": caught_after, "liars_paid": len(paid_liars)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--rates", type=float, nargs="*", default=[0.0, 0.01, 0.1, 0.5])
+    parser.add_argument("--collusion", action="store_true", help="two colluding liars instead of one")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
+    if args.collusion:
+        with LocalNetwork(network="bench-trust", heartbeat=2.0) as net:
+            bootstrap = net.start_bootstrap()
+            net.start_workers(3, "--max-queue", "32", "--price", "1.0")
+            liars = net.start_workers(2, "--fault-corrupt-fraction", "1.0", "--max-queue", "32", "--price", "0.5")
+            liar_ids = {net.worker_id(w) for w in liars}
+            for name, req in POLICIES.items():
+                row = {"scenario": "collusion", **run_policy(net, bootstrap, liar_ids, name, req, args.jobs, 5)}
+                rows.append(row)
+                print(f"2 colluding liars | {name:<15} | bad answers accepted {row['bad_answers']:6.1%} | "
+                      f"extra compute {row['extra_compute']:6.1%} (second half {row['extra_compute_second_half']:6.1%}) "
+                      f"| liars ran {row['liar_jobs']} jobs, {row['liars_paid']} of them ever paid", flush=True)
+        if args.json:
+            print(json.dumps({"benchmark": "trust", "rows": rows}))
+        return
     for rate in args.rates:
         with LocalNetwork(network="bench-trust", heartbeat=2.0) as net:
             bootstrap = net.start_bootstrap()
@@ -93,7 +118,7 @@ def main() -> None:
             liar = net.start_worker("--fault-corrupt-fraction", str(rate), "--max-queue", "32", "--price", "0.5")
             liar_id = net.worker_id(liar)
             for name, req in POLICIES.items():
-                row = {"liar_rate": rate, **run_policy(net, bootstrap, liar_id, name, req, args.jobs)}
+                row = {"liar_rate": rate, **run_policy(net, bootstrap, {liar_id}, name, req, args.jobs, 4)}
                 rows.append(row)
                 caught = "" if row["liar_caught_after"] is None else f", liar caught after {row['liar_caught_after']} of its jobs"
                 print(f"liar rate {rate:>4.0%} | {name:<15} | bad answers delivered {row['bad_answers']:6.1%} | "

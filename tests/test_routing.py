@@ -136,3 +136,28 @@ def test_why_a_worker_is_left_out_is_kept_while_others_get_the_work():
                          "leaving": "is draining"}
     r.choose(Requirements(), TINY, exclude={"fine"})  # a per-job exclusion is not a reason to report
     assert "fine" not in r.skipped and "dear" not in r.skipped  # eligible again: no longer reported
+
+
+def test_checkers_are_drawn_at_random_not_by_price_or_claimed_speed():
+    """Two sybils advertising the lowest price and the highest speed got both replicas and confirmed each other."""
+    import random
+
+    from gpunet.client.trust import ESTABLISHED_AFTER, Reputation
+
+    def at(name, ip, **kw):
+        entry = worker(name, **kw)
+        record = entry.record.model_copy(update={"maddrs": [f"/ip4/{ip}/tcp/1/p2p/{name}"]})
+        return WorkerEntry(id=name, record=record, expiration_time=1e12)
+
+    sybils = [at(f"sybil-{i}", "10.9.9.9", price=0.01, tflops=1000.0) for i in range(2)]
+    honest = [at(f"honest-{i}", f"10.0.0.{i}", price=2.0) for i in range(3)]
+    r = router(*sybils, *honest)
+    r.reputation = Reputation(rng=random.Random(0))
+    assert r.choose(Requirements(), HEAVY).id.startswith("sybil")  # the main copy may go by price and speed...
+    rng = random.Random(1)
+    drawn = {r.choose_checker(Requirements(), replicas={"sybil-0"}, rng=rng).id for _ in range(200)}
+    assert drawn == {"honest-0", "honest-1", "honest-2"}  # ...its checker comes from another address, at random
+    for _ in range(ESTABLISHED_AFTER):
+        r.reputation.record("honest-1", "valid", checked=True)
+    assert r.reputation.established("honest-1") and not r.reputation.established("sybil-1")
+    assert {r.choose_checker(Requirements(), replicas={"sybil-0"}, rng=rng).id for _ in range(50)} == {"honest-1"}

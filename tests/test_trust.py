@@ -93,6 +93,8 @@ def test_redundant_jobs_catch_a_liar_pay_only_the_honest_and_avoid_it_later(swar
                 assert f.worker_id in honest_ids and f.checked  # compared with another worker's, and agreed
         paid = {r.worker_id for r in client.ledger.receipts()}
         assert liar_id not in paid and paid <= honest_ids  # the liar is never paid
+        # This new client trusts no worker yet, so a vote among them is settled by its own computation of the job:
+        # the liar is recorded as such at once (a majority of strangers alone would not brand anyone).
         assert client._core.reputation.avoided(liar_id)
         later = [client.submit(job, x, requirements=Requirements(redundancy=2)) for x in xs]
         for f in later:
@@ -140,3 +142,27 @@ def test_a_job_id_squatted_by_another_client_blocks_nothing(swarm, client_for):
     with gpunet.ledger.open_ledger(worker.data_dir) as ledger:
         assert sorted(r.client_id for r in ledger.find("alices-next-id")) == sorted([alice.id, mallory.id])
         assert ledger.conflicts() == []
+
+
+@pytest.mark.swarm
+def test_colluding_liars_cannot_confirm_each_other_against_the_clients_own_computation(swarm, client_for):
+    """Two identities that return the same wrong answer (they agree, so redundancy=2 among them accepts it) and are
+    cheapest, so routing tries them first. verify="local-sample" trusts no worker's word: they are caught, unpaid,
+    and every result is right."""
+    liars = swarm.start_workers(2, "--price", "0.5", "--fault-corrupt-fraction", "1.0")
+    honest = swarm.start_worker("--price", "2")
+    liar_ids, honest_id = {swarm.worker_id(w) for w in liars}, swarm.worker_id(honest)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "three workers")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).eval()
+    job = gpunet.Job.from_module(model, (torch.randn(2, 16),))
+    xs = [torch.randn(2, 16) for _ in range(6)]
+    futures = [client.submit(job, x, requirements=Requirements(verify="local-sample", prefer="cheapest")) for x in xs]
+    with torch.no_grad():
+        for x, f in zip(xs, futures):
+            assert torch.allclose(f.result(timeout=120), model(x), atol=1e-5)  # never the colluders' answer
+            assert f.checked and f.worker_id == honest_id
+    assert {r.worker_id for r in client.ledger.receipts()} == {honest_id}  # the liars are never paid
+    assert all(client._core.reputation.avoided(w) for w in liar_ids)
+    with pytest.raises(gpunet.ConfigError):
+        Requirements(verify="local-sample", redundancy=2)

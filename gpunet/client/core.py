@@ -22,7 +22,7 @@ import torch
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import JobRequest, P2PTransport, Transport
-from gpunet.client.trust import Reputation, describe, majority, quorum
+from gpunet.client.trust import Reputation, agree, describe, majority, quorum
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network as net
 from gpunet.dht.registry import WorkerEntry
@@ -75,6 +75,7 @@ class _Prepared:
     outputs: tuple  # (dtype, shape) of each output, from the dry run: a worker's answer must match exactly
     max_output_bytes: int  # their data plus room for the header: a bigger answer is refused before it is read
     hashing: asyncio.Future | None = None
+    inputs: tuple = ()  # the tensors themselves: verify="local-sample" computes the job here to check a worker
 
 
 @dataclass
@@ -236,6 +237,7 @@ class ClientCore:
             max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
             outputs=estimate.outputs,
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
+            inputs=tuple(inputs) if req.verify != "none" or req.redundancy > 1 else (),
         )
         if not self.router.workers:
             try:
@@ -263,12 +265,15 @@ class ClientCore:
             raise
 
     async def _verify(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
-        async def one_more() -> None:
+        async def one_more(checker: bool = True) -> None:
             # Unguessable: a worker that ran one replica must not be able to tell which ids the others will have.
-            candidates.append(await self._deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", taken))
+            # Checkers are drawn at random (Router.choose_checker), never by price or claimed speed.
+            candidates.append(await self._deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", taken, checker=checker))
 
+        if p.req.verify == "local-sample" and p.req.redundancy == 1:
+            return await self._check_locally(p, taken, candidates, paid)
         k = p.req.redundancy
-        replicas = [asyncio.ensure_future(one_more()) for _ in range(k)]
+        replicas = [asyncio.ensure_future(one_more(checker=i > 0)) for i in range(k)]
         try:
             await asyncio.gather(*replicas)
         except BaseException:
@@ -280,36 +285,111 @@ class ClientCore:
             k, checked = 2, True
             try:
                 await one_more()
-            except NoWorkersAvailable:  # nobody to compare with: take the result unchecked, say so
-                logger.warning("No second worker to spot-check job %s; its result is returned marked unchecked "
-                               "(future.checked is False)", p.job_id[:12])
-                paid.add(0)
-                return await self._pay(p, candidates[0], [], checked=False)
+            except NoWorkersAvailable:  # nobody to compare with: this client checks it itself, or says it did not
+                return await self._check_alone(p, candidates, paid, one_more)
         group = majority([c.outputs for c in candidates])
         while (group is None or len(group) < quorum(k)) and len(candidates) < 2 * k - 1:
             await one_more()
             group = majority([c.outputs for c in candidates])
-        if group is None or len(group) < quorum(k):
+        quorate = group is not None and len(group) >= quorum(k)
+        # An answer counts as vouched for when an established worker is among those giving it. Otherwise identities
+        # this client does not know yet agree with each other, which free identities can always arrange: the
+        # client's own computation decides instead (see docs/trust.md, "Against free identities").
+        trusted = quorate and any(self.reputation.established(candidates[i].worker_id) for i in group)
+        if not trusted and p.inputs:
+            own = await self._own_verdict(p, candidates, one_more)
+            if own is not None:
+                group, trusted, quorate = own, True, True
+        if not quorate:
             raise VerificationFailed(
                 f"job {p.job_id[:12]}: {len(candidates)} results, no {quorum(k)} agree: "
                 + describe([c.outputs for c in candidates], [c.worker_id for c in candidates]))
         for i, c in enumerate(candidates):
             if i not in group:
-                self.reputation.record(c.worker_id, "rejected")
+                # Only a trusted verdict brands the dissenter a liar: two fresh sybils outvoting an honest worker
+                # must not turn it into the one recorded as lying.
+                if trusted:
+                    self.reputation.record(c.worker_id, "rejected")
                 paid.add(i)  # settled: refused on purpose
                 self.settlement.refuse(c.delivery, "result outvoted by the majority of redundant results")
-                logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid",
-                               c.worker_id[-8:], p.job_id[:12])
+                logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid%s",
+                               c.worker_id[-8:], p.job_id[:12],
+                               "" if trusted else " (no established worker in that majority: not held against it)")
         attempts = [c.worker_id for c in candidates]
         result = None
         for i in group:
             paid.add(i)
-            outcome = await self._pay(p, candidates[i], attempts, checked=checked)
+            outcome = await self._pay(p, candidates[i], attempts, checked=checked, trusted=trusted)
             result = result or outcome
         self.reputation.save()
         return result
 
-    async def _deliver(self, p: "_Prepared", job_id: str, taken: set[str]) -> "_Candidate":
+    async def _check_alone(self, p: "_Prepared", candidates: list, paid: set[int], one_more) -> JobResult:
+        """An adaptive spot check with no second worker to ask: the client's own computation is the check. If this
+        machine cannot run the job, the result is returned marked unchecked (never silently taken as checked)."""
+        own = await self._own_verdict(p, candidates, one_more) if p.inputs else None
+        if own is None:
+            logger.warning("No second worker to spot-check job %s; its result is returned marked unchecked "
+                           "(future.checked is False)", p.job_id[:12])
+            paid.add(0)
+            return await self._pay(p, candidates[0], [], checked=False)
+        for i, c in enumerate(candidates):
+            if i not in own:
+                self.reputation.record(c.worker_id, "rejected")
+                paid.add(i)
+                self.settlement.refuse(c.delivery, "result differs from the client's own computation of the job")
+        paid.add(own[0])
+        result = await self._pay(p, candidates[own[0]], [c.worker_id for c in candidates], checked=True, trusted=True)
+        self.reputation.save()
+        return result
+
+    async def _own_verdict(self, p: "_Prepared", candidates: list, one_more) -> list[int] | None:
+        """The candidates whose result agrees with this client's own computation of the job, asking further (randomly
+        drawn) workers until one does; None when this machine cannot run the job (then the vote stands as it is)."""
+        try:
+            mine = await asyncio.to_thread(p.job.run_locally, *p.inputs)
+        except GpunetError as e:
+            logger.warning("Could not compute job %s here to settle whom to trust (%s)", p.job_id[:12], e)
+            return None
+        good = [i for i, c in enumerate(candidates) if agree(c.outputs, mine)]
+        while not good:
+            logger.warning("No result of job %s agrees with this client's own computation; asking another worker",
+                           p.job_id[:12])
+            await one_more()
+            if agree(candidates[-1].outputs, mine):
+                good = [len(candidates) - 1]
+        return good
+
+    async def _check_locally(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
+        """verify="local-sample": on adaptive's schedule, the client computes the job itself and pays only a result
+        that agrees. A worker that disagrees is recorded as rejected, not paid, and the job goes to another worker
+        (checked against the same local answer) until one agrees. Nothing another worker says is trusted, so
+        identities that check each other gain nothing."""
+        candidates.append(await self._deliver(p, p.job_id, taken))
+        if not self.reputation.should_check(candidates[0].worker_id):
+            paid.add(0)
+            return await self._pay(p, candidates[0], [], checked=False)
+        try:
+            mine = await asyncio.to_thread(p.job.run_locally, *p.inputs)
+        except GpunetError as e:  # this machine cannot run it (memory...): the worker is not to blame for that
+            logger.warning("Could not compute job %s here to check it (%s); its result is returned marked unchecked",
+                           p.job_id[:12], e)
+            paid.add(0)
+            return await self._pay(p, candidates[0], [], checked=False)
+        while True:
+            c = candidates[-1]
+            paid.add(len(candidates) - 1)
+            if agree(c.outputs, mine):
+                result = await self._pay(p, c, [x.worker_id for x in candidates], checked=True, trusted=True)
+                self.reputation.save()
+                return result
+            self.reputation.record(c.worker_id, "rejected")
+            self.settlement.refuse(c.delivery, "result differs from the client's own computation of the job")
+            logger.warning("Worker %s returned a result that differs from this client's own computation (job %s); "
+                           "it is not paid, and the job goes to another worker", c.worker_id[-8:], p.job_id[:12])
+            candidates.append(await self._deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", taken))
+
+    async def _deliver(self, p: "_Prepared", job_id: str, taken: set[str], checker: bool = False) -> "_Candidate":
         """One result from one worker not in ``taken`` (which it joins), retrying elsewhere on failure."""
         req = p.req
         tried: list[str] = []
@@ -323,7 +403,8 @@ class ClientCore:
                 raise JobTimeout(f"job {job_id[:12]} did not finish within {req.timeout:g} s; tried {_names(tried)}"
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
-                worker = self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed)
+                worker = (self.router.choose_checker(req, exclude=failed, replicas=taken - failed) if checker else
+                          self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed))
                 self._say_skips()
             except NoWorkersAvailable as e:
                 if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
@@ -430,7 +511,8 @@ class ClientCore:
         self.settlement.refuse(delivery, str(problem))
         raise problem
 
-    async def _pay(self, p: "_Prepared", c: "_Candidate", attempts: list[str], checked: bool = False) -> JobResult:
+    async def _pay(self, p: "_Prepared", c: "_Candidate", attempts: list[str], checked: bool = False,
+                   trusted: bool = False) -> JobResult:
         """Countersign and record the receipt of an accepted result; refuse it if its terms are wrong."""
         try:
             # The worker's signature is checked when the receipt is filed (a moment later, off the caller's path):
@@ -442,7 +524,9 @@ class ClientCore:
             self.reputation.record(c.worker_id, "invalid")  # a receipt with terms we never agreed to
             raise
         self.books.append(signed)  # a job id is this client's own fresh uuid: never held already
-        self.reputation.record(c.worker_id, "valid", checked=checked)
+        # Only a check this client can trust (its own computation, or agreement with an established worker) builds the
+        # streak that makes a worker established: agreement among newcomers is what colluding identities can farm.
+        self.reputation.record(c.worker_id, "valid", checked=trusted)
         # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
         # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
         self.settlement.countersign(c.delivery, signed.client_signature)

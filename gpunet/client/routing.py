@@ -19,6 +19,7 @@ Failing workers are banned with exponential backoff; a busy one is only skipped 
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from gpunet.client.trust import Reputation
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, NoWorkersAvailable
+from gpunet.utils import host_of
 
 GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
@@ -46,7 +48,9 @@ class Requirements:
     timeout: float = 120.0  # seconds for the whole job, retries included
     prefer: Literal["balanced", "fastest", "cheapest"] = "balanced"
     redundancy: int = 1  # run on this many distinct workers and accept the majority (see gpunet.client.trust)
-    verify: Literal["none", "adaptive"] = "none"  # "adaptive": spot-check workers, less often as they prove honest
+    #: "adaptive": spot-check workers against another worker, less often as they prove honest; "local-sample": the
+    #: same schedule, but the check is the client's own computation of the job (no other worker is trusted).
+    verify: Literal["none", "adaptive", "local-sample"] = "none"
 
     def __post_init__(self):
         if self.device not in ("any", "gpu", "cpu"):
@@ -59,8 +63,11 @@ class Requirements:
             raise ConfigError("Requirements.max_price must be >= 0")
         if not 1 <= self.redundancy <= 16:
             raise ConfigError("Requirements.redundancy must be between 1 and 16")
-        if self.verify not in ("none", "adaptive"):
-            raise ConfigError(f"Requirements.verify must be 'none' or 'adaptive', not {self.verify!r}")
+        if self.verify not in ("none", "adaptive", "local-sample"):
+            raise ConfigError(f"Requirements.verify must be 'none', 'adaptive' or 'local-sample', not {self.verify!r}")
+        if self.verify == "local-sample" and self.redundancy > 1:
+            raise ConfigError("Requirements.verify='local-sample' checks one worker against this machine's own result; "
+                              "it does not combine with redundancy > 1")
 
     def refusal(self, entry: WorkerEntry) -> str | None:
         """Why ``entry`` cannot take this job, or None when it can."""
@@ -221,6 +228,19 @@ class Router:
             key = lambda e: times[e.id] / t_min + (e.record.price / p_min if p_min > 0 else (1.0 if e.record.price == 0 else 2.0))  # noqa: E731
         return sorted(candidates, key=key)
 
+    def choose_checker(self, req: Requirements, exclude: set[str] = frozenset(), replicas: set[str] = frozenset(),
+                       rng: random.Random | None = None) -> WorkerEntry:
+        """A worker to check others' results with: drawn at random among the eligible ones, not ranked by price or
+        claimed speed (two identities advertising the lowest price and the highest speed would otherwise get both
+        replicas and confirm each other's lies); established ones first (see Reputation.established), and from a
+        network address none of the job's other replicas comes from, where there is such a worker."""
+        candidates = self.eligible(req, exclude, replicas=replicas)
+        if self.reputation is not None:
+            candidates = [e for e in candidates if self.reputation.established(e.id)] or candidates
+        taken = {_origin(self.workers[w]) for w in replicas if w in self.workers}
+        candidates = [e for e in candidates if _origin(e) not in taken] or candidates
+        return (rng or _rng).choice(candidates)
+
     def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset(),
                replicas: set[str] = frozenset()) -> WorkerEntry:
         return self.rank(self.eligible(req, exclude, replicas=replicas), job, req.prefer)[0]
@@ -302,6 +322,14 @@ class Router:
             return sum(e.record.max_concurrent for e in self.eligible(req))
         except NoWorkersAvailable:
             return 0
+
+
+_rng = random.SystemRandom()  # checker draws must not be predictable by the workers being checked
+
+
+def _origin(entry: WorkerEntry) -> str:
+    """The network address a worker advertises (its first), for telling apart workers on different machines."""
+    return host_of(entry.record.maddrs[0]) if entry.record.maddrs else entry.id
 
 
 def _ema(table: dict[str, float], key: str, value: float, alpha: float) -> None:

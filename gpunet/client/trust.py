@@ -50,6 +50,9 @@ INVALID_WEIGHT = 3.0
 TIMEOUT_WEIGHT = 0.5
 AVOID_BELOW = 0.5
 ALWAYS_CHECK_UNTIL = 50
+#: Consecutive checked-and-valid results after which a worker is *established* with this client: preferred as a
+#: checker of others, and needed in a majority for the minority to be counted as lying.
+ESTABLISHED_AFTER = 10
 MIN_CHECK_PROBABILITY = 0.05
 
 #: (rtol, atol) per dtype: loose enough for honest cross-device differences, far tighter than any useful lie.
@@ -210,6 +213,10 @@ class Reputation:
         if streak < ALWAYS_CHECK_UNTIL:
             return True
         return self._rng.random() < max(1.0 / streak, MIN_CHECK_PROBABILITY)
+
+    def established(self, worker_id: str) -> bool:
+        """Has earned this client's trust by checked results (a new identity has not, whatever it claims)."""
+        return self.streak(worker_id) >= ESTABLISHED_AFTER and not self.avoided(worker_id)
 
     def avoided(self, worker_id: str) -> bool:
         """Caught lying or cheating (outvoted, or answers that fail checks): not merely unavailable."""
