@@ -101,3 +101,28 @@ def test_merge_exit_codes(node, tmp_path):
     ]
     missing = run("merge", str(tmp_path / "nothing-here"), data_dir=data_dir)
     assert missing.exit_code == 2 and "cannot read" in missing.output
+
+
+def test_credit_two_free_identities_minted_for_each_other_is_shown_apart_from_trusted_payments(tmp_path):
+    """Self-dealing: Mallory's worker and Mallory's client sign receipts for work that never ran; they merge cleanly
+    (both signatures are real). Counting only clients the reader trusts shows that credit for what it is."""
+    worker, honest_client, mallory_w, mallory_c = (Identity.generate() for _ in range(4))
+    with open_ledger(tmp_path / "mallory") as theirs:
+        for i in range(3):
+            theirs.append(full_receipt(mallory_w, mallory_c, f"fake-{i}", flops=10**15, price=10**9, max_price=None))  # 1,000 credits
+    with open_ledger(tmp_path / "node") as mine:
+        mine.append(full_receipt(worker, honest_client, "real", flops=10**12, price=10**9, max_price=None))  # 1 credit
+        assert mine.merge(tmp_path / "mallory" / "ledger.sqlite").added == 3
+    (tmp_path / "trusted.txt").write_text(f"# clients with a funding record\n{honest_client.peer_id}\n")
+    plain = json.loads(run("balance", "--json", data_dir=tmp_path / "node").stdout)
+    earned = {b["identity"]: b["earned"] for b in plain["balances"]}
+    assert earned[mallory_w.peer_id] == 3000 * 10**9  # minted, and indistinguishable without a trust list
+    result = run("balance", "--trust", str(tmp_path / "trusted.txt"), "--json", data_dir=tmp_path / "node")
+    assert result.exit_code == 0, result.output
+    rows = {b["identity"]: b for b in json.loads(result.stdout)["balances"]}
+    assert rows[mallory_w.peer_id]["earned"] == 0 and rows[mallory_w.peer_id]["earned_untrusted"] == 3000 * 10**9
+    assert rows[worker.peer_id]["earned"] == 10**9 and rows[worker.peer_id]["earned_untrusted"] == 0
+    table = run("balance", "--trust", str(tmp_path / "trusted.txt"), data_dir=tmp_path / "node").stdout
+    assert "untrusted" in table and "3000.00" in table
+    (tmp_path / "bad.txt").write_text("not-a-peer-id\n")
+    assert run("balance", "--trust", str(tmp_path / "bad.txt"), data_dir=tmp_path / "node").exit_code == 2

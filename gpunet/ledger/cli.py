@@ -81,13 +81,34 @@ def _time(us: int) -> str:
     return datetime.fromtimestamp(us / 1e6, timezone.utc).strftime("%Y-%m-%d %H:%M")
 
 
+def _trust_list(path: Path) -> frozenset[str]:
+    """Client peer ids, one per line (``#`` starts a comment)."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise LedgerError(f"cannot read the trust list {path}: {e}") from None
+    ids = {line.split("#", 1)[0].strip() for line in lines} - {""}
+    bad = sorted(i for i in ids if not i.startswith("12D3Koo"))
+    if bad:
+        raise LedgerError(f"{path}: {bad[0]!r} is not a peer id (one client id per line, as `gpunet ledger show` "
+                          "prints them)")
+    return frozenset(ids)
+
+
 @_command
-def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+def balance(
+    data_dir: DataDir = None,
+    trust: Annotated[Optional[Path], typer.Option(
+        "--trust", metavar="FILE", help="Count as earned only payments from the client ids listed in FILE (one per "
+        "line); the rest is shown apart, as credit nobody you trust paid.")] = None,
+    as_json: AsJson = False,
+) -> None:
     """Earned, spent and net credits per identity in this ledger, and work still awaiting a countersignature."""
+    trusted = _trust_list(trust) if trust is not None else None
     with _read_ledger(data_dir) as ledger:
         directory = ledger.path.parent
         me = _own_id(directory)
-        totals = sorted(ledger.balances().values(), key=lambda b: (-b.net, b.identity))
+        totals = sorted(ledger.balances(trusted).values(), key=lambda b: (-b.net, b.identity))
         owed = balances(ledger.unpaid())
     if as_json:
         _print_json(
@@ -99,13 +120,20 @@ def balance(data_dir: DataDir = None, as_json: AsJson = False) -> None:
             }
         )  # fmt: skip
         return
-    table = Table(title="Balances (credits)", title_justify="left")
-    for column in ("identity", "jobs worked", "earned", "jobs bought", "spent", "net"):
+    table = Table(title="Balances (credits)" + (f", payments counted from the {len(trusted)} trusted clients"
+                                                if trusted is not None else ""), title_justify="left")
+    columns = ["identity", "jobs worked", "earned", "jobs bought", "spent", "net"]
+    if trusted is not None:
+        columns.insert(3, "earned from untrusted")
+    for column in columns:
         table.add_column(column, justify="left" if column == "identity" else "right")
     for b in totals:
         name = b.identity + (" (this node)" if b.identity == me else "")
-        table.add_row(name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
-                      format_credits(b.spent), format_credits(b.net))  # fmt: skip
+        cells = [name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought), format_credits(b.spent),
+                 format_credits(b.net)]
+        if trusted is not None:
+            cells.insert(3, format_credits(b.earned_untrusted))
+        table.add_row(*cells)
     if totals:
         _out.print(table)
     elif data_dir is None and (directory / "client" / LEDGER_FILENAME).exists():

@@ -37,7 +37,7 @@ from typing import ClassVar, NamedTuple
 
 from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
-from gpunet.ledger.balances import Balance, BalanceSheet
+from gpunet.ledger.balances import Balance, BalanceSheet, balances
 from gpunet.ledger.export import read_json_export
 from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
 
@@ -448,9 +448,12 @@ class Ledger:
             seq = rows[-1][0]
             yield from ((n, Receipt.from_bytes(data)) for n, data in rows)
 
-    def balances(self) -> dict[str, Balance]:
+    def balances(self, trusted: Iterable[str] | None = None) -> dict[str, Balance]:
         """``balances(self.receipts())``, kept up to date incrementally: entries are append-only, so only the ones
-        added since the last call are read (a worker asks on every heartbeat)."""
+        added since the last call are read (a worker asks on every heartbeat). ``trusted``: count only these clients'
+        payments as earned (see :mod:`gpunet.ledger.balances`); computed afresh."""
+        if trusted is not None:
+            return balances(self.receipts(), trusted)
         for seq, receipt in self._receipts_after(self._sheet_seq):
             self._sheet.add(receipt)
             self._sheet_seq = seq
