@@ -173,12 +173,15 @@ class Submit(Message):
     max_price: int | None = None
     settle: tuple[tuple[str, bytes], ...] = ()  # unary door: countersignatures owed to this worker, riding along
     settle_malformed: int = 0  # parsed but unusable settle items (logged by the worker; never fatal to the job)
+    private: bool = False  # only clients that sent the program's bytes may run it; never advertised or kept on disk
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "job": self.job_id, "program": self.program, "inputs_size": self.inputs_size,
              "timeout": float(self.timeout), "max_price": self.max_price}
         if self.inputs is not None:
             d["inputs"] = self.inputs
+        if self.private:
+            d["private"] = True
         if self.settle:
             d["settle"] = [list(i) for i in self.settle]
         return d
@@ -197,7 +200,7 @@ class Submit(Message):
             raise ProtocolError("timeout must be a positive number of seconds")
         settle, malformed = _settle_items(d.get("settle"))
         return cls(_job_id(d), program, inputs_size, inputs, timeout, _get(d, "max_price", int, optional=True),
-                   settle, malformed)
+                   settle, malformed, bool(_get(d, "private", bool, optional=True)))
 
 
 @dataclass(frozen=True, slots=True)

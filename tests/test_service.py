@@ -10,6 +10,7 @@ from gpunet.errors import (
     InvalidReceipt,
     JobFailed,
     JobRejected,
+    ProgramNotCached,
     ProtocolError,
     WorkerBusy,
 )
@@ -225,7 +226,7 @@ class HangingExecutor:
     def has_program(self, program_hash: str) -> bool:
         return True
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
         await asyncio.Event().wait()
 
 
@@ -316,7 +317,7 @@ def test_limits_are_said_in_units_people_read():
 class QuickExecutor(HangingExecutor):
     """Finishes every job at once with the same small output."""
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
         return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001)
 
 
@@ -374,7 +375,7 @@ def test_the_same_job_id_in_flight_for_two_clients_is_two_jobs(tmp_path):
 class CrashingExecutor(HangingExecutor):
     """Every job kills its executor, as a kernel segfault would."""
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
         from gpunet.errors import ExecutorDied
 
         raise ExecutorDied("executor process died while running the job (killed by signal SIGSEGV); it was replaced")
@@ -419,3 +420,70 @@ def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
                 await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None, "/ip4/10.0.0.2")
 
         asyncio.run(scenario())
+
+
+class RememberingExecutor:
+    """Holds a program once a job has brought its bytes (in memory: it has no disk cache here)."""
+
+    def __init__(self):
+        self.held, self.disk, self.private_runs = set(), set(), []
+
+    def has_program(self, program_hash: str) -> bool:
+        return program_hash in self.held
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
+        if program_bytes is None and program_hash not in self.held:
+            raise ProgramNotCached(program_hash)
+        self.held.add(program_hash)
+        self.private_runs.append(private)
+        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001)
+
+
+class _BringsProgram:
+    """A client that sends the program's bytes with its job (as the stream door does when asked)."""
+
+    def __init__(self, program: bytes):
+        self.program = program
+
+    def precheck(self, submit, need_program):
+        pass
+
+    async def fetch(self, submit, need_program, charge):
+        from gpunet.utils import sha256_hex
+        from gpunet.worker.service import _Inputs
+
+        return _Inputs(self.program if need_program else None, submit.inputs, sha256_hex(submit.inputs))
+
+
+def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
+    """Cached programs were public: a stranger who learnt a hash ran a private model and recovered its weights."""
+    from gpunet.worker.service import _NeedsStream
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        executor = RememberingExecutor()
+        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4), record=lambda: None)
+
+        import torch
+
+        from gpunet import Job
+
+        secret = Job.from_function(lambda x: x * 2 + 1, (torch.randn(4),))
+        weights = secret.program_bytes()
+
+        def sub(job_id, **kw):
+            return Submit(job_id, secret.program_hash, 4, b"abcd", 60.0, None, **kw)
+
+        async def scenario():
+            await service._execute(ALICE, sub("a-1", private=True), _BringsProgram(weights), None)
+            await service._execute(ALICE, sub("a-2", private=True), _UnaryPayloads(), None)  # hers: held for her
+            with pytest.raises(_NeedsStream):  # anyone else must send the bytes: knowing the hash is not enough
+                await service._execute(BOB, sub("b-1"), _UnaryPayloads(), None)
+            with pytest.raises(JobRejected, match="do not match"):  # and not just any bytes: the program's own
+                await service._execute(BOB, sub("b-2"), _BringsProgram(b"\x84 anything at all"), None)
+            await service._execute(BOB, sub("b-3"), _BringsProgram(weights), None)  # the weights are the capability
+            await service._execute(BOB, sub("b-4"), _UnaryPayloads(), None)
+            service.books.flush()
+
+        asyncio.run(scenario())
+        assert executor.private_runs == [True, True, True, True]  # never written to the disk cache

@@ -166,3 +166,31 @@ def test_colluding_liars_cannot_confirm_each_other_against_the_clients_own_compu
     assert all(client._core.reputation.avoided(w) for w in liar_ids)
     with pytest.raises(gpunet.ConfigError):
         Requirements(verify="local-sample", redundancy=2)
+
+
+@pytest.mark.swarm
+def test_a_private_model_is_neither_advertised_nor_kept_nor_run_for_a_stranger(swarm, client_for):
+    """Model extraction: workers published cached program hashes and ran them for anyone, so a stranger recovered a
+    private layer's weights by querying it. A private job's program is not advertised, never written to the worker's
+    disk, and runs only for clients that sent its bytes."""
+    from gpunet.client.transport import JobRequest
+
+    worker = swarm.start_worker()
+    alice, mallory = client_for(swarm, "alice"), client_for(swarm, "mallory")
+    for c in (alice, mallory):
+        wait_for(lambda c=c: len(c.workers(refresh=True)) == 1, 30, "the worker")
+    secret = gpunet.Job.from_module(torch.nn.Linear(8, 8).eval(), (torch.randn(1, 8),))
+    public = gpunet.Job.from_function(lambda x: x * 3, (torch.randn(1, 8),))
+    x = torch.randn(1, 8)
+    alice.submit(secret, x, requirements=Requirements(private=True)).result(timeout=60)
+    alice.submit(public, x).result(timeout=60)
+    wait_for(lambda: public.program_hash in mallory.workers(refresh=True)[0].record.programs, 30,
+             "the public program to be advertised")
+    assert secret.program_hash not in mallory.workers()[0].record.programs
+    assert not list((worker.data_dir / "programs").glob(f"*{secret.program_hash}*"))  # not on the volunteer's disk
+    entry = mallory.workers()[0]
+    # Mallory knows the hash (it leaked) but not the weights: the worker asks for the program, which she cannot send.
+    request = JobRequest("steal-1", secret.program_hash, b"", secret.encode_inputs(x), 30.0, None)
+    with pytest.raises(gpunet.GpunetError):
+        mallory._call(mallory._core.transport.submit(entry, request, cached=True, settlement=mallory._core.settlement))
+    alice.submit(secret, x, requirements=Requirements(private=True)).result(timeout=60)  # its owner still runs it

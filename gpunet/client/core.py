@@ -421,7 +421,7 @@ class ClientCore:
             cold = not self.router.holds_program(worker, p.job.program_hash)
             t0 = time.perf_counter()
             request = JobRequest(job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
-                                 p.max_output_bytes)
+                                 p.max_output_bytes, private=req.private)
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self.transport.submit(

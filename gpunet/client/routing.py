@@ -51,6 +51,9 @@ class Requirements:
     #: "adaptive": spot-check workers against another worker, less often as they prove honest; "local-sample": the
     #: same schedule, but the check is the client's own computation of the job (no other worker is trusted).
     verify: Literal["none", "adaptive", "local-sample"] = "none"
+    #: The program (its weights) is this client's: workers do not advertise it, do not keep it on disk, and run it
+    #: only for clients that sent them its bytes (holding the weights is the capability to use them).
+    private: bool = False
 
     def __post_init__(self):
         if self.device not in ("any", "gpu", "cpu"):

@@ -56,6 +56,7 @@ class JobRequest:
     timeout: float
     max_price: int | None  # nano-credits per TFLOP
     max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
+    private: bool = False  # Requirements.private: see gpunet.protocol.Submit
 
 
 async def _nothing(verdict: Verdict) -> None:
@@ -159,7 +160,7 @@ class P2PTransport:
         calls. Raises _UseStream when the worker wants the stream door instead.
         """
         submit = Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
-                        request.max_price, tuple(settle))
+                        request.max_price, tuple(settle), private=request.private)
         reply = await self.rpc.call(worker_id, Door.RUN, submit, Result, UseStream, Error)
         if isinstance(reply, UseStream):
             raise _UseStream()
@@ -200,7 +201,7 @@ class P2PTransport:
             inline = len(request.inputs) <= INLINE_BYTES
             await protocol.write(writer, Submit(request.job_id, request.program_hash, len(request.inputs),
                                                 request.inputs if inline else None, request.timeout,
-                                                request.max_price))
+                                                request.max_price, private=request.private))
             sent = len(request.inputs) if inline else 0
             reply = await protocol.read(reader, Send, Result, Error)
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):

@@ -258,7 +258,8 @@ class Executor:
         """Hashes this worker can run without a transfer (for the worker record)."""
         return self.disk.hashes()
 
-    async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None) -> RunResult:
+    async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
+                  private: bool = False) -> RunResult:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout."""
         if self._closed:
             raise JobFailed("executor is closed")
@@ -268,7 +269,7 @@ class Executor:
         timeout = self.default_timeout if timeout is None else timeout
         slot = await self._acquire(program_hash)
         try:
-            return await self._run_on(slot, program_hash, program_bytes, inputs, timeout)
+            return await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private)
         finally:
             self._release(slot)
 
@@ -364,14 +365,15 @@ class Executor:
         if spare is not None:
             spare.stop()
 
-    async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float) -> RunResult:
+    async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
+                      private: bool = False) -> RunResult:
         await self._revive(slot)
         await slot.ensure_ready()
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
         # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
         # pipe, mapped by the child page-aligned, so its tensors are zero-copy views (no pipe copy, no re-alignment).
-        header = {"op": "run", "hash": program_hash, "program": program_bytes is not None}
+        header = {"op": "run", "hash": program_hash, "program": program_bytes is not None, "private": private}
         payloads = [program_bytes] if program_bytes is not None else []
         shared = None
         if hasattr(inputs, "fileno"):  # spooled to a file by the service: the child maps the file itself
@@ -588,7 +590,7 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         if data is None:
             raise ProgramNotCached(h)
         prog = load_program(data, device=device, limits=limits, expected_hash=h)
-        if req.get("program"):
+        if req.get("program") and not req.get("private"):  # a private program's weights never touch the disk
             disk.put(h, data)
         programs.put(h, prog, sum(w.numel() * w.element_size() for w in prog.weights))
     inputs = prog.inputs_from_dict(tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes))

@@ -61,7 +61,7 @@ from gpunet.utils import LRU, sha256_hex
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.settlement import Settlement
-from gpunet.worker.uploads import Upload, Uploads
+from gpunet.worker.uploads import Upload, Uploads, content_hash
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -70,6 +70,7 @@ COUNTERSIGN_TIMEOUT = 30.0
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
+MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are remembered (one forgotten must be sent again)
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -142,6 +143,9 @@ class JobService:
         self.results: LRU[tuple[str, str], Outcome] = LRU(MAX_RECENT_RESULTS, self.limits.recent_results_bytes,
                                                         keep_newest=True)
         self.settlement = Settlement(self.books, find_receipt=self._recent_receipt, on_paid=admission.paid)
+        # Private programs (Submit.private): hash -> the clients that sent its bytes. Only they may run it from this
+        # worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes.
+        self._private: LRU[str, set[str]] = LRU(MAX_PRIVATE_PROGRAMS)
         self._record = record
         self._corrupt_outputs = corrupt_outputs
         self._slots = asyncio.Semaphore(admission.max_concurrent)
@@ -301,7 +305,9 @@ class JobService:
                               "use a fresh job id")
         if not self.admission.has_room(client_id):  # busy or draining comes first: no point switching doors to hear it
             raise self._busy()
-        need_program = not self.executor.has_program(submit.program)
+        if submit.private and submit.program not in self._private and submit.program not in self.executor.disk:
+            self._private.put(submit.program, set())  # (a program already kept here in public stays public)
+        need_program = not self._holds_for(client_id, submit.program)
         payloads.precheck(submit, need_program)
         uploading = need_program or submit.inputs is None
         if uploading and not self.admission.begin_upload(client_id, host):
@@ -310,16 +316,24 @@ class JobService:
         admitted, got = False, None
         try:
             try:
-                got = await self._receive(job, submit, payloads, need_program,
+                got = await self._receive(client_id, job, submit, payloads, need_program,
                                           charge=partial(self._charge, job, client_id, host))
             finally:
                 if uploading:
                     self.admission.upload_done(client_id, host)
             metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
+            owners = self._private.get(submit.program)
+            if owners is not None and client_id not in owners and got.program is not None:
+                # The bytes are the capability, so they must be the program's (an executor holding it in memory
+                # would otherwise run it whatever was sent).
+                if await asyncio.to_thread(content_hash, got.program) != submit.program:
+                    raise JobRejected("the program bytes sent do not match the program's hash")
             if not self.admission.admit(client_id):
                 raise self._busy()
             admitted = True
             outcome = await self._run(key, job, submit, got, reader, host)
+            if owners is not None and got.program is not None:
+                owners.add(client_id)  # it sent the bytes (checked above) and they ran: it holds the weights
             job.outcome.set_result(outcome)
         except BaseException as e:
             job.outcome.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -342,11 +356,19 @@ class JobService:
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
 
+    def _holds_for(self, client_id: str, program_hash: str) -> bool:
+        """Whether this client's job may run without sending the program: it is held here, and not private to
+        others."""
+        owners = self._private.get(program_hash)
+        if owners is not None and client_id not in owners:
+            return False
+        return self.executor.has_program(program_hash)
+
     def _charge(self, job: _Job, client_id: str, host: str, nbytes: int) -> None:
         self.admission.charge(nbytes, client_id, host)
         job.charged += nbytes
 
-    async def _receive(self, job: _Job, submit: Submit, payloads, need_program: bool,
+    async def _receive(self, client_id: str, job: _Job, submit: Submit, payloads, need_program: bool,
                        charge: Callable[[int], None]) -> _Inputs:
         """What the job lacks, each program crossing the link once: a job whose program is already on its way in (or
         being loaded) for another job uses that copy instead of asking its own client for one more."""
@@ -355,6 +377,8 @@ class JobService:
             upload = self.uploads.coming(submit.program)
             if upload is None or upload in tried:
                 break  # none on its way (or only one we gave up on): this job brings its own
+            if submit.program in self._private and upload.client_id != client_id:
+                break  # another client's copy of a private program: holding the weights is what lets one run it
             tried.add(upload)
             program = await upload.share()
             if program is not None:
@@ -363,10 +387,10 @@ class JobService:
                 return got
             # That copy failed or is too slow. The program may have been loaded meanwhile, or another job may have
             # taken over bringing it: look again.
-            need_program = not self.executor.has_program(submit.program)
+            need_program = not self._holds_for(client_id, submit.program)
         if not need_program:
             return await payloads.fetch(submit, need_program=False, charge=charge)
-        job.upload = self.uploads.begin(submit.program)
+        job.upload = self.uploads.begin(submit.program, client_id)
         got = await payloads.fetch(submit, need_program=True, charge=charge)
         job.upload.arrived(got.program)
         return got
@@ -406,7 +430,8 @@ class JobService:
         try:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
-                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=submit.timeout)
+                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=submit.timeout,
+                                                 private=submit.program in self._private)
             done = True
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()

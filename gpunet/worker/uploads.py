@@ -19,7 +19,8 @@ from gpunet.job.format import ProgramParts
 SHARED_WAIT = 60.0
 
 
-def _content_hash(data: bytes) -> str | None:
+def content_hash(data: bytes) -> str | None:
+    """The program hash of container bytes, or None if they are not a valid container."""
     try:
         return ProgramParts.from_bytes(data, max_bytes=len(data)).hash
     except GpunetError:
@@ -29,8 +30,9 @@ def _content_hash(data: bytes) -> str | None:
 class Upload:
     """One program's bytes coming in with one job (then kept while that job's executor loads them)."""
 
-    def __init__(self, program_hash: str):
+    def __init__(self, program_hash: str, client_id: str = ""):
         self.program_hash = program_hash
+        self.client_id = client_id  # who is sending it (a private program's copy serves only its sender's jobs)
         self._bytes: asyncio.Future = asyncio.get_running_loop().create_future()
         self._checked: asyncio.Future | None = None
 
@@ -51,7 +53,7 @@ class Upload:
         if data is None:
             return None
         if self._checked is None:
-            self._checked = asyncio.ensure_future(asyncio.to_thread(_content_hash, data))
+            self._checked = asyncio.ensure_future(asyncio.to_thread(content_hash, data))
         return data if await asyncio.shield(self._checked) == self.program_hash else None
 
 
@@ -68,9 +70,9 @@ class Uploads:
         """The copy of this program on its way in (or being loaded) with another job, if any."""
         return self._coming.get(program_hash)
 
-    def begin(self, program_hash: str) -> Upload:
+    def begin(self, program_hash: str, client_id: str = "") -> Upload:
         """This job brings the program: jobs for it that come meanwhile wait for this copy."""
-        upload = self._coming[program_hash] = Upload(program_hash)
+        upload = self._coming[program_hash] = Upload(program_hash, client_id)
         return upload
 
     def end(self, upload: Upload) -> None:
