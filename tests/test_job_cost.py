@@ -95,3 +95,20 @@ def test_work_that_used_to_be_free_is_billed_by_a_real_worker(swarm, client_for)
     assert torch.allclose(future.result(timeout=120), no_matmul(x, y))
     assert future.receipt.flops == job.estimate(x, y).flops >= 3 * 200 * 300 * 16
     assert future.receipt.amount > 0
+
+
+def test_ops_are_billed_at_least_the_elements_they_touch_however_the_arguments_are_passed():
+    """From a review: a scatter through a huge expanded index was billed for its small output, cdist's broadcast batch
+    was missed, and an op given its arguments by keyword was refused by its formula."""
+    from gpunet.job.validator import ALLOWED_OPS
+
+    index = torch.zeros(1, dtype=torch.long).expand(10**6)
+    scatter = cost.formula_for("aten.scatter_add.default", ALLOWED_OPS["aten.scatter_add.default"])
+    out = torch.zeros(4)
+    assert scatter([out, 0, index, torch.ones(10**6)], {}, out) >= 2 * 10**6
+    cdist = cost.formula_for("aten._cdist_forward.default", ALLOWED_OPS["aten._cdist_forward.default"])
+    x1, x2 = torch.empty(1, 10, 8, device="meta"), torch.empty(50, 20, 8, device="meta")
+    assert cdist([x1, x2, 2.0, None], {}, torch.empty(50, 10, 20, device="meta")) == 3 * 50 * 10 * 20 * 8
+    mm = cost.formula_for("aten.mm.default", ALLOWED_OPS["aten.mm.default"])
+    a, b = torch.empty(8, 16, device="meta"), torch.empty(16, 4, device="meta")
+    assert mm([], {"self": a, "mat2": b}, torch.empty(8, 4, device="meta")) == mm([a, b], {}, None) == 2 * 8 * 16 * 4

@@ -142,3 +142,11 @@ def test_the_container_reader_agrees_with_msgpack(fields):
     for cut in {1, len(data) // 2, len(data) - 1} - {0, len(data)}:  # truncated anywhere: refused, never a crash
         with pytest.raises(JobRejected):
             _split_container(memoryview(data[:cut]))
+
+
+def test_a_container_with_fields_nobody_reads_is_refused(job):
+    """The weights are a view into the container: an extra field would be kept in memory, uncounted, with them."""
+    obj = msgpack.unpackb(job.to_bytes())
+    obj["padding"] = b"\x00" * 1024
+    with pytest.raises(JobRejected, match="unknown field 'padding'"):
+        Job.from_bytes(msgpack.packb(obj, use_bin_type=True))

@@ -195,3 +195,11 @@ def test_malformed_fields_are_refused_at_construction(field, value):
     r = full_receipt(WORKER, CLIENT, "job-10")
     with pytest.raises(InvalidReceipt, match=field.split("_")[0]):
         dataclasses.replace(r, **{field: value})
+
+
+def test_one_receipt_has_one_byte_string():
+    r = full_receipt(WORKER, CLIENT, "job-env")
+    body, ws, cs = msgpack.unpackb(r.to_bytes())
+    wide = b"\xdc\x00\x03" + b"".join(msgpack.packb(x, use_bin_type=True) for x in (body, ws, cs))  # array16 header
+    with pytest.raises(InvalidReceipt, match="envelope"):
+        Receipt.from_bytes(wide)

@@ -487,3 +487,54 @@ def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
 
         asyncio.run(scenario())
         assert executor.private_runs == [True, True, True, True]  # never written to the disk cache
+
+
+def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_paying_history():
+    """From a review: a client could take any number of results inside the grace, and the unary door (which does not
+    see the peer's address) let free identities each take their own allowance."""
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=Clock(),
+                  limits=ServiceLimits(max_unpaid_jobs=2, countersign_grace=60))
+    assert not a.may_skip_stream(ALICE)  # a newcomer uses the stream door, where its address counts
+    for i in range(8):
+        a.delivered(ALICE, f"job-{i}")
+    with pytest.raises(JobRejected, match="not yet countersigned"):  # 8 = 4 x 2 outstanding, none overdue yet
+        a.screen(ALICE, job())
+    a.paid(ALICE, "job-0")
+    a.screen(ALICE, job())
+    assert a.may_skip_stream(ALICE)
+
+
+def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp_path, monkeypatch):
+    import torch
+
+    import gpunet.worker.service as service_module
+    from gpunet import Job
+    from gpunet.worker.service import _NeedsStream
+
+    monkeypatch.setattr(service_module, "MAX_PRIVATE_PROGRAMS", 3)
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        executor = RememberingExecutor()
+        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=8), record=lambda: None)
+        programs = [Job.from_function(lambda x, k=k: x * k, (torch.randn(4),)) for k in range(5)]
+
+        def sub(program, job_id, **kw):
+            return Submit(job_id, program.program_hash, 4, b"abcd", 60.0, None, **kw)
+
+        async def scenario():
+            secret = programs[0]
+            await service._execute(ALICE, sub(secret, "a-1", private=True), _BringsProgram(secret.program_bytes()), None)
+            for n in range(20):  # private submits whose bytes do not match: no entry is made for them
+                with pytest.raises(JobRejected):
+                    await service._execute(BOB, Submit(f"junk-{n}", f"{n:064x}", 4, b"abcd", 60.0, None, private=True),
+                                           _BringsProgram(b"\x84junk"), None)
+            for k, p in enumerate(programs[1:3], 1):  # real private programs fill the table...
+                await service._execute(BOB, sub(p, f"b-{k}", private=True), _BringsProgram(p.program_bytes()), None)
+            with pytest.raises(JobRejected, match="as many private programs"):  # ...and a full table refuses,
+                await service._execute(BOB, sub(programs[3], "b-3", private=True),
+                                       _BringsProgram(programs[3].program_bytes()), None)
+            with pytest.raises(_NeedsStream):  # never evicting a program still held: Alice's stays hers
+                await service._execute(BOB, sub(secret, "b-4"), _UnaryPayloads(), None)
+            service.books.flush()
+
+        asyncio.run(scenario())

@@ -75,7 +75,7 @@ class _Prepared:
     outputs: tuple  # (dtype, shape) of each output, from the dry run: a worker's answer must match exactly
     max_output_bytes: int  # their data plus room for the header: a bigger answer is refused before it is read
     hashing: asyncio.Future | None = None
-    inputs: tuple = ()  # the tensors themselves: verify="local-sample" computes the job here to check a worker
+    inputs: tuple | None = None  # the tensors themselves, kept for verified jobs: the client may compute the job here
 
 
 @dataclass
@@ -237,7 +237,7 @@ class ClientCore:
             max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
             outputs=estimate.outputs,
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
-            inputs=tuple(inputs) if req.verify != "none" or req.redundancy > 1 else (),
+            inputs=tuple(inputs) if req.verify != "none" or req.redundancy > 1 else None,
         )
         if not self.router.workers:
             try:
@@ -296,7 +296,7 @@ class ClientCore:
         # this client does not know yet agree with each other, which free identities can always arrange: the
         # client's own computation decides instead (see docs/trust.md, "Against free identities").
         trusted = quorate and any(self.reputation.established(candidates[i].worker_id) for i in group)
-        if not trusted and p.inputs:
+        if not trusted and p.inputs is not None:
             own = await self._own_verdict(p, candidates, one_more)
             if own is not None:
                 group, trusted, quorate = own, True, True
@@ -315,11 +315,14 @@ class ClientCore:
                 logger.warning("Worker %s returned a result the majority rejected (job %s); it is not paid%s",
                                c.worker_id[-8:], p.job_id[:12],
                                "" if trusted else " (no established worker in that majority: not held against it)")
+        if not trusted:  # agreement among workers this client does not trust yet, and it could not check itself
+            logger.warning("Job %s: the agreeing results come from workers this client has not come to trust, and it "
+                           "could not compute the job itself; returned marked unchecked", p.job_id[:12])
         attempts = [c.worker_id for c in candidates]
         result = None
         for i in group:
             paid.add(i)
-            outcome = await self._pay(p, candidates[i], attempts, checked=checked, trusted=trusted)
+            outcome = await self._pay(p, candidates[i], attempts, checked=checked and trusted, trusted=trusted)
             result = result or outcome
         self.reputation.save()
         return result
@@ -327,7 +330,7 @@ class ClientCore:
     async def _check_alone(self, p: "_Prepared", candidates: list, paid: set[int], one_more) -> JobResult:
         """An adaptive spot check with no second worker to ask: the client's own computation is the check. If this
         machine cannot run the job, the result is returned marked unchecked (never silently taken as checked)."""
-        own = await self._own_verdict(p, candidates, one_more) if p.inputs else None
+        own = await self._own_verdict(p, candidates, one_more) if p.inputs is not None else None
         if own is None:
             logger.warning("No second worker to spot-check job %s; its result is returned marked unchecked "
                            "(future.checked is False)", p.job_id[:12])
@@ -343,13 +346,19 @@ class ClientCore:
         self.reputation.save()
         return result
 
+    async def _compute_here(self, p: "_Prepared"):
+        """The job computed on this machine, within what is left of its timeout (TimeoutError past it)."""
+        async with asyncio.timeout(max(0.1, p.deadline - time.monotonic())):
+            return await asyncio.to_thread(p.job.run_locally, *p.inputs)
+
     async def _own_verdict(self, p: "_Prepared", candidates: list, one_more) -> list[int] | None:
         """The candidates whose result agrees with this client's own computation of the job, asking further (randomly
         drawn) workers until one does; None when this machine cannot run the job (then the vote stands as it is)."""
         try:
-            mine = await asyncio.to_thread(p.job.run_locally, *p.inputs)
-        except GpunetError as e:
-            logger.warning("Could not compute job %s here to settle whom to trust (%s)", p.job_id[:12], e)
+            mine = await self._compute_here(p)
+        except (GpunetError, TimeoutError) as e:
+            logger.warning("Could not compute job %s here to settle whom to trust (%s)", p.job_id[:12],
+                           e or "not within the job's timeout")
             return None
         good = [i for i, c in enumerate(candidates) if agree(c.outputs, mine)]
         while not good:
@@ -370,8 +379,8 @@ class ClientCore:
             paid.add(0)
             return await self._pay(p, candidates[0], [], checked=False)
         try:
-            mine = await asyncio.to_thread(p.job.run_locally, *p.inputs)
-        except GpunetError as e:  # this machine cannot run it (memory...): the worker is not to blame for that
+            mine = await self._compute_here(p)
+        except (GpunetError, TimeoutError) as e:  # this machine cannot run it (memory, time): not the worker's fault
             logger.warning("Could not compute job %s here to check it (%s); its result is returned marked unchecked",
                            p.job_id[:12], e)
             paid.add(0)

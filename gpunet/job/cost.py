@@ -22,6 +22,11 @@ The equivalents, per op class (``n`` = elements of the output unless said otherw
   interpolation point); adaptive pooling per input element.
 * **FFT**: 5·n·log2(n) over the transformed signal.
 * **views and shape queries** (view, permute, expand, slice, select, squeeze, alias, sym_size...): 0 — no data moves.
+
+Every op that is not a view also costs at least the elements it reads and writes (the sum over its tensor arguments
+and its output): a scatter through a huge, freely expanded index, or an adaptive pool that upsamples, is billed for
+the elements it touches whatever its class formula says. Arguments are bound by the op's schema first, so a program
+passing them by keyword is counted the same.
 """
 
 from __future__ import annotations
@@ -80,9 +85,7 @@ def _torch_formula(packet) -> Callable:
 
 
 def _cdist(args, kwargs, out) -> int:
-    x1, x2 = args[0], args[1]
-    batch = math.prod(x1.shape[:-2]) if x1.dim() > 2 else 1
-    return 3 * batch * x1.shape[-2] * x2.shape[-2] * x1.shape[-1]
+    return 3 * out.numel() * args[0].shape[-1]  # one term per output distance and feature (batch broadcast included)
 
 
 def _pdist(args, kwargs, out) -> int:
@@ -163,7 +166,8 @@ FORMULAS: dict[str, Callable] = {
     "max_pool3d_with_indices": _window,
     "upsample_nearest2d": _interpolate(1),
     "upsample_bilinear2d": _interpolate(4),
-    "grid_sampler_2d": _interpolate(4),
+    "grid_sampler_2d": lambda args, kwargs, out: ELEMENTWISE * (16 if len(args) > 2 and args[2] == 2 else 4)
+    * _numel(out),  # interpolation_mode 2 is bicubic: 16 taps
     "_fft_r2c": _fft,
     "_fft_c2r": _fft,
     "_embedding_bag": _embedding_bag,
@@ -175,8 +179,25 @@ def packet_name(op_name: str) -> str:
     return op_name.split(".")[1] if op_name.startswith("aten.") else op_name.split(".")[0]
 
 
-def formula_for(op_name: str) -> Callable | None:
-    return FORMULAS.get(packet_name(op_name))
+def formula_for(op_name: str, overload=None) -> Callable | None:
+    """The counted cost of one call of ``op_name`` as ``cost(args, kwargs, out)``; None for an op without a formula.
+    ``overload`` (the op's ``OpOverload``) lets keyword arguments be bound by its schema."""
+    formula = FORMULAS.get(packet_name(op_name))
+    if formula is None or formula is _free:
+        return formula
+
+    def counted(args, kwargs, out) -> int:
+        if kwargs and overload is not None:
+            from gpunet.job.guards import _bind
+
+            bound = _bind(overload, list(args), kwargs)
+            params = overload._schema.arguments
+            args = [bound[a.name] for a in params if not a.kwarg_only and a.name in bound]
+            kwargs = {a.name: bound[a.name] for a in params if a.kwarg_only and a.name in bound}
+        touched = _numel(list(args)) + _numel(list(kwargs.values())) + _numel(out)
+        return max(int(formula(args, kwargs, out)), touched)
+
+    return counted
 
 
 def seconds_allowed(cost: int, tflops: float) -> float:

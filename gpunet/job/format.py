@@ -216,6 +216,10 @@ class ProgramParts:
         if n > max_bytes:
             raise JobRejected(f"program is {human_bytes(n)}, over the limit of {human_bytes(max_bytes)}")
         obj = _split_container(view)
+        unknown = sorted(set(obj) - {"gpunet_program", "manifest", "graph", "weights"})
+        # Refused, not ignored: the weights are a view into the container, so any extra field would stay in memory
+        # as long as the program does, uncounted.
+        _expect(not unknown, f"program container has unknown field {unknown[0][:40]!r}" if unknown else "")
         version = obj.get("gpunet_program")
         _expect(type(version) is int and version == FORMAT_VERSION, f"unknown program format version {str(version)[:20]!r}")
         parts = [obj.get(k) for k in ("manifest", "graph", "weights")]

@@ -350,7 +350,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
     aten = ALLOWED_OPS.get(op)
     if aten is None:
         raise _reject(where, f"op {op[:80]!r} is not in the worker's allowlist{_hint(op)}")
-    formula = cost.formula_for(op)
+    formula = cost.formula_for(op, aten)
     if formula is None:  # every op a job may use has a counted cost, or it is not run
         raise _reject(where, f"op {op[:80]!r} has no cost formula in this worker")
     schema = aten._schema

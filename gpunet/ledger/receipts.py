@@ -238,6 +238,8 @@ class Receipt:
         receipt = cls(*values, worker_signature=worker_signature, client_signature=client_signature, version=version)
         if receipt.body != body:
             raise InvalidReceipt("receipt body is not in canonical encoding")
+        if receipt.to_bytes() != bytes(data):  # one receipt, one byte string: the envelope is canonical too
+            raise InvalidReceipt("receipt envelope is not in canonical encoding")
         return receipt
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,6 +39,9 @@ from gpunet.protocol import Submit
 from gpunet.utils import LRU, When, human_bytes
 
 MAX_TRACKED_CLIENTS = 10_000
+#: Results a client may hold uncountersigned at once, whatever their age, in units of max_unpaid_jobs: an honest
+#: client's countersignatures trail its jobs by a job or a batch delay, never by dozens.
+OUTSTANDING_FACTOR = 4
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Admission:
         # Delivered, not yet paid: per client {job id: (delivered at, address)}, and per address {(client, job)}.
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._owed_by_host: LRU[str, dict[tuple[str, str], float]] = LRU(MAX_TRACKED_CLIENTS)
+        self._paid_clients: LRU[str, bool] = LRU(MAX_TRACKED_CLIENTS)  # clients that have countersigned here
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
     @property
@@ -123,6 +127,10 @@ class Admission:
             raise JobRejected(f"inputs of {human_bytes(submit.inputs_size)} exceed this worker's limit of "
                               f"{human_bytes(self.limits.max_input_bytes)}")
         overdue = self.overdue(client_id)
+        outstanding = len(self._owed.get(client_id) or ())
+        if outstanding >= OUTSTANDING_FACTOR * self.limits.max_unpaid_jobs:
+            raise JobRejected(f"this client holds {outstanding} results from this worker not yet countersigned; it "
+                              "takes no more of its jobs until they are")
         if overdue >= self.limits.max_unpaid_jobs:
             raise JobRejected(f"this client has not paid for {overdue} results this worker delivered (no "
                               f"countersignature within {self.limits.countersign_grace:.0f} s, or refused); it takes "
@@ -205,6 +213,11 @@ class Admission:
             return sum(self._uploads_by_client.values())
         return self._uploads_by_client.get(client_id, 0)
 
+    def may_skip_stream(self, client_id: str) -> bool:
+        """The unary door does not see the peer's address, so only a client that has paid here before and owes
+        nothing overdue may use it; others take the stream door, where per-address limits apply."""
+        return client_id in self._paid_clients and not self.overdue(client_id)
+
     def overdue(self, client_id: str) -> int:
         """Results this client was delivered and has not countersigned within the grace (within the window)."""
         owed = self._owed.get(client_id)
@@ -275,6 +288,7 @@ class Admission:
 
     def paid(self, client_id: str, job_id: str) -> None:
         """Its countersignature arrived."""
+        self._paid_clients.put(client_id, True)
         owed = self._owed.get(client_id)
         entry = owed.pop(job_id, None) if owed else None
         if entry is not None and entry[1]:

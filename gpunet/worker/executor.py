@@ -592,7 +592,8 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         prog = load_program(data, device=device, limits=limits, expected_hash=h)
         if req.get("program") and not req.get("private"):  # a private program's weights never touch the disk
             disk.put(h, data)
-        programs.put(h, prog, sum(w.numel() * w.element_size() for w in prog.weights))
+        # Charged at least the container's size: weights may be views into it, which keep all of it alive.
+        programs.put(h, prog, max(len(data), sum(w.numel() * w.element_size() for w in prog.weights)))
     inputs = prog.inputs_from_dict(tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes))
     est = prog.estimate(inputs)
     if started is not None:  # the parent caps the run time by the counted work

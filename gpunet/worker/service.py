@@ -70,7 +70,7 @@ COUNTERSIGN_TIMEOUT = 30.0
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
-MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are remembered (one forgotten must be sent again)
+MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see JobService._add_owner)
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -145,7 +145,7 @@ class JobService:
         self.settlement = Settlement(self.books, find_receipt=self._recent_receipt, on_paid=admission.paid)
         # Private programs (Submit.private): hash -> the clients that sent its bytes. Only they may run it from this
         # worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes.
-        self._private: LRU[str, set[str]] = LRU(MAX_PRIVATE_PROGRAMS)
+        self._private: dict[str, set[str]] = {}  # bounded by _add_owner (never evicts a program still held)
         self._record = record
         self._corrupt_outputs = corrupt_outputs
         self._slots = asyncio.Semaphore(admission.max_concurrent)
@@ -240,6 +240,8 @@ class JobService:
                 logger.warning("Ignored %d malformed countersignature(s) from %s (the job itself is served)",
                                submit.settle_malformed, client_id[-8:])
             self.settlement.ride_along(client_id, submit.settle)  # checked and filed after the reply
+            if not self.admission.may_skip_stream(client_id):
+                raise _NeedsStream()  # the unary door does not see the peer's address: the stream door does
             outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return protocol.encode(UseStream())  # the result waits in the recent results for the stream retry
@@ -305,8 +307,6 @@ class JobService:
                               "use a fresh job id")
         if not self.admission.has_room(client_id):  # busy or draining comes first: no point switching doors to hear it
             raise self._busy()
-        if submit.private and submit.program not in self._private and submit.program not in self.executor.disk:
-            self._private.put(submit.program, set())  # (a program already kept here in public stays public)
         need_program = not self._holds_for(client_id, submit.program)
         payloads.precheck(submit, need_program)
         uploading = need_program or submit.inputs is None
@@ -323,17 +323,18 @@ class JobService:
                     self.admission.upload_done(client_id, host)
             metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
             owners = self._private.get(submit.program)
-            if owners is not None and client_id not in owners and got.program is not None:
+            marks_private = submit.private and submit.program not in self.executor.disk  # public stays public
+            if got.program is not None and (owners is not None and client_id not in owners or marks_private):
                 # The bytes are the capability, so they must be the program's (an executor holding it in memory
                 # would otherwise run it whatever was sent).
                 if await asyncio.to_thread(content_hash, got.program) != submit.program:
                     raise JobRejected("the program bytes sent do not match the program's hash")
+                # Before it runs: once an executor holds it, the entry is what keeps it from others.
+                self._add_owner(submit.program, client_id)
             if not self.admission.admit(client_id):
                 raise self._busy()
             admitted = True
             outcome = await self._run(key, job, submit, got, reader, host)
-            if owners is not None and got.program is not None:
-                owners.add(client_id)  # it sent the bytes (checked above) and they ran: it holds the weights
             job.outcome.set_result(outcome)
         except BaseException as e:
             job.outcome.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
@@ -356,6 +357,20 @@ class JobService:
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
 
+    def _add_owner(self, program_hash: str, client_id: str) -> None:
+        """Record that ``client_id`` holds a private program's bytes. Entries are never evicted while an executor
+        may still hold the program (an evicted one would make it public); when the table is full, entries of
+        programs no longer held are dropped, and if none is, the job is refused."""
+        owners = self._private.get(program_hash)
+        if owners is None:
+            if len(self._private) >= MAX_PRIVATE_PROGRAMS:
+                for gone in [h for h in self._private if not self.executor.has_program(h)]:
+                    del self._private[gone]
+            if len(self._private) >= MAX_PRIVATE_PROGRAMS:
+                raise JobRejected("this worker holds as many private programs as it keeps track of; try another")
+            owners = self._private[program_hash] = set()
+        owners.add(client_id)
+
     def _holds_for(self, client_id: str, program_hash: str) -> bool:
         """Whether this client's job may run without sending the program: it is held here, and not private to
         others."""
@@ -377,7 +392,7 @@ class JobService:
             upload = self.uploads.coming(submit.program)
             if upload is None or upload in tried:
                 break  # none on its way (or only one we gave up on): this job brings its own
-            if submit.program in self._private and upload.client_id != client_id:
+            if (submit.program in self._private or upload.private) and upload.client_id != client_id:
                 break  # another client's copy of a private program: holding the weights is what lets one run it
             tried.add(upload)
             program = await upload.share()
@@ -390,7 +405,7 @@ class JobService:
             need_program = not self._holds_for(client_id, submit.program)
         if not need_program:
             return await payloads.fetch(submit, need_program=False, charge=charge)
-        job.upload = self.uploads.begin(submit.program, client_id)
+        job.upload = self.uploads.begin(submit.program, client_id, private=submit.private)
         got = await payloads.fetch(submit, need_program=True, charge=charge)
         job.upload.arrived(got.program)
         return got
@@ -431,7 +446,7 @@ class JobService:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
                 result = await self.executor.run(submit.program, got.program, got.inputs, timeout=submit.timeout,
-                                                 private=submit.program in self._private)
+                                                 private=submit.private or submit.program in self._private)
             done = True
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()

@@ -30,9 +30,10 @@ def content_hash(data: bytes) -> str | None:
 class Upload:
     """One program's bytes coming in with one job (then kept while that job's executor loads them)."""
 
-    def __init__(self, program_hash: str, client_id: str = ""):
+    def __init__(self, program_hash: str, client_id: str = "", private: bool = False):
         self.program_hash = program_hash
         self.client_id = client_id  # who is sending it (a private program's copy serves only its sender's jobs)
+        self.private = private
         self._bytes: asyncio.Future = asyncio.get_running_loop().create_future()
         self._checked: asyncio.Future | None = None
 
@@ -70,9 +71,9 @@ class Uploads:
         """The copy of this program on its way in (or being loaded) with another job, if any."""
         return self._coming.get(program_hash)
 
-    def begin(self, program_hash: str, client_id: str = "") -> Upload:
+    def begin(self, program_hash: str, client_id: str = "", private: bool = False) -> Upload:
         """This job brings the program: jobs for it that come meanwhile wait for this copy."""
-        upload = self._coming[program_hash] = Upload(program_hash, client_id)
+        upload = self._coming[program_hash] = Upload(program_hash, client_id, private)
         return upload
 
     def end(self, upload: Upload) -> None:
