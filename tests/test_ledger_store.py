@@ -447,7 +447,7 @@ PRAGMA user_version = 1;
 """
 
 
-def _schema_1_file(path, receipts, unpaid):
+def _schema_1_file(path, receipts, unpaid, conflicts=()):
     """A ledger as gpunet wrote it before job ids were namespaced by client (schema 1)."""
     db = sqlite3.connect(path)
     db.executescript(_SCHEMA_1)
@@ -459,6 +459,9 @@ def _schema_1_file(path, receipts, unpaid):
         prev = digest
     for r in unpaid:
         db.execute("INSERT INTO unpaid VALUES (?, ?, ?, ?)", (r.job_id, r.worker_id, r.to_bytes(), 1))
+    for r in conflicts:
+        db.execute("INSERT INTO conflicts (job_id, receipt, source, detected_at_us) VALUES (?, ?, 'merge', 1)",
+                   (r.job_id, r.to_bytes()))
     db.commit()
     db.close()
 
@@ -466,14 +469,17 @@ def _schema_1_file(path, receipts, unpaid):
 def test_a_schema_1_ledger_is_read_as_it_is_and_migrated_when_opened_for_writing(tmp_path):
     receipts = [full_receipt(W1, C1, f"job-{i}") for i in range(5)]
     owed = worker_signed(W1, C2, "job-owed")
-    _schema_1_file(tmp_path / "old.sqlite", receipts, [owed])
+    another_clients = full_receipt(W2, C2, "job-3")  # same id, another client: a "conflict" in schema 1
+    _schema_1_file(tmp_path / "old.sqlite", receipts, [owed], [another_clients])
     with Ledger(tmp_path / "old.sqlite", create=False, readonly=True) as old:  # e.g. `gpunet ledger balance`
         head, sheet = old.verify(), old.balances()
         assert old.get("job-3") == receipts[3] and old.get_unpaid("job-owed") == owed
     assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == 1  # untouched
     with Ledger(tmp_path / "old.sqlite") as ledger:  # a node starting on it
-        assert ledger.verify() == head and ledger.balances() == sheet  # the same chain, the same money
+        assert ledger.head().count == 6 and ledger.entries(5)[-1].entry_hash.hex() == head.head_hash  # same chain
+        assert ledger.balances()[C1.peer_id] == sheet[C1.peer_id]  # the same money
         assert ledger.get("job-3", C1.peer_id) == receipts[3] and ledger.unpaid() == [owed]
-        ledger.append(full_receipt(W2, C2, "job-3"))  # another client's job-3: its own job, not a conflict
+        # Schema 1's false "conflict" is a job of its own now: appended to the chain, no longer listed as a conflict.
+        assert ledger.get("job-3", C2.peer_id) == another_clients
         assert ledger.conflicts() == [] and ledger.verify().count == 6
     assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == 2

@@ -239,6 +239,18 @@ class Ledger:
                            "VALUES (?, ?, ?, ?, ?)", (client_of(data), job_id, data, source, at))
             for table in ("entries", "unpaid", "conflicts"):
                 db.execute(f"DROP TABLE old_{table}")
+            # A "conflict" of schema 1 that was another client's job under the same id is no conflict now: it is a
+            # job of its own, appended to the chain (if its receipt is complete and valid).
+            orphans = db.execute("SELECT c.id, c.receipt FROM conflicts c WHERE NOT EXISTS (SELECT 1 FROM entries e "
+                                 "WHERE e.client_id = c.client_id AND e.job_id = c.job_id) ORDER BY c.id").fetchall()
+            for row_id, data in orphans:
+                try:
+                    receipt = Receipt.from_bytes(data)
+                    receipt.verify()
+                except InvalidReceipt:
+                    continue
+                self._insert(receipt, "migration")
+                db.execute("DELETE FROM conflicts WHERE id = ?", (row_id,))
             for statement in _TRIGGERS.split("END;"):
                 if statement.strip():
                     db.execute(statement + "END;")
