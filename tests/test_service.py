@@ -492,8 +492,9 @@ def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
 def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_paying_history():
     """From a review: a client could take any number of results inside the grace, and the unary door (which does not
     see the peer's address) let free identities each take their own allowance."""
-    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=Clock(),
-                  limits=ServiceLimits(max_unpaid_jobs=2, countersign_grace=60))
+    clock = Clock()
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
+                  limits=ServiceLimits(max_unpaid_jobs=2, countersign_grace=60, unpaid_window=3600))
     assert not a.may_skip_stream(ALICE)  # a newcomer uses the stream door, where its address counts
     for i in range(8):
         a.delivered(ALICE, f"job-{i}")
@@ -502,6 +503,10 @@ def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_payi
     a.paid(ALICE, "job-0")
     a.screen(ALICE, job())
     assert a.may_skip_stream(ALICE)
+    for i in range(8, 20):
+        a.delivered(ALICE, f"job-{i}")
+    clock.now += 3601  # an hour on, debts are forgiven: the outstanding count too, not only the overdue one
+    a.screen(ALICE, job())
 
 
 def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp_path, monkeypatch):

@@ -98,9 +98,9 @@ class Admission:
         self._places_by_client: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
-        # Delivered, not yet paid: per client {job id: (delivered at, address)}, and per address {(client, job)}.
+        # Delivered, not yet paid, as (delivered at, address): per client by job id, per address by (client, job id).
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
-        self._owed_by_host: LRU[str, dict[tuple[str, str], float]] = LRU(MAX_TRACKED_CLIENTS)
+        self._owed_by_host: LRU[str, dict[tuple[str, str], tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._paid_clients: LRU[str, bool] = LRU(MAX_TRACKED_CLIENTS)  # clients that have countersigned here
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
@@ -220,16 +220,16 @@ class Admission:
 
     def overdue(self, client_id: str) -> int:
         """Results this client was delivered and has not countersigned within the grace (within the window)."""
-        owed = self._owed.get(client_id)
-        return self._overdue({job: at for job, (at, _) in owed.items()} if owed else None)
+        return self._overdue(self._owed.get(client_id))
 
     def _overdue(self, owed: dict | None) -> int:
+        """Overdue entries of one client's or one address's table, dropping those past the window from it."""
         if not owed:
             return 0
         now = self.clock()
-        for key in [k for k, at in owed.items() if now - at > self.limits.unpaid_window]:
+        for key in [k for k, (at, _) in owed.items() if now - at > self.limits.unpaid_window]:
             del owed[key]  # aged out: forgiven
-        return sum(1 for at in owed.values() if now - at > self.limits.countersign_grace)
+        return sum(1 for at, _ in owed.values() if now - at > self.limits.countersign_grace)
 
     def recent_stops(self, client_id: str) -> int:
         return self._recent(self._stops, client_id)
@@ -273,18 +273,15 @@ class Admission:
 
     def delivered(self, client_id: str, job_id: str, host: str = "") -> None:
         """A result (with its receipt) is going out to ``client_id``: owed until :meth:`paid`."""
-        now = self.clock()
-        owed = self._owed.get(client_id)
-        if owed is None:
-            owed = {}
-        owed.setdefault(job_id, (now, host))
-        self._owed.put(client_id, owed)
-        if host:
-            by_host = self._owed_by_host.get(host)
-            if by_host is None:
-                by_host = {}
-            by_host.setdefault((client_id, job_id), now)
-            self._owed_by_host.put(host, by_host)
+        entry = (self.clock(), host)
+        for table, key, item in ((self._owed, client_id, job_id), (self._owed_by_host, host, (client_id, job_id))):
+            if not key:
+                continue
+            owed = table.get(key)
+            if owed is None:
+                owed = {}
+            owed.setdefault(item, entry)
+            table.put(key, owed)
 
     def paid(self, client_id: str, job_id: str) -> None:
         """Its countersignature arrived."""
