@@ -144,8 +144,8 @@ class Router:
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
-        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):  # measurements of workers that left
-            for gone in table.keys() - self.workers.keys():
+        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):
+            for gone in table.keys() - self.workers.keys():  # what was known of workers that left
                 del table[gone]
 
     def _stale(self, worker_id: str, now: float | None = None) -> bool:
@@ -275,10 +275,10 @@ class Router:
         self.bans.pop(worker_id, None)  # a success wipes the strikes
         self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
         a = self.config.ema
+        if bytes_sent > 1 << 20 and transfer_seconds > 0:
+            measured = bytes_sent / transfer_seconds
+            self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
         if cold:
-            if bytes_sent > 1 << 20 and transfer_seconds > 0:
-                measured = bytes_sent / transfer_seconds
-                self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
             return
         entry = self.workers.get(worker_id)
         places = 1 + ahead / max(1, entry.record.max_concurrent if entry is not None else 1)
@@ -293,9 +293,6 @@ class Router:
             _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
         else:
             _ema(self._overhead, worker_id, max(0.0, compute), a)
-        if bytes_sent > 1 << 20 and transfer_seconds > 0:
-            measured = bytes_sent / transfer_seconds
-            self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
 
     def on_failure(self, worker_id: str, now: float | None = None) -> float:
         """Ban ``worker_id`` for ban_base * 2^(strikes-1) seconds (capped); returns the ban's length."""
