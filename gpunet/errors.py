@@ -99,6 +99,10 @@ class VerificationFailed(JobError):
     """Redundant results disagreed and no majority emerged, or a result failed its checks."""
 
 
+class SpeedProofFailed(GpunetError):
+    """A worker's answer to a speed challenge did not check out: it claimed matrix products it did not compute."""
+
+
 # --- ledger ----------------------------------------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
 
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
   Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok;
-  ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info.
+  ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
+  :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening.
 
 On a stream a *frame* is a 4-byte big-endian length then a msgpack map whose ``"t"`` names the message, at most
 64 KiB; a *payload* is raw bytes whose size a preceding frame declared, checked against the reader's cap before
@@ -42,6 +43,7 @@ from gpunet.errors import (
     ProtocolError,
     WorkerBusy,
 )
+from gpunet.speedproof import COMMIT_BYTES, MAX_PRODUCTS, PICK_PRODUCTS, PICK_ROWS, SEED_BYTES, SIZES, Challenge, Opening
 from gpunet.utils import human_bytes
 
 PROTOCOL_VERSION = 1
@@ -72,6 +74,7 @@ class Door(enum.Enum):
     SETTLE = ("settle", False, 256 * 1024)
     CANCEL = ("cancel", False, 4096)
     PING = ("ping", False, 2 * MAX_PING_BYTES)
+    PROVE = ("prove", False, 4096)
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
         """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
@@ -407,6 +410,106 @@ class Info(Message):
     @classmethod
     def from_wire(cls, d: dict) -> "Info":
         return cls(_time(d, "time"), _get(d, "record", dict))
+
+
+@dataclass(frozen=True, slots=True)
+class ProveSpeed(Message):
+    """A speed challenge (:mod:`gpunet.speedproof`): multiply the seed's products for up to ``seconds``, then commit."""
+
+    T: ClassVar[str] = "prove_speed"
+    seed: bytes
+    n: int
+    seconds: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "seed": self.seed, "n": self.n, "seconds": float(self.seconds)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ProveSpeed":
+        challenge = Challenge(_get(d, "seed", bytes), _get(d, "n", int), _time(d, "seconds"))
+        try:
+            challenge.check()
+        except ValueError as e:
+            raise ProtocolError(f"speed challenge: {e}") from None
+        return cls(challenge.seed, challenge.n, challenge.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedCommitment(Message):
+    """The products done within the challenge's time, as one commitment each (in order, concatenated)."""
+
+    T: ClassVar[str] = "speed_commitment"
+    commitments: tuple[bytes, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "commitments": b"".join(self.commitments)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SpeedCommitment":
+        raw = _get(d, "commitments", bytes)
+        if not raw or len(raw) % COMMIT_BYTES or len(raw) > MAX_PRODUCTS * COMMIT_BYTES:
+            raise ProtocolError(f"a speed commitment is 1 to {MAX_PRODUCTS} hashes of {COMMIT_BYTES} bytes")
+        return cls(tuple(raw[i:i + COMMIT_BYTES] for i in range(0, len(raw), COMMIT_BYTES)))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenProof(Message):
+    """Open these products of a challenge this client sent: ``picks`` maps a product to the rows wanted."""
+
+    T: ClassVar[str] = "open_proof"
+    seed: bytes
+    n: int
+    picks: dict[int, list[int]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "seed": self.seed, "n": self.n, "picks": [[j, list(r)] for j, r in self.picks.items()]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "OpenProof":
+        seed, n, raw = _get(d, "seed", bytes), _get(d, "n", int), _get(d, "picks", list)
+        if len(seed) != SEED_BYTES or n not in SIZES or not 0 < len(raw) <= PICK_PRODUCTS:
+            raise ProtocolError("an opening names its challenge and 1 to %d products" % PICK_PRODUCTS)
+        picks: dict[int, list[int]] = {}
+        for item in raw:
+            ok = (isinstance(item, list) and len(item) == 2 and _index(item[0], MAX_PRODUCTS)
+                  and isinstance(item[1], list) and 0 < len(item[1]) <= PICK_ROWS
+                  and all(_index(i, n) for i in item[1]) and item[0] not in picks)
+            if not ok:
+                raise ProtocolError(f"an opening asks for up to {PICK_ROWS} rows < {n} of distinct products")
+            picks[item[0]] = sorted(set(item[1]))
+        return cls(seed, n, picks)
+
+
+@dataclass(frozen=True, slots=True)
+class ProofOpening(Message):
+    """Per opened product: its digest vector and the rows asked for (see :class:`gpunet.speedproof.Opening`)."""
+
+    T: ClassVar[str] = "proof_opening"
+    openings: tuple  # of speedproof.Opening
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "openings": [[o.product, o.digests, [[i, r] for i, r in o.rows.items()]]
+                                          for o in self.openings]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ProofOpening":
+        raw = _get(d, "openings", list)
+        if len(raw) > PICK_PRODUCTS:
+            raise ProtocolError(f"a proof opening opens at most {PICK_PRODUCTS} products")
+        openings = []
+        for item in raw:
+            ok = (isinstance(item, list) and len(item) == 3 and _index(item[0], MAX_PRODUCTS)
+                  and isinstance(item[1], bytes) and isinstance(item[2], list) and len(item[2]) <= PICK_ROWS
+                  and all(isinstance(r, list) and len(r) == 2 and _index(r[0], 1 << 16) and isinstance(r[1], bytes)
+                          for r in item[2]))
+            if not ok:
+                raise ProtocolError("a proof opening is [product, digests, [[row, bytes], ...]] per product")
+            openings.append(Opening(item[0], item[1], {r[0]: r[1] for r in item[2]}))
+        return cls(tuple(openings))
+
+
+def _index(value: Any, limit: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
 
 
 # --- errors across the wire: a code, the same exception on both sides ----------------------------------------------

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from gpunet import protocol
+from gpunet.speedproof import Opening
 from gpunet.errors import (
     JobFailed,
     JobRejected,
@@ -25,13 +26,17 @@ from gpunet.protocol import (
     GetInfo,
     Info,
     Ok,
+    OpenProof,
     Payload,
     Ping,
     Pong,
+    ProofOpening,
+    ProveSpeed,
     Refuse,
     Result,
     Send,
     SettleBatch,
+    SpeedCommitment,
     Submit,
     UseStream,
     encode_frame,
@@ -58,6 +63,10 @@ EXAMPLES = [
     Pong(1.5, b"hello"),
     GetInfo(),
     Info(2.0, {"state": "online"}),
+    ProveSpeed(b"s" * 16, 1024, 1.0),
+    SpeedCommitment((b"c" * 16, b"d" * 16)),
+    OpenProof(b"s" * 16, 1024, {0: [3, 7], 1: [1]}),
+    ProofOpening((Opening(0, b"\0" * 8, {3: b"\1" * 4}),)),
     Error("busy", "full", 3),
 ]
 

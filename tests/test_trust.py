@@ -32,6 +32,23 @@ def test_agreement_fits_the_dtype_and_handles_nan_and_inf():
     assert max_difference(x, x + 0.5) == pytest.approx(0.5)
 
 
+def test_a_half_precision_result_shifted_by_a_few_percent_is_a_lie_while_rounding_noise_is_not():
+    torch.manual_seed(0)
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True),
+                                        2).eval()
+    x = torch.randn(4, 32, 128)
+    with torch.no_grad():
+        reference = model(x).bfloat16()  # fp32 run rounded: an honest bf16 worker differs from it by rounding only
+        honest = model.bfloat16()(x.bfloat16())
+    assert agree(honest, reference)
+    for lie in (reference.float() * 1.03, reference.float() * 0.965):
+        # Within bf16's elementwise tolerance everywhere, but a systematic shift: caught in norm.
+        assert torch.allclose(lie.bfloat16(), reference, rtol=5e-2, atol=1e-2)
+        assert not agree(lie.bfloat16(), reference)
+    y = torch.randn(256, 64)
+    assert agree(y.half(), (y + 1e-4).half()) and not agree(y.half(), (y * 1.006).half())
+
+
 def test_majority_needs_more_than_half():
     good, bad, other = torch.ones(4), torch.zeros(4), torch.full((4,), 7.0)
     assert majority([good, good]) == [0, 1]
@@ -194,3 +211,58 @@ def test_a_private_model_is_neither_advertised_nor_kept_nor_run_for_a_stranger(s
     with pytest.raises(gpunet.GpunetError):
         mallory._call(mallory._core.transport.submit(entry, request, cached=True, settlement=mallory._core.settlement))
     alice.submit(secret, x, requirements=Requirements(private=True)).result(timeout=60)  # its owner still runs it
+
+
+@pytest.mark.swarm
+def test_a_client_that_never_countersigns_is_cut_off_and_its_debt_is_on_the_workers_books(swarm, client_for, tmp_path):
+    """A hostile client takes results and hangs up without a verdict, job after job. The worker records each as
+    unpaid and, once the client holds as many uncountersigned results as its credit line allows, refuses it with the
+    reason; an honest client beside it is still served."""
+    import asyncio
+    import json
+    import uuid
+
+    from gpunet.client.transport import JobRequest, P2PTransport
+    from gpunet.errors import JobRejected
+    from gpunet.identity import Identity
+    from gpunet.worker.admission import OUTSTANDING_FACTOR, ServiceLimits
+    from tests.swarm import run_cli
+
+    proc = swarm.start_worker()
+    job = gpunet.Job.from_module(torch.nn.Linear(4, 4).eval(), example_inputs=(torch.randn(1, 4),))
+    line = OUTSTANDING_FACTOR * ServiceLimits().max_unpaid_jobs
+    (tmp_path / "freeloader").mkdir()
+
+    async def freeload() -> tuple[int, str]:
+        identity = Identity.load_or_create(tmp_path / "freeloader")
+        transport = await P2PTransport.connect(swarm.network, [swarm.bootstrap_addr], identity)
+        try:
+            worker = (await wait_for_async(transport.discover))[0]
+            for served in range(line + 1):
+                request = JobRequest(uuid.uuid4().hex, job.program_hash, job.program_bytes(),
+                                     job.encode_inputs(torch.randn(1, 4)), 30.0, None)
+                try:
+                    delivery = await transport.run_stream(worker.id, list(worker.record.maddrs), request)
+                except JobRejected as e:
+                    return served, e.reason
+                delivery.close()  # the outputs are in hand; no countersignature, no refusal
+            return served + 1, ""
+        finally:
+            await transport.close()
+
+    async def wait_for_async(discover):
+        for _ in range(300):
+            found = await discover()
+            if found:
+                return found
+            await asyncio.sleep(0.1)
+        raise AssertionError("no worker discovered")
+
+    served, reason = asyncio.run(freeload())
+    assert served == line and "not yet countersigned" in reason
+    unpaid = wait_for(lambda: (lambda r: json.loads(r.stdout) if r.returncode == 0 and len(json.loads(r.stdout)) >= line
+                               else None)(run_cli("ledger", "unpaid", "--json", "--data-dir", str(proc.data_dir))),
+                      30, "the worker's books to show the unpaid work")
+    assert len(unpaid) == line
+    honest = client_for(swarm)
+    assert honest.submit(job, torch.randn(1, 4)).result(timeout=60).shape == (1, 4)

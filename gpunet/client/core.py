@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from gpunet.client.proofs import ProofConfig, SpeedProofs
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import JobRequest, P2PTransport, Transport
@@ -56,6 +57,7 @@ class ClientConfig:
     max_rejections: int = 3  # worker-specific refusals tolerated before the refusal is final
     max_resends: int = 2  # times a worker may lose a program between admission and run before it counts as failing
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    proofs: ProofConfig = field(default_factory=ProofConfig)  # challenging workers' claimed speeds
 
 
 @dataclass
@@ -133,6 +135,7 @@ class ClientCore:
         self.router = Router(self.config.routing, reputation=self.reputation)
         self._said_skips: dict[str, str] = {}  # worker id -> the reason last logged for leaving it out
         self.transport = transport
+        self.proofs: SpeedProofs | None = None  # None: routing takes claimed speeds as they are
         self.settlement: Settlement | None = None
         self.ledger: Ledger | None = None
         self.books: LedgerWriter | None = None  # receipts are filed in batches, after the result is handed back
@@ -148,6 +151,8 @@ class ClientCore:
         if self.transport is None:
             self.transport = await P2PTransport.connect(self.network, self.initial_peers, self.identity)
         self.settlement = Settlement(self.transport)
+        if self.config.proofs.enabled and hasattr(self.transport, "prove"):
+            self.proofs = SpeedProofs(self.transport, self.router, self.reputation, self.config.proofs)
         self.ledger = open_ledger(self.data_dir)
         self.books = LedgerWriter(self.ledger, on_refused=self._receipt_refused)
         await self.refresh()
@@ -166,6 +171,8 @@ class ClientCore:
                 await self._refresher
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.proofs is not None:
+            await self.proofs.close()
         if self.transport is not None:
             await self.transport.close()
         if self.ledger is not None:
@@ -179,6 +186,8 @@ class ClientCore:
         self.router.update(entries)
         if entries:
             self._fresh.set()
+        if self.proofs is not None:
+            self.proofs.schedule(entries)
         return entries
 
     async def _refresh_forever(self) -> None:

@@ -7,7 +7,7 @@ Workers are filtered by the job's :class:`Requirements` and their state, then ra
 
     wait     = (record queue + this client's jobs in flight there) / max_concurrent * typical job time there
     transfer = bytes to send (inputs, plus weights unless the worker advertises the program) / bandwidth
-    compute  = FLOPs from the dry run / the worker's measured throughput in the job's dtype (observed times refine it)
+    compute  = FLOPs from the dry run / the worker's credited throughput in the job's dtype (observed times refine it)
 
 and by price (``prefer``: ``balanced`` sums both normalised, ``fastest`` time alone, ``cheapest`` price then time).
 A worker's per-job overhead is learned from its answers; until then it is assumed a little better than the best
@@ -15,6 +15,11 @@ measured one, so a newcomer gets a job and a fair measurement instead of being s
 that nothing has refreshed for a few seconds is treated the same way once, so a worker measured at a bad moment is
 measured again.
 Failing workers are banned with exponential backoff; a busy one is only skipped for a moment.
+
+A worker's claimed throughput is credited only as far as it has proven it (:mod:`gpunet.speedproof`, challenged by
+:mod:`gpunet.client.proofs`): at most ``SLACK`` times the proven speed, and, until its own proof is in, at most that
+of the fastest proof seen. A free identity claiming a huge speed therefore never outranks a worker whose speed this
+client has checked.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from gpunet.client.trust import Reputation
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, NoWorkersAvailable
+from gpunet.speedproof import SLACK
 from gpunet.utils import host_of
 
 GiB = 2**30
@@ -141,18 +147,42 @@ class Router:
     #: Why each worker was left out the last time it was considered (not for per-job reasons such as "already failed
     #: this job", nor a moment's "busy"): the client says so once, so a skipped worker is never skipped silently.
     skipped: dict[str, str] = field(default_factory=dict)
+    #: TFLOPS each worker proved to this client (gpunet.client.proofs); 0.0 for one whose proof failed.
+    proven: dict[str, float] = field(default_factory=dict)
+    _best_proven: float | None = None
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
-        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):
+        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped, self.proven):
             for gone in table.keys() - self.workers.keys():  # what was known of workers that left
                 del table[gone]
+        self._best_proven = max(self.proven.values(), default=None)
+
+    def on_proof(self, worker_id: str, tflops: float) -> None:
+        """A worker's speed proof came out at ``tflops`` (0.0: it failed)."""
+        self.proven[worker_id] = tflops
+        self._best_proven = max(self.proven.values())
 
     def _stale(self, worker_id: str, now: float | None = None) -> bool:
         """Its estimate is old and none of our jobs is there: rank it as unmeasured, so it gets one probe job."""
         at = self._measured_at.get(worker_id)
         now = time.monotonic() if now is None else now
         return at is not None and now - at > self.config.remeasure_after and not self.inflight[worker_id]
+
+    def speed_factor(self, entry: WorkerEntry) -> float:
+        """The share of its claimed throughput routing credits a worker: min(1, SLACK * proven / claimed best). One not
+        proven yet is credited up to the fastest proof seen (none seen yet: its claim stands)."""
+        claimed = entry.record.best_tflops
+        proven = self.proven.get(entry.id, self._best_proven)
+        if proven is None or claimed <= 0:
+            return 1.0
+        return min(1.0, SLACK * proven / claimed)
+
+    def credited_tflops(self, entry: WorkerEntry, dtype: str | None = None) -> float:
+        """The worker's claimed TFLOPS in ``dtype`` (its best without one), as far as it has proven them."""
+        r = entry.record
+        claimed = (r.tflops.get(dtype) if dtype else None) or r.best_tflops
+        return claimed * self.speed_factor(entry)
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
@@ -165,6 +195,8 @@ class Router:
         retry_at = None  # when the first temporarily excluded worker becomes eligible again
         for entry in self.workers.values():
             why = req.refusal(entry)
+            if why is None and req.min_tflops and (credited := self.credited_tflops(entry, req.dtype)) < req.min_tflops:
+                why = f"proved only {credited:.3g} TFLOPS (< {req.min_tflops:g})"
             if why is None and entry.id in exclude:
                 why = "already failed this job"
             if why is None and entry.id in replicas:
@@ -199,7 +231,7 @@ class Router:
 
     def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None) -> float:
         r = entry.record
-        tflops = (r.tflops.get(job.dtype) if job.dtype else None) or r.best_tflops or 1e-3
+        tflops = self.credited_tflops(entry, job.dtype) or 1e-3
         stale = self._stale(entry.id)
         claimed = 1.0 / (tflops * 1e12)
         compute = (claimed if stale else self._seconds_per_flop.get(entry.id, claimed)) * job.flops

@@ -26,11 +26,15 @@ from gpunet.protocol import (
     Door,
     Error,
     Ok,
+    OpenProof,
     Payload,
+    ProofOpening,
+    ProveSpeed,
     Refuse,
     Result,
     Send,
     SettleBatch,
+    SpeedCommitment,
     Submit,
     UseStream,
 )
@@ -90,6 +94,10 @@ class Transport(Protocol):
     async def cancel(self, worker_id: str, job_id: str) -> bool: ...
 
     async def close(self) -> None: ...
+
+    # Optional (a transport without them: the client routes on claimed speed): speed challenges.
+    # async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]: ...
+    # async def open_proof(self, worker_id: str, request: OpenProof) -> ProofOpening: ...
 
 
 class P2PTransport:
@@ -252,6 +260,27 @@ class P2PTransport:
         if isinstance(reply, Error):
             raise reply.exception()
         return bool(reply.cancelled)
+
+    # --- speed challenges (gpunet.speedproof; the client's policy is in gpunet.client.proofs) ----------------------
+
+    async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]:
+        """Send a speed challenge: the worker's commitment, and the seconds it took on this client's clock less one
+        ping's round trip (measured just before, over the same connection)."""
+        t0 = time.perf_counter()
+        await self.rpc.ping(worker_id)
+        round_trip = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        reply = await self.rpc.call(worker_id, Door.PROVE, challenge, SpeedCommitment, Error)
+        elapsed = time.perf_counter() - t0
+        if isinstance(reply, Error):
+            raise reply.exception()
+        return reply, max(elapsed - round_trip, 1e-6)
+
+    async def open_proof(self, worker_id: str, request: OpenProof) -> ProofOpening:
+        reply = await self.rpc.call(worker_id, Door.PROVE, request, ProofOpening, Error)
+        if isinstance(reply, Error):
+            raise reply.exception()
+        return reply
 
 
 class _UseStream(GpunetError):

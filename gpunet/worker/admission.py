@@ -23,6 +23,10 @@ Rules, in the order a submit meets them:
    ``max_uploads_per_host`` (per network address: identities are free, addresses less so) run at once, and each
    payload's declared size is charged to the worker's ``max_buffered_bytes`` before a byte of it is read. The charge
    is given back when the job ends (its bytes are held until then).
+
+Speed challenges (:mod:`gpunet.speedproof`) are free work for whoever asks, so they are rationed apart from jobs: one
+at a time, ``max_proofs_per_minute`` in all, one per client per ``proof_interval``, and each may be opened once, by the
+client that sent it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
 from gpunet.ledger.receipts import format_credits
@@ -70,6 +74,20 @@ class ServiceLimits:
     max_unpaid_jobs: int = 16
     countersign_grace: float = 120.0
     unpaid_window: float = 3600.0
+    # Speed challenges: each keeps the device busy for up to speedproof.MAX_SECONDS.
+    proof_interval: float = 300.0
+    max_proofs_per_minute: int = 10
+
+
+@dataclass
+class _Proof:
+    """A client's last speed challenge: when, which, how many products the worker committed to, whether opened."""
+
+    at: float
+    seed: bytes
+    n: int
+    products: int | None = None
+    opened: bool = False
 
 
 class Admission:
@@ -102,6 +120,9 @@ class Admission:
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._owed_by_host: LRU[str, dict[tuple[str, str], tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._paid_clients: LRU[str, bool] = LRU(MAX_TRACKED_CLIENTS)  # clients that have countersigned here
+        self._proofs: LRU[str, _Proof] = LRU(MAX_TRACKED_CLIENTS)  # each client's last speed challenge
+        self._recent_proofs: deque[float] = deque()
+        self.proving = False
         self._drained = When(lambda: not self.accepting and self.active == 0)
 
     @property
@@ -242,6 +263,48 @@ class Admission:
         while stops and stops[0] < horizon:
             stops.popleft()
         return len(stops)
+
+    def screen_proof(self, client_id: str) -> None:
+        """Raise WorkerBusy or JobRejected unless a speed challenge from this client may run now."""
+        now = self.clock()
+        while self._recent_proofs and now - self._recent_proofs[0] > 60.0:
+            self._recent_proofs.popleft()
+        if not self.accepting:
+            raise WorkerBusy("this worker is leaving the network")
+        if self.proving or len(self._recent_proofs) >= self.limits.max_proofs_per_minute:
+            raise WorkerBusy("this worker is answering other speed challenges; try again in a minute")
+        last = self._proofs.get(client_id)
+        if last is not None and now - last.at < self.limits.proof_interval:
+            raise JobRejected(f"this worker answers one speed challenge per client every "
+                              f"{self.limits.proof_interval:.0f} s")
+
+    def screen_opening(self, client_id: str, seed: bytes, n: int, products: Iterable[int]) -> None:
+        """Raise JobRejected unless this opens this client's last challenge (same seed and size), once, for products it
+        committed to; WorkerBusy while another challenge runs."""
+        last = self._proofs.get(client_id)
+        if last is None or last.seed != seed or last.n != n or last.opened or last.products is None:
+            raise JobRejected("no speed challenge of this client to open (each is opened once, by its sender)")
+        if any(j >= last.products for j in products):
+            raise JobRejected(f"that challenge has {last.products} products")
+        if self.proving:
+            raise WorkerBusy("this worker is answering another speed challenge")
+
+    def proof_started(self, client_id: str, seed: bytes, n: int) -> None:
+        now = self.clock()
+        self.proving = True
+        self._proofs.put(client_id, _Proof(now, seed, n))
+        self._recent_proofs.append(now)
+
+    def opening_started(self, client_id: str) -> None:
+        self.proving = True
+        self._proofs.get(client_id).opened = True
+
+    def proof_ended(self, client_id: str, products: int | None = None) -> None:
+        """A challenge (with the number of products committed to) or an opening is over."""
+        self.proving = False
+        last = self._proofs.get(client_id)
+        if products is not None and last is not None:
+            last.products = products
 
     # --- what happened ---------------------------------------------------------------------------------------------
 

@@ -311,6 +311,7 @@ class Worker:
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
             spool_dir=str(self._spool_dir()),
+            device=self.hardware.torch_device,
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
-from gpunet import protocol
+from gpunet import protocol, speedproof
 from gpunet.errors import (
     ExecutorDied,
     GpunetError,
@@ -46,13 +46,17 @@ from gpunet.protocol import (
     GetInfo,
     Info,
     Ok,
+    OpenProof,
     Payload,
     Ping,
     Pong,
+    ProofOpening,
+    ProveSpeed,
     Refuse,
     Result,
     Send,
     SettleBatch,
+    SpeedCommitment,
     Submit,
     UseStream,
 )
@@ -121,7 +125,7 @@ class Spooled:
 
 
 class JobService:
-    """Serves the job, run, settle, cancel, ping and info doors of one worker."""
+    """Serves the job, run, settle, cancel, ping, info and prove doors of one worker."""
 
     def __init__(
         self,
@@ -133,8 +137,11 @@ class JobService:
         record: Callable[[], Any],
         corrupt_outputs: Callable[[bytes], bytes] | None = None,
         spool_dir: str | None = None,
+        device: str = "cpu",
     ):
+        """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs)."""
         self.identity = identity
+        self.device = device
         self.executor = executor
         self.admission = admission
         self.limits = admission.limits
@@ -162,6 +169,7 @@ class JobService:
         await rpc.serve_unary(Door.RUN, self._handle_run)
         await rpc.serve_unary(Door.SETTLE, self._handle_settle)
         await rpc.serve_unary(Door.CANCEL, self._handle_cancel)
+        await rpc.serve_unary(Door.PROVE, self._handle_prove)
 
     async def stop(self) -> None:
         self.admission.drain()
@@ -191,6 +199,36 @@ class JobService:
             logger.debug("info request from %s failed: %s", client_id[-8:], e)
         finally:
             writer.close()
+
+    async def _handle_prove(self, request: bytes, client_id: str) -> bytes:
+        """A speed challenge (:mod:`gpunet.speedproof`), rationed by admission: multiply for the time asked and commit;
+        or open the products the client picked from its last challenge."""
+        try:
+            message = protocol.decode(request, ProveSpeed, OpenProof)
+            if isinstance(message, ProveSpeed):
+                challenge = speedproof.Challenge(message.seed, message.n, message.seconds)
+                self.admission.screen_proof(client_id)
+                self.admission.proof_started(client_id, message.seed, message.n)
+                products = None
+                try:
+                    commitments = await asyncio.to_thread(speedproof.prove, challenge, self.device)
+                    products = len(commitments)
+                finally:
+                    self.admission.proof_ended(client_id, products)
+                return protocol.encode(SpeedCommitment(tuple(commitments)))
+            self.admission.screen_opening(client_id, message.seed, message.n, message.picks)
+            self.admission.opening_started(client_id)
+            try:
+                openings = await asyncio.to_thread(speedproof.open_products, speedproof.Challenge(message.seed, message.n),
+                                                   message.picks, self.device)
+            finally:
+                self.admission.proof_ended(client_id)
+            return protocol.encode(ProofOpening(tuple(openings)))
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+        except Exception as e:  # a device error (out of memory): the challenge fails, the worker goes on
+            logger.warning("Speed challenge from %s failed here: %s", client_id[-8:], e)
+            return protocol.encode(Error.of(JobFailed(f"speed challenge failed on this worker: {type(e).__name__}")))
 
     # --- jobs: the stream door (any size) --------------------------------------------------------------------------
 

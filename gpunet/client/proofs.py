@@ -1,0 +1,135 @@
+"""Speed proofs, the client's side: which workers to challenge and when; routing learns what they proved.
+
+The exchange and its checks are :mod:`gpunet.speedproof`; the bytes move through the transport. Each worker is
+challenged once per client run, in order of claimed speed (the fastest claims attract jobs first, so they are the
+ones worth checking first), a few at a time and in the background: no job waits for a proof. Until a worker's proof
+is in, routing credits it at most the fastest proof seen (see :meth:`Router.speed_factor`).
+
+* A proof that checks out gives ``Router.on_proof(worker, tflops)``.
+* A proof that does not (the worker committed to products it did not compute) gives 0 TFLOPS and an *invalid*
+  outcome in the client's reputation: the worker lied about work.
+* A worker that is busy, refuses or does not answer is asked again later (up to ``tries`` times), its claim capped
+  meanwhile as for any unproven worker; a refusal proves nothing either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from gpunet import speedproof
+from gpunet.errors import GpunetError, SpeedProofFailed
+from gpunet.protocol import OpenProof, ProveSpeed
+
+if TYPE_CHECKING:
+    from gpunet.client.routing import Router
+    from gpunet.client.trust import Reputation
+    from gpunet.dht.registry import WorkerEntry
+
+logger = logging.getLogger("gpunet.client")
+
+
+@dataclass
+class ProofConfig:
+    """How the client challenges workers' claimed speeds."""
+
+    enabled: bool = True
+    concurrent: int = 2  # challenges in flight at once
+    seconds: float = speedproof.DEFAULT_SECONDS  # how long each worker computes
+    retry_after: tuple[float, ...] = (30.0, 120.0, 600.0)  # after a busy, refused or failed-to-answer challenge
+    max_workers: int = 256  # workers challenged per client run (the top claims); the rest stay capped
+    timeout: float = 30.0  # beyond the challenge's own seconds
+
+
+@dataclass
+class _Attempts:
+    tries: int = 0
+    next_at: float = 0.0
+    running: bool = False
+
+
+@dataclass
+class SpeedProofs:
+    transport: object  # with prove() and open_proof(): see gpunet.client.transport
+    router: "Router"
+    reputation: "Reputation"
+    config: ProofConfig = field(default_factory=ProofConfig)
+    clock: object = time.monotonic
+    _attempts: dict[str, _Attempts] = field(default_factory=dict)
+    _tasks: set[asyncio.Task] = field(default_factory=set)
+    _started: int = 0
+
+    def due(self, entries: Iterable["WorkerEntry"], now: float | None = None) -> list["WorkerEntry"]:
+        """The workers to challenge now, fastest claims first (pure: which, not how)."""
+        now = self.clock() if now is None else now
+        free = self.config.concurrent - sum(a.running for a in self._attempts.values())
+        if free <= 0:
+            return []
+        waiting = [e for e in entries if e.id not in self.router.proven and e.record.best_tflops > 0
+                   and self._may_try(e.id, now)]
+        waiting.sort(key=lambda e: e.record.best_tflops, reverse=True)
+        due, new = [], self.config.max_workers - self._started
+        for e in waiting[:free * 4]:
+            if e.id in self._attempts or new > 0:  # a retry, or a worker not yet challenged while within the bound
+                new -= e.id not in self._attempts
+                due.append(e)
+        return due[:free]
+
+    def _may_try(self, worker_id: str, now: float) -> bool:
+        a = self._attempts.get(worker_id)
+        return a is None or (not a.running and a.tries <= len(self.config.retry_after) and now >= a.next_at)
+
+    def schedule(self, entries: Iterable["WorkerEntry"]) -> None:
+        """Start challenges for the workers due (call after each refresh of the worker view)."""
+        for entry in self.due(entries):
+            attempt = self._attempts.setdefault(entry.id, _Attempts())
+            attempt.running = True
+            attempt.tries += 1
+            self._started += attempt.tries == 1
+            task = asyncio.ensure_future(self._challenge(entry, attempt))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _challenge(self, entry: "WorkerEntry", attempt: _Attempts) -> None:
+        try:
+            tflops = await self.prove(entry)
+        except SpeedProofFailed as e:
+            logger.warning("Worker %s failed its speed proof (%s): it is credited no speed, and recorded as having "
+                           "answered falsely", entry.id[-8:], e)
+            self.router.on_proof(entry.id, 0.0)
+            self.reputation.record(entry.id, "invalid")
+        except (GpunetError, TimeoutError) as e:
+            waits = self.config.retry_after
+            attempt.next_at = self.clock() + waits[min(attempt.tries - 1, len(waits) - 1)]
+            logger.debug("Speed challenge to worker %s did not complete (%s); asking again later", entry.id[-8:],
+                         e or "timed out")
+        except Exception:  # a broken worker must not break the client
+            logger.exception("Speed challenge to worker %s failed unexpectedly", entry.id[-8:])
+        else:
+            self.router.on_proof(entry.id, tflops)
+            claimed = entry.record.best_tflops
+            log = logger.info if tflops * speedproof.SLACK < claimed else logger.debug
+            log("Worker %s proved %.3g TFLOPS (claims %.3g)%s", entry.id[-8:], tflops, claimed,
+                "; routing credits it no more than %.3g" % (tflops * speedproof.SLACK)
+                if tflops * speedproof.SLACK < claimed else "")
+        finally:
+            attempt.running = False
+
+    async def prove(self, entry: "WorkerEntry") -> float:
+        """One challenge to ``entry``: the TFLOPS it proved; SpeedProofFailed if its answer does not check out."""
+        ch = speedproof.Challenge.for_claim(entry.record.best_tflops, self.config.seconds)
+        async with asyncio.timeout(ch.seconds + self.config.timeout):
+            committed, seconds = await self.transport.prove(entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds))
+            picks = speedproof.pick(len(committed.commitments), ch.n)
+            opened = await self.transport.open_proof(entry.id, OpenProof(ch.seed, ch.n, picks))
+            await asyncio.to_thread(speedproof.verify, ch, committed.commitments, picks, opened.openings)
+        return speedproof.proven_tflops(ch, len(committed.commitments), seconds)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

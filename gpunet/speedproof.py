@@ -1,0 +1,284 @@
+"""A worker proves how fast it multiplies matrices, so routing relies on speed it has checked, not on a claim.
+
+A worker's record claims TFLOPS per dtype, and a free identity can claim anything: the fastest-looking worker gets
+the first jobs (and, before this proof, kept them until real jobs had measured it). So the client challenges each
+worker once, and routes on the lower of the claim and what the worker proved (see ``Router.speed_factor``).
+
+The challenge (both ends run this module; nothing big travels):
+
+1. The client sends a random ``seed``, a matrix size ``n`` and a time budget. Both ends can generate a pool of
+   ``n x n`` matrices with entries in {-1, 0, 1} from the seed (:func:`matrix`, integer arithmetic that gives the same
+   numbers on any CPU or GPU). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
+   products, so generating them is cheap next to multiplying).
+2. The worker multiplies, in fp32, as many products as it can within the budget and answers, per product, a 16-byte
+   hash of that product's *row digests* (:func:`row_digests`: a sum over the row of a non-linear function of each
+   entry, so no shortcut gives it without every entry of the product). The client's clock, from sending the
+   challenge to reading the answer less one ping's round trip, gives the speed: products x 2n**3 / seconds.
+3. The client then picks products and rows at random (:func:`pick`) and asks for them opened: the product's digest
+   vector and the picked rows. It checks each row exactly against its own computation (a row of a product of
+   integer matrices costs n**2 multiply-adds, the whole product n**3; float64 is exact here), the row's digest, and
+   the digest vector against the committed hash (:func:`verify`).
+
+A worker that skipped a fraction f of the products it claims passes with probability (1 - f) ** PICK_PRODUCTS: one
+claiming twice its speed (f = 1/2) is caught 98.4 % of the time, one claiming ten times its speed (f = 0.9) passes once
+in a million. One that computed only some rows of each product is caught by the opened rows. Freivalds' algorithm
+would check a whole product in n**2 time too, but needs the whole product sent (16 MiB per product at n = 2048);
+digests plus a few opened rows check the same claim with kilobytes. Entries in {-1, 0, 1} keep every product exact in
+fp32 (|c| <= n < 2**24), so an honest worker's rows match to the bit on any device.
+
+What this proves, and what not: a lower bound on how fast the worker multiplies matrices, as the client sees it.
+Ternary matrices are exact in fp16 and bf16 too, so a worker may use its fastest matmul units: the proof bounds the
+worker's *best* claimed figure, and the claim's ratios between dtypes are taken as they are. Network delay beyond one
+ping, a busy device, and the generation and digest work (a third to a half of the time on a CPU, little on a GPU)
+make an honest worker look slower than its claim, which is why routing allows :data:`SLACK`. It says nothing about the
+results of jobs (verification does that).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from gpunet.errors import SpeedProofFailed
+
+if TYPE_CHECKING:
+    import torch
+
+#: Matrix sizes a challenge may use: 1024 for devices claiming under :data:`LARGE_FROM` TFLOPS, 2048 above.
+SIZES = (1024, 2048)
+LARGE_FROM = 2.0
+#: The most products one challenge can ask for (a pool of 32 matrices: 512 MiB of fp32 at n = 2048).
+MAX_PRODUCTS = 1024
+#: How long the worker computes, at most (the client asks for less; see ``DEFAULT_SECONDS``).
+MAX_SECONDS = 2.0
+DEFAULT_SECONDS = 1.0
+#: Products and rows per product the client asks to see opened.
+PICK_PRODUCTS, PICK_ROWS = 6, 2
+#: Routing allows a claim up to this many times the proven speed (the proof's own overhead and network delay; see
+#: ``scripts/bench_speedproof.py`` for the ratio an honest worker shows).
+SLACK = 2.0
+SEED_BYTES = 16
+COMMIT_BYTES = 16
+
+_MASK = (1 << 31) - 1
+_K = 7919
+
+
+@dataclass(frozen=True)
+class Challenge:
+    seed: bytes
+    n: int
+    seconds: float = DEFAULT_SECONDS
+
+    @classmethod
+    def for_claim(cls, claimed_tflops: float, seconds: float = DEFAULT_SECONDS) -> "Challenge":
+        n = SIZES[1] if claimed_tflops >= LARGE_FROM else SIZES[0]
+        return cls(os.urandom(SEED_BYTES), n, seconds)
+
+    def check(self) -> None:
+        """Raise ValueError unless this is a challenge a worker should take."""
+        if len(self.seed) != SEED_BYTES:
+            raise ValueError(f"a challenge seed is {SEED_BYTES} bytes")
+        if self.n not in SIZES:
+            raise ValueError(f"a challenge's matrix size is one of {SIZES}")
+        if not 0 < self.seconds <= MAX_SECONDS:
+            raise ValueError(f"a challenge may take at most {MAX_SECONDS:g} s")
+
+    @property
+    def flops_per_product(self) -> int:
+        return 2 * self.n**3
+
+
+def pair(j: int) -> tuple[int, int]:
+    """Product ``j``'s two pool matrices, in shells: products 0 .. (s+1)**2 - 1 use only matrices 0 .. s, so a worker
+    generates a new matrix for every 2s+1 products, not two per product."""
+    s = math.isqrt(j)
+    k = j - s * s
+    return (s, k) if k <= s else (k - s - 1, s)
+
+
+def _mix(x: "torch.Tensor") -> "torch.Tensor":
+    """A 31-bit integer hash of each element (values stay below 2**62: no overflow on any device)."""
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK
+    x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK
+    return x ^ (x >> 15)
+
+
+def _key(seed: bytes, label: str) -> int:
+    return int.from_bytes(hashlib.blake2b(seed + label.encode(), digest_size=4).digest(), "little") & _MASK
+
+
+def matrix(seed: bytes, index: int, n: int, device="cpu", rows: Sequence[int] | None = None) -> "torch.Tensor":
+    """Pool matrix ``index`` (or just some of its ``rows``), float32 with entries in {-1, 0, 1}; identical on any
+    device."""
+    import torch
+
+    cols = torch.arange(n, dtype=torch.int64, device=device)
+    starts = (torch.arange(n, dtype=torch.int64, device=device) if rows is None
+              else torch.tensor(list(rows), dtype=torch.int64, device=device)) * n
+    scale, shift = _key(seed, f"a{index}") | 1, _key(seed, f"b{index}")  # each matrix its own affine re-indexing
+    x = _mix(((starts[:, None] + cols[None, :]) * scale + shift) & _MASK)
+    return ((x % 3) - 1).to(torch.float32)
+
+
+def _weights(seed: bytes, n: int, device) -> "torch.Tensor":
+    import torch
+
+    return (_mix(torch.arange(n, dtype=torch.int64, device=device) ^ _key(seed, "w")) & 0x7FFF).to(torch.int32)
+
+
+def row_digests(product: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
+    """One int64 per row of ``product``: sum_k w_k * ((c + n)(c + n + K) mod 2**16). The reduction of each entry makes
+    it non-linear, so it cannot be had from a few matrix-vector products the way a linear sketch could (int32 all the
+    way: (c + n)(c + n + K) < 2**26 and w_k < 2**15)."""
+    import torch
+
+    n = product.shape[-1]
+    c = product.to(torch.int32) + n
+    return ((c * (c + _K)) & 0xFFFF).mul_(weights).sum(dim=-1, dtype=torch.int64)
+
+
+def _le_bytes(t: "torch.Tensor", dtype: str) -> bytes:
+    return t.cpu().numpy().astype(dtype).tobytes()
+
+
+def commitment(digests: "torch.Tensor") -> bytes:
+    return hashlib.blake2b(_le_bytes(digests, "<i8"), digest_size=COMMIT_BYTES).digest()
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+# --- the worker's side ---------------------------------------------------------------------------------------------
+
+
+def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=time.monotonic) -> list[bytes]:
+    """Multiply products 0, 1, 2, ... until ``ch.seconds`` have passed (at least one) or ``max_products``; the
+    commitment of each. Call it off the event loop: it keeps the device busy for the whole budget.
+
+    The same numbers as :func:`matrix` and :func:`row_digests`, computed in place in buffers made once: an honest
+    worker's proof should be its matmul speed, not its allocator's (fresh 4 MiB tensors per product cost a third)."""
+    import torch
+
+    ch.check()
+    deadline = clock() + ch.seconds
+    n = ch.n
+    index = torch.arange(n * n, dtype=torch.int64, device=device).view(n, n)
+    scratch, spare = torch.empty_like(index), torch.empty_like(index)
+    product = torch.empty(n, n, dtype=torch.float32, device=device)
+    c, d = (torch.empty(n, n, dtype=torch.int32, device=device) for _ in range(2))
+    weights = _weights(ch.seed, n, device)
+    pool: list[torch.Tensor] = []
+    digests = []
+    with torch.no_grad():
+        for j in range(min(max_products, MAX_PRODUCTS)):
+            a, b = pair(j)
+            while len(pool) <= max(a, b):
+                i = len(pool)
+                torch.mul(index, _key(ch.seed, f"a{i}") | 1, out=scratch)
+                _mix_(scratch.add_(_key(ch.seed, f"b{i}")).bitwise_and_(_MASK), spare)
+                pool.append(scratch.remainder_(3).sub_(1).to(torch.float32))
+            torch.matmul(pool[a], pool[b], out=product)
+            c.copy_(product).add_(n)
+            torch.add(c, _K, out=d)
+            digests.append(d.mul_(c).bitwise_and_(0xFFFF).mul_(weights).sum(dim=-1, dtype=torch.int64))
+            if j % 8 == 7 or clock() >= deadline:  # on a GPU the clock runs ahead of the queued work: sync now and then
+                _sync(device)
+                if clock() >= deadline:
+                    break
+        _sync(device)
+    return [commitment(x) for x in digests]
+
+
+def _mix_(x: "torch.Tensor", spare: "torch.Tensor") -> "torch.Tensor":
+    """:func:`_mix` in place (``spare``: a buffer of x's shape)."""
+    import torch
+
+    for shift, factor in ((15, 0x2C1B3C6D), (12, 0x297A2D39)):
+        torch.bitwise_right_shift(x, shift, out=spare)
+        x.bitwise_xor_(spare).mul_(factor).bitwise_and_(_MASK)
+    torch.bitwise_right_shift(x, 15, out=spare)
+    return x.bitwise_xor_(spare)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """One opened product: its whole digest vector, and the rows asked for."""
+
+    product: int
+    digests: bytes  # n little-endian int64
+    rows: dict[int, bytes]  # row index -> n little-endian int32
+
+
+def open_products(ch: Challenge, picks: dict[int, list[int]], device="cpu") -> list[Opening]:
+    """Recompute the picked products (one matmul each) and open them."""
+    import torch
+
+    ch.check()
+    weights = _weights(ch.seed, ch.n, device)
+    out = []
+    with torch.no_grad():
+        for j, rows in sorted(picks.items()):
+            a, b = pair(j)
+            product = matrix(ch.seed, a, ch.n, device) @ matrix(ch.seed, b, ch.n, device)
+            out.append(Opening(j, _le_bytes(row_digests(product, weights), "<i8"),
+                               {i: _le_bytes(product[i].to(torch.int32), "<i4") for i in rows}))
+    return out
+
+
+# --- the client's side ---------------------------------------------------------------------------------------------
+
+
+def pick(products: int, n: int, rng: random.Random | None = None) -> dict[int, list[int]]:
+    """Which products and rows to open: drawn after the worker has committed, so it cannot know them in advance."""
+    rng = rng or random.SystemRandom()
+    chosen = rng.sample(range(products), min(products, PICK_PRODUCTS))
+    return {j: sorted(rng.sample(range(n), PICK_ROWS)) for j in chosen}
+
+
+def verify(ch: Challenge, commitments: Sequence[bytes], picks: dict[int, list[int]],
+           openings: Sequence[Opening]) -> None:
+    """Raise SpeedProofFailed unless every picked row is right, its digest matches and each opened digest vector is
+    the one committed to. Costs the client about one n x n matrix generation per distinct second factor."""
+    import numpy as np
+    import torch
+
+    got = {o.product: o for o in openings}
+    if set(got) != set(picks) or len(openings) != len(got):
+        raise SpeedProofFailed("the worker did not open exactly the products asked for")
+    weights = _weights(ch.seed, ch.n, "cpu")
+    pool: dict[int, torch.Tensor] = {}
+    for j, rows in picks.items():
+        o = got[j]
+        if j >= len(commitments) or len(o.digests) != 8 * ch.n:
+            raise SpeedProofFailed(f"product {j}: no commitment, or a digest vector of the wrong size")
+        if hashlib.blake2b(o.digests, digest_size=COMMIT_BYTES).digest() != commitments[j]:
+            raise SpeedProofFailed(f"product {j}: the opened digests are not the ones committed to")
+        digests = np.frombuffer(o.digests, dtype="<i8")
+        a, b = pair(j)
+        if b not in pool:
+            pool[b] = matrix(ch.seed, b, ch.n).double()
+        expected = matrix(ch.seed, a, ch.n, rows=rows).double() @ pool[b]  # exact: integers far below 2**53
+        for k, i in enumerate(rows):
+            raw = o.rows.get(i)
+            if raw is None or len(raw) != 4 * ch.n:
+                raise SpeedProofFailed(f"product {j}: row {i} missing or of the wrong size")
+            row = torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype("int64"))
+            if not torch.equal(row, expected[k].to(torch.int64)):
+                raise SpeedProofFailed(f"product {j}: row {i} is wrong")
+            if int(row_digests(row[None, :], weights)[0]) != int(digests[i]):
+                raise SpeedProofFailed(f"product {j}: row {i} does not match its committed digest")
+
+
+def proven_tflops(ch: Challenge, products: int, seconds: float) -> float:
+    """The speed a proof of ``products`` products in ``seconds`` (the client's clock, less a round trip) shows."""
+    return products * ch.flops_per_product / max(seconds, 1e-6) / 1e12

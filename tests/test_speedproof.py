@@ -1,0 +1,284 @@
+"""Speed proofs: a worker proves how fast it multiplies matrices, and routing credits a claim only as far as it is
+proven. The exchange and its checks, the worker's rationing, the client's policy over a fake transport, routing on
+credited speed, and a real swarm where a worker claims a thousand times its speed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+
+import pytest
+
+from gpunet import protocol, speedproof
+from gpunet.client.proofs import ProofConfig, SpeedProofs
+from gpunet.client.routing import JobShape, Requirements, Router
+from gpunet.client.trust import Reputation
+from gpunet.errors import JobRejected, NoWorkersAvailable, ProtocolError, SpeedProofFailed, WorkerBusy
+from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
+from gpunet.worker.admission import Admission, ServiceLimits
+from tests.test_routing import HEAVY, worker
+from tests.swarm import wait_for
+
+N = speedproof.SIZES[0]
+
+
+def _challenge(seconds: float = 0.05) -> speedproof.Challenge:
+    return speedproof.Challenge(os.urandom(speedproof.SEED_BYTES), N, seconds)
+
+
+# --- the exchange ----------------------------------------------------------------------------------------------------
+
+
+def test_an_honest_worker_passes_and_its_fast_path_computes_the_reference_numbers():
+    ch = _challenge()
+    commitments = speedproof.prove(ch, max_products=5)
+    weights = speedproof._weights(ch.seed, N, "cpu")
+    for j, c in enumerate(commitments):  # the in-place fast path gives exactly matrix() @ matrix() and row_digests()
+        a, b = speedproof.pair(j)
+        product = speedproof.matrix(ch.seed, a, N) @ speedproof.matrix(ch.seed, b, N)
+        assert c == speedproof.commitment(speedproof.row_digests(product, weights))
+    picks = speedproof.pick(len(commitments), N)
+    speedproof.verify(ch, commitments, picks, speedproof.open_products(ch, picks))
+
+
+def test_products_reuse_a_small_pool_of_matrices():
+    pairs = [speedproof.pair(j) for j in range(100)]
+    assert len(set(pairs)) == 100  # every product distinct
+    assert max(max(p) for p in pairs) == 9  # 100 products from 10 matrices
+
+
+def test_a_worker_that_skipped_products_is_caught():
+    ch = _challenge()
+    honest = speedproof.prove(ch, max_products=4)
+    padded = honest + [os.urandom(speedproof.COMMIT_BYTES) for _ in range(12)]  # claims 4x the products it did
+    caught = 0
+    for _ in range(5):
+        picks = speedproof.pick(len(padded), N)
+        try:
+            # A skipped product cannot be opened to match its commitment: the cheat can only try with the real one.
+            speedproof.verify(ch, padded, picks, speedproof.open_products(ch, picks))
+        except SpeedProofFailed as e:
+            assert "not the ones committed to" in str(e)
+            caught += 1
+    assert caught == 5  # passing needs all 6 picks among the 4 real products of 16: impossible
+
+
+def test_wrong_rows_and_incomplete_openings_are_caught():
+    ch = _challenge()
+    commitments = speedproof.prove(ch, max_products=3)
+    picks = speedproof.pick(len(commitments), N, rng=random.Random(1))
+    opened = speedproof.open_products(ch, picks)
+    first = opened[0]
+    row, raw = next(iter(first.rows.items()))
+    bad_row = bytearray(raw)
+    bad_row[0] ^= 1
+    forged = [speedproof.Opening(first.product, first.digests, {**first.rows, row: bytes(bad_row)}), *opened[1:]]
+    with pytest.raises(SpeedProofFailed, match="is wrong"):
+        speedproof.verify(ch, commitments, picks, forged)
+    with pytest.raises(SpeedProofFailed, match="exactly the products"):
+        speedproof.verify(ch, commitments, picks, opened[1:])
+    missing = [speedproof.Opening(first.product, first.digests, {}), *opened[1:]]
+    with pytest.raises(SpeedProofFailed, match="missing"):
+        speedproof.verify(ch, commitments, picks, missing)
+
+
+def test_challenges_a_worker_should_not_take_are_refused_on_the_wire():
+    good = ProveSpeed(os.urandom(16), N, 1.0)
+    assert protocol.decode(protocol.encode(good), ProveSpeed) == good
+    for bad in (ProveSpeed(b"short", N, 1.0), ProveSpeed(os.urandom(16), 4096, 1.0),
+                ProveSpeed(os.urandom(16), N, speedproof.MAX_SECONDS * 10), ProveSpeed(os.urandom(16), N, 0.0)):
+        with pytest.raises(ProtocolError, match="speed challenge"):
+            protocol.decode(protocol.encode(bad), ProveSpeed)
+    with pytest.raises(ProtocolError):  # more commitments than any challenge allows
+        protocol.decode(protocol.encode(SpeedCommitment((b"x" * 16,) * (speedproof.MAX_PRODUCTS + 1))))
+    with pytest.raises(ProtocolError):  # rows beyond the matrix, or too many of them
+        protocol.decode(protocol.encode(OpenProof(os.urandom(16), N, {0: [N]})))
+    with pytest.raises(ProtocolError):
+        protocol.decode(protocol.encode(OpenProof(os.urandom(16), N, {0: list(range(speedproof.PICK_ROWS + 1))})))
+    opening = speedproof.Opening(0, b"\0" * 8, {1: b"\0" * 4})
+    with pytest.raises(ProtocolError, match="at most"):
+        protocol.decode(protocol.encode(ProofOpening((opening,) * (speedproof.PICK_PRODUCTS + 1))))
+
+
+# --- the worker's rationing ------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_challenges_are_rationed_per_client_and_in_all_and_opened_once_by_their_sender():
+    clock = _Clock()
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=4, clock=clock, limits=ServiceLimits(max_proofs_per_minute=3))
+    seed = os.urandom(16)
+    a.screen_proof("alice")
+    a.proof_started("alice", seed, N)
+    with pytest.raises(WorkerBusy):  # one at a time
+        a.screen_proof("bob")
+    a.proof_ended("alice", products=10)
+    with pytest.raises(JobRejected, match="one speed challenge per client"):
+        a.screen_proof("alice")
+    with pytest.raises(JobRejected, match="no speed challenge of this client"):
+        a.screen_opening("bob", seed, N, [0])  # only its sender opens it
+    with pytest.raises(JobRejected, match="has 10 products"):
+        a.screen_opening("alice", seed, N, [10])
+    a.screen_opening("alice", seed, N, [0, 9])
+    a.opening_started("alice")
+    a.proof_ended("alice")
+    with pytest.raises(JobRejected, match="opened once"):
+        a.screen_opening("alice", seed, N, [0])
+    for name in ("bob", "carol"):
+        a.screen_proof(name)
+        a.proof_started(name, os.urandom(16), N)
+        a.proof_ended(name, products=1)
+    with pytest.raises(WorkerBusy, match="other speed challenges"):  # 3 a minute in all, whoever asks
+        a.screen_proof("dave")
+    clock.now += 61
+    a.screen_proof("dave")
+    clock.now += ServiceLimits().proof_interval
+    a.screen_proof("alice")
+    a.drain()
+    with pytest.raises(WorkerBusy, match="leaving"):
+        a.screen_proof("erin")
+
+
+# --- routing on credited speed ---------------------------------------------------------------------------------------
+
+
+def test_a_claim_counts_only_as_far_as_it_is_proven():
+    liar, honest = worker("liar", tflops=1000.0), worker("honest", tflops=0.2)
+    r = Router()
+    r.update([liar, honest])
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "liar"  # no proof yet: claims stand
+    r.on_proof("honest", 0.15)
+    assert r.credited_tflops(liar) == pytest.approx(speedproof.SLACK * 0.15)  # unproven: capped at the best proof
+    assert r.credited_tflops(honest) == pytest.approx(0.2)  # within SLACK of its proof: its claim stands
+    r.on_proof("liar", 0.05)
+    assert r.credited_tflops(liar) == pytest.approx(speedproof.SLACK * 0.05)
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "honest"
+    with pytest.raises(NoWorkersAvailable, match="proved only 0.1 TFLOPS"):
+        r.choose(Requirements(min_tflops=1.0), HEAVY)
+    r.on_proof("liar", 0.0)  # failed its proof
+    assert r.credited_tflops(liar) == 0.0
+    r.update([honest])  # the liar left: what was proven of it goes too
+    assert "liar" not in r.proven
+
+
+# --- the client's policy, over a fake transport ----------------------------------------------------------------------
+
+
+class _FakeProver:
+    """A worker's side of the prove door in-process; ``skip``: claim this many times the products actually done."""
+
+    def __init__(self, skip: int = 1, busy: int = 0):
+        self.skip, self.busy, self.challenges = skip, busy, []
+
+    async def prove(self, worker_id, message: ProveSpeed):
+        if self.busy:
+            self.busy -= 1
+            raise WorkerBusy("busy")
+        ch = speedproof.Challenge(message.seed, message.n, message.seconds)
+        self.challenges.append(worker_id)
+        done = speedproof.prove(ch, max_products=4)
+        fake = [os.urandom(speedproof.COMMIT_BYTES) for _ in range(len(done) * (self.skip - 1))]
+        return SpeedCommitment(tuple(done + fake)), 0.5
+
+    async def open_proof(self, worker_id, request: OpenProof):
+        ch = speedproof.Challenge(request.seed, request.n)
+        return ProofOpening(tuple(speedproof.open_products(ch, request.picks)))
+
+
+def _proofs(transport, *entries, **config) -> SpeedProofs:
+    r = Router()
+    r.update(entries)
+    return SpeedProofs(transport, r, Reputation(), ProofConfig(seconds=0.05, **config))
+
+
+async def _settle(p: SpeedProofs) -> None:
+    while p._tasks:
+        await asyncio.gather(*p._tasks)
+
+
+def test_honest_workers_are_proven_and_the_fastest_claims_go_first():
+    async def main():
+        prover = _FakeProver()
+        p = _proofs(prover, worker("slow", tflops=0.1), worker("fast", tflops=5.0), worker("mid", tflops=1.0),
+                    concurrent=1)
+        assert [e.id for e in p.due(p.router.workers.values())] == ["fast"]
+        for _ in range(3):
+            p.schedule(p.router.workers.values())
+            await _settle(p)
+        assert prover.challenges == ["fast", "mid", "slow"]
+        assert all(t > 0 for t in p.router.proven.values()) and len(p.router.proven) == 3
+        p.schedule(p.router.workers.values())
+        assert not p._tasks  # each worker once
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_fakes_its_proof_is_credited_nothing_and_recorded_as_lying():
+    async def main():
+        p = _proofs(_FakeProver(skip=10), worker("liar", tflops=1000.0))
+        p.schedule(p.router.workers.values())
+        await _settle(p)
+        assert p.router.proven["liar"] == 0.0
+        assert p.reputation.honesty("liar") < 1.0
+
+    asyncio.run(main())
+
+
+def test_a_busy_worker_is_asked_again_later_and_capped_meanwhile():
+    async def main():
+        clock = _Clock()
+        p = _proofs(_FakeProver(busy=1), worker("w", tflops=1.0), retry_after=(30.0,))
+        p.clock = clock
+        p.schedule(p.router.workers.values())
+        await _settle(p)
+        assert "w" not in p.router.proven
+        p.schedule(p.router.workers.values())
+        assert not p._tasks  # not before its retry time
+        clock.now += 31
+        p.schedule(p.router.workers.values())
+        await _settle(p)
+        assert p.router.proven["w"] > 0
+
+    asyncio.run(main())
+
+
+# --- a real swarm ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.swarm
+def test_a_worker_claiming_a_thousand_times_its_speed_is_routed_on_what_it_proves(swarm, client_for, tmp_path):
+    """The worker's cached benchmark says 1000 TFLOPS (its record publishes it); the client challenges it over the
+    prove door, checks the answer, and credits it no more than SLACK times what it really multiplied."""
+    from gpunet.worker import hardware, throughput
+
+    data_dir = tmp_path / "boaster"
+    data_dir.mkdir()
+    key = throughput._cache_key(hardware.cpu_hardware())
+    (data_dir / throughput.CACHE_FILENAME).write_text(json.dumps({key: {"fp32": 1000.0, "bf16": 1000.0}}))
+    swarm.start_worker("--remeasure-every", "0", data_dir=data_dir)
+    client = client_for(swarm)
+    entry = client.workers()[0]
+    assert entry.record.tflops["fp32"] == 1000.0
+    router = client._core.router
+    proven = wait_for(lambda: router.proven.get(entry.id), 60, "the client to check the worker's speed")
+    assert 0 < proven < 10  # a CPU, whatever it claims
+    assert router.credited_tflops(entry, "fp32") <= speedproof.SLACK * proven
+    assert client.submit(*_tiny_job()).result(timeout=60) is not None  # and it still gets work
+
+
+def _tiny_job():
+    import torch
+
+    import gpunet
+
+    job = gpunet.Job.from_module(torch.nn.Linear(4, 4).eval(), example_inputs=(torch.randn(2, 4),))
+    return job, torch.randn(2, 4)
