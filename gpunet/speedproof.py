@@ -15,9 +15,9 @@ The challenge (both ends run this module; nothing big travels):
    entry, so no shortcut gives it without every entry of the product). The client's clock, from sending the
    challenge to reading the answer less one ping's round trip, gives the speed: products x 2n**3 / seconds.
 3. The client then picks products and rows at random (:func:`pick`) and asks for them opened: the product's digest
-   vector and the picked rows. It checks each row exactly against its own computation (a row of a product of
-   integer matrices costs n**2 multiply-adds, the whole product n**3; float64 is exact here), the row's digest, and
-   the digest vector against the committed hash (:func:`verify`).
+   vector (the worker kept them) and the picked rows (recomputed: a row of a product costs n**2 multiply-adds, the
+   whole product n**3). It checks each row exactly against its own computation (float64 is exact here), the row's
+   digest, and the digest vector against the committed hash (:func:`verify`).
 
 A worker that skipped a fraction f of the products it claims passes with probability (1 - f) ** PICK_PRODUCTS: one
 claiming twice its speed (f = 1/2) is caught 98.4 % of the time, one claiming ten times its speed (f = 0.9) passes once
@@ -56,7 +56,7 @@ LARGE_FROM = 2.0
 MAX_PRODUCTS = 1024
 #: How long the worker computes, at most (the client asks for less; see ``DEFAULT_SECONDS``).
 MAX_SECONDS = 2.0
-DEFAULT_SECONDS = 1.0
+DEFAULT_SECONDS = 0.5
 #: Products and rows per product the client asks to see opened.
 PICK_PRODUCTS, PICK_ROWS = 6, 2
 #: Routing allows a claim up to this many times the proven speed (the proof's own overhead and network delay; see
@@ -147,8 +147,14 @@ def _le_bytes(t: "torch.Tensor", dtype: str) -> bytes:
     return t.cpu().numpy().astype(dtype).tobytes()
 
 
-def commitment(digests: "torch.Tensor") -> bytes:
-    return hashlib.blake2b(_le_bytes(digests, "<i8"), digest_size=COMMIT_BYTES).digest()
+def commitment(digests: "torch.Tensor | bytes") -> bytes:
+    """The hash a worker commits to for one product: of its row digests (a tensor, or their little-endian bytes)."""
+    raw = digests if isinstance(digests, bytes) else _le_bytes(digests, "<i8")
+    return hashlib.blake2b(raw, digest_size=COMMIT_BYTES).digest()
+
+
+def commit(digests: Sequence[bytes]) -> list[bytes]:
+    return [commitment(d) for d in digests]
 
 
 def _sync(device) -> None:
@@ -162,8 +168,9 @@ def _sync(device) -> None:
 
 
 def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=time.monotonic) -> list[bytes]:
-    """Multiply products 0, 1, 2, ... until ``ch.seconds`` have passed (at least one) or ``max_products``; the
-    commitment of each. Call it off the event loop: it keeps the device busy for the whole budget.
+    """Multiply products 0, 1, 2, ... until ``ch.seconds`` have passed (at least one) or ``max_products``; the row
+    digests of each (n little-endian int64: keep them to open the proof; :func:`commit` gives what to send). Call it
+    off the event loop: it keeps the device busy for the whole budget.
 
     The same numbers as :func:`matrix` and :func:`row_digests`, computed in place in buffers made once: an honest
     worker's proof should be its matmul speed, not its allocator's (fresh 4 MiB tensors per product cost a third)."""
@@ -196,7 +203,7 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
                 if clock() >= deadline:
                     break
         _sync(device)
-    return [commitment(x) for x in digests]
+    return [_le_bytes(x, "<i8") for x in digests]
 
 
 def _mix_(x: "torch.Tensor", spare: "torch.Tensor") -> "torch.Tensor":
@@ -219,19 +226,19 @@ class Opening:
     rows: dict[int, bytes]  # row index -> n little-endian int32
 
 
-def open_products(ch: Challenge, picks: dict[int, list[int]], device="cpu") -> list[Opening]:
-    """Recompute the picked products (one matmul each) and open them."""
+def open_products(ch: Challenge, picks: dict[int, list[int]], digests: Sequence[bytes], device="cpu") -> list[Opening]:
+    """Open the picked products of a proof whose row ``digests`` the worker kept: the digests as they were, and each
+    picked row recomputed (a row of a product costs n**2, so opening is cheap next to proving)."""
     import torch
 
     ch.check()
-    weights = _weights(ch.seed, ch.n, device)
     out = []
     with torch.no_grad():
         for j, rows in sorted(picks.items()):
             a, b = pair(j)
-            product = matrix(ch.seed, a, ch.n, device) @ matrix(ch.seed, b, ch.n, device)
-            out.append(Opening(j, _le_bytes(row_digests(product, weights), "<i8"),
-                               {i: _le_bytes(product[i].to(torch.int32), "<i4") for i in rows}))
+            picked = matrix(ch.seed, a, ch.n, device, rows=rows) @ matrix(ch.seed, b, ch.n, device)
+            out.append(Opening(j, digests[j], {i: _le_bytes(picked[k].to(torch.int32), "<i4")
+                                               for k, i in enumerate(rows)}))
     return out
 
 

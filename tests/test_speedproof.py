@@ -13,7 +13,7 @@ import pytest
 
 from gpunet import protocol, speedproof
 from gpunet.client.proofs import ProofConfig, SpeedProofs
-from gpunet.client.routing import JobShape, Requirements, Router
+from gpunet.client.routing import Requirements, Router
 from gpunet.client.trust import Reputation
 from gpunet.errors import JobRejected, NoWorkersAvailable, ProtocolError, SpeedProofFailed, WorkerBusy
 from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
@@ -33,14 +33,15 @@ def _challenge(seconds: float = 0.05) -> speedproof.Challenge:
 
 def test_an_honest_worker_passes_and_its_fast_path_computes_the_reference_numbers():
     ch = _challenge()
-    commitments = speedproof.prove(ch, max_products=5)
+    digests = speedproof.prove(ch, max_products=5)
+    commitments = speedproof.commit(digests)
     weights = speedproof._weights(ch.seed, N, "cpu")
     for j, c in enumerate(commitments):  # the in-place fast path gives exactly matrix() @ matrix() and row_digests()
         a, b = speedproof.pair(j)
         product = speedproof.matrix(ch.seed, a, N) @ speedproof.matrix(ch.seed, b, N)
         assert c == speedproof.commitment(speedproof.row_digests(product, weights))
     picks = speedproof.pick(len(commitments), N)
-    speedproof.verify(ch, commitments, picks, speedproof.open_products(ch, picks))
+    speedproof.verify(ch, commitments, picks, speedproof.open_products(ch, picks, digests))
 
 
 def test_products_reuse_a_small_pool_of_matrices():
@@ -52,13 +53,14 @@ def test_products_reuse_a_small_pool_of_matrices():
 def test_a_worker_that_skipped_products_is_caught():
     ch = _challenge()
     honest = speedproof.prove(ch, max_products=4)
-    padded = honest + [os.urandom(speedproof.COMMIT_BYTES) for _ in range(12)]  # claims 4x the products it did
+    padded = speedproof.commit(honest) + [os.urandom(speedproof.COMMIT_BYTES) for _ in range(12)]  # claims 4x
     caught = 0
     for _ in range(5):
         picks = speedproof.pick(len(padded), N)
+        # A skipped product cannot be opened to match its commitment: the cheat can only open the real digests.
+        computed = honest + [bytes(8 * N)] * 12
         try:
-            # A skipped product cannot be opened to match its commitment: the cheat can only try with the real one.
-            speedproof.verify(ch, padded, picks, speedproof.open_products(ch, picks))
+            speedproof.verify(ch, padded, picks, speedproof.open_products(ch, picks, computed))
         except SpeedProofFailed as e:
             assert "not the ones committed to" in str(e)
             caught += 1
@@ -67,9 +69,10 @@ def test_a_worker_that_skipped_products_is_caught():
 
 def test_wrong_rows_and_incomplete_openings_are_caught():
     ch = _challenge()
-    commitments = speedproof.prove(ch, max_products=3)
+    digests = speedproof.prove(ch, max_products=3)
+    commitments = speedproof.commit(digests)
     picks = speedproof.pick(len(commitments), N, rng=random.Random(1))
-    opened = speedproof.open_products(ch, picks)
+    opened = speedproof.open_products(ch, picks, digests)
     first = opened[0]
     row, raw = next(iter(first.rows.items()))
     bad_row = bytearray(raw)
@@ -177,7 +180,7 @@ class _FakeProver:
     """A worker's side of the prove door in-process; ``skip``: claim this many times the products actually done."""
 
     def __init__(self, skip: int = 1, busy: int = 0):
-        self.skip, self.busy, self.challenges = skip, busy, []
+        self.skip, self.busy, self.challenges, self.digests = skip, busy, [], {}
 
     async def prove(self, worker_id, message: ProveSpeed):
         if self.busy:
@@ -186,12 +189,13 @@ class _FakeProver:
         ch = speedproof.Challenge(message.seed, message.n, message.seconds)
         self.challenges.append(worker_id)
         done = speedproof.prove(ch, max_products=4)
-        fake = [os.urandom(speedproof.COMMIT_BYTES) for _ in range(len(done) * (self.skip - 1))]
-        return SpeedCommitment(tuple(done + fake)), 0.5
+        fake = [os.urandom(8 * ch.n) for _ in range(len(done) * (self.skip - 1))]  # digests of nothing computed
+        self.digests[worker_id] = done + fake
+        return SpeedCommitment(tuple(speedproof.commit(done + fake))), 0.5
 
     async def open_proof(self, worker_id, request: OpenProof):
         ch = speedproof.Challenge(request.seed, request.n)
-        return ProofOpening(tuple(speedproof.open_products(ch, request.picks)))
+        return ProofOpening(tuple(speedproof.open_products(ch, request.picks, self.digests[worker_id])))
 
 
 def _proofs(transport, *entries, **config) -> SpeedProofs:

@@ -60,21 +60,33 @@ def test_majority_needs_more_than_half():
 
 def test_reputation_formula_and_persistence(tmp_path):
     rep = Reputation.load(tmp_path)
-    assert rep.score("w") == 1.0 and not rep.avoided("w")
+    assert rep.score("w") == pytest.approx(0.8) and not rep.avoided("w")  # a stranger: no track record yet
     for _ in range(20):
         rep.record("w", "valid", checked=True)
-    assert rep.score("w") == pytest.approx(1.0)
+    assert rep.score("w") == pytest.approx(24 / 25)
     rep.record("w", "rejected")
-    assert rep.score("w") == pytest.approx(21 / 31, rel=1e-3) and rep.streak("w") == 0
+    assert rep.score("w") == pytest.approx(21 / 31 * 24 / 25, rel=1e-3) and rep.streak("w") == 0
     rep.record("liar", "rejected")
     assert rep.avoided("liar")
     rep.record("slow", "timeout")
-    assert rep.score("slow") == pytest.approx(1 / 1.5, rel=1e-3)
+    assert rep.score("slow") == pytest.approx(1 / 1.5 * 0.8, rel=1e-3)
     rep.save()
     again = Reputation.load(tmp_path)
     assert again.avoided("liar") and again.streak("w") == 0
     (tmp_path / "reputation.json").write_text("{not json")
-    assert Reputation.load(tmp_path).score("liar") == 1.0  # damaged history is dropped, not fatal
+    assert Reputation.load(tmp_path).score("liar") == pytest.approx(0.8)  # damaged history is dropped, not fatal
+
+
+def test_a_caught_liar_back_under_a_new_identity_ranks_below_workers_with_a_history():
+    from gpunet.client.routing import Router
+    from tests.test_routing import HEAVY, worker
+
+    rep = Reputation()
+    for _ in range(20):
+        rep.record("veteran", "valid", checked=True)
+    r = Router(reputation=rep)
+    r.update([worker("veteran"), worker("fresh-identity")])  # same claims, same price
+    assert r.choose(Requirements(), HEAVY).id == "veteran"
 
 
 def test_adaptive_checks_newcomers_always_then_rarely_and_a_lie_resets():

@@ -18,14 +18,18 @@ parts, kept apart because being unavailable is not lying::
 
     honesty      = (valid + 1) / (valid + 1 + 10 * rejected + 3 * invalid)
     availability = (valid + 1) / (valid + 1 + failures + 0.5 * timeouts)
-    score        = honesty * availability
+    track_record = (valid + 4) / (valid + 5)
+    score        = honesty * availability * track_record
 
 where each count decays with a half-life of one day, so recent behaviour weighs most. A result outvoted by the
 majority is *rejected*; an answer that fails the client's own checks (hashes, the dry run's shapes, a void or
 overreaching receipt) is *invalid*; a job the worker did not finish (it crashed, drained, vanished) is a *failure*,
 or a *timeout*. Routing skips workers whose honesty is under 0.5 (saying so when no worker is left) and divides the
 expected speed of the others by their score: an unreliable worker gets less work, never a liar's treatment, and
-short outages are handled by routing's bans, not by reputation.
+short outages are handled by routing's bans, not by reputation. *Track record* is what identities being free calls
+for: a worker this client has never used starts at 0.8, not at the best score (a liar caught and back under a new
+identity ranks below the workers with a history), and reaches 0.96 after 20 good results; it is mild on purpose,
+so routing still tries newcomers.
 
 **Adaptive replication** (``Requirements(verify="adaptive")``), after BOINC: a worker's *streak* is its number of
 consecutive results that were checked and valid. A worker with a streak under 50 is always checked (its result is
@@ -51,6 +55,7 @@ HALF_LIFE = 24 * 3600.0
 REJECTED_WEIGHT = 10.0
 INVALID_WEIGHT = 3.0
 TIMEOUT_WEIGHT = 0.5
+TRACK_PRIOR = 4.0  # track_record = (valid + TRACK_PRIOR) / (valid + TRACK_PRIOR + 1): a stranger starts at 0.8
 AVOID_BELOW = 0.5
 ALWAYS_CHECK_UNTIL = 50
 #: Consecutive checked-and-valid results after which a worker is *established* with this client: preferred as a
@@ -164,8 +169,12 @@ class WorkerTrust:
         return (self.valid + 1) / (self.valid + 1 + self.failures + TIMEOUT_WEIGHT * self.timeouts)
 
     @property
+    def track_record(self) -> float:
+        return (self.valid + TRACK_PRIOR) / (self.valid + TRACK_PRIOR + 1)
+
+    @property
     def score(self) -> float:
-        return self.honesty * self.availability
+        return self.honesty * self.availability * self.track_record
 
 
 class Reputation:
@@ -194,7 +203,7 @@ class Reputation:
         return trust
 
     def score(self, worker_id: str) -> float:
-        return self._get(worker_id).score if worker_id in self.workers else 1.0
+        return (self._get(worker_id) if worker_id in self.workers else WorkerTrust()).score
 
     def honesty(self, worker_id: str) -> float:
         return self._get(worker_id).honesty if worker_id in self.workers else 1.0

@@ -75,6 +75,8 @@ COUNTERSIGN_TIMEOUT = 30.0
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
 MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see JobService._add_owner)
+#: Speed proofs whose row digests are kept for their opening (up to 8 KiB per product; a few per minute are taken).
+MAX_OPEN_PROOFS = 16
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -153,6 +155,7 @@ class JobService:
         # Private programs (Submit.private): hash -> the clients that sent its bytes. Only they may run it from this
         # worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes.
         self._private: dict[str, set[str]] = {}  # bounded by _add_owner (never evicts a program still held)
+        self._proof_digests: LRU[str, list[bytes]] = LRU(MAX_OPEN_PROOFS)  # client -> its last proof's row digests
         self._record = record
         self._corrupt_outputs = corrupt_outputs
         self._slots = asyncio.Semaphore(admission.max_concurrent)
@@ -209,20 +212,24 @@ class JobService:
                 challenge = speedproof.Challenge(message.seed, message.n, message.seconds)
                 self.admission.screen_proof(client_id)
                 self.admission.proof_started(client_id, message.seed, message.n)
-                products = None
+                digests = None
                 try:
-                    commitments = await asyncio.to_thread(speedproof.prove, challenge, self.device)
-                    products = len(commitments)
+                    digests = await asyncio.to_thread(speedproof.prove, challenge, self.device)
                 finally:
-                    self.admission.proof_ended(client_id, products)
-                return protocol.encode(SpeedCommitment(tuple(commitments)))
+                    self.admission.proof_ended(client_id, len(digests) if digests is not None else None)
+                self._proof_digests.put(client_id, digests)
+                return protocol.encode(SpeedCommitment(tuple(speedproof.commit(digests))))
             self.admission.screen_opening(client_id, message.seed, message.n, message.picks)
+            digests = self._proof_digests.get(client_id)
+            if digests is None:
+                raise JobRejected("that speed challenge is no longer held here (too many others since); ask again later")
             self.admission.opening_started(client_id)
             try:
                 openings = await asyncio.to_thread(speedproof.open_products, speedproof.Challenge(message.seed, message.n),
-                                                   message.picks, self.device)
+                                                   message.picks, digests, self.device)
             finally:
                 self.admission.proof_ended(client_id)
+                self._proof_digests.pop(client_id, None)
             return protocol.encode(ProofOpening(tuple(openings)))
         except GpunetError as e:
             return protocol.encode(Error.of(e))
