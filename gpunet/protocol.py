@@ -420,18 +420,20 @@ class ProveSpeed(Message):
     seed: bytes
     n: int
     seconds: float
+    dtype: str = "fp32"
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "seed": self.seed, "n": self.n, "seconds": float(self.seconds)}
+        return {"t": self.T, "seed": self.seed, "n": self.n, "seconds": float(self.seconds), "dtype": self.dtype}
 
     @classmethod
     def from_wire(cls, d: dict) -> "ProveSpeed":
-        challenge = Challenge(_get(d, "seed", bytes), _get(d, "n", int), _time(d, "seconds"))
+        challenge = Challenge(_get(d, "seed", bytes), _get(d, "n", int), _time(d, "seconds"),
+                              _get(d, "dtype", str, optional=True) or "fp32")
         try:
             challenge.check()
         except ValueError as e:
             raise ProtocolError(f"speed challenge: {e}") from None
-        return cls(challenge.seed, challenge.n, challenge.seconds)
+        return cls(challenge.seed, challenge.n, challenge.seconds, challenge.dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ The challenge (both ends run this module; nothing big travels):
    ``n x n`` matrices with entries in {-1, 0, 1} from the seed (:func:`matrix`, integer arithmetic that gives the same
    numbers on any CPU or GPU). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
    products, so generating them is cheap next to multiplying).
-2. The worker multiplies, in fp32, as many products as it can within the budget and answers, per product, a 16-byte
+2. The worker multiplies, in the dtype of its best claim, as many products as it can within the budget and answers, per product, a 16-byte
    hash of that product's *row digests* (:func:`row_digests`: a sum over the row of a non-linear function of each
    entry, so no shortcut gives it without every entry of the product). The client's clock, from sending the
    challenge to reading the answer less one ping's round trip, gives the speed: products x 2n**3 / seconds.
@@ -26,9 +26,10 @@ would check a whole product in n**2 time too, but needs the whole product sent (
 digests plus a few opened rows check the same claim with kilobytes. Entries in {-1, 0, 1} keep every product exact in
 fp32 (|c| <= n < 2**24), so an honest worker's rows match to the bit on any device.
 
-What this proves, and what not: a lower bound on how fast the worker multiplies matrices, as the client sees it.
-Ternary matrices are exact in fp16 and bf16 too, so a worker may use its fastest matmul units: the proof bounds the
-worker's *best* claimed figure, and the claim's ratios between dtypes are taken as they are. Network delay beyond one
+What this proves, and what not: a lower bound on how fast the worker multiplies matrices, as the client sees it, in
+the dtype of its best claim; so it bounds every figure the worker advertises (routing scales them all by the same
+factor). Ternary matrices are exact in narrower formats too, so a device with faster integer or fp8 units could use
+them and prove more than its fp16/bf16 speed: the bound is loose by that much, never in the liar's favour beyond it. Network delay beyond one
 ping, a busy device, and the generation and digest work (a third to a half of the time on a CPU, little on a GPU)
 make an honest worker look slower than its claim, which is why routing allows :data:`SLACK`. It says nothing about the
 results of jobs (verification does that).
@@ -49,10 +50,12 @@ from gpunet.errors import SpeedProofFailed
 if TYPE_CHECKING:
     import torch
 
-#: Matrix sizes a challenge may use: 1024 for devices claiming under :data:`LARGE_FROM` TFLOPS, 2048 above.
-SIZES = (1024, 2048)
-LARGE_FROM = 2.0
-#: The most products one challenge can ask for (a pool of 32 matrices: 512 MiB of fp32 at n = 2048).
+#: Matrix sizes a challenge may use, and the claimed TFLOPS from which each is used: a bigger matrix makes the digest
+#: and generation work (n**2) smaller next to the product (n**3), which matters on fast devices.
+SIZES = (1024, 2048, 4096)
+SIZE_FROM = (0.0, 2.0, 50.0)
+#: The most products one challenge can ask for (a pool of 32 matrices: 2 GiB of fp32 at n = 4096, on a device that
+#: claims 50 TFLOPS or more).
 MAX_PRODUCTS = 1024
 #: How long the worker computes, at most (the client asks for less; see ``DEFAULT_SECONDS``).
 MAX_SECONDS = 2.0
@@ -69,16 +72,27 @@ _MASK = (1 << 31) - 1
 _K = 7919
 
 
+#: The dtypes a challenge may be multiplied in (the names of a worker record's ``tflops``). Ternary products are exact
+#: in each: entries stay far below 256 (bf16 keeps every integer up to 256; |c| > 256 needs 8.5 standard deviations
+#: at n = 2048).
+DTYPES = ("fp32", "fp16", "bf16")
+
+
 @dataclass(frozen=True)
 class Challenge:
     seed: bytes
     n: int
     seconds: float = DEFAULT_SECONDS
+    dtype: str = "fp32"
 
     @classmethod
-    def for_claim(cls, claimed_tflops: float, seconds: float = DEFAULT_SECONDS) -> "Challenge":
-        n = SIZES[1] if claimed_tflops >= LARGE_FROM else SIZES[0]
-        return cls(os.urandom(SEED_BYTES), n, seconds)
+    def for_claim(cls, tflops: dict[str, float], seconds: float = DEFAULT_SECONDS) -> "Challenge":
+        """A challenge for a worker claiming ``tflops`` per dtype: in the dtype of its best claim (so the proof bounds
+        the highest figure it advertises), at the matrix size that claim calls for."""
+        known = {k: v for k, v in tflops.items() if k in DTYPES}
+        dtype = max(known, key=known.get) if known else "fp32"
+        n = max(size for size, start in zip(SIZES, SIZE_FROM) if known.get(dtype, 0.0) >= start)
+        return cls(os.urandom(SEED_BYTES), n, seconds, dtype)
 
     def check(self) -> None:
         """Raise ValueError unless this is a challenge a worker should take."""
@@ -88,6 +102,8 @@ class Challenge:
             raise ValueError(f"a challenge's matrix size is one of {SIZES}")
         if not 0 < self.seconds <= MAX_SECONDS:
             raise ValueError(f"a challenge may take at most {MAX_SECONDS:g} s")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"a challenge's dtype is one of {', '.join(DTYPES)}")
 
     @property
     def flops_per_product(self) -> int:
@@ -181,7 +197,8 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
     n = ch.n
     index = torch.arange(n * n, dtype=torch.int64, device=device).view(n, n)
     scratch, spare = torch.empty_like(index), torch.empty_like(index)
-    product = torch.empty(n, n, dtype=torch.float32, device=device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[ch.dtype]
+    product = torch.empty(n, n, dtype=dtype, device=device)
     c, d = (torch.empty(n, n, dtype=torch.int32, device=device) for _ in range(2))
     weights = _weights(ch.seed, n, device)
     pool: list[torch.Tensor] = []
@@ -193,7 +210,7 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
                 i = len(pool)
                 torch.mul(index, _key(ch.seed, f"a{i}") | 1, out=scratch)
                 _mix_(scratch.add_(_key(ch.seed, f"b{i}")).bitwise_and_(_MASK), spare)
-                pool.append(scratch.remainder_(3).sub_(1).to(torch.float32))
+                pool.append(scratch.remainder_(3).sub_(1).to(dtype))
             torch.matmul(pool[a], pool[b], out=product)
             c.copy_(product).add_(n)
             torch.add(c, _K, out=d)
@@ -203,7 +220,11 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
                 if clock() >= deadline:
                     break
         _sync(device)
-    return [_le_bytes(x, "<i8") for x in digests]
+    out = [_le_bytes(x, "<i8") for x in digests]
+    if str(device).startswith("cuda"):  # the pool (up to 600 MiB at n = 2048) is not kept by torch's allocator
+        del pool, product, index, scratch, spare, c, d, digests
+        torch.cuda.empty_cache()
+    return out
 
 
 def _mix_(x: "torch.Tensor", spare: "torch.Tensor") -> "torch.Tensor":

@@ -4,8 +4,9 @@
 Two workers on this machine: one honest, one whose cached benchmark claims 1000 TFLOPS (its record publishes that).
 A client challenges both over the prove door (gpunet.speedproof) and checks their answers. Printed:
 
-* baseline: this machine's matmul speed measured in this process (the worker's own benchmark, best of repeats, n=1024),
-  and ``speedproof.prove`` run in this process without a network (the proof's own overhead: generation and digests);
+* baseline: this machine's matmul speed measured in this process (the worker's own benchmark, best of repeats, in its
+  best dtype), and ``speedproof.prove`` in that dtype in this process, without a network (the proof's own overhead:
+  generation and digests);
 * each worker's proven TFLOPS, as the client saw it over the network, and its ratio to the baseline (routing credits a
   claim up to SLACK times the proven figure, so an honest worker keeps its claim while this ratio is above 1/SLACK);
 * the boaster's claim and the speed routing credits it;
@@ -18,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
 
 import gpunet  # noqa: E402
 from gpunet import speedproof  # noqa: E402
@@ -37,10 +35,14 @@ from gpunet.worker import hardware, throughput  # noqa: E402
 
 
 def local_baseline(rounds: int) -> dict:
-    matmul = max(throughput.measure_matmul_tflops("cpu", torch.float32, 1024) for _ in range(rounds))
+    """The worker's own benchmark (best of repeats, per dtype), and the proof in its best dtype, in this process."""
+    measured = [throughput._measure(hardware.cpu_hardware()) for _ in range(rounds)]
+    figures = {k: max(m[k] for m in measured) for k in measured[0]}
+    best = max(figures, key=figures.get)
+    matmul = figures[best]
     proofs, checks = [], []
     for _ in range(rounds):
-        ch = speedproof.Challenge(os.urandom(speedproof.SEED_BYTES), 1024)
+        ch = speedproof.Challenge.for_claim(figures)
         t0 = time.perf_counter()
         digests = speedproof.prove(ch)
         proofs.append(speedproof.proven_tflops(ch, len(digests), time.perf_counter() - t0))
@@ -50,7 +52,8 @@ def local_baseline(rounds: int) -> dict:
         t0 = time.perf_counter()
         speedproof.verify(ch, commitments, picks, opened)
         checks.append(time.perf_counter() - t0)
-    return {"matmul_tflops": matmul, "local_proof_tflops": max(proofs), "check_seconds": statistics.median(checks)}
+    return {"matmul_tflops": matmul, "dtype": best, "local_proof_tflops": max(proofs),
+            "check_seconds": statistics.median(checks)}
 
 
 def over_the_network(rounds: int) -> dict:
@@ -75,9 +78,9 @@ def over_the_network(rounds: int) -> dict:
                 results["proof_seconds"].append((time.perf_counter() - t0) / 2)
                 for entry in c.workers():
                     name = "honest" if entry.id == honest.id else "boaster"
-                    results[name].append(router.proven[entry.id])
+                    results[name].append(router.proven.get(entry.id))
                     if name == "honest":
-                        results["honest_claim"].append(entry.record.tflops["fp32"])
+                        results["honest_claim"].append(entry.record.best_tflops)
                     if name == "boaster":
                         results["boaster_credited"].append(router.credited_tflops(entry, "fp32"))
     return {k: statistics.median(v) for k, v in results.items()}
@@ -92,8 +95,10 @@ def main() -> None:
     net = over_the_network(args.rounds)
     after = local_baseline(args.rounds)
     base = {k: max(before[k], after[k]) if k != "check_seconds" else min(before[k], after[k]) for k in before}
+    base["dtype"] = before["dtype"]
     row = {**base, **net, "honest_ratio": net["honest"] / base["matmul_tflops"], "slack": speedproof.SLACK}
-    print(f"baseline (this process): matmul {base['matmul_tflops']:.3f} TFLOPS; proof run locally "
+    print(f"baseline (this process): matmul {base['matmul_tflops']:.3f} TFLOPS {base['dtype']} (the worker's own "
+          f"benchmark, its best dtype); proof run locally "
           f"{base['local_proof_tflops']:.3f} TFLOPS ({base['local_proof_tflops'] / base['matmul_tflops']:.0%})")
     print(f"honest worker claims {net['honest_claim']:.3f}, proved {net['honest']:.3f} TFLOPS over the network "
           f"({row['honest_ratio']:.0%} of the baseline; routing keeps a claim up to {speedproof.SLACK:g}x the proof)")

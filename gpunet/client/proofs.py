@@ -8,8 +8,11 @@ is in, routing credits it at most the fastest proof seen (see :meth:`Router.spee
 * A proof that checks out gives ``Router.on_proof(worker, tflops)``.
 * A proof that does not (the worker committed to products it did not compute) gives 0 TFLOPS and an *invalid*
   outcome in the client's reputation: the worker lied about work.
-* A worker that is busy, refuses or does not answer is asked again later (up to ``tries`` times), its claim capped
-  meanwhile as for any unproven worker; a refusal proves nothing either way.
+* A worker that is busy, refuses or does not answer before it has committed is asked again later (``retry_after``),
+  its claim capped meanwhile as for any unproven worker. Once those tries are used up it is credited no speed: a
+  worker that never takes a challenge must not keep the benefit of the doubt.
+* A worker that committed and then does not open its proof (it saw the picks land on products it skipped) is
+  credited no speed at once, and asked again only on the retry schedule.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class _Attempts:
     tries: int = 0
     next_at: float = 0.0
     running: bool = False
+    done: bool = False  # proven, or its answer did not check out: not asked again
 
 
 @dataclass
@@ -68,8 +72,7 @@ class SpeedProofs:
         free = self.config.concurrent - sum(a.running for a in self._attempts.values())
         if free <= 0:
             return []
-        waiting = [e for e in entries if e.id not in self.router.proven and e.record.best_tflops > 0
-                   and self._may_try(e.id, now)]
+        waiting = [e for e in entries if e.record.best_tflops > 0 and self._may_try(e.id, now)]
         waiting.sort(key=lambda e: e.record.best_tflops, reverse=True)
         due, new = [], self.config.max_workers - self._started
         for e in waiting[:free * 4]:
@@ -80,7 +83,8 @@ class SpeedProofs:
 
     def _may_try(self, worker_id: str, now: float) -> bool:
         a = self._attempts.get(worker_id)
-        return a is None or (not a.running and a.tries <= len(self.config.retry_after) and now >= a.next_at)
+        return a is None or (not a.done and not a.running and a.tries <= len(self.config.retry_after)
+                             and now >= a.next_at)
 
     def schedule(self, entries: Iterable["WorkerEntry"]) -> None:
         """Start challenges for the workers due (call after each refresh of the worker view)."""
@@ -94,21 +98,27 @@ class SpeedProofs:
             task.add_done_callback(self._tasks.discard)
 
     async def _challenge(self, entry: "WorkerEntry", attempt: _Attempts) -> None:
+        committed = [False]
         try:
-            tflops = await self.prove(entry)
+            tflops = await self.prove(entry, committed)
         except SpeedProofFailed as e:
             logger.warning("Worker %s failed its speed proof (%s): it is credited no speed, and recorded as having "
                            "answered falsely", entry.id[-8:], e)
             self.router.on_proof(entry.id, 0.0)
             self.reputation.record(entry.id, "invalid")
+            attempt.done = True
         except (GpunetError, TimeoutError) as e:
             waits = self.config.retry_after
             attempt.next_at = self.clock() + waits[min(attempt.tries - 1, len(waits) - 1)]
-            logger.debug("Speed challenge to worker %s did not complete (%s); asking again later", entry.id[-8:],
-                         e or "timed out")
+            if committed[0] or attempt.tries > len(waits):
+                self.router.on_proof(entry.id, 0.0)  # see the module docstring: no proof, no credit
+            logger.info("Speed challenge to worker %s did not complete (%s)%s", entry.id[-8:], e or "timed out",
+                        "; it is credited no speed until it proves one" if entry.id in self.router.proven else
+                        "; asking again later")
         except Exception:  # a broken worker must not break the client
             logger.exception("Speed challenge to worker %s failed unexpectedly", entry.id[-8:])
         else:
+            attempt.done = True
             self.router.on_proof(entry.id, tflops)
             claimed = entry.record.best_tflops
             log = logger.info if tflops * speedproof.SLACK < claimed else logger.debug
@@ -118,11 +128,14 @@ class SpeedProofs:
         finally:
             attempt.running = False
 
-    async def prove(self, entry: "WorkerEntry") -> float:
-        """One challenge to ``entry``: the TFLOPS it proved; SpeedProofFailed if its answer does not check out."""
-        ch = speedproof.Challenge.for_claim(entry.record.best_tflops, self.config.seconds)
+    async def prove(self, entry: "WorkerEntry", committed_flag: list[bool] | None = None) -> float:
+        """One challenge to ``entry``: the TFLOPS it proved; SpeedProofFailed if its answer does not check out.
+        ``committed_flag[0]`` becomes True once the worker has committed (what fails after that is held against it)."""
+        ch = speedproof.Challenge.for_claim(entry.record.tflops, self.config.seconds)
         async with asyncio.timeout(ch.seconds + self.config.timeout):
-            committed, seconds = await self.transport.prove(entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds))
+            committed, seconds = await self.transport.prove(entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds, ch.dtype))
+            if committed_flag is not None:
+                committed_flag[0] = True
             picks = speedproof.pick(len(committed.commitments), ch.n)
             opened = await self.transport.open_proof(entry.id, OpenProof(ch.seed, ch.n, picks))
             await asyncio.to_thread(speedproof.verify, ch, committed.commitments, picks, opened.openings)

@@ -17,9 +17,9 @@ measured again.
 Failing workers are banned with exponential backoff; a busy one is only skipped for a moment.
 
 A worker's claimed throughput is credited only as far as it has proven it (:mod:`gpunet.speedproof`, challenged by
-:mod:`gpunet.client.proofs`): at most ``SLACK`` times the proven speed, and, until its own proof is in, at most that
-of the fastest proof seen. A free identity claiming a huge speed therefore never outranks a worker whose speed this
-client has checked.
+:mod:`gpunet.client.proofs`): at most ``SLACK`` times the proven speed, and, until its own proof is in, at most the
+median proven worker's credited speed. A free identity claiming a huge speed therefore never outranks the typical
+checked worker, and one that refuses challenges is in the end credited nothing.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, NoWorkersAvailable
 from gpunet.speedproof import SLACK
-from gpunet.utils import host_of
+from gpunet.utils import LRU, host_of
 
 GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
+MAX_PROVEN = 4096  # workers whose proven speed a client remembers
 
 
 @dataclass(frozen=True)
@@ -147,21 +148,29 @@ class Router:
     #: Why each worker was left out the last time it was considered (not for per-job reasons such as "already failed
     #: this job", nor a moment's "busy"): the client says so once, so a skipped worker is never skipped silently.
     skipped: dict[str, str] = field(default_factory=dict)
-    #: TFLOPS each worker proved to this client (gpunet.client.proofs); 0.0 for one whose proof failed.
-    proven: dict[str, float] = field(default_factory=dict)
-    _best_proven: float | None = None
+    #: TFLOPS each worker proved to this client (gpunet.client.proofs); 0.0: it failed, or would not take a proof.
+    #: Kept when a worker leaves (bounded), so leaving and coming back does not wipe a poor proof.
+    proven: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
+    _unproven_ceiling: float | None = None
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
-        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped, self.proven):
+        for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):
             for gone in table.keys() - self.workers.keys():  # what was known of workers that left
                 del table[gone]
-        self._best_proven = max(self.proven.values(), default=None)
+        self._set_ceiling()
 
     def on_proof(self, worker_id: str, tflops: float) -> None:
         """A worker's speed proof came out at ``tflops`` (0.0: it failed)."""
-        self.proven[worker_id] = tflops
-        self._best_proven = max(self.proven.values())
+        self.proven.put(worker_id, tflops)
+        self._set_ceiling()
+
+    def _set_ceiling(self) -> None:
+        """What a worker not proven yet is credited at most: the median credited speed of the proven workers in view,
+        so a claim alone never outranks the typical checked worker (and refusing challenges gains nothing)."""
+        credited = sorted(min(e.record.best_tflops, SLACK * p) for e in self.workers.values()
+                          if (p := self.proven.get(e.id)) is not None and p > 0)
+        self._unproven_ceiling = credited[(len(credited) - 1) // 2] if credited else None
 
     def _stale(self, worker_id: str, now: float | None = None) -> bool:
         """Its estimate is old and none of our jobs is there: rank it as unmeasured, so it gets one probe job."""
@@ -171,12 +180,14 @@ class Router:
 
     def speed_factor(self, entry: WorkerEntry) -> float:
         """The share of its claimed throughput routing credits a worker: min(1, SLACK * proven / claimed best). One not
-        proven yet is credited up to the fastest proof seen (none seen yet: its claim stands)."""
+        proven yet is credited up to the median proven worker (none proven yet: its claim stands)."""
         claimed = entry.record.best_tflops
-        proven = self.proven.get(entry.id, self._best_proven)
-        if proven is None or claimed <= 0:
+        if claimed <= 0:
             return 1.0
-        return min(1.0, SLACK * proven / claimed)
+        proven = self.proven.get(entry.id)
+        if proven is not None:
+            return min(1.0, SLACK * proven / claimed)
+        return 1.0 if self._unproven_ceiling is None else min(1.0, self._unproven_ceiling / claimed)
 
     def credited_tflops(self, entry: WorkerEntry, dtype: str | None = None) -> float:
         """The worker's claimed TFLOPS in ``dtype`` (its best without one), as far as it has proven them."""

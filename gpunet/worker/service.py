@@ -75,7 +75,8 @@ COUNTERSIGN_TIMEOUT = 30.0
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
 MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see JobService._add_owner)
-#: Speed proofs whose row digests are kept for their opening (up to 8 KiB per product; a few per minute are taken).
+#: Speed proofs whose row digests are kept for their opening (8 n bytes per product: 16 KiB at n = 2048, so at most
+#: 16 MiB per proof and 256 MiB in all; a CPU worker's proof is a few hundred KiB).
 MAX_OPEN_PROOFS = 16
 
 __all__ = ["JobService", "ServiceLimits"]
@@ -209,33 +210,38 @@ class JobService:
         try:
             message = protocol.decode(request, ProveSpeed, OpenProof)
             if isinstance(message, ProveSpeed):
-                challenge = speedproof.Challenge(message.seed, message.n, message.seconds)
+                challenge = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype)
                 self.admission.screen_proof(client_id)
                 self.admission.proof_started(client_id, message.seed, message.n)
-                digests = None
-                try:
-                    digests = await asyncio.to_thread(speedproof.prove, challenge, self.device)
-                finally:
-                    self.admission.proof_ended(client_id, len(digests) if digests is not None else None)
+                digests = await self._device_work(client_id, speedproof.prove, challenge, self.device, commits=True)
                 self._proof_digests.put(client_id, digests)
                 return protocol.encode(SpeedCommitment(tuple(speedproof.commit(digests))))
             self.admission.screen_opening(client_id, message.seed, message.n, message.picks)
-            digests = self._proof_digests.get(client_id)
+            digests = self._proof_digests.pop(client_id)  # opened once, whatever happens next
             if digests is None:
                 raise JobRejected("that speed challenge is no longer held here (too many others since); ask again later")
             self.admission.opening_started(client_id)
-            try:
-                openings = await asyncio.to_thread(speedproof.open_products, speedproof.Challenge(message.seed, message.n),
-                                                   message.picks, digests, self.device)
-            finally:
-                self.admission.proof_ended(client_id)
-                self._proof_digests.pop(client_id, None)
+            openings = await self._device_work(client_id, speedproof.open_products,
+                                               speedproof.Challenge(message.seed, message.n), message.picks, digests,
+                                               self.device)
             return protocol.encode(ProofOpening(tuple(openings)))
         except GpunetError as e:
             return protocol.encode(Error.of(e))
         except Exception as e:  # a device error (out of memory): the challenge fails, the worker goes on
             logger.warning("Speed challenge from %s failed here: %s", client_id[-8:], e)
             return protocol.encode(Error.of(JobFailed(f"speed challenge failed on this worker: {type(e).__name__}")))
+
+    async def _device_work(self, client_id: str, fn, *args, commits: bool = False):
+        """Run a challenge's work in a thread. Admission hears it has ended only when the thread has (a call cancelled
+        by its client must not let the next challenge start while this one still holds the device)."""
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+
+        def ended(done: asyncio.Future) -> None:
+            ok = not done.cancelled() and done.exception() is None
+            self.admission.proof_ended(client_id, len(done.result()) if commits and ok else None)
+
+        work.add_done_callback(ended)
+        return await asyncio.shield(work)
 
     # --- jobs: the stream door (any size) --------------------------------------------------------------------------
 
