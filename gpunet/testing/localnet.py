@@ -178,15 +178,17 @@ class LocalNetwork:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, role: str, args: list[str], data_dir: Path | None = None) -> Proc:
+    def _start(self, role: str, args: list[str], data_dir: Path | None = None, ns: str | None = None) -> Proc:
+        """``ns``: run it inside that network namespace (see gpunet.testing.netns)."""
         self._count += 1
         name = f"{role}-{self._count}"
         data_dir = Path(data_dir or self.root / name)
         data_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "GPUNET_DATA_DIR": str(data_dir), "PYTHONUNBUFFERED": "1"}
         env.pop("GPUNET_INITIAL_PEERS", None)
+        argv = gpunet_cmd(*args)
         popen = subprocess.Popen(
-            gpunet_cmd(*args),
+            ["ip", "netns", "exec", ns, *argv] if ns else argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -198,22 +200,24 @@ class LocalNetwork:
         self.procs.append(proc)
         return proc
 
-    def start_bootstrap(self) -> str:
+    def start_bootstrap(self, *extra: str, ns: str | None = None, host_maddrs: str = LOOPBACK) -> str:
         """Start the network's entry point; returns the address workers and clients join with."""
-        self.bootstrap = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", LOOPBACK])
+        self.bootstrap = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", host_maddrs,
+                                                   *extra], ns=ns)
         self.bootstrap_addr = self.bootstrap.wait_ready("online")["addresses"][0]
         return self.bootstrap_addr
 
     def start_worker(
-        self, *extra: str, network: str | None = None, data_dir: Path | None = None, wait_online: bool = True
+        self, *extra: str, network: str | None = None, data_dir: Path | None = None, wait_online: bool = True,
+        ns: str | None = None, host_maddrs: str = LOOPBACK,
     ) -> Proc:
         if not self.bootstrap_addr:
             raise RuntimeError("start_bootstrap() first")
         args = [
             "worker", "--network", network or self.network, "--initial-peers", self.bootstrap_addr,
-            "--host-maddrs", LOOPBACK, "--device", "cpu", "--heartbeat", str(self.heartbeat), *extra,
+            "--host-maddrs", host_maddrs, "--device", "cpu", "--heartbeat", str(self.heartbeat), *extra,
         ]
-        proc = self._start("worker", args, data_dir)
+        proc = self._start("worker", args, data_dir, ns=ns)
         if wait_online:
             self.wait_online(proc)
         return proc

@@ -1,0 +1,155 @@
+"""A real NAT on one machine: Linux network namespaces, veth pairs and nftables masquerade routers.
+
+Topology (every name carries a per-lab tag, so labs never collide and cleanup removes exactly what was made)::
+
+    public  (203.0.113.1/24 on a bridge; the bootstrap/relay node and clients live here)
+      |-- router r1: 203.0.113.11 outside, 192.168.101.1/24 inside, masquerade, no inbound -- home h1: 192.168.101.2
+      |-- router r2: 203.0.113.12 outside, 192.168.102.1/24 inside, masquerade, no inbound -- home h2: 192.168.102.2
+      ...
+
+The addresses are assigned here, inside namespaces made here (203.0.113.0/24 is a documentation range); nothing
+outside the lab is reachable from it, and the lab is not reachable from outside. Needs root, ``ip`` (iproute2) and
+``nft`` (nftables).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+PUBLIC_PREFIX = "203.0.113"
+_labs = itertools.count()
+
+
+class LabUnavailable(RuntimeError):
+    """Network namespaces cannot be made here (not root, or no iproute2/nftables, or the kernel refuses)."""
+
+
+def _run(*argv: str, input: str | None = None) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, input=input, timeout=30)
+    if result.returncode != 0:
+        raise LabUnavailable(f"{' '.join(argv)}: {result.stderr.strip() or result.stdout.strip()}")
+
+
+@dataclass
+class Home:
+    """A home network behind its own NAT router: ``ns`` is the host's namespace, ``addr`` its private address."""
+
+    ns: str
+    router: str
+    addr: str
+    router_public: str
+
+
+@dataclass
+class NatLab:
+    homes_count: int = 2
+    tag: str = field(default_factory=lambda: f"g{os.getpid() % 100000}{next(_labs) % 10}")
+    public: str = ""
+    homes: list[Home] = field(default_factory=list)
+    _made: list[str] = field(default_factory=list)
+
+    @property
+    def public_addr(self) -> str:
+        return f"{PUBLIC_PREFIX}.1"
+
+    @staticmethod
+    def available() -> str | None:
+        """Why a lab cannot be made here, or None when it can."""
+        if os.geteuid() != 0:
+            return "network namespaces need root"
+        for tool in ("ip", "nft"):
+            if shutil.which(tool) is None:
+                return f"{tool} is not installed (apt-get install iproute2 nftables)"
+        return None
+
+    def __enter__(self) -> "NatLab":
+        try:
+            self.build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _netns(self, name: str) -> str:
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
+        return name
+
+    def build(self) -> None:
+        why = self.available()
+        if why:
+            raise LabUnavailable(why)
+        t = self.tag
+        self.public = self._netns(f"{t}-pub")
+        pub = self.public
+        _run("ip", "-n", pub, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", pub, "addr", "add", f"{self.public_addr}/24", "dev", "br0")
+        _run("ip", "-n", pub, "link", "set", "br0", "up")
+        for i in range(1, self.homes_count + 1):
+            router, home = self._netns(f"{t}-r{i}"), self._netns(f"{t}-h{i}")
+            outside, inside = f"{PUBLIC_PREFIX}.{10 + i}", f"192.168.{100 + i}"
+            # router <-> public bridge
+            _run("ip", "link", "add", f"{t}r{i}o", "netns", router, "type", "veth", "peer", "name", f"{t}p{i}",
+                 "netns", pub)
+            _run("ip", "-n", pub, "link", "set", f"{t}p{i}", "master", "br0", "up")
+            _run("ip", "-n", router, "link", "set", f"{t}r{i}o", "name", "wan", "up")
+            _run("ip", "-n", router, "addr", "add", f"{outside}/24", "dev", "wan")
+            # router <-> home host
+            _run("ip", "link", "add", f"{t}r{i}i", "netns", router, "type", "veth", "peer", "name", f"{t}h{i}",
+                 "netns", home)
+            _run("ip", "-n", router, "link", "set", f"{t}r{i}i", "name", "lan", "up")
+            _run("ip", "-n", router, "addr", "add", f"{inside}.1/24", "dev", "lan")
+            _run("ip", "-n", home, "link", "set", f"{t}h{i}", "name", "eth0", "up")
+            _run("ip", "-n", home, "addr", "add", f"{inside}.2/24", "dev", "eth0")
+            _run("ip", "-n", home, "route", "add", "default", "via", f"{inside}.1")
+            _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            # A home router: outgoing connections masqueraded, nothing from outside gets in unless it answers one.
+            _run("ip", "netns", "exec", router, "nft", "-f", "-", input="""
+table ip nat {
+    chain postrouting { type nat hook postrouting priority 100; oifname "wan" masquerade; }
+}
+table ip filter {
+    chain forward {
+        type filter hook forward priority 0; policy drop;
+        ct state established,related accept
+        iifname "lan" oifname "wan" accept
+    }
+    chain input {
+        type filter hook input priority 0; policy accept;
+        iifname "wan" ct state new drop
+    }
+}
+""")
+            self.homes.append(Home(home, router, f"{inside}.2", outside))
+
+    def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
+        """``argv`` run inside namespace ``ns`` (``ip netns exec`` execs it: the PID is the command's own)."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def can_connect(self, ns: str, addr: str, port: int, timeout: float = 2.0) -> bool:
+        """Whether a TCP connection from namespace ``ns`` to ``addr:port`` gets through."""
+        code = (f"import socket,sys\ns=socket.socket();s.settimeout({timeout})\n"
+                f"sys.exit(0 if s.connect_ex(({addr!r},{port}))==0 else 1)")
+        import sys
+
+        return subprocess.run(self.exec_argv(ns, [sys.executable, "-c", code]), timeout=timeout + 10).returncode == 0
+
+    def close(self) -> None:
+        """Remove every namespace this lab made (their veths go with them). Processes still inside are killed first."""
+        for name in reversed(self._made):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
