@@ -49,6 +49,11 @@ HostMaddrs = typer.Option(
     help=f"Multiaddr to listen on, repeatable (default: {', '.join(DEFAULT_HOST_MADDRS)}, all interfaces, a random "
     "port).",
 )
+AnnounceMaddrs = typer.Option(
+    None, "--announce-maddrs", metavar="MADDR",
+    help="Multiaddr others should dial, repeatable: your public address and a port you forwarded to this machine "
+    "(checked at start by a peer dialling it back).",
+)
 Device = typer.Option(_WORKER.device, "--device", metavar="DEVICE", help="auto, cpu or cuda:N.")
 Verbose = typer.Option(0, "--verbose", "-v", count=True, help="-v: log every job; -vv: network internals too.")
 
@@ -118,6 +123,11 @@ def worker(
              "GPU driver refuses it."),
     metrics_port: int = typer.Option(
         _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
+    announce_maddrs: Optional[List[str]] = AnnounceMaddrs,
+    relay_service: bool = typer.Option(
+        _WORKER.relay_service, "--relay-service/--no-relay-service",
+        help="When directly reachable, relay for workers behind NAT (circuit relay v2, within its limits; see the "
+             "README)."),
     fault_corrupt_fraction: float = typer.Option(
         _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", metavar="F", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
@@ -144,6 +154,8 @@ def worker(
         buffer_gb=buffer_gb,
         sandbox=sandbox,
         metrics_port=metrics_port,
+        announce_maddrs=list(announce_maddrs or []),
+        relay_service=relay_service,
         fault_corrupt_fraction=fault_corrupt_fraction,
     )
     if host_maddrs:
@@ -157,14 +169,17 @@ def bootstrap(
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
     host_maddrs: Optional[List[str]] = HostMaddrs,
+    announce_maddrs: Optional[List[str]] = AnnounceMaddrs,
     data_dir: Optional[Path] = DataDir,
     verbose: int = Verbose,
 ) -> None:
-    """Run a DHT-only node: a stable entry point for a network. Prints the address to join with."""
+    """Run a DHT-only node: a stable entry point for a network, which also relays for workers behind NAT and dials
+    nodes back to tell them whether they are reachable. Prints the address to join with."""
     from gpunet.dht.bootstrap import run_bootstrap
 
     _setup_logging(verbose)
-    raise typer.Exit(run_bootstrap(network, list(initial_peers or []), list(host_maddrs or []) or None, data_dir))
+    raise typer.Exit(run_bootstrap(network, list(initial_peers or []), list(host_maddrs or []) or None, data_dir,
+                                   announce_maddrs=list(announce_maddrs or []) or None))
 
 
 @app.command()

@@ -68,6 +68,8 @@ class WorkerConfig:
     buffer_gb: float | None = None  # job payloads held in the worker at once; default: a quarter of RAM (>= 1 GiB)
     sandbox: bool = True  # executors lock themselves down (gpunet.worker.sandbox); off only for a kernel that balks
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    announce_maddrs: list[str] = field(default_factory=list)  # addresses to announce (a forwarded port), checked
+    relay_service: bool = True  # a directly reachable worker relays for workers behind NAT (within RELAY_LIMITS)
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
 
     def __post_init__(self):

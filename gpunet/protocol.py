@@ -14,7 +14,8 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
   Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok;
   ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
-  :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening.
+  :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening; ``reach`` (a stream,
+  served by every node, see :mod:`gpunet.dht.reachability`): CheckReach -> ReachResult.
 
 On a stream a *frame* is a 4-byte big-endian length then a msgpack map whose ``"t"`` names the message, at most
 64 KiB; a *payload* is raw bytes whose size a preceding frame declared, checked against the reader's cap before
@@ -75,6 +76,8 @@ class Door(enum.Enum):
     CANCEL = ("cancel", False, 4096)
     PING = ("ping", False, 2 * MAX_PING_BYTES)
     PROVE = ("prove", False, 4096)
+    REACH = ("reach", True)  # a stream: the answering node must see the caller's address
+    RELAY_PROBE = ("relay-probe", True)  # a bootstrap node's own check of its relay (gpunet.dht.reachability)
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
         """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
@@ -508,6 +511,47 @@ class ProofOpening(Message):
                 raise ProtocolError("a proof opening is [product, digests, [[row, bytes], ...]] per product")
             openings.append(Opening(item[0], item[1], {r[0]: r[1] for r in item[2]}))
         return cls(tuple(openings))
+
+
+#: Ports one reachability check may ask to be dialled on.
+MAX_REACH_PORTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CheckReach(Message):
+    """"Dial me back": open a TCP connection to each of these ports at the address you see me coming from."""
+
+    T: ClassVar[str] = "check_reach"
+    ports: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "ports": list(self.ports)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "CheckReach":
+        ports = _get(d, "ports", list)
+        if not 0 < len(ports) <= MAX_REACH_PORTS or not all(_index(p, 65536) and p > 0 for p in ports):
+            raise ProtocolError(f"a reachability check names 1 to {MAX_REACH_PORTS} TCP ports")
+        return cls(tuple(dict.fromkeys(ports)))
+
+
+@dataclass(frozen=True, slots=True)
+class ReachResult(Message):
+    """The address the caller was seen at, and which of its ports a fresh connection from here reached."""
+
+    T: ClassVar[str] = "reach_result"
+    observed: str
+    open: tuple[int, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "observed": self.observed, "open": list(self.open)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "ReachResult":
+        ports = _get(d, "open", list)
+        if len(ports) > MAX_REACH_PORTS or not all(_index(p, 65536) for p in ports):
+            raise ProtocolError("a reachability result names at most a few TCP ports")
+        return cls(_text(d, "observed", 64), tuple(ports))
 
 
 def _index(value: Any, limit: int) -> bool:

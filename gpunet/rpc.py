@@ -9,7 +9,9 @@ touches those internals, so a hivemind upgrade changes one file. Transport failu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 from typing import Awaitable, Callable, Iterable
 
 from hivemind.p2p import P2P, PeerID
@@ -18,11 +20,21 @@ from hivemind.utils.multiaddr import Multiaddr
 from gpunet import protocol
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.protocol import Door, Message
-from gpunet.utils import host_of
+from gpunet.utils import LRU, host_of
 
 UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller's peer id) -> reply body
 # (caller's peer id, reader, writer, caller's network address: "/ip4/1.2.3.4", or a relay's circuit address)
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
+
+
+def quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """An event loop exception handler. hivemind's daemon client leaves a background write task failing with
+    ConnectionError when the daemon dies (at a group-wide Ctrl-C, every time): expected then, so logged at debug, not
+    as a traceback."""
+    if isinstance(context.get("exception"), ConnectionError):
+        logging.getLogger("gpunet").debug("p2p daemon connection lost: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -37,6 +49,24 @@ class RPC:
         self.p2p = p2p
         self.network = network
         self._served: list[Door] = []
+        self._met: LRU[str, bool] = LRU(4096)  # peers we have reached at least once
+        self._meeting: LRU[str, asyncio.Lock] = LRU(4096)
+
+    @contextlib.asynccontextmanager
+    async def _first_contact(self, peer_id: str):
+        """The first request to a peer goes alone; the rest wait for it. Many at once would each dial, and through a
+        relay each dial is a circuit of its own: the relay's per-peer circuit limit, and the daemon closing the
+        duplicate connections, then reset streams already running on them."""
+        if peer_id in self._met:
+            yield
+            return
+        lock = self._meeting.get(peer_id)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._meeting.put(peer_id, lock)
+        async with lock:
+            yield
+            self._met.put(peer_id, True)
 
     # --- serving ---------------------------------------------------------------------------------------------------
 
@@ -91,7 +121,8 @@ class RPC:
 
     async def call_raw(self, peer_id: str, door: Door, body: bytes) -> bytes:
         try:
-            return await self.p2p._client.call_unary_handler(peer(peer_id), door.protocol(self.network), body)
+            async with self._first_contact(peer_id):
+                return await self.p2p._client.call_unary_handler(peer(peer_id), door.protocol(self.network), body)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
@@ -103,15 +134,22 @@ class RPC:
         maddrs = list(maddrs)
         name = door.protocol(self.network)
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(peer(peer_id), name)
+            async with self._first_contact(peer_id):
+                _, reader, writer = await self.p2p.call_binary_stream_handler(peer(peer_id), name)
             return reader, writer
         except asyncio.CancelledError:
             raise
-        except Exception as first:
+        except Exception as e:
+            first = e
             if not maddrs:
                 raise NetworkError(f"cannot reach worker {peer_id[-8:]}: {first}") from None
+        # A relayed address (.../p2p/RELAY/p2p-circuit/p2p/ID) is left to the daemon, which finds the peer's relays
+        # through its own routing (the first try above); cut at "/p2p/" it would name the relay, not the peer.
+        direct = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs if "/p2p-circuit" not in m]
+        if not direct:
+            raise NetworkError(f"cannot reach worker {peer_id[-8:]} (through its relays): {first}") from None
         try:
-            await self.p2p._client.connect(peer(peer_id), [Multiaddr(m.split("/p2p/")[0]) for m in maddrs])
+            await self.p2p._client.connect(peer(peer_id), direct)
             _, reader, writer = await self.p2p.call_binary_stream_handler(peer(peer_id), name)
             return reader, writer
         except asyncio.CancelledError:

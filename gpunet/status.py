@@ -71,6 +71,7 @@ class NetworkStatus:
                     "version": r.version,
                     "programs": list(r.programs),
                     "maddrs": list(r.maddrs),
+                    "reachability": r.reachability,
                     "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned},
                     "expires_in": round(w.expiration_time - self.read_at, 1),
                     "rating": self._rating(w.id),
@@ -144,9 +145,10 @@ def wide_console(**kwargs):
     return Console(width=None if tty else 160, **kwargs)
 
 
-_COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "up")
+_COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "reach",
+            "up")
 #: On a narrow terminal, columns are left out in this order (whole, never cut) until the table fits.
-_DROP_ORDER = ("up", "trust", "queue", "GiB free", "jobs", "state")
+_DROP_ORDER = ("up", "reach", "trust", "queue", "GiB free", "jobs", "state")
 
 
 def render_table(status: NetworkStatus, width: int | None = None) -> Table:
@@ -175,6 +177,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             str(r.jobs_done),
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
+            r.reachability,
             _duration(r.uptime(status.read_at)),
         ))
     columns = list(_COLUMNS)

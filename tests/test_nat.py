@@ -51,20 +51,98 @@ def test_the_lab_is_a_real_nat_nothing_gets_into_a_home_from_outside(lab):
             proc.wait()
 
 
+_CLIENT = r'''
+import json, logging, sys, time
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+from collections import Counter
+import torch
+import gpunet
+
+boot, network, data_dir, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).eval()
+job = gpunet.Job.from_module(model, example_inputs=(torch.randn(2, 16),))
+with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
+    deadline = time.monotonic() + 60
+    while len(client.workers(refresh=True)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    xs = [torch.randn(2, 16) for _ in range(jobs)]
+    futures = [client.submit(job, x) for x in xs]
+    right, by = 0, Counter()
+    for f, x in zip(futures, xs):
+        y = f.result(timeout=180)
+        with torch.no_grad():
+            right += bool(torch.allclose(y, model(x), atol=1e-5))
+        by[f.worker_id] += 1
+        assert f.receipt.client_signature and f.receipt.worker_signature
+    client._core.books.flush()
+    print(json.dumps({"right": right, "by": by, "id": client.id}), flush=True)
+'''
+
+
+def _reachability_check(lab: NatLab, ns: str, boot: str) -> dict:
+    """``gpunet doctor``'s reachability check, run inside namespace ``ns``."""
+    result = subprocess.run(lab.exec_argv(ns, gpunet_cmd("doctor", "--network", "nat-test", "--initial-peers", boot,
+                                                         "--device", "cpu", "--json")),
+                            capture_output=True, text=True, timeout=180)
+    checks = json.loads(result.stdout)
+    return next(c for c in checks if c["name"] == "reachability")
+
+
+def _ledger_balance(data_dir) -> dict:
+    """``gpunet ledger balance --json`` of a node, per identity."""
+    result = subprocess.run(gpunet_cmd("ledger", "balance", "--json", "--data-dir", str(data_dir)),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return {b["identity"]: b for b in json.loads(result.stdout)["balances"]}
+
+
 @pytest.mark.swarm
-def test_a_home_worker_joins_and_is_listed_from_the_public_side(lab, tmp_path):
-    """Its outgoing connection to the bootstrap carries its record into the DHT, so it is listed online; the addresses
-    it announces are its private ones, which nobody outside can dial (what issue 13's relays are for)."""
+def test_home_workers_behind_nat_serve_jobs_through_relays(lab, tmp_path):
+    """Two workers, each behind its own NAT router, find out they cannot be dialled, reserve relay slots on the
+    bootstrap node, are listed relayed, and serve a client in the public namespace: answers right, spread over both,
+    every receipt signed by both sides and in every ledger."""
     with LocalNetwork(tmp_path, network="nat-test", heartbeat=1.0) as net:
         boot = net.start_bootstrap(ns=lab.public, host_maddrs=f"/ip4/{lab.public_addr}/tcp/0")
-        worker = net.start_worker(ns=lab.homes[0].ns, host_maddrs="/ip4/0.0.0.0/tcp/0")
+        workers = [net.start_worker(ns=home.ns, host_maddrs="/ip4/0.0.0.0/tcp/0", wait_online=False)
+                   for home in lab.homes]
+        for worker in workers:
+            net.wait_online(worker)
+            assert "Not directly reachable" in worker.output and "Reachable through relays" in worker.output
 
-        def listed():
+        def status() -> list[dict]:
             result = subprocess.run(lab.exec_argv(lab.public, gpunet_cmd(
                 "status", "--network", "nat-test", "--initial-peers", boot, "--json")),
                 capture_output=True, text=True, timeout=90)
-            workers = json.loads(result.stdout)["workers"] if result.returncode == 0 else []
-            return next((w for w in workers if w["id"] == worker.id and w["state"] == "online"), None)
+            return json.loads(result.stdout)["workers"] if result.returncode == 0 else []
 
-        record = wait_for(listed, 60, "the home worker to be listed from the public namespace")
-        assert all(lab.homes[0].addr in m or "/127.0.0.1/" in m for m in record["maddrs"])
+        listed = wait_for(lambda: (lambda ws: ws if len(ws) == 2 and all(w["state"] == "online" for w in ws)
+                                   else None)(status()), 60, "both home workers listed online")
+        assert {w["reachability"] for w in listed} == {"relayed"}
+        assert all("/p2p-circuit/" in w["maddrs"][0] for w in listed)
+        for home in lab.homes:  # and still nothing from outside gets into either home
+            assert not lab.can_connect(lab.public, home.router_public, 22)
+        doctor = {ns: _reachability_check(lab, ns, boot) for ns in (lab.homes[0].ns, lab.public)}
+        home_check, public_check = doctor[lab.homes[0].ns], doctor[lab.public]
+        assert home_check["outcome"] == "warn" and "not directly reachable" in home_check["detail"]
+        assert f"reachable through relay /ip4/{lab.public_addr}/" in home_check["detail"]
+        assert "forward TCP port" in home_check["advice"] and "--announce-maddrs" in home_check["advice"]
+        assert public_check["outcome"] == "pass" and "directly reachable" in public_check["detail"]
+
+        client_dir = tmp_path / "client"
+        run = subprocess.run(lab.exec_argv(lab.public, [sys.executable, "-c", _CLIENT, boot, "nat-test",
+                                                         str(client_dir), "50"]),
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, "\n".join(
+            [line for line in run.stderr.splitlines() if "Task was destroyed" not in line and "task: <Task" not in line
+             and " DEBUG " not in line][-60:] + ["--- bootstrap:", net.bootstrap.output[-1500:]]
+            + [f"--- worker {w.id[-8:]}:\n" + w.output[-1500:] for w in workers])
+        outcome = json.loads(run.stdout.strip().splitlines()[-1])
+        assert outcome["right"] == 50
+        assert set(outcome["by"]) == {w.id for w in workers} and min(outcome["by"].values()) >= 3
+        spent = _ledger_balance(client_dir)
+        for worker in workers:
+            earned = wait_for(lambda: (lambda b: b if b.get(worker.id, {}).get("jobs_worked") == outcome["by"][worker.id]
+                                       else None)(_ledger_balance(worker.data_dir)), 30,
+                              "the worker's ledger to hold every receipt")
+            assert earned[worker.id]["earned"] == spent[worker.id]["earned"] > 0

@@ -20,6 +20,7 @@ from gpunet.protocol import (
     MAX_FRAME_BYTES,
     MESSAGES,
     Cancel,
+    CheckReach,
     Countersign,
     Door,
     Error,
@@ -32,6 +33,7 @@ from gpunet.protocol import (
     Pong,
     ProofOpening,
     ProveSpeed,
+    ReachResult,
     Refuse,
     Result,
     Send,
@@ -67,6 +69,8 @@ EXAMPLES = [
     SpeedCommitment((b"c" * 16, b"d" * 16)),
     OpenProof(b"s" * 16, 1024, {0: [3, 7], 1: [1]}),
     ProofOpening((Opening(0, b"\0" * 8, {3: b"\1" * 4}),)),
+    CheckReach((31337, 4001)),
+    ReachResult("/ip4/198.51.100.7", (31337,)),
     Error("busy", "full", 3),
 ]
 
@@ -219,3 +223,10 @@ def test_many_tiny_containers_are_refused_before_they_cost_parsing_time():
 def test_peer_text_cannot_forge_log_lines_or_drive_the_terminal():
     raw = msgpack.packb({"t": "refuse", "job": "j", "reason": "ok\n12:00 INFO forged line\x1b[2J"})
     assert protocol.decode(raw, Refuse).reason == "ok?12:00 INFO forged line?[2J"
+
+
+def test_a_reachability_check_names_a_few_real_ports_only():
+    for ports in ([], [0], [70000], list(range(1, 10)), ["80"], [True]):
+        with pytest.raises(ProtocolError, match="TCP ports"):
+            protocol.decode(msgpack.packb({"t": "check_reach", "ports": ports}))
+    assert protocol.decode(protocol.encode(CheckReach((5, 5, 6)))).ports == (5, 6)

@@ -32,6 +32,7 @@ from gpunet.errors import (
     InvalidReceipt,
     JobRejected,
     JobTimeout,
+    NetworkError,
     NoWorkersAvailable,
     ProgramNotCached,
     ProtocolError,
@@ -414,6 +415,7 @@ class ClientCore:
         failed: set[str] = set()
         rejections: list[JobRejected] = []
         resends = 0  # times a worker lost the program between admission and run (not its fault)
+        redialled: set[str] = set()  # relayed workers already dialled again after a broken circuit
         last_error: GpunetError | None = None
         while True:
             remaining = p.deadline - time.monotonic()
@@ -484,6 +486,15 @@ class ClientCore:
                 continue
             except (asyncio.TimeoutError, GpunetError) as e:  # the transport raises only gpunet errors
                 taken.discard(worker.id)
+                if (isinstance(e, NetworkError) and worker.record.reachability == "relayed"
+                        and worker.id not in redialled):
+                    # A relay resets its circuits now and then (libp2p's limited relays after 128 KiB or 2 minutes):
+                    # that is the path, not the worker. Once per job, dial it again (a fresh circuit) before
+                    # holding it against it.
+                    redialled.add(worker.id)
+                    last_error = e
+                    logger.info("The relayed connection to worker %s broke (%s); dialling it again", worker.id[-8:], e)
+                    continue
                 error = JobTimeout(f"worker {worker.id[-8:]} took too long") if isinstance(e, asyncio.TimeoutError) else e
                 ban = self.router.on_failure(worker.id)
                 self.reputation.record(worker.id, "timeout" if isinstance(error, JobTimeout) else "failure")

@@ -72,7 +72,10 @@ class SpeedProofs:
         free = self.config.concurrent - sum(a.running for a in self._attempts.values())
         if free <= 0:
             return []
-        waiting = [e for e in entries if e.record.best_tflops > 0 and self._may_try(e.id, now)]
+        # Not through relays: libp2p's relays often run limited (128 KiB per connection), and a proof's opening takes
+        # most of that. An unproven worker is credited no more than the median proven one, so this gains it nothing.
+        waiting = [e for e in entries if e.record.best_tflops > 0 and e.record.reachability != "relayed"
+                   and self._may_try(e.id, now)]
         waiting.sort(key=lambda e: e.record.best_tflops, reverse=True)
         due, new = [], self.config.max_workers - self._started
         for e in waiting[:free * 4]:

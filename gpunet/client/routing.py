@@ -84,6 +84,8 @@ class Requirements:
         r = entry.record
         if r.state is not WorkerState.ONLINE:
             return f"is {r.state.value}"
+        if r.reachability == "unreachable":
+            return "cannot be reached now (behind NAT, and no relay holds a reservation for it)"
         if self.device == "gpu" and r.device.kind != "cuda":
             return "has no GPU"
         if self.device == "cpu" and r.device.kind != "cpu":

@@ -54,11 +54,18 @@ def join(
     client_mode: bool = False,
     signing_identities: Iterable[Identity] = (),
     start_new: bool = False,
+    reachability: str | None = None,
+    announce_maddrs: Sequence[str] | None = None,
 ) -> hivemind.DHT:
     """Start this node's DHT and join ``network``; raises NetworkError if the initial peers cannot be reached.
 
     ``identity`` makes the libp2p peer id that of the node key (a restarted node keeps its id). Without initial peers,
     ``start_new=True`` starts a new network; otherwise it is an error (a client alone on a network sees nothing).
+
+    ``reachability`` configures the p2p daemon for what :mod:`gpunet.dht.reachability` found: ``"public"`` (a node
+    others dial directly: it also relays for nodes that cannot be dialled, within :data:`RELAY_LIMITS`), ``"private"``
+    (behind NAT: it keeps circuit-relay reservations on its initial peers and announces the relayed addresses), or
+    None (the daemon's own AutoNAT decides, which needs several peers to answer before it says anything).
     """
     check_network_name(network)
     peers = resolve_initial_peers(initial_peers)
@@ -67,7 +74,9 @@ def join(
     _check_ports_free(host_maddrs or DEFAULT_HOST_MADDRS)
     hardening.install()  # before the DHT process forks: it inherits the entry-by-entry validation and bucket caps
     identities = [*([identity] if identity else []), *signing_identities]
-    kwargs = {}
+    kwargs = _reachability_options(reachability, peers)
+    if announce_maddrs:
+        kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity is not None:
         if identity.path is None:
             raise ConfigError("the node identity must be saved to a file before the libp2p daemon can use it")
@@ -89,6 +98,34 @@ def join(
         raise NetworkError(f"could not join {where}: {e}") from e
     _tie_to_this_process(dht)
     return dht
+
+
+#: What a public node relays for others (libp2p circuit relay v2, per relayed peer): reservations it holds, circuits
+#: open at once, bytes each way and minutes per circuit before it is reset (a job's payload is bounded like any other;
+#: a client whose circuit is reset reconnects).
+RELAY_LIMITS = {"relayMaxReservations": 128, "relayMaxCircuits": 16, "relayDataLimit": 4 * 2**30,
+                "relayTimeLimit": "30m0s"}
+
+
+def _reachability_options(reachability: str | None, peers: Sequence[str]) -> dict:
+    """hivemind's ``P2P.create`` passes ``force_reachability`` on as daemon flags from a class table; gpunet's entries
+    there carry the relay flags hivemind has no parameter for (static relays, relay limits)."""
+    from hivemind.p2p import P2P
+
+    if reachability is None:
+        return {}
+    if reachability == "public":
+        P2P.FORCE_REACHABILITY_MAPPING["gpunet-public"] = {"forceReachabilityPublic": 1, **RELAY_LIMITS}
+        return {"force_reachability": "gpunet-public"}
+    if reachability == "no-relay":  # a worker that will not relay for others (--no-relay-service)
+        return {"use_relay": False}
+    if reachability == "private":
+        if not peers:
+            raise ConfigError("a node behind NAT needs initial peers to relay for it")
+        # Static relays (the initial peers), no discovery: discovery waits for four candidates or three minutes.
+        P2P.FORCE_REACHABILITY_MAPPING["gpunet-private"] = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
+        return {"force_reachability": "gpunet-private", "use_auto_relay": True, "trusted_relays": list(peers)}
+    raise ConfigError(f"unknown reachability mode {reachability!r}")
 
 
 def _check_ports_free(maddrs: Iterable[str]) -> None:
@@ -117,10 +154,11 @@ def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: 
     return join(network, initial_peers, identity=identity, client_mode=True, host_maddrs=[LOOPBACK_MADDR])
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    """Addresses others can dial, loopback last (only useful on this machine)."""
-    addrs = [str(m) for m in dht.get_visible_maddrs()]
-    return sorted(addrs, key=lambda a: a.startswith("/ip4/127.") or a.startswith("/ip6/::1"))
+def visible_maddrs(dht: hivemind.DHT, latest: bool = False) -> list[str]:
+    """Addresses others can dial: relayed ones first (a node behind NAT has no other), loopback last (only useful
+    on this machine). ``latest``: ask the daemon (relay reservations come and go) instead of its first answer."""
+    addrs = [str(m) for m in dht.get_visible_maddrs(latest=latest)]
+    return sorted(addrs, key=lambda a: (a.startswith("/ip4/127.") or a.startswith("/ip6/::1"), "/p2p-circuit" not in a))
 
 
 async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: float = 1.0) -> None:

@@ -100,6 +100,9 @@ class WorkerRecord(_WireModel):
     ledger_count: _NonNegInt = 0
     ledger_head: Annotated[str, Field(max_length=64)] | None = None
     credits_earned: _NonNegFloat = 0.0
+    #: How peers reach it (gpunet.dht.reachability): "direct", "relayed" (through the relays in its maddrs) or
+    #: "unknown". Any other short word (a later version's) is read as it is.
+    reachability: Annotated[str, Field(max_length=16)] = "unknown"
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for the DHT (hivemind msgpack-encodes it); enum values as strings."""

@@ -2,14 +2,17 @@
 
 Topology (every name carries a per-lab tag, so labs never collide and cleanup removes exactly what was made)::
 
-    public  (203.0.113.1/24 on a bridge; the bootstrap/relay node and clients live here)
-      |-- router r1: 203.0.113.11 outside, 192.168.101.1/24 inside, masquerade, no inbound -- home h1: 192.168.101.2
-      |-- router r2: 203.0.113.12 outside, 192.168.102.1/24 inside, masquerade, no inbound -- home h2: 192.168.102.2
+    public  (25.0.0.1/24 on a bridge; the bootstrap/relay node and clients live here)
+      |-- router r1: 25.0.0.11 outside, 192.168.101.1/24 inside, masquerade, no inbound -- home h1: 192.168.101.2
+      |-- router r2: 25.0.0.12 outside, 192.168.102.1/24 inside, masquerade, no inbound -- home h2: 192.168.102.2
       ...
 
-The addresses are assigned here, inside namespaces made here (203.0.113.0/24 is a documentation range); nothing
-outside the lab is reachable from it, and the lab is not reachable from outside. Needs root, ``ip`` (iproute2) and
-``nft`` (nftables).
+Every address is assigned here, inside namespaces made here, none of which has a route out of the lab: nothing
+outside is reachable from it, and it is not reachable from outside. The "public" side needs addresses libp2p counts
+as public: a relay leaves documentation and private ranges (203.0.113.0/24, 10/8, ...) out of the reservations it
+grants, so relayed addresses would never form. So it uses 25.0.0.0/24, which is someone's real space: only ever
+inside the lab's own namespaces, and only processes the lab starts there are given these addresses. Needs root,
+``ip`` (iproute2) and ``nft`` (nftables).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-PUBLIC_PREFIX = "203.0.113"
+PUBLIC_PREFIX = "25.0.0"
 _labs = itertools.count()
 
 

@@ -1,7 +1,7 @@
 """``gpunet doctor``: the host self-check a volunteer runs before joining, like GPU marketplaces ask of their hosts.
 
 Each check passes, warns, fails or is skipped, always with a line of advice. Nothing here contacts any address beyond
-the ``--initial-peers`` the user gave.
+the ``--initial-peers`` the user gave (which, asked to, connect back to this host to test its reachability).
 """
 
 from __future__ import annotations
@@ -153,7 +153,68 @@ def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
     )
 
 
-def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Check]:
+def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence[str] | None) -> Check:
+    """A real inbound test: listen on the port a worker here would use and ask an initial peer to connect back to it
+    (the ``reach`` door, the same check a worker runs at start). Not reachable: try what a worker would do next,
+    a circuit-relay reservation on the initial peers, and say whether one was granted."""
+    from gpunet.dht import reachability
+    from gpunet.rpc import RPC
+
+    ports = reachability.tcp_ports(host_maddrs or ())
+    try:
+        listener = socket.create_server(("0.0.0.0", ports[0] if ports else 0), reuse_port=False)
+    except OSError as e:
+        return Check("reachability", Outcome.FAIL, f"cannot listen on TCP port {ports[0] if ports else 0}: {e}",
+                     "free the port, or pick another in --host-maddrs")
+    with listener:
+        port = listener.getsockname()[1]
+
+        async def ask():
+            rpc = RPC(await dht.replicate_p2p(), network)
+            return await reachability.check(rpc, peers, [f"/ip4/0.0.0.0/tcp/{port}"])
+
+        found, result = asyncio.run(ask())
+    if found == reachability.UNKNOWN:
+        return Check("reachability", Outcome.WARN, "no initial peer answered a dial-back check (an older gpunet?)",
+                     "a worker here announces its addresses as they are")
+    if found == reachability.DIRECT:
+        return Check("reachability", Outcome.PASS,
+                     f"directly reachable: a peer connected back to {result.observed or 'this host'}, TCP port {port}")
+    relay = _relay_reservation(network, peers)
+    where = f"{result.observed or 'this host'}, TCP port {port}"
+    forward = (f"for direct connections, forward TCP port {port} on your router to this machine and run the worker "
+               f"with --host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/<your public IP>/tcp/{port}")
+    if relay:
+        return Check("reachability", Outcome.WARN,
+                     f"not directly reachable (a peer could not connect back to {where}); reachable through relay "
+                     f"{relay}: works, slower", forward)
+    return Check("reachability", Outcome.FAIL,
+                 f"not directly reachable (a peer could not connect back to {where}), and no initial peer granted a "
+                 "relay reservation", forward + "; or join through a bootstrap node that relays (`gpunet bootstrap`)")
+
+
+def _relay_reservation(network: str, peers: Sequence[str], wait: float = 15.0) -> str | None:
+    """The relay that grants this host a reservation, tried the way a worker behind NAT does; None if none does."""
+    from gpunet.dht import network as net
+
+    try:
+        dht = net.join(network, peers, host_maddrs=["/ip4/0.0.0.0/tcp/0"], client_mode=True, reachability="private")
+    except GpunetError:
+        return None
+    try:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            relayed = [m for m in net.visible_maddrs(dht, latest=True) if "/p2p-circuit" in m]
+            if relayed:
+                return relayed[0].split("/p2p-circuit")[0]
+            time.sleep(0.5)
+        return None
+    finally:
+        dht.shutdown()
+
+
+def check_network(network: str, initial_peers: Sequence[str] | None, host_maddrs: Sequence[str] | None = None
+                  ) -> list[Check]:
     from gpunet.dht import network as net
     from gpunet.status import StatusReader
 
@@ -172,7 +233,8 @@ def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Che
     with reader:
         workers = reader.read().workers
         offsets = asyncio.run(_clock_offsets(reader.dht, network, [w.id for w in workers[:5]]))
-    checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible")]
+        inbound = check_inbound(reader.dht, network, peers, host_maddrs)
+    checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible"), inbound]
     if not offsets:
         checks.append(Check("clock", Outcome.SKIP, "no worker answered a ping to compare clocks with"))
         return checks
@@ -189,19 +251,16 @@ def check_network(network: str, initial_peers: Sequence[str] | None) -> list[Che
 async def _clock_offsets(dht, network: str, worker_ids: list[str]) -> list[float]:
     from gpunet.rpc import RPC
 
-    rpc = RPC(await dht.replicate_p2p(), network)
+    rpc = RPC(await dht.replicate_p2p(), network)  # not closed: hivemind keeps one replica per DHT, used again next
     offsets = []
-    try:
-        for worker_id in worker_ids:
-            try:
-                before = time.time()
-                reply = await asyncio.wait_for(rpc.ping(worker_id), 5)
-                after = time.time()
-            except Exception:
-                continue  # an unreachable worker says nothing about our clock
-            offsets.append(reply.time - (before + after) / 2)
-    finally:
-        await rpc.close()
+    for worker_id in worker_ids:
+        try:
+            before = time.time()
+            reply = await asyncio.wait_for(rpc.ping(worker_id), 5)
+            after = time.time()
+        except Exception:
+            continue  # an unreachable worker says nothing about our clock
+        offsets.append(reply.time - (before + after) / 2)
     return offsets
 
 
@@ -219,9 +278,11 @@ def run_checks(
     checks = check_gpu(device, report)
     gpu_count = len(report.gpus) if report else 0
     gpu_memory = max((g.memory_total for g in report.gpus), default=0) if report else 0
-    checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir), check_reachability(host_maddrs)]
-    checks += check_network(network, initial_peers)
-    return checks
+    checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir)]
+    network_checks = check_network(network, initial_peers, host_maddrs)
+    if not any(c.name == "reachability" for c in network_checks):  # no peer to test with: what the addresses say
+        checks.append(check_reachability(host_maddrs))
+    return checks + network_checks
 
 
 _STYLE = {Outcome.PASS: "green", Outcome.WARN: "yellow", Outcome.FAIL: "bold red", Outcome.SKIP: "dim"}

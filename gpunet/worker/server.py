@@ -28,6 +28,8 @@ from gpunet.ledger.receipts import NANO, price_to_nano
 from gpunet.ledger.store import open_ledger
 from gpunet.utils import new_event_loop
 from gpunet.worker import hardware as hw
+from gpunet.dht import reachability
+from gpunet.rpc import quiet_lost_daemon
 from gpunet.worker import metrics, throughput
 
 logger = logging.getLogger("gpunet.worker")
@@ -39,6 +41,8 @@ UNSETTLED_GRACE = 5.0
 LEAVE_STEP_TIMEOUT = 3.0
 #: Seconds between repeats of the "could not publish" warning while it lasts.
 UNPUBLISHED_REPEAT = 300.0
+#: Seconds a worker behind NAT waits for its first relay reservation before it says it has none.
+RELAY_WAIT = 20.0
 
 
 class Worker:
@@ -62,6 +66,8 @@ class Worker:
         self.dht = None
         self.rpc = None
         self.maddrs: list[str] = []
+        self.reachability = reachability.UNKNOWN
+        self._via_relays = False  # joined in relay-client mode (behind NAT): addresses refreshed every heartbeat
         self._last_expiration = 0.0
         self._unpublished = 0  # heartbeats in a row whose record no peer accepted
         self._unpublished_said = -UNPUBLISHED_REPEAT
@@ -90,6 +96,7 @@ class Worker:
             programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
             name=self.config.public_name,
             maddrs=self.maddrs[:MAX_ADVERTISED_MADDRS],
+            reachability=self.reachability,
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
             credits_earned=ledger.earned(self.id) / NANO if ledger is not None else 0.0,
@@ -104,6 +111,8 @@ class Worker:
             metrics.RUNNING.set(self.service.admission.running)
         if self.state is not WorkerState.OFFLINE:
             self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
+        if self._via_relays and self.dht.is_alive() and not self._stop.is_set():
+            await self._refresh_relayed_addresses()
         # A newer expiration is what makes the DHT replace our previous record (the tombstone included).
         expiration = max(get_dht_time() + registry.default_ttl(self.config.heartbeat), self._last_expiration + 1e-3)
         leaving = self.state in (WorkerState.DRAINING, WorkerState.OFFLINE)
@@ -129,6 +138,22 @@ class Worker:
                                   network=self.config.network, state=self.state.value)
         return ok
 
+    async def _refresh_relayed_addresses(self) -> None:
+        """Relay reservations come and go (a relay restarts, another takes over): announce the ones held now. With
+        none, the record says ``unreachable`` and routing sends it nothing, rather than jobs into a black hole."""
+        try:
+            maddrs = await asyncio.wait_for(asyncio.to_thread(network.visible_maddrs, self.dht, True), 5.0)
+        except Exception as e:  # the daemon busy or gone: keep the last known addresses for this beat
+            logger.debug("Could not refresh this worker's addresses: %s", e)
+            return
+        found = reachability.RELAYED if any(reachability.is_relayed(m) for m in maddrs) else reachability.UNREACHABLE
+        if found != self.reachability:
+            (logger.info if found == reachability.RELAYED else logger.warning)(
+                "Reachable through relays again: %s" if found == reachability.RELAYED else
+                "No relay holds a reservation for this worker now (%s); listed as unreachable until one does",
+                ", ".join(maddrs))
+        self.reachability, self.maddrs = found, maddrs
+
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -139,7 +164,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig)
-        loop.set_exception_handler(_quiet_lost_daemon)
+        loop.set_exception_handler(quiet_lost_daemon)
         readyfile.remove_ready(self.data_dir)  # one left by an earlier run that died must never be read as ours
         cfg = self.config
         info = self.hardware.info
@@ -148,16 +173,10 @@ class Worker:
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
         starting_network = not network.resolve_initial_peers(cfg.initial_peers)
-        self.dht = await asyncio.to_thread(
-            network.join,
-            cfg.network,
-            cfg.initial_peers,
-            identity=self.identity,
-            host_maddrs=cfg.host_maddrs,
-            start_new=True,
-        )
+        self.dht = await self._join(None)
         try:
             self.maddrs = network.visible_maddrs(self.dht)
+            await self._find_reachability()
             self._print_welcome(starting_network)
             await self.announce(WorkerState.JOINING)
             await self.start_services()
@@ -170,6 +189,60 @@ class Worker:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
             await self._stop_dht()
+
+    async def _join(self, reachability: str | None):
+        """Join the DHT. Behind NAT (``"private"``) as a DHT client: peers would reach its DHT node only through a
+        relay, whose per-connection budget the jobs need; it still stores and refreshes its own record."""
+        cfg = self.config
+        if reachability is None and not cfg.relay_service:
+            reachability = "no-relay"
+        return await asyncio.to_thread(
+            network.join, cfg.network, cfg.initial_peers, identity=self.identity, host_maddrs=cfg.host_maddrs,
+            start_new=True, reachability=reachability, announce_maddrs=cfg.announce_maddrs or None,
+            client_mode=reachability == "private")
+
+    async def _find_reachability(self) -> None:
+        """Ask an initial peer to dial us back (gpunet.dht.reachability). Not dialable: rejoin through relays."""
+        from gpunet.rpc import RPC
+
+        cfg = self.config
+        peers = network.resolve_initial_peers(cfg.initial_peers)
+        if not peers:
+            logger.info("Reachability unknown: this worker starts the network, so no peer can dial it back yet")
+            return
+        # Not closed after: hivemind keeps one replica per DHT, which the job doors use next.
+        rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
+        found, result = await reachability.check(rpc, peers, cfg.announce_maddrs or self.maddrs)
+        if found == reachability.DIRECT:
+            self.reachability = found
+            logger.info("Reachability: direct (a peer dialled this worker back at %s, port %s)",
+                        result.observed or "its address", ", ".join(map(str, result.open)))
+            return
+        if found == reachability.UNKNOWN:
+            logger.warning("Reachability unknown: no initial peer answered a dial-back check; announcing %s as it is",
+                           ", ".join(self.maddrs) or "no address")
+            return
+        logger.info("Not directly reachable: a peer could not dial this worker back at %s (ports %s); joining through "
+                    "relays instead", result.observed or "its address", ", ".join(map(str, reachability.tcp_ports(
+                        cfg.announce_maddrs or self.maddrs))))
+        if cfg.announce_maddrs:
+            logger.warning("The announced address(es) %s cannot be dialled from outside: is the port forwarded to this "
+                           "machine?", ", ".join(cfg.announce_maddrs))
+        await self._stop_dht()
+        self.dht = await self._join("private")
+        self._via_relays = True
+        deadline = time.monotonic() + RELAY_WAIT
+        while time.monotonic() < deadline:
+            self.maddrs = await asyncio.to_thread(network.visible_maddrs, self.dht, True)
+            if any(reachability.is_relayed(m) for m in self.maddrs):
+                self.reachability = reachability.RELAYED
+                logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
+                                                                       if reachability.is_relayed(m)))
+                return
+            await asyncio.sleep(0.5)
+        self.reachability = reachability.UNREACHABLE
+        logger.warning("No relay took a reservation for this worker within %.0f s; listed as unreachable (no jobs are "
+                       "routed to it) while it keeps trying", RELAY_WAIT)
 
     async def network_alive(self) -> bool:
         """Whether our DHT process and p2p daemon are still there to talk through."""
@@ -315,6 +388,7 @@ class Worker:
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)
+        await reachability.ReachService().start(self.rpc)  # other nodes may ask this one to dial them back
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
@@ -328,15 +402,6 @@ class Worker:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
-
-
-def _quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    """hivemind's daemon client leaves a background write task failing with ConnectionError when the daemon dies
-    (at a group-wide Ctrl-C, every time): expected then, so logged at debug, not as a traceback."""
-    if isinstance(context.get("exception"), ConnectionError):
-        logger.debug("p2p daemon connection lost: %s", context.get("message"))
-        return
-    loop.default_exception_handler(context)
 
 
 async def _bounded(awaitable, seconds: float, default=None, result=None):
