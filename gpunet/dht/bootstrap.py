@@ -61,7 +61,7 @@ def run_bootstrap(
 
 def _serve_doors(dht, network_name: str, stop: threading.Event) -> None:
     """The doors a bootstrap node answers (its own event loop, in a thread: the main thread waits for signals)."""
-    from gpunet.dht.reachability import ReachService, relay_works
+    from gpunet.dht.reachability import PROBE_BYTES, ReachService, relay_works
     from gpunet.rpc import RPC, quiet_lost_daemon
     from gpunet.utils import new_event_loop
 
@@ -70,7 +70,11 @@ def _serve_doors(dht, network_name: str, stop: threading.Event) -> None:
         try:
             await ReachService().start(rpc)
             public = [m for m in network.visible_maddrs(dht) if not m.startswith(("/ip4/127.", "/ip6/::1"))]
-            if public and not await relay_works(public[0], network_name):
+            works = bool(public) and await relay_works(public[0], network_name)
+            if works:
+                logger.info("This node's relay passed its self-test (%d KiB through one relayed connection)",
+                            PROBE_BYTES // 1024)
+            elif public:
                 logger.warning("This node relays in libp2p's limited mode (128 KiB and 2 minutes per relayed "
                                "connection): hivemind's p2p daemon starts two relay services and the limited one "
                                "often registers last. Workers behind NAT that use this relay will have larger jobs "
