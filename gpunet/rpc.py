@@ -27,6 +27,10 @@ UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
+#: Seconds a request waits for the first request to the same peer to connect before it dials anyway.
+FIRST_CONTACT_WAIT = 10.0
+
+
 def quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     """An event loop exception handler. hivemind's daemon client leaves a background write task failing with
     ConnectionError when the daemon dies (at a group-wide Ctrl-C, every time): expected then, so logged at debug, not
@@ -54,9 +58,10 @@ class RPC:
 
     @contextlib.asynccontextmanager
     async def _first_contact(self, peer_id: str):
-        """The first request to a peer goes alone; the rest wait for it. Many at once would each dial, and through a
-        relay each dial is a circuit of its own: the relay's per-peer circuit limit, and the daemon closing the
-        duplicate connections, then reset streams already running on them."""
+        """The first request to a peer goes alone; the rest wait for it (up to :data:`FIRST_CONTACT_WAIT`, so a first
+        request that hangs holds nobody up for long). Many at once would each dial, and through a relay each dial is a
+        circuit of its own: the relay's per-peer circuit limit, and the daemon closing the duplicate connections,
+        then reset streams already running on them."""
         if peer_id in self._met:
             yield
             return
@@ -64,9 +69,16 @@ class RPC:
         if lock is None:
             lock = asyncio.Lock()
             self._meeting.put(peer_id, lock)
-        async with lock:
+        try:
+            await asyncio.wait_for(lock.acquire(), FIRST_CONTACT_WAIT)
+        except asyncio.TimeoutError:
+            yield
+            return
+        try:
             yield
             self._met.put(peer_id, True)
+        finally:
+            lock.release()
 
     # --- serving ---------------------------------------------------------------------------------------------------
 

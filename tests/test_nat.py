@@ -146,3 +146,14 @@ def test_home_workers_behind_nat_serve_jobs_through_relays(lab, tmp_path):
                                        else None)(_ledger_balance(worker.data_dir)), 30,
                               "the worker's ledger to hold every receipt")
             assert earned[worker.id]["earned"] == spent[worker.id]["earned"] > 0
+
+
+@pytest.mark.swarm
+def test_workers_that_start_together_behind_one_address_all_find_they_are_direct(swarm):
+    """Dial-back checks are rationed, but a node turned away hears "busy" and asks again: three workers on one
+    address starting at once must not conclude they are unreachable (they did, and routing then skipped two)."""
+    workers = swarm.start_workers(3)
+    for worker in workers:
+        assert "Reachability: direct" in worker.output, worker.output[-2000:]
+    listed = swarm.wait_for_status(lambda s: len(s["workers"]) == 3, "all three workers listed")
+    assert {w["reachability"] for w in listed["workers"]} == {"direct"}

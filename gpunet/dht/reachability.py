@@ -13,7 +13,7 @@ every node serves). From the answer:
 * ``unreachable``: behind NAT with no relay holding a reservation for it right now: routing sends it nothing.
 
 A dial-back goes only to the address the request came from, so the door cannot be used to make a node connect to
-anyone else; checks are rationed per caller address.
+anyone else; checks are rationed per caller and in all (a caller turned away hears "busy", never "unreachable").
 """
 
 from __future__ import annotations
@@ -24,16 +24,20 @@ import time
 from typing import Iterable, Sequence
 
 from gpunet import protocol
-from gpunet.errors import GpunetError
-from gpunet.protocol import CheckReach, Door, ReachResult
+from gpunet.errors import GpunetError, WorkerBusy
+from gpunet.protocol import CheckReach, Door, Error, ReachResult
 from gpunet.utils import LRU
 
 logger = logging.getLogger(__name__)
 
 DIRECT, RELAYED, UNKNOWN, UNREACHABLE = "direct", "relayed", "unknown", "unreachable"
 DIAL_TIMEOUT = 3.0
-#: A caller address gets one check per this many seconds (a dial-back costs the answering node a few connections).
+#: A caller (identity at an address) gets one check per this many seconds, and a node runs this many at once: a
+#: dial-back costs it a few connections. A caller turned away hears "busy" and asks again; it never reads that as
+#: "unreachable" (several nodes behind one address start together often: a home, a test on 127.0.0.1).
 CHECK_INTERVAL = 5.0
+MAX_CHECKS_AT_ONCE = 8
+BUSY_RETRIES = 3
 
 
 def tcp_ports(maddrs: Iterable[str]) -> list[int]:
@@ -57,7 +61,8 @@ class ReachService:
 
     def __init__(self, clock=time.monotonic):
         self.clock = clock
-        self._last: LRU[str, float] = LRU(10_000)
+        self._last: LRU[tuple[str, str], float] = LRU(10_000)
+        self._running = 0
 
     async def start(self, rpc) -> None:
         await rpc.serve_stream(Door.REACH, self.handle)
@@ -67,12 +72,19 @@ class ReachService:
             request = await protocol.read(reader, CheckReach, timeout=protocol.FRAME_TIMEOUT)
             ip = _ip_of(host)
             now = self.clock()
-            last = self._last.get(host)
-            if ip is None or (last is not None and now - last < CHECK_INTERVAL):
-                open_ports: tuple[int, ...] = ()  # relayed callers cannot be dialled back; repeats are not
-            else:
-                self._last.put(host, now)
-                results = await asyncio.gather(*(_dials(ip, port) for port in request.ports))
+            last = self._last.get((host, peer_id))
+            if ip is not None and (self._running >= MAX_CHECKS_AT_ONCE
+                                   or last is not None and now - last < CHECK_INTERVAL):
+                await protocol.write(writer, Error.of(WorkerBusy("too many reachability checks now; ask again")))
+                return
+            open_ports: tuple[int, ...] = ()  # a relayed caller cannot be dialled back at all
+            if ip is not None:
+                self._last.put((host, peer_id), now)
+                self._running += 1
+                try:
+                    results = await asyncio.gather(*(_dials(ip, port) for port in request.ports))
+                finally:
+                    self._running -= 1
                 open_ports = tuple(p for p, ok in zip(request.ports, results) if ok)
             await protocol.write(writer, ReachResult(host, open_ports))
         except GpunetError as e:
@@ -86,7 +98,11 @@ async def ask(rpc, peer_id: str, ports: Sequence[int], maddrs: Sequence[str] = (
     reader, writer = await rpc.open(peer_id, Door.REACH, maddrs)
     try:
         await protocol.write(writer, CheckReach(tuple(ports)))
-        return await protocol.read(reader, ReachResult, timeout=DIAL_TIMEOUT * len(ports) + protocol.FRAME_TIMEOUT)
+        reply = await protocol.read(reader, ReachResult, Error,
+                                    timeout=DIAL_TIMEOUT * len(ports) + protocol.FRAME_TIMEOUT)
+        if isinstance(reply, Error):
+            raise reply.exception()
+        return reply
     finally:
         writer.close()
 
@@ -98,12 +114,16 @@ async def check(rpc, peers: Sequence[str], own_maddrs: Sequence[str]) -> tuple[s
         return UNKNOWN, None
     for maddr in peers:
         peer_id = str(maddr).rsplit("/p2p/", 1)[-1]
-        try:
-            result = await asyncio.wait_for(ask(rpc, peer_id, ports, [maddr]), DIAL_TIMEOUT * len(ports) + 15)
-        except (GpunetError, asyncio.TimeoutError) as e:
-            logger.debug("Could not ask %s to dial us back: %s", peer_id[-8:], e)
-            continue
-        return (DIRECT if result.open else RELAYED), result
+        for attempt in range(BUSY_RETRIES + 1):
+            try:
+                result = await asyncio.wait_for(ask(rpc, peer_id, ports, [maddr]), DIAL_TIMEOUT * len(ports) + 15)
+            except WorkerBusy:
+                await asyncio.sleep(1.0 + attempt * CHECK_INTERVAL / 2)
+                continue
+            except (GpunetError, asyncio.TimeoutError) as e:
+                logger.debug("Could not ask %s to dial us back: %s", peer_id[-8:], e)
+                break
+            return (DIRECT if result.open else RELAYED), result
     return UNKNOWN, None
 
 
