@@ -76,10 +76,14 @@ def test_restarted_worker_keeps_its_id(swarm, tmp_path):
     swarm.wait_for_status(lambda s: _online_ids(s) == {worker_id}, "restarted worker online under the same id")
 
     # `gpunet doctor` against the live network: it joins, and measures the clock offset by pinging the worker.
-    doctor = run_cli("doctor", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr, "--json")
+    doctor = run_cli("doctor", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr, "--json",
+                     "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
     checks = {c["name"]: c for c in json.loads(doctor.stdout)}
     assert checks["network"]["outcome"] == "pass" and "1 worker(s) visible" in checks["network"]["detail"]
     assert checks["clock"]["outcome"] == "pass" and "clock offset to 1 worker(s)" in checks["clock"]["detail"]
+    # ...and its reachability for real: the bootstrap node connected back to the port it listened on.
+    assert checks["reachability"]["outcome"] == "pass", checks["reachability"]
+    assert "directly reachable: a peer connected back to /ip4/127.0.0.1" in checks["reachability"]["detail"]
 
 
 def test_status_fails_clearly_when_it_cannot_join(tmp_path):

@@ -161,8 +161,9 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     from gpunet.rpc import RPC
 
     ports = reachability.tcp_ports(host_maddrs or ())
-    try:
-        listener = socket.create_server(("0.0.0.0", ports[0] if ports else 0), reuse_port=False)
+    ips = [m.split("/")[2] for m in host_maddrs or () if m.startswith("/ip4/")]
+    try:  # where a worker given the same --host-maddrs would listen (all interfaces by default)
+        listener = socket.create_server((ips[0] if ips else "0.0.0.0", ports[0] if ports else 0))
     except OSError as e:
         return Check("reachability", Outcome.FAIL, f"cannot listen on TCP port {ports[0] if ports else 0}: {e}",
                      "free the port, or pick another in --host-maddrs")
