@@ -112,7 +112,7 @@ def main() -> None:
             direct.start_worker(ns=lab.public, host_maddrs=public)
             worker = relayed.start_worker(ns=lab.homes[0].ns, host_maddrs="/ip4/0.0.0.0/tcp/0")
             assert "Reachable through relays" in worker.output, worker.output[-2000:]
-            relay = wait_for(lambda: ("limited" if "limited mode" in relayed.bootstrap.output else
+            relay = wait_for(lambda: ("limited" if "relays in libp2p's limited mode" in relayed.bootstrap.output else
                                       "full" if "passed its self-test" in relayed.bootstrap.output else None),
                              60, "the relay's self-test")
             run = subprocess.run(lab.exec_argv(lab.public, [sys.executable, "-c", _CLIENT, direct_boot, relayed_boot,

@@ -14,6 +14,11 @@ from gpunet.identity import Identity
 
 logger = logging.getLogger("gpunet.bootstrap")
 
+#: Starts of the p2p daemon a bootstrap node tries until its relay passes the self-test (see Doors).
+RELAY_STARTS = 5
+#: How long the doors may take to come up (serve the reach door, run the relay self-test).
+DOORS_TIMEOUT = 60.0
+
 
 def run_bootstrap(
     network_name: str = DEFAULT_NETWORK,
@@ -26,7 +31,8 @@ def run_bootstrap(
     Returns the exit code.
 
     A bootstrap node is a public entry point: its daemon runs as publicly reachable, relays for nodes behind NAT
-    (circuit relay v2 within ``network.RELAY_LIMITS``) and serves the ``reach`` door (dial-back checks)."""
+    (circuit relay v2 within ``network.RELAY_LIMITS``) and serves the ``reach`` door (dial-back checks). It says it is
+    up only once those doors answer, so the first worker's dial-back check never finds them missing."""
     network.check_network_name(network_name)
     network.resolve_initial_peers(initial_peers)
     data_dir = resolve_data_dir(data_dir, writable=True)
@@ -35,11 +41,26 @@ def run_bootstrap(
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    dht = network.join(network_name, initial_peers, identity=identity, host_maddrs=host_maddrs, start_new=True,
-                       reachability="public", announce_maddrs=announce_maddrs)
-    serving = threading.Thread(target=_serve_doors, args=(dht, network_name, stop), name="gpunet-doors", daemon=True)
+    dht = doors = None
     try:
-        serving.start()
+        for start in range(1, RELAY_STARTS + 1):
+            dht = network.join(network_name, initial_peers, identity=identity, host_maddrs=host_maddrs,
+                               start_new=True, reachability="public", announce_maddrs=announce_maddrs)
+            doors = Doors(dht, network_name)
+            relay = doors.start(stop)
+            if stop.is_set():
+                return 0
+            if relay is not False:
+                break
+            if start == RELAY_STARTS:
+                logger.warning("This node relays in libp2p's limited mode (128 KiB and 2 minutes per relayed "
+                               "connection) after %d starts of its p2p daemon: workers behind NAT that use this relay "
+                               "will have larger jobs cut off; see docs/reachability.md", RELAY_STARTS)
+                break
+            logger.warning("Its relay came up in libp2p's limited mode; restarting the p2p daemon (start %d of %d)",
+                           start + 1, RELAY_STARTS)
+            doors.stop()
+            dht.shutdown()
         maddrs = network.visible_maddrs(dht)
         print(f"gpunet bootstrap node for network {network_name!r} is up. Join it with:", flush=True)
         for maddr in maddrs:
@@ -55,43 +76,73 @@ def run_bootstrap(
     finally:
         stop.set()
         readyfile.remove_ready(data_dir)
-        serving.join(timeout=5)
-        dht.shutdown()
+        if doors is not None:
+            doors.stop()
+        if dht is not None:
+            dht.shutdown()
 
 
-def _serve_doors(dht, network_name: str, stop: threading.Event) -> None:
-    """The doors a bootstrap node answers (its own event loop, in a thread: the main thread waits for signals)."""
-    from gpunet.dht.reachability import PROBE_BYTES, ReachService, relay_works
-    from gpunet.rpc import RPC, quiet_lost_daemon
-    from gpunet.utils import new_event_loop
+class Doors:
+    """The doors a bootstrap node answers, on their own event loop in a thread (the main thread waits for signals).
 
-    async def serve() -> None:
-        rpc = RPC(await dht.replicate_p2p(), network_name)
+    Before it reports ready it tests its own relay. Why: hivemind 1.1.12's p2p daemon starts two relay services, one
+    with the limits it was given and one with libp2p's defaults for a *limited* relay (128 KiB and 2 minutes per
+    circuit, meant only for hole punching), and whichever registers last serves; which one varies from start to
+    start. With the limited one every job through the relay beyond a few small ones is cut off, so the node restarts
+    its daemon instead (see docs/reachability.md)."""
+
+    def __init__(self, dht, network_name: str):
+        self.dht, self.network_name = dht, network_name
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._relay: bool | None = None  # None: no public address to test it on
+        self._thread = threading.Thread(target=self._run, name="gpunet-doors", daemon=True)
+
+    def start(self, stop: threading.Event) -> bool | None:
+        """Serve; returns once the doors answer: whether the relay passed its self-test (None: not tested)."""
+        self._thread.start()
+        deadline = DOORS_TIMEOUT
+        while not self._ready.wait(0.2) and not stop.is_set() and self._thread.is_alive() and deadline > 0:
+            deadline -= 0.2
+        return self._relay
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    async def _serve(self) -> None:
+        from gpunet.dht.reachability import PROBE_BYTES, ReachService, relay_works
+        from gpunet.rpc import RPC
+
+        rpc = RPC(await self.dht.replicate_p2p(), self.network_name)
         try:
             await ReachService().start(rpc)
-            public = [m for m in network.visible_maddrs(dht) if not m.startswith(("/ip4/127.", "/ip6/::1"))]
-            works = bool(public) and await relay_works(public[0], network_name)
-            if works:
-                logger.info("This node's relay passed its self-test (%d KiB through one relayed connection)",
-                            PROBE_BYTES // 1024)
-            elif public:
-                logger.warning("This node relays in libp2p's limited mode (128 KiB and 2 minutes per relayed "
-                               "connection): hivemind's p2p daemon starts two relay services and the limited one "
-                               "often registers last. Workers behind NAT that use this relay will have larger jobs "
-                               "cut off; see docs/reachability.md")
-            while not stop.is_set():
+            public = [m for m in network.visible_maddrs(self.dht) if not m.startswith(("/ip4/127.", "/ip6/::1"))]
+            if public:
+                self._relay = await relay_works(public[0], self.network_name)
+                if self._relay:
+                    logger.info("This node's relay passed its self-test (%d KiB through one relayed connection)",
+                                PROBE_BYTES // 1024)
+            self._ready.set()
+            while not self._stop.is_set():
                 await asyncio.sleep(0.2)
         finally:
+            self._ready.set()
             if await rpc.daemon_alive():
                 await rpc.close()
 
-    def make_loop():
-        loop = new_event_loop()
-        loop.set_exception_handler(quiet_lost_daemon)
-        return loop
+    def _run(self) -> None:
+        from gpunet.rpc import quiet_lost_daemon
+        from gpunet.utils import new_event_loop
 
-    try:
-        with asyncio.Runner(loop_factory=make_loop) as runner:  # cancels what hivemind left running, at the end
-            runner.run(serve())
-    except Exception as e:  # the daemon gone at shutdown: nothing left to serve
-        logger.debug("bootstrap doors stopped: %s", e)
+        def make_loop():
+            loop = new_event_loop()
+            loop.set_exception_handler(quiet_lost_daemon)
+            return loop
+
+        try:
+            with asyncio.Runner(loop_factory=make_loop) as runner:  # cancels what hivemind left running, at the end
+                runner.run(self._serve())
+        except Exception as e:  # the daemon gone at shutdown: nothing left to serve
+            logger.debug("bootstrap doors stopped: %s", e)

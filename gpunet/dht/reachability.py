@@ -38,6 +38,8 @@ DIAL_TIMEOUT = 3.0
 CHECK_INTERVAL = 5.0
 MAX_CHECKS_AT_ONCE = 8
 BUSY_RETRIES = 3
+#: Further tries of a peer that could not be asked at all (not serving the door yet, no answer in time).
+FAILED_RETRIES = 2
 
 
 def tcp_ports(maddrs: Iterable[str]) -> list[int]:
@@ -114,15 +116,21 @@ async def check(rpc, peers: Sequence[str], own_maddrs: Sequence[str]) -> tuple[s
         return UNKNOWN, None
     for maddr in peers:
         peer_id = str(maddr).rsplit("/p2p/", 1)[-1]
-        for attempt in range(BUSY_RETRIES + 1):
+        failures = 0
+        for attempt in range(BUSY_RETRIES + FAILED_RETRIES + 1):
             try:
                 result = await asyncio.wait_for(ask(rpc, peer_id, ports, [maddr]), DIAL_TIMEOUT * len(ports) + 15)
             except WorkerBusy:
                 await asyncio.sleep(1.0 + attempt * CHECK_INTERVAL / 2)
                 continue
             except (GpunetError, asyncio.TimeoutError) as e:
-                logger.debug("Could not ask %s to dial us back: %s", peer_id[-8:], e)
-                break
+                # A peer just started may not serve the door yet, or be too loaded to answer in time: ask again.
+                failures += 1
+                logger.debug("Could not ask %s to dial us back (try %d): %r", peer_id[-8:], failures, e)
+                if failures > FAILED_RETRIES:
+                    break
+                await asyncio.sleep(failures * 2.0)
+                continue
             return (DIRECT if result.open else RELAYED), result
     return UNKNOWN, None
 
