@@ -28,6 +28,10 @@ class NetworkError(GpunetError):
     """The node could not join the network or talk to a peer."""
 
 
+class PeersUnreachable(NetworkError):
+    """None of the initial peers answered: they may be down or restarting (a node may wait and try again)."""
+
+
 class ProtocolError(NetworkError):
     """A peer broke the job protocol: a malformed, oversized or unexpected message, or a stream cut mid-message."""
 

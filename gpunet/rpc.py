@@ -92,9 +92,12 @@ class RPC:
         await self.p2p._client.add_unary_handler(door.protocol(self.network), adapted)
         self._served.append(door)
 
-    async def serve_stream(self, door: Door, handler: StreamHandler) -> None:
+    async def serve_stream(self, door: Door, handler: StreamHandler, exact_address: bool = False) -> None:
+        """``handler(peer_id, reader, writer, host)``: ``host`` is what limits count per (:func:`host_of`), or with
+        ``exact_address`` the caller's whole address (a dial-back needs the IPv6 address, not its /64)."""
         async def adapted(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await handler(info.peer_id.to_base58(), reader, writer, host_of(info.addr))
+            await handler(info.peer_id.to_base58(), reader, writer,
+                          str(info.addr) if exact_address else host_of(info.addr))
 
         await self.p2p.add_binary_stream_handler(door.protocol(self.network), adapted)
         self._served.append(door)

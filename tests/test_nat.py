@@ -164,3 +164,117 @@ def test_workers_that_start_together_behind_one_address_all_find_they_are_direct
         assert "Reachability: direct" in worker.output, worker.output[-2000:]
     listed = swarm.wait_for_status(lambda s: len(s["workers"]) == 3, "all three workers listed")
     assert {w["reachability"] for w in listed["workers"]} == {"direct"}
+
+
+_STEADY_CLIENT = r'''
+import json, logging, sys, time
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+import torch
+import gpunet
+
+boot, network, data_dir, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).eval()
+job = gpunet.Job.from_module(model, example_inputs=(torch.randn(2, 16),))
+with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
+    right, by = 0, {}
+    for i in range(jobs):  # one at a time, so that some job is in flight whenever the test breaks something
+        x = torch.randn(2, 16)
+        f = client.submit(job, x)
+        y = f.result(timeout=180)
+        with torch.no_grad():
+            right += bool(torch.allclose(y, model(x), atol=1e-5))
+        by[f.worker_id] = by.get(f.worker_id, 0) + 1
+        print("done", i + 1, flush=True)
+    client._core.books.flush()
+    print(json.dumps({"right": right, "by": by, "id": client.id}), flush=True)
+'''
+
+#: How long a home worker may take to announce only the relays it still holds after one dies (heartbeat 1 s here).
+RELAY_FAILOVER = 30.0
+
+
+@pytest.mark.swarm
+def test_home_worker_whose_relay_dies_keeps_serving_through_another(lab, tmp_path):
+    """A home worker holds reservations on two public relays. One dies mid-stream (its whole process group killed):
+    within RELAY_FAILOVER the worker's record lists only the live relay, the job in flight is retried, and every job
+    completes, right, paid once."""
+    import os
+    import signal
+
+    with LocalNetwork(tmp_path, network="nat-test", heartbeat=1.0) as net:
+        public = f"/ip4/{lab.public_addr}/tcp/0"
+        doomed = net.start_bootstrap(ns=lab.public, host_maddrs=public)
+        doomed_proc = net.bootstrap
+        spare = net.start_bootstrap("--initial-peers", doomed, ns=lab.public, host_maddrs=public)
+        boots = [p for p in net.procs if p.role == "bootstrap"]
+        if any("relays in libp2p's limited mode" in p.output for p in boots):
+            pytest.skip("a bootstrap's relay came up in libp2p's limited mode after all its restarts (a start-up race "
+                        "in hivemind 1.1.12's p2pd, see docs/reachability.md)")
+        worker = net.start_worker(ns=lab.homes[0].ns, host_maddrs="/ip4/0.0.0.0/tcp/0", initial_peers=[doomed, spare])
+        relay_ids = {addr.rsplit("/p2p/", 1)[1]: name for addr, name in ((doomed, "doomed"), (spare, "spare"))}
+
+        def relays_listed() -> set[str]:
+            result = subprocess.run(lab.exec_argv(lab.public, gpunet_cmd(
+                "status", "--network", "nat-test", "--initial-peers", spare, "--json")),
+                capture_output=True, text=True, timeout=90)
+            if result.returncode != 0:
+                return set()
+            mine = [w for w in json.loads(result.stdout)["workers"] if w["id"] == worker.id]
+            if not mine or mine[0]["reachability"] != "relayed":
+                return set()
+            return {relay_ids.get(m.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1], "?") for m in mine[0]["maddrs"]
+                    if "/p2p-circuit" in m}
+
+        seen: list = []
+        try:
+            wait_for(lambda: seen.append(relays_listed()) or seen[-1] == {"doomed", "spare"}, 60,
+                     "the worker to hold reservations on both relays")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}: listed {seen[-3:]}\n{worker.output[-3000:]}") from None
+        client_dir = tmp_path / "client"
+        client = subprocess.Popen(lab.exec_argv(lab.public, [sys.executable, "-c", _STEADY_CLIENT, spare, "nat-test",
+                                                              str(client_dir), "30"]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert client.stdout.readline().startswith("done")  # jobs are flowing
+            for _ in range(4):
+                client.stdout.readline()
+            os.killpg(doomed_proc.pid, signal.SIGKILL)  # the relay machine is gone, daemon and all
+            wait_for(lambda: relays_listed() == {"spare"}, RELAY_FAILOVER, "the worker to list only the live relay")
+            out, err = client.communicate(timeout=600)
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.communicate()
+        assert client.returncode == 0, "\n".join(
+            [line for line in err.splitlines() if "Task was destroyed" not in line and "task: <Task" not in line][-40:]
+            + [f"--- worker:\n" + worker.output[-2000:]])
+        outcome = json.loads(out.strip().splitlines()[-1])
+        assert outcome["right"] == 30 and outcome["by"] == {worker.id: 30}
+        earned = wait_for(lambda: (lambda b: b if b.get(worker.id, {}).get("jobs_worked") == 30 else None)(
+            _ledger_balance(worker.data_dir)), 30, "the worker's ledger to hold each job once")
+        assert earned[worker.id]["earned"] == _ledger_balance(client_dir)[worker.id]["earned"] > 0
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.swarm
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_an_ipv6_worker_is_dialled_back_at_its_own_address(tmp_path):
+    """The dial-back goes to the caller's whole IPv6 address (limits count per /64; a dial needs the address): an
+    IPv6 worker that can be dialled is direct (it was once told it could not be, and would have gone relayed)."""
+    with LocalNetwork(tmp_path, network="v6-test", heartbeat=1.0) as net:
+        net.start_bootstrap(host_maddrs="/ip6/::1/tcp/0")
+        worker = net.start_worker(host_maddrs="/ip6/::1/tcp/0")
+        assert "Reachability: direct (a peer dialled this worker back at /ip6/::1," in worker.output, \
+            worker.output[-2000:]

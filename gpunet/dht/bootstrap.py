@@ -44,8 +44,11 @@ def run_bootstrap(
     dht = doors = None
     try:
         for start in range(1, RELAY_STARTS + 1):
-            dht = network.join(network_name, initial_peers, identity=identity, host_maddrs=host_maddrs,
-                               start_new=True, reachability="public", announce_maddrs=announce_maddrs)
+            dht = network.join_retrying(network_name, initial_peers, stop=stop.wait, say=logger.warning,
+                                        identity=identity, host_maddrs=host_maddrs, start_new=True,
+                                        reachability="public", announce_maddrs=announce_maddrs)
+            if dht is None:  # stopped while no initial peer answered
+                return 0
             doors = Doors(dht, network_name)
             relay = doors.start(stop)
             if stop.is_set():

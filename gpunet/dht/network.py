@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
@@ -18,7 +18,7 @@ from gpunet.config import (
 )
 from gpunet.dht import hardening
 from gpunet.dht.validation import network_validators
-from gpunet.errors import ConfigError, NetworkError
+from gpunet.errors import ConfigError, NetworkError, PeersUnreachable
 from gpunet.identity import Identity
 
 _NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -43,6 +43,29 @@ def resolve_initial_peers(initial_peers: Sequence[str] | None = None) -> list[st
         if "p2p" not in {proto.name for proto in maddr.protocols()}:
             raise ConfigError(f"initial peer {peer!r} lacks its /p2p/<peer id> part")
     return peers
+
+
+#: How the p2p daemon and hivemind say that no initial peer could be reached.
+_NO_PEER_ANSWERED = ("failed to connect to bootstrap peers", "none of the initial_peers responded")
+#: Waits between tries when no initial peer answers: doubling from the first to the last.
+RETRY_FIRST, RETRY_MAX = 1.0, 30.0
+
+
+def join_retrying(network: str, initial_peers: Sequence[str] | None, *, stop: Callable[[float], bool],
+                  say: Callable[[str], None], **kwargs) -> hivemind.DHT | None:
+    """:func:`join`, trying again with backoff while none of the initial peers answers (all down, or restarting),
+    saying so each time; returns None if ``stop(seconds)`` (a wait that returns True when asked to stop) says so."""
+    wait, tries = RETRY_FIRST, 0
+    while True:
+        try:
+            return join(network, initial_peers, **kwargs)
+        except PeersUnreachable:
+            tries += 1
+            say(f"None of the initial peers answered ({', '.join(resolve_initial_peers(initial_peers))}); trying "
+                f"again in {wait:.0f} s (try {tries}). It joins as soon as one is back.")
+            if stop(wait):
+                return None
+            wait = min(wait * 2, RETRY_MAX)
 
 
 def join(
@@ -95,7 +118,8 @@ def join(
         )
     except Exception as e:
         where = f"the initial peers {', '.join(peers)}" if peers else "a new network"
-        raise NetworkError(f"could not join {where}: {e}") from e
+        unreachable = peers and any(s in str(e) for s in _NO_PEER_ANSWERED)
+        raise (PeersUnreachable if unreachable else NetworkError)(f"could not join {where}: {e}") from e
     _tie_to_this_process(dht)
     return dht
 

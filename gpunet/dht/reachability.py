@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 from gpunet import protocol
 from gpunet.errors import GpunetError, WorkerBusy
 from gpunet.protocol import CheckReach, Door, Error, ReachResult
-from gpunet.utils import LRU
+from gpunet.utils import LRU, host_of
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,14 @@ class ReachService:
         self._running = 0
 
     async def start(self, rpc) -> None:
-        await rpc.serve_stream(Door.REACH, self.handle)
+        await rpc.serve_stream(Door.REACH, self.handle, exact_address=True)
 
-    async def handle(self, peer_id: str, reader, writer, host: str = "") -> None:
+    async def handle(self, peer_id: str, reader, writer, address: str = "") -> None:
+        """``address``: the caller's whole multiaddr as our daemon sees it (``/ip4/1.2.3.4/tcp/5``)."""
         try:
             request = await protocol.read(reader, CheckReach, timeout=protocol.FRAME_TIMEOUT)
-            ip = _ip_of(host)
+            ip = _ip_of(address)
+            host = host_of(address)  # rationed per address (an IPv6 caller per /64), like every other door
             now = self.clock()
             last = self._last.get((host, peer_id))
             if ip is not None and (self._running >= MAX_CHECKS_AT_ONCE
@@ -88,7 +90,8 @@ class ReachService:
                 finally:
                     self._running -= 1
                 open_ports = tuple(p for p, ok in zip(request.ports, results) if ok)
-            await protocol.write(writer, ReachResult(host, open_ports))
+            observed = f"/{address.split('/')[1]}/{ip}" if ip is not None else "/p2p-circuit"
+            await protocol.write(writer, ReachResult(observed, open_ports))
         except GpunetError as e:
             logger.debug("reachability check from %s failed: %s", peer_id[-8:], e)
         finally:
@@ -189,9 +192,10 @@ async def relay_works(relay: str, network: str, timeout: float = 20.0) -> bool:
             await p2p.shutdown()
 
 
-def _ip_of(host: str) -> str | None:
-    parts = host.split("/")
-    if len(parts) == 3 and parts[1] in ("ip4", "ip6") and "p2p-circuit" not in host:
+def _ip_of(address: str) -> str | None:
+    """The IP address to dial back (None for a relayed caller: it cannot be dialled back at all)."""
+    parts = address.split("/")
+    if len(parts) >= 3 and parts[1] in ("ip4", "ip6") and "p2p-circuit" not in address:
         return parts[2]
     return None
 

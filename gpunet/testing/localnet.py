@@ -200,21 +200,27 @@ class LocalNetwork:
         self.procs.append(proc)
         return proc
 
-    def start_bootstrap(self, *extra: str, ns: str | None = None, host_maddrs: str = LOOPBACK) -> str:
-        """Start the network's entry point; returns the address workers and clients join with."""
-        self.bootstrap = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", host_maddrs,
-                                                   *extra], ns=ns)
-        self.bootstrap_addr = self.bootstrap.wait_ready("online")["addresses"][0]
-        return self.bootstrap_addr
+    def start_bootstrap(self, *extra: str, ns: str | None = None, host_maddrs: str = LOOPBACK,
+                        data_dir: Path | None = None) -> str:
+        """Start an entry point; returns the address workers and clients join with. The first one started is the one
+        :meth:`start_worker` joins by default. ``data_dir``: that of an earlier one, to restart it (same identity)."""
+        proc = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", host_maddrs, *extra],
+                           data_dir, ns=ns)
+        addr = proc.wait_ready("online")["addresses"][0]
+        if self.bootstrap is None or self.bootstrap.data_dir == proc.data_dir:
+            self.bootstrap, self.bootstrap_addr = proc, addr
+        return addr
 
     def start_worker(
         self, *extra: str, network: str | None = None, data_dir: Path | None = None, wait_online: bool = True,
-        ns: str | None = None, host_maddrs: str = LOOPBACK,
+        ns: str | None = None, host_maddrs: str = LOOPBACK, initial_peers: list[str] | None = None,
     ) -> Proc:
+        """``initial_peers``: instead of the first bootstrap node."""
         if not self.bootstrap_addr:
             raise RuntimeError("start_bootstrap() first")
+        peers = [arg for peer in initial_peers or [self.bootstrap_addr] for arg in ("--initial-peers", peer)]
         args = [
-            "worker", "--network", network or self.network, "--initial-peers", self.bootstrap_addr,
+            "worker", "--network", network or self.network, *peers,
             "--host-maddrs", host_maddrs, "--device", "cpu", "--heartbeat", str(self.heartbeat), *extra,
         ]
         proc = self._start("worker", args, data_dir, ns=ns)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class Worker:
         self._unpublished = 0  # heartbeats in a row whose record no peer accepted
         self._unpublished_said = -UNPUBLISHED_REPEAT
         self._stop = asyncio.Event()
+        self._stopping = threading.Event()  # the same, for waits in threads (joining while no initial peer answers)
 
     @property
     def id(self) -> str:
@@ -174,9 +176,13 @@ class Worker:
 
         starting_network = not network.resolve_initial_peers(cfg.initial_peers)
         self.dht = await self._join(None)
+        if self.dht is None:  # stopped while waiting for an initial peer
+            return 0
         try:
             self.maddrs = network.visible_maddrs(self.dht)
             await self._find_reachability()
+            if self.dht is None:  # stopped while rejoining through relays
+                return 0
             self._print_welcome(starting_network)
             await self.announce(WorkerState.JOINING)
             await self.start_services()
@@ -197,9 +203,9 @@ class Worker:
         if reachability is None and not cfg.relay_service:
             reachability = "no-relay"
         return await asyncio.to_thread(
-            network.join, cfg.network, cfg.initial_peers, identity=self.identity, host_maddrs=cfg.host_maddrs,
-            start_new=True, reachability=reachability, announce_maddrs=cfg.announce_maddrs or None,
-            client_mode=reachability == "private")
+            network.join_retrying, cfg.network, cfg.initial_peers, stop=self._stopping.wait, say=logger.warning,
+            identity=self.identity, host_maddrs=cfg.host_maddrs, start_new=True, reachability=reachability,
+            announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private")
 
     async def _find_reachability(self) -> None:
         """Ask an initial peer to dial us back (gpunet.dht.reachability). Not dialable: rejoin through relays."""
@@ -230,6 +236,8 @@ class Worker:
                            "machine?", ", ".join(cfg.announce_maddrs))
         await self._stop_dht()
         self.dht = await self._join("private")
+        if self.dht is None:
+            return
         self._via_relays = True
         deadline = time.monotonic() + RELAY_WAIT
         while time.monotonic() < deadline:
@@ -249,6 +257,8 @@ class Worker:
         return self.dht.is_alive() and (self.rpc is None or await self.rpc.daemon_alive())
 
     async def _stop_dht(self) -> None:
+        if self.dht is None:
+            return
         if self.dht.is_alive() and self.rpc is not None and not await self.rpc.daemon_alive():
             # Its daemon is gone: a polite shutdown would wait its whole grace period on it.
             self.dht.terminate()
@@ -271,6 +281,7 @@ class Worker:
             sys.exit(1)
         logger.info("%s received: finishing running jobs, then leaving the network", signal.Signals(sig).name)
         self._stop.set()
+        self._stopping.set()
 
     async def _heartbeat_until_stopped(self) -> None:
         reported = 0
