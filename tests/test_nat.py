@@ -54,27 +54,36 @@ def test_the_lab_is_a_real_nat_nothing_gets_into_a_home_from_outside(lab):
 _CLIENT = r'''
 import json, logging, sys, time
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-from collections import Counter
 import torch
 import gpunet
 
-boot, network, data_dir, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+boot, network, data_dir, jobs, wanted = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+one_by_one = sys.argv[6:] == ["one-by-one"]  # so that some job is in flight whenever the test breaks something
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).eval()
 job = gpunet.Job.from_module(model, example_inputs=(torch.randn(2, 16),))
 with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
     deadline = time.monotonic() + 60
-    while len(client.workers(refresh=True)) < 2 and time.monotonic() < deadline:
+    while len(client.workers(refresh=True)) < wanted and time.monotonic() < deadline:
         time.sleep(0.5)
-    xs = [torch.randn(2, 16) for _ in range(jobs)]
-    futures = [client.submit(job, x) for x in xs]
-    right, by = 0, Counter()
-    for f, x in zip(futures, xs):
-        y = f.result(timeout=180)
+    right, by = 0, {}
+
+    def check(future, x):
+        global right
+        y = future.result(timeout=180)
         with torch.no_grad():
             right += bool(torch.allclose(y, model(x), atol=1e-5))
-        by[f.worker_id] += 1
-        assert f.receipt.client_signature and f.receipt.worker_signature
+        by[future.worker_id] = by.get(future.worker_id, 0) + 1
+        assert future.receipt.client_signature and future.receipt.worker_signature
+
+    xs = [torch.randn(2, 16) for _ in range(jobs)]
+    if one_by_one:
+        for i, x in enumerate(xs):
+            check(client.submit(job, x), x)
+            print("done", i + 1, flush=True)
+    else:
+        for future, x in zip([client.submit(job, x) for x in xs], xs):
+            check(future, x)
     client._core.books.flush()
     print(json.dumps({"right": right, "by": by, "id": client.id}), flush=True)
 '''
@@ -138,7 +147,7 @@ def test_home_workers_behind_nat_serve_jobs_through_relays(lab, tmp_path):
                         "p2pd, see docs/reachability.md): jobs through it are cut off after 128 KiB per connection")
         client_dir = tmp_path / "client"
         run = subprocess.run(lab.exec_argv(lab.public, [sys.executable, "-c", _CLIENT, boot, "nat-test",
-                                                         str(client_dir), "50"]),
+                                                         str(client_dir), "50", "2"]),
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, "\n".join(
             [line for line in run.stderr.splitlines() if "Task was destroyed" not in line and "task: <Task" not in line
@@ -165,30 +174,6 @@ def test_workers_that_start_together_behind_one_address_all_find_they_are_direct
     listed = swarm.wait_for_status(lambda s: len(s["workers"]) == 3, "all three workers listed")
     assert {w["reachability"] for w in listed["workers"]} == {"direct"}
 
-
-_STEADY_CLIENT = r'''
-import json, logging, sys, time
-logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-import torch
-import gpunet
-
-boot, network, data_dir, jobs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).eval()
-job = gpunet.Job.from_module(model, example_inputs=(torch.randn(2, 16),))
-with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
-    right, by = 0, {}
-    for i in range(jobs):  # one at a time, so that some job is in flight whenever the test breaks something
-        x = torch.randn(2, 16)
-        f = client.submit(job, x)
-        y = f.result(timeout=180)
-        with torch.no_grad():
-            right += bool(torch.allclose(y, model(x), atol=1e-5))
-        by[f.worker_id] = by.get(f.worker_id, 0) + 1
-        print("done", i + 1, flush=True)
-    client._core.books.flush()
-    print(json.dumps({"right": right, "by": by, "id": client.id}), flush=True)
-'''
 
 #: How long a home worker may take to announce only the relays it still holds after one dies (heartbeat 1 s here).
 RELAY_FAILOVER = 30.0
@@ -233,8 +218,8 @@ def test_home_worker_whose_relay_dies_keeps_serving_through_another(lab, tmp_pat
         except TimeoutError as e:
             raise AssertionError(f"{e}: listed {seen[-3:]}\n{worker.output[-3000:]}") from None
         client_dir = tmp_path / "client"
-        client = subprocess.Popen(lab.exec_argv(lab.public, [sys.executable, "-c", _STEADY_CLIENT, spare, "nat-test",
-                                                              str(client_dir), "30"]),
+        client = subprocess.Popen(lab.exec_argv(lab.public, [sys.executable, "-c", _CLIENT, spare, "nat-test",
+                                                              str(client_dir), "30", "1", "one-by-one"]),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert client.stdout.readline().startswith("done")  # jobs are flowing
@@ -249,7 +234,7 @@ def test_home_worker_whose_relay_dies_keeps_serving_through_another(lab, tmp_pat
                 client.communicate()
         assert client.returncode == 0, "\n".join(
             [line for line in err.splitlines() if "Task was destroyed" not in line and "task: <Task" not in line][-40:]
-            + [f"--- worker:\n" + worker.output[-2000:]])
+            + ["--- worker:", worker.output[-2000:]])
         outcome = json.loads(out.strip().splitlines()[-1])
         assert outcome["right"] == 30 and outcome["by"] == {worker.id: 30}
         earned = wait_for(lambda: (lambda b: b if b.get(worker.id, {}).get("jobs_worked") == 30 else None)(
