@@ -128,9 +128,15 @@ def worker(
         _WORKER.relay_service, "--relay-service/--no-relay-service",
         help="When directly reachable, relay for workers behind NAT (circuit relay v2, within its limits; see the "
              "README)."),
+    peer_upload_mbps: float = typer.Option(
+        _WORKER.peer_upload_mbps, "--peer-upload-mbps", metavar="MB/S", min=0.0,
+        help="Serve programs to other workers (so a client uploads each once) at most this fast, in all; 0: no cap."),
     fault_corrupt_fraction: float = typer.Option(
         _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", metavar="F", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
+    fault_corrupt_pieces: bool = typer.Option(
+        _WORKER.fault_corrupt_pieces, "--fault-corrupt-pieces", hidden=True,
+        help="FAULT INJECTION for tests: serve other workers program pieces with one byte wrong."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
@@ -156,7 +162,9 @@ def worker(
         metrics_port=metrics_port,
         announce_maddrs=list(announce_maddrs or []),
         relay_service=relay_service,
+        peer_upload_mbps=peer_upload_mbps,
         fault_corrupt_fraction=fault_corrupt_fraction,
+        fault_corrupt_pieces=fault_corrupt_pieces,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)

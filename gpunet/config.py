@@ -70,7 +70,9 @@ class WorkerConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     announce_maddrs: list[str] = field(default_factory=list)  # addresses to announce (a forwarded port), checked
     relay_service: bool = True  # a directly reachable worker relays for workers behind NAT (within RELAY_LIMITS)
+    peer_upload_mbps: float = 0.0  # MB/s it serves programs to other workers at, in all (0: no cap)
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
+    fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
 
     def __post_init__(self):
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):

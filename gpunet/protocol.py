@@ -78,6 +78,7 @@ class Door(enum.Enum):
     PROVE = ("prove", False, 4096)
     REACH = ("reach", True)  # a stream: the answering node must see the caller's address
     RELAY_PROBE = ("relay-probe", True)  # a bootstrap node's own check of its relay (gpunet.dht.reachability)
+    PIECE = ("piece", True)  # a worker fetching a program it lacks from a peer that holds it (gpunet.worker.peers)
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
         """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
@@ -123,6 +124,13 @@ def _job_id(d: dict, name: str = "job") -> str:
     if not JOB_ID_RE.match(job_id):
         raise ProtocolError("job id must be 1-64 characters of [A-Za-z0-9_.:-]")
     return job_id
+
+
+def _program_hash(d: dict, name: str = "program") -> str:
+    program = _get(d, name, str)
+    if not PROGRAM_HASH_RE.match(program):
+        raise ProtocolError("program hash must be 64 lowercase hex characters")
+    return program
 
 
 def _size(d: dict, name: str, optional: bool = False) -> int | None:
@@ -194,9 +202,7 @@ class Submit(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "Submit":
-        program = _get(d, "program", str)
-        if not PROGRAM_HASH_RE.match(program):
-            raise ProtocolError("program hash must be 64 lowercase hex characters")
+        program = _program_hash(d)
         inputs_size = _size(d, "inputs_size")
         inputs = _get(d, "inputs", bytes, optional=True)
         if inputs is not None and len(inputs) != inputs_size:
@@ -216,13 +222,104 @@ class Send(Message):
     T: ClassVar[str] = "send"
     program: bool
     inputs: bool
+    #: Lacking the program, the worker can fetch it from peers: the client may answer with :class:`Pieces` (who
+    #: holds it, and each piece's digest) instead of the program's bytes.
+    pieces: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "program": self.program, "inputs": self.inputs}
+        d = {"t": self.T, "program": self.program, "inputs": self.inputs}
+        if self.pieces:
+            d["pieces"] = True
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "Send":
-        return cls(_get(d, "program", bool), _get(d, "inputs", bool))
+        return cls(_get(d, "program", bool), _get(d, "inputs", bool), bool(_get(d, "pieces", bool, optional=True)))
+
+
+#: Peers one Pieces message may name, and addresses per peer.
+MAX_HOLDERS = 8
+MAX_HOLDER_MADDRS = 4
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}\Z")  # base58
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces(Message):
+    """The client's answer to ``Send(pieces=True)``: fetch the program from these peers (id and addresses), checking
+    each piece against these digests (:mod:`gpunet.pieces`); a :class:`Payload` with the inputs, if asked for, follows.
+    The client vouches for the list: it is the one whose job runs on the bytes."""
+
+    T: ClassVar[str] = "pieces"
+    size: int
+    piece_size: int
+    hashes: bytes
+    holders: tuple[tuple[str, tuple[str, ...]], ...]
+    #: Those of the holders the client is sending the program to right now: worth waiting for while they say "busy".
+    coming: frozenset[str] = frozenset()
+
+    def piece_list(self):
+        from gpunet.pieces import PieceList
+
+        return PieceList(self.size, self.piece_size, self.hashes)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "size": self.size, "piece_size": self.piece_size, "hashes": self.hashes,
+                "holders": [[peer, list(maddrs)] for peer, maddrs in self.holders],
+                "coming": sorted(self.coming)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Pieces":
+        raw = _get(d, "holders", list)
+        ok = len(raw) <= MAX_HOLDERS and all(
+            isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and _PEER_ID_RE.match(h[0])
+            and isinstance(h[1], list) and len(h[1]) <= MAX_HOLDER_MADDRS
+            and all(isinstance(m, str) and 0 < len(m) <= 256 for m in h[1]) for h in raw)
+        if not ok:
+            raise ProtocolError(f"pieces: holders must be at most {MAX_HOLDERS} [peer id, [multiaddr, ...]] pairs")
+        holders = tuple((h[0], tuple(h[1])) for h in raw)
+        coming = d.get("coming") or []
+        if not isinstance(coming, list) or not all(isinstance(c, str) for c in coming):
+            raise ProtocolError("pieces: coming must list holders' peer ids")
+        message = cls(_size(d, "size"), _size(d, "piece_size"), _get(d, "hashes", bytes), holders,
+                      frozenset(coming) & {peer for peer, _ in holders})
+        try:
+            message.piece_list()
+        except ValueError as e:
+            raise ProtocolError(f"pieces: {e}") from None
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class GetPiece(Message):
+    """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes)."""
+
+    T: ClassVar[str] = "get_piece"
+    program: str
+    index: int
+    piece_size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "GetPiece":
+        program = _program_hash(d)
+        return cls(program, _size(d, "index"), _size(d, "piece_size"))
+
+
+@dataclass(frozen=True, slots=True)
+class PieceData(Message):
+    """Announces the piece's raw bytes, which follow on the stream."""
+
+    T: ClassVar[str] = "piece_data"
+    size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "size": self.size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "PieceData":
+        return cls(_size(d, "size"))
 
 
 @dataclass(frozen=True, slots=True)

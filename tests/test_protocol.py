@@ -28,7 +28,10 @@ from gpunet.protocol import (
     Info,
     Ok,
     OpenProof,
+    GetPiece,
     Payload,
+    PieceData,
+    Pieces,
     Ping,
     Pong,
     ProofOpening,
@@ -72,6 +75,12 @@ EXAMPLES = [
     CheckReach((31337, 4001)),
     ReachResult("/ip4/198.51.100.7", (31337,)),
     Error("busy", "full", 3),
+    Send(True, True, pieces=True),
+    Pieces(5 << 20, 4 << 20, b"d" * 64, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ("/ip4/1.2.3.4/tcp/5",)),)),
+    Pieces(1, 4 << 20, b"d" * 32, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ()),),
+           frozenset({"12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds"})),
+    GetPiece(H, 1, 4 << 20),
+    PieceData(1024),
 ]
 
 
@@ -230,3 +239,15 @@ def test_a_reachability_check_names_a_few_real_ports_only():
         with pytest.raises(ProtocolError, match="TCP ports"):
             protocol.decode(msgpack.packb({"t": "check_reach", "ports": ports}))
     assert protocol.decode(protocol.encode(CheckReach((5, 5, 6)))).ports == (5, 6)
+
+
+def test_a_piece_list_must_match_its_program_size_and_name_few_well_formed_holders():
+    peer = "12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds"
+    good = {"t": "pieces", "size": 5 << 20, "piece_size": 4 << 20, "hashes": b"d" * 64, "holders": [[peer, []]]}
+    assert protocol.decode(msgpack.packb(good, use_bin_type=True)).holders == ((peer, ()),)
+    bad = [{"hashes": b"d" * 32}, {"piece_size": 1 << 20}, {"size": -1}, {"holders": [[peer, []]] * 9},
+           {"holders": [["not a peer id!", []]]}, {"holders": [[peer, ["x" * 300]]]}, {"holders": [[peer]]},
+           {"holders": [[peer, ["/ip4/1.2.3.4/tcp/1"] * 5]]}]
+    for change in bad:
+        with pytest.raises(ProtocolError):
+            protocol.decode(msgpack.packb({**good, **change}, use_bin_type=True))

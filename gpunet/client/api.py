@@ -167,6 +167,11 @@ class AsyncClient:
         return self._core.workers()
 
     @property
+    def program_bytes_sent(self) -> int:
+        """Program bytes uploaded to workers so far: about one copy per program, as workers fetch from each other."""
+        return self._core.program_bytes_sent
+
+    @property
     def ledger(self) -> Ledger:
         """This client's ledger of receipts (the one the client appends to), with every returned job in it."""
         if self._core.books is not None:
@@ -282,6 +287,11 @@ class Client:
         if refresh:
             self._call(self._core.refresh())
         return self._core.workers()
+
+    @property
+    def program_bytes_sent(self) -> int:
+        """Program bytes uploaded to workers so far: about one copy per program, as workers fetch from each other."""
+        return self._core.program_bytes_sent
 
     @property
     def ledger(self) -> Ledger:

@@ -19,12 +19,18 @@ from typing import Sequence
 
 import torch
 
+from gpunet import protocol
 from gpunet.client.proofs import ProofConfig, SpeedProofs
 from gpunet.client.routing import JobShape, Requirements, Router, RoutingConfig
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import JobRequest, P2PTransport, Transport
 from gpunet.client.trust import Reputation, agree, describe, majority, quorum
-from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
+from gpunet.config import (
+    DATA_DIR_ENV,
+    DEFAULT_DATA_DIR,
+    DEFAULT_NETWORK,
+    resolve_data_dir,
+)
 from gpunet.dht import network as net
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
@@ -145,6 +151,12 @@ class ClientCore:
         self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
 
     @property
+    def program_bytes_sent(self) -> int:
+        """Program bytes this client has uploaded to workers, in all: what workers fetching programs from each other
+        spare its link (gpunet.worker.peers)."""
+        return getattr(self.transport, "program_bytes_sent", 0)
+
+    @property
     def id(self) -> str:
         return self.identity.peer_id
 
@@ -243,7 +255,8 @@ class ClientCore:
         p = _Prepared(
             job=job, req=req, job_id=job_id, encoded=encoded, input_hash=input_hash, flops=estimate.flops,
             program=program, deadline=time.monotonic() + req.timeout,
-            shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job)),
+            shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job),
+                           req.private),
             max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
             outputs=estimate.outputs,
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
@@ -440,8 +453,11 @@ class ClientCore:
             # and load (whether this job carried it or another one did).
             cold = not self.router.holds_program(worker, p.job.program_hash)
             t0 = time.perf_counter()
+            holders = () if req.private else tuple(
+                (h.id, tuple(h.record.maddrs[:protocol.MAX_HOLDER_MADDRS]))
+                for h in self.router.holders(p.job.program_hash, exclude=worker.id)[:protocol.MAX_HOLDERS])
             request = JobRequest(job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
-                                 p.max_output_bytes, private=req.private)
+                                 p.max_output_bytes, private=req.private, holders=holders)
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self.transport.submit(

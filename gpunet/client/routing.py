@@ -110,6 +110,7 @@ class RoutingConfig:
     ban_max: float = 300.0
     busy_cooldown: float = 0.5  # seconds a worker that answered "busy" is skipped
     default_bandwidth: float = 100e6  # bytes/s until measured
+    peer_bandwidth: float = 100e6  # bytes/s a worker is assumed to fetch a program from another worker at
     default_overhead: float = 0.005  # seconds of round trip and scheduling per job, until measured
     ema: float = 0.3
     #: A worker's speed estimate that no job has refreshed for this many seconds is tried again: while none of this
@@ -133,6 +134,7 @@ class JobShape:
     input_bytes: int
     program_bytes: int
     dtype: str | None = None
+    private: bool = False  # Requirements.private: never fetched from peers
 
 
 @dataclass
@@ -242,15 +244,27 @@ class Router:
         """Whether ``entry`` should have the program: it advertises it, or we sent it there since our last failure."""
         return program_hash in entry.record.programs or program_hash in self.known_programs.get(entry.id, ())
 
+    def holders(self, program_hash: str, exclude: str = "") -> list[WorkerEntry]:
+        """Workers that should hold the program, others than ``exclude``: where a worker lacking it may fetch it
+        from. Directly reachable ones first (a relay's budget is the relayed worker's own jobs')."""
+        found = [e for e in self.workers.values() if e.id != exclude and e.record.reachability != "unreachable"
+                 and self.holds_program(e, program_hash)]
+        return sorted(found, key=lambda e: e.record.reachability != "direct")
+
     def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None) -> float:
         r = entry.record
         tflops = self.credited_tflops(entry, job.dtype) or 1e-3
         stale = self._stale(entry.id)
         claimed = 1.0 / (tflops * 1e12)
         compute = (claimed if stale else self._seconds_per_flop.get(entry.id, claimed)) * job.flops
+        # The program: already there, fetched from a peer that holds it (at peer_bandwidth: it does not use our
+        # link), or sent by us.
         cached = self.holds_program(entry, job.program_hash)
-        sent = job.input_bytes + (0 if cached else job.program_bytes)
+        from_peer = not cached and not job.private and bool(self.holders(job.program_hash, exclude=entry.id))
+        sent = job.input_bytes + (0 if cached or from_peer else job.program_bytes)
         transfer = sent / (self.bandwidth or self.config.default_bandwidth)
+        if from_peer:
+            transfer += job.program_bytes / self.config.peer_bandwidth
         overhead = None if stale else self._overhead.get(entry.id)
         if overhead is None:
             overhead = self.unmeasured_overhead() if unmeasured_overhead is None else unmeasured_overhead

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 from gpunet import protocol
 from gpunet.errors import GpunetError, NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
+from gpunet.pieces import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
     Cancel,
@@ -28,6 +29,7 @@ from gpunet.protocol import (
     Ok,
     OpenProof,
     Payload,
+    Pieces,
     ProofOpening,
     ProveSpeed,
     Refuse,
@@ -38,6 +40,7 @@ from gpunet.protocol import (
     Submit,
     UseStream,
 )
+from gpunet.utils import LRU
 
 if TYPE_CHECKING:
     from gpunet.client.settlement import Settlement
@@ -61,6 +64,8 @@ class JobRequest:
     max_price: int | None  # nano-credits per TFLOP
     max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
     private: bool = False  # Requirements.private: see gpunet.protocol.Submit
+    #: Other workers that hold the program (id, addresses): a worker lacking it may fetch it from them instead.
+    holders: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 async def _nothing(verdict: Verdict) -> None:
@@ -108,6 +113,11 @@ class P2PTransport:
         # (worker, program) -> resolves once the job that went first with that program to that worker no longer
         # needs the link for it (the worker had it, or the upload is written, or that job failed)
         self._first_with_program: dict[tuple[str, str], asyncio.Future] = {}
+        # program -> the workers this client is sending it to now (id -> addresses): holders-to-be, which a worker
+        # that also lacks it may fetch it from once they have it
+        self._receiving: dict[str, dict[str, tuple[str, ...]]] = {}
+        self._piece_lists: LRU[str, PieceList] = LRU(32)
+        self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -215,20 +225,16 @@ class P2PTransport:
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
                 program_crossed.set_result(None)  # it holds the program (or refused the job): nothing to carry
             transfer_seconds = 0.0
-            if isinstance(reply, Send):
+            # At most: the program from peers (or us) with the inputs, then the program from us if the peers failed.
+            for _ in range(2):
+                if not isinstance(reply, Send):
+                    break
                 t0 = time.perf_counter()
-                await protocol.write(writer, Payload(len(request.program) if reply.program else None,
-                                                     len(request.inputs) if reply.inputs else None))
-                if reply.program:
-                    await protocol.write_payload(writer, request.program)
-                    sent += len(request.program)
-                if program_crossed is not None and not program_crossed.done():
-                    program_crossed.set_result(None)
-                if reply.inputs:
-                    await protocol.write_payload(writer, request.inputs)
-                    sent += len(request.inputs)
-                transfer_seconds = time.perf_counter() - t0
-                reply = await protocol.read(reader, Result, Error)
+                sent += await self._send_what_is_asked(worker_id, maddrs, request, reply, writer, program_crossed)
+                transfer_seconds += time.perf_counter() - t0
+                reply = await protocol.read(reader, Send, Result, Error)
+            if isinstance(reply, Send):
+                raise ProtocolError(f"worker {worker_id[-8:]} keeps asking for the program")
             if isinstance(reply, Error):
                 raise reply.exception()
             outputs = reply.outputs
@@ -241,6 +247,12 @@ class P2PTransport:
         except BaseException:
             writer.close()
             raise
+        finally:
+            receiving = self._receiving.get(request.program_hash)
+            if receiving is not None:
+                receiving.pop(worker_id, None)
+                if not receiving:
+                    del self._receiving[request.program_hash]
 
         async def finish(verdict: Verdict) -> None:
             try:
@@ -249,6 +261,51 @@ class P2PTransport:
                 writer.close()
 
         return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, finish=finish, close=writer.close)
+
+    async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
+                                  writer, program_crossed: asyncio.Future | None) -> int:
+        """Answer a worker's Send; returns the bytes sent. A worker that lacks the program and can fetch it from
+        peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
+        worker."""
+        holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
+        sent = 0
+        if holders:
+            pieces = self._piece_lists.get(request.program_hash)
+            if pieces is None:
+                pieces = await asyncio.to_thread(PieceList.of, request.program)
+                self._piece_lists.put(request.program_hash, pieces)
+            coming = frozenset(self._receiving.get(request.program_hash, ())) & {peer for peer, _ in holders}
+            await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming))
+            await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
+        else:
+            if ask.program and not request.private:
+                # Listed (before anything is awaited, so that replicas asking at the same moment see it) until its
+                # job ends (run_stream): by then it serves the program from its disk.
+                self._receiving.setdefault(request.program_hash, {})[worker_id] = tuple(maddrs)[
+                    :protocol.MAX_HOLDER_MADDRS]
+            await protocol.write(writer, Payload(len(request.program) if ask.program else None,
+                                                 len(request.inputs) if ask.inputs else None))
+            if ask.program:
+                await protocol.write_payload(writer, request.program)
+                sent += len(request.program)
+                self.program_bytes_sent += len(request.program)
+        if program_crossed is not None and not program_crossed.done():
+            program_crossed.set_result(None)
+        if ask.inputs:
+            await protocol.write_payload(writer, request.inputs)
+            sent += len(request.inputs)
+        return sent
+
+    def _holders(self, worker_id: str, request: JobRequest) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Who a worker may fetch this program from: those routing knows hold it, then those this client is
+        sending it to right now (they serve it once it is loaded). Never for a private program."""
+        if request.private:
+            return ()
+        found = dict(request.holders)
+        for peer, maddrs in self._receiving.get(request.program_hash, {}).items():
+            found.setdefault(peer, maddrs)
+        found.pop(worker_id, None)
+        return tuple(found.items())[:protocol.MAX_HOLDERS]
 
     async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
         """Countersignatures for results received through the unary door, in one call."""

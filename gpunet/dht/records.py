@@ -103,6 +103,9 @@ class WorkerRecord(_WireModel):
     #: How peers reach it (gpunet.dht.reachability): "direct", "relayed" (through the relays in its maddrs) or
     #: "unknown". Any other short word (a later version's) is read as it is.
     reachability: Annotated[str, Field(max_length=16)] = "unknown"
+    #: Program bytes it served to other workers, and fetched from them, since it started (gpunet.worker.peers).
+    peer_bytes_served: _NonNegInt = 0
+    peer_bytes_fetched: _NonNegInt = 0
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for the DHT (hivemind msgpack-encodes it); enum values as strings."""

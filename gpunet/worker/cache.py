@@ -77,6 +77,21 @@ class DiskCache:
             raise
         self._evict(keep=path)
 
+    def size(self, program_hash: str) -> int | None:
+        try:
+            return self._path(program_hash).stat().st_size
+        except (FileNotFoundError, JobRejected):
+            return None
+
+    def read_range(self, program_hash: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes of a cached program from ``start`` (fewer at its end): for serving a piece to a peer."""
+        try:
+            with open(self._path(program_hash), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except (FileNotFoundError, JobRejected):
+            return None
+
     def hashes(self) -> list[str]:
         """Cached program hashes, least recently used first."""
         return [Path(path).name[: -len(self.SUFFIX)] for _, _, path in self._entries()]

@@ -10,6 +10,8 @@ JOB_SECONDS = Histogram(
 )
 BYTES_IN = Counter("gpunet_bytes_received_total", "Program and input bytes received")
 BYTES_OUT = Counter("gpunet_bytes_sent_total", "Output bytes sent")
+PEER_BYTES_SERVED = Counter("gpunet_peer_bytes_served_total", "Program bytes served to other workers")
+PEER_BYTES_FETCHED = Counter("gpunet_peer_bytes_fetched_total", "Program bytes fetched from other workers")
 QUEUE = Gauge("gpunet_queue_length", "Jobs admitted and waiting for an executor")
 RUNNING = Gauge("gpunet_running_jobs", "Jobs executing now")
 

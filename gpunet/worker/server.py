@@ -102,6 +102,8 @@ class Worker:
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
             credits_earned=ledger.earned(self.id) / NANO if ledger is not None else 0.0,
+            peer_bytes_served=self.service.piece_server.served if self.service and self.service.piece_server else 0,
+            peer_bytes_fetched=self.service.fetcher.fetched if self.service and self.service.fetcher else 0,
         )
 
     async def announce(self, state: WorkerState | None = None) -> bool:
@@ -396,6 +398,8 @@ class Worker:
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
             spool_dir=str(self._spool_dir()),
             device=self.hardware.torch_device,
+            peer_rate=cfg.peer_upload_mbps * 1e6 or None,
+            corrupt_pieces=cfg.fault_corrupt_pieces,
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)

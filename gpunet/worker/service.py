@@ -48,6 +48,7 @@ from gpunet.protocol import (
     Ok,
     OpenProof,
     Payload,
+    Pieces,
     Ping,
     Pong,
     ProofOpening,
@@ -64,6 +65,7 @@ from gpunet.rpc import RPC
 from gpunet.utils import LRU, sha256_hex
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.peers import Fetcher, PieceServer
 from gpunet.worker.settlement import Settlement
 from gpunet.worker.uploads import Upload, Uploads, content_hash
 
@@ -141,8 +143,11 @@ class JobService:
         corrupt_outputs: Callable[[bytes], bytes] | None = None,
         spool_dir: str | None = None,
         device: str = "cpu",
+        peer_rate: float | None = None,
+        corrupt_pieces: bool = False,
     ):
-        """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs)."""
+        """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
+        ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap)."""
         self.identity = identity
         self.device = device
         self.executor = executor
@@ -164,6 +169,16 @@ class JobService:
         self.uploads = Uploads()
         self.spool_dir = spool_dir  # where big inputs are written as they arrive (None: kept in memory)
         self._rpc: RPC | None = None
+        # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
+        # programs this worker lacks fetched from them (set up once the network is there).
+        disk = getattr(executor, "disk", None)
+        self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
+                                        corrupt=corrupt_pieces) if disk is not None else None
+        self.fetcher: Fetcher | None = None
+
+    def _public_upload_coming(self, program_hash: str) -> bool:
+        upload = self.uploads.coming(program_hash)
+        return upload is not None and not upload.private and program_hash not in self._private
 
     async def start(self, rpc: RPC) -> None:
         self._rpc = rpc
@@ -174,6 +189,9 @@ class JobService:
         await rpc.serve_unary(Door.SETTLE, self._handle_settle)
         await rpc.serve_unary(Door.CANCEL, self._handle_cancel)
         await rpc.serve_unary(Door.PROVE, self._handle_prove)
+        if self.piece_server is not None:
+            await self.piece_server.start(rpc)
+            self.fetcher = Fetcher(rpc, self.identity.peer_id)
 
     async def stop(self) -> None:
         self.admission.drain()
@@ -250,7 +268,7 @@ class JobService:
         self.admission.stream_opened()
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
-            payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir)
+            payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir, self.fetcher)
             outcome = await self._execute(client_id, submit, payloads, reader, host)
             await self._reply(outcome, writer)
             await self._settle_from_stream(client_id, outcome.receipt, reader)
@@ -576,10 +594,13 @@ class _NeedsStream(Exception):
 
 
 class _StreamPayloads:
-    """Asks the client for what the worker lacks (program, inputs) and reads it, capped, from the stream."""
+    """Asks the client for what the worker lacks (program, inputs) and reads it, capped, from the stream. A program
+    may come from peers instead (``fetcher``): the client then sends who holds it and each piece's digest."""
 
-    def __init__(self, reader, writer, limits: ServiceLimits, spool_dir: str | None = None):
+    def __init__(self, reader, writer, limits: ServiceLimits, spool_dir: str | None = None,
+                 fetcher: "Fetcher | None" = None):
         self.reader, self.writer, self.limits, self.spool_dir = reader, writer, limits, spool_dir
+        self.fetcher = fetcher
 
     def precheck(self, submit: Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
@@ -588,23 +609,56 @@ class _StreamPayloads:
         need_inputs = submit.inputs is None
         if not (need_program or need_inputs):
             return _Inputs(None, submit.inputs, sha256_hex(submit.inputs))
-        await protocol.write(self.writer, Send(need_program, need_inputs))
-        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        from_peers = need_program and self.fetcher is not None and not submit.private
+        await protocol.write(self.writer, Send(need_program, need_inputs, pieces=from_peers))
+        reply = await protocol.read(self.reader, Payload, Pieces, timeout=FRAME_TIMEOUT) if from_peers else \
+            await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        pieces = reply if isinstance(reply, Pieces) else None
+        if pieces is not None:
+            payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+            if payload.program_size is not None:
+                raise ProtocolError("a client that named holders of the program must not send it as well")
+        else:
+            payload = reply
         if need_inputs and payload.inputs_size != submit.inputs_size:
             raise ProtocolError("inputs payload size differs from the size the submit declared")
         # Every declared size is checked against its cap and charged to the worker's buffer before a byte is read.
         protocol.check_payload_size(submit.inputs_size if need_inputs else 0, self.limits.max_input_bytes, "inputs")
+        program_size = pieces.size if pieces is not None else payload.program_size
         if need_program:
-            protocol.check_payload_size(payload.program_size, self.limits.max_program_bytes, "program")
-        charge((submit.inputs_size if need_inputs else 0) + (payload.program_size if need_program else 0))
+            protocol.check_payload_size(program_size, self.limits.max_program_bytes, "program")
+        charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program else 0))
         program = None
-        if need_program:
-            size = payload.program_size
-            program = bytes(await protocol.read_payload(
-                self.reader, size, self.limits.max_program_bytes, "program",
-                timeout=protocol.payload_deadline(size if size is not None else 0)))
+        if need_program and pieces is None:
+            program = await self._read_program(program_size)
+        inputs = await self._read_inputs(submit) if need_inputs else None
+        if pieces is not None:
+            program = await self._from_peers(submit, pieces)
         if not need_inputs:
             return _Inputs(program, submit.inputs, sha256_hex(submit.inputs))
+        inputs.program = program
+        return inputs
+
+    async def _from_peers(self, submit: Submit, pieces: Pieces) -> bytes:
+        """The program from the peers the client named, checked against its hash; else from the client after all."""
+        fetched = await self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders, submit.timeout,
+                                           coming=pieces.coming)
+        if fetched is not None:
+            if await asyncio.to_thread(content_hash, fetched) == submit.program:
+                return bytes(fetched)
+            logger.warning("Program %s assembled from peers does not match its hash (the client's piece list is "
+                           "wrong); asking the client for it", submit.program[:12])
+        await protocol.write(self.writer, Send(True, False))
+        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        if payload.program_size != pieces.size or payload.inputs_size is not None:
+            raise ProtocolError("the program sent differs in size from the one the piece list describes")
+        return await self._read_program(payload.program_size)
+
+    async def _read_program(self, size: int) -> bytes:
+        return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
+                                                 timeout=protocol.payload_deadline(size if size is not None else 0)))
+
+    async def _read_inputs(self, submit: Submit) -> _Inputs:
         hasher = hashlib.sha256()
         deadline = protocol.payload_deadline(submit.inputs_size)
         if self.spool_dir is not None and submit.inputs_size >= SPOOL_BYTES:
@@ -615,10 +669,10 @@ class _StreamPayloads:
             except BaseException:
                 spooled.close()
                 raise
-            return _Inputs(program, spooled, hasher.hexdigest())
+            return _Inputs(None, spooled, hasher.hexdigest())
         inputs = await protocol.read_payload(self.reader, submit.inputs_size, self.limits.max_input_bytes, "inputs",
                                              hasher, timeout=deadline)
-        return _Inputs(program, inputs, hasher.hexdigest())  # a bytearray: no second copy of a large input
+        return _Inputs(None, inputs, hasher.hexdigest())  # a bytearray: no second copy of a large input
 
 
 class _UnaryPayloads:

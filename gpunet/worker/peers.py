@@ -1,0 +1,251 @@
+"""Programs between workers: a worker serves pieces of the programs it holds, and fetches a program it lacks from
+peers that hold it, so a program's weights cross the client's uplink once, not once per worker.
+
+Serving is bounded: only programs in this worker's disk cache (which holds only public programs it received, checked
+against their hash and loaded; a private program's bytes never reach the disk), whole pieces at the piece size the
+program's size implies, :data:`SERVE_AT_ONCE` streams at once (:data:`SERVE_PER_PEER` per peer), optionally at most
+``rate`` bytes a second in all. Nothing else on the machine can be named: a request is a program hash and a piece
+index.
+
+Fetching checks every piece against the digest the job's client gave (:class:`gpunet.protocol.Pieces`): a peer that
+serves a wrong byte is caught at that piece, which is fetched from another peer; once another peer's copy of that
+piece matches (so the client's digest was right), the first is banned. The assembled program is checked against its
+hash like any program. Whatever does not arrive in time is asked of the client after all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import Callable, Sequence
+
+from gpunet import protocol
+from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, WorkerBusy
+from gpunet.pieces import PieceList, piece_size_for
+from gpunet.protocol import Door, Error, GetPiece, PieceData
+from gpunet.utils import LRU
+from gpunet.worker import metrics
+
+logger = logging.getLogger(__name__)
+
+SERVE_AT_ONCE = 4
+SERVE_PER_PEER = 2
+#: A serving stream with no request for this long is closed.
+STREAM_IDLE = 30.0
+#: How often a holder that does not have the program yet (it is still receiving it) is asked again, and for how long
+#: one is waited for that the client did not say it is sending the program to (anyone may claim to hold anything).
+NOT_YET_RETRY = 0.5
+BUSY_PATIENCE = 10.0
+#: How long a peer that served a corrupted piece is not asked again.
+BAN_SECONDS = 3600.0
+
+
+class PieceServer:
+    """The ``piece`` door."""
+
+    def __init__(self, disk, rate: float | None = None, coming: Callable[[str], bool] = lambda h: False,
+                 clock=time.monotonic, corrupt: bool = False):
+        """``disk``: the executor's :class:`~gpunet.worker.cache.DiskCache`; ``rate``: bytes a second in all;
+        ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
+        again, rather than "not cached")."""
+        self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock
+        self.corrupt = corrupt  # FAULT INJECTION (tests): one byte of every piece served is wrong
+        self.served = 0  # bytes, since start
+        self._running = 0
+        self._per_peer: Counter[str] = Counter()
+        self._next_free = 0.0  # rate limit: when the bytes sent so far have "drained" at ``rate``
+
+    async def start(self, rpc) -> None:
+        await rpc.serve_stream(Door.PIECE, self.handle)
+
+    async def handle(self, peer_id: str, reader, writer, host: str = "") -> None:
+        try:
+            if self._running >= SERVE_AT_ONCE or self._per_peer[peer_id] >= SERVE_PER_PEER:
+                await protocol.write(writer, Error.of(WorkerBusy("serving as many peers as it takes; ask again")))
+                return
+            self._running += 1
+            self._per_peer[peer_id] += 1
+            try:
+                while True:
+                    try:
+                        request = await protocol.read(reader, GetPiece, timeout=STREAM_IDLE)
+                    except GpunetError:
+                        return  # the fetcher is done (EOF), stalled, or sent something else: either way, goodbye
+                    await self._serve(request, writer)
+            finally:
+                self._running -= 1
+                self._per_peer[peer_id] -= 1
+                if not self._per_peer[peer_id]:
+                    del self._per_peer[peer_id]
+        except (GpunetError, ConnectionError, OSError) as e:
+            logger.debug("serving pieces to %s stopped: %s", peer_id[-8:], e)
+        finally:
+            writer.close()
+
+    async def _serve(self, request: GetPiece, writer) -> None:
+        size = await asyncio.to_thread(self.disk.size, request.program)
+        if size is None:
+            await protocol.write(writer, Error.of(WorkerBusy("this program is on its way here; ask again")
+                                                  if self.coming(request.program) else
+                                                  ProgramNotCached(request.program)))
+            return
+        if request.piece_size != piece_size_for(size):
+            await protocol.write(writer, Error.of(JobRejected(f"pieces of this program are {piece_size_for(size)} "
+                                                              "bytes")))
+            return
+        start = request.index * request.piece_size
+        if start >= size:
+            await protocol.write(writer, Error.of(JobRejected(f"this program has no piece {request.index}")))
+            return
+        data = await asyncio.to_thread(self.disk.read_range, request.program, start, request.piece_size)
+        if data is None:  # evicted meanwhile
+            await protocol.write(writer, Error.of(ProgramNotCached(request.program)))
+            return
+        if self.corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        await self._pace(len(data))
+        await protocol.write(writer, PieceData(len(data)))
+        await protocol.write_payload(writer, data)
+        self.served += len(data)
+        metrics.PEER_BYTES_SERVED.inc(len(data))
+
+    async def _pace(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        now = self.clock()
+        start = max(now, self._next_free)
+        self._next_free = start + nbytes / self.rate
+        if start > now:
+            await asyncio.sleep(start - now)
+
+
+class PeerBans:
+    """Peers caught serving corrupted pieces, not asked again for a while."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self._until: LRU[str, float] = LRU(10_000)
+
+    def ban(self, peer_id: str) -> None:
+        self._until.put(peer_id, self.clock() + BAN_SECONDS)
+
+    def banned(self, peer_id: str) -> bool:
+        until = self._until.get(peer_id)
+        return until is not None and until > self.clock()
+
+
+class Fetcher:
+    """Fetches programs from peers for this worker (see the module docstring)."""
+
+    def __init__(self, rpc, own_id: str, bans: PeerBans | None = None):
+        self.rpc, self.own_id = rpc, own_id
+        self.bans = bans or PeerBans()
+        self.fetched = 0  # bytes, since start
+
+    async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[tuple[str, Sequence[str]]],
+                    timeout: float, coming: frozenset[str] = frozenset()) -> bytearray | None:
+        """The program's bytes, every piece checked; None if the peers could not deliver them within ``timeout``.
+        ``coming``: holders that are still receiving it from the client, waited for while they say so."""
+        peers = [(p, list(m)) for p, m in dict(holders).items() if p != self.own_id and not self.bans.banned(p)]
+        if not peers:
+            return None
+        run = _Fetch(self, program_hash, pieces, coming)
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(run.from_peer(peer, maddrs) for peer, maddrs in peers))
+        except TimeoutError:
+            pass
+        if run.missing:
+            logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
+                        len(pieces) - len(run.missing), len(pieces), program_hash[:12])
+            return None
+        logger.info("Fetched program %s (%d bytes) from %d peer(s)", program_hash[:12], pieces.size,
+                    len(run.sources))
+        return run.buffer
+
+
+class _Fetch:
+    """One program's fetch: which pieces are still missing, and who tried to pass off a wrong one."""
+
+    def __init__(self, fetcher: Fetcher, program_hash: str, pieces: PieceList, coming: frozenset[str]):
+        self.fetcher, self.program_hash, self.pieces, self.coming = fetcher, program_hash, pieces, coming
+        self.started = time.monotonic()
+        self.buffer = bytearray(pieces.size)
+        self.missing = set(range(len(pieces)))
+        self.todo = list(range(len(pieces)))
+        self.wrong: dict[int, set[str]] = {}
+        self.sources: set[str] = set()
+        self.changed = asyncio.Event()  # a piece arrived, or went back to be fetched by someone else
+
+    async def _next(self) -> int | None:
+        """The next piece to fetch; when none is left to hand out but some are still on their way from slower
+        peers, wait: one of those may fail and come back (no piece is left to a peer that gave up)."""
+        while self.missing:
+            while self.todo:
+                index = self.todo.pop(0)
+                if index in self.missing:
+                    return index
+            self.changed.clear()
+            await self.changed.wait()
+        return None
+
+    def _give_back(self, index: int) -> None:
+        self.todo.append(index)
+        self.changed.set()
+
+    async def from_peer(self, peer: str, maddrs: list[str]) -> None:
+        index = None
+        writer = None
+        try:
+            reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
+            while (index := await self._next()) is not None:
+                ok = await self._one(peer, reader, writer, index)
+                index = None
+                if not ok:
+                    return
+        except (GpunetError, ConnectionError, OSError) as e:
+            logger.debug("fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], e)
+        finally:
+            if index is not None:
+                self._give_back(index)  # someone else's to fetch
+            if writer is not None:
+                writer.close()
+
+    async def _one(self, peer: str, reader, writer, index: int) -> bool:
+        """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more."""
+        start, length = self.pieces.span(index)
+        while True:
+            await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size))
+            reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
+            if isinstance(reply, PieceData):
+                break
+            error = reply.exception()
+            if not isinstance(error, WorkerBusy):
+                raise error  # not cached (any more) there, or refused: ask the others
+            if peer not in self.coming and time.monotonic() - self.started > BUSY_PATIENCE:
+                raise error  # busy for too long, and the client never said it was sending it the program
+            await asyncio.sleep(NOT_YET_RETRY)  # it is still receiving the program, or serving others
+        if reply.size != length:
+            raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
+        data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))
+        if index not in self.missing:  # another peer delivered it meanwhile
+            return True
+        if not self.pieces.matches(index, data):
+            logger.warning("Peer %s served a corrupted piece %d of program %s; fetching it elsewhere", peer[-8:],
+                           index, self.program_hash[:12])
+            self.wrong.setdefault(index, set()).add(peer)
+            self._give_back(index)
+            return False
+        self.buffer[start:start + length] = data
+        self.missing.discard(index)
+        self.changed.set()
+        self.sources.add(peer)
+        self.fetcher.fetched += length
+        metrics.PEER_BYTES_FETCHED.inc(length)
+        for liar in self.wrong.pop(index, ()):  # this digest is right, so their piece was wrong
+            logger.warning("Banned peer %s for %.0f s: it served a corrupted piece of program %s", liar[-8:],
+                           BAN_SECONDS, self.program_hash[:12])
+            self.fetcher.bans.ban(liar)
+        return True

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Cold starts of a big program: from the client vs from peers, on a real local network, in one run.
+
+A program of about ``--gb`` GiB of fp32 weights (Linear layers, one input row: the run itself is short, so the time
+is the program's getting there and loading). In order:
+
+1. worker A, cold, gets it **from the client** (nobody holds it yet): the baseline;
+2. worker B joins; a job with redundancy 2 runs on A (warm) and B (cold): B fetches it **from one peer** (A);
+3. worker C joins; redundancy 3: C fetches it **from two peers** (A and B) in parallel.
+
+Each figure is the client's wall time for that job (a redundant job ends with its slowest replica, the cold one).
+Also printed: loopback TCP throughput for the same bytes in this process (the link's own ceiling), and the program
+bytes the client uploaded in all (target: exactly one copy). Targets: from a peer no slower than from the client;
+from two peers faster than from one. On one machine every link is loopback, so the second peer adds no bandwidth
+the first lacked: expect "two peers" to be about "one peer" here, and to win only where peers' uplinks are the limit.
+
+    python scripts/bench_weights.py [--gb 1.0] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import gpunet  # noqa: E402
+from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
+
+WIDTH = 4096
+
+
+def loopback_mb_per_s(nbytes: int) -> float:
+    """Raw TCP over 127.0.0.1 in this process: the ceiling for any transfer here."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def sink():
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv(1 << 20):
+                pass
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    block = bytes(1 << 20)
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        for _ in range(nbytes // len(block)):
+            c.sendall(block)
+    thread.join()
+    server.close()
+    return nbytes / (time.perf_counter() - t0) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="program size in GiB (default 1)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    layers = max(1, round(args.gb * 2**30 / (WIDTH * WIDTH * 4)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).eval()
+    x = torch.randn(1, WIDTH)
+    job = gpunet.Job.from_module(model, example_inputs=(x,))
+    size = len(job.program_bytes())
+    del model
+    figures: dict = {"program_bytes": size, "loopback_tcp_mb_s": round(loopback_mb_per_s(size), 1)}
+    with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights", heartbeat=2.0) as net:
+        net.start_bootstrap()
+        net.start_worker()
+        with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=Path(tmp) / "client") \
+                as client:
+            def timed(replicas: int) -> float:
+                wait_for(lambda: len(client.workers(refresh=True)) == replicas, 60, f"{replicas} workers known")
+                t0 = time.perf_counter()
+                client.submit(job, x, requirements=gpunet.Requirements(redundancy=replicas, timeout=1800)).result(
+                    timeout=1800)
+                return round(time.perf_counter() - t0, 2)
+
+            figures["from_client_s"] = timed(1)
+            net.start_worker()
+            figures["from_one_peer_s"] = timed(2)
+            net.start_worker()
+            figures["from_two_peers_s"] = timed(3)
+            figures["client_program_bytes_sent"] = client.program_bytes_sent
+    figures["client_uploads"] = round(figures["client_program_bytes_sent"] / size, 2)
+    figures["one_peer_vs_client"] = round(figures["from_one_peer_s"] / figures["from_client_s"], 2)
+    figures["two_peers_vs_one"] = round(figures["from_two_peers_s"] / figures["from_one_peer_s"], 2)
+    if args.json:
+        print(json.dumps(figures))
+        return
+    mb = size / 1e6
+    print(f"program: {mb:.0f} MB; loopback TCP in this process: {figures['loopback_tcp_mb_s']:.0f} MB/s")
+    print(f"cold start from the client:  {figures['from_client_s']:.2f} s  ({mb / figures['from_client_s']:.0f} MB/s)")
+    print(f"cold start from one peer:    {figures['from_one_peer_s']:.2f} s  "
+          f"({figures['one_peer_vs_client']:.2f}x the client's; target <= 1)")
+    print(f"cold start from two peers:   {figures['from_two_peers_s']:.2f} s  "
+          f"({figures['two_peers_vs_one']:.2f}x one peer's; target < 1 where peers' uplinks are the limit)")
+    print(f"client uploaded the program {figures['client_uploads']:g} time(s) (target: 1)")
+
+
+if __name__ == "__main__":
+    main()

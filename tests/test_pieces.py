@@ -1,0 +1,145 @@
+"""Pieces of programs between workers, without a network: the piece list, what a holder serves (and refuses), and a
+fetch that meets a lying peer. The serving door and the fetcher talk over in-memory streams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from gpunet import protocol
+from gpunet.errors import NetworkError
+from gpunet.pieces import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
+from gpunet.protocol import Door, Error, GetPiece, PieceData
+from gpunet.worker.cache import DiskCache
+from gpunet.worker.peers import Fetcher, PieceServer
+
+H = "ab" * 32
+
+
+def test_piece_sizes_keep_a_program_within_max_pieces():
+    assert piece_size_for(0) == piece_size_for(MIN_PIECE_BYTES * MAX_PIECES) == MIN_PIECE_BYTES
+    assert piece_size_for(MIN_PIECE_BYTES * MAX_PIECES + 1) == 2 * MIN_PIECE_BYTES
+    data = bytes(range(256)) * ((MIN_PIECE_BYTES * 2 + 1000) // 256)
+    pieces = PieceList.of(data)
+    assert len(pieces) == 3 and pieces.span(2) == (2 * MIN_PIECE_BYTES, len(data) - 2 * MIN_PIECE_BYTES)
+    assert pieces.matches(1, data[MIN_PIECE_BYTES:2 * MIN_PIECE_BYTES])
+    assert not pieces.matches(1, bytes([data[MIN_PIECE_BYTES] ^ 1]) + data[MIN_PIECE_BYTES + 1:2 * MIN_PIECE_BYTES])
+    with pytest.raises(ValueError):
+        PieceList(len(data), MIN_PIECE_BYTES, pieces.hashes[:-1])
+
+
+class _Pipe:
+    """A stream pair in memory: what one side writes, the other reads."""
+
+    def __init__(self):
+        self.reader = asyncio.StreamReader()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.reader.feed_data(bytes(data))
+
+    async def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.reader.feed_eof()
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+class _Network:
+    """``rpc.open`` for a fetcher: each peer id names a PieceServer, served over in-memory pipes."""
+
+    def __init__(self, servers: dict[str, PieceServer]):
+        self.servers = servers
+        self.tasks: list[asyncio.Task] = []
+
+    async def open(self, peer: str, door: Door, maddrs=()):
+        if peer not in self.servers:
+            raise NetworkError(f"cannot reach {peer}")
+        to_server, to_client = _Pipe(), _Pipe()
+        self.tasks.append(asyncio.ensure_future(self.servers[peer].handle("fetcher", to_server.reader, to_client)))
+        return to_client.reader, to_server
+
+
+def _holder(tmp_path, name: str, data: bytes | None, **kwargs) -> PieceServer:
+    disk = DiskCache(tmp_path / name, 1 << 30)
+    if data is not None:
+        disk.put(H, data)
+    return PieceServer(disk, **kwargs)
+
+
+def _program(n: int = 2 * MIN_PIECE_BYTES + 12345) -> bytes:
+    return hashlib.sha256(b"seed").digest() * (n // 32) + b"tail"
+
+
+async def _ask(server: PieceServer, *requests: GetPiece) -> list:
+    to_server, to_client = _Pipe(), _Pipe()
+    for request in requests:
+        to_server.write(protocol.encode_frame(request))
+    to_server.close()
+    await server.handle("peer", to_server.reader, to_client)
+    replies = []
+    for _ in requests:
+        reply = await protocol.read(to_client.reader, PieceData, Error, timeout=5)
+        if isinstance(reply, PieceData):
+            reply = await protocol.read_payload(to_client.reader, reply.size, reply.size, "piece", timeout=5)
+        replies.append(reply)
+    return replies
+
+
+def test_a_holder_serves_whole_pieces_of_what_it_holds_and_nothing_else(tmp_path):
+    data = _program()
+    server = _holder(tmp_path, "a", data)
+    pieces = PieceList.of(data)
+    got = asyncio.run(_ask(server, GetPiece(H, 2, pieces.piece_size), GetPiece(H, 3, pieces.piece_size),
+                           GetPiece(H, 0, MIN_PIECE_BYTES // 2), GetPiece("cd" * 32, 0, pieces.piece_size)))
+    assert bytes(got[0]) == data[2 * pieces.piece_size:]
+    assert "no piece 3" in got[1].message
+    assert "pieces of this program are" in got[2].message
+    assert got[3].code == "not_cached"
+    assert server.served == len(data) - 2 * pieces.piece_size
+
+
+def test_a_holder_still_receiving_the_program_says_busy_not_missing(tmp_path):
+    server = _holder(tmp_path, "a", None, coming=lambda h: h == H)
+    (reply,) = asyncio.run(_ask(server, GetPiece(H, 0, MIN_PIECE_BYTES)))
+    assert reply.code == "busy"
+
+
+def test_a_fetch_catches_the_liar_at_its_piece_bans_it_and_completes_from_the_honest_peer(tmp_path):
+    data = _program()
+    pieces = PieceList.of(data)
+    servers = {"liar": _holder(tmp_path, "l", data, corrupt=True), "honest": _holder(tmp_path, "h", data)}
+
+    async def main():
+        net = _Network(servers)
+        fetcher = Fetcher(net, own_id="me")
+        got = await fetcher.fetch(H, pieces, [("liar", []), ("honest", []), ("gone", [])], timeout=30)
+        await asyncio.gather(*net.tasks)
+        return fetcher, got
+
+    fetcher, got = asyncio.run(main())
+    assert bytes(got) == data and fetcher.fetched == len(data)
+    assert fetcher.bans.banned("liar") and not fetcher.bans.banned("honest")
+
+
+def test_a_fetch_bans_nobody_when_every_peer_disagrees_with_the_clients_list(tmp_path):
+    """A wrong piece list (the client's) must not get honest holders banned: no piece ever matches, so the fetch
+    gives up (the worker then asks the client) and nobody is blamed."""
+    data = _program()
+    wrong = PieceList(len(data), piece_size_for(len(data)), bytes(32) * len(PieceList.of(data)))
+    servers = {"a": _holder(tmp_path, "a", data), "b": _holder(tmp_path, "b", data)}
+
+    async def main():
+        fetcher = Fetcher(_Network(servers), own_id="me")
+        return fetcher, await fetcher.fetch(H, wrong, [("a", []), ("b", [])], timeout=30)
+
+    fetcher, got = asyncio.run(main())
+    assert got is None
+    assert not fetcher.bans.banned("a") and not fetcher.bans.banned("b")

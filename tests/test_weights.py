@@ -1,0 +1,75 @@
+"""Weights travel once: a worker that lacks a program fetches it from peers that hold it, each piece checked against
+the digest the client gave, so the client uploads a program once, not once per worker. Real workers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import gpunet
+from tests.swarm import wait_for
+
+
+def _big_model(seed: int = 0) -> torch.nn.Module:
+    """About 200 MB of fp32 weights (3 x 4096 x 4096), a cheap forward pass for one row."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(3))).eval()
+
+
+def _peer_bytes(swarm) -> dict[str, dict]:
+    return {w["id"]: w["peer_bytes"] for w in swarm.status()["workers"]}
+
+
+@pytest.mark.swarm
+def test_a_program_crosses_the_client_link_once_and_workers_fetch_it_from_each_other(swarm):
+    """One job with redundancy 3 on three cold workers: the client uploads the program to one; the other two fetch
+    it from that one (their records say so), and all three answers agree with the local result."""
+    workers = swarm.start_workers(3)
+    model = _big_model()
+    x = torch.randn(1, 4096)
+    job = gpunet.Job.from_module(model, example_inputs=(x,))
+    size = len(job.program_bytes())
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=swarm.root / "client") as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers known")
+        future = client.submit(job, x, requirements=gpunet.Requirements(redundancy=3, timeout=300))
+        y = future.result(timeout=300)
+        sent = client.program_bytes_sent
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
+    assert future.checked
+    assert sent == size, f"the client sent {sent} program bytes for a {size}-byte program"
+    ids = {swarm.worker_id(w) for w in workers}
+    peer_bytes = wait_for(lambda: (lambda b: b if sum(v["fetched"] for v in b.values()) == 2 * size else None)(
+        _peer_bytes(swarm)), 30, "two workers' records to say they fetched the program from a peer")
+    assert set(peer_bytes) == ids
+    assert sorted(v["fetched"] for v in peer_bytes.values()) == [0, size, size]
+    assert sum(v["served"] for v in peer_bytes.values()) == 2 * size
+
+
+@pytest.mark.swarm
+def test_a_peer_serving_a_corrupted_piece_is_caught_banned_and_the_fetch_completes_elsewhere(swarm):
+    """Two holders, one of which corrupts every piece it serves: a third, cold worker catches the bad piece, fetches
+    it from the honest holder, bans the liar, and runs the job right; the client still sent no extra copy."""
+    honest = swarm.start_worker()
+    liar = swarm.start_worker("--fault-corrupt-pieces")
+    model = _big_model(1)
+    x = torch.randn(1, 4096)
+    job = gpunet.Job.from_module(model, example_inputs=(x,))
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=swarm.root / "client") as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both holders known")
+        client.submit(job, x, requirements=gpunet.Requirements(redundancy=2, timeout=300)).result(timeout=300)
+        before = client.program_bytes_sent  # one copy, or two if the liar got the upload and fed the other
+        cold = swarm.start_worker()
+        wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "the third worker known")
+        y = client.submit(job, x, requirements=gpunet.Requirements(redundancy=3, timeout=300)).result(timeout=300)
+        assert client.program_bytes_sent == before, "the cold worker should have fetched the program from peers"
+    with torch.no_grad():
+        torch.testing.assert_close(y, model(x), rtol=1e-4, atol=1e-4)
+    liar_id = swarm.worker_id(liar)
+    cold.wait_for_line(rf"Peer {re.escape(liar_id[-8:])} served a corrupted piece", timeout=30)
+    cold.wait_for_line(rf"Banned peer {re.escape(liar_id[-8:])}", timeout=30)
+    assert swarm.worker_id(honest) != liar_id
