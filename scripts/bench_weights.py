@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import sys
 import tempfile
@@ -92,6 +93,12 @@ def main() -> None:
             net.start_worker()
             figures["from_two_peers_s"] = timed(3)
             figures["client_program_bytes_sent"] = client.program_bytes_sent
+        # The fetch alone, as each cold worker logged it (the rest of a cold start is the same either way: the job's
+        # own set-up, then checking and loading the program).
+        for name, proc in zip(("one_peer", "two_peers"), net.workers[1:]):
+            found = re.search(r"Fetched program \S+ \(\d+ bytes\) from (\d) peer\(s\) in ([\d.]+) s", proc.output)
+            figures[f"fetch_{name}_s"] = float(found.group(2)) if found else None
+            figures[f"fetch_{name}_sources"] = int(found.group(1)) if found else 0
     figures["client_uploads"] = round(figures["client_program_bytes_sent"] / size, 2)
     figures["one_peer_vs_client"] = round(figures["from_one_peer_s"] / figures["from_client_s"], 2)
     figures["two_peers_vs_one"] = round(figures["from_two_peers_s"] / figures["from_one_peer_s"], 2)
@@ -105,6 +112,10 @@ def main() -> None:
           f"({figures['one_peer_vs_client']:.2f}x the client's; target <= 1)")
     print(f"cold start from two peers:   {figures['from_two_peers_s']:.2f} s  "
           f"({figures['two_peers_vs_one']:.2f}x one peer's; target < 1 where peers' uplinks are the limit)")
+    for name in ("one_peer", "two_peers"):
+        if figures[f"fetch_{name}_s"] is not None:
+            print(f"  the fetch itself ({name.replace('_', ' ')}): {figures[f'fetch_{name}_s']:.2f} s from "
+                  f"{figures[f'fetch_{name}_sources']} peer(s) ({mb / figures[f'fetch_{name}_s']:.0f} MB/s)")
     print(f"client uploaded the program {figures['client_uploads']:g} time(s) (target: 1)")
 
 

@@ -116,7 +116,7 @@ class P2PTransport:
         # program -> the workers this client is sending it to now (id -> addresses): holders-to-be, which a worker
         # that also lacks it may fetch it from once they have it
         self._receiving: dict[str, dict[str, tuple[str, ...]]] = {}
-        self._piece_lists: LRU[str, PieceList] = LRU(32)
+        self._piece_lists: LRU[str, asyncio.Future] = LRU(32)  # program -> its PieceList, being hashed or done
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
 
     @classmethod
@@ -270,10 +270,7 @@ class P2PTransport:
         holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
         sent = 0
         if holders:
-            pieces = self._piece_lists.get(request.program_hash)
-            if pieces is None:
-                pieces = await asyncio.to_thread(PieceList.of, request.program)
-                self._piece_lists.put(request.program_hash, pieces)
+            pieces = await asyncio.shield(self._piece_list(request))  # a job cancelled here leaves it to others
             coming = frozenset(self._receiving.get(request.program_hash, ())) & {peer for peer, _ in holders}
             await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming))
             await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
@@ -283,6 +280,7 @@ class P2PTransport:
                 # job ends (run_stream): by then it serves the program from its disk.
                 self._receiving.setdefault(request.program_hash, {})[worker_id] = tuple(maddrs)[
                     :protocol.MAX_HOLDER_MADDRS]
+                self._piece_list(request)  # hashed meanwhile: the next worker to lack it will ask for the list
             await protocol.write(writer, Payload(len(request.program) if ask.program else None,
                                                  len(request.inputs) if ask.inputs else None))
             if ask.program:
@@ -295,6 +293,15 @@ class P2PTransport:
             await protocol.write_payload(writer, request.inputs)
             sent += len(request.inputs)
         return sent
+
+    def _piece_list(self, request: JobRequest) -> asyncio.Future:
+        """The program's piece list, hashed once in a thread (a second of work per GB)."""
+        found = self._piece_lists.get(request.program_hash)
+        if found is None:
+            found = asyncio.ensure_future(asyncio.to_thread(PieceList.of, request.program))
+            found.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, even if nobody awaits it
+            self._piece_lists.put(request.program_hash, found)
+        return found
 
     def _holders(self, worker_id: str, request: JobRequest) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Who a worker may fetch this program from: those routing knows hold it, then those this client is

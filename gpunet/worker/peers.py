@@ -154,15 +154,19 @@ class Fetcher:
         run = _Fetch(self, program_hash, pieces, coming)
         try:
             async with asyncio.timeout(timeout):
-                await asyncio.gather(*(run.from_peer(peer, maddrs) for peer, maddrs in peers))
+                # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
+                # overlap the other's transfer.
+                await asyncio.gather(*(run.from_peer(peer, maddrs) for peer, maddrs in peers
+                                       for _ in range(SERVE_PER_PEER)))
         except TimeoutError:
             pass
         if run.missing:
             logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
             return None
-        logger.info("Fetched program %s (%d bytes) from %d peer(s)", program_hash[:12], pieces.size,
-                    len(run.sources))
+        seconds = time.monotonic() - run.started
+        logger.info("Fetched program %s (%d bytes) from %d peer(s) in %.2f s (%.0f MB/s)", program_hash[:12],
+                    pieces.size, len(run.sources), seconds, pieces.size / max(seconds, 1e-9) / 1e6)
         return run.buffer
 
 
@@ -232,7 +236,7 @@ class _Fetch:
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))
         if index not in self.missing:  # another peer delivered it meanwhile
             return True
-        if not self.pieces.matches(index, data):
+        if not await asyncio.to_thread(self.pieces.matches, index, data):  # overlaps the other stream's transfer
             logger.warning("Peer %s served a corrupted piece %d of program %s; fetching it elsewhere", peer[-8:],
                            index, self.program_hash[:12])
             self.wrong.setdefault(index, set()).add(peer)
