@@ -50,6 +50,30 @@ def test_a_cached_program_saves_the_transfer():
     assert r.choose(Requirements(), big).id == "warm"
 
 
+def test_a_program_a_peer_holds_costs_a_cold_worker_less_than_our_upload_unless_private():
+    big = JobShape(flops=512, program_hash=PROGRAM, input_bytes=1024, program_bytes=2 * 10**9, dtype="fp32")
+    r = router(worker("cold"), worker("holder", programs=[PROGRAM]))
+    r.bandwidth = 10e6  # our uplink: slow; workers fetch from each other at peer_bandwidth
+    cold = r.workers["cold"]
+    from_peer = r.expected_seconds(cold, big)
+    assert from_peer == pytest.approx(big.program_bytes / r.config.peer_bandwidth, rel=0.01)
+    private = JobShape(**{**big.__dict__, "private": True})
+    assert r.expected_seconds(cold, private) == pytest.approx(big.program_bytes / 10e6, rel=0.01)
+    assert [h.id for h in r.holders(PROGRAM, exclude="cold")] == ["holder"]
+
+
+def test_each_workers_own_link_is_priced_in():
+    """A worker behind a relay (or far away) is slower to send to: routing learns that link's bandwidth, not only a
+    global one, and weighs it for jobs with big inputs, without banning the worker for it."""
+    bulky = JobShape(flops=512, program_hash=PROGRAM, input_bytes=64 << 20, program_bytes=10_000, dtype="fp32")
+    r = router(worker("near", programs=[PROGRAM]), worker("relayed", programs=[PROGRAM]))
+    r.on_success("near", bulky, 0.7, 64 << 20, 0.6)  # ~110 MB/s
+    r.on_success("relayed", bulky, 6.1, 64 << 20, 6.0)  # ~11 MB/s
+    assert r.expected_seconds(r.workers["relayed"], bulky) > 5 * r.expected_seconds(r.workers["near"], bulky)
+    assert r.choose(Requirements(), bulky).id == "near"
+    assert r.choose(Requirements(), TINY).id in {"near", "relayed"}  # small jobs: both fine
+
+
 def test_load_spreads_over_idle_workers():
     r = router(worker("a"), worker("b"), worker("c"))
     chosen = []

@@ -148,6 +148,7 @@ class Router:
     bandwidth: float = 0.0
     _seconds_per_flop: dict[str, float] = field(default_factory=dict)  # observed, per worker
     _overhead: dict[str, float] = field(default_factory=dict)  # observed seconds a job costs beyond its FLOPs
+    _bandwidth: dict[str, float] = field(default_factory=dict)  # observed bytes/s to each worker (the global one: prior)
     _measured_at: dict[str, float] = field(default_factory=dict)  # monotonic time of a worker's last sample
     #: Why each worker was left out the last time it was considered (not for per-job reasons such as "already failed
     #: this job", nor a moment's "busy"): the client says so once, so a skipped worker is never skipped silently.
@@ -262,7 +263,7 @@ class Router:
         cached = self.holds_program(entry, job.program_hash)
         from_peer = not cached and not job.private and bool(self.holders(job.program_hash, exclude=entry.id))
         sent = job.input_bytes + (0 if cached or from_peer else job.program_bytes)
-        transfer = sent / (self.bandwidth or self.config.default_bandwidth)
+        transfer = sent / (self._bandwidth.get(entry.id) or self.bandwidth or self.config.default_bandwidth)
         if from_peer:
             transfer += job.program_bytes / self.config.peer_bandwidth
         overhead = None if stale else self._overhead.get(entry.id)
@@ -337,6 +338,7 @@ class Router:
         if bytes_sent > 1 << 20 and transfer_seconds > 0:
             measured = bytes_sent / transfer_seconds
             self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
+            _ema(self._bandwidth, worker_id, measured, a)  # a relayed or far worker's own, slower, link
         if cold:
             return
         entry = self.workers.get(worker_id)
