@@ -47,6 +47,11 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None, *, writable: boo
 MAX_PRICE = 1e4
 
 
+#: The lowest cap on serving programs to peers: each of a worker's 4 serving streams must stay above the 1 MiB/s a
+#: fetcher holds a stream to (gpunet.protocol.MIN_PAYLOAD_RATE).
+MIN_PEER_UPLOAD_MBPS = 5.0
+
+
 @dataclass
 class WorkerConfig:
     """Everything ``gpunet worker`` can be told."""
@@ -75,5 +80,8 @@ class WorkerConfig:
     fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
 
     def __post_init__(self):
+        if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
+            raise ConfigError(f"--peer-upload-mbps must be 0 (no cap) or at least {MIN_PEER_UPLOAD_MBPS} MB/s: a peer "
+                              "fetching from this worker gives up on a stream slower than about 1 MB/s")
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):
             raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per TFLOP, not {self.price!r}")

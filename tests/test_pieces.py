@@ -9,13 +9,15 @@ import hashlib
 import pytest
 
 from gpunet import protocol
-from gpunet.errors import NetworkError
+from gpunet.errors import NetworkError, ProtocolError
+from gpunet.job.format import ProgramParts
 from gpunet.pieces import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.worker.cache import DiskCache
 from gpunet.worker.peers import Fetcher, PieceServer
 
-H = "ab" * 32
+H = ProgramParts(b'{"m":1}', b"{}", hashlib.sha256(b"seed").digest() * ((2 * MIN_PIECE_BYTES + 12345) // 32)
+                 + b"tail").hash
 
 
 def test_piece_sizes_keep_a_program_within_max_pieces():
@@ -75,7 +77,10 @@ def _holder(tmp_path, name: str, data: bytes | None, **kwargs) -> PieceServer:
 
 
 def _program(n: int = 2 * MIN_PIECE_BYTES + 12345) -> bytes:
-    return hashlib.sha256(b"seed").digest() * (n // 32) + b"tail"
+    """A real container (its hash is H's): a fetch checks the whole against the program hash."""
+    data = ProgramParts(b'{"m":1}', b"{}", hashlib.sha256(b"seed").digest() * (n // 32) + b"tail").to_bytes()
+    assert ProgramParts.from_bytes(data).hash == H
+    return data
 
 
 async def _ask(server: PieceServer, *requests: GetPiece) -> list:
@@ -86,7 +91,10 @@ async def _ask(server: PieceServer, *requests: GetPiece) -> list:
     await server.handle("peer", to_server.reader, to_client)
     replies = []
     for _ in requests:
-        reply = await protocol.read(to_client.reader, PieceData, Error, timeout=5)
+        try:
+            reply = await protocol.read(to_client.reader, PieceData, Error, timeout=5)
+        except ProtocolError:  # the holder ended the stream
+            break
         if isinstance(reply, PieceData):
             reply = await protocol.read_payload(to_client.reader, reply.size, reply.size, "piece", timeout=5)
         replies.append(reply)
@@ -100,10 +108,13 @@ def test_a_holder_serves_whole_pieces_of_what_it_holds_and_nothing_else(tmp_path
     got = asyncio.run(_ask(server, GetPiece(H, 2, pieces.piece_size), GetPiece(H, 3, pieces.piece_size),
                            GetPiece(H, 0, MIN_PIECE_BYTES // 2), GetPiece("cd" * 32, 0, pieces.piece_size)))
     assert bytes(got[0]) == data[2 * pieces.piece_size:]
-    assert "no piece 3" in got[1].message
-    assert "pieces of this program are" in got[2].message
-    assert got[3].code == "not_cached"
+    assert "no such piece" in got[1].message  # and the stream ends: a slot is for fetching
+    assert got[2:] == []
     assert server.served == len(data) - 2 * pieces.piece_size
+    (wrong_size,) = asyncio.run(_ask(server, GetPiece(H, 0, MIN_PIECE_BYTES // 2)))
+    assert "no such piece" in wrong_size.message
+    (other,) = asyncio.run(_ask(server, GetPiece("cd" * 32, 0, pieces.piece_size)))
+    assert other.code == "not_cached"
 
 
 def test_a_holder_still_receiving_the_program_says_busy_not_missing(tmp_path):
@@ -143,3 +154,34 @@ def test_a_fetch_bans_nobody_when_every_peer_disagrees_with_the_clients_list(tmp
     fetcher, got = asyncio.run(main())
     assert got is None
     assert not fetcher.bans.banned("a") and not fetcher.bans.banned("b")
+
+
+def test_an_accomplice_of_a_lying_client_cannot_get_honest_holders_banned(tmp_path):
+    """The client's list matches its accomplice's fake bytes, so the honest holders' pieces look wrong; but the
+    assembled program does not hash to the program's hash, so nobody is banned and the fetch gives up."""
+    data = _program()
+    fake = bytes(len(data))
+    servers = {"honest": _holder(tmp_path, "h", data), "accomplice": _holder(tmp_path, "a", fake)}
+
+    async def main():
+        fetcher = Fetcher(_Network(servers), own_id="me")
+        return fetcher, await fetcher.fetch(H, PieceList.of(fake), [("honest", []), ("accomplice", [])], timeout=30)
+
+    fetcher, got = asyncio.run(main())
+    assert got is None
+    assert not fetcher.bans.banned("honest") and not fetcher.bans.banned("accomplice")
+
+
+def test_a_program_has_one_byte_form_so_holders_of_it_serve_the_same_pieces():
+    import msgpack
+
+    from gpunet.errors import JobRejected
+
+    parts = ProgramParts(b'{"m":1}', b"{}", b"w" * 300)
+    assert ProgramParts.from_bytes(parts.to_bytes()).hash == parts.hash
+    reordered = msgpack.packb({"weights": parts.weights, "gpunet_program": 1, "manifest": parts.manifest,
+                               "graph": parts.graph}, use_bin_type=True)
+    longer = parts.to_bytes().replace(b"\xa7weights\xc5\x01\x2c", b"\xa7weights\xc6\x00\x00\x01\x2c")
+    for other in (reordered, longer):
+        with pytest.raises(JobRejected, match="not in the form gpunet writes"):
+            ProgramParts.from_bytes(other)

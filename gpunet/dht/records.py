@@ -33,6 +33,8 @@ MAX_RECORD_BYTES = 4 * 1024
 MAX_UNKNOWN_FIELD_BYTES = 512
 MAX_CACHED_PROGRAMS = 16
 MAX_ADVERTISED_MADDRS = 6
+#: The longest address a record carries (a relayed IPv6 one is about 180); what fits the record cap with the rest.
+MAX_MADDR_CHARS = 240
 
 _Name = Annotated[str, Field(max_length=64)]
 _NonNegInt = Annotated[int, Field(ge=0)]
@@ -96,7 +98,8 @@ class WorkerRecord(_WireModel):
     programs: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
                                                                           max_length=MAX_CACHED_PROGRAMS)
     name: _Name | None = None
-    maddrs: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list, max_length=MAX_ADVERTISED_MADDRS)
+    maddrs: list[Annotated[str, Field(max_length=MAX_MADDR_CHARS)]] = Field(default_factory=list,
+                                                                           max_length=MAX_ADVERTISED_MADDRS)
     ledger_count: _NonNegInt = 0
     ledger_head: Annotated[str, Field(max_length=64)] | None = None
     credits_earned: _NonNegFloat = 0.0

@@ -225,9 +225,23 @@ class ProgramParts:
         parts = [obj.get(k) for k in ("manifest", "graph", "weights")]
         _expect(all(isinstance(p, memoryview) for p in parts), "program container needs manifest, graph and weights as bytes")
         manifest, graph, weights = parts
+        # One program, one byte form: peers serve a program's container bytes piece by piece against digests of
+        # the form gpunet writes, so a re-encoded copy (other key order, longer headers) would read as corrupted.
+        _expect(list(obj) == _FIELDS and n == _canonical_size(p.nbytes for p in parts),
+                "program container is not in the form gpunet writes (re-encode it with gpunet.Job)")
         _expect(manifest.nbytes <= MAX_MANIFEST_BYTES, f"manifest is over {human_bytes(MAX_MANIFEST_BYTES)}")
         _expect(graph.nbytes <= MAX_GRAPH_BYTES, f"graph is over {human_bytes(MAX_GRAPH_BYTES)}")
         return cls(bytes(manifest), bytes(graph), weights)
+
+
+_FIELDS = ["gpunet_program", "manifest", "graph", "weights"]
+
+
+def _canonical_size(sizes) -> int:
+    """The container's size as msgpack writes it: a fixmap, short keys, the version as a fixint, and each part with
+    the shortest bin header for its length."""
+    return 1 + sum(1 + len(k) for k in _FIELDS) + 1 + sum(
+        n + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) for n in sizes)
 
 
 _UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}

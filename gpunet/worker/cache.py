@@ -86,9 +86,13 @@ class DiskCache:
     def read_range(self, program_hash: str, start: int, length: int) -> bytes | None:
         """``length`` bytes of a cached program from ``start`` (fewer at its end): for serving a piece to a peer."""
         try:
-            with open(self._path(program_hash), "rb") as f:
+            path = self._path(program_hash)
+            with open(path, "rb") as f:
                 f.seek(start)
-                return f.read(length)
+                data = f.read(length)
+            if start == 0:
+                os.utime(path)  # being served: recently used (once per fetch, not per piece)
+            return data
         except (FileNotFoundError, JobRejected):
             return None
 

@@ -27,19 +27,23 @@ from gpunet.pieces import PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.utils import LRU
 from gpunet.worker import metrics
+from gpunet.worker.uploads import content_hash
 
 logger = logging.getLogger(__name__)
 
 SERVE_AT_ONCE = 4
-SERVE_PER_PEER = 2
-#: A serving stream with no request for this long is closed.
+SERVE_PER_PEER = 2  # streams, per peer identity and per network address (identities are free)
+#: A serving stream with no request for this long is closed, and none lives longer than STREAM_LIFETIME.
 STREAM_IDLE = 30.0
+STREAM_LIFETIME = 600.0
 #: How often a holder that does not have the program yet (it is still receiving it) is asked again, and for how long
 #: one is waited for that the client did not say it is sending the program to (anyone may claim to hold anything).
 NOT_YET_RETRY = 0.5
 BUSY_PATIENCE = 10.0
 #: How long a peer that served a corrupted piece is not asked again.
 BAN_SECONDS = 3600.0
+#: Bytes written between two waits of the upload cap: the fetcher sees steady progress, never one long pause.
+PACE_CHUNK = 256 * 1024
 
 
 class PieceServer:
@@ -54,62 +58,68 @@ class PieceServer:
         self.corrupt = corrupt  # FAULT INJECTION (tests): one byte of every piece served is wrong
         self.served = 0  # bytes, since start
         self._running = 0
-        self._per_peer: Counter[str] = Counter()
+        self._streams: Counter[str] = Counter()  # per peer id and per host
         self._next_free = 0.0  # rate limit: when the bytes sent so far have "drained" at ``rate``
 
     async def start(self, rpc) -> None:
         await rpc.serve_stream(Door.PIECE, self.handle)
 
     async def handle(self, peer_id: str, reader, writer, host: str = "") -> None:
+        keys = [f"id:{peer_id}"] + ([f"host:{host}"] if host else [])
         try:
-            if self._running >= SERVE_AT_ONCE or self._per_peer[peer_id] >= SERVE_PER_PEER:
+            if self._running >= SERVE_AT_ONCE or any(self._streams[k] >= SERVE_PER_PEER for k in keys):
                 await protocol.write(writer, Error.of(WorkerBusy("serving as many peers as it takes; ask again")))
                 return
             self._running += 1
-            self._per_peer[peer_id] += 1
+            self._streams.update(keys)
             try:
-                while True:
-                    try:
-                        request = await protocol.read(reader, GetPiece, timeout=STREAM_IDLE)
-                    except GpunetError:
-                        return  # the fetcher is done (EOF), stalled, or sent something else: either way, goodbye
-                    await self._serve(request, writer)
+                async with asyncio.timeout(STREAM_LIFETIME):
+                    while True:
+                        try:
+                            request = await protocol.read(reader, GetPiece, timeout=STREAM_IDLE)
+                        except GpunetError:
+                            return  # the fetcher is done (EOF), stalled, or sent something else: goodbye
+                        if not await self._serve(request, writer):
+                            return  # after a refusal the stream ends: a slot is for fetching, not for asking
             finally:
                 self._running -= 1
-                self._per_peer[peer_id] -= 1
-                if not self._per_peer[peer_id]:
-                    del self._per_peer[peer_id]
-        except (GpunetError, ConnectionError, OSError) as e:
+                self._streams.subtract(keys)
+                for k in keys:
+                    if self._streams[k] <= 0:
+                        del self._streams[k]
+        except (GpunetError, ConnectionError, OSError, TimeoutError) as e:
             logger.debug("serving pieces to %s stopped: %s", peer_id[-8:], e)
         finally:
             writer.close()
 
-    async def _serve(self, request: GetPiece, writer) -> None:
+    async def _serve(self, request: GetPiece, writer) -> bool:
+        """Serve one piece; False (after saying why) when it cannot."""
         size = await asyncio.to_thread(self.disk.size, request.program)
+        refusal = None
         if size is None:
-            await protocol.write(writer, Error.of(WorkerBusy("this program is on its way here; ask again")
-                                                  if self.coming(request.program) else
-                                                  ProgramNotCached(request.program)))
-            return
-        if request.piece_size != piece_size_for(size):
-            await protocol.write(writer, Error.of(JobRejected(f"pieces of this program are {piece_size_for(size)} "
-                                                              "bytes")))
-            return
-        start = request.index * request.piece_size
-        if start >= size:
-            await protocol.write(writer, Error.of(JobRejected(f"this program has no piece {request.index}")))
-            return
-        data = await asyncio.to_thread(self.disk.read_range, request.program, start, request.piece_size)
-        if data is None:  # evicted meanwhile
-            await protocol.write(writer, Error.of(ProgramNotCached(request.program)))
-            return
+            refusal = (WorkerBusy("this program is on its way here; ask again") if self.coming(request.program) else
+                       ProgramNotCached(request.program))
+        elif request.piece_size != piece_size_for(size) or request.index * request.piece_size >= size:
+            refusal = JobRejected("no such piece of this program")  # says nothing of its size
+        data = None if refusal else await asyncio.to_thread(self.disk.read_range, request.program,
+                                                             request.index * request.piece_size, request.piece_size)
+        if refusal is None and data is None:  # evicted meanwhile
+            refusal = ProgramNotCached(request.program)
+        if refusal is not None:
+            await protocol.write(writer, Error.of(refusal))
+            return False
         if self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        await self._pace(len(data))
         await protocol.write(writer, PieceData(len(data)))
-        await protocol.write_payload(writer, data)
+        view = memoryview(data)
+        async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
+            for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
+                chunk = view[start:start + PACE_CHUNK]
+                await self._pace(len(chunk))
+                await protocol.write_payload(writer, chunk)
         self.served += len(data)
         metrics.PEER_BYTES_SERVED.inc(len(data))
+        return True
 
     async def _pace(self, nbytes: int) -> None:
         if not self.rate:
@@ -146,28 +156,46 @@ class Fetcher:
 
     async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[tuple[str, Sequence[str]]],
                     timeout: float, coming: frozenset[str] = frozenset()) -> bytearray | None:
-        """The program's bytes, every piece checked; None if the peers could not deliver them within ``timeout``.
-        ``coming``: holders that are still receiving it from the client, waited for while they say so."""
+        """The program's bytes, every piece and then the whole checked against ``program_hash``; None if the peers
+        could not deliver them within ``timeout``. ``coming``: holders that are still receiving it from the client,
+        waited for while they say so. Peers caught serving a wrong piece are banned only once the whole program is
+        proven right (so neither a client's wrong list nor an accomplice of it can get honest holders banned)."""
         peers = [(p, list(m)) for p, m in dict(holders).items() if p != self.own_id and not self.bans.banned(p)]
         if not peers:
             return None
         run = _Fetch(self, program_hash, pieces, coming)
+        # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read overlap
+        # the other's transfer.
+        tasks = [asyncio.ensure_future(run.from_peer(peer, maddrs)) for peer, maddrs in peers
+                 for _ in range(SERVE_PER_PEER)]
         try:
-            async with asyncio.timeout(timeout):
-                # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
-                # overlap the other's transfer.
-                await asyncio.gather(*(run.from_peer(peer, maddrs) for peer, maddrs in peers
-                                       for _ in range(SERVE_PER_PEER)))
-        except TimeoutError:
-            pass
+            await asyncio.wait(tasks, timeout=timeout)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         if run.missing:
             logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
             return None
+        if await asyncio.to_thread(content_hash, run.buffer) != program_hash:
+            logger.warning("Program %s assembled from peers does not match its hash (the client's piece list and "
+                           "the peers agree on other bytes); asking the client for it", program_hash[:12])
+            return None
+        for liar in run.convicted:
+            logger.warning("Banned peer %s for %.0f s: it served a corrupted piece of program %s", liar[-8:],
+                           BAN_SECONDS, program_hash[:12])
+            self.bans.ban(liar)
         seconds = time.monotonic() - run.started
         logger.info("Fetched program %s (%d bytes) from %d peer(s) in %.2f s (%.0f MB/s)", program_hash[:12],
                     pieces.size, len(run.sources), seconds, pieces.size / max(seconds, 1e-9) / 1e6)
+        self.fetched += pieces.size
+        metrics.PEER_BYTES_FETCHED.inc(pieces.size)
         return run.buffer
+
+
+class _Busy(Exception):
+    """The peer cannot serve this piece yet (still receiving the program) or now (serving others)."""
 
 
 class _Fetch:
@@ -180,6 +208,7 @@ class _Fetch:
         self.missing = set(range(len(pieces)))
         self.todo = list(range(len(pieces)))
         self.wrong: dict[int, set[str]] = {}
+        self.convicted: set[str] = set()  # sent a piece another peer's matching copy proved wrong
         self.sources: set[str] = set()
         self.changed = asyncio.Event()  # a piece arrived, or went back to be fetched by someone else
 
@@ -200,17 +229,31 @@ class _Fetch:
         self.changed.set()
 
     async def from_peer(self, peer: str, maddrs: list[str]) -> None:
-        index = None
-        writer = None
+        """Fetch pieces from ``peer`` until none is missing or it fails; a busy peer is asked again later (a stream
+        it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for."""
+        index = writer = None
         try:
-            reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
-            while (index := await self._next()) is not None:
-                ok = await self._one(peer, reader, writer, index)
-                index = None
-                if not ok:
+            while self.missing:
+                reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
+                try:
+                    while (index := await self._next()) is not None:
+                        ok = await self._one(peer, reader, writer, index)
+                        index = None
+                        if not ok:
+                            return
                     return
-        except (GpunetError, ConnectionError, OSError) as e:
-            logger.debug("fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], e)
+                except _Busy:
+                    self._give_back(index)
+                    index = None
+                    writer.close()
+                    writer = None
+                    if peer not in self.coming and time.monotonic() - self.started > BUSY_PATIENCE:
+                        return  # busy for too long, and the client never said it was sending it the program
+                    await asyncio.sleep(NOT_YET_RETRY)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # whatever a broken peer (or a bad address a client named) makes us trip on
+            logger.debug("fetching pieces of %s from %s stopped: %r", self.program_hash[:12], peer[-8:], e)
         finally:
             if index is not None:
                 self._give_back(index)  # someone else's to fetch
@@ -220,17 +263,13 @@ class _Fetch:
     async def _one(self, peer: str, reader, writer, index: int) -> bool:
         """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more."""
         start, length = self.pieces.span(index)
-        while True:
-            await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size))
-            reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
-            if isinstance(reply, PieceData):
-                break
+        await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size))
+        reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
+        if isinstance(reply, Error):
             error = reply.exception()
-            if not isinstance(error, WorkerBusy):
-                raise error  # not cached (any more) there, or refused: ask the others
-            if peer not in self.coming and time.monotonic() - self.started > BUSY_PATIENCE:
-                raise error  # busy for too long, and the client never said it was sending it the program
-            await asyncio.sleep(NOT_YET_RETRY)  # it is still receiving the program, or serving others
+            if isinstance(error, WorkerBusy):
+                raise _Busy()
+            raise error  # not cached (any more) there, or refused: ask the others
         if reply.size != length:
             raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))
@@ -244,12 +283,7 @@ class _Fetch:
             return False
         self.buffer[start:start + length] = data
         self.missing.discard(index)
-        self.changed.set()
         self.sources.add(peer)
-        self.fetcher.fetched += length
-        metrics.PEER_BYTES_FETCHED.inc(length)
-        for liar in self.wrong.pop(index, ()):  # this digest is right, so their piece was wrong
-            logger.warning("Banned peer %s for %.0f s: it served a corrupted piece of program %s", liar[-8:],
-                           BAN_SECONDS, self.program_hash[:12])
-            self.fetcher.bans.ban(liar)
+        self.convicted |= self.wrong.pop(index, set())  # this digest is matched, so their copy was wrong
+        self.changed.set()
         return True

@@ -21,16 +21,21 @@ from hivemind.utils import get_dht_time
 from gpunet import readyfile
 from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
-from gpunet.dht import network, registry
-from gpunet.dht.records import MAX_ADVERTISED_MADDRS, MAX_CACHED_PROGRAMS, WorkerRecord, WorkerState
+from gpunet.dht import network, reachability, registry
+from gpunet.dht.records import (
+    MAX_ADVERTISED_MADDRS,
+    MAX_CACHED_PROGRAMS,
+    MAX_MADDR_CHARS,
+    WorkerRecord,
+    WorkerState,
+)
 from gpunet.errors import NetworkError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import NANO, price_to_nano
 from gpunet.ledger.store import open_ledger
+from gpunet.rpc import quiet_lost_daemon
 from gpunet.utils import new_event_loop
 from gpunet.worker import hardware as hw
-from gpunet.dht import reachability
-from gpunet.rpc import quiet_lost_daemon
 from gpunet.worker import metrics, throughput
 
 logger = logging.getLogger("gpunet.worker")
@@ -97,7 +102,7 @@ class Worker:
             updated_at=time.time(),
             programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
             name=self.config.public_name,
-            maddrs=self.maddrs[:MAX_ADVERTISED_MADDRS],
+            maddrs=[m for m in self.maddrs if len(m) <= MAX_MADDR_CHARS][:MAX_ADVERTISED_MADDRS],
             reachability=self.reachability,
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,

@@ -642,8 +642,19 @@ class _StreamPayloads:
     async def _from_peers(self, submit: Submit, pieces: Pieces) -> bytes | bytearray:
         """The program from the peers the client named (every piece checked; the executor checks the whole against
         its hash as it loads it, as for any program), else from the client after all."""
-        fetched = await self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders, submit.timeout,
-                                           coming=pieces.coming)
+        # At most half the job's time (the client then still has the rest to send it), and no longer than the client
+        # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
+        fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders,
+                                                         submit.timeout / 2, coming=pieces.coming))
+        gone = asyncio.ensure_future(self.reader.read(1))
+        try:
+            await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (fetch, gone):
+                task.cancel()
+        if not fetch.done() or fetch.cancelled():
+            raise ProtocolError("the client hung up while the program was being fetched from peers")
+        fetched = fetch.result()
         if fetched is not None:
             return fetched  # a bytearray, not copied: the executor takes any bytes-like program
         await protocol.write(self.writer, Send(True, False))
