@@ -87,8 +87,9 @@ def test_shared_dimension_must_agree_across_inputs():
 
 
 def test_modules_that_cannot_be_carried_are_refused_on_the_client():
-    with pytest.raises(UnsupportedProgram):
-        Job.from_function(lambda x: {"y": x}, (torch.randn(2),))
+    assert list(Job.from_function(lambda x: {"y": x}, (torch.randn(2),)).run_locally(torch.randn(2))) == ["y"]
+    with pytest.raises(UnsupportedProgram, match="string keys"):  # a dict output is fine; its keys must be text
+        Job.from_function(lambda x: {0: x}, (torch.randn(2),))
     with pytest.raises(UnsupportedProgram):
         Job.from_function(lambda x: x, (3,))
     assert issubclass(UnsupportedProgram, ValueError)

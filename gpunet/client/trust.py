@@ -75,7 +75,10 @@ NORM_TOLERANCES: dict[torch.dtype, float] = {torch.float16: 4e-3, torch.bfloat16
 
 
 def _as_tuple(outputs) -> tuple[torch.Tensor, ...]:
-    return outputs if isinstance(outputs, tuple) else (outputs,)
+    """A result's tensors in order, however they nest (a tensor, a tuple, dicts or ModelOutputs)."""
+    from torch.utils._pytree import tree_leaves
+
+    return tuple(tree_leaves(outputs))
 
 
 def max_difference(a, b) -> float:

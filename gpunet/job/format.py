@@ -84,6 +84,9 @@ class Manifest:
     dims: dict[str, DimRange]
     limits: JobLimits = field(default_factory=JobLimits)
     format_version: int = FORMAT_VERSION
+    #: How the outputs nest as the module returned them (check_output_tree); None: a tensor or a flat tuple. Only the
+    #: client reads it: the worker returns the outputs flat, so a worker that predates it runs such jobs too.
+    output_tree: Any = None
 
     def to_json(self) -> bytes:
         obj = {
@@ -96,6 +99,8 @@ class Manifest:
             "dims": {k: {"min": v.min, "max": v.max} for k, v in self.dims.items()},
             "limits": {"max_flops": self.limits.max_flops, "max_peak_memory_bytes": self.limits.max_peak_memory_bytes},
         }
+        if self.output_tree is not None:  # absent otherwise: older programs keep their hash
+            obj["output_tree"] = self.output_tree
         return canonical_json(obj)
 
     @classmethod
@@ -123,7 +128,66 @@ class Manifest:
         _expect(isinstance(lim, dict) and all(lim.get(k) is None or _is_int(lim.get(k)) for k in ("max_flops", "max_peak_memory_bytes")), "manifest limits must be integers or null")
         tv = obj.get("torch_version")
         _expect(isinstance(tv, str) and len(tv) < 64, "manifest torch_version must be a short string")
-        return cls(tv, dict(ops), inputs, outputs, structure, dims, JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")))
+        tree = obj.get("output_tree")
+        if tree is not None:
+            _expect(structure == "tuple", "an output_tree goes with a 'tuple' output_structure")
+            check_output_tree(tree, len(outputs))
+        return cls(tv, dict(ops), inputs, outputs, structure, dims,
+                   JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree)
+
+
+def check_output_tree(tree: Any, n_outputs: int, max_depth: int = 32, max_nodes: int = 4096) -> None:
+    """An output structure: each leaf an output index, each used once; containers ``{"tuple"|"list": [...]}`` or
+    ``{"dict": [...], "keys": [str, ...]}``, optionally with a short ``"name"`` (and a named tuple's ``"fields"``)."""
+    seen: set[int] = set()
+    count = 0
+
+    def short_strs(xs: Any, n: int) -> bool:
+        return isinstance(xs, list) and len(xs) == n and all(isinstance(x, str) and len(x) <= 128 for x in xs)
+
+    def walk(node: Any, depth: int) -> None:
+        nonlocal count
+        if _is_int(node):
+            _expect(0 <= node < n_outputs and node not in seen, "output_tree names an output twice or one it lacks")
+            seen.add(node)
+            return
+        count += 1
+        _expect(depth <= max_depth and count <= max_nodes, "output_tree is too deep or too big")
+        _expect(isinstance(node, dict), "output_tree nodes are output indices or containers")
+        kinds = [k for k in ("tuple", "list", "dict") if k in node]
+        _expect(len(kinds) == 1 and isinstance(node[kinds[0]], list), "an output_tree container is one of tuple, list, dict")
+        kids = node[kinds[0]]
+        _expect(set(node) <= {kinds[0], "keys", "name", "fields"}, "output_tree container has unknown fields")
+        if kinds[0] == "dict":
+            _expect(short_strs(node.get("keys"), len(kids)) and len(set(node["keys"])) == len(kids),
+                    "an output_tree dict needs one distinct string key per entry")
+        if "name" in node:
+            _expect(isinstance(node["name"], str) and bool(GRAPH_NAME_RE.match(node["name"])), "output_tree name must be an identifier")
+        if "fields" in node:
+            _expect(kinds[0] == "tuple" and short_strs(node["fields"], len(kids))
+                    and all(GRAPH_NAME_RE.match(f) for f in node["fields"]), "output_tree fields must name each entry")
+        for kid in kids:
+            walk(kid, depth + 1)
+
+    walk(tree, 0)
+    _expect(len(seen) == n_outputs, "output_tree leaves out some outputs")
+
+
+def nest_outputs(tree: Any, outputs: Sequence[Any]) -> Any:
+    """The flat outputs nested as ``tree`` says. Named types come back as what they are made of: a named tuple as a
+    named tuple of that name, a ModelOutput or OrderedDict as a dict (the class itself is the client's, not data)."""
+    if _is_int(tree):
+        return outputs[tree]
+    if "dict" in tree:
+        return dict(zip(tree["keys"], (nest_outputs(k, outputs) for k in tree["dict"])))
+    kids = [nest_outputs(k, outputs) for k in tree.get("tuple", tree.get("list", []))]
+    if "list" in tree:
+        return kids
+    if "fields" in tree:
+        import collections
+
+        return collections.namedtuple(tree.get("name", "Outputs"), tree["fields"])(*kids)
+    return tuple(kids)
 
 
 def _tensor_spec(s: Any, dims: dict, what: str, outputs: bool = False) -> TensorSpec:

@@ -20,6 +20,7 @@ from gpunet.job.format import (
     canonical_json,
     check_inputs,
     decode_outputs,
+    nest_outputs,
 )
 from gpunet.job.interpreter import run_program
 from gpunet.job.trace import _FunctionModule, trace
@@ -33,6 +34,7 @@ class Job:
         self.parts = parts
         self.manifest = manifest or Manifest.from_json(parts.manifest)
         self._program = None  # worker-side validated program, built on first run_locally/estimate
+        self._out_spec = None  # torch's TreeSpec of the outputs, when traced in this process: the very output types
 
     # --- building ------------------------------------------------------------------------------------------------
 
@@ -54,9 +56,12 @@ class Job:
             output_structure=t.output_structure,
             dims={k: DimRange(v["min"], v["max"]) for k, v in t.dims.items()},
             limits=limits or JobLimits(),
+            output_tree=t.output_tree,
         )
         parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(t.weights))
-        return cls(parts, manifest)
+        job = cls(parts, manifest)
+        job._out_spec = t.out_spec
+        return job
 
     @classmethod
     def from_function(cls, fn: Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None, limits: JobLimits | None = None) -> "Job":
@@ -99,8 +104,20 @@ class Job:
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The worker's output bytes as the module returned them: one tensor or a tuple. ``expected``: each output's
         (dtype, shape) as the dry run predicts them (``Estimate.outputs``), held exactly."""
-        outs = decode_outputs(self.manifest, data, expected)
-        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+        return self._nest(decode_outputs(self.manifest, data, expected))
+
+    def _nest(self, outs: list[torch.Tensor]):
+        """The flat outputs as the module returned them: a tensor, a tuple, or (``output_tree``) dicts, ModelOutputs
+        and nested tuples, with their own types when traced in this process (else see ``nest_outputs``)."""
+        if self.manifest.output_structure == "tensor":
+            return outs[0]
+        if self.manifest.output_tree is None:
+            return tuple(outs)
+        if self._out_spec is not None:
+            from torch.utils._pytree import tree_unflatten
+
+            return tree_unflatten(outs, self._out_spec)
+        return nest_outputs(self.manifest.output_tree, outs)
 
     # --- local checks ------------------------------------------------------------------------------------------------
 
@@ -117,8 +134,7 @@ class Job:
         """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
         prog = self._validated()
         data = self.encode_inputs(*inputs)
-        outs = run_program(prog, tensors.decode(data))
-        return outs[0] if self.manifest.output_structure == "tensor" else tuple(outs)
+        return self._nest(run_program(prog, tensors.decode(data)))
 
     def __repr__(self) -> str:
         return f"Job(hash={self.program_hash[:12]}, op_kinds={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"

@@ -37,6 +37,50 @@ class Traced:
     output_structure: str  # "tensor" | "tuple"
     dims: dict[str, dict]  # name -> {"min": int, "max": int | None}
     weights: dict[str, torch.Tensor]
+    #: How the flat outputs nest, as the module returned them (dicts, ModelOutputs, nested tuples), in the manifest's
+    #: JSON form (see gpunet.job.format.check_output_tree); None for a tensor or a flat tuple.
+    output_tree: Any = None
+    out_spec: Any = None  # the same as torch's TreeSpec: rebuilds the very types, in this process
+
+
+#: How deep, and how many containers, an output structure may have.
+MAX_TREE_DEPTH = 32
+MAX_TREE_NODES = 4096
+
+
+def _output_tree(spec: Any) -> Any:
+    """torch's output TreeSpec as plain JSON: a leaf is the output's index; ``{"tuple": [...]}``, ``{"list": [...]}``,
+    ``{"dict": [...], "keys": [...]}``, with ``"name"`` (and a named tuple's ``"fields"``) for named types."""
+    leaves = iter(range(1 << 30))
+    nodes = 0
+
+    def walk(node: Any, depth: int) -> Any:
+        nonlocal nodes
+        if node.is_leaf():
+            return next(leaves)
+        nodes += 1
+        if depth > MAX_TREE_DEPTH or nodes > MAX_TREE_NODES:
+            raise UnsupportedProgram(f"the module's output is nested deeper than {MAX_TREE_DEPTH} or has more than "
+                                     f"{MAX_TREE_NODES} containers")
+        kids = [walk(c, depth + 1) for c in _children(node)]
+        kind = node.type
+        if kind is tuple or kind is list:
+            return {kind.__name__: kids}
+        named = node.context if isinstance(node.context, type) else kind  # torch files named tuples' class there
+        if isinstance(named, type) and issubclass(named, tuple) and hasattr(named, "_fields"):  # a named tuple
+            return {"tuple": kids, "name": named.__name__, "fields": list(named._fields)}
+        if isinstance(kind, type) and issubclass(kind, dict):  # dict, OrderedDict, Hugging Face's ModelOutput
+            keys = list(node.context)
+            if not all(isinstance(k, str) for k in keys):
+                raise UnsupportedProgram("a dict the module returns must have string keys")
+            tree = {"dict": kids, "keys": keys}
+            if kind is not dict:
+                tree["name"] = kind.__name__
+            return tree
+        raise UnsupportedProgram(f"the module returns a {getattr(kind, '__name__', kind)}: outputs must be tensors in "
+                                 "tuples, lists, named tuples or dicts (ModelOutput included)")
+
+    return walk(spec, 0)
 
 
 class _FunctionModule(torch.nn.Module):
@@ -241,11 +285,12 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
         shape = [s if isinstance(s, int) else sym_names.get(s.node.expr) for s in val.shape]
         outputs.append({"dtype": dtype_name(val.dtype), "shape": shape})
     out_spec = ep.call_spec.out_spec
+    tree = None
     if out_spec is None or out_spec.is_leaf():
         structure = "tensor"
-    elif out_spec.type in (tuple, list) and all(c.is_leaf() for c in _children(out_spec)):
+    else:  # the worker returns the outputs flat; the client nests them again as the module returned them
         structure = "tuple"
-    else:
-        raise UnsupportedProgram("the module must return a tensor or a flat tuple/list of tensors")
+        if not (out_spec.type in (tuple, list) and all(c.is_leaf() for c in _children(out_spec))):
+            tree = _output_tree(out_spec)
     graph = {"inputs": input_names, "weights": list(weights), "nodes": nodes, "outputs": [_encode_arg(a) for a in out_args]}
-    return Traced(graph, ops, inputs, outputs, structure, dims, weights)
+    return Traced(graph, ops, inputs, outputs, structure, dims, weights, tree, out_spec if tree is not None else None)
