@@ -1,5 +1,6 @@
-"""Outputs come back in the structure the module returned: dicts, OrderedDicts (Hugging Face's ModelOutput is one),
-named tuples and nested tuples/lists. The worker returns them flat; the client nests them again."""
+"""Models as users write them: outputs come back in the structure the module returned (dicts, OrderedDicts such as
+Hugging Face's ModelOutput, named tuples, nested tuples/lists; the worker returns them flat and the client nests them
+again), and inputs may be passed by keyword (``input_ids=…, attention_mask=…``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_structure
 
 import gpunet
-from gpunet.errors import JobRejected, UnsupportedProgram
+from gpunet.errors import JobRejected, UnsupportedProgram, UsageError
 from gpunet.job.format import Manifest
 from tests.swarm import wait_for
 
@@ -74,6 +75,50 @@ def test_unsupported_output_types_and_malformed_trees_are_refused_clearly():
             Manifest.from_json(json.dumps({**manifest, "output_tree": bad}).encode())
 
 
+class TextModel(torch.nn.Module):
+    """Called the Hugging Face way: ``model(input_ids=…, attention_mask=…)``, returning a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return {"last_hidden_state": h, "pooled": h.mean(1)}
+
+
+def _text_job():
+    seq = torch.export.Dim("seq", min=1, max=64)
+    ids, mask = torch.randint(0, 50, (2, 5)), torch.ones(2, 5)
+    job = gpunet.Job.from_module(TextModel().eval(), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                                 dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}})
+    return job
+
+
+def test_keyword_inputs_are_traced_and_passed_by_name():
+    torch.manual_seed(0)
+    model = TextModel().eval()
+    seq = torch.export.Dim("seq", min=1, max=64)
+    ids, mask = torch.randint(0, 50, (2, 5)), torch.ones(2, 5)
+    job = gpunet.Job.from_module(model, example_kwargs={"input_ids": ids, "attention_mask": mask},
+                                 dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}})
+    assert job.input_names == ("input_ids", "attention_mask")
+    longer_ids, longer_mask = torch.randint(0, 50, (2, 9)), (torch.rand(2, 9) > 0.5).float()
+    got = job.run_locally(input_ids=longer_ids, attention_mask=longer_mask)
+    with torch.no_grad():
+        want = model(input_ids=longer_ids, attention_mask=longer_mask)
+    torch.testing.assert_close(got["pooled"], want["pooled"])
+    torch.testing.assert_close(job.run_locally(longer_ids, attention_mask=longer_mask)["pooled"], want["pooled"])
+    with pytest.raises(UsageError, match="no input named 'mask'"):
+        job.run_locally(input_ids=longer_ids, mask=longer_mask)
+    with pytest.raises(UsageError, match="missing input"):
+        job.run_locally(input_ids=longer_ids)
+    with pytest.raises(UsageError, match="given twice"):
+        job.run_locally(longer_ids, input_ids=longer_ids, attention_mask=longer_mask)
+
+
 @pytest.mark.swarm
 def test_a_dict_returning_model_comes_back_as_a_dict_from_the_network(swarm):
     swarm.start_worker()
@@ -89,3 +134,11 @@ def test_a_dict_returning_model_comes_back_as_a_dict_from_the_network(swarm):
     assert tree_structure(got) == tree_structure(expected)
     for a, b in zip(tree_leaves(got), tree_leaves(expected)):
         torch.testing.assert_close(a, b)
+    text = _text_job()
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=swarm.root / "client2") as client:
+        ids, mask = torch.randint(0, 50, (2, 7)), torch.ones(2, 7)
+        by_name = client.submit(text, input_ids=ids, attention_mask=mask).result(timeout=60)
+        torch.testing.assert_close(by_name["pooled"], text.run_locally(ids, mask)["pooled"])
+        mapped = list(client.map(text, [{"input_ids": ids, "attention_mask": mask}] * 3, progress=False))
+        assert len(mapped) == 3 and all(torch.equal(m["pooled"], by_name["pooled"]) for m in mapped)

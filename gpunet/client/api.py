@@ -133,8 +133,8 @@ class AsyncClient:
     async def close(self) -> None:
         await self._core.close()
 
-    def submit(self, job, *inputs, requirements: Requirements | None = None) -> AsyncJobFuture:
-        inputs = check_call(job, inputs)  # a wrong argument fails here, not later in the future
+    def submit(self, job, *inputs, requirements: Requirements | None = None, **named) -> AsyncJobFuture:
+        inputs = check_call(job, inputs, named)  # a wrong argument fails here, not later in the future
         future = AsyncJobFuture()
         task = asyncio.ensure_future(self._core.run(job, inputs, requirements))
         task.add_done_callback(future._settle)
@@ -150,7 +150,7 @@ class AsyncClient:
         bar = _progress(_total(iterables), progress)
         try:
             for args in zip(*iterables):
-                pending.append(self.submit(job, *args, requirements=requirements))
+                pending.append(self.submit(job, *_positional(args), requirements=requirements, **_named(args)))
                 while len(pending) >= window:
                     yield await _advance(pending.popleft(), bar)
             while pending:
@@ -177,6 +177,15 @@ class AsyncClient:
         if self._core.books is not None:
             self._core.books.flush()
         return self._core.ledger
+
+
+def _positional(args: tuple) -> tuple:
+    """map's items: one per iterable; a dict among them is a set of inputs by name (``{"input_ids": …}``)."""
+    return tuple(a for a in args if not isinstance(a, dict))
+
+
+def _named(args: tuple) -> dict:
+    return {k: v for a in args if isinstance(a, dict) for k, v in a.items()}
 
 
 async def _advance(future: AsyncJobFuture, bar):
@@ -241,11 +250,12 @@ class Client:
             if ledger is not None:
                 ledger.close()
 
-    def submit(self, job, *inputs, requirements: Requirements | None = None) -> JobFuture:
-        """Send ``job`` with ``inputs`` to the network; returns at once with a future of the output tensor(s)."""
+    def submit(self, job, *inputs, requirements: Requirements | None = None, **named) -> JobFuture:
+        """Send ``job`` with ``inputs`` (and inputs by name, ``input_ids=…``) to the network; returns at once with a
+        future of the output(s), in the structure the module returned."""
         if self._closed:
             raise GpunetError("client is closed")
-        inputs = check_call(job, inputs)  # a wrong argument fails here, not later in the future
+        inputs = check_call(job, inputs, named)  # a wrong argument fails here, not later in the future
         future = JobFuture()
         self._loop.call_soon_threadsafe(self._start, future, job, inputs, requirements)
         return future
@@ -268,13 +278,13 @@ class Client:
         args_iter = zip(*iterables)
         try:
             for args in itertools.islice(args_iter, window):
-                pending.append(self.submit(job, *args, requirements=requirements))
+                pending.append(self.submit(job, *_positional(args), requirements=requirements, **_named(args)))
             while pending:
                 result = pending.popleft().result()
                 if bar:
                     bar[0].advance(bar[1])
                 for args in itertools.islice(args_iter, 1):
-                    pending.append(self.submit(job, *args, requirements=requirements))
+                    pending.append(self.submit(job, *_positional(args), requirements=requirements, **_named(args)))
                 yield result
         finally:
             for f in pending:

@@ -588,15 +588,17 @@ class _WrongAnswer(Exception):
         self.error = error
 
 
-def check_call(job, inputs: Sequence) -> tuple[torch.Tensor, ...]:
-    """What a submit was handed, as a Job and tensors (numpy arrays are taken as they are); UsageError otherwise,
-    saying what to pass. Called where the user calls, so the mistake surfaces there and not in a future."""
+def check_call(job, inputs: Sequence, named: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """What a submit was handed, as a Job and tensors in its input order (numpy arrays are taken as they are; named
+    inputs go where their names say); UsageError otherwise, saying what to pass. Called where the user calls, so the
+    mistake surfaces there and not in a future."""
     from gpunet.job import Job
 
     if not isinstance(job, Job):
         hint = (" (trace it first: gpunet.Job.from_module(model, example_inputs=(x,)))"
                 if isinstance(job, torch.nn.Module) or callable(job) else "")
         raise UsageError(f"submit takes a gpunet.Job, not a {type(job).__name__}{hint}")
+    inputs = job.bind(inputs, named)
     tensors = []
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy" and hasattr(x, "__array__"):

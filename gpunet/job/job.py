@@ -40,14 +40,16 @@ class Job:
 
     @classmethod
     def from_module(
-        cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None,
-        limits: JobLimits | None = None,
+        cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor] = (), dynamic_shapes: Any = None,
+        limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None,
     ) -> "Job":
         """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
-        ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple)."""
+        ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple);
+        ``example_kwargs``: keyword inputs (``input_ids=…, attention_mask=…``), passed to ``submit`` by name too.
+        With keyword inputs, ``dynamic_shapes`` is a dict by input name."""
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
-        t = trace(module, example_inputs, dynamic_shapes)
+        t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
         manifest = Manifest(
             torch_version=torch.__version__,
             ops=t.ops,
@@ -94,6 +96,32 @@ class Job:
 
     # --- inputs and outputs ----------------------------------------------------------------------------------------
 
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The inputs in order, by name: ``submit(job, *args, **by_name)`` fills them (keyword inputs keep theirs)."""
+        return tuple(spec.name for spec in self.manifest.inputs)
+
+    def bind(self, args: Sequence = (), kwargs: dict | None = None) -> tuple:
+        """Positional and named inputs as the job's input order; UsageError, saying which, when they do not fit."""
+        from gpunet.errors import UsageError
+
+        names = self.input_names
+        if not kwargs:
+            return tuple(args)
+        if len(args) > len(names):
+            raise UsageError(f"the job takes {len(names)} inputs ({', '.join(names)}), got {len(args)} positional")
+        bound = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names:
+                raise UsageError(f"the job has no input named {name!r} (its inputs: {', '.join(names)})")
+            if name in bound:
+                raise UsageError(f"input {name!r} given twice (by position and by name)")
+            bound[name] = value
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise UsageError(f"missing input(s): {', '.join(missing)}")
+        return tuple(bound[n] for n in names)
+
     def encode_inputs(self, *inputs: torch.Tensor) -> bytes:
         """Inputs as safetensors bytes, after checking them against the manifest (JobRejected on a mismatch)."""
         check_inputs(self.manifest, inputs)
@@ -130,8 +158,9 @@ class Job:
         """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills)."""
         return self._validated().estimate(list(inputs))
 
-    def run_locally(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def run_locally(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
+        inputs = self.bind(inputs, named)
         prog = self._validated()
         data = self.encode_inputs(*inputs)
         return self._nest(run_program(prog, tensors.decode(data)))

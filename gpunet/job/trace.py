@@ -92,16 +92,49 @@ class _FunctionModule(torch.nn.Module):
         return self.fn(*args)
 
 
+class _KeywordModule(torch.nn.Module):
+    """A module called with keyword inputs (``input_ids=…, attention_mask=…``), as one that takes them all by
+    position: the job's inputs are then the positional ones followed by these, in this order, under these names."""
+
+    def __init__(self, module: torch.nn.Module, positional: int, names: Sequence[str]):
+        super().__init__()
+        self.module, self.positional, self.names = module, positional, tuple(names)
+
+    def forward(self, *args):
+        return self.module(*args[:self.positional], **dict(zip(self.names, args[self.positional:])))
+
+
 def trace(
-    module: torch.nn.Module | Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None
+    module: torch.nn.Module | Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None,
+    example_kwargs: dict[str, torch.Tensor] | None = None,
 ) -> Traced:
-    """Export ``module`` on ``example_inputs``, decompose to core ATen, and convert to gpunet's plain-data form."""
+    """Export ``module`` on ``example_inputs`` (and ``example_kwargs``), decompose to core ATen, and convert to
+    gpunet's plain-data form. With keyword inputs, ``dynamic_shapes`` is a dict by parameter name (or a tuple for the
+    positional inputs alone)."""
     if not isinstance(module, torch.nn.Module):
         module = _FunctionModule(module)
     example_inputs = tuple(example_inputs)
+    names: list[str] = []
+    if example_kwargs:
+        if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) and k.isidentifier()
+                                                           for k in example_kwargs):
+            raise UnsupportedProgram("example_kwargs must map input names to tensors")
+        names = list(example_kwargs)
+        by_name = dynamic_shapes if isinstance(dynamic_shapes, dict) else {}
+        if dynamic_shapes is not None and not isinstance(dynamic_shapes, dict):
+            by_name = dict(zip(_positional_names(module, len(example_inputs)), dynamic_shapes))
+        positional_names = _positional_names(module, len(example_inputs))
+        unknown = set(by_name) - set(positional_names) - set(names)
+        if unknown:
+            raise UnsupportedProgram(f"dynamic_shapes names {sorted(unknown)}, which are not inputs of this call")
+        module = _KeywordModule(module, len(example_inputs), names)
+        dynamic_shapes = [by_name.get(n) for n in (*positional_names, *names)] if by_name else None
+        example_inputs = example_inputs + tuple(example_kwargs.values())
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
-        raise UnsupportedProgram("example_inputs must all be tensors (positional arguments only)")
+        raise UnsupportedProgram("example inputs must all be tensors")
     export_dynamic = dynamic_shapes
+    if isinstance(module, _KeywordModule) and dynamic_shapes is not None:
+        export_dynamic = (tuple(dynamic_shapes),)  # forward(*args): one varargs tuple
     if isinstance(module, _FunctionModule) and isinstance(dynamic_shapes, (list, tuple)):
         export_dynamic = (tuple(dynamic_shapes),)  # forward(*args) takes its inputs as one varargs tuple
     try:
@@ -121,7 +154,21 @@ def trace(
                 "cannot do: compute both sides and pick with torch.where, or make the decision on the client and "
                 f"submit a different job (torch.export: {first[:300]})") from None
         raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e}") from e
-    return _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+    traced = _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+    if names:  # the keyword inputs go by their own names (submit(job, input_ids=...) matches them)
+        for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
+            spec["name"] = name
+    return traced
+
+
+def _positional_names(module: torch.nn.Module, count: int) -> list[str]:
+    """The names of ``module.forward``'s first ``count`` parameters (input_0, … where it has none to give)."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return (params + [f"input_{i}" for i in range(len(params), count)])[:count]
 
 
 @contextlib.contextmanager
