@@ -64,8 +64,10 @@ def test_unsupported_output_types_and_malformed_trees_are_refused_clearly():
         def forward(self, x):
             return {1: x}
 
-    with pytest.raises(UnsupportedProgram, match="string keys"):
+    with pytest.raises(UnsupportedProgram, match="gpunet's converter .*string keys"):  # which step refused it
         gpunet.Job.from_module(Strange(), example_inputs=(torch.randn(2),))
+    with pytest.raises(UnsupportedProgram, match="torch.export could not trace .*first of three steps"):
+        gpunet.Job.from_module(Strange(), example_inputs=(torch.randn(3, 3), torch.randn(1)))  # one input too many
     job = gpunet.Job.from_module(Dicty().eval(), example_inputs=(torch.randn(2, 4),))
     manifest = json.loads(job.parts.manifest)
     for bad in (0, {"dict": [0, 1], "keys": ["a"]}, {"tuple": [0, 0, 1, 2, 3]}, {"tuple": [0], "list": [1]},

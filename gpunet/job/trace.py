@@ -143,7 +143,6 @@ def trace(
         with warnings.catch_warnings(), _quiet_torch_loggers(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(module, example_inputs, dynamic_shapes=export_dynamic)
-        ep = ep.run_decompositions()
     except GpunetError:
         raise
     except Exception as e:  # torch.export raises many types; the user needs the message
@@ -153,8 +152,24 @@ def trace(
                 "the model branches on tensor values (an `if`/`while` on a tensor, or `.item()`), which a traced job "
                 "cannot do: compute both sides and pick with torch.where, or make the decision on the client and "
                 f"submit a different job (torch.export: {first[:300]})") from None
-        raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e}") from e
-    traced = _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+        raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e} (this is the "
+                                 "first of three steps: torch.export, then torch's decompositions, then gpunet's "
+                                 "converter; check the model runs with these example inputs, and see torch.export's "
+                                 "documentation for what it needs)") from e
+    try:
+        with warnings.catch_warnings(), _quiet_torch_loggers():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = ep.run_decompositions()
+    except Exception as e:
+        raise UnsupportedProgram(f"torch's decompositions (the second of three steps, after torch.export traced the "
+                                 f"module) failed: {type(e).__name__}: {str(e)[:500]}; this is torch's step, not "
+                                 "gpunet's: another torch version may decompose it, or replace the layer that fails"
+                                 ) from e
+    try:
+        traced = _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+    except UnsupportedProgram as e:
+        raise UnsupportedProgram(f"gpunet's converter (the last step, after torch.export and its decompositions): "
+                                 f"{e}") from None
     if names:  # the keyword inputs go by their own names (submit(job, input_ids=...) matches them)
         for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
             spec["name"] = name
