@@ -144,3 +144,33 @@ def test_a_dict_returning_model_comes_back_as_a_dict_from_the_network(swarm):
         torch.testing.assert_close(by_name["pooled"], text.run_locally(ids, mask)["pooled"])
         mapped = list(client.map(text, [{"input_ids": ids, "attention_mask": mask}] * 3, progress=False))
         assert len(mapped) == 3 and all(torch.equal(m["pooled"], by_name["pooled"]) for m in mapped)
+
+
+class _Pool(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1)
+
+
+def _instance_norm():
+    m = torch.nn.InstanceNorm2d(3, affine=True).eval()
+    with torch.no_grad():
+        m.weight.uniform_()
+        m.bias.uniform_()
+    return m
+
+
+@pytest.mark.parametrize("make, x", [
+    (lambda: (lambda x: 6 - x), torch.randn(2, 4)),  # scalar-first arithmetic (rsub)
+    (lambda: (lambda x: torch.rsub(x, torch.ones(4), alpha=2)), torch.randn(2, 4)),
+    (lambda: torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(4, 3)).eval(), torch.randn(2, 4)),
+    (lambda: (lambda x: torch.linalg.vector_norm(x, ord=3, dim=-1)), torch.randn(2, 4)),
+    (_instance_norm, torch.randn(2, 3, 5, 5)),
+    (_Pool, torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)),  # ConvNeXt / Swin's head
+], ids=["6 - x", "rsub tensor", "weight norm", "vector norm ord 3", "InstanceNorm2d", "channels-last pooling"])
+def test_ops_that_blocked_model_families_now_trace_safely_and_match_eager(make, x):
+    fn = make()
+    job = (gpunet.Job.from_module(fn, example_inputs=(x,)) if isinstance(fn, torch.nn.Module)
+           else gpunet.Job.from_function(fn, (x,)))
+    assert not {"aten.as_strided.default", "aten.var_mean.correction"} & set(job.manifest.ops)
+    with torch.no_grad():
+        torch.testing.assert_close(job.run_locally(x), fn(x), rtol=1e-5, atol=1e-5)

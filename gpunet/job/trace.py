@@ -159,7 +159,8 @@ def trace(
     try:
         with warnings.catch_warnings(), _quiet_torch_loggers():
             warnings.simplefilter("ignore", FutureWarning)
-            ep = ep.run_decompositions()
+            ep = ep.run_decompositions(_decompositions())
+            _drop_relayouts(ep.graph)
     except Exception as e:
         raise UnsupportedProgram(f"torch's decompositions (the second of three steps, after torch.export traced the "
                                  f"module) failed: {type(e).__name__}: {str(e)[:500]}; this is torch's step, not "
@@ -174,6 +175,67 @@ def trace(
         for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
             spec["name"] = name
     return traced
+
+
+def _rsub(self, other, alpha=1):
+    """``other - alpha * self`` with the tensor first (torch's own rsub decomposition puts a scalar first, as in
+    ``6 - x``, which the worker refuses: its ops take tensors where their schema says Tensor)."""
+    aten = torch.ops.aten
+    return aten.add.Tensor(aten.mul.Tensor(self, -alpha), other)
+
+
+def _batch_norm_no_stats(input, weight, bias, training, momentum, eps):
+    """InstanceNorm's batch norm over the batch's own statistics, in mean/sub/mul/rsqrt (torch's own decomposition
+    uses var_mean, which the worker does not run); returns (output, mean, rstd) as the op does."""
+    aten = torch.ops.aten
+    dims = [0, *range(2, input.dim())]
+    mean = aten.mean.dim(input, dims, True)
+    centered = aten.sub.Tensor(input, mean)
+    rstd = aten.rsqrt.default(aten.add.Tensor(aten.mean.dim(aten.mul.Tensor(centered, centered), dims, True), eps))
+    out = aten.mul.Tensor(centered, rstd)
+    shape = [1, -1] + [1] * (input.dim() - 2)
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.view.default(weight, shape))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.view.default(bias, shape))
+    return out, aten.squeeze.dims(mean, dims), aten.squeeze.dims(rstd, dims)
+
+
+def _decompositions():
+    """Core ATen, plus decompositions of ops that would otherwise block whole model families: weight norm
+    (``linalg_vector_norm``, torch's own decomposition: wav2vec2), InstanceNorm (``_native_batch_norm_legit.no_stats``)
+    and ``rsub`` with the tensor first. Each becomes ops the worker already runs, checked as any others."""
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    table = torch.export.default_decompositions()
+    table.update(get_decompositions([aten.linalg_vector_norm.default]))
+    table[aten._native_batch_norm_legit.no_stats] = _batch_norm_no_stats
+    table[aten.rsub.Scalar] = _rsub
+    table[aten.rsub.Tensor] = _rsub
+    return table
+
+
+def _drop_relayouts(graph: torch.fx.Graph) -> None:
+    """Remove ``as_strided`` nodes that only restride a tensor to another memory layout of the same values (export
+    adds them to keep eager's strides, e.g. a channels-last pooling output: ConvNeXt, Swin). gpunet's tensors have no
+    layout to keep, and ``as_strided`` in general (reading storage through arbitrary strides) is not allowed."""
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.as_strided.default or len(n.args) < 3:
+            continue
+        src, size, stride = n.args[:3]
+        offset = n.args[3] if len(n.args) > 3 else n.kwargs.get("storage_offset", 0)
+        val = getattr(src, "meta", {}).get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or offset not in (0, None):
+            continue
+        try:
+            same = (list(size) == list(val.shape) and all(
+                int(want) == int(have) for dim, want, have in zip(val.shape, stride, val.stride()) if int(dim) > 1))
+        except (TypeError, ValueError):  # symbolic sizes: leave it (the worker will refuse it, saying so)
+            continue
+        if same:
+            n.replace_all_uses_with(src)
+            graph.erase_node(n)
 
 
 def _positional_names(module: torch.nn.Module, count: int) -> list[str]:
