@@ -185,3 +185,35 @@ def test_a_program_has_one_byte_form_so_holders_of_it_serve_the_same_pieces():
     for other in (reordered, longer):
         with pytest.raises(JobRejected, match="not in the form gpunet writes"):
             ProgramParts.from_bytes(other)
+
+
+def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_stream():
+    """The fallback after a failed fetch: the worker's watch for a hung-up client (a pending read) must be settled
+    before it reads the client's answer, or the read is refused (a CI run once cut the upload off with a reset)."""
+    from gpunet.protocol import Payload, Pieces, Send, Submit
+    from gpunet.worker.admission import ServiceLimits
+    from gpunet.worker.service import _StreamPayloads
+
+    data = _program()
+    pieces = PieceList.of(data)
+
+    class NoPeers:
+        async def fetch(self, *args, **kwargs):
+            return None
+
+    async def main():
+        to_worker = _Pipe()
+
+        class Client(_Pipe):  # answers the worker's second Send with the program, as a client does
+            def write(self, frame: bytes) -> None:
+                super().write(frame)
+                asked = protocol.decode(bytes(frame[4:]), Send)
+                assert asked == Send(True, False)
+                asyncio.get_running_loop().call_soon(lambda: (
+                    to_worker.write(protocol.encode_frame(Payload(len(data), None))), to_worker.write(data)))
+
+        payloads = _StreamPayloads(to_worker.reader, Client(), ServiceLimits(), fetcher=NoPeers())
+        submit = Submit("job-1", H, 0, b"", 30.0)
+        return await payloads._from_peers(submit, Pieces(pieces.size, pieces.piece_size, pieces.hashes, ()))
+
+    assert bytes(asyncio.run(main())) == data

@@ -650,9 +650,13 @@ class _StreamPayloads:
         try:
             await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (fetch, gone):
-                task.cancel()
-        if not fetch.done() or fetch.cancelled():
+            if not fetch.done():
+                fetch.cancel()
+            gone.cancel()
+            # Both settled before the stream is read again: a read still pending would refuse the next one, or
+            # take the first byte of the client's next frame.
+            await asyncio.gather(fetch, gone, return_exceptions=True)
+        if not gone.cancelled():  # EOF, or a byte the client had no business sending yet
             raise ProtocolError("the client hung up while the program was being fetched from peers")
         fetched = fetch.result()
         if fetched is not None:
