@@ -31,7 +31,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-from gpunet.ledger.cli import app as ledger_app  # noqa: E402  (a sub-app; imports nothing heavy)
+from gpunet.ledger import cli as ledger_cli  # noqa: E402  (a sub-app; imports nothing heavy)
+from gpunet.ledger.cli import app as ledger_app  # noqa: E402
 
 app.add_typer(ledger_app, name="ledger", help="Read, verify, export and merge this node's ledger of receipts.")
 
@@ -89,13 +90,30 @@ def _options(
     """gpunet: a peer-to-peer compute network for tensor jobs."""
 
 
-@app.command()
+worker_app = typer.Typer(
+    name="worker",
+    invoke_without_command=True,  # `gpunet worker [OPTIONS]` runs a worker; `gpunet worker pause` talks to one
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(worker_app)
+
+
+@worker_app.callback()
 @handle_errors
 def worker(
+    ctx: typer.Context,
     initial_peers: Optional[List[str]] = InitialPeers,
     network: str = Network,
     device: str = Device,
-    price: float = typer.Option(_WORKER.price, "--price", metavar="CREDITS", min=0, help="Credits per TFLOP of counted work (default 1)."),
+    price: float = typer.Option(_WORKER.price, "--price", metavar="CREDITS", min=0,
+                                help="Credits per TFLOP of counted work, interactive lane (default 1)."),
+    batch_price: Optional[float] = typer.Option(
+        None, "--batch-price", metavar="CREDITS", min=0,
+        help="The batch lane's floor: the least batch work sells for here, credits per TFLOP (default: half of "
+             "--price). It rises toward --price while interactive work is wanted; see docs/market.md."),
     max_concurrent: int = typer.Option(
         _WORKER.max_concurrent, "--max-concurrent", metavar="N", min=1, help="Jobs executing at once."),
     max_queue: int = typer.Option(
@@ -131,6 +149,46 @@ def worker(
     peer_upload_mbps: float = typer.Option(
         _WORKER.peer_upload_mbps, "--peer-upload-mbps", metavar="MB/S", min=0.0,
         help="Serve programs to other workers (so a client uploads each once) at most this fast, in all; 0: no cap."),
+    session_memory_gb: Optional[float] = typer.Option(
+        _WORKER.session_memory_gb, "--session-memory-gb", metavar="GIB", min=0.0,
+        help="Memory for inference sessions' state (KV caches), all together; default: a quarter of the executor "
+             "memory budget; 0: no sessions."),
+    max_sessions_per_client: int = typer.Option(
+        _WORKER.max_sessions_per_client, "--max-sessions-per-client", metavar="N", min=0,
+        help="Inference sessions one client may hold open here."),
+    session_ttl: float = typer.Option(
+        _WORKER.session_ttl, "--session-ttl", metavar="SECONDS", min=1.0,
+        help="The longest a session may stay idle before its state is freed (a client may ask for less)."),
+    background_job: Optional[Path] = typer.Option(
+        _WORKER.background_job, "--background-job", metavar="FILE", exists=True, dir_okay=False,
+        help="A job of your own (saved with gpunet.Job.save) to run whenever no paying job wants this machine; any "
+             "paying job stops it. Outputs go to <data dir>/background/."),
+    background_inputs: Optional[Path] = typer.Option(
+        _WORKER.background_inputs, "--background-inputs", metavar="FILE", exists=True, dir_okay=False,
+        help="The background job's inputs: a safetensors file with tensors input_0, input_1, ..."),
+    pause_when_busy: bool = typer.Option(
+        _WORKER.pause_when_busy, "--pause-when-busy",
+        help="Pause while other processes use the GPU (on a CPU worker: keep more than half the CPU busy); resume "
+             "once the machine has been free for --resume-after seconds."),
+    active_hours: Optional[str] = typer.Option(
+        _WORKER.active_hours, "--active-hours", metavar="HOURS",
+        help="Take jobs only in these local hours: 22:00-08:00, Mon-Fri 18:00-08:00, several joined by commas."),
+    max_temperature: Optional[float] = typer.Option(
+        _WORKER.max_temperature, "--max-temperature", metavar="CELSIUS",
+        help="Pause while the hottest GPU is above this (NVML); resume 5 degrees below."),
+    resume_after: float = typer.Option(
+        _WORKER.resume_after, "--resume-after", metavar="SECONDS", min=0,
+        help="With --pause-when-busy: how long the machine must be free before the worker takes jobs again."),
+    pause_grace: float = typer.Option(
+        _WORKER.pause_grace, "--pause-grace", metavar="SECONDS", min=0,
+        help="When the worker pauses, running jobs get this long to finish; then they are stopped (their clients "
+             "run them elsewhere)."),
+    dashboard_port: int = typer.Option(
+        _WORKER.dashboard_port, "--dashboard-port", metavar="PORT", min=0,
+        help="Serve this worker's dashboard (state, jobs, earnings, pause) on http://127.0.0.1:PORT."),
+    fake_gpu_probe: Optional[Path] = typer.Option(
+        _WORKER.fake_gpu_probe, "--fake-gpu-probe", metavar="FILE", hidden=True,
+        help="FAKE HARDWARE for tests: read the GPU's use by others and its temperature from this JSON file."),
     fault_corrupt_fraction: float = typer.Option(
         _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", metavar="F", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
@@ -139,7 +197,10 @@ def worker(
         help="FAULT INJECTION for tests: serve other workers program pieces with one byte wrong."),
     verbose: int = Verbose,
 ) -> None:
-    """Join a network (or start one) and serve jobs on this machine's GPU or CPU."""
+    """Join a network (or start one) and serve jobs on this machine's GPU or CPU; `gpunet worker pause` / `resume`
+    control one that runs."""
+    if ctx.invoked_subcommand is not None:
+        return
     from gpunet.worker.server import Worker
 
     _setup_logging(verbose)
@@ -148,6 +209,7 @@ def worker(
         initial_peers=list(initial_peers or []),
         device=device,
         price=price,
+        batch_price=batch_price,
         max_concurrent=max_concurrent,
         max_queue=max_queue,
         public_name=public_name,
@@ -163,12 +225,55 @@ def worker(
         announce_maddrs=list(announce_maddrs or []),
         relay_service=relay_service,
         peer_upload_mbps=peer_upload_mbps,
+        session_memory_gb=session_memory_gb,
+        max_sessions_per_client=max_sessions_per_client,
+        session_ttl=session_ttl,
+        background_job=background_job,
+        background_inputs=background_inputs,
+        pause_when_busy=pause_when_busy,
+        active_hours=active_hours,
+        max_temperature=max_temperature,
+        resume_after=resume_after,
+        pause_grace=pause_grace,
+        dashboard_port=dashboard_port,
+        fake_gpu_probe=fake_gpu_probe,
         fault_corrupt_fraction=fault_corrupt_fraction,
         fault_corrupt_pieces=fault_corrupt_pieces,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
     raise typer.Exit(Worker(config).run())
+
+
+@worker_app.command("pause")
+@handle_errors
+def worker_pause(
+    data_dir: Optional[Path] = DataDir,
+    reason: str = typer.Option("", "--reason", metavar="TEXT", help="Why (shown in its record and dashboard)."),
+) -> None:
+    """Pause the worker of this data dir: it takes no new jobs, and running ones get --pause-grace to finish. It
+    stays paused, across restarts too, until `gpunet worker resume`."""
+    from gpunet.config import resolve_data_dir
+    from gpunet.worker.control import set_pause
+
+    pid = set_pause(resolve_data_dir(data_dir), reason)
+    print(f"Paused the worker (pid {pid}); it finishes running jobs and takes no new ones." if pid else
+          "No worker runs from this data dir now; it will start paused.")
+
+
+@worker_app.command("resume")
+@handle_errors
+def worker_resume(data_dir: Optional[Path] = DataDir) -> None:
+    """Let a worker paused by `gpunet worker pause` take jobs again (its other rules still apply)."""
+    from gpunet.config import resolve_data_dir
+    from gpunet.worker.control import set_pause
+
+    pid = set_pause(resolve_data_dir(data_dir), None)
+    print(f"Resumed the worker (pid {pid})." if pid else "No worker runs from this data dir now; it will not start "
+          "paused.")
+
+
+app.command("earnings")(ledger_cli.earnings_command)
 
 
 @app.command()
@@ -201,12 +306,17 @@ def status(
     timeout: float = typer.Option(30.0, "--timeout", metavar="SECONDS", min=1, help="Give up reading the network after this long."),
     client_dir: Optional[Path] = typer.Option(
         None, "--client-dir", metavar="DIR", help="Show the ratings of the client using this data dir (default: ~/.gpunet/client)."),
+    serve: int = typer.Option(
+        0, "--serve", metavar="PORT", min=0, max=65535,
+        help="Serve the network explorer, a read-only web page of the network and its history, on "
+             "http://127.0.0.1:PORT until Ctrl-C (refreshed every --interval seconds)."),
     verbose: int = Verbose,
 ) -> None:
     """Show every live worker of a network, the network's totals, and how your client rates each worker."""
     from gpunet.client.core import client_data_dir
     from gpunet.client.trust import Reputation
-    from gpunet.status import StatusReader, render_table, wide_console
+    from gpunet.status import StatusReader, render_table
+    from gpunet.utils import wide_console
 
     _setup_logging(verbose)
     console = wide_console()
@@ -216,6 +326,12 @@ def status(
         return Reputation.load(ratings_dir) if ratings_dir.is_dir() else None
 
     with StatusReader(network, initial_peers, ratings=ratings) as reader:
+        if serve:
+            from gpunet.explorer import serve as serve_explorer
+
+            serve_explorer(reader, serve, interval, timeout,
+                           ready=lambda url: print(f"Network explorer: {url} (Ctrl-C to stop)", flush=True))
+            return
         snapshot = reader.read(timeout)
         if not watch:
             if as_json:
@@ -253,6 +369,9 @@ def demo(
     workers: int = typer.Option(3, "--workers", metavar="N", min=1, max=16, help="Worker processes to start."),
     jobs: int = typer.Option(200, "--jobs", metavar="N", min=1, help="Transformer batches to send through the network."),
     keep: bool = typer.Option(False, "--keep", help="Leave the network up afterwards and print how to connect."),
+    generate: bool = typer.Option(
+        False, "--generate", help="Instead of the jobs: a small transformer spread over the workers generates tokens "
+                                  "through an inference session (KV caches stay on the workers)."),
     verbose: int = Verbose,
 ) -> None:
     """Run the whole thing on this machine: a local network, real jobs, the status table and the ledgers."""
@@ -261,7 +380,7 @@ def demo(
     _setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
-    run_demo(workers=workers, jobs=jobs, keep=keep)
+    run_demo(workers=workers, jobs=jobs, keep=keep, generate=generate)
 
 
 @app.command()

@@ -59,7 +59,10 @@ class WorkerConfig:
     network: str = DEFAULT_NETWORK
     initial_peers: list[str] = field(default_factory=list)
     device: str = "auto"
-    price: float = 1.0  # credits per TFLOP of counted work
+    price: float = 1.0  # credits per TFLOP of counted work (the interactive lane)
+    #: The batch lane's floor when no interactive work is wanted (docs/market.md); None: half of ``price``, the
+    #: discount batch APIs usually give. Never above ``price``.
+    batch_price: float | None = None
     max_concurrent: int = 1  # jobs executing at once
     max_queue: int = 8  # jobs waiting beyond those; more are refused with "busy"
     public_name: str | None = None
@@ -76,6 +79,21 @@ class WorkerConfig:
     announce_maddrs: list[str] = field(default_factory=list)  # addresses to announce (a forwarded port), checked
     relay_service: bool = True  # a directly reachable worker relays for workers behind NAT (within RELAY_LIMITS)
     peer_upload_mbps: float = 0.0  # MB/s it serves programs to other workers at, in all (0: no cap)
+    session_memory_gb: float | None = None  # inference sessions' state, all together; default: a quarter of the budget
+    max_sessions_per_client: int = 8
+    session_ttl: float = 600.0  # the longest a session may stay idle before its state is freed
+    #: The volunteer's own job, run whenever no paying job wants the machine (gpunet.worker.background), and its
+    #: inputs (a safetensors file: input_0, input_1, ...).
+    background_job: Path | None = None
+    background_inputs: Path | None = None
+    # The owner comes first (gpunet.worker.availability, docs/volunteer.md).
+    pause_when_busy: bool = False  # pause while other processes use the GPU (or the CPU, on a CPU worker)
+    active_hours: str | None = None  # e.g. "22:00-08:00" or "Mon-Fri 18:00-08:00,Sat-Sun 00:00-24:00", local time
+    max_temperature: float | None = None  # degrees C, hottest GPU (NVML)
+    resume_after: float = 60.0  # seconds the machine must be free before a worker paused for its owner resumes
+    pause_grace: float = 30.0  # seconds running jobs get to finish when the worker pauses
+    dashboard_port: int = 0  # the local dashboard on 127.0.0.1 (0: none)
+    fake_gpu_probe: Path | None = None  # FAKE HARDWARE for tests: GPU use and temperature read from this JSON file
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
     fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
 
@@ -85,3 +103,9 @@ class WorkerConfig:
                               "fetching from this worker gives up on a stream slower than about 1 MB/s")
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):
             raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per TFLOP, not {self.price!r}")
+        if self.batch_price is None:
+            self.batch_price = self.price / 2
+        if not (isinstance(self.batch_price, (int, float)) and math.isfinite(self.batch_price)
+                and 0 <= self.batch_price <= self.price):
+            raise ConfigError(f"--batch-price must be a number from 0 to the interactive --price ({self.price:g}), not "
+                              f"{self.batch_price!r}: batch work is the cheaper, preemptible lane")

@@ -3,6 +3,9 @@
 Starts a bootstrap node and workers as separate processes on 127.0.0.1, traces a small transformer and a
 compute-heavy matmul chain into safe jobs, sends them through ``Client.map`` (nobody picks a machine), checks every
 answer against local execution, then shows who did what, the network status and the ledgers.
+
+``--generate`` shows the Petals-style part instead: a small decoder-only transformer (gpunet.models) cut into spans
+over the workers, generating tokens greedily through an inference session whose KV caches stay on the workers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from rich.table import Table
 import gpunet
 from gpunet.identity import short_id
 from gpunet.ledger import format_credits, open_ledger
-from gpunet.status import NetworkStatus, render_table, wide_console
+from gpunet.ledger.tabs import steps_of
+from gpunet.status import NetworkStatus, render_table
+from gpunet.utils import wide_console
 from gpunet.testing import LocalNetwork, wait_for
 
 
@@ -42,6 +47,7 @@ class DemoReport:
     per_worker: dict[str, int]
     seconds: float
     max_error: float
+    tokens: list[int] | None = None  # --generate: the tokens the network generated (equal to local generation)
 
 
 def _interrupt(*_) -> None:
@@ -61,7 +67,8 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
     return err
 
 
-def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Console | None = None) -> DemoReport:
+def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Console | None = None,
+             generate: bool = False) -> DemoReport:
     console = console or wide_console()
     # SIGTERM ends the demo like Ctrl-C does: through the context managers, which stop every process.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -78,40 +85,10 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
 
         with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
             console.print(f"client {short_id(client.id)} sees {len(client.workers(refresh=True))} workers")
-
-            # 1. a small transformer over many batches, spread over the network
-            model = _transformer()
-            batch = torch.export.Dim("batch", min=1, max=256)
-            example = torch.randn(8, 16, 64)
-            job = gpunet.Job.from_module(model, (example,), dynamic_shapes=({0: batch},))
-            console.print(f"traced a TransformerEncoderLayer into a safe job: {job}")
-            batches = [torch.randn(8, 16, 64) for _ in range(jobs)]
-            start = time.perf_counter()
-            outputs = list(client.map(job, batches, progress=True))
-            seconds = time.perf_counter() - start
-            with torch.no_grad():
-                max_error = max(_check("transformer", y, model(x), 1e-4) for x, y in zip(batches, outputs))
-            console.print(f"{jobs} transformer batches in {seconds:.1f} s, all equal to local execution "
-                          f"(max difference {max_error:.1e})")
-
-            # 2. a compute-bound job, a few times
-            heavy = MatmulChain()
-            heavy_job = gpunet.Job.from_module(heavy, (torch.randn(256, 512),))
-            heavy_inputs = [torch.randn(256, 512) for _ in range(max(2, workers))]
-            start = time.perf_counter()
-            fastest = gpunet.Requirements(prefer="fastest")
-            futures = [client.submit(heavy_job, x, requirements=fastest) for x in heavy_inputs]
-            with torch.no_grad():
-                for x, f in zip(heavy_inputs, futures):
-                    _check("matmul chain", f.result(), heavy(x), 1e-4)
-            flops = sum(f.receipt.flops for f in futures)
-            console.print(f"{len(futures)} compute-heavy jobs ({flops / 1e9:.1f} GFLOP) in "
-                          f"{time.perf_counter() - start:.1f} s, all equal to local execution")
-
+            report = _generation(console, client, workers) if generate else _jobs(console, client, jobs, workers)
             _print_work(console, client)
-            per_worker = Counter(r.worker_id for r in client.ledger.receipts())
             # Records refresh every heartbeat: show the table once they carry the final job counts.
-            wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= sum(per_worker.values()),
+            wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= report.jobs,
                      10 * net.heartbeat, "worker records to report every job")
             console.print(render_table(NetworkStatus(net.network, client.workers()), console.width))
 
@@ -130,18 +107,97 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
                 pass
         console.print("stopping the local network…")
     console.print("[green]demo finished: every process it started has stopped.")
-    return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds, max_error=max_error)
+    return report
+
+
+def _jobs(console: Console, client: gpunet.Client, jobs: int, workers: int) -> DemoReport:
+    # 1. a small transformer over many batches, spread over the network
+    model = _transformer()
+    batch = torch.export.Dim("batch", min=1, max=256)
+    example = torch.randn(8, 16, 64)
+    job = gpunet.Job.from_module(model, (example,), dynamic_shapes=({0: batch},))
+    console.print(f"traced a TransformerEncoderLayer into a safe job: {job}")
+    batches = [torch.randn(8, 16, 64) for _ in range(jobs)]
+    start = time.perf_counter()
+    outputs = list(client.map(job, batches, progress=True))
+    seconds = time.perf_counter() - start
+    with torch.no_grad():
+        max_error = max(_check("transformer", y, model(x), 1e-4) for x, y in zip(batches, outputs))
+    console.print(f"{jobs} transformer batches in {seconds:.1f} s, all equal to local execution "
+                  f"(max difference {max_error:.1e})")
+
+    # 2. a compute-bound job, a few times
+    heavy = MatmulChain()
+    heavy_job = gpunet.Job.from_module(heavy, (torch.randn(256, 512),))
+    heavy_inputs = [torch.randn(256, 512) for _ in range(max(2, workers))]
+    start = time.perf_counter()
+    fastest = gpunet.Requirements(prefer="fastest")
+    futures = [client.submit(heavy_job, x, requirements=fastest) for x in heavy_inputs]
+    with torch.no_grad():
+        for x, f in zip(heavy_inputs, futures):
+            _check("matmul chain", f.result(), heavy(x), 1e-4)
+    flops = sum(f.receipt.flops for f in futures)
+    console.print(f"{len(futures)} compute-heavy jobs ({flops / 1e9:.1f} GFLOP) in "
+                  f"{time.perf_counter() - start:.1f} s, all equal to local execution")
+    per_worker = Counter(r.worker_id for r in client.ledger.receipts())
+    return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds,
+                      max_error=max_error)
+
+
+def _generation(console: Console, client: gpunet.Client, workers: int, new_tokens: int = 32) -> DemoReport:
+    """A decoder-only transformer spread over the workers, generating through one session (KV caches on them)."""
+    from gpunet.models import TinyConfig, generate_locally, tiny_gpt
+
+    cfg = TinyConfig(n_layers=6, d_model=128, n_heads=4, max_len=64)
+    blocks = tiny_gpt(cfg, seed=0)
+    prompt = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    start = time.perf_counter()
+    remote = client.sequential(blocks, example_inputs=(prompt,), spans=min(3, workers),
+                               dynamic_shapes=({1: torch.export.Dim("T", min=1, max=cfg.max_len)},))
+    console.print(f"traced a {cfg.n_layers}-layer decoder ({len(blocks)} blocks, random init) into {len(remote.spans)} "
+                  f"spans in {time.perf_counter() - start:.1f} s")
+    start = time.perf_counter()
+    tokens, x = [], prompt
+    with remote.session() as session:
+        for _ in range(new_tokens):
+            token = int(session.step(x)[0, -1].argmax())
+            tokens.append(token)
+            x = torch.tensor([[token]])
+        placement = session.placement
+    seconds = time.perf_counter() - start
+    receipts = session.receipts  # closing the session billed the steps of its last tabs
+    want = generate_locally(blocks, prompt, new_tokens)
+    if tokens != want:
+        raise gpunet.GpunetError(f"networked generation differs from local generation: {tokens} != {want}")
+    names = {w.id: w.record.name or short_id(w.id) for w in client.workers()}
+    table = Table(title="where the model ran (one session: each span's KV cache stayed on its worker)")
+    for column in ("span", "blocks", "worker", "steps paid", "receipts", "credits"):
+        table.add_column(column)
+    for i, (first, stop, worker_id) in enumerate(placement):
+        mine = [r for r in receipts if r.worker_id == worker_id]
+        what = ", ".join(type(b).__name__ for b in blocks[first:stop])
+        table.add_row(str(i), f"{first}-{stop - 1} ({what})", names.get(worker_id, short_id(worker_id or "?")),
+                      str(sum(steps_of(r.job_id) for r in mine)), str(len(mine)),
+                      format_credits(sum(r.amount for r in mine)))
+    console.print(table)
+    console.print(f"generated {new_tokens} tokens in {seconds:.1f} s ({new_tokens / seconds:.1f} tokens/s), "
+                  f"identical to generating locally: {tokens}", soft_wrap=True)
+    per_worker = Counter()
+    for r in client.ledger.receipts():
+        per_worker[r.worker_id] += steps_of(r.job_id)
+    return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds, max_error=0.0,
+                      tokens=tokens)
 
 
 def _print_work(console: Console, client: gpunet.Client) -> None:
     work: dict[str, list] = defaultdict(lambda: [0, 0, 0])
     for r in client.ledger.receipts():
         w = work[r.worker_id]
-        w[0] += 1
+        w[0] += steps_of(r.job_id)  # a session's tab receipt bills many steps
         w[1] += r.flops
         w[2] += r.amount
     table = Table(title="who did what (from the client's ledger)")
-    for column in ("worker", "jobs", "GFLOP", "paid (credits)"):
+    for column in ("worker", "jobs (or steps)", "GFLOP", "paid (credits)"):
         table.add_column(column, justify="left" if column == "worker" else "right")
     for worker_id, (count, flops, amount) in sorted(work.items(), key=lambda kv: -kv[1][0]):
         table.add_row(short_id(worker_id), str(count), f"{flops / 1e9:.2f}", format_credits(amount))

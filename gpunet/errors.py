@@ -87,6 +87,11 @@ class ExecutorDied(JobFailed):
     fresh executor, so the worker counts it against the job's client; the client sees a JobFailed."""
 
 
+class SessionLost(JobFailed):
+    """A session's state is no longer on the worker (it expired, was closed, or the worker or its executor restarted);
+    the client rebuilds it elsewhere by replaying the session's past inputs (gpunet.client.sequential)."""
+
+
 class JobTimeout(JobError):
     """A job did not finish within its deadline."""
 
@@ -97,6 +102,20 @@ class WorkerBusy(JobError):
     def __init__(self, message: str, queue_length: int = 0):
         super().__init__(message)
         self.queue_length = queue_length
+
+
+class WorkerDraining(WorkerBusy):
+    """A worker is shutting down: it finishes what it runs and takes nothing new (a session on it moves elsewhere)."""
+
+
+class JobPreempted(WorkerBusy):
+    """A batch job was stopped to make room for an interactive one; it was not billed, and the client runs it again
+    elsewhere or later (docs/market.md)."""
+
+
+class DeadlineUnreachable(JobRejected):
+    """No worker can run the job before its deadline (``Requirements.deadline``): said before it is sent, or once
+    every worker that could take it refused it for that reason."""
 
 
 class VerificationFailed(JobError):

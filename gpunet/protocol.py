@@ -12,7 +12,8 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
       client -> Countersign{job, signature} | Refuse{job, reason}         (or nothing: the work stays unpaid)
 
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
-  Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok;
+  Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok,
+  CloseSession -> SessionClosed;
   ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
   :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening; ``reach`` (a stream,
   served by every node, see :mod:`gpunet.dht.reachability`): CheckReach -> ReachResult.
@@ -42,7 +43,10 @@ from gpunet.errors import (
     JobTimeout,
     ProgramNotCached,
     ProtocolError,
+    SessionLost,
+    JobPreempted,
     WorkerBusy,
+    WorkerDraining,
 )
 from gpunet.speedproof import COMMIT_BYTES, MAX_PRODUCTS, PICK_PRODUCTS, PICK_ROWS, SEED_BYTES, SIZES, Challenge, Opening
 from gpunet.utils import human_bytes
@@ -174,6 +178,63 @@ class Message:
         raise NotImplementedError
 
 
+#: The longest a session may stay idle on a worker before its state is dropped (a client asks for less or gets this).
+MAX_SESSION_TTL = 3600.0
+MAX_SESSION_STEP = 2**31
+#: A session id: short, and without the dots that separate a tab's job id (gpunet.ledger.tabs) into its parts.
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,24}\Z")
+
+
+def _session_id(d: dict, name: str) -> str:
+    session_id = _get(d, name, str)
+    if not SESSION_ID_RE.match(session_id):
+        raise ProtocolError("a session id is 1-24 characters of [A-Za-z0-9_-]")
+    return session_id
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStep:
+    """A job that is one step of an inference session (docs/sessions.md): the program's last ``state`` inputs are
+    held on the worker between steps instead of sent. ``step`` 0 opens the session (its state given by the client,
+    or ``fresh``: zeros of the declared shapes); each next step must be the one after the last; ``close`` drops the
+    state once this step is done; ``ttl``: seconds the state may stay idle."""
+
+    id: str
+    step: int
+    fresh: bool = False
+    close: bool = False
+    ttl: float = 300.0
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"id": self.id, "step": self.step, "ttl": float(self.ttl)}
+        if self.fresh:
+            d["fresh"] = True
+        if self.close:
+            d["close"] = True
+        return d
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "SessionStep":
+        if not isinstance(d, dict):
+            raise ProtocolError("session must be a map")
+        session_id = _session_id(d, "id")
+        step = _size(d, "step")
+        if step >= MAX_SESSION_STEP:
+            raise ProtocolError("session step out of range")
+        ttl = _get(d, "ttl", (int, float), optional=True)
+        ttl = 300.0 if ttl is None else float(ttl)
+        if not (0 < ttl <= MAX_SESSION_TTL):  # also refuses NaN
+            raise ProtocolError(f"session ttl must be between 0 and {MAX_SESSION_TTL:.0f} s")
+        return cls(session_id, step, bool(_get(d, "fresh", bool, optional=True)),
+                   bool(_get(d, "close", bool, optional=True)), ttl)
+
+
+#: The market's lanes (docs/market.md), highest priority first; a client asks for one of CLIENT_LANES.
+INTERACTIVE, BATCH, BACKGROUND = "interactive", "batch", "background"
+LANES = (INTERACTIVE, BATCH, BACKGROUND)
+CLIENT_LANES = (INTERACTIVE, BATCH)
+
+
 @dataclass(frozen=True, slots=True)
 class Submit(Message):
     """A job: which program, the inputs (inline when small), how long it may take and the most it may cost."""
@@ -188,14 +249,23 @@ class Submit(Message):
     settle: tuple[tuple[str, bytes], ...] = ()  # unary door: countersignatures owed to this worker, riding along
     settle_malformed: int = 0  # parsed but unusable settle items (logged by the worker; never fatal to the job)
     private: bool = False  # only clients that sent the program's bytes may run it; never advertised or kept on disk
+    session: SessionStep | None = None  # a step of an inference session, its state kept on the worker
+    lane: str = INTERACTIVE  # batch: runs when no interactive job waits, at the worker's floor, preemptible
+    deadline: float | None = None  # unix time by which it must be done: a worker that cannot start it by then refuses
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "job": self.job_id, "program": self.program, "inputs_size": self.inputs_size,
              "timeout": float(self.timeout), "max_price": self.max_price}
+        if self.lane != INTERACTIVE:  # absent means interactive: what workers that predate lanes sell
+            d["lane"] = self.lane
+        if self.deadline is not None:
+            d["deadline"] = float(self.deadline)
         if self.inputs is not None:
             d["inputs"] = self.inputs
         if self.private:
             d["private"] = True
+        if self.session is not None:
+            d["session"] = self.session.to_wire()
         if self.settle:
             d["settle"] = [list(i) for i in self.settle]
         return d
@@ -211,8 +281,15 @@ class Submit(Message):
         if not timeout > 0:  # also refuses NaN
             raise ProtocolError("timeout must be a positive number of seconds")
         settle, malformed = _settle_items(d.get("settle"))
+        session = SessionStep.from_wire(d["session"]) if d.get("session") is not None else None
+        lane = _get(d, "lane", str, optional=True) or INTERACTIVE
+        if lane not in CLIENT_LANES:
+            raise ProtocolError(f"unknown lane {lane[:16]!r} (this worker sells {' and '.join(CLIENT_LANES)})")
+        deadline = _time(d, "deadline") if d.get("deadline") is not None else None
+        if deadline is not None and deadline <= 0:
+            raise ProtocolError("deadline must be a unix time")
         return cls(_job_id(d), program, inputs_size, inputs, timeout, _get(d, "max_price", int, optional=True),
-                   settle, malformed, bool(_get(d, "private", bool, optional=True)))
+                   settle, malformed, bool(_get(d, "private", bool, optional=True)), session, lane, deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +417,8 @@ class Payload(Message):
 
 @dataclass(frozen=True, slots=True)
 class Result(Message):
-    """The outputs (inline when small, else raw bytes after this frame) and the worker-signed receipt."""
+    """The outputs (inline when small, else raw bytes after this frame) and the worker-signed receipt (empty for a
+    session step that its session's tab bills later, gpunet.ledger.tabs)."""
 
     T: ClassVar[str] = "result"
     outputs_size: int
@@ -424,6 +502,42 @@ class Cancel(Message):
     @classmethod
     def from_wire(cls, d: dict) -> "Cancel":
         return cls(_job_id(d))
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession(Message):
+    """End one of this client's inference sessions on a worker (its state is freed); answered SessionClosed."""
+
+    T: ClassVar[str] = "close_session"
+    session_id: str
+    received: int | None = None  # the steps whose answers the client got, in all: the last tab bills no more
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "session": self.session_id, "received": self.received}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "CloseSession":
+        received = _size(d, "received", optional=True)
+        return cls(_session_id(d, "session"), received)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed(Message):
+    """The answer to CloseSession: whether it was open, and the receipt of its last, not yet billed steps."""
+
+    T: ClassVar[str] = "session_closed"
+    closed: bool
+    receipt: bytes | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "closed": self.closed}
+        if self.receipt is not None:
+            d["receipt"] = self.receipt
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SessionClosed":
+        return cls(bool(_get(d, "closed", bool)), _get(d, "receipt", bytes, optional=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -658,6 +772,7 @@ def _index(value: Any, limit: int) -> bool:
 # --- errors across the wire: a code, the same exception on both sides ----------------------------------------------
 
 _CODES: dict[str, type[GpunetError]] = {
+    "session_lost": SessionLost,  # before "failed": the first matching family names an error
     "busy": WorkerBusy,
     "rejected": JobRejected,
     "failed": JobFailed,
@@ -676,19 +791,23 @@ class Error(Message):
     message: str
     queue: int = 0  # busy: the worker's queue length
     program: str | None = None  # not_cached: the program to resend
+    draining: bool = False  # busy because it is leaving (a code of its own would read as a failure to older clients)
+    preempted: bool = False  # busy because a higher lane took its slot (likewise: older clients retry it as busy)
 
     @classmethod
     def of(cls, error: GpunetError, queue: int = 0) -> "Error":
         """The message that carries ``error`` to the peer (first matching family wins)."""
         code = next((c for c, kind in _CODES.items() if isinstance(error, kind)), "failed")
         program = error.program_hash if isinstance(error, ProgramNotCached) else None
-        return cls(code, str(error)[:2000], queue, program)
+        return cls(code, str(error)[:2000], queue, program, isinstance(error, WorkerDraining),
+                   isinstance(error, JobPreempted))
 
     def exception(self) -> GpunetError:
         """The exception this stands for; unknown codes become JobFailed."""
         message = self.message or "worker reported an error"
         if self.code == "busy":
-            return WorkerBusy(message, self.queue)
+            kind = WorkerDraining if self.draining else JobPreempted if self.preempted else WorkerBusy
+            return kind(message, self.queue)
         if self.code == "not_cached":
             return ProgramNotCached(self.program or "?")
         return _CODES.get(self.code, JobFailed)(message)
@@ -697,6 +816,10 @@ class Error(Message):
         d = {"t": self.T, "code": self.code, "message": self.message, "queue": self.queue}
         if self.program is not None:
             d["program"] = self.program
+        if self.draining:
+            d["draining"] = True
+        if self.preempted:
+            d["preempted"] = True
         return d
 
     @classmethod
@@ -705,7 +828,8 @@ class Error(Message):
         program = d.get("program")
         return cls(_text(d, "code", 32) or "failed", _text(d, "message", 2000),
                    queue if type(queue) is int and 0 <= queue < 2**31 else 0,
-                   program if isinstance(program, str) and PROGRAM_HASH_RE.match(program) else None)
+                   program if isinstance(program, str) and PROGRAM_HASH_RE.match(program) else None,
+                   d.get("draining") is True, d.get("preempted") is True)
 
 
 # --- encoding: unary bodies and stream frames ----------------------------------------------------------------------

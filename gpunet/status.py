@@ -61,9 +61,15 @@ class NetworkStatus:
                     "id": w.id,
                     "name": r.name,
                     "state": r.state.value,
+                    "pause_reason": r.pause_reason,
                     "device": r.device.model_dump(mode="json", exclude_none=True),
                     "tflops": dict(r.tflops),
                     "price": r.price,
+                    "batch_price": r.batch_price,  # the batch floor's least; None: a worker without lanes
+                    "batch_floor": r.batch_floor,
+                    "batch_queue": r.batch_queue,
+                    "interactive_load": r.interactive_load,
+                    "preemptions_per_hour": r.preemptions_per_hour,
                     "max_concurrent": r.max_concurrent,
                     "queue": r.queue,
                     "jobs_done": r.jobs_done,
@@ -131,19 +137,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d"
 
 
-_STATE_STYLE = {"online": "green", "joining": "yellow", "draining": "magenta", "offline": "dim"}
-
-
-def wide_console(**kwargs):
-    """A rich Console for tables: the terminal's width, or 160 columns when output goes to a pipe or file (rich would
-    assume 80 there and cut every column short)."""
-    import sys
-
-    from rich.console import Console
-
-    stream = kwargs.get("file") or sys.stdout
-    tty = getattr(stream, "isatty", lambda: False)()
-    return Console(width=None if tty else 160, **kwargs)
+_STATE_STYLE = {"online": "green", "joining": "yellow", "paused": "yellow", "draining": "magenta", "offline": "dim"}
 
 
 _COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "reach",
@@ -159,7 +153,8 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
         title=f"gpunet network {status.network!r}",
         caption=(
             f"{totals['workers']} workers ({totals['online']} online), {totals['gpus']} GPUs, "
-            f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued"
+            f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued; "
+            "price: credits per TFLOP, interactive/batch floor"
         ),
     )
     rows = []
@@ -173,7 +168,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
             f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
             f"{best[1]:.3g} {best[0]}" if best else "-",
-            f"{r.price:g}",
+            f"{r.price:g}" + (f"/{r.batch_floor:g}" if r.batch_floor is not None else ""),
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits

@@ -169,3 +169,15 @@ def host_of(maddr) -> str:
         except ValueError:
             pass
     return "/".join(parts[:3])
+
+
+def wide_console(**kwargs):
+    """A rich Console for tables: the terminal's width, or 160 columns when output goes to a pipe or file (rich would
+    assume 80 there and cut every column short)."""
+    import sys
+
+    from rich.console import Console
+
+    stream = kwargs.get("file") or sys.stdout
+    tty = getattr(stream, "isatty", lambda: False)()
+    return Console(width=None if tty else 160, **kwargs)

@@ -27,6 +27,8 @@ def worker_signed(
     flops: int = 3 * 10**12,
     price: int = 2_500_000,
     max_price: int | None = 3_000_000,
+    ended_at_us: int = T0_US + 20_000,
+    lane: str = "interactive",
 ) -> Receipt:
     return sign_as_worker(
         worker,
@@ -39,12 +41,14 @@ def worker_signed(
         wall_time_us=12_345,
         price=price,
         max_price=max_price,
-        started_at_us=T0_US,
-        ended_at_us=T0_US + 20_000,
+        started_at_us=min(T0_US, ended_at_us),
+        ended_at_us=ended_at_us,
+        lane=lane,
     )
 
 
 def full_receipt(worker: Identity, client: Identity, job_id: str, **terms) -> Receipt:
     half = worker_signed(worker, client, job_id, **terms)
-    signed = countersign(half, client, output_hash=half.output_hash, max_price=half.max_price, flops=half.flops)
+    signed = countersign(half, client, output_hash=half.output_hash, max_price=half.max_price, flops=half.flops,
+                         lane=half.lane)
     return attach_countersignature(half, signed.client_signature)

@@ -3,14 +3,28 @@ import pytest
 from tests.swarm import Swarm, wait_for
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item, so a fixture can tell whether its test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def swarm(tmp_path):
-    """A bootstrap node on 127.0.0.1; tests add workers. Everything started is stopped afterwards."""
+def swarm(request, tmp_path):
+    """A bootstrap node on 127.0.0.1; tests add workers. Everything started is stopped afterwards. When the test
+    fails, the tail of every node's log is printed (a failure seen only in CI is then readable from its output)."""
     s = Swarm(tmp_path, network="gpunet-test", heartbeat=1.0)
     try:
         s.start_bootstrap()
         yield s
     finally:
+        report = getattr(request.node, "report_call", None)
+        if report is not None and report.failed:
+            for proc in s.procs:
+                print(f"--- {proc.name} (pid {proc.pid}), last lines of its log ---")
+                print("\n".join(proc.lines[-60:]))
         s.close()
 
 

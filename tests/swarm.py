@@ -7,7 +7,7 @@ import os
 import subprocess
 from typing import Callable
 
-from gpunet.testing import LocalNetwork, Proc, gpunet_cmd, wait_for  # noqa: F401  (re-exported for tests)
+from gpunet.testing import LocalNetwork, Proc, free_port, gpunet_cmd, wait_for  # noqa: F401  (re-exported for tests)
 
 
 def run_cli(*args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:

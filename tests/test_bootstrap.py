@@ -4,17 +4,11 @@ bootstrap node that never splits the network in two. Real processes and daemons 
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
+from gpunet.testing import free_port
 from tests.swarm import Swarm, run_cli, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _online_via(swarm: Swarm, peer: str) -> set[str]:
@@ -31,7 +25,7 @@ def test_restarted_bootstrap_never_splits_the_network(tmp_path):
     the first keeps trying, says so, and joins once the first is back (same identity and port). Afterwards everyone is
     seen from either entry point: the restart did not split the network."""
     with Swarm(tmp_path, network="boot-test", heartbeat=1.0) as swarm:
-        port = _free_port()
+        port = free_port()
         first = swarm.start_bootstrap(host_maddrs=f"/ip4/127.0.0.1/tcp/{port}")
         first_proc = swarm.bootstrap
         second = swarm.start_bootstrap("--initial-peers", first)

@@ -19,7 +19,18 @@ from gpunet.client.core import ClientCore
 from gpunet.client.transport import Delivery, JobRequest
 from gpunet.dht.records import DeviceInfo, WorkerRecord
 from gpunet.dht.registry import WorkerEntry
-from gpunet.errors import JobFailed, JobRejected, JobTimeout, NetworkError, ProgramNotCached, WorkerBusy
+from gpunet.errors import (
+    DeadlineUnreachable,
+    JobFailed,
+    JobPreempted,
+    JobRejected,
+    JobTimeout,
+    NetworkError,
+    NoWorkersAvailable,
+    ProgramNotCached,
+    ProtocolError,
+    WorkerBusy,
+)
 from gpunet.job import tensors
 from gpunet.ledger import Identity, price_to_nano, sign_as_worker
 from gpunet.protocol import Countersign, Refuse
@@ -30,7 +41,8 @@ X = torch.randn(4, 8)
 
 class FakeWorker:
     """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
-    ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject."""
+    ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject,
+    preempt (a batch job stopped for interactive work), late (refused for its deadline), break (the stream cut)."""
 
     def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
         self.name, self.script, self.price = name, list(script), price
@@ -38,6 +50,8 @@ class FakeWorker:
         self.id = self.identity.peer_id
         self.jobs: list[str] = []
         self.verdicts: list[Countersign | Refuse] = []
+        self.states: dict[str, tuple[torch.Tensor, ...]] = {}  # session id -> its state, as a worker keeps it
+        self.answered: dict[str, Delivery] = {}  # session step job id -> its answer (a worker's results cache)
         self.entry = WorkerEntry(self.id, WorkerRecord(
             version="test", state="online", price=price, tflops={"fp32": tflops},
             device=DeviceInfo(kind="cpu", name=name, memory_total=16 * 2**30, memory_free=8 * 2**30)), 1e12)
@@ -59,6 +73,12 @@ class FakeTransport:
         act = w.script.pop(0) if w.script else "ok"
         if act == "busy":
             raise WorkerBusy("worker queue is full", 3)
+        if act == "break":
+            raise ProtocolError("peer closed the stream mid-message")
+        if act == "preempt":
+            raise JobPreempted("an interactive job needed this worker's slot", 1)
+        if act == "late":
+            raise DeadlineUnreachable("this worker cannot start the job before its deadline")
         if act == "fail":
             raise JobFailed("executor crashed")
         if act == "vanish":
@@ -69,6 +89,8 @@ class FakeTransport:
             raise ProgramNotCached(request.program_hash)
         if act == "hang":
             await asyncio.Event().wait()
+        if request.session is not None:
+            return self._step(w, request, act)
         job = gpunet.Job.from_bytes(request.program)
         inputs = tensors.decode(request.inputs)
         x = [inputs[f"input_{i}"] for i in range(len(inputs))]
@@ -81,13 +103,31 @@ class FakeTransport:
             w.identity, job_id=request.job_id, client_id=self.client_id, program_hash=request.program_hash,
             input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(signed_outputs).hexdigest(),
             flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_nano(w.price),
-            max_price=request.max_price, started_at_us=1, ended_at_us=2)
+            max_price=request.max_price, started_at_us=1, ended_at_us=2, lane=request.lane)
 
         async def finish(verdict):
             w.verdicts.append(verdict)
 
         sent = len(request.inputs) + (0 if cached else len(request.program))
         return Delivery(worker.id, outputs, receipt, sent, 0.0, via_unary=cached, finish=finish)
+
+    def _step(self, w: FakeWorker, request: JobRequest, act: str) -> Delivery:
+        """A session step: the state stays here between steps; a step asked again is answered from memory.
+        ``act`` "cut": the step runs, and its answer is lost on the way back."""
+        if request.job_id in w.answered:
+            return w.answered[request.job_id]
+        job = gpunet.Job.from_bytes(request.program)
+        inputs = tensors.decode(request.inputs)
+        x = [inputs[f"input_{i}"] for i in range(len(inputs))]
+        if request.session.step > 0:
+            x += w.states[request.session.id]
+        out, *state = job.run_locally(*x)
+        w.states[request.session.id] = tuple(state)
+        w.answered[request.job_id] = delivery = Delivery(
+            w.id, tensors.encode({"output_0": out}), None, len(request.inputs), 0.0, via_unary=True)
+        if act == "cut":
+            raise ProtocolError("peer closed the stream mid-message")
+        return delivery
 
     async def settle(self, worker_id: str, items) -> None:
         self.settled.setdefault(worker_id, []).extend(job_id for job_id, _ in items)
@@ -246,3 +286,93 @@ def test_an_unavailable_worker_is_not_treated_as_a_liar_but_a_wrong_answer_is(tm
     assert rep.workers[flaky.id].failures > 0.9 and not rep.avoided(flaky.id)  # unavailable: ranked lower, not shunned
     assert rep.score(flaky.id) < rep.score(good.id)
     assert rep.workers[wrong.id].invalid > 0.9 and rep.avoided(wrong.id)  # a hash that does not match: shunned
+
+
+def test_a_preempted_batch_job_runs_again_elsewhere_is_paid_once_and_costs_its_worker_nothing(tmp_path):
+    cheap, other = FakeWorker("cheap", "preempt", price=0.5), FakeWorker("other", price=0.8)
+
+    async def scenario(core):
+        result = await core.run(JOB, [X], gpunet.Requirements(priority="batch", prefer="cheapest"))
+        assert cheap.id not in core.router.bans  # not held against it, nor kept from other jobs
+        return result
+
+    result = run(tmp_path, [cheap, other], scenario)
+    assert result.attempts == [cheap.id, other.id] and result.worker_id == other.id
+    assert result.receipt.lane == "batch" and result.receipt.is_countersigned
+    assert len(cheap.jobs) == 1 and cheap.jobs == other.jobs  # the same job id, run once to the end
+
+
+def test_a_preempted_batch_job_with_nowhere_else_to_go_waits_its_turn_on_the_same_worker(tmp_path):
+    only = FakeWorker("only", "preempt", "preempt")
+
+    async def scenario(core):
+        return await core.run(JOB, [X], gpunet.Requirements(priority="batch"))
+
+    result = run(tmp_path, [only], scenario)
+    assert result.attempts == [only.id] * 3 and result.receipt.lane == "batch"
+
+
+def test_workers_refusing_a_job_for_its_deadline_end_in_deadline_unreachable(tmp_path):
+    import time
+
+    workers = [FakeWorker(f"w{i}", "late") for i in range(3)]
+
+    async def scenario(core):
+        with pytest.raises(DeadlineUnreachable, match="deadline"):
+            await core.run(JOB, [X], gpunet.Requirements(deadline=time.time() + 60))
+        with pytest.raises(DeadlineUnreachable, match="passed"):
+            await core.run(JOB, [X], gpunet.Requirements(deadline=time.time() - 1))
+
+    run(tmp_path, workers, scenario)
+    assert all(len(w.jobs) == 1 for w in workers)
+
+
+def test_a_stream_broken_on_the_way_is_tried_once_more_on_the_same_worker(tmp_path):
+    once, twice = FakeWorker("once", "break"), FakeWorker("twice", "break", "break")
+
+    async def scenario(core):
+        return await core.run(JOB, [X])
+
+    result = run(tmp_path / "a", [once], scenario)
+    assert result.attempts == [once.id, once.id] and len(once.jobs) == 2  # the same job id, answered once
+    with pytest.raises(NoWorkersAvailable, match="peer closed the stream"):
+        run(tmp_path / "b", [twice], scenario)
+
+
+class Accumulate(torch.nn.Module):
+    """A stateful block: y = x + the sum of every x before it."""
+
+    def forward(self, x, total):
+        total = total + x
+        return total, total
+
+
+def test_a_session_step_whose_answer_is_lost_is_asked_again_of_the_worker_holding_the_state(tmp_path):
+    from gpunet.ledger.tabs import Tab
+
+    job = gpunet.Job.from_module(Accumulate(), (torch.ones(2), torch.zeros(2)), state=1)
+    holder = FakeWorker("holder", "ok", "cut", "ok", "break")
+
+    async def scenario(core):
+        await core.refresh()
+        tab, outs = Tab(), []
+        for step in range(3):
+            session = gpunet.protocol.SessionStep("s1", step)
+            result = await core.run_step(job, (torch.full((2,), step + 1.0),), holder.id, session,
+                                         (torch.zeros(2),), tab)
+            outs.append(result.outputs[0].tolist())
+        return outs
+
+    # Step 1 ran but its answer was cut, step 2 never arrived: each was asked again once, and counted once.
+    assert run(tmp_path, [holder], scenario) == [[1.0, 1.0], [3.0, 3.0], [6.0, 6.0]]
+    assert holder.jobs == ["s1.0", "s1.1", "s1.1", "s1.2", "s1.2"]
+
+    twice = FakeWorker("twice", "break", "break")
+
+    async def cut_twice(core):
+        await core.refresh()
+        await core.run_step(job, (torch.ones(2),), twice.id, gpunet.protocol.SessionStep("s2", 0),
+                            (torch.zeros(2),), Tab())
+
+    with pytest.raises(ProtocolError, match="mid-message"):  # the second break is the span's to handle: it moves
+        run(tmp_path / "b", [twice], cut_twice)

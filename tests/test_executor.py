@@ -134,9 +134,9 @@ def test_after_a_death_a_warm_spare_takes_the_next_dead_executors_place(tmp_path
     assert not spare.is_alive()  # close() stops the spare too
 
 
-def _expand(x):  # a 4 KiB input (it rides in the pipe header) that becomes seconds of matmuls
+def _expand(x):  # a 4 KiB input (it rides in the pipe header) that becomes seconds of matmuls (270 GFLOP)
     y = x.repeat(24, 24)
-    for _ in range(60):
+    for _ in range(300):
         y = torch.tanh(y @ y)
     return y[:2, :2]
 
@@ -172,6 +172,31 @@ def test_cancelling_a_running_job_stops_its_executor(ex, job):
     assert asyncio.run(scenario()).flops == SMALL.estimate(torch.randn(4, 16)).flops
 
 
+def test_a_job_stopped_for_a_higher_lane_ends_at_its_next_node_and_its_executor_serves_on(ex):
+    from gpunet.errors import JobPreempted
+
+    async def scenario():
+        x = torch.randn(768, 768)
+        tag = object()
+        assert not ex.stop(tag)  # nothing running under that name: the caller would cancel instead
+        task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(), SLOW.encode_inputs(x), 60,
+                                          tag=tag))
+        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        runner = ex.busy_pids()[0]
+        start = _cpu_seconds(runner)
+        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(runner) - start > 0.2, 60, "the job to compute")
+        assert ex.stop(tag)
+        with pytest.raises(JobPreempted, match="higher lane"):
+            await task
+        assert runner in ex.pids() and _alive(runner)  # no restart: the process is the same
+        result = await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(4, 16)), 60)
+        other = await ex.run(SLOW.program_hash, None, SLOW.encode_inputs(x), 60, tag=object())
+        return result, other  # a stop meant for one run never stops the next
+
+    result, other = asyncio.run(scenario())
+    assert result.flops and other.flops == SLOW.estimate(torch.randn(768, 768)).flops
+
+
 def test_a_waiter_cancelled_after_being_handed_an_executor_passes_it_on():
     """FIFO hand-over: an executor released to a waiter that is cancelled before it resumes goes to the next one."""
     from collections import deque
@@ -179,6 +204,7 @@ def test_a_waiter_cancelled_after_being_handed_an_executor_passes_it_on():
 
     pool = Executor.__new__(Executor)  # the queueing logic alone, over stand-in slots
     pool._slots, pool._waiters, pool._closed = [SimpleNamespace(busy=False, hashes=set())], deque(), False
+    pool._pinned_waiters = {}
 
     async def scenario():
         held = await pool._acquire("h")
@@ -232,3 +258,91 @@ def test_close_stops_every_process(tmp_path):
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(JobFailed, match="closed"):
         _run(ex, SMALL, torch.randn(1, 16))
+
+
+class SlowCounter(torch.nn.Module):
+    """A stateful block whose step takes about half a second: a long chain over x, and the state counts steps."""
+
+    def forward(self, x, n):
+        for _ in range(150):
+            x = torch.tanh(x @ x)
+        return x[:1, :1] * 0 + n, n + 1
+
+
+def test_a_run_on_an_executor_holding_sessions_is_stopped_never_killed(tmp_path):
+    """Cancelled, or past its time: a kill would lose every session that process holds (any client's), so the run
+    is stopped at its next node instead; the sessions go on from the state they had."""
+    stepper = Job.from_module(SlowCounter(), (torch.randn(768, 768), torch.zeros(1, 1)), state=1)
+    x = stepper.encode_step_inputs(torch.randn(768, 768))
+
+    def session(key, step):
+        return {"key": key, "step": step, "fresh": True, "close": False, "room": 1 << 20}
+
+    def count(result):  # the state's count, as the step saw it
+        return tensors.decode(result.outputs)["output_0"].item()
+
+    async def start_and_cancel(run, pid):
+        task = asyncio.ensure_future(run)
+        start = _cpu_seconds(pid)
+        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(pid) - start > 0.2, 60, "the run to compute")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def scenario(ex):
+        (pid,) = ex.pids()  # one process: everything below shares it
+        assert count(await ex.run(stepper.program_hash, stepper.to_bytes(), x, 60, session=session("A/s", 0))) == 0
+        # Another job there, cancelled mid-run.
+        await start_and_cancel(ex.run(SLOW.program_hash, SLOW.program_bytes(),
+                                      SLOW.encode_inputs(torch.randn(768, 768)), 60), pid)
+        # The session's own step, cancelled mid-run: the state stays as it was before it, so the step can be run again.
+        await start_and_cancel(ex.run(stepper.program_hash, None, x, 60, session=session("A/s", 1)), pid)
+        # A step past its time limit: stopped, the executor serving on.
+        with pytest.raises(JobTimeout, match="stopped"):
+            await ex.run(stepper.program_hash, None, x, 0.3, session=session("A/s", 1))
+        assert ex.pids() == [pid] and _alive(pid) and ex.holds_session("A/s")
+        assert count(await ex.run(stepper.program_hash, None, x, 60, session=session("A/s", 1))) == 1
+        assert count(await ex.run(stepper.program_hash, None, x, 60, session=session("A/s", 2))) == 2
+
+        # With no session's state there, a cancel kills the process as before (the quickest way to stop a run).
+        await ex.drop_sessions(["A/s"])
+        await start_and_cancel(ex.run(SLOW.program_hash, None, SLOW.encode_inputs(torch.randn(768, 768)), 60), pid)
+        await asyncio.to_thread(_wait_for, lambda: not _alive(pid), 10, "the process to be killed")
+
+    with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False) as ex:
+        asyncio.run(scenario(ex))
+
+
+class LastOpSlow(torch.nn.Module):
+    """A stateful block whose step ends in one long op: a stop asked during it comes too late to stop anything."""
+
+    def forward(self, x, n):
+        seen = n * 1
+        counted = n + 1
+        return seen, torch.mm(x, x), counted
+
+
+def test_a_cancelled_session_step_that_ends_anyway_is_taken_as_done(tmp_path):
+    """Its session's state moved on in the process: dropping its answer would leave the worker a step behind the state
+    (on a GPU this is the usual case: the stop is seen before the queued kernels end)."""
+    stepper = Job.from_module(LastOpSlow(), (torch.randn(4096, 4096), torch.zeros(1, 1)), state=1)
+    x = stepper.encode_step_inputs(torch.randn(4096, 4096))
+
+    def session(step):
+        return {"key": "A/s", "step": step, "fresh": True, "close": False, "room": 1 << 20}
+
+    def seen(result):
+        return tensors.decode(result.outputs)["output_0"].item()
+
+    async def scenario(ex):
+        (pid,) = ex.pids()
+        assert seen(await ex.run(stepper.program_hash, stepper.to_bytes(), x, 60, session=session(0))) == 0
+        task = asyncio.ensure_future(ex.run(stepper.program_hash, None, x, 60, session=session(1)))
+        start = _cpu_seconds(pid)
+        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(pid) - start > 0.2, 60, "the long op to run")
+        task.cancel()
+        assert seen(await task) == 1  # answered, not cancelled: the step happened
+        assert seen(await ex.run(stepper.program_hash, None, x, 60, session=session(2))) == 2
+
+    with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False) as ex:
+        asyncio.run(scenario(ex))

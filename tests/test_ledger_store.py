@@ -9,7 +9,7 @@ from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptC
 from gpunet.ledger import Identity, Ledger, Receipt, balances, open_ledger
 from gpunet.ledger import store as store_module
 from gpunet.ledger.export import write_json
-from gpunet.ledger.store import entry_hash
+from gpunet.ledger.store import SCHEMA_VERSION, entry_hash
 from tests._ledger_util import full_receipt, worker_signed
 
 W1, W2, C1, C2, MALLORY = (Identity.generate() for _ in range(5))
@@ -482,4 +482,32 @@ def test_a_schema_1_ledger_is_read_as_it_is_and_migrated_when_opened_for_writing
         # Schema 1's false "conflict" is a job of its own now: appended to the chain, no longer listed as a conflict.
         assert ledger.get("job-3", C2.peer_id) == another_clients
         assert ledger.conflicts() == [] and ledger.verify().count == 6
-    assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == 2
+    assert sqlite3.connect(tmp_path / "old.sqlite").execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_unbilled_work_is_noted_with_its_reason_bounded_and_a_schema_2_file_gains_the_table(tmp_path, monkeypatch):
+    import gpunet.ledger.store as store
+    from gpunet.ledger.store import Unbilled
+
+    with Ledger(tmp_path / "a.sqlite") as ledger:
+        ledger.record_unbilled(Unbilled(C1.peer_id, "job-1", "refused", "outvoted by 2 other workers", 10**9))
+        ledger.record_unbilled(Unbilled(C1.peer_id, "job-2", "preempted", lane="batch"))
+        notes = ledger.unbilled()
+        assert [(n.job_id, n.reason, n.lane) for n in notes] == [("job-1", "refused", "interactive"),
+                                                                   ("job-2", "preempted", "batch")]
+        assert notes[0].detail == "outvoted by 2 other workers" and notes[0].recorded_at_us > 0
+        assert ledger.unbilled(since_us=notes[1].recorded_at_us + 1) == []
+        monkeypatch.setattr(store, "MAX_UNBILLED", 3)
+        for i in range(5):
+            ledger.record_unbilled(Unbilled(C2.peer_id, f"spam-{i}", "cancelled"))
+        assert [n.job_id for n in ledger.unbilled()] == ["spam-2", "spam-3", "spam-4"]
+    # A ledger written before schema 3: read as it is (no notes), given the table when opened for writing.
+    db = sqlite3.connect(tmp_path / "b.sqlite")
+    db.executescript(store._TABLES + store._TRIGGERS + "PRAGMA user_version = 2;")
+    db.close()
+    with Ledger(tmp_path / "b.sqlite", readonly=True) as ledger:
+        assert ledger.unbilled() == []
+    with Ledger(tmp_path / "b.sqlite") as ledger:
+        ledger.record_unbilled(Unbilled(C1.peer_id, "job-9", "timed_out"))
+        assert [n.reason for n in ledger.unbilled()] == ["timed_out"]
+    assert sqlite3.connect(tmp_path / "b.sqlite").execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

@@ -9,17 +9,20 @@ import pytest
 from gpunet import protocol
 from gpunet.speedproof import Opening
 from gpunet.errors import (
+    JobPreempted,
     JobFailed,
     JobRejected,
     JobTimeout,
     ProgramNotCached,
     ProtocolError,
     WorkerBusy,
+    WorkerDraining,
 )
 from gpunet.protocol import (
     MAX_FRAME_BYTES,
     MESSAGES,
     Cancel,
+    CloseSession,
     CheckReach,
     Countersign,
     Door,
@@ -47,12 +50,15 @@ from gpunet.protocol import (
     encode_frame,
     read,
     read_payload,
+    SessionClosed,
+    SessionStep,
 )
 
 H = "ab" * 32
 EXAMPLES = [
     Submit("job-1", H, 3, b"abc", 30.0, 7, (("job-0", b"s" * 64),)),
     Submit("job-2", H, 10**9),
+    Submit("job-3", H, 0, lane="batch", deadline=1.8e9, max_price=5),
     Send(True, False),
     Payload(10, None),
     Result(3, b"receipt", b"xyz"),
@@ -61,6 +67,10 @@ EXAMPLES = [
     Refuse("job-1", "outvoted"),
     SettleBatch((("a", b"1"), ("b", b"2"))),
     Cancel("job-1"),
+    CloseSession("s-1"),
+    SessionClosed(True, b"receipt"),
+    SessionClosed(False),
+    Submit("s-1.4", H, 3, b"abc", session=SessionStep("s-1", 4, fresh=False, close=True, ttl=20.0)),
     Ok(),
     Ok(cancelled=True),
     UseStream(),
@@ -108,7 +118,8 @@ def test_doors_name_one_protocol_each():
 
 
 @pytest.mark.parametrize("error", [WorkerBusy("full", 3), JobRejected("op aten.from_file"), JobFailed("boom"),
-                                   JobTimeout("slow"), ProtocolError("bad"), ProgramNotCached(H)])
+                                   JobTimeout("slow"), ProtocolError("bad"), ProgramNotCached(H),
+                                   WorkerDraining("leaving", 3), JobPreempted("an interactive job took its slot", 3)])
 def test_errors_cross_the_wire_as_the_same_family(error):
     back = protocol.decode(protocol.encode(Error.of(error, queue=3)), Error).exception()
     assert type(back) is type(error)
@@ -128,10 +139,23 @@ def test_errors_cross_the_wire_as_the_same_family(error):
     ({"job": "j", "program": H, "inputs_size": 9, "inputs": b"abc"}, "inline inputs"),
     ({"job": "j", "program": H, "inputs_size": 1, "timeout": -1.0}, "timeout"),
     ({"job": "j", "program": H, "inputs_size": 1, "timeout": float("nan")}, "timeout"),
+    ({"job": "j", "program": H, "inputs_size": 1, "lane": "spot"}, "unknown lane"),
+    ({"job": "j", "program": H, "inputs_size": 1, "lane": "background"}, "unknown lane"),  # the volunteer's own
+    ({"job": "j", "program": H, "inputs_size": 1, "lane": 3}, "'lane' must be str"),
+    ({"job": "j", "program": H, "inputs_size": 1, "deadline": float("inf")}, "deadline"),
+    ({"job": "j", "program": H, "inputs_size": 1, "deadline": -5}, "deadline"),
 ])
 def test_a_malformed_submit_is_a_protocol_error(fields, match):
     with pytest.raises(ProtocolError, match=match):
         protocol.decode(msgpack.packb({"t": "submit", **fields}, use_bin_type=True))
+
+
+def test_a_submit_without_a_lane_is_interactive_as_workers_before_lanes_sold_it():
+    plain = protocol.decode(msgpack.packb({"t": "submit", "job": "j", "program": H, "inputs_size": 0}), Submit)
+    assert plain.lane == "interactive" and plain.deadline is None
+    assert "lane" not in Submit("j", H, 0).to_wire()  # the same bytes older workers always read
+    batch = Submit("j", H, 0, lane="batch", deadline=1.8e9)
+    assert protocol.decode(protocol.encode(batch), Submit) == batch
 
 
 def test_malformed_countersignatures_riding_along_never_spoil_the_job():

@@ -109,8 +109,8 @@ def test_non_canonical_and_foreign_encodings_are_refused():
     assert wide != r.body
     with pytest.raises(InvalidReceipt, match="canonical"):
         Receipt.from_bytes(msgpack.packb([wide, r.worker_signature, r.client_signature]))
-    future = msgpack.packb([3, *msgpack.unpackb(r.body)[1:]])
-    with pytest.raises(InvalidReceipt, match="version 3"):
+    future = msgpack.packb([4, *msgpack.unpackb(r.body)[1:]])
+    with pytest.raises(InvalidReceipt, match="version 4"):
         Receipt.from_bytes(msgpack.packb([future, b"", b""]))
     with pytest.raises(InvalidReceipt):
         Receipt.from_bytes(b"x" * 5000)
@@ -184,6 +184,40 @@ def test_format_1_receipts_still_verify_with_their_amounts_in_nano_credits(tmp_p
     as_v2 = dataclasses.replace(old, version=2, amount=compute_amount(old.flops, old.price))
     with pytest.raises(InvalidReceipt, match="signature"):
         as_v2.verify()
+
+
+def test_receipts_say_which_lane_they_were_sold_in_and_format_2_reads_as_interactive(tmp_path):
+    from gpunet.ledger import open_ledger
+    from gpunet.ledger.receipts import countersign, sign_as_worker
+
+    batch = sign_as_worker(WORKER, job_id="job-batch", client_id=CLIENT.peer_id, program_hash=digest("p"),
+                           input_hash=digest("i"), output_hash=digest("o"), flops=10**12, wall_time_us=1,
+                           price=5 * 10**8, max_price=10**9, started_at_us=1, ended_at_us=2, lane="batch")
+    assert msgpack.unpackb(batch.body)[0] == 3 and msgpack.unpackb(batch.body)[-1] == "batch"
+    with pytest.raises(InvalidReceipt, match="lane"):  # a worker cannot bill a batch job as anything else, nor back
+        countersign(batch, CLIENT, output_hash=digest("o"), max_price=10**9, lane="interactive")
+    paid = countersign(batch, CLIENT, output_hash=digest("o"), max_price=10**9, lane="batch")
+    again = Receipt.from_bytes(paid.to_bytes())
+    again.verify()
+    assert again.lane == "batch" and again.to_dict()["lane"] == "batch" and again.amount == 5 * 10**8
+    # A format-2 receipt (signed before lanes): no lane in its body, read as interactive, verifies as signed.
+    unsigned = Receipt(job_id="job-v2", client_id=CLIENT.peer_id, worker_id=WORKER.peer_id, program_hash=digest("p"),
+                       input_hash=digest("i"), output_hash=digest("o"), flops=10**12, wall_time_us=1, price=10**9,
+                       max_price=None, amount=10**9, started_at_us=1, ended_at_us=2, version=2)
+    assert len(msgpack.unpackb(unsigned.body)) == 14 and unsigned.signing_bytes().startswith(b"gpunet/receipt/v2\x00")
+    half = dataclasses.replace(unsigned, worker_signature=WORKER.sign(unsigned.signing_bytes()))
+    old = Receipt.from_bytes(countersign(half, CLIENT, output_hash=digest("o"), max_price=None, lane="batch").to_bytes())
+    old.verify()
+    assert old.version == 2 and old.lane == "interactive" and old.to_dict()["lane"] == "interactive"
+    with pytest.raises(InvalidReceipt, match="no lane"):
+        dataclasses.replace(unsigned, lane="batch")
+    with pytest.raises(InvalidReceipt, match="lane"):
+        dataclasses.replace(paid, lane="Batch!")
+    with open_ledger(tmp_path) as ledger:
+        ledger.append(again)
+        ledger.append(old)
+        ledger.verify()
+        assert ledger.balances()[WORKER.peer_id].earned == 15 * 10**8
 
 
 @pytest.mark.parametrize(

@@ -5,17 +5,18 @@ import pytest
 from gpunet.client.routing import GiB, JobShape, Requirements, Router
 from gpunet.dht.records import DeviceInfo, WorkerRecord
 from gpunet.dht.registry import WorkerEntry
-from gpunet.errors import NoWorkersAvailable
+from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
 
 PROGRAM = "ab" * 32
 TINY = JobShape(flops=512, program_hash=PROGRAM, input_bytes=1024, program_bytes=10_000, dtype="fp32")
 HEAVY = JobShape(flops=10**12, program_hash=PROGRAM, input_bytes=1024, program_bytes=10_000, dtype="fp32")
 
 
-def worker(name: str, *, kind="cpu", tflops=1.0, price=1.0, state="online", queue=0, free_gb=8.0, programs=()):
+def worker(name: str, *, kind="cpu", tflops=1.0, price=1.0, state="online", queue=0, free_gb=8.0, programs=(),
+           **lanes):
     record = WorkerRecord(
         version="test", state=state, price=price, queue=queue, programs=list(programs), tflops={"fp32": tflops},
-        device=DeviceInfo(kind=kind, name=name, memory_total=int(16 * GiB), memory_free=int(free_gb * GiB)),
+        device=DeviceInfo(kind=kind, name=name, memory_total=int(16 * GiB), memory_free=int(free_gb * GiB)), **lanes,
     )
     return WorkerEntry(id=name, record=record, expiration_time=1e12)
 
@@ -185,3 +186,35 @@ def test_checkers_are_drawn_at_random_not_by_price_or_claimed_speed():
         r.reputation.record("honest-1", "valid", checked=True)
     assert r.reputation.established("honest-1") and not r.reputation.established("sybil-1")
     assert {r.choose_checker(Requirements(), replicas={"sybil-0"}, rng=rng).id for _ in range(50)} == {"honest-1"}
+
+
+def test_batch_work_goes_where_the_floor_is_lowest_and_preemption_least_likely():
+    quiet = worker("quiet", price=2.0, batch_price=1.0, batch_floor=1.0)
+    crowded = worker("crowded", price=2.0, batch_price=0.8, batch_floor=2.0, interactive_load=0.9)
+    r = router(quiet, crowded)
+    batch = Requirements(priority="batch", max_price=1.5)
+    assert batch.price_at(crowded) == 2.0 and Requirements().price_at(crowded) == 2.0
+    assert r.choose(batch, HEAVY).id == "quiet"  # cheaper now, and not kept busy by interactive work
+    # A bid under a worker's batch price can never run there; between its batch price and its floor, it may (it waits).
+    with pytest.raises(NoWorkersAvailable, match="sells batch work from 1 credits/TFLOP"):
+        router(quiet).choose(Requirements(priority="batch", max_price=0.5), TINY)
+    assert router(crowded).choose(Requirements(priority="batch", max_price=1.0), TINY).id == "crowded"
+    old = worker("before-lanes", price=1.0)  # no batch_price: it sells batch work as interactive, at its price
+    assert Requirements(priority="batch").price_at(old) == 1.0
+    with pytest.raises(NoWorkersAvailable):
+        router(old).choose(Requirements(priority="batch", max_price=0.5), TINY)
+
+
+def test_a_deadline_no_worker_can_meet_is_refused_with_the_soonest_estimate():
+    r = router(worker("slow", tflops=0.01), worker("fast", tflops=1.0))
+    assert r.choose(Requirements(), HEAVY, within=10.0).id == "fast"  # 1 TFLOP at 1 TFLOPS: about a second
+    with pytest.raises(DeadlineUnreachable, match=r"soonest \(fast\) would take about 1.0 s"):
+        r.choose(Requirements(), HEAVY, within=0.5)
+    with pytest.raises(ConfigError):
+        Requirements(deadline=-1)
+    with pytest.raises(ConfigError):
+        Requirements(priority="spot")
+    from datetime import datetime, timedelta, timezone
+
+    due = datetime.now(timezone.utc) + timedelta(minutes=5)
+    assert Requirements(deadline=due).deadline == pytest.approx(due.timestamp())

@@ -220,13 +220,26 @@ def test_settlement_files_countersigned_receipts_and_refuses_forged_or_unknown_o
 # --- the service's cancel door ----------------------------------------------------------------------------------
 
 
-class HangingExecutor:
+class _NoStops:
+    """What the service asks of a pool about stopping runs: this fake's runs can only be cancelled."""
+
+    def stop(self, tag) -> bool:
+        return False
+
+    def holds_sessions_of(self, tag) -> bool:
+        return False
+
+    def running_where(self, session_key: str) -> list:
+        return []
+
+
+class HangingExecutor(_NoStops):
     """Stands in for the executor pool: holds every program and never finishes a job (until cancelled)."""
 
     def has_program(self, program_hash: str) -> bool:
         return True
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
         await asyncio.Event().wait()
 
 
@@ -317,8 +330,8 @@ def test_limits_are_said_in_units_people_read():
 class QuickExecutor(HangingExecutor):
     """Finishes every job at once with the same small output."""
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
-        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001)
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
+        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=0)
 
 
 def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_path):
@@ -375,7 +388,7 @@ def test_the_same_job_id_in_flight_for_two_clients_is_two_jobs(tmp_path):
 class CrashingExecutor(HangingExecutor):
     """Every job kills its executor, as a kernel segfault would."""
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
         from gpunet.errors import ExecutorDied
 
         raise ExecutorDied("executor process died while running the job (killed by signal SIGSEGV); it was replaced")
@@ -422,7 +435,7 @@ def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
         asyncio.run(scenario())
 
 
-class RememberingExecutor:
+class RememberingExecutor(_NoStops):
     """Holds a program once a job has brought its bytes (in memory: it has no disk cache here)."""
 
     def __init__(self):
@@ -431,12 +444,12 @@ class RememberingExecutor:
     def has_program(self, program_hash: str) -> bool:
         return program_hash in self.held
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False):
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
         if program_bytes is None and program_hash not in self.held:
             raise ProgramNotCached(program_hash)
         self.held.add(program_hash)
         self.private_runs.append(private)
-        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001)
+        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=0)
 
 
 class _BringsProgram:
@@ -541,5 +554,68 @@ def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp
             with pytest.raises(_NeedsStream):  # never evicting a program still held: Alice's stays hers
                 await service._execute(BOB, sub(secret, "b-4"), _UnaryPayloads(), None)
             service.books.flush()
+
+        asyncio.run(scenario())
+
+
+class GatedExecutor(HangingExecutor):
+    """Finishes each job once the test opens the gate; counts the runs it was asked for."""
+
+    def __init__(self):
+        self.gate, self.runs = asyncio.Event(), 0
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
+        self.runs += 1
+        await self.gate.wait()
+        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=4,
+                               started_at=0.0, ended_at=0.0)
+
+    def holds_session(self, key: str) -> bool:
+        return True
+
+
+class HungUp:
+    """A stream whose client has gone: reading it ends at once."""
+
+    async def read(self, n: int) -> bytes:
+        return b""
+
+
+def test_a_session_step_whose_client_hangs_up_runs_to_its_end_and_a_retry_gets_its_answer(tmp_path):
+    """A stream can break on the way without the client leaving; the step it carried is not cut short (which would
+    cost the span a move and a replay elsewhere): the client's retry of it gets the answer it missed. A plain job
+    whose client hangs up is stopped, as before."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        executor = GatedExecutor()
+        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
+
+        async def scenario():
+            step = job("s1.0", session=protocol.SessionStep("s1", 0))
+            first = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), HungUp()))
+            plain = asyncio.ensure_future(service._execute(ALICE, job("plain"), _UnaryPayloads(), HungUp()))
+            with pytest.raises(JobFailed, match="went away"):
+                await plain
+            await until(lambda: executor.runs == 2, "both to have reached the executor")
+            assert not first.done()  # the hang-up did not stop the step
+            retry = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            executor.gate.set()
+            answer = await first
+            assert await retry is answer and executor.runs == 2  # joined, not run twice
+            assert await service._execute(ALICE, step, _UnaryPayloads(), None) is answer  # and kept after
+            assert service.sessions.running(ALICE, "s1") is False
+
+            # The unary door: the daemon cancels the handler of a call whose caller has gone. The step goes on.
+            executor.gate.clear()
+            step = job("s1.1", session=protocol.SessionStep("s1", 1))
+            call = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            await until(lambda: executor.runs == 3, "the step to reach the executor")
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            retry = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            executor.gate.set()
+            assert (await retry).outputs == b"out" and executor.runs == 3
+            assert service.sessions.running(ALICE, "s1") is False
 
         asyncio.run(scenario())

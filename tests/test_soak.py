@@ -9,10 +9,10 @@ pytestmark = pytest.mark.swarm
 
 
 def test_every_job_returns_once_and_right_while_workers_are_killed_and_restarted(tmp_path):
-    report = soak(tmp_path, workers=5, jobs=1000, kill_every=(0.3, 1.5), seed=1)
+    report = soak(tmp_path, workers=5, jobs=1000, kill_every=(0.3, 1.5), seed=1, min_kills=5)
     assert report.kills >= 5, report  # the churn really happened
     assert (report.missing, report.wrong, report.paid_twice) == (0, 0, 0), report
-    assert report.client_receipts == 1000 + 50, report  # one receipt per job, warm-up included: none paid twice
+    assert report.client_receipts == report.jobs + 50, report  # one receipt per job, warm-up included: none twice
     assert not report.ledger_errors and report.ledgers_verified == 6, report
     before, after = report.steady_rss_mb
     assert after < before + 200, report  # the worker never killed served ~1/5 of the jobs without growing

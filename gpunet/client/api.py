@@ -15,7 +15,9 @@ from collections import deque
 from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
+from gpunet.client import sequential
 from gpunet.client.core import ClientConfig, ClientCore, JobResult, check_call
+from gpunet.client.sequential import AsyncRemoteSequential, RemoteSequential
 from gpunet.client.routing import Requirements
 from gpunet.config import DEFAULT_NETWORK
 from gpunet.dht.registry import WorkerEntry
@@ -166,6 +168,12 @@ class AsyncClient:
             await self._core.refresh()
         return self._core.workers()
 
+    def sequential(self, blocks, example_inputs, dynamic_shapes=None, *, spans: int | None = None,
+                   initial_state=None, requirements: Requirements | None = None) -> AsyncRemoteSequential:
+        """Like :meth:`Client.sequential`, awaited: ``await remote(x)``, ``async with remote.session() as s``."""
+        return AsyncRemoteSequential(sequential.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
+                                                      initial_state, requirements))
+
     @property
     def program_bytes_sent(self) -> int:
         """Program bytes uploaded to workers so far: about one copy per program, as workers fetch from each other."""
@@ -291,6 +299,18 @@ class Client:
                 f.cancel()
             if bar:
                 bar[0].stop()
+
+    def sequential(self, blocks, example_inputs, dynamic_shapes=None, *, spans: int | None = None,
+                   initial_state=None, requirements: Requirements | None = None) -> RemoteSequential:
+        """A model spread over workers, Petals-style (docs/sessions.md): ``blocks`` (a transformer's layers, each an
+        ``nn.Module`` passing one tensor on) are cut into ``spans`` contiguous spans (default: as few as the workers'
+        memory allows), each traced into one job; ``remote(x)`` runs them in order, each where routing puts it, and
+        ``remote.session()`` keeps each span's state (a stateful block is ``forward(x, *state) -> (y, *new_state)``
+        with ``initial_state()``, or ``initial_state=[...]`` per block) on its worker between steps."""
+        if self._closed:
+            raise GpunetError("client is closed")
+        return RemoteSequential(sequential.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
+                                                 initial_state, requirements), self._call)
 
     def workers(self, refresh: bool = False) -> list[WorkerEntry]:
         """The workers discovery sees now (refreshed in the background every couple of seconds)."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -34,21 +36,27 @@ from gpunet.config import (
 from gpunet.dht import network as net
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
+    DeadlineUnreachable,
     GpunetError,
     InvalidReceipt,
+    JobPreempted,
     JobRejected,
     JobTimeout,
     NetworkError,
     NoWorkersAvailable,
     ProgramNotCached,
     ProtocolError,
+    SessionLost,
     UsageError,
     VerificationFailed,
     WorkerBusy,
+    WorkerDraining,
 )
 from gpunet.identity import Identity
-from gpunet.ledger.receipts import Receipt, countersign, price_to_nano
+from gpunet.ledger.receipts import Receipt, countersign, format_credits, price_to_nano
 from gpunet.ledger.store import Ledger, open_ledger
+from gpunet.ledger import tabs
+from gpunet.ledger.tabs import Tab
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.utils import LRU, sha256_hex
 
@@ -254,7 +262,7 @@ class ClientCore:
         program = job.program_bytes()
         p = _Prepared(
             job=job, req=req, job_id=job_id, encoded=encoded, input_hash=input_hash, flops=estimate.flops,
-            program=program, deadline=time.monotonic() + req.timeout,
+            program=program, deadline=time.monotonic() + _seconds_left(req),
             shape=JobShape(estimate.flops, job.program_hash, len(encoded), len(program), req.dtype or _dtype_of(job),
                            req.private),
             max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
@@ -272,6 +280,173 @@ class ClientCore:
             candidate = await self._deliver(p, job_id, set())
             return await self._pay(p, candidate, [])
         return await self._run_verified(p)
+
+    # --- inference sessions (gpunet.client.sequential drives them) -------------------------------------------------
+
+    def shape_of(self, job, estimate, input_bytes: int, req: Requirements) -> JobShape:
+        return JobShape(estimate.flops, job.program_hash, input_bytes, len(job.program_bytes()),
+                        req.dtype or _dtype_of(job), req.private)
+
+    async def place(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
+                    exclude: set[str] = frozenset(), avoid: set[str] = frozenset()) -> WorkerEntry:
+        """The worker routing would send ``job`` to now (``inputs`` may be meta tensors: only shapes matter),
+        passing over ``avoid`` where it can."""
+        req = requirements or Requirements()
+        estimate = await self._estimate(job, inputs)
+        if not self.router.workers:
+            try:
+                await asyncio.wait_for(self._fresh.wait(), min(self.config.discovery_wait, req.timeout))
+            except asyncio.TimeoutError:
+                raise NoWorkersAvailable(f"no workers appeared in network {self.network!r}") from None
+        shape = self.shape_of(job, estimate, 0, req)
+        worker = self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid))
+        self._say_skips()
+        return worker
+
+    async def run_step(self, job, inputs: Sequence[torch.Tensor], worker_id: str, session: protocol.SessionStep,
+                       state: Sequence[torch.Tensor], tab: Tab, requirements: Requirements | None = None) -> JobResult:
+        """One session step on the worker that holds (or, step 0, will hold) its state; never retried elsewhere:
+        a lost worker raises, and the caller rebuilds the session on another (gpunet.client.sequential).
+        ``state``: the first state (sent when the step opens a session that is not ``fresh``; its shapes are what
+        the dry run needs either way). ``tab``: this session's open tab on that worker, which the step joins; when
+        the step fills it (or closes the session) the worker's receipt for it comes back, checked against the tab and
+        countersigned (``JobResult.receipt``; None for the other steps), and the tab starts again."""
+        req = requirements or Requirements()
+        sends_state = session.step == 0 and not session.fresh
+        full = (*inputs, *state)
+        encoded = job.encode_inputs(*full) if sends_state else job.encode_step_inputs(*inputs)
+        estimate = await self._estimate(job, full)
+        program = job.program_bytes()
+        n_out = len(job.manifest.outputs) - job.manifest.state
+        p = _Prepared(
+            job=job, req=req, job_id=f"{session.id}.{session.step}", encoded=encoded, input_hash=sha256_hex(encoded),
+            flops=estimate.flops, program=program, deadline=time.monotonic() + req.timeout,
+            shape=self.shape_of(job, estimate, len(encoded), req),
+            max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
+            outputs=estimate.outputs[:n_out],
+            max_output_bytes=replace(estimate, outputs=estimate.outputs[:n_out]).output_bytes + OUTPUT_HEADER_ALLOWANCE)
+        resends = busy = 0
+        redialled = False
+        while True:
+            worker = self.router.workers.get(worker_id)
+            if worker is None:
+                raise SessionLost(f"worker {worker_id[-8:]} holding the session has left the network")
+            remaining = p.deadline - time.monotonic()
+            if remaining <= 0:
+                raise JobTimeout(f"session step {p.job_id[:24]} did not finish within {req.timeout:g} s")
+            cold = not self.router.holds_program(worker, job.program_hash)
+            request = JobRequest(p.job_id, job.program_hash, program, encoded, max(0.1, remaining), p.max_price,
+                                 p.max_output_bytes, private=req.private, session=session)
+            ahead = self.router.started(worker_id)
+            t0 = time.perf_counter()
+            delivery = None
+            try:
+                async with asyncio.timeout(remaining):
+                    delivery = await self.transport.submit(worker, request, cached=not cold,
+                                                           settlement=self.settlement)
+                outputs = self._check_step(p, delivery, session, tab)
+            except WorkerDraining:
+                raise
+            except NetworkError as e:
+                relayed = worker.record.reachability == "relayed"
+                if delivery is None and not redialled and (isinstance(e, ProtocolError) or relayed):
+                    # The stream broke on the way (see run(): the p2p daemon now and then closes one before the
+                    # answer is through; a relay resets its circuits): ask the same worker again, once, before
+                    # moving the span and replaying its steps elsewhere. The step's job id makes this safe: the
+                    # worker answers a step it ran from its results, and one still running it joins.
+                    redialled = True
+                    logger.info("The connection to worker %s broke during session step %s (%s); asking again",
+                                worker_id[-8:], p.job_id[:24], e)
+                    continue
+                self.router.on_failure(worker_id)
+                self.reputation.record(worker_id, "failure")
+                raise
+            except WorkerBusy:  # its queue is full for a moment: the state is there, wait for it (backing off)
+                busy += 1
+                await asyncio.sleep(min(0.5, 0.01 * 2 ** min(busy, 6)) * (0.5 + random.random()))
+                continue
+            except ProgramNotCached:
+                self.router.on_program_lost(worker_id, job.program_hash)
+                resends += 1
+                if resends > self.config.max_resends:
+                    raise
+                continue
+            except asyncio.TimeoutError:
+                self.router.on_failure(worker_id)
+                self.reputation.record(worker_id, "failure")
+                raise JobTimeout(f"worker {worker_id[-8:]} took too long with session step {p.job_id[:24]}") from None
+            finally:
+                self.router.finished(worker_id)
+            self.router.on_success(worker_id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
+                                   delivery.transfer_seconds, cold=cold, ahead=ahead)
+            receipt = None
+            if delivery.receipt is not None:
+                receipt = self._pay_tab(delivery, session.id, tab, p.max_price)
+            return JobResult(outputs, worker_id, receipt, [worker_id], delivery.bytes_sent)
+
+    def _check_step(self, p: "_Prepared", delivery, session: protocol.SessionStep, tab: Tab):
+        """A step's answer decodes against the manifest and joins the tab; a receipt comes exactly when the tab
+        is due (full, or the session closing), never for a tab this client does not hold. Raises otherwise."""
+        try:
+            outputs = p.job.decode_step_outputs(delivery.outputs, expected=p.outputs)
+        except GpunetError as e:
+            raise ProtocolError(f"outputs do not match the program's output specs: {e}") from None
+        tab.add(session.step, p.input_hash, sha256_hex(delivery.outputs), p.flops)
+        due = tab.full or session.close
+        if due != (delivery.receipt is not None):
+            problem = (f"no receipt came with step {session.step}, which ends a tab of {tab.steps} steps" if due
+                       else f"a receipt came with step {session.step}, in the middle of a tab")
+            raise InvalidReceipt(problem)
+        return outputs
+
+    def _pay_tab(self, delivery, session_id: str, tab: Tab, max_price: int | None) -> Receipt:
+        """Check a tab's receipt against this client's own tab (every step's input and output hash, chained, and the
+        work it counted), countersign and file it; InvalidReceipt (refused, not paid) otherwise."""
+        receipt = delivery.receipt
+        problem = None
+        named = tabs.parse(receipt.job_id)
+        if receipt.worker_id != delivery.worker_id:
+            problem = f"receipt names worker {receipt.worker_id[-8:]}, the answer came from {delivery.worker_id[-8:]}"
+        elif (named is None or named[0] != session_id or named[2:] != (tab.first, tab.last)
+              or tab.nonce not in (None, named[1])):
+            problem = f"receipt is for {receipt.job_id[:64]}, the steps were {tab.first}-{tab.last} of {session_id}"
+        elif receipt.input_hash != tab.input_chain:
+            problem = "receipt's input hash is not the chain of the inputs sent in the tab's steps"
+        try:
+            if problem is not None:
+                raise InvalidReceipt(problem)
+            signed = countersign(receipt, self.identity, output_hash=tab.output_chain, max_price=max_price,
+                                 flops=tab.flops, check_worker_signature=False)
+        except GpunetError as e:
+            self.settlement.refuse(delivery, str(e))
+            self.reputation.record(delivery.worker_id, "invalid")
+            raise
+        self.books.append(signed)
+        self.reputation.record(delivery.worker_id, "valid")
+        self.settlement.countersign(delivery, signed.client_signature)
+        tab.__init__(named[1])  # the next step starts the session's next tab
+        return signed
+
+    async def close_session(self, worker_id: str, session_id: str, tab: Tab | None = None,
+                            max_price: int | None = None) -> Receipt | None:
+        """Free a session's state on its worker, and pay the receipt of the steps on ``tab`` (the ones not billed
+        yet). None when there was nothing to pay, or the worker is gone (those steps then stay unpaid)."""
+        received = tab.first + tab.steps if tab is not None and tab.steps else None
+        try:
+            delivery = await self.transport.close_session(worker_id, session_id, received)
+        except GpunetError:
+            return None
+        if delivery is None:
+            return None
+        if tab is None or not tab.steps:
+            self.settlement.refuse(delivery, "this client holds no unbilled steps of that session")
+            return None
+        try:
+            return self._pay_tab(delivery, session_id, tab, max_price)
+        except GpunetError as e:
+            logger.warning("Worker %s closed session %s with a receipt this client refuses: %s", worker_id[-8:],
+                           session_id[:12], e)
+            return None
 
     async def _run_verified(self, p: "_Prepared") -> JobResult:
         """Redundant or adaptive: collect results from distinct workers until a quorum agrees, pay only that."""
@@ -428,7 +603,8 @@ class ClientCore:
         failed: set[str] = set()
         rejections: list[JobRejected] = []
         resends = 0  # times a worker lost the program between admission and run (not its fault)
-        redialled: set[str] = set()  # relayed workers already dialled again after a broken circuit
+        redialled: set[str] = set()  # workers already tried again after a broken stream
+        preempted: Counter[str] = Counter()  # workers that stopped this batch job for interactive work: others first
         last_error: GpunetError | None = None
         while True:
             remaining = p.deadline - time.monotonic()
@@ -437,7 +613,8 @@ class ClientCore:
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
                 worker = (self.router.choose_checker(req, exclude=failed, replicas=taken - failed) if checker else
-                          self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed))
+                          self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed, avoid=set(preempted),
+                                             within=remaining if req.deadline is not None else None))
                 self._say_skips()
             except NoWorkersAvailable as e:
                 if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
@@ -445,6 +622,9 @@ class ClientCore:
                     continue
                 if not tried:
                     raise
+                if rejections and all(isinstance(r, DeadlineUnreachable) for r in rejections):
+                    raise DeadlineUnreachable(f"every worker that could take job {job_id[:12]} refused it: "
+                                              f"{rejections[-1].reason}") from None
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
             taken.add(worker.id)
             tried.append(worker.id)
@@ -457,7 +637,8 @@ class ClientCore:
                 (h.id, tuple(h.record.maddrs[:protocol.MAX_HOLDER_MADDRS]))
                 for h in self.router.holders(p.job.program_hash, exclude=worker.id)[:protocol.MAX_HOLDERS])
             request = JobRequest(job_id, p.job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
-                                 p.max_output_bytes, private=req.private, holders=holders)
+                                 p.max_output_bytes, private=req.private, holders=holders, lane=req.priority,
+                                 deadline=req.deadline)
             try:
                 async with asyncio.timeout(remaining):  # no extra task per job, unlike wait_for
                     delivery = await self.transport.submit(
@@ -477,6 +658,22 @@ class ClientCore:
                 last_error = wrong.error
                 logger.warning("Worker %s answered job %s wrongly (%s); banned %.0f s, retrying elsewhere",
                                worker.id[-8:], job_id[:12], wrong.error, ban)
+                continue
+            except JobPreempted as e:  # not billed; run again elsewhere if any other worker can take it, else here
+                taken.discard(worker.id)
+                last_error = e
+                preempted[worker.id] += 1
+                if not req.batch:
+                    # An honest worker never stops an interactive job for another: one that says so only wastes the
+                    # job's time (and collects its inputs).
+                    ban = self.router.on_failure(worker.id)
+                    self.reputation.record(worker.id, "failure")
+                    failed.add(worker.id)
+                    logger.info("Worker %s stopped interactive job %s; banned %.0f s, retrying elsewhere",
+                                worker.id[-8:], job_id[:12], ban)
+                    continue
+                logger.info("Batch job %s was stopped on worker %s for interactive work; running it again",
+                            job_id[:12], worker.id[-8:])
                 continue
             except WorkerBusy as e:
                 taken.discard(worker.id)
@@ -498,18 +695,24 @@ class ClientCore:
                 failed.add(worker.id)
                 last_error = e
                 if len(rejections) >= self.config.max_rejections:
-                    raise JobRejected(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
+                    kind = DeadlineUnreachable if all(isinstance(r, DeadlineUnreachable) for r in rejections) \
+                        else JobRejected
+                    raise kind(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
                 continue
             except (asyncio.TimeoutError, GpunetError) as e:  # the transport raises only gpunet errors
                 taken.discard(worker.id)
-                if (isinstance(e, NetworkError) and worker.record.reachability == "relayed"
-                        and worker.id not in redialled):
-                    # A relay resets its circuits now and then (libp2p's limited relays after 128 KiB or 2 minutes):
-                    # that is the path, not the worker. Once per job, dial it again (a fresh circuit) before
-                    # holding it against it.
+                relayed = worker.record.reachability == "relayed"
+                if (isinstance(e, ProtocolError) or isinstance(e, NetworkError) and relayed) \
+                        and worker.id not in redialled:
+                    # A stream can break on the way without the worker being at fault: a relay resets its circuits
+                    # now and then (libp2p's limited relays after 128 KiB or 2 minutes), and under a burst of streams
+                    # the p2p daemon now and then closes one before the worker's answer is through (seen here about
+                    # once in 700 jobs, 30 at a time to one worker). Once per job and worker, try it again on a fresh
+                    # stream before holding it against it (the job id makes a retry safe: the worker answers it once,
+                    # and bills it once). A worker that could not be reached at all is not tried again.
                     redialled.add(worker.id)
                     last_error = e
-                    logger.info("The relayed connection to worker %s broke (%s); dialling it again", worker.id[-8:], e)
+                    logger.info("The connection to worker %s broke (%s); trying it again", worker.id[-8:], e)
                     continue
                 error = JobTimeout(f"worker {worker.id[-8:]} took too long") if isinstance(e, asyncio.TimeoutError) else e
                 ban = self.router.on_failure(worker.id)
@@ -548,6 +751,11 @@ class ClientCore:
             problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
         elif receipt.output_hash != sha256_hex(delivery.outputs):
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
+        elif (entry := self.router.workers.get(delivery.worker_id)) is not None and \
+                receipt.price > price_to_nano(entry.record.price):
+            # Its interactive price is the most it may charge in any lane (a batch floor never rises above it).
+            problem = InvalidReceipt(f"receipt charges {format_credits(receipt.price)} credits/TFLOP, above the "
+                                     f"{entry.record.price:g} this worker advertises")
         else:
             try:
                 return p.job.decode_outputs(delivery.outputs, expected=p.outputs)
@@ -563,7 +771,8 @@ class ClientCore:
             # The worker's signature is checked when the receipt is filed (a moment later, off the caller's path):
             # the answer came over a channel authenticated as that worker, and the terms are checked here.
             signed = countersign(c.delivery.receipt, self.identity, output_hash=c.delivery.receipt.output_hash,
-                                 max_price=p.max_price, flops=p.flops, check_worker_signature=False)
+                                 max_price=p.max_price, flops=p.flops, lane=p.req.priority,
+                                 check_worker_signature=False)
         except GpunetError as e:
             self.settlement.refuse(c.delivery, str(e))
             self.reputation.record(c.worker_id, "invalid")  # a receipt with terms we never agreed to
@@ -614,6 +823,16 @@ _LARGE_BYTES = 1 << 20
 #: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
 OUTPUT_HEADER_ALLOWANCE = 64 * 1024
 MAX_ESTIMATES = 1024
+
+
+def _seconds_left(req: Requirements) -> float:
+    """How long a job may take in all: its timeout, cut to its deadline (DeadlineUnreachable if that has passed)."""
+    if req.deadline is None:
+        return req.timeout
+    left = req.deadline - time.time()
+    if left <= 0:
+        raise DeadlineUnreachable(f"the job's deadline passed {-left:.1f} s ago")
+    return min(req.timeout, left)
 
 
 async def _off_loop_if_large(encode, inputs):

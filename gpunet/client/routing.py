@@ -10,6 +10,10 @@ Workers are filtered by the job's :class:`Requirements` and their state, then ra
     compute  = FLOPs from the dry run / the worker's credited throughput in the job's dtype (observed times refine it)
 
 and by price (``prefer``: ``balanced`` sums both normalised, ``fastest`` time alone, ``cheapest`` price then time).
+A batch job (``priority="batch"``, docs/market.md) is priced at each worker's batch floor now, and its time is
+stretched by the worker's recent interactive load (the chance it is preempted there) and doubled where the floor is
+above its bid (it waits there for the floor to fall): it goes where it is cheapest and least likely to be stopped.
+With a ``deadline``, workers not expected to finish in time are left out, and if none is, the job is refused at once.
 A worker's per-job overhead is learned from its answers; until then it is assumed a little better than the best
 measured one, so a newcomer gets a job and a fair measurement instead of being starved by an incumbent. An estimate
 that nothing has refreshed for a few seconds is treated the same way once, so a worker measured at a bad moment is
@@ -24,16 +28,19 @@ checked worker, and one that refuses challenges is in the end credited nothing.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Iterable, Literal
 
 from gpunet.client.trust import Reputation
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
-from gpunet.errors import ConfigError, NoWorkersAvailable
+from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
+from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE
 from gpunet.speedproof import SLACK
 from gpunet.utils import LRU, host_of
 
@@ -61,6 +68,13 @@ class Requirements:
     #: The program (its weights) is this client's: workers do not advertise it, do not keep it on disk, and run it
     #: only for clients that sent them its bytes (holding the weights is the capability to use them).
     private: bool = False
+    #: The market lane (docs/market.md): "interactive", or "batch": cheaper, run only while no interactive job waits,
+    #: stopped when one needs the slot and then run again (elsewhere or later) and paid once. For batch, ``max_price``
+    #: is the bid: the job runs where the worker's batch floor is at or below it, and pays that floor.
+    priority: Literal["interactive", "batch"] = INTERACTIVE
+    #: When the result is due: a unix time, or a datetime (naive ones are local time). A job no worker is expected to
+    #: finish by then is refused at once with the reason (DeadlineUnreachable), and none runs past it.
+    deadline: float | datetime | None = None
 
     def __post_init__(self):
         if self.device not in ("any", "gpu", "cpu"):
@@ -78,6 +92,17 @@ class Requirements:
         if self.verify == "local-sample" and self.redundancy > 1:
             raise ConfigError("Requirements.verify='local-sample' checks one worker against this machine's own result; "
                               "it does not combine with redundancy > 1")
+        if self.priority not in CLIENT_LANES:
+            raise ConfigError(f"Requirements.priority must be 'interactive' or 'batch', not {self.priority!r}")
+        if isinstance(self.deadline, datetime):
+            object.__setattr__(self, "deadline", self.deadline.timestamp())
+        if self.deadline is not None and (isinstance(self.deadline, bool) or not isinstance(self.deadline, (int, float))
+                                          or not math.isfinite(self.deadline) or self.deadline <= 0):
+            raise ConfigError("Requirements.deadline must be a unix time (time.time() + seconds) or a datetime")
+
+    @property
+    def batch(self) -> bool:
+        return self.priority == BATCH
 
     def refusal(self, entry: WorkerEntry) -> str | None:
         """Why ``entry`` cannot take this job, or None when it can."""
@@ -97,9 +122,20 @@ class Requirements:
         tflops = r.tflops.get(self.dtype, 0.0) if self.dtype else r.best_tflops
         if tflops < self.min_tflops:
             return f"measures {tflops:.3g} TFLOPS (< {self.min_tflops:g})"
-        if self.max_price is not None and r.price > self.max_price:
+        if self.max_price is not None and self.batch:
+            least = r.batch_price if r.batch_price is not None else r.price  # no lanes: batch sells as interactive
+            if least > self.max_price:
+                return f"sells batch work from {least:g} credits/TFLOP (> the bid, {self.max_price:g})"
+        elif self.max_price is not None and r.price > self.max_price:
             return f"charges {r.price:g} credits/TFLOP (> {self.max_price:g})"
         return None
+
+    def price_at(self, entry: WorkerEntry) -> float:
+        """What ``entry`` would charge this job now, credits per TFLOP (batch: its floor, as last published)."""
+        r = entry.record
+        if self.batch and r.batch_floor is not None:
+            return r.batch_floor
+        return r.price
 
 
 @dataclass
@@ -252,7 +288,8 @@ class Router:
                  and self.holds_program(e, program_hash)]
         return sorted(found, key=lambda e: e.record.reachability != "direct")
 
-    def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None) -> float:
+    def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None,
+                         req: Requirements | None = None) -> float:
         r = entry.record
         tflops = self.credited_tflops(entry, job.dtype) or 1e-3
         stale = self._stale(entry.id)
@@ -269,27 +306,44 @@ class Router:
         overhead = None if stale else self._overhead.get(entry.id)
         if overhead is None:
             overhead = self.unmeasured_overhead() if unmeasured_overhead is None else unmeasured_overhead
-        ahead = r.queue + self.inflight[entry.id]
+        batch = req is not None and req.batch
+        # An interactive job waits only behind interactive work (batch work there is stopped for it).
+        ahead = (r.queue if batch else max(0, r.queue - r.batch_queue)) + self.inflight[entry.id]
         wait = ahead / max(1, r.max_concurrent) * (compute + overhead)
         score = self.reputation.score(entry.id) if self.reputation is not None else 1.0
-        return (wait + transfer + compute + overhead) / max(score, 0.01)
+        seconds = (wait + transfer + compute + overhead) / max(score, 0.01)
+        if batch:
+            # Interactive work stops batch jobs: the busier it kept this worker lately, and the more batch jobs it
+            # stopped lately (per hour: how many would fall within this job's time), the likelier a rerun. Above the
+            # bid, the floor must fall before the job starts.
+            seconds *= (1 + r.interactive_load) * (1 + r.preemptions_per_hour * seconds / 3600)
+            if req.max_price is not None and req.price_at(entry) > req.max_price:
+                seconds *= 2
+        return seconds
 
     def unmeasured_overhead(self) -> float:
         """Optimistic until measured, so every new worker gets tried (exploration)."""
         return EXPLORE_DISCOUNT * min(self._overhead.values()) if self._overhead else self.config.default_overhead
 
-    def rank(self, candidates: list[WorkerEntry], job: JobShape, prefer: str) -> list[WorkerEntry]:
-        guess = self.unmeasured_overhead()
-        times = {e.id: self.expected_seconds(e, job, guess) for e in candidates}
-        if prefer == "fastest":
-            key = lambda e: (times[e.id], e.record.price)  # noqa: E731
-        elif prefer == "cheapest":
-            key = lambda e: (e.record.price, times[e.id])  # noqa: E731
+    def rank(self, candidates: list[WorkerEntry], job: JobShape, req: Requirements,
+             times: dict[str, float] | None = None) -> list[WorkerEntry]:
+        if times is None:
+            times = self.times(candidates, job, req)
+        price = {e.id: req.price_at(e) for e in candidates}
+        if req.prefer == "fastest":
+            key = lambda e: (times[e.id], price[e.id])  # noqa: E731
+        elif req.prefer == "cheapest":
+            key = lambda e: (price[e.id], times[e.id])  # noqa: E731
         else:
             t_min = min(times.values())
-            p_min = min(e.record.price for e in candidates)
-            key = lambda e: times[e.id] / t_min + (e.record.price / p_min if p_min > 0 else (1.0 if e.record.price == 0 else 2.0))  # noqa: E731
+            p_min = min(price.values())
+            key = lambda e: times[e.id] / t_min + (price[e.id] / p_min if p_min > 0 else (1.0 if price[e.id] == 0 else 2.0))  # noqa: E731
         return sorted(candidates, key=key)
+
+    def times(self, candidates: list[WorkerEntry], job: JobShape, req: Requirements) -> dict[str, float]:
+        """Each candidate's expected seconds for the job (see the module docstring)."""
+        guess = self.unmeasured_overhead()
+        return {e.id: self.expected_seconds(e, job, guess, req) for e in candidates}
 
     def choose_checker(self, req: Requirements, exclude: set[str] = frozenset(), replicas: set[str] = frozenset(),
                        rng: random.Random | None = None) -> WorkerEntry:
@@ -305,8 +359,22 @@ class Router:
         return (rng or _rng).choice(candidates)
 
     def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset(),
-               replicas: set[str] = frozenset()) -> WorkerEntry:
-        return self.rank(self.eligible(req, exclude, replicas=replicas), job, req.prefer)[0]
+               replicas: set[str] = frozenset(), avoid: set[str] = frozenset(),
+               within: float | None = None) -> WorkerEntry:
+        """The best eligible worker; ``avoid``: workers to pass over while any other is eligible (those holding a
+        model's other spans: spreading them is what lets a model bigger than one worker run at all); ``within``:
+        seconds left before the job's deadline (DeadlineUnreachable when no worker is expected to finish by then)."""
+        candidates = self.eligible(req, exclude, replicas=replicas)
+        times = self.times(candidates, job, req)
+        if within is not None:  # the deadline first: a worker passed over may still be the only one in time
+            soonest = min(candidates, key=lambda e: times[e.id])
+            candidates = [e for e in candidates if times[e.id] <= within]
+            if not candidates:
+                raise DeadlineUnreachable(
+                    f"no worker is expected to finish the job before its deadline, {max(0.0, within):.1f} s away: the "
+                    f"soonest ({soonest.id[-8:]}) would take about {times[soonest.id]:.1f} s")
+        candidates = [e for e in candidates if e.id not in avoid] or candidates
+        return self.rank(candidates, job, req, times)[0]
 
     # --- outcomes --------------------------------------------------------------------------------------------------
 

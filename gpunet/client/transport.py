@@ -23,7 +23,9 @@ from gpunet.pieces import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
     Cancel,
+    CloseSession,
     Countersign,
+    SessionClosed,
     Door,
     Error,
     Ok,
@@ -66,6 +68,9 @@ class JobRequest:
     private: bool = False  # Requirements.private: see gpunet.protocol.Submit
     #: Other workers that hold the program (id, addresses): a worker lacking it may fetch it from them instead.
     holders: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    session: protocol.SessionStep | None = None  # a step of an inference session (docs/sessions.md)
+    lane: str = protocol.INTERACTIVE  # Requirements.priority (docs/market.md)
+    deadline: float | None = None  # unix time: Requirements.deadline
 
 
 async def _nothing(verdict: Verdict) -> None:
@@ -78,7 +83,7 @@ class Delivery:
 
     worker_id: str  # the peer that answered, as the libp2p channel authenticated it
     outputs: bytes
-    receipt: Receipt
+    receipt: Receipt | None  # None only for a session step its session's tab bills later (gpunet.ledger.tabs)
     bytes_sent: int
     transfer_seconds: float
     via_unary: bool = False  # countersignatures for unary answers can ride on the next job to the worker
@@ -103,6 +108,13 @@ class Transport(Protocol):
     # Optional (a transport without them: the client routes on claimed speed): speed challenges.
     # async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]: ...
     # async def open_proof(self, worker_id: str, request: OpenProof) -> ProofOpening: ...
+
+
+def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
+    """A result's receipt; only a session step may come without one (its session's tab bills it)."""
+    if not data and request.session is not None:
+        return None
+    return Receipt.from_bytes(data)
 
 
 class P2PTransport:
@@ -178,7 +190,8 @@ class P2PTransport:
         calls. Raises _UseStream when the worker wants the stream door instead.
         """
         submit = Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
-                        request.max_price, tuple(settle), private=request.private)
+                        request.max_price, tuple(settle), private=request.private, session=request.session,
+                        lane=request.lane, deadline=request.deadline)
         reply = await self.rpc.call(worker_id, Door.RUN, submit, Result, UseStream, Error)
         if isinstance(reply, UseStream):
             raise _UseStream()
@@ -186,7 +199,7 @@ class P2PTransport:
             raise reply.exception()
         if reply.outputs is None:
             raise ProtocolError("a unary result must carry its outputs")
-        receipt = Receipt.from_bytes(reply.receipt)
+        receipt = _receipt(reply.receipt, request)
 
         async def finish(verdict: Verdict) -> None:
             await self.rpc.call(worker_id, Door.SETTLE, verdict, Ok, Error)
@@ -219,7 +232,9 @@ class P2PTransport:
             inline = len(request.inputs) <= INLINE_BYTES
             await protocol.write(writer, Submit(request.job_id, request.program_hash, len(request.inputs),
                                                 request.inputs if inline else None, request.timeout,
-                                                request.max_price, private=request.private))
+                                                request.max_price, private=request.private,
+                                                session=request.session, lane=request.lane,
+                                                deadline=request.deadline))
             sent = len(request.inputs) if inline else 0
             reply = await protocol.read(reader, Send, Result, Error)
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
@@ -243,7 +258,9 @@ class P2PTransport:
                 outputs = bytes(await protocol.read_payload(
                     reader, reply.outputs_size, min(request.max_output_bytes, MAX_OUTPUT_BYTES), "outputs"))
                 transfer_seconds += time.perf_counter() - t0
-            receipt = Receipt.from_bytes(reply.receipt)
+            receipt = _receipt(reply.receipt, request)
+            if receipt is None:  # a session step its tab bills later: nothing to settle on this stream
+                writer.close()
         except BaseException:
             writer.close()
             raise
@@ -324,6 +341,20 @@ class P2PTransport:
         if isinstance(reply, Error):
             raise reply.exception()
         return bool(reply.cancelled)
+
+    async def close_session(self, worker_id: str, session_id: str, received: int | None = None) -> Delivery | None:
+        """End one of our sessions on a worker (its state is freed there): the receipt of its steps not billed yet,
+        up to the ``received`` steps we got answers to (None when there are none, or it was not open)."""
+        reply = await self.rpc.call(worker_id, Door.CANCEL, CloseSession(session_id, received), SessionClosed, Error)
+        if isinstance(reply, Error):
+            raise reply.exception()
+        if reply.receipt is None:
+            return None
+
+        async def finish(verdict: Verdict) -> None:
+            await self.rpc.call(worker_id, Door.SETTLE, verdict, Ok, Error)
+
+        return Delivery(worker_id, b"", Receipt.from_bytes(reply.receipt), 0, 0.0, via_unary=True, finish=finish)
 
     # --- speed challenges (gpunet.speedproof; the client's policy is in gpunet.client.proofs) ----------------------
 

@@ -35,6 +35,10 @@ MAX_CACHED_PROGRAMS = 16
 MAX_ADVERTISED_MADDRS = 6
 #: The longest address a record carries (a relayed IPv6 one is about 180); what fits the record cap with the rest.
 MAX_MADDR_CHARS = 240
+#: A device's name (a GPU's is about 25 characters, a CPU model's up to about 50) and a paused worker's reason: cut to
+#: this by the worker (the lanes' and pause fields took the room that longer ones had).
+MAX_DEVICE_NAME = 72
+MAX_PAUSE_REASON = 64
 
 _Name = Annotated[str, Field(max_length=64)]
 _NonNegInt = Annotated[int, Field(ge=0)]
@@ -46,6 +50,7 @@ class WorkerState(str, enum.Enum):
 
     JOINING = "joining"
     ONLINE = "online"
+    PAUSED = "paused"  # its owner is using the machine (or asked it to pause): ``pause_reason`` says which
     DRAINING = "draining"
     OFFLINE = "offline"  # a tombstone: the worker left cleanly, readers drop it at once
 
@@ -71,13 +76,13 @@ class DeviceInfo(_WireModel):
     """What a worker computes on: one kind of device, possibly several of them."""
 
     kind: Annotated[str, Field(pattern=r"^(cpu|cuda)$")]
-    name: Annotated[str, Field(max_length=128)]
+    name: Annotated[str, Field(max_length=MAX_DEVICE_NAME)]
     count: Annotated[int, Field(ge=1, le=1024)] = 1
     memory_total: _NonNegInt = 0  # bytes, per device
     memory_free: _NonNegInt = 0  # bytes, per device (the least free across devices)
     cores: _NonNegInt = 0  # CPU cores (cpu devices)
-    driver: Annotated[str, Field(max_length=64)] | None = None
-    cuda: Annotated[str, Field(max_length=32)] | None = None
+    driver: Annotated[str, Field(max_length=32)] | None = None  # NVML's: "550.54.15"
+    cuda: Annotated[str, Field(max_length=16)] | None = None  # "12.4"
     utilization: Annotated[float, Field(ge=0, le=100)] | None = None  # percent, mean across devices
 
 
@@ -88,7 +93,7 @@ class WorkerRecord(_WireModel):
     version: Annotated[str, Field(max_length=32)]
     state: Annotated[WorkerState, Field(strict=False)]  # lax only here: accepts the enum's string value
     device: DeviceInfo
-    tflops: dict[Annotated[str, Field(max_length=16)], _NonNegFloat] = Field(default_factory=dict, max_length=8)
+    tflops: dict[Annotated[str, Field(max_length=16)], _NonNegFloat] = Field(default_factory=dict, max_length=6)
     price: _NonNegFloat = 0.0  # credits per TFLOP of counted work (format 1: per PFLOP, converted on reading)
     max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
     queue: _NonNegInt = 0
@@ -109,6 +114,17 @@ class WorkerRecord(_WireModel):
     #: Program bytes it served to other workers, and fetched from them, since it started (gpunet.worker.peers).
     peer_bytes_served: _NonNegInt = 0
     peer_bytes_fetched: _NonNegInt = 0
+    #: The batch lane (docs/market.md): the least its floor goes (credits per TFLOP), the floor now (it rises with
+    #: interactive demand, up to ``price``), how busy interactive work kept it lately (0-1) and how many batch jobs
+    #: it stopped for it lately (a batch job's chance of being preempted here), and batch jobs waiting. No batch_price: a worker that predates lanes (it sells batch
+    #: work as interactive, at ``price``).
+    batch_price: _NonNegFloat | None = None
+    batch_floor: _NonNegFloat | None = None
+    interactive_load: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
+    preemptions_per_hour: _NonNegFloat = 0.0  # batch jobs it stopped for interactive work, lately
+    batch_queue: _NonNegInt = 0
+    #: Why a ``paused`` worker takes no jobs now (gpunet.worker.availability), in its owner's words or the rule's.
+    pause_reason: Annotated[str, Field(max_length=MAX_PAUSE_REASON)] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for the DHT (hivemind msgpack-encodes it); enum values as strings."""

@@ -87,6 +87,16 @@ class Manifest:
     #: How the outputs nest as the module returned them (check_output_tree); None: a tensor or a flat tuple. Only the
     #: client reads it: the worker returns the outputs flat, so a worker that predates it runs such jobs too.
     output_tree: Any = None
+    #: How many of the last inputs are carried state, returned updated as the same number of last outputs (the
+    #: stateful-block convention ``forward(x, *state) -> (y, *new_state)``, docs/sessions.md). Fixed shapes, so a
+    #: session's memory is known before it opens.
+    state: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes a session of this program holds on its worker between steps."""
+        return sum(math.prod(s.shape) * tensors.DTYPES[s.dtype].itemsize for s in self.inputs[len(self.inputs) - self.state:]) \
+            if self.state else 0
 
     def to_json(self) -> bytes:
         obj = {
@@ -101,6 +111,8 @@ class Manifest:
         }
         if self.output_tree is not None:  # absent otherwise: older programs keep their hash
             obj["output_tree"] = self.output_tree
+        if self.state:
+            obj["state"] = self.state
         return canonical_json(obj)
 
     @classmethod
@@ -132,8 +144,28 @@ class Manifest:
         if tree is not None:
             _expect(structure == "tuple", "an output_tree goes with a 'tuple' output_structure")
             check_output_tree(tree, len(outputs))
+        state = obj.get("state", 0)
+        check_state(state, inputs, outputs, structure, tree)
         return cls(tv, dict(ops), inputs, outputs, structure, dims,
-                   JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree)
+                   JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree, state=state)
+
+
+def check_state(state: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], structure: str,
+                tree: Any) -> None:
+    """A stateful program's last ``state`` inputs come back, same dtypes and fixed shapes, as its last ``state``
+    outputs; at least one input and one output are not state (what each step sends and gets)."""
+    _expect(_is_int(state) and state >= 0, "manifest state must be a non-negative integer")
+    if not state:
+        return
+    _expect(structure == "tuple" and tree is None, "a stateful program returns a flat tuple (y, *new_state)")
+    _expect(state < len(inputs) and state < len(outputs),
+            "a stateful program needs an input and an output besides its state")
+    for i, (a, b) in enumerate(zip(inputs[len(inputs) - state:], outputs[len(outputs) - state:])):
+        _expect(a.dtype == b.dtype and a.shape == b.shape,
+                f"state {i}: input {a.name} ({a.dtype} {list(a.shape)}) and the output that replaces it "
+                f"({b.dtype} {list(b.shape)}) must have the same dtype and shape")
+        _expect(all(_is_int(d) for d in a.shape), f"state {i} ({a.name}): state tensors need fixed shapes, "
+                f"got {list(a.shape)} (allocate a static cache of the longest length instead of growing one)")
 
 
 def check_output_tree(tree: Any, n_outputs: int, max_depth: int = 32, max_nodes: int = 4096) -> None:
@@ -371,12 +403,15 @@ def _split_container(view: memoryview) -> dict[str, Any]:
     return out
 
 
-def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
-    """Inputs must match the manifest: count, dtype, rank, fixed sizes, and each named dim within its range."""
-    if len(inputs) != len(manifest.inputs):
-        raise JobRejected(f"job takes {len(manifest.inputs)} inputs, got {len(inputs)}")
+def check_inputs(manifest: Manifest, inputs: Sequence[Any], without_state: bool = False) -> None:
+    """Inputs must match the manifest: count, dtype, rank, fixed sizes, and each named dim within its range.
+    ``without_state``: a session step's inputs, which leave out the state its worker holds."""
+    specs = manifest.inputs[:len(manifest.inputs) - manifest.state] if without_state else manifest.inputs
+    if len(inputs) != len(specs):
+        held = " besides the state its worker holds" if without_state and manifest.state else ""
+        raise JobRejected(f"job takes {len(specs)} inputs{held}, got {len(inputs)}")
     bound: dict[str, int] = {}
-    for i, (spec, t) in enumerate(zip(manifest.inputs, inputs)):
+    for i, (spec, t) in enumerate(zip(specs, inputs)):
         if not isinstance(t, torch.Tensor):
             raise JobRejected(f"input {i} ({spec.name}) is a {type(t).__name__}, not a tensor")
         if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype:
@@ -396,12 +431,14 @@ def check_inputs(manifest: Manifest, inputs: Sequence[Any]) -> None:
 
 
 def decode_outputs(
-    manifest: Manifest, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None
+    manifest: Manifest, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None,
+    without_state: bool = False,
 ) -> list[torch.Tensor]:
     """Output bytes -> tensors in order, checked against the manifest's count and dtypes (and, given ``expected``,
-    against the exact dtypes and shapes the dry run predicts)."""
+    against the exact dtypes and shapes the dry run predicts). ``without_state``: a session step's answer, which
+    leaves out the new state its worker keeps."""
     d = tensors.decode(data)
-    n = len(manifest.outputs)
+    n = len(manifest.outputs) - (manifest.state if without_state else 0)
     keys = [f"output_{i}" for i in range(n)]
     _expect(sorted(d) == sorted(keys), f"expected outputs {keys}, got {list(d)[:8]}")
     outs = [d[k] for k in keys]

@@ -19,6 +19,7 @@ from gpunet.job.format import (
     TensorSpec,
     canonical_json,
     check_inputs,
+    check_state,
     decode_outputs,
     nest_outputs,
 )
@@ -41,12 +42,13 @@ class Job:
     @classmethod
     def from_module(
         cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor] = (), dynamic_shapes: Any = None,
-        limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None,
+        limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None, state: int = 0,
     ) -> "Job":
         """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
         ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple);
         ``example_kwargs``: keyword inputs (``input_ids=…, attention_mask=…``), passed to ``submit`` by name too.
-        With keyword inputs, ``dynamic_shapes`` is a dict by input name."""
+        With keyword inputs, ``dynamic_shapes`` is a dict by input name. ``state``: the module is a stateful block,
+        ``forward(x, *state) -> (y, *new_state)`` with this many state tensors (docs/sessions.md)."""
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
         t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
@@ -59,7 +61,15 @@ class Job:
             dims={k: DimRange(v["min"], v["max"]) for k, v in t.dims.items()},
             limits=limits or JobLimits(),
             output_tree=t.output_tree,
+            state=state,
         )
+        if state:
+            from gpunet.errors import JobRejected, UnsupportedProgram
+
+            try:
+                check_state(state, manifest.inputs, manifest.outputs, manifest.output_structure, manifest.output_tree)
+            except JobRejected as e:
+                raise UnsupportedProgram(f"not a stateful block: {e.reason}") from None
         parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(t.weights))
         job = cls(parts, manifest)
         job._out_spec = t.out_spec
@@ -126,6 +136,16 @@ class Job:
         """Inputs as safetensors bytes, after checking them against the manifest (JobRejected on a mismatch)."""
         check_inputs(self.manifest, inputs)
         return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
+
+    def encode_step_inputs(self, *inputs: torch.Tensor) -> bytes:
+        """A session step's inputs: all but the state, which stays on the worker (docs/sessions.md)."""
+        check_inputs(self.manifest, inputs, without_state=True)
+        return tensors.encode({f"input_{i}": t for i, t in enumerate(inputs)})
+
+    def decode_step_outputs(self, data: bytes, expected=None) -> tuple[torch.Tensor, ...]:
+        """A session step's outputs: all but the new state, which stays on the worker."""
+        n = len(self.manifest.outputs) - self.manifest.state
+        return tuple(decode_outputs(self.manifest, data, None if expected is None else expected[:n], without_state=True))
 
     def decode_outputs(
         self, data: bytes, expected: Sequence[tuple[str, tuple[int, ...]]] | None = None

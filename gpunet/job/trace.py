@@ -152,6 +152,11 @@ def trace(
                 "the model branches on tensor values (an `if`/`while` on a tensor, or `.item()`), which a traced job "
                 "cannot do: compute both sides and pick with torch.where, or make the decision on the client and "
                 f"submit a different job (torch.export: {first[:300]})") from None
+        if "Cache" in str(e) and "cache_utils" in str(e):
+            raise UnsupportedProgram(
+                "the model returns its KV cache object (a Hugging Face Cache, which a job cannot carry): trace it "
+                "with use_cache=False in its config (or call), and for generation keep the cache on the workers "
+                f"with client.sequential and a static cache (docs/sessions.md) (torch.export: {first[:200]})") from None
         raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e} (this is the "
                                  "first of three steps: torch.export, then torch's decompositions, then gpunet's "
                                  "converter; check the model runs with these example inputs, and see torch.export's "
@@ -159,7 +164,13 @@ def trace(
     try:
         with warnings.catch_warnings(), _quiet_torch_loggers():
             warnings.simplefilter("ignore", FutureWarning)
-            ep = ep.run_decompositions(_decompositions())
+            try:
+                decomposed = ep.run_decompositions(_decompositions())
+            except Exception as e:
+                if "Cannot view a tensor" not in str(e) or not _views_as_reshapes(ep):
+                    raise
+                decomposed = ep.run_decompositions(_decompositions())
+            ep = decomposed
             _drop_relayouts(ep.graph)
     except Exception as e:
         raise UnsupportedProgram(f"torch's decompositions (the second of three steps, after torch.export traced the "
@@ -214,6 +225,21 @@ def _decompositions():
     table[aten.rsub.Scalar] = _rsub
     table[aten.rsub.Tensor] = _rsub
     return table
+
+
+def _views_as_reshapes(ep: torch.export.ExportedProgram) -> bool:
+    """Turn the graph's ``view`` nodes into ``reshape`` (the same values; a copy where the input's layout needs one),
+    so that torch's decompositions can replay a view recorded against eager's memory layout on the layout they give
+    (their attention lays its output out transposed, where GPT-2's Conv1D views the merged heads as eager had them).
+    Only for a graph without in-place ops (there a view's aliasing could matter); returns whether it did."""
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in nodes):
+        return False
+    views = [n for n in nodes if n.target is torch.ops.aten.view.default]
+    for n in views:
+        n.target = torch.ops.aten.reshape.default
+    ep.graph_module.recompile()
+    return bool(views)
 
 
 def _drop_relayouts(graph: torch.fx.Graph) -> None:

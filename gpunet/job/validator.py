@@ -314,6 +314,11 @@ def _ref(v: Any, slots: dict, kinds: dict, where: str, want: str) -> _Ref:
     return _Ref(slot)
 
 
+def _refers_to(v: Any, slots: dict, kinds: dict, want: str) -> bool:
+    return (isinstance(v, dict) and len(v) == 1 and isinstance(v.get("ref"), str) and v["ref"] in slots
+            and kinds[slots[v["ref"]]][0] == want)
+
+
 def _describe(v: Any) -> str:
     if isinstance(v, dict):
         return f"an object with keys {sorted(map(str, v))[:4]} (unknown argument encoding)"
@@ -435,6 +440,8 @@ def _decode(v: Any, typ: str, where: str, slots: dict, kinds: dict, scalar_ok: b
     if typ == "Tensor":
         if scalar_ok and (type(v) in (int, float, bool) or (isinstance(v, dict) and "float" in v)):
             return _decode(v, "number", where, slots, kinds)  # export passes Python scalars to Tensor arguments
+        if scalar_ok and _refers_to(v, slots, kinds, "symint"):
+            return _ref(v, slots, kinds, where, "symint")  # ...and symbolic sizes (`pos + x.shape[1]`): an int
         return _ref(v, slots, kinds, where, "tensor")
     if typ in ("int", "SymInt"):
         if type(v) is int and -_MAX_INT <= v <= _MAX_INT:

@@ -17,6 +17,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from gpunet.cli_errors import handle_errors
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
@@ -26,6 +27,7 @@ from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
 from gpunet.ledger.receipts import Receipt, format_credits
 from gpunet.ledger.store import LEDGER_FILENAME, Ledger, open_ledger
+from gpunet.utils import wide_console
 
 app = typer.Typer(
     name="ledger",
@@ -300,3 +302,60 @@ def conflicts(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     for c in found:
         _out.print(_receipt_table(f"Job {c.job_id}: held vs. from {c.source}", [(None, c.existing), (None, c.other)]))
 
+
+
+@handle_errors
+def earnings_command(
+    data_dir: DataDir = None,
+    since: Annotated[Optional[str], typer.Option(
+        "--since", metavar="WHEN", help="From a date (2026-12-01), a date and time, or a span back (36h, 7d, 2w).")] = None,
+    by: Annotated[str, typer.Option("--by", metavar="day|client", help="Group paid work by local day or by client.")]
+    = "day",
+    as_json: AsJson = False,
+) -> None:
+    """What this worker earned (from its own ledger): jobs, counted work and credits, and every job not paid, with the
+    reason."""
+    from gpunet.ledger.earnings import earnings, parse_since
+
+    start = parse_since(since)
+    with _read_ledger(data_dir) as ledger:
+        me = _own_id(ledger.path.parent)
+        if me is None:
+            raise LedgerError(f"no worker identity in {ledger.path.parent}: earnings are a worker's (its data dir)")
+        report = earnings(ledger, me, start, by)
+    if as_json:
+        _print_json(report.to_json())
+        return
+    out = wide_console()  # a volunteer pipes it to a file or a pager too: whole columns, not cut at 80
+    title = f"Earnings of worker {short_id(me)}" + (f" since {_time(int(start * 1e6))} UTC" if start else "")
+    table = Table(title=title, title_justify="left")
+    for column in (by, "jobs", "TFLOP", "credits"):
+        table.add_column(column, justify="left" if column == by else "right")
+    for key, tally in report.rows.items():
+        table.add_row(short_id(key) if by == "client" else key, str(tally.jobs), f"{tally.flops / 1e12:.4g}",
+                      format_credits(tally.nano))
+    table.add_row("total", str(report.total.jobs), f"{report.total.flops / 1e12:.4g}", format_credits(report.total.nano),
+                  style="bold")
+    out.print(table)
+    if len(report.lanes) > 1 or report.background_runs:
+        lanes = ", ".join(f"{lane} {t.jobs} jobs / {format_credits(t.nano)} credits" for lane, t in report.lanes.items())
+        own = f"; your own background job ran {report.background_runs} times (free)" if report.background_runs else ""
+        out.print(f"By lane: {lanes or 'none'}{own}", highlight=False)
+    if report.unpaid:
+        owed = Table(title="Delivered, not paid (no countersignature)", title_justify="left")
+        for column in ("job", "client", "credits", "delivered (UTC)", "why"):
+            owed.add_column(column, overflow="fold" if column == "job" else "ellipsis")
+        for o in report.unpaid:
+            owed.add_row(Text(o.job_id), short_id(o.client_id), format_credits(o.nano),
+                         _time(int(o.delivered_at * 1e6)), o.reason)
+        out.print(owed)
+    if report.unbilled:
+        lost = Table(title="Work not billed", title_justify="left")
+        for column in ("when (UTC)", "job", "client", "lane", "why", "detail"):
+            lost.add_column(column, overflow="fold")
+        for n in report.unbilled:  # a client's words, and other strangers' text: shown as text, never as markup
+            lost.add_row(_time(n.recorded_at_us), Text(n.job_id), short_id(n.client_id), Text(n.lane),
+                         Text(n.reason.replace("_", " ")), Text(n.detail))
+        out.print(lost)
+    if not report.total.jobs and not report.unpaid and not report.unbilled:
+        out.print("No jobs yet" + (" in that time." if start else "."))

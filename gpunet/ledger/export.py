@@ -27,7 +27,7 @@ READABLE_EXPORT_VERSIONS = (1, 2)
 CSV_COLUMNS = (
     "seq", "job_id", "client_id", "worker_id", "program_hash", "input_hash", "output_hash", "flops", "wall_time_us",
     "price", "max_price", "amount", "price_credits_per_tflop", "amount_credits", "started_at_us", "ended_at_us",
-    "worker_signature", "client_signature", "receipt",
+    "lane", "worker_signature", "client_signature", "receipt",
 )  # fmt: skip
 
 

@@ -3,10 +3,10 @@
 A receipt is valid anywhere by itself. Its worker id and client id are libp2p peer ids, which inline the Ed25519 public
 keys, so checking both signatures needs no key exchange and no server.
 
-Encoding (format version 2), chosen so a signature is reproducible byte for byte:
+Encoding (format version 3), chosen so a signature is reproducible byte for byte:
 
 - the *body* is a msgpack array ``[FORMAT_VERSION, job_id, client_id, worker_id, program_hash, input_hash, output_hash,
-  flops, wall_time_us, price, max_price, amount, started_at_us, ended_at_us]`` in that fixed order, packed with
+  flops, wall_time_us, price, max_price, amount, started_at_us, ended_at_us, lane]`` in that fixed order, packed with
   msgpack's smallest-form rules (ints, str, nil only: no floats, no maps), so one set of fields has exactly one body;
 - both parties sign ``signing_domain(version) + body`` (the domain keeps a receipt signature from ever doubling as a
   signature on a DHT record made by the same key, or as one on a receipt of another format);
@@ -18,6 +18,10 @@ floating-point operations) and an amount in nano-credits, ``amount = ceil(flops 
 :func:`compute_amount`, the one place that rule lives). Rounding up means paid work is never worth zero: at the default
 price of 1 credit/TFLOP a 1 MFLOP job earns 0.000001 credits, and the rounding is at most one nano-credit a job.
 
+Format 3 added ``lane`` (``interactive``, ``batch``, or ``background``: the volunteer's own work; see
+docs/market.md), so a receipt says which market its ``price`` was charged in. Format 2 receipts, signed before lanes
+existed, read as ``interactive``; they verify as they were signed.
+
 Format 1 (micro-credits per PFLOP, amounts in micro-credits rounded down, so jobs under 1 GFLOP were worth 0 at the
 default price) is still read and verified, so ledgers written before keep their value: its price is the same number in
 either unit (1 micro-credit/PFLOP = 1 nano-credit/TFLOP) and its amount is held here in nano-credits (x 1000), so every
@@ -27,6 +31,7 @@ reader of :class:`Receipt` sees one unit; the body is re-encoded in the format's
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
@@ -39,8 +44,8 @@ from gpunet.errors import IdentityError, InvalidReceipt
 from gpunet.identity import Identity, public_key_from_peer_id
 from gpunet.utils import LRU
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 NANO = 10**9  # nano-credits per credit
 FLOPS_PER_TFLOP = 10**12
 _V1_AMOUNT_SCALE = 1000  # format 1 amounts were micro-credits
@@ -51,6 +56,9 @@ _MAX_UINT = 2**64 - 1  # msgpack's widest integer
 _MAX_TEXT = 128
 _TEXT_FIELDS = ("job_id", "client_id", "worker_id", "program_hash", "input_hash", "output_hash")
 _INT_FIELDS = ("flops", "wall_time_us", "price", "amount", "started_at_us", "ended_at_us")
+#: A lane's name (docs/market.md); readers accept lanes newer than they know, as names.
+_LANE_RE = re.compile(r"[a-z]{1,16}\Z")
+DEFAULT_LANE = "interactive"
 
 
 def signing_domain(version: int = FORMAT_VERSION) -> bytes:
@@ -164,6 +172,7 @@ class Receipt:
     amount: int
     started_at_us: int
     ended_at_us: int
+    lane: str = DEFAULT_LANE  # the market it was sold in (format 3; older formats: interactive)
     worker_signature: bytes = b""
     client_signature: bytes = b""
     version: int = FORMAT_VERSION  # the format it was signed in; new receipts are always FORMAT_VERSION
@@ -185,11 +194,16 @@ class Receipt:
         if type(self.version) is not int or self.version not in READABLE_VERSIONS:
             raise InvalidReceipt(f"receipt format version {self.version!r} unknown (this gpunet reads "
                                  f"{', '.join(map(str, READABLE_VERSIONS))})")
-        fields = [getattr(self, name) for name in _BODY_FIELDS]
+        if not isinstance(self.lane, str) or not _LANE_RE.match(self.lane):
+            raise InvalidReceipt(f"lane must be 1-16 lowercase letters, got {self.lane!r:.40}")
+        if self.version < 3 and self.lane != DEFAULT_LANE:
+            raise InvalidReceipt(f"a format-{self.version} receipt has no lane (it reads as {DEFAULT_LANE})")
+        names = body_fields(self.version)
+        fields = [getattr(self, name) for name in names]
         if self.version == 1:
             if self.amount % _V1_AMOUNT_SCALE:
                 raise InvalidReceipt("a format-1 receipt's amount is whole micro-credits")
-            fields[_BODY_FIELDS.index("amount")] = self.amount // _V1_AMOUNT_SCALE
+            fields[names.index("amount")] = self.amount // _V1_AMOUNT_SCALE
         body = msgpack.packb([self.version, *fields], use_bin_type=True)
         object.__setattr__(self, "body", body)
 
@@ -228,14 +242,13 @@ class Receipt:
         if type(version) is not int or version not in READABLE_VERSIONS:
             raise InvalidReceipt(f"receipt format version {version!r:.20} unknown (this gpunet reads "
                                  f"{', '.join(map(str, READABLE_VERSIONS))})")
-        if len(fields) != 1 + len(_BODY_FIELDS):
-            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {version} has {_N_FIELDS}")
-        values = fields[1:]
-        if version == 1:
-            amount_at = _BODY_FIELDS.index("amount")
-            if type(values[amount_at]) is int:
-                values[amount_at] *= _V1_AMOUNT_SCALE
-        receipt = cls(*values, worker_signature=worker_signature, client_signature=client_signature, version=version)
+        names = body_fields(version)
+        if len(fields) != 1 + len(names):
+            raise InvalidReceipt(f"receipt body has {len(fields) - 1} fields, format {version} has {len(names)}")
+        values = dict(zip(names, fields[1:]))
+        if version == 1 and type(values["amount"]) is int:
+            values["amount"] *= _V1_AMOUNT_SCALE
+        receipt = cls(**values, worker_signature=worker_signature, client_signature=client_signature, version=version)
         if receipt.body != body:
             raise InvalidReceipt("receipt body is not in canonical encoding")
         if receipt.to_bytes() != bytes(data):  # one receipt, one byte string: the envelope is canonical too
@@ -245,7 +258,7 @@ class Receipt:
     def to_dict(self) -> dict[str, Any]:
         """Plain fields (signatures as hex) for JSON and tables; the exact receipt is ``to_bytes()``."""
         out: dict[str, Any] = {"format_version": self.version}
-        out.update({name: getattr(self, name) for name in _BODY_FIELDS})
+        out.update({name: getattr(self, name) for name in body_fields(FORMAT_VERSION)})  # lane too, for any format
         out["worker_signature"] = self.worker_signature.hex()
         out["client_signature"] = self.client_signature.hex()
         return out
@@ -284,7 +297,11 @@ class Receipt:
 
 _NOT_IN_BODY = ("worker_signature", "client_signature", "version", "body")
 _BODY_FIELDS = tuple(f.name for f in dataclasses.fields(Receipt) if f.name not in _NOT_IN_BODY)  # the fixed order
-_N_FIELDS = len(_BODY_FIELDS)
+
+
+def body_fields(version: int) -> tuple[str, ...]:
+    """The fields a receipt body of ``version`` holds, in order (``lane`` came with format 3)."""
+    return _BODY_FIELDS if version >= 3 else _BODY_FIELDS[:-1]
 
 
 def _check_uint(name: str, value: object) -> None:
@@ -309,6 +326,7 @@ def sign_as_worker(
     max_price: int | None,
     started_at_us: int,
     ended_at_us: int,
+    lane: str = DEFAULT_LANE,
 ) -> Receipt:
     """The worker's half: the receipt for a job it ran, amount computed here, signed by ``worker``."""
     _check_uint("flops", flops)
@@ -330,6 +348,7 @@ def sign_as_worker(
         amount=compute_amount(flops, price),
         started_at_us=started_at_us,
         ended_at_us=ended_at_us,
+        lane=lane,
     )
     receipt.check_terms()
     return receipt._with_signature("worker_signature", _sign(worker, receipt.signing_bytes()))
@@ -342,12 +361,15 @@ def countersign(
     output_hash: str,
     max_price: int | None,
     flops: int | None = None,
+    lane: str | None = None,
     check_worker_signature: bool = True,
 ) -> Receipt:
     """The client's half: check the receipt against what the client actually got and agreed to, then countersign.
 
     ``output_hash`` is the hash of the outputs the client received, ``max_price`` its bound for this job (nano-credits
-    per TFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one. Raises InvalidReceipt
+    per TFLOP, ``None`` for none), ``flops`` its own count from the dry run when it made one, ``lane`` the lane it
+    asked for (a format-2 receipt, from a worker that predates lanes, reads as interactive and passes for any: the
+    price bound is what the client agreed to). Raises InvalidReceipt
     naming the first mismatch; a refused receipt is simply not countersigned.
 
     ``check_worker_signature=False`` is for a caller that got the receipt over a channel authenticated as the worker
@@ -362,6 +384,8 @@ def countersign(
         raise InvalidReceipt(f"receipt records price bound {receipt.max_price}, the client asked for {max_price}")
     if flops is not None and receipt.flops != flops:
         raise InvalidReceipt(f"receipt bills {receipt.flops} FLOPs, the client counted {flops}")
+    if lane is not None and receipt.version >= 3 and receipt.lane != lane:
+        raise InvalidReceipt(f"receipt bills the {receipt.lane} lane, the client asked for {lane}")
     receipt.check_terms()
     if check_worker_signature:
         receipt.verify_worker_signature()

@@ -15,9 +15,12 @@ chain. That trade is right here because every receipt exists twice — the count
 and a ``merge`` restores a lost one — while ``synchronous=FULL`` (an fsync per receipt) would cap appends at the
 disk's fsync rate. ``scripts/bench_ledger.py`` measures both.
 
-Besides the chain, two side tables that are not part of it: ``unpaid`` (receipts this node signed as a worker whose
-client never countersigned: unpaid work stays visible to the worker) and ``conflicts`` (a second, different receipt
-for a job id already in the ledger: evidence of fraud, recorded and never chosen over the first).
+Besides the chain, three side tables that are not part of it: ``unpaid`` (receipts this node signed as a worker whose
+client never countersigned: unpaid work stays visible to the worker), ``conflicts`` (a second, different receipt
+for a job id already in the ledger: evidence of fraud, recorded and never chosen over the first) and, since schema 3,
+``unbilled`` (work a worker started and was never paid for, with the reason: the client refused the receipt, the job
+was cancelled, timed out, was preempted or failed; see ``gpunet earnings``). It keeps the newest
+:data:`MAX_UNBILLED` notes.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from gpunet.ledger.export import read_json_export
 from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
 
 LEDGER_FILENAME = "ledger.sqlite"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: Notes of unbilled work kept (the oldest go first): a client that cancels in a loop cannot grow the file forever.
+MAX_UNBILLED = 100_000
 GENESIS_HASH = bytes(32)
 _ENTRY_DOMAIN = b"gpunet/ledger-entry/v1\x00"
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -76,13 +81,26 @@ CREATE TABLE conflicts (
     UNIQUE (client_id, job_id, receipt)
 );
 """
+_UNBILLED = """
+CREATE TABLE IF NOT EXISTS unbilled (
+    id             INTEGER PRIMARY KEY,
+    client_id      TEXT    NOT NULL,
+    job_id         TEXT    NOT NULL,
+    reason         TEXT    NOT NULL,
+    detail         TEXT    NOT NULL,
+    flops          INTEGER NOT NULL,
+    program_hash   TEXT    NOT NULL,
+    lane           TEXT    NOT NULL,
+    recorded_at_us INTEGER NOT NULL
+);
+"""
 _TRIGGERS = """
 CREATE TRIGGER entries_no_update BEFORE UPDATE ON entries
     BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
 CREATE TRIGGER entries_no_delete BEFORE DELETE ON entries
     BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
 """
-_SCHEMA = _TABLES + _TRIGGERS
+_SCHEMA = _TABLES + _UNBILLED + _TRIGGERS
 
 
 def entry_hash(seq: int, prev_hash: bytes, receipt_bytes: bytes) -> bytes:
@@ -102,6 +120,21 @@ class Entry:
     seq: int
     receipt: Receipt
     entry_hash: bytes
+
+
+@dataclass(frozen=True)
+class Unbilled:
+    """Work a worker started and was not paid for, and why (``reason``: refused, cancelled, timed_out, preempted,
+    failed, paused; ``detail``: the words of whoever decided)."""
+
+    client_id: str
+    job_id: str
+    reason: str
+    detail: str = ""
+    flops: int = 0  # counted work, where it was known
+    program_hash: str = ""
+    lane: str = "interactive"
+    recorded_at_us: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,10 +231,12 @@ class Ledger:
         if version == 0 and not tables and not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
-        elif version not in (1, SCHEMA_VERSION) or "entries" not in tables:
-            raise LedgerError(f"{self.path} is not a gpunet ledger of schema version 1 or {SCHEMA_VERSION}")
-        elif version == 1 and not readonly:
-            self._migrate_from_1()
+        elif version not in (1, 2, SCHEMA_VERSION) or "entries" not in tables:
+            raise LedgerError(f"{self.path} is not a gpunet ledger of schema version 1 to {SCHEMA_VERSION}")
+        elif version < SCHEMA_VERSION and not readonly:
+            if version == 1:
+                self._migrate_from_1()
+            self._db.executescript(f"BEGIN IMMEDIATE; {_UNBILLED} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
         self._schema = self._db.execute("PRAGMA user_version").fetchone()[0]
         if not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -254,7 +289,7 @@ class Ledger:
             for statement in _TRIGGERS.split("END;"):
                 if statement.strip():
                     db.execute(statement + "END;")
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            db.execute("PRAGMA user_version = 2")
 
     def close(self) -> None:
         self._db.close()
@@ -292,8 +327,12 @@ class Ledger:
         with self._transaction():
             self._insert_unpaid(receipt)
 
+    def record_unbilled(self, note: Unbilled) -> None:
+        """Remember work this node did as a worker and was not paid for, with the reason (``gpunet earnings``)."""
+        self.write_batch(unbilled=[note])
+
     def write_batch(
-        self, complete: Sequence[Receipt] = (), unpaid: Sequence[Receipt] = ()
+        self, complete: Sequence[Receipt] = (), unpaid: Sequence[Receipt] = (), unbilled: Sequence[Unbilled] = ()
     ) -> list[tuple[Receipt, LedgerError | InvalidReceipt]]:
         """Group commit: ``append`` every complete receipt and ``record_unpaid`` every unpaid one in ONE transaction.
 
@@ -319,6 +358,13 @@ class Ledger:
         with self._transaction():
             for receipt in good_unpaid:
                 self._insert_unpaid(receipt)
+            if unbilled:
+                self._db.executemany(
+                    "INSERT INTO unbilled (client_id, job_id, reason, detail, flops, program_hash, lane, recorded_at_us)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(n.client_id, n.job_id, n.reason, n.detail[:500], n.flops, n.program_hash, n.lane,
+                      n.recorded_at_us or _now_us()) for n in unbilled])
+                self._db.execute("DELETE FROM unbilled WHERE id <= (SELECT MAX(id) FROM unbilled) - ?", (MAX_UNBILLED,))
             last = None
             for receipt in good_complete:
                 outcome, seq, digest = self._insert(receipt, "append", last)
@@ -451,9 +497,11 @@ class Ledger:
 
     def receipts(self) -> Iterator[Receipt]:
         """Every stored receipt in ledger order (decoded, not re-verified: that is ``verify``'s job)."""
-        return (receipt for _, receipt in self._receipts_after(0))
+        return (receipt for _, receipt in self.receipts_after(0))
 
-    def _receipts_after(self, seq: int) -> Iterator[tuple[int, Receipt]]:
+    def receipts_after(self, seq: int) -> Iterator[tuple[int, Receipt]]:
+        """(entry seq, receipt) of the entries after ``seq``, in order: a reader that keeps a tally reads only what
+        was added since its last look (entries are append-only)."""
         # A page at a time, so no statement stays open between the caller's reads (an open one pins an old snapshot).
         page = "SELECT seq, receipt FROM entries WHERE seq > ? ORDER BY seq LIMIT 1000"
         while rows := self._db.execute(page, (seq,)).fetchall():
@@ -466,7 +514,7 @@ class Ledger:
         payments as earned (see :mod:`gpunet.ledger.balances`); computed afresh."""
         if trusted is not None:
             return balances(self.receipts(), trusted)
-        for seq, receipt in self._receipts_after(self._sheet_seq):
+        for seq, receipt in self.receipts_after(self._sheet_seq):
             self._sheet.add(receipt)
             self._sheet_seq = seq
         return self._sheet.snapshot()
@@ -480,6 +528,21 @@ class Ledger:
         """Receipts this node signed as worker that no client has countersigned (yet)."""
         rows = self._db.execute("SELECT receipt FROM unpaid ORDER BY recorded_at_us, job_id")
         return [Receipt.from_bytes(data) for (data,) in rows]
+
+    def unbilled(self, since_us: int = 0, newest: int | None = None) -> list[Unbilled]:
+        """Work this node did as a worker and was not paid for, with the reason, oldest first; ``newest``: only that
+        many, the latest (a ledger written before schema 3 has none recorded)."""
+        if self._schema < 3:
+            return []
+        query = ("SELECT client_id, job_id, reason, detail, flops, program_hash, lane, recorded_at_us FROM unbilled "
+                 "WHERE recorded_at_us >= ? ORDER BY id DESC LIMIT ?")
+        rows = self._db.execute(query, (since_us, -1 if newest is None else newest)).fetchall()
+        return [Unbilled(*row) for row in reversed(rows)]
+
+    def count_unbilled(self, since_us: int = 0) -> int:
+        if self._schema < 3:
+            return 0
+        return self._db.execute("SELECT COUNT(*) FROM unbilled WHERE recorded_at_us >= ?", (since_us,)).fetchone()[0]
 
     def conflicts(self) -> list[Conflict]:
         same_job = "e.job_id = c.job_id" + ("" if self._schema == 1 else " AND e.client_id = c.client_id")

@@ -22,7 +22,7 @@ from typing import Callable
 
 from gpunet.errors import InvalidReceipt
 from gpunet.ledger.receipts import Receipt
-from gpunet.ledger.store import Ledger
+from gpunet.ledger.store import Ledger, Unbilled
 from gpunet.utils import Debounce
 
 logger = logging.getLogger("gpunet.ledger")
@@ -50,6 +50,7 @@ class LedgerWriter:
         self._complete: list[Receipt] = []  # in queue order; a second receipt for a job id is kept (conflict evidence)
         self._by_job: dict[tuple[str, str], Receipt] = {}  # the first queued receipt per (client, job id), for ``get``
         self._unpaid: list[Receipt] = []
+        self._unbilled: list[Unbilled] = []
         self._timer = Debounce(delay, self._flush_soon)
         self._failing = False  # the last write failed: retry on a timer, never on the caller's path
 
@@ -64,6 +65,11 @@ class LedgerWriter:
         self._unpaid.append(receipt)
         self._schedule()
 
+    def record_unbilled(self, note: Unbilled) -> None:
+        """Queue a note of work this node did as a worker and was not paid for (``gpunet earnings``)."""
+        self._unbilled.append(note)
+        self._schedule()
+
     def get(self, client_id: str, job_id: str) -> Receipt | None:
         """The complete receipt for ``client_id``'s job ``job_id``, queued or stored."""
         return self._by_job.get((client_id, job_id)) or self.ledger.get(job_id, client_id)
@@ -76,25 +82,31 @@ class LedgerWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._complete) + len(self._unpaid)
+        return len(self._complete) + len(self._unpaid) + len(self._unbilled)
 
     def flush(self) -> None:
         """Write everything queued now, in one transaction (one by one if the batch as a whole fails)."""
         self._timer.cancel()
         if not self.pending:
             return
-        complete, unpaid = self._complete, self._unpaid
+        complete, unpaid, unbilled = self._complete, self._unpaid, self._unbilled
         try:
-            problems = self.ledger.write_batch(complete, unpaid)
+            problems = self.ledger.write_batch(complete, unpaid, unbilled)
         except Exception as batch_error:
             problems, kept_complete, kept_unpaid = self._write_one_by_one(complete, unpaid)
-            if len(kept_complete) + len(kept_unpaid) == len(complete) + len(unpaid):  # nothing went in: the file
+            if (complete or unpaid) and len(kept_complete) + len(kept_unpaid) == len(complete) + len(unpaid):
+                # No receipt went in: the file is the trouble.
                 logger.error("Could not write %d receipt(s) to the ledger %s (kept in memory, retrying): %s",
                              self.pending, self.ledger.path, batch_error)
                 self._failing = True
                 self._retry()
                 return
-        self._complete, self._unpaid, self._by_job, self._failing = [], [], {}, False
+            if unbilled:  # notes, not money: written alone, or dropped with a word
+                try:
+                    self.ledger.write_batch(unbilled=unbilled)
+                except Exception as e:
+                    logger.warning("Could not note %d unbilled job(s) in the ledger: %s", len(unbilled), e)
+        self._complete, self._unpaid, self._unbilled, self._by_job, self._failing = [], [], [], {}, False
         for receipt, error in problems:
             logger.warning("Receipt for job %s not recorded: %s", receipt.job_id[:16], error)
             if self.on_refused is not None:

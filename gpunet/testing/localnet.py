@@ -39,6 +39,15 @@ def wait_for(condition: Callable[[], T], timeout: float, message: str, interval:
         time.sleep(interval)
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a node's metrics or dashboard in tests and demos)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def gpunet_cmd(*args: str) -> list[str]:
     """The ``gpunet`` command run by this very interpreter (so a venv's gpunet, never another on PATH)."""
     return [sys.executable, "-m", "gpunet", *args]

@@ -60,8 +60,10 @@ def _model():
 
 
 def soak(root: Path, workers: int = 5, jobs: int = 1000, kill_every: tuple[float, float] = (0.3, 1.5),
-         seed: int = 0, log=print) -> SoakReport:
-    """Run one soak under ``root`` (everything it starts is stopped before it returns)."""
+         seed: int = 0, log=print, min_kills: int = 0) -> SoakReport:
+    """Run one soak under ``root`` (everything it starts is stopped before it returns). ``min_kills``: map the jobs
+    again (up to 10 rounds) until at least this many workers were killed during the maps (on a fast machine 1,000
+    tiny jobs take a few seconds: the churn must really happen); ``report.jobs`` counts every job mapped."""
     import gpunet
 
     rng = random.Random(seed)
@@ -118,20 +120,25 @@ def soak(root: Path, workers: int = 5, jobs: int = 1000, kill_every: tuple[float
             report.steady_rss_mb = (_rss_mb(steady.pid), 0.0)
             started = time.perf_counter()
             killer.start()
-            results = []
-            for i, result in enumerate(client.map(job, inputs, progress=False)):
-                results.append(result)
-                if i % 200 == 199:
-                    log(f"{i + 1}/{jobs} jobs back, {report.kills} kills so far")
+            results, sent = [], []
+            for _ in range(10):
+                sent += inputs
+                for i, result in enumerate(client.map(job, inputs, progress=False)):
+                    results.append(result)
+                    if i % 200 == 199:
+                        log(f"{len(results)}/{len(sent)} jobs back, {report.kills} kills so far")
+                if report.kills >= min_kills:
+                    break
+            report.jobs = len(sent)
             report.seconds = time.perf_counter() - started
         finally:
             stop.set()
             killer.join(60)
             wait_for(lambda: not restarting, 60, "restarts in progress to finish")
         report.steady_rss_mb = (report.steady_rss_mb[0], _rss_mb(steady.pid))
-        report.missing = jobs - len(results)
+        report.missing = report.jobs - len(results)
         with torch.inference_mode():
-            report.wrong = sum(not torch.allclose(r, model(x), rtol=1e-5, atol=1e-6) for r, x in zip(results, inputs))
+            report.wrong = sum(not torch.allclose(r, model(x), rtol=1e-5, atol=1e-6) for r, x in zip(results, sent))
         report.wrong += sum(not torch.allclose(r, model(x), rtol=1e-5, atol=1e-6) for r, x in zip(warm, inputs))
         report.client_receipts = sum(1 for _ in client.ledger.receipts())
         try:

@@ -7,7 +7,9 @@ asks what to do. The clock is injected, so the stopped-jobs window is tested wit
 Rules, in the order a submit meets them:
 
 1. (job ids are each client's own: the service keys jobs and receipts by client and id;)
-2. the worker's price must be within the job's bound; its timeout and inputs within this worker's limits;
+2. the worker's price in the job's lane (interactive: ``--price``; batch: the lowest its floor goes,
+   ``--batch-price``; see :mod:`gpunet.worker.lanes`) must be within the job's bound; its timeout and inputs within
+   this worker's limits;
 3. a client that holds ``max_unpaid_jobs`` results it has not countersigned for longer than ``countersign_grace``
    (refused, or never answered) is refused until it pays or they age out of ``unpaid_window``: the worker's credit
    line, since outputs go out before their payment (the client must be able to compare them first); an address
@@ -17,7 +19,8 @@ Rules, in the order a submit meets them:
    past its timeout counts as a stop too, a crash several times over);
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
 5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy,
-   and so does one where this client already holds ``max_jobs_per_client`` places;
+   and so does one where this client already holds ``max_jobs_per_client`` places. Each lane has places of its own,
+   so batch work queued to the brim never makes an interactive job hear busy;
 6. a job whose bytes must still arrive is an *upload*, not a queued job: it takes no queue place until its bytes are
    in (so idle streams cannot make a worker busy for everyone); at most ``max_uploads_per_client`` (per peer id) and
    ``max_uploads_per_host`` (per network address: identities are free, addresses less so) run at once, and each
@@ -37,9 +40,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from gpunet.errors import JobRejected, ProtocolError, WorkerBusy
+from gpunet.errors import JobRejected, ProtocolError, WorkerBusy, WorkerDraining
 from gpunet.ledger.receipts import format_credits
-from gpunet.protocol import Submit
+from gpunet.protocol import BATCH, INTERACTIVE, Submit
 from gpunet.utils import LRU, When, human_bytes
 
 MAX_TRACKED_CLIENTS = 10_000
@@ -94,13 +97,16 @@ class Admission:
     """The worker's job counts and admission decisions. Use from one event loop's thread."""
 
     def __init__(self, *, price_nano: int, max_concurrent: int, max_queue: int,
-                 limits: ServiceLimits = ServiceLimits(), clock: Callable[[], float] = time.monotonic):
-        self.price_nano = price_nano  # per TFLOP
+                 limits: ServiceLimits = ServiceLimits(), clock: Callable[[], float] = time.monotonic,
+                 batch_price_nano: int | None = None):
+        self.price_nano = price_nano  # per TFLOP, interactive
+        self.batch_price_nano = price_nano if batch_price_nano is None else batch_price_nano  # the batch floor's least
         self.max_concurrent = max_concurrent
         self.max_queue = max_queue
         self.limits = limits
         self.clock = clock
         self.accepting = True
+        self.paused: str | None = None  # why the owner has the machine now (gpunet.worker.availability)
         self.admitted = 0  # jobs holding a place: queued or running
         self.running = 0
         # Job streams open, from their submit until the countersignature is read: a result on its way out, or its
@@ -113,7 +119,8 @@ class Admission:
         self._uploads_by_host: dict[str, int] = {}
         self._bytes_by_client: dict[str, int] = {}
         self._bytes_by_host: dict[str, int] = {}
-        self._places_by_client: dict[str, int] = {}
+        self._places_by_client: dict[tuple[str, str], int] = {}  # (client, lane) -> places held
+        self._places_by_lane: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
         # Delivered, not yet paid, as (delivered at, address): per client by job id, per address by (client, job id).
@@ -139,7 +146,10 @@ class Admission:
 
     def screen(self, client_id: str, submit: Submit, host: str = "") -> None:
         """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
-        if submit.max_price is not None and submit.max_price < self.price_nano:
+        if submit.max_price is not None and submit.lane == BATCH and submit.max_price < self.batch_price_nano:
+            raise JobRejected(f"this worker sells batch work at {format_credits(self.batch_price_nano)} credits/TFLOP "
+                              f"or more, above the job's bid {format_credits(submit.max_price)}")
+        if submit.max_price is not None and submit.lane != BATCH and submit.max_price < self.price_nano:
             raise JobRejected(f"this worker's price {format_credits(self.price_nano)} credits/TFLOP is above the job's "
                               f"bound {format_credits(submit.max_price)}")
         if submit.timeout > self.limits.max_timeout:
@@ -175,20 +185,27 @@ class Admission:
         """Places one client may hold: all running slots, but never the whole queue (others can always get in line)."""
         return self.max_concurrent + self.max_queue // 2
 
-    def has_room(self, client_id: str) -> bool:
-        """Whether ``admit(client_id)`` would succeed now; WorkerBusy while draining. Asked before a job's bytes are
-        read, so nobody uploads to a worker that would answer busy anyway."""
+    def has_room(self, client_id: str, lane: str = INTERACTIVE) -> bool:
+        """Whether ``admit(client_id, lane)`` would succeed now; WorkerBusy while draining. Asked before a job's bytes
+        are read, so nobody uploads to a worker that would answer busy anyway."""
         if not self.accepting:
-            raise WorkerBusy("worker is draining: it finishes running jobs and takes no new ones", self.queue_length)
-        return (self.admitted < self.max_concurrent + self.max_queue
-                and self._places_by_client.get(client_id, 0) < self.max_jobs_per_client)
+            raise WorkerDraining("worker is draining: it finishes running jobs and takes no new ones", self.queue_length)
+        if self.paused is not None:
+            raise self.pause_error()
+        return (self._places_by_lane.get(lane, 0) < self.max_concurrent + self.max_queue
+                and self._places_by_client.get((client_id, lane), 0) < self.max_jobs_per_client)
 
-    def admit(self, client_id: str) -> bool:
+    def pause_error(self) -> WorkerDraining:
+        """What a client hears from a paused worker: busy, as from one leaving (a session's span moves on)."""
+        return WorkerDraining(f"worker is paused ({self.paused}); it takes no jobs for now", self.queue_length)
+
+    def admit(self, client_id: str, lane: str = INTERACTIVE) -> bool:
         """Take a place for a job whose bytes are all here: True if taken, False when full (answer busy)."""
-        if not self.has_room(client_id):
+        if not self.has_room(client_id, lane):
             return False
         self.admitted += 1
-        _count(self._places_by_client, client_id, +1)
+        _count(self._places_by_client, (client_id, lane), +1)
+        _count(self._places_by_lane, lane, +1)
         return True
 
     def begin_upload(self, client_id: str, host: str) -> bool:
@@ -308,10 +325,11 @@ class Admission:
 
     # --- what happened ---------------------------------------------------------------------------------------------
 
-    def released(self, client_id: str) -> None:
+    def released(self, client_id: str, lane: str = INTERACTIVE) -> None:
         """An admitted job left (finished, failed or cancelled)."""
         self.admitted -= 1
-        _count(self._places_by_client, client_id, -1)
+        _count(self._places_by_client, (client_id, lane), -1)
+        _count(self._places_by_lane, lane, -1)
         self._drained.check()
 
     def started(self) -> None:
@@ -376,7 +394,7 @@ class Admission:
         return self._drained.wait()
 
 
-def _count(counts: dict[str, int], key: str, delta: int) -> None:
+def _count(counts: dict, key, delta: int) -> None:
     """Per-key counters that forget a key at zero (so they hold only clients with something in progress)."""
     value = counts.get(key, 0) + delta
     if value > 0:

@@ -3,7 +3,9 @@
 Each executor is a ``spawn``-started process (fork is unsafe beside threads and the libp2p daemon) that validates,
 caches and runs programs under a memory budget. The parent waits on the reply *or* the process's death, with a
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
-worker keeps serving; a job whose caller gives up (cancel, client gone) is stopped the same way. Parent and child exchange msgpack over a pipe, never pickle.
+worker keeps serving; a job whose caller gives up (cancel, client gone) is stopped the same way, except in a process
+holding inference sessions' state, where runs are stopped at their program's next node instead (a kill would lose
+every session there). Parent and child exchange msgpack over a pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import msgpack
 
-from gpunet.errors import ExecutorDied, JobFailed, JobRejected, JobTimeout, ProgramNotCached
+from gpunet.errors import ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
@@ -35,7 +37,11 @@ _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a 
 _INLINE_PIPE_BYTES = 1 << 20
 _IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
 _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go through the pipe
-_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed}
+#: How long a run asked to stop at its next node (preempted, or past its time on an executor holding sessions' state)
+#: may take before it is killed after all: one op cannot be interrupted.
+STOP_GRACE = 2.0
+
+_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted}
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class RunResult:
     flops: int
     wall_time: float
     peak_memory_bytes: int
+    state_bytes: int = 0  # a session step: what its state holds in the executor now
 
 
 class _Slot:
@@ -55,7 +62,9 @@ class _Slot:
         self._ctx, self._config = ctx, config
         self.hashes: set[str] = set()  # programs this process holds in memory (mirrors the child's LRU, roughly)
         self.busy = False  # reserved by a caller (the pool is used from one event loop: no lock)
+        self.generation = 0  # which process this is: sessions held by an earlier one are gone
         self.in_flight = False  # a job has been sent and not answered
+        self.run_id = 0  # the number of the job sent last (a stop names the run it means)
         self.closed = False
         self.start()
 
@@ -65,19 +74,25 @@ class _Slot:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
         the old (process, pipe) to reap."""
         old = (self.proc, self.conn)
-        self.proc, self.conn = spare.proc, spare.conn
+        self.proc, self.conn, self.stop_word = spare.proc, spare.conn, spare.stop_word
         self.ready, self.killed, self.hashes = False, False, set()
+        self.generation += 1
         return old
 
     def start(self) -> None:
         self.killed = False
         self.conn, child = self._ctx.Pipe(duplex=True)
-        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config), daemon=True, name="gpunet-executor")
+        # A word of shared memory: the parent writes there the number of a run it wants stopped, and the child checks
+        # it between the program's nodes (gpunet.job.interpreter.execute), so the process lives on.
+        self.stop_word = self._ctx.RawValue("q", -1)
+        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config, self.stop_word), daemon=True,
+                                      name="gpunet-executor")
         with _sigint_ignored_by_children():
             self.proc.start()
         child.close()
         self.ready = False
         self.hashes = set()
+        self.generation += 1
 
     async def ensure_ready(self) -> None:
         """Wait (without blocking the loop) for a freshly started process to finish importing torch; a process killed
@@ -149,11 +164,7 @@ class _Slot:
             return await asyncio.shield(io)
         except asyncio.CancelledError:
             self.kill()
-            while not io.done():  # a second cancel must not let the pipe close under the thread either
-                try:
-                    await asyncio.wait([io])
-                except asyncio.CancelledError:
-                    pass
+            await _wait_out(io)  # a second cancel must not let the pipe close under the thread either
             raise
 
     def exit_status(self) -> str:
@@ -181,6 +192,8 @@ class _Slot:
         """Stop the process at once (no waiting: safe on the event loop); ``ensure_ready`` replaces it later."""
         if self.proc.is_alive():
             self.proc.kill()
+        if not self.killed:
+            self.generation += 1  # the sessions it held are gone now, not once it is replaced
         self.ready, self.killed = False, True
 
     def restart(self) -> None:
@@ -199,7 +212,8 @@ class Executor:
     The parent talks to each process over its pipe from the event loop itself: waiting is ``add_reader`` on the pipe
     and on the process sentinel, so a small job costs no thread hop; only payloads over :data:`_INLINE_PIPE_BYTES`
     move in a thread. Cancelling :meth:`run` while the job runs kills that executor (the pool starts a fresh one):
-    that is how a cancelled or abandoned job stops using the machine.
+    that is how a cancelled or abandoned job stops using the machine; in a process holding sessions' state the run is
+    stopped at its next node instead (see :meth:`run`).
     """
 
     def __init__(
@@ -246,6 +260,11 @@ class Executor:
         self._spare_starting = False
         self._spare_lock = threading.Lock()  # the spare is started in a thread; close() may run in another
         self._waiters: deque[asyncio.Future] = deque()  # callers waiting for an idle executor, first come first served
+        # Inference sessions (docs/sessions.md): each session's state lives in one executor process, so its steps go
+        # to that one (waiting for it, ahead of jobs that could run anywhere). key -> (slot, its generation then).
+        self._pins: dict[str, tuple[_Slot, int]] = {}
+        self._pinned_waiters: dict[_Slot, deque[asyncio.Future]] = {}
+        self._tagged: dict[object, _Slot] = {}  # runs that may be stopped for another job -> the executor running it
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -259,19 +278,105 @@ class Executor:
         return self.disk.hashes()
 
     async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
-                  private: bool = False) -> RunResult:
-        """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout."""
+                  private: bool = False, session: dict | None = None, tag: object = None,
+                  spare_sessions: bool = False) -> RunResult:
+        """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout.
+
+        ``session``: the job is a step of an inference session, ``{"key", "step", "fresh", "close", "room"}``; its
+        state stays in the executor that ran step 0 (SessionLost once that process is gone); ``room``: the most bytes
+        a new session's state may take. ``tag``: a name for this run, to :meth:`stop` it by while it runs.
+        ``spare_sessions``: take an executor holding no session's state if one is idle (work that may be stopped keeps
+        out of the way of the sessions' steps, which must run there).
+
+        Cancelling a run kills its process, unless the process holds sessions' state: a kill would lose every session
+        there (any client's), so the run is stopped at its program's next node instead, and so is a run past its
+        time there (killed only if one op outlasts STOP_GRACE)."""
         if self._closed:
             raise JobFailed("executor is closed")
         check_hash(program_hash)
         if program_bytes is None and not self.has_program(program_hash):
             raise ProgramNotCached(program_hash)
         timeout = self.default_timeout if timeout is None else timeout
-        slot = await self._acquire(program_hash)
+        pinned = None
+        if session is not None and session["step"] > 0:
+            pinned = self._pinned_slot(session["key"])
+        slot = await (self._acquire_slot(pinned) if pinned is not None else self._acquire(program_hash,
+                                                                                           spare_sessions))
+        if tag is not None:
+            self._tagged[tag] = slot
         try:
-            return await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private)
+            if pinned is not None and self._pins.get(session["key"], (None, -1))[1] != slot.generation:
+                raise SessionLost("the session's state was lost while its step waited: its executor restarted")
+            result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session)
+            if session is not None:
+                if session.get("close"):
+                    self._pins.pop(session["key"], None)
+                else:
+                    self._pins[session["key"]] = (slot, slot.generation)
+            return result
         finally:
+            if tag is not None:
+                self._tagged.pop(tag, None)
             self._release(slot)
+
+    def stop(self, tag: object) -> bool:
+        """Ask the executor running the job tagged ``tag`` to stop it at the next node of its program: its ``run``
+        raises JobPreempted and the process serves the next job, no restart. False when that job is not running in an
+        executor now (the caller then cancels it). A single op that runs long keeps going until it returns: the
+        caller bounds the wait (a cancel kills the process, unless it holds sessions' state)."""
+        slot = self._tagged.get(tag)
+        if slot is None or not slot.in_flight or slot.killed:
+            return False
+        slot.stop_word.value = slot.run_id
+        return True
+
+    def running_where(self, session_key: str) -> list[object]:
+        """Tags of the runs on the executor holding this session's state (what its next step waits for)."""
+        pin = self._pins.get(session_key)
+        if pin is None:
+            return []
+        return [tag for tag, slot in self._tagged.items() if slot is pin[0]]
+
+    def holds_sessions_of(self, tag: object) -> bool:
+        """Whether the executor running the job tagged ``tag`` holds sessions' state (a cancel there will not kill)."""
+        slot = self._tagged.get(tag)
+        return slot is not None and self._holds_sessions(slot)
+
+    def warm_spare(self) -> None:
+        """Start a spare executor now if none stands by, so the next one killed is replaced without a torch import."""
+        if self._spare is None and not self._spare_starting and not self._closed:
+            self._spare_starting = True
+            asyncio.get_running_loop().run_in_executor(None, self._start_spare)
+
+    def _pinned_slot(self, key: str) -> "_Slot":
+        pin = self._pins.get(key)
+        if pin is None or pin[0].generation != pin[1] or pin[0].closed:
+            self._pins.pop(key, None)
+            raise SessionLost("this worker no longer holds the session's state (its executor restarted, or the "
+                              "session expired or was closed)")
+        return pin[0]
+
+    def holds_session(self, key: str) -> bool:
+        pin = self._pins.get(key)
+        return pin is not None and pin[0].generation == pin[1] and not pin[0].closed
+
+    async def drop_sessions(self, keys: list[str]) -> None:
+        """Free sessions' state (expired, or their client is gone): each executor holding some is told once it is
+        free; one that restarted since holds none of it anyway."""
+        by_slot: dict[_Slot, list[str]] = {}
+        for key in keys:
+            pin = self._pins.pop(key, None)
+            if pin is not None and pin[0].generation == pin[1] and not pin[0].closed:
+                by_slot.setdefault(pin[0], []).append(key)
+        for slot, held in by_slot.items():
+            slot = await self._acquire_slot(slot)
+            try:
+                if slot.ready and not slot.killed:
+                    slot.send([msgpack.packb({"op": "drop", "keys": held}, use_bin_type=True)])
+            except (OSError, ValueError):
+                slot.kill()
+            finally:
+                self._release(slot)
 
     async def sandbox_report(self) -> list[str]:
         """What the executors' sandbox enforces (each executor locks itself down once torch is imported)."""
@@ -313,13 +418,17 @@ class Executor:
 
     # --- internals ----------------------------------------------------------------------------------------------------
 
-    async def _acquire(self, program_hash: str) -> _Slot:
-        """An idle executor, preferring one that already holds the program in memory; else wait in line (FIFO): a
-        released executor is handed straight to the first caller waiting, so no newcomer can overtake it."""
+    async def _acquire(self, program_hash: str, spare_sessions: bool = False) -> _Slot:
+        """An idle executor, preferring one that already holds the program in memory (and, ``spare_sessions``, one
+        holding no session's state); else wait in line (FIFO): a released executor is handed straight to the first
+        caller waiting, so no newcomer can overtake it."""
         if self._closed:
             raise JobFailed("executor is closed")
         idle = [s for s in self._slots if not s.busy]
         if idle and not self._waiters:
+            if spare_sessions:
+                pinned = {slot for slot, generation in self._pins.values() if slot.generation == generation}
+                idle = sorted(idle, key=lambda s: s in pinned)
             slot = next((s for s in idle if program_hash in s.hashes), idle[0])
             slot.busy = True
             return slot
@@ -334,7 +443,32 @@ class Executor:
                 self._waiters.remove(waiter)
             raise
 
+    async def _acquire_slot(self, slot: _Slot) -> _Slot:
+        """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
+        if self._closed:
+            raise JobFailed("executor is closed")
+        if not slot.busy:
+            slot.busy = True
+            return slot
+        waiter = asyncio.get_running_loop().create_future()
+        queue = self._pinned_waiters.setdefault(slot, deque())
+        queue.append(waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())
+            elif waiter in queue:
+                queue.remove(waiter)
+            raise
+
     def _release(self, slot: _Slot) -> None:
+        pinned = self._pinned_waiters.get(slot) if self._pinned_waiters else None
+        while pinned:
+            waiter = pinned.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -350,9 +484,7 @@ class Executor:
             spare, self._spare = self._spare, None
             old_proc, old_conn = slot.take_over(spare)
             await asyncio.to_thread(_reap, old_proc, old_conn)
-        if not self._spare_starting:
-            self._spare_starting = True
-            asyncio.get_running_loop().run_in_executor(None, self._start_spare)
+        self.warm_spare()
 
     def _start_spare(self) -> None:
         try:
@@ -366,14 +498,18 @@ class Executor:
             spare.stop()
 
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
-                      private: bool = False) -> RunResult:
+                      private: bool = False, session: dict | None = None) -> RunResult:
         await self._revive(slot)
         await slot.ensure_ready()
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
         # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
         # pipe, mapped by the child page-aligned, so its tensors are zero-copy views (no pipe copy, no re-alignment).
-        header = {"op": "run", "hash": program_hash, "program": program_bytes is not None, "private": private}
+        slot.run_id += 1
+        header = {"op": "run", "hash": program_hash, "program": program_bytes is not None, "private": private,
+                  "run": slot.run_id}
+        if session is not None:
+            header["session"] = session
         payloads = [program_bytes] if program_bytes is not None else []
         shared = None
         if hasattr(inputs, "fileno"):  # spooled to a file by the service: the child maps the file itself
@@ -386,28 +522,60 @@ class Executor:
             payloads.append(inputs)
         messages = [msgpack.packb(header, use_bin_type=True), *payloads]
         slot.in_flight = True
+        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout))
         try:
-            try:
-                if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
-                    slot.send(messages)
-                else:  # a big pipe write blocks until the child has read it: not on the event loop
-                    await slot.in_thread(slot.send, messages, shared)
-            except (OSError, ValueError):
-                return self._died(slot, "before the job was sent", by_the_job=False)
-            return await self._await_reply(slot, program_hash, timeout)
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
-            # The caller gave up on a job that is running: stop it (the next job gets a fresh process).
-            slot.kill()
+            # The caller gave up on the run. Killing the process stops it at once, but the state of every session it
+            # holds (any client's) would go with it: there, the run is asked to stop at its program's next node (or
+            # before its first, if it has not reached the process yet) and waited for, within its own time limit
+            # (past it, _await_reply kills it as for any run).
+            if self._holds_sessions(slot):
+                slot.stop_word.value = slot.run_id
+            else:
+                slot.kill()  # the next job gets a fresh process
+                work.cancel()
+            await _wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
+            if session is not None and not work.cancelled() and work.exception() is None:
+                # The step ended before it could stop (on a GPU, the stop is seen long before the queued kernels
+                # finish): its session's state in the process has moved on with it, so it is done, and taken as
+                # done; dropped, the worker's table would be a step behind the state and a rerun would compute on
+                # the wrong one.
+                asyncio.current_task().uncancel()
+                return work.result()
+            if not work.cancelled():
+                work.exception()  # stopped, failed or ended: the run is over and nobody wants its result
             raise
         finally:
             slot.in_flight = False
+
+    async def _send_and_await(self, slot: _Slot, messages: list[bytes], shared, program_hash: str,
+                              timeout: float) -> RunResult:
+        try:
+            if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
+                slot.send(messages)
+            else:  # a big pipe write blocks until the child has read it: not on the event loop
+                await slot.in_thread(slot.send, messages, shared)
+        except (OSError, ValueError):
+            return self._died(slot, "before the job was sent", by_the_job=False)
+        return await self._await_reply(slot, program_hash, timeout)
+
+    def _holds_sessions(self, slot: _Slot) -> bool:
+        return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
     async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
+        stopping = False
         while True:
             if not await slot.readable(max(0.0, deadline - loop.time())):
+                if not stopping and self._holds_sessions(slot):
+                    # A kill would take every session this process holds (any client's) with it: first ask the
+                    # run to stop at its program's next node.
+                    slot.stop_word.value = slot.run_id
+                    stopping, deadline = True, loop.time() + STOP_GRACE
+                    continue
                 slot.kill()
                 raise JobTimeout(f"{why}; its executor was killed and replaced")
             try:
@@ -438,9 +606,12 @@ class Executor:
             slot.kill()
         if reply.get("ok"):
             slot.hashes.add(program_hash)
-            return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"])
+            return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
+                             reply.get("state_bytes", 0))
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
+        if stopping and reply.get("error") == "JobPreempted":
+            raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
     def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
@@ -449,6 +620,15 @@ class Executor:
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
+
+
+async def _wait_out(future: asyncio.Future) -> None:
+    """Wait until ``future`` is done, however often the caller is cancelled meanwhile (it re-raises its own)."""
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            pass
 
 
 def _reap(proc, conn) -> None:
@@ -504,7 +684,7 @@ def _sigint_ignored_by_children():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
-def _child_main(conn: Connection, config: dict) -> None:
+def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
     # first), so a keypress must not kill one mid-job or mid-import with a traceback.
@@ -535,9 +715,14 @@ def _child_main(conn: Connection, config: dict) -> None:
     if config.get("sandbox"):
         report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
     conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report}))
+    sessions: dict[str, list] = {}  # inference sessions' state, between their steps (the parent bounds it)
     while True:
         try:
             req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            if req.get("op") == "drop":
+                for key in req.get("keys", ()):
+                    sessions.pop(key, None)
+                continue
             if req.get("op") != "run":
                 return
             req["program"] = conn.recv_bytes() if req.get("program") else None
@@ -547,10 +732,13 @@ def _child_main(conn: Connection, config: dict) -> None:
                 req["inputs"] = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        run = req.get("run")
         try:
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})))
-        except (JobRejected, JobFailed) as e:
+                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})),
+                             sessions=sessions,
+                             stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
+        except (JobRejected, JobFailed, JobPreempted) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
         except ProgramNotCached as e:
             reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
@@ -582,7 +770,8 @@ def _map_shared(fd: int, size: int) -> memoryview:
         os.close(fd)
 
 
-def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program, started=None) -> dict:
+def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program, started=None,
+             sessions: dict | None = None, stop=None) -> dict:
     h = check_hash(req["hash"])
     prog = programs.get(h)
     if prog is None:
@@ -594,16 +783,84 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
             disk.put(h, data)
         # Charged at least the container's size: weights may be views into it, which keep all of it alive.
         programs.put(h, prog, max(len(data), sum(w.numel() * w.element_size() for w in prog.weights)))
-    inputs = prog.inputs_from_dict(tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes))
+    given = tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes)
+    session = req.get("session")
+    if session is not None:
+        given, state_bytes = _with_state(prog, session, given, sessions, device)
+    inputs = prog.inputs_from_dict(given)
     est = prog.estimate(inputs)
     if started is not None:  # the parent caps the run time by the counted work
         started(est.flops)
     t0 = time.perf_counter()
-    outs = run_program(prog, inputs)
+    outs = run_program(prog, inputs, stop=stop)
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
+    reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
+    new_state = None
+    if session is not None:  # the new state stays here; the step's answer is the rest
+        k = prog.manifest.state
+        new_state = _own_state(prog, outs[len(outs) - k:])
+        outs = outs[:len(outs) - k]
+        reply["state_bytes"] = state_bytes
     data = tensors.encode({f"output_{i}": o for i, o in enumerate(outs)})
-    return {"ok": True, "outputs": data, "flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
+    if session is not None:  # last of all: a step that failed on the way leaves the state as it was
+        sessions.pop(session["key"], None)
+        if not session.get("close"):
+            sessions[session["key"]] = new_state
+    return {"ok": True, "outputs": data, **reply}
+
+
+def _own_state(prog, state: list) -> list:
+    """The new state as the manifest declares it, each tensor holding exactly its own memory: a state that is a
+    slice of a big intermediate, or an input passed through, must not keep more alive than the session is charged
+    (and a program whose real state differs from its declared one is refused: its session's size would be a lie)."""
+    import torch
+
+    from gpunet.job import tensors
+
+    manifest = prog.manifest
+    specs = manifest.inputs[len(manifest.inputs) - manifest.state:]
+    owned = []
+    for spec, t in zip(specs, state):
+        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+            raise JobRejected(f"the program's new state {spec.name} is {tensors.DTYPE_NAMES.get(t.dtype)} "
+                              f"{list(t.shape)}, its manifest declares {spec.dtype} {list(spec.shape)}")
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+        owned.append(t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format))
+    return owned
+
+
+def _with_state(prog, session: dict, given: dict, sessions: dict, device: str) -> tuple[dict, int]:
+    """A session step's full inputs: what the client sent, then the state (held here since the last step; at step 0
+    sent by the client, or zeros of the declared shapes when ``fresh``)."""
+    import torch
+
+    from gpunet.job import tensors
+
+    manifest = prog.manifest
+    k, n = manifest.state, len(manifest.inputs)
+    if not k:
+        raise JobRejected("this program holds no state (its manifest declares none): run it as a plain job")
+    state_bytes = manifest.state_bytes
+    specs = manifest.inputs[n - k:]
+    if session["step"] == 0:
+        if state_bytes > session.get("room", 0):
+            raise JobRejected(f"the session's state takes {state_bytes} bytes; this worker has "
+                              f"{max(0, session.get('room', 0))} left for sessions now")
+        if session.get("fresh"):
+            state = [torch.zeros(spec.shape, dtype=tensors.DTYPES[spec.dtype], device=device) for spec in specs]
+        else:
+            return given, state_bytes  # the client sent the first state with the inputs
+    else:
+        state = sessions.get(session["key"])
+        if state is None:
+            raise SessionLost("this worker no longer holds the session's state")
+    if len(given) != n - k:
+        raise JobRejected(f"a session step sends {n - k} inputs (the state stays on the worker), got {len(given)}")
+    given = dict(given)
+    for i, t in enumerate(state):
+        given[f"input_{n - k + i}"] = t
+    return given, state_bytes

@@ -12,7 +12,7 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from gpunet.dht.records import DeviceInfo
+from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo
 from gpunet.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def memory_bytes() -> tuple[int, int]:
 def cpu_hardware() -> Hardware:
     total, available = memory_bytes()
     info = DeviceInfo(
-        kind="cpu", name=cpu_model()[:128], count=1, memory_total=total, memory_free=available, cores=os.cpu_count() or 1
+        kind="cpu", name=cpu_model()[:MAX_DEVICE_NAME], count=1, memory_total=total, memory_free=available, cores=os.cpu_count() or 1
     )
     return Hardware(info=info, torch_device="cpu")
 
@@ -171,7 +171,7 @@ def detect(device: str = "auto", nvml: Any | None = None) -> Hardware:
     utilizations = [g.utilization for g in chosen if g.utilization is not None]
     info = DeviceInfo(
         kind="cuda",
-        name=chosen[0].name[:128],
+        name=chosen[0].name[:MAX_DEVICE_NAME],
         count=len(chosen),
         memory_total=min(g.memory_total for g in chosen),
         memory_free=min(g.memory_free for g in chosen),

@@ -14,6 +14,42 @@ PEER_BYTES_SERVED = Counter("gpunet_peer_bytes_served_total", "Program bytes ser
 PEER_BYTES_FETCHED = Counter("gpunet_peer_bytes_fetched_total", "Program bytes fetched from other workers")
 QUEUE = Gauge("gpunet_queue_length", "Jobs admitted and waiting for an executor")
 RUNNING = Gauge("gpunet_running_jobs", "Jobs executing now")
+SESSIONS = Gauge("gpunet_sessions", "Inference sessions open (their state held in executors)")
+SESSION_BYTES = Gauge("gpunet_session_state_bytes", "Bytes of inference sessions' state held")
+# The market (gpunet.worker.lanes, docs/market.md)
+BACKGROUND_RUNS = Counter("gpunet_background_runs_total", "Runs of the volunteer's own background job, by outcome "
+                          "(done, or stopped for paying work)", ["outcome"])
+TOP_CLIENTS = 10  # clients per lane shown by their share (labels stay bounded however many clients come)
+BATCH_FLOOR = Gauge("gpunet_batch_floor", "The batch lane's floor price now, credits per TFLOP")
+LANE_JOBS = Gauge("gpunet_lane_jobs", "Jobs per lane, running or waiting", ["lane", "state"])
+LANE_LOAD = Gauge("gpunet_lane_load", "Share of the slots a lane kept busy lately (0-1)", ["lane"])
+CLIENT_SHARE = Gauge("gpunet_client_share", "A client's share of its lane's executor time lately (the top clients "
+                     "per lane, by the last 8 characters of their id; the rest as 'others')", ["lane", "client"])
+
+
+def count_lanes(lanes) -> None:
+    """Publish the floor and the jobs per lane (after every change: a few gauges)."""
+    from gpunet.protocol import LANES
+
+    BATCH_FLOOR.set(lanes.floor / 1e9)
+    for lane in LANES:
+        LANE_JOBS.labels(lane, "running").set(lanes.count(lane, waiting=False))
+        LANE_JOBS.labels(lane, "waiting").set(lanes.count(lane, running=False))
+
+
+def show_lanes(lanes) -> None:
+    """Publish the lanes' load and each client's share (at each heartbeat: they change slowly)."""
+    from gpunet.protocol import LANES
+
+    count_lanes(lanes)
+    CLIENT_SHARE.clear()
+    for lane in LANES:
+        LANE_LOAD.labels(lane).set(lanes.load(lane))
+        shares = sorted(lanes.shares(lane).items(), key=lambda kv: -kv[1])
+        for client, share in shares[:TOP_CLIENTS]:
+            CLIENT_SHARE.labels(lane, client[-8:]).set(share)
+        if len(shares) > TOP_CLIENTS:
+            CLIENT_SHARE.labels(lane, "others").set(sum(v for _, v in shares[TOP_CLIENTS:]))
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:

@@ -26,20 +26,28 @@ from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
     MAX_MADDR_CHARS,
+    MAX_PAUSE_REASON,
     WorkerRecord,
     WorkerState,
 )
-from gpunet.errors import NetworkError
+from gpunet.errors import ConfigError, NetworkError
 from gpunet.identity import Identity
-from gpunet.ledger.receipts import NANO, price_to_nano
+from gpunet.ledger.receipts import NANO, format_credits, price_to_nano
 from gpunet.ledger.store import open_ledger
+from gpunet.protocol import BATCH, INTERACTIVE
 from gpunet.rpc import quiet_lost_daemon
 from gpunet.utils import new_event_loop
 from gpunet.worker import hardware as hw
-from gpunet.worker import metrics, throughput
+from gpunet.worker import control, metrics, throughput
+from gpunet.worker.availability import Availability, OwnerRules, Reading, parse_active_hours
+from gpunet.worker.probe import FakeGpuProbe, SystemProbe
 
 logger = logging.getLogger("gpunet.worker")
 
+#: Seconds between looks at what the owner is doing (gpunet.worker.availability).
+OWNER_EVERY = 1.0
+#: Seconds between the worker's short earnings lines in its log.
+EARNINGS_EVERY = 600.0
 #: Seconds a draining worker waits for countersignatures of results it already delivered.
 UNSETTLED_GRACE = 5.0
 #: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
@@ -66,6 +74,22 @@ class Worker:
         self.state = WorkerState.JOINING
         self.started_at = time.time()
         self.service = None
+        # The owner comes first (gpunet.worker.availability): their rules, what the machine looks like, their hand.
+        self.availability = Availability(OwnerRules(
+            pause_when_busy=config.pause_when_busy, resume_after=config.resume_after,
+            active_hours=parse_active_hours(config.active_hours) if config.active_hours else (),
+            max_temperature=config.max_temperature))
+        self._probe = None
+        if config.fake_gpu_probe is not None:
+            self._probe = FakeGpuProbe(config.fake_gpu_probe)
+        elif config.pause_when_busy or config.max_temperature is not None:
+            self._probe = SystemProbe(os.getpid(), self.hardware.indices if self.hardware.is_gpu else (), nvml)
+        self._owner_poke = asyncio.Event()
+        self._owner_seen = asyncio.Event()
+        self._owner_watch: asyncio.Task | None = None
+        self._dashboard = None
+        self._standing = None  # the volunteer's background job, loaded and checked at start
+        self._background: asyncio.Task | None = None
         self.executor = None
         self.ledger = None
         self.tflops: dict[str, float] = {}
@@ -88,6 +112,7 @@ class Worker:
 
     def record(self) -> WorkerRecord:
         admission, ledger = self.service.admission if self.service else None, self.ledger
+        lanes = self.service.lanes if self.service else None
         head = ledger.head() if ledger is not None else None
         return WorkerRecord(
             version=__version__,
@@ -109,6 +134,12 @@ class Worker:
             credits_earned=ledger.earned(self.id) / NANO if ledger is not None else 0.0,
             peer_bytes_served=self.service.piece_server.served if self.service and self.service.piece_server else 0,
             peer_bytes_fetched=self.service.fetcher.fetched if self.service and self.service.fetcher else 0,
+            batch_price=float(self.config.batch_price),
+            batch_floor=lanes.floor / NANO if lanes else float(self.config.batch_price),
+            interactive_load=round(lanes.load(INTERACTIVE), 3) if lanes else 0.0,
+            preemptions_per_hour=round(lanes.preemption_rate(), 2) if lanes else 0.0,
+            batch_queue=lanes.count(BATCH, running=False) if lanes else 0,
+            pause_reason=self.availability.reason[:MAX_PAUSE_REASON] if self.state is WorkerState.PAUSED else None,
         )
 
     async def announce(self, state: WorkerState | None = None) -> bool:
@@ -118,6 +149,7 @@ class Worker:
         if self.service is not None:
             metrics.QUEUE.set(self.service.admission.queue_length)
             metrics.RUNNING.set(self.service.admission.running)
+            metrics.show_lanes(self.service.lanes)
         if self.state is not WorkerState.OFFLINE:
             self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
         if self._via_relays and self.dht.is_alive() and not self._stop.is_set():
@@ -173,11 +205,18 @@ class Worker:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop, sig)
+        loop.add_signal_handler(signal.SIGUSR1, self.poke_owner)  # `gpunet worker pause|resume`: look now
         loop.set_exception_handler(quiet_lost_daemon)
         readyfile.remove_ready(self.data_dir)  # one left by an earlier run that died must never be read as ours
         cfg = self.config
         info = self.hardware.info
         logger.info("Device: %s (%s x%d, %.1f GiB)", info.name, info.kind, info.count, info.memory_total / 2**30)
+        if cfg.max_temperature is not None and not self.hardware.is_gpu and cfg.fake_gpu_probe is None:
+            logger.warning("--max-temperature reads the GPU's temperature through NVML: this CPU worker ignores it")
+        if cfg.background_job is not None:  # a mistake in it shows now, not at the first idle moment
+            from gpunet.worker.background import load_standing_job
+
+            self._standing = await asyncio.to_thread(load_standing_job, cfg.background_job, cfg.background_inputs)
         self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark)
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
@@ -193,9 +232,15 @@ class Worker:
             self._print_welcome(starting_network)
             await self.announce(WorkerState.JOINING)
             await self.start_services()
-            await self.announce(WorkerState.ONLINE)
-            logger.info("Online: taking jobs at %.3g credits/TFLOP (worker id %s)", cfg.price, self.id)
+            self._owner_watch = asyncio.create_task(self._watch_owner())
+            await self._owner_seen.wait()  # a worker its owner paused comes up paused
+            if self.availability.paused:
+                await self._set_paused()
+            else:
+                await self.announce(WorkerState.ONLINE)
+                logger.info("Online: taking jobs at %.3g credits/TFLOP (worker id %s)", cfg.price, self.id)
             await self._heartbeat_until_stopped()
+            self._owner_watch.cancel()
             await self._drain()
             return 0
         finally:
@@ -294,6 +339,7 @@ class Worker:
         reported = 0
         every = self.config.remeasure_every
         speed_due = time.monotonic() + every
+        earnings_due, earned = time.monotonic() + EARNINGS_EVERY, self.ledger.earned(self.id)
         while not self._stop.is_set():
             if not self.dht.is_alive():
                 await asyncio.sleep(0.1)  # a signal to the whole group kills it too: let our own handler run first
@@ -310,9 +356,64 @@ class Worker:
                     logger.info("Served %d job(s) since the last heartbeat (%d in all); %d queued, %d running",
                                 done - reported, done, admission.queue_length, admission.running)
                     reported = done
-                if every and time.monotonic() >= speed_due and not admission.active:
+                if time.monotonic() >= earnings_due:
+                    earnings_due = time.monotonic() + EARNINGS_EVERY
+                    earned = self._say_earnings(earned)
+                if every and time.monotonic() >= speed_due and not admission.active and not self.availability.paused:
                     await self._remeasure_speed()
                     speed_due = time.monotonic() + every
+
+    # --- the owner comes first ---------------------------------------------------------------------------------------
+
+    async def _watch_owner(self) -> None:
+        """Look at the machine and the owner's hand every OWNER_EVERY seconds (at once on SIGUSR1), and pause or
+        resume the worker as gpunet.worker.availability decides."""
+        failing = False
+        while not self._stop.is_set():
+            reading = Reading(time.time())
+            if self._probe is not None:
+                try:
+                    reading = await asyncio.to_thread(self._probe.read)
+                    failing = False
+                except Exception as e:  # a probe that cannot read the machine pauses nothing (and says so once)
+                    if not failing:
+                        logger.warning("Could not read what else runs on this machine (%s); not pausing for it", e)
+                    failing = True
+            changed = self.availability.update(reading, control.read_pause(self.data_dir))
+            first = not self._owner_seen.is_set()
+            self._owner_seen.set()
+            if changed and not first and not self._stop.is_set():
+                if self.availability.paused:
+                    await self._set_paused()
+                else:
+                    self.service.resume()
+                    await self.announce(WorkerState.ONLINE)
+                    logger.info("Resumed: taking jobs again")
+            try:
+                await asyncio.wait_for(self._owner_poke.wait(), OWNER_EVERY)
+            except asyncio.TimeoutError:
+                pass
+            self._owner_poke.clear()
+
+    def poke_owner(self) -> None:
+        """Look at the owner's hand now (the dashboard's buttons, SIGUSR1)."""
+        self._owner_poke.set()
+
+    async def _set_paused(self) -> None:
+        self.service.pause(self.availability.reason, self.config.pause_grace)
+        await self.announce(WorkerState.PAUSED)
+        logger.info("Paused: %s. Running jobs get %.0f s to finish; no new ones until it resumes",
+                    self.availability.reason, self.config.pause_grace)
+
+    def _say_earnings(self, before: int) -> int:
+        """A short earnings line now and then (``gpunet earnings`` has the detail); returns the total it said."""
+        now = self.ledger.earned(self.id)
+        owed = len(self.service.settlement.unsettled)
+        if now != before or owed:
+            logger.info("Earnings: %s credits in all (+%s in the last %.0f min)%s; `gpunet earnings` for details",
+                        format_credits(now), format_credits(now - before), EARNINGS_EVERY / 60,
+                        f", {owed} result(s) awaiting a countersignature" if owed else "")
+        return now
 
     async def _remeasure_speed(self) -> None:
         """Measure the device again while no job runs (see worker.throughput); the next heartbeat publishes it."""
@@ -327,6 +428,7 @@ class Worker:
     async def _drain(self) -> None:
         admission, settlement = self.service.admission, self.service.settlement
         admission.drain()
+        await self._stop_background()
         if not await self.network_alive():
             # The whole process group was signalled (a terminal's Ctrl-C, systemctl stop): our p2p daemon is gone, so
             # nobody can reach us or read a goodbye; running jobs cannot deliver either. Leave at once.
@@ -337,6 +439,14 @@ class Worker:
         if not await _within(admission.drained(), deadline - time.monotonic()):
             logger.warning("%d job(s) still running after %.0f s; abandoning them", admission.active,
                            self.config.drain_timeout)
+        # Sessions' last steps are billed when their clients close them (a client told that we drain moves its span
+        # and closes here): give them a moment, then sign what is left ourselves.
+        grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))
+        if not await _within(self.service.sessions_closed(), grace):
+            signed = self.service.end_sessions()
+            if signed:
+                logger.warning("%d session(s) were not closed by their clients; their last steps stay in `gpunet "
+                               "ledger unpaid`", signed)
         # Results already delivered may still have their countersignature on the way: give it a moment.
         grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))
         if not await _within(settlement.all_settled(), grace):
@@ -374,6 +484,7 @@ class Worker:
         """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
         from gpunet.rpc import RPC
         from gpunet.worker.admission import Admission, ServiceLimits
+        from gpunet.worker.sessions import SessionLimits
         from gpunet.worker.executor import Executor
         from gpunet.worker.service import JobService
 
@@ -397,7 +508,7 @@ class Worker:
             executor=self.executor,
             ledger=self.ledger,
             admission=Admission(price_nano=price_to_nano(cfg.price), max_concurrent=cfg.max_concurrent,
-                                max_queue=cfg.max_queue,
+                                max_queue=cfg.max_queue, batch_price_nano=price_to_nano(cfg.batch_price),
                                 limits=ServiceLimits(max_buffered_bytes=self._buffer_budget())),
             record=self.record,
             corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
@@ -405,6 +516,10 @@ class Worker:
             device=self.hardware.torch_device,
             peer_rate=cfg.peer_upload_mbps * 1e6 or None,
             corrupt_pieces=cfg.fault_corrupt_pieces,
+            session_limits=SessionLimits(
+                max_bytes=int(cfg.session_memory_gb * 2**30) if cfg.session_memory_gb is not None
+                else self._memory_budget() // 4,
+                max_per_client=cfg.max_sessions_per_client, max_ttl=cfg.session_ttl),
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)
@@ -412,9 +527,36 @@ class Worker:
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
+        if cfg.dashboard_port:
+            from gpunet.worker.dashboard import Dashboard
+
+            self._dashboard = Dashboard(self)
+            try:
+                url = await self._dashboard.start(cfg.dashboard_port)
+            except OSError as e:
+                raise ConfigError(f"--dashboard-port {cfg.dashboard_port}: cannot listen on it ({e.strerror})") from None
+            logger.info("Dashboard: %s", url)
+        if self._standing is not None:
+            from gpunet.worker.background import StandingJob
+
+            job, inputs = self._standing
+            owner = Identity.load_or_create(self.data_dir / "client")  # the identity gpunet.Client uses here
+            self._background = asyncio.create_task(StandingJob(self.service, job, inputs, self.identity, owner,
+                                                               self.data_dir / "background").run_forever())
+
+    async def _stop_background(self) -> None:
+        """The volunteer's own job stops first: leaving never waits for it (a run in progress is dropped)."""
+        if self._background is not None:
+            self._background.cancel()
+            await asyncio.wait([self._background])
 
     async def stop_services(self) -> None:
         """Stop serving jobs (after draining), stop every executor process, close the ledger."""
+        if self._owner_watch is not None:
+            self._owner_watch.cancel()
+        if self._dashboard is not None:
+            await _bounded(self._dashboard.stop(), LEAVE_STEP_TIMEOUT)
+        await self._stop_background()
         if self.service is not None:
             if not await _bounded(self.service.stop(), LEAVE_STEP_TIMEOUT, default=False, result=True):
                 logger.warning("The p2p daemon did not answer while closing the job doors; leaving anyway")

@@ -15,32 +15,41 @@ import hashlib
 import logging
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
 from gpunet import protocol, speedproof
 from gpunet.errors import (
+    DeadlineUnreachable,
     ExecutorDied,
     GpunetError,
     JobFailed,
+    JobPreempted,
     JobRejected,
     JobTimeout,
     ProgramNotCached,
     ProtocolError,
+    SessionLost,
     WorkerBusy,
 )
 from gpunet.identity import Identity
+from gpunet.ledger import tabs
 from gpunet.ledger.receipts import Receipt, sign_as_worker
-from gpunet.ledger.store import Ledger
+from gpunet.ledger.store import Ledger, Unbilled
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.protocol import (
+    BACKGROUND,
     FRAME_TIMEOUT,
     INLINE_BYTES,
+    INTERACTIVE,
     MAX_PING_BYTES,
     UNARY_OUTPUT_BYTES,
     Cancel,
+    CloseSession,
     Countersign,
+    SessionClosed,
     Door,
     Error,
     GetInfo,
@@ -62,16 +71,24 @@ from gpunet.protocol import (
     UseStream,
 )
 from gpunet.rpc import RPC
-from gpunet.utils import LRU, sha256_hex
+from gpunet.utils import LRU, When, sha256_hex
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.executor import STOP_GRACE
+from gpunet.worker.lanes import Action, Blame, Lanes, Start, Ticket
 from gpunet.worker.peers import Fetcher, PieceServer
+from gpunet.worker.sessions import SessionLimits, Sessions
 from gpunet.worker.settlement import Settlement
 from gpunet.worker.uploads import Upload, Uploads, content_hash
 
 logger = logging.getLogger("gpunet.worker")
 
 COUNTERSIGN_TIMEOUT = 30.0
+RECENT_JOBS = 100
+#: After an error, how long (and how many bytes) a worker reads what the client still sends before it closes the
+#: stream (see _try_send).
+LINGER = 2.0
+LINGER_BYTES = 1 << 20
 #: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
@@ -87,7 +104,12 @@ __all__ = ["JobService", "ServiceLimits"]
 @dataclass
 class Outcome:
     outputs: bytes
-    receipt: Receipt
+    receipt: Receipt | None  # None: a session step its session's tab bills later (gpunet.ledger.tabs)
+    state_bytes: int = 0  # a session step: what the session's state holds on this worker
+    flops: int = 0
+    wall_time_us: int = 0
+    started_at_us: int = 0
+    ended_at_us: int = 0
 
 
 @dataclass
@@ -97,6 +119,7 @@ class _Job:
 
     outcome: asyncio.Future
     run: asyncio.Task | None = None
+    ticket: Ticket | None = None  # its place in the lanes, once its bytes are in
     upload: Upload | None = None
     charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
 
@@ -145,6 +168,7 @@ class JobService:
         device: str = "cpu",
         peer_rate: float | None = None,
         corrupt_pieces: bool = False,
+        session_limits: SessionLimits | None = None,
     ):
         """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
         ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap)."""
@@ -164,7 +188,14 @@ class JobService:
         self._proof_digests: LRU[str, list[bytes]] = LRU(MAX_OPEN_PROOFS)  # client -> its last proof's row digests
         self._record = record
         self._corrupt_outputs = corrupt_outputs
-        self._slots = asyncio.Semaphore(admission.max_concurrent)
+        # Which admitted job runs next, at what price, and which batch job an interactive one stops (pure; see
+        # gpunet.worker.lanes): a job waits for its turn there, and a Preempt stops the run of the job named.
+        self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano)
+        self._turns: dict[Ticket, asyncio.Future] = {}  # waiting for a Start
+        self._pause_timer: asyncio.TimerHandle | None = None
+        #: The latest jobs that ran here and how each ended, newest last (the dashboard shows them).
+        self.recent: deque[dict] = deque(maxlen=RECENT_JOBS)
+        self._by_ticket: dict[Ticket, _Job] = {}
         self._jobs: dict[tuple[str, str], _Job] = {}
         self.uploads = Uploads()
         self.spool_dir = spool_dir  # where big inputs are written as they arrive (None: kept in memory)
@@ -175,6 +206,11 @@ class JobService:
         self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
                                         corrupt=corrupt_pieces) if disk is not None else None
         self.fetcher: Fetcher | None = None
+        self.sessions = Sessions(session_limits or SessionLimits())
+        self._sweeper: asyncio.Task | None = None
+        self._session_steps: dict[tuple[str, str], asyncio.Future] = {}  # (client, session) -> its running step
+        self._drops: set[asyncio.Future] = set()  # sessions' state being freed in executors
+        self._sessions_paid = When(lambda: not self.sessions.owing)
 
     def _public_upload_coming(self, program_hash: str) -> bool:
         upload = self.uploads.coming(program_hash)
@@ -189,12 +225,15 @@ class JobService:
         await rpc.serve_unary(Door.SETTLE, self._handle_settle)
         await rpc.serve_unary(Door.CANCEL, self._handle_cancel)
         await rpc.serve_unary(Door.PROVE, self._handle_prove)
+        self._sweeper = asyncio.create_task(self._expire_sessions())
         if self.piece_server is not None:
             await self.piece_server.start(rpc)
             self.fetcher = Fetcher(rpc, self.identity.peer_id)
 
     async def stop(self) -> None:
         self.admission.drain()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._rpc is not None:
             await self._rpc.close()
         await self.settlement.close()
@@ -271,16 +310,17 @@ class JobService:
             payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir, self.fetcher)
             outcome = await self._execute(client_id, submit, payloads, reader, host)
             await self._reply(outcome, writer)
-            await self._settle_from_stream(client_id, outcome.receipt, reader)
+            if outcome.receipt is not None:  # a session step billed later has nothing to settle now
+                await self._settle_from_stream(client_id, outcome.receipt, reader)
         except ProtocolError as e:
             metrics.JOBS.labels("protocol_error").inc()
             logger.info("Dropped a malformed request from %s: %s", client_id[-8:], e)
-            await _try_send(writer, Error.of(e))
+            await _try_send(writer, Error.of(e), reader)
         except GpunetError as e:  # refused, failed or timed out: the client gets the reason
-            await _try_send(writer, Error.of(e, queue=self.admission.queue_length))
+            await _try_send(writer, Error.of(e, queue=self.admission.queue_length), reader)
         except Exception as e:  # never let one stream take the worker down
             logger.exception("Unexpected error while serving %s", client_id[-8:])
-            await _try_send(writer, Error.of(JobFailed(f"worker error: {type(e).__name__}")))
+            await _try_send(writer, Error.of(JobFailed(f"worker error: {type(e).__name__}")), reader)
         finally:
             writer.close()
             self.admission.stream_closed()
@@ -314,8 +354,9 @@ class JobService:
             outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return protocol.encode(UseStream())  # the result waits in the recent results for the stream retry
-            self.settlement.expect(client_id, outcome.receipt)  # countersigned by a later call
-            return protocol.encode(Result(len(outcome.outputs), outcome.receipt.to_bytes(), outcome.outputs))
+            if outcome.receipt is not None:
+                self.settlement.expect(client_id, outcome.receipt)  # countersigned by a later call
+            return protocol.encode(Result(len(outcome.outputs), _receipt_bytes(outcome), outcome.outputs))
         except (_NeedsStream, ProgramNotCached):  # the stream door can resend the program
             return protocol.encode(UseStream())
         except GpunetError as e:
@@ -339,14 +380,72 @@ class JobService:
             return protocol.encode(Error.of(e))
 
     async def _handle_cancel(self, request: bytes, client_id: str) -> bytes:
-        """A client stops one of its own jobs (queued or running; the executor running it is replaced)."""
+        """A client stops one of its own jobs (queued or running: see Executor.run for how a run stops), or ends one
+        of its sessions (its state is freed)."""
         try:
-            job = self._jobs.get((client_id, protocol.decode(request, Cancel).job_id))
+            message = protocol.decode(request, Cancel, CloseSession)
+            if isinstance(message, CloseSession):
+                step = self._session_steps.get((client_id, message.session_id))
+                if step is not None:  # a step still running (its answer may be on its way): close once it is done
+                    await asyncio.wait([step], timeout=COUNTERSIGN_TIMEOUT)
+                ended = self.sessions.close(client_id, message.session_id, message.received)
+                receipt = None
+                if ended is not None:
+                    self._count_sessions()
+                    receipt = self._bill(ended)
+                    self._drop([ended.key])
+                return protocol.encode(SessionClosed(ended is not None, receipt.to_bytes() if receipt else None))
+            job = self._jobs.get((client_id, message.job_id))
             # Only a job still running can be stopped (cancel() is False for one that has just finished).
             stopped = job is not None and job.run is not None and job.run.cancel()
             return protocol.encode(Ok(cancelled=stopped))
         except GpunetError as e:
             return protocol.encode(Error.of(e))
+
+    async def _expire_sessions(self) -> None:
+        """Sessions idle past their time lose their state (checked every second; a step in progress never expires)."""
+        while True:
+            await asyncio.sleep(1.0)
+            gone = self.sessions.expired(time.monotonic())
+            if gone:
+                self._count_sessions()
+                for ended in gone:
+                    self._bill(ended)  # work done is owed, whether or not its client comes back to pay
+                logger.info("%d session(s) expired; their state is freed (%d session(s), %d bytes of state held now)",
+                            len(gone), len(self.sessions), self.sessions.held_bytes)
+                self._drop([ended.key for ended in gone])
+
+    def _drop(self, keys: list[str]) -> None:
+        """Free sessions' state in the executors holding it, in the background (an executor busy with a long job
+        frees it when that job is done; nothing waits for it meanwhile)."""
+        async def drop() -> None:
+            try:
+                await self.executor.drop_sessions(keys)
+            except GpunetError:  # the pool is closing: the state goes with its processes
+                pass
+
+        task = asyncio.ensure_future(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+
+    def _count_sessions(self) -> None:
+        metrics.SESSIONS.set(len(self.sessions))
+        metrics.SESSION_BYTES.set(self.sessions.held_bytes)
+        self._sessions_paid.check()
+
+    def sessions_closed(self) -> asyncio.Future:
+        """Resolves once no session holds steps not billed yet. A client told that this worker drains moves its span
+        and closes the session here, which bills those steps: a leaving worker waits for that."""
+        return self._sessions_paid.wait()
+
+    def end_sessions(self) -> int:
+        """Leaving: end the sessions still open, signing the tabs their clients did not close (owed, not awaited: they
+        stay in `gpunet ledger unpaid` until their clients pay). Returns how many tabs were signed."""
+        ended = self.sessions.end_all()
+        self._count_sessions()
+        signed = sum(self._bill(e, await_payment=False) is not None for e in ended)
+        self._drop([e.key for e in ended])
+        return signed
 
     def _busy(self, why: str = "worker queue is full") -> WorkerBusy:
         metrics.JOBS.labels("busy").inc()
@@ -355,6 +454,17 @@ class JobService:
     # --- jobs: what both doors share -------------------------------------------------------------------------------
 
     async def _execute(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Outcome:
+        """Admit, de-duplicate and run one job (see _admit_and_run)."""
+        if submit.session is None:
+            return await self._admit_and_run(client_id, submit, payloads, reader, host)
+        # A session step moves its session's state on in the executor: once begun, it is seen through with its
+        # bookkeeping, whatever becomes of the door that carried it (the daemon cancels a unary call whose caller
+        # has gone), and its answer waits in the recent results for the client's retry.
+        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host))
+        step.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
+        return await asyncio.shield(step)
+
+    async def _admit_and_run(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Outcome:
         """Admit, de-duplicate and run one job; WorkerBusy when the worker (or this client's share of it) is full.
 
         A job whose bytes must still arrive takes no queue place while they do (see :mod:`~gpunet.worker.admission`):
@@ -374,15 +484,21 @@ class JobService:
         if signed is not None:
             raise JobRejected(f"job id {submit.job_id[:16]} was already run here and its result is no longer kept; "
                               "use a fresh job id")
-        if not self.admission.has_room(client_id):  # busy or draining comes first: no point switching doors to hear it
+        if tabs.parse(submit.job_id) is not None:
+            raise JobRejected("job ids of the form <session>.<nonce>.<first>-<last> name session tabs; use another")
+        if submit.session is not None and submit.lane != INTERACTIVE:
+            raise JobRejected("session steps are interactive: a step stopped for another job would lose the state")
+        if not self.admission.has_room(client_id, submit.lane):  # busy or draining first: no use switching doors
             raise self._busy()
+        if submit.deadline is not None:
+            self._check_deadline(submit)
         need_program = not self._holds_for(client_id, submit.program)
         payloads.precheck(submit, need_program)
         uploading = need_program or submit.inputs is None
         if uploading and not self.admission.begin_upload(client_id, host):
             raise self._busy("this client (or its address) has as many uploads in progress as this worker takes")
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
-        admitted, got = False, None
+        admitted, got, session = False, None, None
         try:
             try:
                 got = await self._receive(client_id, job, submit, payloads, need_program,
@@ -390,6 +506,10 @@ class JobService:
             finally:
                 if uploading:
                     self.admission.upload_done(client_id, host)
+            # Once its bytes are here: a slow upload must not hold the session table (one opening at a time).
+            session = self._begin_session(client_id, submit, host)
+            if session is not None:
+                self._session_steps[(client_id, submit.session.id)] = job.outcome
             metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
             owners = self._private.get(submit.program)
             marks_private = submit.private and submit.program not in self.executor.disk  # public stays public
@@ -400,21 +520,37 @@ class JobService:
                     raise JobRejected("the program bytes sent do not match the program's hash")
                 # Before it runs: once an executor holds it, the entry is what keeps it from others.
                 self._add_owner(submit.program, client_id)
-            if not self.admission.admit(client_id):
+            if not self.admission.admit(client_id, submit.lane):
                 raise self._busy()
             admitted = True
-            outcome = await self._run(key, job, submit, got, reader, host)
+            outcome = await self._run(key, job, submit, got, reader, host, session)
+            if session is not None:
+                tab = self.sessions.done(
+                    client_id, submit.session.id, outcome.state_bytes, time.monotonic(), input_hash=got.input_hash,
+                    output_hash=sha256_hex(outcome.outputs), flops=outcome.flops, wall_time_us=outcome.wall_time_us,
+                    started_at_us=outcome.started_at_us, ended_at_us=outcome.ended_at_us,
+                    max_price=submit.max_price, close=submit.session.close)
+                self._count_sessions()
+                if tab is not None:  # this step filled the tab (or ended the session): its receipt goes with it
+                    outcome.receipt = self._sign_tab(client_id, submit.session.id, submit.program, tab,
+                                                     submit.max_price, host)
             job.outcome.set_result(outcome)
         except BaseException as e:
+            if session is not None:
+                self.sessions.failed(client_id, submit.session.id, lost=isinstance(e, SessionLost)
+                                     or (submit.session.step > 0 and not self.executor.holds_session(session["key"])))
+                self._count_sessions()
             job.outcome.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
             job.outcome.exception()  # retrieved: a waiting retry gets it, an unwatched one does not warn
             raise
         finally:
             del self._jobs[key]
+            if session is not None:
+                self._session_steps.pop((client_id, submit.session.id), None)
             if job.upload is not None:  # run or not, the program is cached now or will not be from this copy
                 self.uploads.end(job.upload)
             if admitted:
-                self.admission.released(client_id)
+                self.admission.released(client_id, submit.lane)
             self.admission.release_bytes(job.charged, client_id, host)
             # A failure's traceback keeps this frame (and the job's future keeps the failure): let go of the payload
             # here, so an abandoned upload's memory is freed now, not whenever the cycle collector runs.
@@ -425,6 +561,47 @@ class JobService:
             got = job.upload = None
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
+
+    def _sign_tab(self, client_id: str, session_id: str, program: str, tab, max_price: int | None,
+                  host: str = "") -> Receipt | None:
+        """One receipt for a tab of session steps (gpunet.ledger.tabs), owed until countersigned like any (None, and
+        logged, if one of that id exists: the worker's nonce makes that a bug, and one job id has one receipt)."""
+        if self.books.signed(client_id, tab.job_id(session_id)) is not None:
+            logger.error("A receipt for %s exists already; these steps are not billed again", tab.job_id(session_id))
+            return None
+        receipt = sign_as_worker(
+            self.identity, job_id=tab.job_id(session_id), client_id=client_id, program_hash=program,
+            input_hash=tab.input_chain, output_hash=tab.output_chain, flops=tab.flops,
+            wall_time_us=tab.wall_time_us, price=self.admission.price_nano, max_price=max_price,
+            started_at_us=tab.started_at_us, ended_at_us=tab.ended_at_us)
+        self.books.record_unpaid(receipt)
+        self.admission.delivered(client_id, receipt.job_id, host)
+        return receipt
+
+    def _bill(self, ended, await_payment: bool = True) -> Receipt | None:
+        """The tab of a session that ended (closed, expired): signed, and awaited from its client by a later call
+        (unless ``await_payment`` is False: the worker is leaving)."""
+        if ended.tab is None:
+            return None
+        try:
+            receipt = self._sign_tab(ended.client_id, ended.session_id, ended.program, ended.tab, ended.max_price,
+                                     ended.host)
+        except GpunetError as e:  # never the end of the sweeper, or of the close that asked
+            logger.error("Could not bill the last steps of session %s: %s", ended.session_id[:12], e)
+            return None
+        if receipt is not None and await_payment:
+            self.settlement.expect(ended.client_id, receipt)
+        return receipt
+
+    def _begin_session(self, client_id: str, submit: Submit, host: str = "") -> dict | None:
+        """A session step may run (its client's, in order, within the limits): what the executor is told of it."""
+        step = submit.session
+        if step is None:
+            return None
+        room = self.sessions.begin(client_id, step.id, submit.program, step.step, step.ttl, time.monotonic(),
+                                   host)
+        return {"key": Sessions.key(client_id, step.id), "step": step.step, "fresh": step.fresh, "close": step.close,
+                "room": room}
 
     def _add_owner(self, program_hash: str, client_id: str) -> None:
         """Record that ``client_id`` holds a private program's bytes. Entries are never evicted while an executor
@@ -480,16 +657,23 @@ class JobService:
         return got
 
     async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, got: _Inputs, reader,
-                   host: str = "") -> Outcome:
+                   host: str = "", session: dict | None = None) -> Outcome:
         """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the
-        client hanging up. Either way the executor running it is replaced, so abandoned work stops using the machine.
-        """
-        job.run = asyncio.ensure_future(self._run_now(key, submit, got, host))
+        client hanging up. Either way the run is stopped (see Executor.run), so abandoned work stops using the machine.
+
+        A session step is the exception to the hang-up: it runs to its end (within its time limit). Its client asks
+        for it again (a stream can break on the way without anyone leaving) and gets the answer it missed; cut short,
+        the step would cost the span a move and a replay elsewhere."""
+        job.ticket = Ticket(key[0], submit.lane, submit.max_price, host=host, job=key[1])
+        self._by_ticket[job.ticket] = job
+        job.run = asyncio.ensure_future(self._run_now(key, submit, got, host, session, job.ticket))
         # The client sends nothing between its payload and our result, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
         tasks = {job.run, gone} if gone is not None else {job.run}
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if session is not None and not job.run.done():
+                await asyncio.wait([job.run])
         finally:
             for task in tasks:  # the job if still running (a hang-up, a cancel), and always the watch
                 task.cancel()
@@ -500,22 +684,44 @@ class JobService:
                     await asyncio.wait(tasks)
                 except asyncio.CancelledError:
                     pass
+            self._by_ticket.pop(job.ticket, None)
+        stopped = job.run.cancelled() or isinstance(job.run.exception(), JobPreempted)
+        if stopped and job.ticket.preempted and self.admission.paused is not None:
+            raise self.admission.pause_error()  # the owner took the machine back: run it elsewhere
         if job.run.cancelled():
+            if job.ticket.preempted:
+                raise JobPreempted("an interactive job needed this worker's slot: the job was stopped, not billed; "
+                                   "run it again elsewhere or later", self.admission.queue_length)
             raise JobFailed("job stopped before it finished: its client cancelled it or went away")
         return job.run.result()
 
-    async def _run_now(self, key: tuple[str, str], submit: Submit, got: _Inputs, host: str = "") -> Outcome:
+    async def _run_now(self, key: tuple[str, str], submit: Submit, got: _Inputs, host: str = "",
+                       session: dict | None = None, ticket: Ticket | None = None) -> Outcome:
         client_id, job_id = key
-        await self._slots.acquire()
+        ticket = ticket or Ticket(client_id, submit.lane, submit.max_price, host=host, job=job_id)
+        await self._turn(ticket, submit.deadline)
+        timeout = submit.timeout
+        if submit.deadline is not None:  # due by then: it never runs past it
+            timeout = min(timeout, submit.deadline - time.time())
+            if timeout <= 0:
+                self._apply(self.lanes.ended(ticket, 0.0))
+                raise DeadlineUnreachable("the job's deadline passed as it was about to start")
+        if session is not None and session["step"] > 0:  # its executor must be free: lower lanes' work there stops
+            for other in self.executor.running_where(session["key"]):
+                if other.lane != INTERACTIVE:
+                    self._stop_run(other)
         self.admission.started()
         done = False
-        started = time.time()
-        logger.debug("Running job %s for client %s", job_id[:12], client_id[-8:])
+        started, clock = time.time(), time.monotonic()
+        logger.debug("Running job %s for client %s (%s lane)", job_id[:12], client_id[-8:], ticket.lane)
+        extra: dict[str, Any] = {"session": session} if session is not None else {}
         try:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
-                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=submit.timeout,
-                                                 private=submit.private or submit.program in self._private)
+                # Tagged with its ticket: the pool can stop it (preempted, paused) and say where it runs.
+                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=timeout,
+                                                 private=submit.private or submit.program in self._private,
+                                                 tag=ticket, spare_sessions=session is None, **extra)
             done = True
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()
@@ -523,21 +729,37 @@ class JobService:
                                            host=host)
             if isinstance(e, ExecutorDied):
                 logger.warning("Job %s for client %s killed its executor: %s", job_id[:12], client_id[-8:], e)
+            self._unbilled(key, submit, "timed_out" if isinstance(e, JobTimeout) else "failed", str(e))
+            raise
+        except JobPreempted:  # stopped at a node boundary; its executor serves on
+            self._preempted(key, submit)
             raise
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
+            if isinstance(e, JobFailed) and not isinstance(e, SessionLost):  # it ran, and broke: the job's own error
+                self._unbilled(key, submit, "failed", str(e))
+                if ticket.victim is not None:  # another client's job was stopped for one that fails: not free
+                    self.admission.stopped_running(client_id, host=host)
             raise
         except asyncio.CancelledError:
+            if ticket.preempted:  # the worker's choice, not the client's doing: nothing counts against it
+                self._preempted(key, submit)
+                raise
             metrics.JOBS.labels("cancelled").inc()
             self.admission.stopped_running(client_id, host=host)
-            logger.info("Job %s for client %s stopped while running (cancelled, or the client went away); its "
-                        "executor was replaced", job_id[:12], client_id[-8:])
+            logger.info("Job %s for client %s stopped while running (cancelled, or the client went away)",
+                        job_id[:12], client_id[-8:])
+            self._unbilled(key, submit, "cancelled", "its client cancelled it or went away while it ran")
             raise
         finally:
             self.admission.ended(done)
-            self._slots.release()
+            self._apply(self.lanes.ended(ticket, time.monotonic() - clock))
         ended = time.time()
         outputs = result.outputs if self._corrupt_outputs is None else self._corrupt_outputs(result.outputs)
+        if submit.session is not None:  # billed by its session's tab (see _execute)
+            metrics.JOBS.labels("done").inc()
+            return Outcome(outputs, None, result.state_bytes, int(result.flops), int(result.wall_time * 1e6),
+                           int(started * 1e6), int(ended * 1e6))
         receipt = sign_as_worker(
             self.identity,
             job_id=job_id,
@@ -547,24 +769,169 @@ class JobService:
             output_hash=sha256_hex(outputs),
             flops=int(result.flops),
             wall_time_us=int(result.wall_time * 1e6),
-            price=self.admission.price_nano,
+            price=ticket.price,
             max_price=submit.max_price,
             started_at_us=int(started * 1e6),
             ended_at_us=int(ended * 1e6),
+            lane=ticket.lane,
         )
         self.books.record_unpaid(receipt)  # until the countersignature arrives, this is work the client owes
         self.admission.delivered(client_id, job_id, host)
+        self._ran(key, ticket.lane, "done", receipt)
         metrics.JOBS.labels("done").inc()
         logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
                      ended - started, result.flops / 1e9)
         return Outcome(outputs, receipt)
+
+    # --- lanes: whose turn it is -------------------------------------------------------------------------------------
+
+    async def _turn(self, ticket: Ticket, deadline: float | None) -> None:
+        """Wait until the lanes start this job (at most until its deadline)."""
+        if self.admission.paused is not None:
+            raise self.admission.pause_error()
+        turn = self._turns[ticket] = asyncio.get_running_loop().create_future()
+        try:
+            self._apply(self.lanes.enqueue(ticket))
+            if deadline is None:
+                await turn
+            else:
+                try:
+                    async with asyncio.timeout(deadline - time.time()):
+                        await turn
+                except TimeoutError:
+                    raise DeadlineUnreachable("the job's deadline passed before a slot here was free") from None
+        except BaseException:
+            # Withdrawn while waiting (its client went away, its deadline passed), or started at the very moment it
+            # was cancelled: either way its place goes to the next job.
+            self._apply(self.lanes.ended(ticket, 0.0) if ticket.running else self.lanes.withdraw(ticket))
+            raise
+        finally:
+            self._turns.pop(ticket, None)
+
+    async def run_own(self, owner_id: str, program_hash: str, program: bytes, inputs: bytes):
+        """The volunteer's own work (gpunet.worker.background), in the background lane: it waits for a slot nothing
+        paying wants, and any paying job stops it (JobPreempted). Returns the executor's RunResult."""
+        ticket = Ticket(owner_id, BACKGROUND, job="background")
+        job = _Job(asyncio.get_running_loop().create_future(), ticket=ticket)
+        job.outcome.cancel()  # nobody waits on it: a background run is not a client's job
+        job.run = asyncio.ensure_future(self._run_own(ticket, program_hash, program, inputs))
+        self._by_ticket[ticket] = job
+        try:
+            await asyncio.wait([job.run])
+        finally:
+            if not job.run.done():  # our caller stops (the worker leaves): so does the run
+                job.run.cancel()
+                await asyncio.wait([job.run])
+            self._by_ticket.pop(ticket, None)
+        if job.run.cancelled():
+            raise JobPreempted("a paying job needed the slot")
+        return job.run.result()
+
+    async def _run_own(self, ticket: Ticket, program_hash: str, program: bytes, inputs: bytes):
+        await self._turn(ticket, None)
+        clock = time.monotonic()
+        try:
+            if self.executor.has_program(program_hash):
+                try:
+                    return await self.executor.run(program_hash, None, inputs, private=True, tag=ticket)
+                except ProgramNotCached:  # another executor holds it; this one needs the bytes
+                    pass
+            return await self.executor.run(program_hash, program, inputs, private=True, tag=ticket)
+        finally:
+            self._apply(self.lanes.ended(ticket, time.monotonic() - clock))
+
+    def _apply(self, actions: list[Action]) -> None:
+        """Carry out what the lanes decided: wake a job whose turn it is, stop one preempted."""
+        for action in actions:
+            if isinstance(action, Start):
+                turn = self._turns.get(action.ticket)
+                if turn is not None and not turn.done():
+                    turn.set_result(None)
+            elif isinstance(action, Blame):  # it had another job stopped, then left: as costly as a cancel
+                self.admission.stopped_running(action.ticket.client, host=action.ticket.host)
+            else:
+                self._stop_run(action.ticket)
+        if actions:
+            metrics.count_lanes(self.lanes)
+
+    def _preempted(self, key: tuple[str, str], submit: Submit) -> None:
+        if self.admission.paused is not None:
+            metrics.JOBS.labels("paused").inc()
+            self._unbilled(key, submit, "paused", f"stopped: this worker paused ({self.admission.paused})")
+            return
+        metrics.JOBS.labels("preempted").inc()
+        logger.info("Batch job %s for client %s stopped for an interactive job (not billed; its client runs it again)",
+                    key[1][:12], key[0][-8:])
+        self._unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
+
+    def _unbilled(self, key: tuple[str, str], submit: Submit, reason: str, detail: str) -> None:
+        """Note work started here that will not be paid, and why (``gpunet earnings`` lists it)."""
+        self.books.record_unbilled(Unbilled(key[0], key[1], reason, detail, 0, submit.program, submit.lane))
+        self._ran(key, submit.lane, reason)
+
+    def _ran(self, key: tuple[str, str], lane: str, outcome: str, receipt: Receipt | None = None) -> None:
+        self.recent.append({"job_id": key[1], "client_id": key[0], "lane": lane, "outcome": outcome,
+                            "ended_at": time.time(),
+                            **({"started_at": receipt.started_at_us / 1e6, "price": receipt.price,
+                                "amount": receipt.amount, "flops": receipt.flops} if receipt is not None else {})})
+
+    def _stop_run(self, ticket: Ticket) -> None:
+        """Stop a running job the worker no longer wants to run (preempted, or the owner paused the worker): at its
+        program's next node, the executor serving on; one op that runs long is given STOP_GRACE, then the run is
+        cancelled, which kills the process (a warm spare takes its place), unless it holds sessions' state: there the
+        stop word alone must do (Executor.run)."""
+        job = self._by_ticket.get(ticket)
+        if job is None or job.run is None or job.run.done():
+            return
+        ticket.preempted = True
+        if self.executor.stop(ticket):
+            if not self.executor.holds_sessions_of(ticket):  # there a cancel could only wait longer (Executor.run)
+                asyncio.get_running_loop().call_later(STOP_GRACE, lambda run=job.run: run.done() or run.cancel())
+        else:
+            job.run.cancel()
+
+    # --- the owner comes first (gpunet.worker.availability decides; the worker's server calls these) -------------
+
+    def pause(self, reason: str, grace: float) -> None:
+        """The owner wants the machine: take nothing new, send back the jobs waiting, stop those still running after
+        ``grace`` seconds (their clients run them elsewhere; nothing is billed for them)."""
+        starting = self.admission.paused is None
+        self.admission.paused = reason
+        for turn in self._turns.values():
+            if not turn.done():
+                turn.set_exception(self.admission.pause_error())
+        if starting:
+            self._pause_timer = asyncio.get_running_loop().call_later(grace, self._stop_all_for_pause)
+
+    def resume(self) -> None:
+        self.admission.paused = None
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+            self._pause_timer = None
+
+    def _stop_all_for_pause(self) -> None:
+        self._pause_timer = None
+        running = list(self.lanes.running)
+        if running:
+            logger.info("Stopping %d job(s) still running after the pause's grace; their clients run them elsewhere",
+                        len(running))
+        for ticket in running:
+            self._stop_run(ticket)
+
+    def _check_deadline(self, submit: Submit) -> None:
+        """Refuse at once a job that could not start here before its deadline (not left to time out in the queue)."""
+        left = submit.deadline - time.time()
+        wait = self.lanes.wait_estimate(submit.lane)
+        if left <= 0 or wait >= left:
+            raise DeadlineUnreachable(f"this worker cannot start the job before its deadline: about {wait:.1f} s of "
+                                      f"work is ahead of it here, and the deadline is {max(0.0, left):.1f} s away")
 
     async def _reply(self, outcome: Outcome, writer) -> None:
         """The result, within the time its size allows: a client that stops reading does not pin it here."""
         inline = len(outcome.outputs) <= INLINE_BYTES
         try:
             async with asyncio.timeout(protocol.payload_deadline(len(outcome.outputs))):
-                await protocol.write(writer, Result(len(outcome.outputs), outcome.receipt.to_bytes(),
+                await protocol.write(writer, Result(len(outcome.outputs), _receipt_bytes(outcome),
                                                     outcome.outputs if inline else None))
                 if not inline:
                     await protocol.write_payload(writer, outcome.outputs)
@@ -573,13 +940,32 @@ class JobService:
         metrics.BYTES_OUT.inc(len(outcome.outputs))
 
 
-async def _try_send(writer, message: Error) -> None:
-    """Tell the peer why, if it is still reading; a peer that stopped reading gets the connection cut instead."""
+def _receipt_bytes(outcome: Outcome) -> bytes:
+    """A result's receipt as sent; empty for a session step its session's tab bills later."""
+    return outcome.receipt.to_bytes() if outcome.receipt is not None else b""
+
+
+async def _try_send(writer, message: Error, reader=None) -> None:
+    """Tell the peer why, if it is still reading; a peer that stopped reading gets the connection cut instead.
+
+    ``reader``: what the peer sent that was not read (the rest of a refused upload, bytes after a bad frame) is read
+    and dropped until it hangs up (for at most LINGER seconds and bytes): closing a libp2p stream with unread bytes in
+    it resets the stream, and a reset throws away our answer before the peer has read it."""
     try:
         async with asyncio.timeout(2.0):
             await protocol.write(writer, message)
     except Exception:
         writer.transport.abort()
+        return
+    if reader is None:
+        return
+    try:
+        async with asyncio.timeout(LINGER):
+            dropped = 0
+            while dropped < LINGER_BYTES and (chunk := await reader.read(64 * 1024)):
+                dropped += len(chunk)
+    except (TimeoutError, ConnectionError, OSError, RuntimeError):  # RuntimeError: a read of ours still pending
+        pass
 
 
 def _release(buffer: bytearray) -> None:

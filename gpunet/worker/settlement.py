@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 from gpunet.errors import GpunetError, JobRejected
 from gpunet.ledger.receipts import Receipt, attach_countersignature
+from gpunet.ledger.store import Unbilled
 from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures
 from gpunet.protocol import Countersign, Refuse
 from gpunet.utils import LRU, Debounce, When
@@ -64,6 +65,9 @@ class Settlement:
         if receipt is None:
             raise JobRejected(f"no result of job {message.job_id[:16]} for this client awaits settlement")
         if isinstance(message, Refuse):
+            if self.unsettled.get(key) is not None:  # noted once, however often a client says it
+                self.books.record_unbilled(Unbilled(client_id, message.job_id, "refused", message.reason, receipt.flops,
+                                                    receipt.program_hash, receipt.lane))
             self._forget(key)
             logger.warning("Client %s refused the receipt for job %s: %s", client_id[-8:], message.job_id[:12],
                            message.reason)

@@ -1,0 +1,514 @@
+"""A model spread over several workers, Petals-style, with inference sessions whose state stays on the workers.
+
+``client.sequential(blocks, example_inputs=...)`` cuts a list of blocks (a transformer's layers) into contiguous
+spans, traces each span into one safe job, and runs a forward pass span after span, each on a worker chosen by
+routing (a span's weights stay resident there and serve every client running the same program hash). A session
+pins each span to one worker, which keeps the span's state (KV caches) between steps; if that worker dies, drains or
+loses the state, the span moves to another worker, which replays the span's past inputs (kept here) to rebuild the
+state exactly, and the session goes on. See docs/sessions.md.
+
+The engine (:class:`SequentialCore`, :class:`SessionCore`) is async and shared: :class:`RemoteSequential` and
+:class:`Session` run it on a :class:`~gpunet.Client`'s loop, the ``Async*`` twins on the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import torch
+
+from gpunet import protocol
+from gpunet.client.routing import Requirements
+from gpunet.errors import (
+    GpunetError,
+    InvalidReceipt,
+    JobFailed,
+    JobRejected,
+    JobTimeout,
+    NetworkError,
+    NoWorkersAvailable,
+    SessionLost,
+    UsageError,
+    WorkerDraining,
+)
+from gpunet.ledger.receipts import Receipt, price_to_nano
+from gpunet.ledger.tabs import Tab
+
+logger = logging.getLogger("gpunet.client")
+
+#: Workers a span may move to within one step before the step fails (each one replays the span's past steps).
+MAX_MOVES = 3
+#: How long closing a session on a worker may take (a dead one's steps then stay unpaid: it cannot sign anyway).
+CLOSE_TIMEOUT = 15.0
+#: What a span's worker needs besides the span's weights and state, as a share of them (activations, the program's
+#: container while it loads).
+MEMORY_HEADROOM = 1.5
+
+
+class _SpanModule(torch.nn.Module):
+    """Consecutive blocks as one module: ``forward(x, *state) -> (y, *new_state)`` (just ``y`` with no state)."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], n_state: Sequence[int]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.n_state = list(n_state)
+
+    def forward(self, x, *state):
+        new: list[torch.Tensor] = []
+        at = 0
+        for block, k in zip(self.blocks, self.n_state):
+            if k:
+                x, *out = block(x, *state[at:at + k])
+                if len(out) != k:
+                    raise UsageError(f"a stateful block takes {k} state tensors and must return as many new ones "
+                                     f"after its output, returned {len(out)}")
+                new += out
+                at += k
+            else:
+                x = block(x)
+        return (x, *new) if new else x
+
+
+@dataclass
+class Span:
+    """Blocks ``start`` to ``stop - 1`` as one traced job, with the first state its session starts from."""
+
+    start: int
+    stop: int
+    job: Any  # gpunet.Job
+    state: tuple[torch.Tensor, ...]  # the first state (empty: a stateless span)
+    fresh: bool  # that state is all zeros: workers allocate it themselves instead of receiving it
+    weight_bytes: int
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.state)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.state)
+
+    def meta_state(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in self.state)
+
+
+def block_bytes(block: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
+
+
+def plan_spans(sizes: Sequence[int], n_spans: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges, ``n_spans`` of them, making the biggest span as small as it can be
+    (exact: a binary search on the bound, each checked greedily)."""
+    n = len(sizes)
+    if not 1 <= n_spans <= n:
+        raise UsageError(f"spans must be between 1 and the number of blocks ({n}), not {n_spans}")
+
+    def cut(bound: int) -> list[tuple[int, int]] | None:
+        ranges, start, total = [], 0, 0
+        for i, size in enumerate(sizes):
+            if size > bound:
+                return None
+            if total + size > bound or n - i < n_spans - len(ranges):  # must leave a block for every span to come
+                ranges.append((start, i))
+                start, total = i, 0
+            total += size
+        ranges.append((start, n))
+        return ranges if len(ranges) <= n_spans else None
+
+    lo, hi = max(sizes, default=0), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    ranges = cut(lo) or [(0, n)]
+    while len(ranges) < n_spans:  # fewer were needed: split the longest (by blocks) to use the workers asked for
+        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
+        a, b = ranges[i]
+        m = (a + b) // 2
+        ranges[i:i + 1] = [(a, m), (m, b)]
+    return ranges
+
+
+def _initial_state(block: torch.nn.Module, given: Any) -> tuple[torch.Tensor, ...]:
+    if given is not None:
+        state = tuple(given)
+    else:
+        make = getattr(block, "initial_state", None)
+        state = tuple(make()) if make is not None else ()
+    if not all(isinstance(t, torch.Tensor) for t in state):
+        raise UsageError("a block's state is a tuple of tensors (its initial_state(), or initial_state=[...])")
+    return state
+
+
+def _dims_of(job, output: int = 0) -> dict[int, Any] | None:
+    """The dynamic dims of a traced job's output, as torch.export Dims: the next span's input has the same."""
+    from torch.export import Dim
+
+    spec = job.manifest.outputs[output]
+    dims = {}
+    for axis, d in enumerate(spec.shape):
+        if isinstance(d, str):
+            r = job.manifest.dims[d]
+            dims[axis] = Dim(d, min=r.min, max=r.max) if r.max is not None else Dim(d, min=r.min)
+    return dims or None
+
+
+def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any,
+                ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None) -> list[Span]:
+    """Trace each range of blocks into a job, feeding each the previous span's output on the example input."""
+    from gpunet.job import Job
+
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if len(example_inputs) != 1:
+        raise UsageError("a sequence of blocks passes one tensor from block to block: give one example input")
+    if initial_state is not None and len(initial_state) != len(blocks):
+        raise UsageError(f"initial_state has {len(initial_state)} entries for {len(blocks)} blocks (None for a "
+                         "stateless block)")
+    states = [_initial_state(b, initial_state[i] if initial_state is not None else None) for i, b in enumerate(blocks)]
+    x = example_inputs[0]
+    x_dims = dynamic_shapes[0] if isinstance(dynamic_shapes, (tuple, list)) else dynamic_shapes
+    spans = []
+    for start, stop in ranges:
+        module = _SpanModule(blocks[start:stop], [len(s) for s in states[start:stop]]).eval()
+        state = tuple(t for s in states[start:stop] for t in s)
+        # forward(x, *state): torch.export takes the varargs' shapes as one tuple
+        shapes = (x_dims, (None,) * len(state)) if x_dims is not None else None
+        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
+        with torch.no_grad():
+            out = module(x, *state)
+        x = out[0] if state else out
+        x_dims = _dims_of(job)
+        spans.append(Span(start, stop, job, state, all(not t.any() for t in state),
+                          sum(block_bytes(b) for b in blocks[start:stop])))
+    return spans
+
+
+def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shapes=None, spans: int | None = None,
+          initial_state: Sequence[Any] | None = None, requirements: Requirements | None = None) -> "SequentialCore":
+    """Cut ``blocks`` into spans (``spans`` of them, or as few as the known workers' memory needs) and trace them."""
+    blocks = list(blocks)
+    if not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
+        raise UsageError("sequential takes a non-empty list of torch.nn.Module blocks")
+    if requirements is not None and requirements.batch:
+        raise UsageError("a model over several workers runs in the interactive lane: a batch step could be stopped "
+                         "for other work, and its state with it (docs/market.md)")
+    if requirements is not None and (requirements.redundancy > 1 or requirements.verify != "none"):
+        raise UsageError("a model over several workers does not check its spans' results yet: give Requirements "
+                         "with redundancy=1 and verify='none' (docs/sessions.md, limits)")
+    sizes = [block_bytes(b) + sum(t.numel() * t.element_size()
+                                  for t in _initial_state(b, initial_state[i] if initial_state else None))
+             for i, b in enumerate(blocks)]
+    if spans is None:
+        spans = spans_needed(sizes, [w.record.device.memory_free for w in core.workers()])
+    ranges = plan_spans(sizes, spans)
+    return SequentialCore(core, trace_spans(blocks, example_inputs, dynamic_shapes, ranges, initial_state),
+                          requirements)
+
+
+def spans_needed(sizes: Sequence[int], free_memory: Sequence[int]) -> int:
+    """The fewest spans whose biggest fits (with headroom) in the smallest free memory among the workers known:
+    fewer spans, fewer round trips per step; a model no one worker can hold is spread."""
+    room = min((m for m in free_memory if m > 0), default=0) / MEMORY_HEADROOM
+    if room <= 0:
+        return 1
+    for n in range(1, len(sizes) + 1):
+        if max(sum(sizes[a:b]) for a, b in plan_spans(sizes, n)) <= room:
+            return n
+    raise UsageError(f"a block of {max(sizes) / 2**20:.0f} MiB does not fit in the memory of the workers known "
+                     f"({room * MEMORY_HEADROOM / 2**20:.0f} MiB free on the smallest)")
+
+
+class SequentialCore:
+    """The async engine behind :class:`RemoteSequential`: spans, where each was placed, and forward passes."""
+
+    def __init__(self, core, spans: list[Span], requirements: Requirements | None = None):
+        self.core, self.spans = core, spans
+        self.requirements = requirements or Requirements()
+
+    def requirements_for(self, span: Span) -> Requirements:
+        """A span needs a worker with room for its weights and state (and some headroom)."""
+        need = (span.weight_bytes + span.state_bytes) * MEMORY_HEADROOM / 2**30
+        return replace(self.requirements, min_memory_gb=max(self.requirements.min_memory_gb, need))
+
+    async def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One stateless pass: each span as a plain job (a stateful span as a one-step session from its first
+        state, closed at once)."""
+        for i, span in enumerate(self.spans):
+            if span.stateful:
+                session = SessionCore(self, ttl=60.0)
+                try:
+                    x = await session.step_span(i, x, close=True)
+                finally:
+                    await session.close()
+            else:
+                x = (await self.core.run(span.job, (x,), self.requirements_for(span))).outputs
+        return x
+
+    def session(self, ttl: float = 300.0) -> "SessionCore":
+        return SessionCore(self, ttl)
+
+
+@dataclass
+class _Placed:
+    """One span of a session: where its state lives now, and the inputs it has seen (replayed after a move)."""
+
+    worker_id: str | None = None
+    session_id: str = ""
+    step: int = 0
+    history: list[torch.Tensor] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
+    workers: list[str] = field(default_factory=list)  # every worker this span has been on, in order
+    closed: bool = False
+    tab: Tab = field(default_factory=Tab)  # its steps on that worker not billed yet (gpunet.ledger.tabs)
+
+
+class SessionCore:
+    """An inference session: each span's state on one worker between steps; moved, replaying, when that worker is
+    lost. Steps run one at a time (each needs the one before)."""
+
+    def __init__(self, seq: SequentialCore, ttl: float = 300.0):
+        if not 0 < ttl <= protocol.MAX_SESSION_TTL:
+            raise UsageError(f"a session's ttl is between 0 and {protocol.MAX_SESSION_TTL:.0f} s")
+        self.seq, self.ttl = seq, ttl
+        self.placed = [_Placed() for _ in seq.spans]
+        self.receipts: list[Receipt] = []
+        self.steps = 0
+        self.moves = 0  # spans moved to another worker (their state rebuilt by replay)
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._broken: GpunetError | None = None  # a step failed part of the way: the spans disagree on the step
+        self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
+        req = seq.requirements
+        self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
+
+    @property
+    def placement(self) -> list[tuple[int, int, str | None]]:
+        """(first block, last block + 1, worker id) of each span, where it runs now."""
+        return [(s.start, s.stop, p.worker_id) for s, p in zip(self.seq.spans, self.placed)]
+
+    async def step(self, x: torch.Tensor) -> torch.Tensor:
+        """Run ``x`` through every span, each on the worker that holds its state; returns the last span's output."""
+        if self._closed:
+            raise UsageError("this session is closed")
+        if self._broken is not None:
+            raise UsageError(f"this session failed at step {self.steps} ({self._broken}); open a new one (its spans "
+                             "did not all take that step, so it cannot go on)")
+        async with self._lock:
+            try:
+                for i in range(len(self.seq.spans)):
+                    x = await self.step_span(i, x)
+            except BaseException as e:
+                self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
+                raise
+            self.steps += 1
+            return x
+
+    async def step_span(self, i: int, x: torch.Tensor, close: bool = False) -> torch.Tensor:
+        span, placed = self.seq.spans[i], self.placed[i]
+        if not span.stateful:  # nothing to keep: a plain job, routed as any
+            return (await self.seq.core.run(span.job, (x,), self.seq.requirements_for(span))).outputs
+        from gpunet.job.format import check_inputs
+
+        check_inputs(span.job.manifest, (x,), without_state=True)  # a wrong input is the caller's, not a worker's
+        last: GpunetError | None = None
+        for _ in range(MAX_MOVES + 1):
+            try:
+                if placed.worker_id is None or self._draining(placed.worker_id):
+                    await self._place(i, placed)
+                return await self._run(i, span, placed, x, close=close, record=True)
+            except (WorkerDraining, NetworkError, JobTimeout, JobFailed, JobRejected, InvalidReceipt) as e:
+                # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
+                # the span (its session limits): another worker replays the span's steps. An error of the job's own
+                # fails the same way everywhere, so the moves are bounded.
+                last = e
+                gone = placed.worker_id
+                if gone is not None:
+                    placed.failed.add(gone)
+                logger.warning("Span %d-%d lost its worker %s (%s); moving it and replaying %d step(s)",
+                               span.start, span.stop - 1, (gone or "?")[-8:], e, len(placed.history))
+                placed.worker_id = None
+                self.moves += 1
+        raise SessionLost(f"span {span.start}-{span.stop - 1} could not be kept on any worker "
+                          f"(moved {MAX_MOVES} times; last: {last})")
+
+    def _draining(self, worker_id: str) -> bool:
+        """Its record says it is leaving (one missing from a refresh is not: the step finds out if it is gone)."""
+        entry = self.seq.core.router.workers.get(worker_id)
+        return entry is not None and entry.record.state.value == "draining"
+
+    async def _place(self, i: int, placed: _Placed) -> None:
+        """Put span ``i`` on a worker (passing over those holding the session's other spans, and those that failed
+        it) and rebuild its state there by replaying its past inputs."""
+        span = self.seq.spans[i]
+        if placed.worker_id is not None:  # draining: hand off; its state there is closed (and its tab paid)
+            placed.failed.add(placed.worker_id)
+            self._close_on(placed.worker_id, placed.session_id, placed.tab)
+        elif placed.workers and placed.tab.steps:  # lost: if the worker still answers, its tab is paid
+            self._close_on(placed.workers[-1], placed.session_id, placed.tab)
+        placed.tab = Tab()
+        others = {p.worker_id for j, p in enumerate(self.placed) if j != i and p.worker_id}
+        try:
+            worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
+                                               self.seq.requirements_for(span), exclude=placed.failed, avoid=others)
+        except NoWorkersAvailable:
+            if not placed.failed:
+                raise
+            placed.failed.clear()  # every worker failed it once: try them again rather than give up
+            worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
+                                               self.seq.requirements_for(span), avoid=others)
+        placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
+        placed.workers.append(worker.id)
+        for past in placed.history:
+            await self._run(i, span, placed, past, close=False, record=False)
+
+    def _close_on(self, worker_id: str, session_id: str, tab: Tab) -> None:
+        """Close a session a span left (in the background) and pay its tab, if that worker still answers."""
+        async def close() -> None:
+            try:
+                async with asyncio.timeout(CLOSE_TIMEOUT):  # a worker that died may keep the dial hanging
+                    receipt = await self.seq.core.close_session(worker_id, session_id, tab, self.max_price)
+            except TimeoutError:
+                return
+            if receipt is not None:
+                self.receipts.append(receipt)
+
+        task = asyncio.ensure_future(close())
+        self._handoffs.add(task)
+        task.add_done_callback(self._handoffs.discard)
+
+    async def _run(self, i: int, span: Span, placed: _Placed, x: torch.Tensor, close: bool, record: bool):
+        step = protocol.SessionStep(placed.session_id, placed.step, fresh=span.fresh, close=close, ttl=self.ttl)
+        result = await self.seq.core.run_step(span.job, (x,), placed.worker_id, step, span.state, placed.tab,
+                                              self.seq.requirements_for(span))
+        placed.step += 1
+        if result.receipt is not None:
+            self.receipts.append(result.receipt)
+        if record:
+            placed.history.append(x)
+        if close:
+            placed.closed = True
+        return result.outputs[0]
+
+    async def close(self) -> None:
+        """Free every span's state on its worker and pay the steps not billed yet (workers free the state after
+        the session's ttl too, but then those steps wait for a payment that may never come)."""
+        self._closed = True
+        for p in self.placed:
+            if p.worker_id is not None and not p.closed:
+                self._close_on(p.worker_id, p.session_id, p.tab)
+            p.closed = True
+        while self._handoffs:
+            await asyncio.gather(*self._handoffs)
+
+
+def x_meta(span: Span) -> torch.Tensor:
+    """A meta tensor shaped like the span's first input at its smallest (routing needs only the shape)."""
+    spec = span.job.manifest.inputs[0]
+    from gpunet.job import tensors
+
+    shape = [d if isinstance(d, int) else span.job.manifest.dims[d].min for d in spec.shape]
+    return torch.empty(shape, dtype=tensors.DTYPES[spec.dtype], device="meta")
+
+
+# --- the user's handles: sync over a Client's loop, async on the caller's --------------------------------------------
+
+
+class AsyncRemoteSequential:
+    """A model spread over workers (``await remote(x)``, ``async with remote.session() as s: await s.step(x)``)."""
+
+    def __init__(self, core: SequentialCore):
+        self._core = core
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._core.spans
+
+    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return await self._core.forward(x)
+
+    def session(self, ttl: float = 300.0) -> "AsyncSession":
+        return AsyncSession(self._core.session(ttl))
+
+
+class _SessionView:
+    """What a session shows, sync or async alike."""
+
+    _core: SessionCore
+
+    @property
+    def placement(self) -> list[tuple[int, int, str | None]]:
+        """(first block, last block + 1, worker id) per span, where each runs now."""
+        return self._core.placement
+
+    @property
+    def receipts(self) -> list[Receipt]:
+        """Every step's receipt, countersigned (replays after a move included: that work was done)."""
+        return list(self._core.receipts)
+
+    @property
+    def moves(self) -> int:
+        """Times a span moved to another worker (its state rebuilt by replaying its past inputs)."""
+        return self._core.moves
+
+
+class AsyncSession(_SessionView):
+    def __init__(self, core: SessionCore):
+        self._core = core
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def step(self, x: torch.Tensor) -> torch.Tensor:
+        return await self._core.step(x)
+
+    async def close(self) -> None:
+        await self._core.close()
+
+
+class RemoteSequential:
+    """A model spread over workers: ``y = remote(x)``; ``with remote.session() as s: y = s.step(x)``."""
+
+    def __init__(self, core: SequentialCore, call):
+        self._core, self._call = core, call
+
+    @property
+    def spans(self) -> list[Span]:
+        """The spans: blocks ``start``..``stop - 1`` each, as one traced job."""
+        return self._core.spans
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(self._core.forward(x))
+
+    def session(self, ttl: float = 300.0) -> "Session":
+        """An inference session: each span's state (KV caches) stays on its worker between steps; idle past
+        ``ttl`` seconds, workers free it."""
+        return Session(self._core.session(ttl), self._call)
+
+
+class Session(_SessionView):
+    """``with remote.session() as s: y = s.step(x)``: steps in order, state on the workers, moved if one is lost."""
+
+    def __init__(self, core: SessionCore, call):
+        self._core, self._call = core, call
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self._call(self._core.step(x))
+
+    def close(self) -> None:
+        self._call(self._core.close())

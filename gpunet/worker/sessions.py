@@ -1,0 +1,193 @@
+"""Inference sessions a worker holds: whose they are, how far they got, what memory they take, when they expire.
+
+A pure state machine (no I/O, time passed in), like :mod:`gpunet.worker.admission`: the service asks it before a
+session step runs and tells it how the step went; the executor pool holds the state itself (docs/sessions.md).
+A session is keyed by its client *and* its id, so no client can reach another's state, whatever id it guesses.
+Its steps are billed by tabs (:mod:`gpunet.ledger.tabs`): the table keeps the open one and hands it out to be signed
+when it is full, or when the session ends (closed, expired).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from gpunet.errors import JobRejected, SessionLost, WorkerBusy
+from gpunet.ledger.tabs import Tab
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What a volunteer lends to sessions: memory for their state, how many, and for how long idle."""
+
+    max_bytes: int = 1 << 30  # all sessions' state together
+    max_client_share: float = 0.5  # of max_bytes, the most one client's sessions may hold
+    max_sessions: int = 64
+    max_per_client: int = 8
+    max_ttl: float = 600.0  # a client may ask for less idle time, never more
+
+
+@dataclass
+class _Session:
+    client_id: str
+    program: str
+    next_step: int
+    expires: float
+    ttl: float
+    state_bytes: int
+    running: bool = False
+    lost: bool = False  # its state is gone (its executor restarted): no more steps, but its tab is still owed
+    max_price: int | None = None
+    host: str = ""
+    tab: Tab = field(default_factory=Tab)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A session that ended, and the tab of its last steps (None when all were billed already)."""
+
+    key: str
+    client_id: str
+    session_id: str
+    program: str
+    tab: Tab | None
+    max_price: int | None
+    host: str = ""
+
+
+class Sessions:
+    """The sessions open on one worker."""
+
+    def __init__(self, limits: SessionLimits = SessionLimits()):
+        self.limits = limits
+        self._open: dict[tuple[str, str], _Session] = {}
+        self._bytes = 0
+
+    @staticmethod
+    def key(client_id: str, session_id: str) -> str:
+        """The executor's name for a session's state (client ids are peer ids: no '/' in them)."""
+        return f"{client_id}/{session_id}"
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    @property
+    def owing(self) -> int:
+        """Sessions with steps not billed yet (a leaving worker waits for their clients to close them)."""
+        return sum(1 for s in self._open.values() if s.tab.steps)
+
+    def begin(self, client_id: str, session_id: str, program: str, step: int, ttl: float, now: float,
+              host: str = "") -> int:
+        """Check that this step may run now; returns the bytes a new session's state may take (its ``room``).
+        Raises JobRejected (limits, wrong program, out-of-order step) or SessionLost (not held here)."""
+        s = self._open.get((client_id, session_id))
+        if step == 0:
+            if s is not None:
+                raise JobRejected(f"session {session_id[:16]} is already open here; open a new one with a fresh id")
+            mine = sum(1 for (c, _) in self._open if c == client_id)
+            if mine >= self.limits.max_per_client:
+                raise JobRejected(f"this client has {mine} sessions open here, the most this worker allows "
+                                  f"(--max-sessions-per-client {self.limits.max_per_client}); close one first")
+            if any(o.running and o.next_step == 0 for o in self._open.values()):
+                # One opening at a time: its state's size is known once the executor has it, and the next opening's
+                # room must count it.
+                raise WorkerBusy("another session is opening on this worker; try again in a moment")
+            if len(self._open) >= self.limits.max_sessions:
+                raise JobRejected(f"this worker holds {len(self._open)} sessions, as many as it takes; try another")
+            self._open[(client_id, session_id)] = _Session(client_id, program, 0, now + self._ttl(ttl),
+                                                           self._ttl(ttl), 0, running=True, host=host,
+                                                           tab=Tab(secrets.token_hex(4)))
+            held = sum(o.state_bytes for (c, _), o in self._open.items() if c == client_id)
+            return max(0, min(self.limits.max_bytes - self._bytes,
+                              int(self.limits.max_bytes * self.limits.max_client_share) - held))
+        if s is None:
+            raise SessionLost(f"session {session_id[:16]} is not held here (it expired, was closed, or this worker "
+                              "restarted)")
+        if s.lost:
+            raise SessionLost(f"session {session_id[:16]} lost its state here (its executor restarted)")
+        if s.program != program:
+            raise JobRejected("a session's steps all run the program that opened it")
+        if s.running:
+            raise JobRejected("a session runs one step at a time: the previous step has not finished")
+        if step != s.next_step:
+            raise JobRejected(f"session {session_id[:16]} is at step {s.next_step}, not {step}")
+        s.running = True
+        s.ttl = self._ttl(ttl)
+        return 0
+
+    def done(self, client_id: str, session_id: str, state_bytes: int, now: float, *, input_hash: str,
+             output_hash: str, flops: int, wall_time_us: int, started_at_us: int, ended_at_us: int,
+             max_price: int | None, close: bool = False) -> Tab | None:
+        """A step ran: it goes on the session's tab, and the session moves on (or, ``close``, ends). Returns the tab
+        to sign when this step filled it or ended the session, else None."""
+        s = self._open.get((client_id, session_id))
+        if s is None:
+            return None
+        s.running = False
+        if s.next_step == 0:
+            s.state_bytes = state_bytes
+            self._bytes += state_bytes
+        s.tab.add(s.next_step, input_hash, output_hash, flops, wall_time_us, started_at_us, ended_at_us)
+        s.max_price = max_price
+        s.next_step += 1
+        s.expires = now + s.ttl
+        if close:
+            return self._end(client_id, session_id).tab
+        if s.tab.full:
+            tab, s.tab = s.tab, s.tab.next()
+            return tab
+        return None
+
+    def failed(self, client_id: str, session_id: str, lost: bool) -> None:
+        """A step did not run. A session that never opened ends; one whose state is gone (``lost``) takes no more
+        steps and frees its memory, but stays until closed or expired: its tab is still owed."""
+        s = self._open.get((client_id, session_id))
+        if s is None:
+            return
+        s.running = False
+        if s.next_step == 0:
+            self._end(client_id, session_id)
+        elif lost and not s.lost:
+            s.lost = True
+            self._bytes -= s.state_bytes
+            s.state_bytes = 0
+
+    def running(self, client_id: str, session_id: str) -> bool:
+        s = self._open.get((client_id, session_id))
+        return s is not None and s.running
+
+    def close(self, client_id: str, session_id: str, received: int | None = None) -> Ended | None:
+        """The client is done with it (None if no such session is open, or a step of it is running).
+        ``received``: the steps the client says it got answers to, in all; the tab bills no step after those (a step
+        whose answer was lost on the way is this worker's loss, not a debt the client would refuse whole)."""
+        s = self._open.get((client_id, session_id))
+        if s is None or s.running:
+            return None
+        ended = self._end(client_id, session_id)
+        if received is not None and ended.tab is not None:
+            tab = ended.tab.prefix(received - ended.tab.first)
+            ended = Ended(ended.key, ended.client_id, ended.session_id, ended.program, tab if tab.steps else None,
+                          ended.max_price, ended.host)
+        return ended
+
+    def expired(self, now: float) -> list[Ended]:
+        """End every session idle past its time; the executors free their state, the worker signs their tabs."""
+        gone = [k for k, s in self._open.items() if not s.running and s.expires <= now]
+        return [self._end(client_id, session_id) for client_id, session_id in gone]
+
+    def end_all(self) -> list[Ended]:
+        """The worker leaves: every session not running a step ends now."""
+        return self.expired(float("inf"))
+
+    def _end(self, client_id: str, session_id: str) -> Ended:
+        s = self._open.pop((client_id, session_id))
+        self._bytes -= s.state_bytes
+        return Ended(self.key(client_id, session_id), client_id, session_id, s.program, s.tab if s.tab.steps else None,
+                     s.max_price, s.host)
+
+    def _ttl(self, ttl: float) -> float:
+        return max(1.0, min(ttl, self.limits.max_ttl))

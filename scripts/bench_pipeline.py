@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""A model spread over three workers, generating through an inference session, beside its baselines from this run.
+
+* tokens/s of greedy generation through a session (each span's KV cache on its worker) vs the same blocks generating
+  locally in this process (eager torch, same threads);
+* per-step overhead (a step's wall time less the compute its workers did, as their receipts state it) vs the raw
+  hivemind unary round trips a step needs (one per span, to the same workers, with a payload of the step's size);
+* time to recover from a killed span: the step after SIGKILLing one span's worker (it moves and replays) vs a step.
+
+    python scripts/bench_pipeline.py [--json] [--quick] [--d-model N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch.export import Dim  # noqa: E402
+
+import gpunet  # noqa: E402
+from gpunet.ledger.tabs import TAB_STEPS, steps_of  # noqa: E402
+from gpunet.models import TinyConfig, initial_state, tiny_gpt  # noqa: E402
+from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
+
+
+@torch.no_grad()
+def local_steps(blocks, spans, prompt, tokens: int):
+    """Greedy generation here; returns (tokens, per-step wall times, per-span compute time of each step)."""
+    states = [initial_state(b) for b in blocks]
+    x, out, step_times, span_times = prompt, [], [], []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        h, per_span = x, []
+        for start, stop in spans:
+            s0 = time.perf_counter()
+            for i in range(start, stop):
+                if states[i]:
+                    h, *new = blocks[i](h, *states[i])
+                    states[i] = tuple(new)
+                else:
+                    h = blocks[i](h)
+            per_span.append(time.perf_counter() - s0)
+        token = int(h[0, -1].argmax())
+        step_times.append(time.perf_counter() - t0)
+        span_times.append(per_span)
+        out.append(token)
+        x = torch.tensor([[token]])
+    return out, step_times, span_times
+
+
+def remote_steps(session, prompt, tokens: int):
+    x, out, times = prompt, [], []
+    for _ in range(tokens):
+        t0 = time.perf_counter()
+        token = int(session.step(x)[0, -1].argmax())
+        times.append(time.perf_counter() - t0)
+        out.append(token)
+        x = torch.tensor([[token]])
+    return out, times
+
+
+def raw_round_trips(client, worker_ids: list[str], payload: int, n: int, gaps: list[float] | None = None) -> list[float]:
+    """One unary hivemind RPC to each worker in turn (a step's round trips), ``n`` times: seconds per step, the
+    gaps left out. ``gaps``: wait that long after each worker's answer, as a session step does while that worker
+    computes (an idle peer answers its next call more slowly than a busy one: a fair baseline waits the same)."""
+    rpc = client._core.transport.rpc
+
+    async def run() -> list[float]:
+        out = []
+        for _ in range(n):
+            total = 0.0
+            for i, w in enumerate(worker_ids):
+                t0 = time.perf_counter()
+                await rpc.ping(w, b"x" * payload)
+                total += time.perf_counter() - t0
+                if gaps:
+                    await asyncio.sleep(gaps[i])
+            out.append(total)
+        return out
+
+    return asyncio.run_coroutine_threadsafe(run(), client._loop).result()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer tokens")
+    parser.add_argument("--d-model", type=int, default=768, help="width: sets the compute per step")
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    tokens = 24 if args.quick else TAB_STEPS  # one tab per span: its receipt gives the workers' compute
+    cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
+    blocks = tiny_gpt(cfg, seed=0)
+    prompt = torch.randint(0, cfg.vocab, (1, 1))  # every step one token: each step costs the same
+    results: dict = {"benchmark": "pipeline", "d_model": cfg.d_model, "layers": cfg.n_layers, "tokens": tokens}
+    with LocalNetwork(network="bench-pipeline", heartbeat=2.0) as net:
+        bootstrap = net.start_bootstrap()
+        procs = net.start_workers(4)
+        by_id = {net.worker_id(p): p for p in procs}
+        with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
+            wait_for(lambda: len(client.workers(refresh=True)) == 4, 60, "four workers")
+            example = torch.randint(0, cfg.vocab, (1, 4))  # not 1: torch.export would take the length as fixed
+            remote = client.sequential(blocks, example_inputs=(example,), spans=3,
+                                       dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},))
+            spans = [(s.start, s.stop) for s in remote.spans]
+            torch.set_num_threads(1)  # as one executor on this machine runs (2 cores, 2 executors)
+            want, local_times, span_times = local_steps(blocks, spans, prompt, tokens)
+            with remote.session() as warm:  # programs loaded, dry runs cached, routing measured
+                remote_steps(warm, prompt, 4)
+            with remote.session() as session:
+                got, times = remote_steps(session, prompt, tokens)
+                placement = [w for _, _, w in session.placement]
+            assert got == want, "networked generation differs from local generation"
+            receipts = session.receipts  # tabs, paid by now: each span's steps, one receipt each
+            # What the workers computed per step: each tab's compute time over the steps it covers.
+            worker_compute = sum(r.wall_time_us / steps_of(r.job_id) for r in receipts) / 1e6
+            per_span = [r.wall_time_us / steps_of(r.job_id) / 1e6
+                        for r in sorted(receipts, key=lambda r: placement.index(r.worker_id))]
+            raw = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50)
+            paced = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50, gaps=per_span)
+            with remote.session() as session:
+                # Recovery: kill the middle span's worker, then the next step moves it and replays its past steps.
+                _, before = remote_steps(session, prompt, tokens)
+                by_id[session.placement[1][2]].kill()
+                x = torch.tensor([[got[-1]]])
+                t0 = time.perf_counter()
+                session.step(x)
+                recover_s = time.perf_counter() - t0
+                moves = session.moves
+        steady, local_steady = times, local_times
+        compute = [sum(s) for s in span_times]
+        results.update({
+            "network_tokens_per_s": len(steady) / sum(steady),
+            "local_tokens_per_s": len(local_steady) / sum(local_steady),
+            "step_p50_ms": statistics.median(steady) * 1e3,
+            "local_step_p50_ms": statistics.median(local_steady) * 1e3,
+            "compute_per_step_ms": statistics.median(compute) * 1e3,
+            "worker_compute_per_step_ms": worker_compute * 1e3,
+            # a step's mean wall time less the workers' mean compute per step (tabs give the mean, not each step's)
+            "overhead_ms": (statistics.mean(steady) - worker_compute) * 1e3,
+            "raw_round_trips_p50_ms": statistics.median(raw) * 1e3,
+            "paced_round_trips_p50_ms": statistics.median(paced) * 1e3,
+            "spans": len(spans),
+            "recover_step_s": recover_s,
+            "moves": moves,
+        })
+    r = results
+    r["efficiency"] = r["network_tokens_per_s"] / r["local_tokens_per_s"]
+    r["overhead_vs_raw"] = r["overhead_ms"] / r["raw_round_trips_p50_ms"]
+    r["overhead_vs_paced"] = r["overhead_ms"] / r["paced_round_trips_p50_ms"]
+    print(f"generation, {r['layers']}-layer d={r['d_model']} decoder over {r['spans']} workers: "
+          f"{r['network_tokens_per_s']:.1f} tokens/s | locally {r['local_tokens_per_s']:.1f} tokens/s "
+          f"({r['efficiency'] * 100:.0f}%); compute per step {r['compute_per_step_ms']:.1f} ms here, "
+          f"{r['worker_compute_per_step_ms']:.1f} ms on the workers")
+    print(f"per-step overhead {r['overhead_ms']:.2f} ms | {r['spans']} raw hivemind round trips "
+          f"{r['raw_round_trips_p50_ms']:.2f} ms back to back ({r['overhead_vs_raw']:.2f}x), "
+          f"{r['paced_round_trips_p50_ms']:.2f} ms paced like a step ({r['overhead_vs_paced']:.2f}x)")
+    print(f"recovering a killed span (move + replay of {tokens} steps): {r['recover_step_s']:.2f} s | a step "
+          f"{r['step_p50_ms']:.1f} ms")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

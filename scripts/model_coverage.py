@@ -1,0 +1,46 @@
+#!/usr/bin/env python
+"""Which models convert into gpunet jobs and match eager PyTorch: the zoo of gpunet.testing.zoo (Hugging Face
+transformers text, vision and audio models at small random-init configs, and plain torch modules), one row each.
+
+    pip install transformers          # optional: without it only the plain torch models run
+    python scripts/model_coverage.py [--json] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpunet.testing.zoo import models, try_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", nargs="*", help="model names to try")
+    args = parser.parse_args()
+    zoo = [m for m in models() if not args.only or m.name in args.only]
+    outcomes = []
+    print(f"{'model':28} {'kind':7} {'result':9} {'seconds':>8}  detail")
+    for model in zoo:
+        o = try_model(model)
+        outcomes.append(o)
+        print(f"{o.name:28} {o.kind:7} {o.stage:9} {o.seconds:8.1f}  {o.detail[:110]}", flush=True)
+    ok = sum(o.ok for o in outcomes)
+    by_kind = Counter((o.kind, o.ok) for o in outcomes)
+    kinds = sorted({o.kind for o in outcomes})
+    print(f"\n{ok} of {len(outcomes)} convert and match eager ("
+          + ", ".join(f"{k} {by_kind[(k, True)]}/{by_kind[(k, True)] + by_kind[(k, False)]}" for k in kinds) + ")")
+    if args.json:
+        print(json.dumps({"benchmark": "model_coverage", "ok": ok, "total": len(outcomes),
+                          "models": [asdict(o) for o in outcomes]}))
+
+
+if __name__ == "__main__":
+    main()

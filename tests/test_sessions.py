@@ -1,0 +1,291 @@
+"""Sessions without a network: span planning, the worker's session table, the stateful-program format, the wire."""
+
+import json
+
+import pytest
+import torch
+from torch.export import Dim
+
+from gpunet import protocol
+from gpunet.client.sequential import _SpanModule, plan_spans, spans_needed
+from gpunet.errors import JobRejected, ProtocolError, SessionLost, UnsupportedProgram, WorkerBusy
+from gpunet.job import Job
+from gpunet.job.format import Manifest
+from gpunet.models import TinyConfig, generate_locally, tiny_gpt
+from gpunet.ledger.tabs import TAB_FLOPS, TAB_STEPS, Tab, parse, steps_of
+from gpunet.worker.sessions import SessionLimits, Sessions
+
+
+def test_spans_are_contiguous_and_balanced():
+    assert plan_spans([1, 1, 1, 1, 1, 1], 3) == [(0, 2), (2, 4), (4, 6)]
+    assert plan_spans([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+    assert plan_spans([1, 2, 3], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert plan_spans([7], 1) == [(0, 1)]
+    for sizes, n in [([3, 1, 4, 1, 5, 9, 2, 6], k) for k in range(1, 9)]:
+        ranges = plan_spans(sizes, n)
+        assert len(ranges) == n and ranges[0][0] == 0 and ranges[-1][1] == len(sizes)
+        assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(n - 1))
+    with pytest.raises(Exception, match="between 1 and"):
+        plan_spans([1, 1], 3)
+
+
+def test_span_count_follows_worker_memory():
+    mib = 2**20
+    assert spans_needed([100 * mib] * 6, []) == 1  # nothing known: one span
+    assert spans_needed([100 * mib] * 6, [8 * 1024 * mib]) == 1
+    assert spans_needed([100 * mib] * 6, [8 * 1024 * mib, 400 * mib]) == 3  # 200 MiB spans fit 400 / 1.5
+    with pytest.raises(Exception, match="does not fit"):
+        spans_needed([900 * mib], [400 * mib])
+
+
+H = "ab" * 32
+
+
+def step_done(t, client, sid, state_bytes=0, now=0.0, close=False, flops=10):
+    return t.done(client, sid, state_bytes, now, input_hash=H, output_hash=H, flops=flops, wall_time_us=5,
+                  started_at_us=1, ended_at_us=2, max_price=None, close=close)
+
+
+def test_session_table_orders_bounds_and_expires():
+    t = Sessions(SessionLimits(max_bytes=1000, max_client_share=1.0, max_sessions=3, max_per_client=2, max_ttl=60))
+    assert t.begin("A", "s1", "p", 0, ttl=10, now=0) == 1000
+    with pytest.raises(WorkerBusy):  # one opening at a time: its size is not known yet
+        t.begin("B", "s9", "p", 0, ttl=10, now=0)
+    assert step_done(t, "A", "s1", 400, now=1) is None  # on the tab
+    assert t.held_bytes == 400
+    assert t.begin("A", "s2", "p", 0, ttl=10, now=1) == 600
+    step_done(t, "A", "s2", 100, now=1)
+    with pytest.raises(JobRejected, match="sessions open here"):
+        t.begin("A", "s3", "p", 0, ttl=10, now=1)
+    with pytest.raises(SessionLost):  # another client's id names nothing of its own
+        t.begin("B", "s1", "p", 1, ttl=10, now=1)
+    with pytest.raises(JobRejected, match="at step 1, not 2"):
+        t.begin("A", "s1", "p", 2, ttl=10, now=1)
+    with pytest.raises(JobRejected, match="program that opened it"):
+        t.begin("A", "s1", "q", 1, ttl=10, now=1)
+    t.begin("A", "s1", "p", 1, ttl=10, now=2)
+    with pytest.raises(JobRejected, match="one step at a time"):
+        t.begin("A", "s1", "p", 2, ttl=10, now=2)
+    (gone,) = t.expired(now=100)  # s1 is running: never expires under a step
+    assert gone.key == "A/s2" and gone.tab.steps == 1
+    assert parse(gone.tab.job_id("s2"))[::2] == ("s2", 0) and parse(gone.tab.job_id("s2"))[3] == 0
+    step_done(t, "A", "s1", now=3)
+    assert t.expired(now=12) == []
+    (gone,) = t.expired(now=13)  # idle 10 s since its last step
+    assert gone.key == "A/s1" and gone.tab.steps == 2 and gone.tab.flops == 20
+    assert len(t) == 0 and t.held_bytes == 0
+    t.begin("A", "s4", "p", 0, ttl=1e9, now=0)
+    t.failed("A", "s4", lost=False)  # never opened: nothing held
+    assert len(t) == 0
+    t.begin("A", "s5", "p", 0, ttl=1e9, now=0)
+    step_done(t, "A", "s5", 10)
+    assert t.expired(now=59) == [] and len(t.expired(now=60)) == 1  # ttl capped by the worker's max
+    t.begin("A", "s6", "p", 0, ttl=5, now=0)
+    tab = step_done(t, "A", "s6", 10, close=True)  # a one-step session: billed at once
+    assert tab.steps == 1 and len(t) == 0 and t.held_bytes == 0
+    assert t.close("A", "nope") is None
+
+
+def test_a_closing_client_is_billed_for_the_steps_it_received_and_one_client_cannot_take_all_memory():
+    t = Sessions(SessionLimits(max_bytes=1000, max_client_share=0.5))
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    for step in range(5):
+        if step:
+            t.begin("A", "s", "p", step, ttl=10, now=0)
+        step_done(t, "A", "s", 400)
+    ended = t.close("A", "s", received=3)  # the answer to steps 3 and 4 never reached it
+    assert ended.tab.steps == 3 and ended.tab.last == 2
+    t.begin("A", "s1", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "s1", 400)
+    assert t.begin("A", "s2", "p", 0, ttl=10, now=0) == 100  # half of 1000 for one client, 400 held
+
+
+def test_a_lost_session_takes_no_steps_but_its_tab_is_still_owed():
+    t = Sessions(SessionLimits(max_bytes=1000))
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "s", 300)
+    t.begin("A", "s", "p", 1, ttl=10, now=0)
+    t.failed("A", "s", lost=True)
+    assert t.held_bytes == 0  # the executor's memory is gone with it
+    with pytest.raises(SessionLost):
+        t.begin("A", "s", "p", 1, ttl=10, now=0)
+    ended = t.close("A", "s")
+    assert ended.tab.steps == 1 and len(t) == 0
+
+
+def test_a_leaving_worker_knows_which_sessions_still_owe_steps_and_ends_them_all():
+    t = Sessions()
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    assert t.owing == 0  # opening, nothing done yet
+    step_done(t, "A", "s", 10)
+    t.begin("B", "idle", "p", 0, ttl=10, now=0)
+    t.failed("B", "idle", lost=False)  # never opened: gone
+    t.begin("B", "t", "p", 0, ttl=10, now=0)
+    step_done(t, "B", "t", 10)
+    assert t.owing == 2
+    assert t.close("A", "s").tab.steps == 1 and t.owing == 1
+    ended = t.end_all()  # the worker leaves: what its clients did not close, it bills itself
+    assert [(e.client_id, e.tab.steps) for e in ended] == [("B", 1)]
+    assert len(t) == 0 and t.owing == 0 and t.held_bytes == 0
+
+
+def test_tabs_bill_every_step_once_in_receipts_of_a_bounded_size():
+    t = Sessions(SessionLimits())
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    tabs = []
+    for step in range(TAB_STEPS * 2 + 5):
+        if step:
+            t.begin("A", "s", "p", step, ttl=10, now=0)
+        tab = step_done(t, "A", "s", 8)
+        if tab is not None:
+            tabs.append(tab)
+    assert [(x.first, x.last) for x in tabs] == [(0, TAB_STEPS - 1), (TAB_STEPS, 2 * TAB_STEPS - 1)]
+    assert t.close("A", "s").tab.steps == 5
+    # The client's own tab of the same steps is the same, chains and all: that is what it checks a receipt against.
+    mine = Tab()
+    for step in range(TAB_STEPS):
+        mine.add(step, H, H, 10)
+    assert (mine.input_chain, mine.output_chain, mine.flops) == (tabs[0].input_chain, tabs[0].output_chain,
+                                                                  tabs[0].flops)
+    other = Tab()
+    for step in range(TAB_STEPS):
+        other.add(step, H if step != 7 else "cd" * 32, H, 10)
+    assert other.input_chain != mine.input_chain  # one changed step changes the receipt
+    mine.nonce = "0badcafe"
+    assert steps_of(mine.job_id("sess")) == TAB_STEPS and steps_of("a1b2c3") == 1
+    assert tabs[0].nonce == tabs[1].nonce  # one session, one nonce; another session (or a reopened id) another
+    assert mine.prefix(3).steps == 3 and mine.prefix(3).input_chain != mine.input_chain
+    with pytest.raises(ValueError):
+        mine.add(TAB_STEPS + 3, H, H, 1)
+    heavy = Tab()
+    heavy.add(0, H, H, TAB_FLOPS // 2)
+    assert not heavy.full
+    heavy.add(1, H, H, TAB_FLOPS // 2)
+    assert heavy.full and heavy.steps == 2  # a tab worth a TFLOP is billed at once, however few its steps
+
+
+def test_stateful_blocks_trace_and_round_trip_their_state():
+    cfg = TinyConfig(n_layers=1, max_len=16)
+    embed, block, head = tiny_gpt(cfg)
+    span = _SpanModule([embed, block], [1, 3]).eval()
+    state = (*embed.initial_state(), *block.initial_state())
+    ids = torch.randint(0, cfg.vocab, (1, 3))
+    job = Job.from_module(span, (ids, *state), dynamic_shapes=({1: Dim("T", min=1, max=16)}, (None,) * 4), state=4)
+    assert job.manifest.state == 4 and job.manifest.state_bytes == 4 + 2 * 16 * 64 * 4 + 4
+    assert Manifest.from_json(job.manifest.to_json()).state == 4
+    with torch.no_grad():
+        want = span(ids, *state)
+    got = job.run_locally(ids, *state)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # Local generation through the blocks is the reference sessions are held to.
+    assert len(generate_locally(tiny_gpt(cfg), ids, 4)) == 4
+
+
+def test_a_state_must_come_back_in_the_same_shape():
+    class Grows(torch.nn.Module):
+        def forward(self, x, cache):
+            return x * 2, torch.cat([cache, x], dim=0)
+
+    with pytest.raises(UnsupportedProgram, match="same dtype and shape"):
+        Job.from_module(Grows(), (torch.ones(1, 4), torch.zeros(2, 4)), state=1)
+
+    class Fine(torch.nn.Module):
+        def forward(self, x, h):
+            return x + h, h + 1
+
+    job = Job.from_module(Fine(), (torch.ones(1, 4), torch.zeros(1, 4)), state=1)
+    raw = json.loads(job.manifest.to_json())  # edited as a hostile peer would
+    assert Manifest.from_json(job.manifest.to_json()).state == 1
+    for bad in (2, -1, "1", True):
+        raw["state"] = bad
+        with pytest.raises(JobRejected):
+            Manifest.from_json(json.dumps(raw).encode())
+
+
+def test_session_steps_parse_strictly():
+    step = protocol.SessionStep("abc", 3, fresh=True, close=False, ttl=30)
+    submit = protocol.Submit("abc.3", "0" * 64, 0, b"", session=step)
+    assert protocol.decode(protocol.encode(submit), protocol.Submit).session == step
+    for bad in ({"id": "a/b", "step": 0}, {"id": "a.b", "step": 0}, {"id": "x", "step": -1},
+                {"id": "x", "step": 0, "ttl": 1e9}, {"id": "x", "step": 0, "ttl": 0},
+                {"id": "x", "step": 0, "ttl": float("nan")}, {"id": "x", "step": True}, "x"):
+        wire = submit.to_wire()
+        wire["session"] = bad
+        with pytest.raises(ProtocolError):
+            protocol.Submit.from_wire(wire)
+    assert protocol.decode(protocol.encode(protocol.CloseSession("abc")), protocol.CloseSession).session_id == "abc"
+    wire = submit.to_wire()
+    wire["session"] = {"id": "x" * 25, "step": 0}  # a tab's job id must still fit in 64 characters
+    with pytest.raises(ProtocolError):
+        protocol.Submit.from_wire(wire)
+    err = protocol.Error.of(SessionLost("gone"))
+    assert err.code == "session_lost" and isinstance(err.exception(), SessionLost)
+
+
+def _session(key, step, **kw):
+    return {"key": key, "step": step, "fresh": kw.get("fresh", True), "close": kw.get("close", False),
+            "room": kw.get("room", 1 << 20)}
+
+
+def test_an_executor_keeps_each_session_apart_and_refuses_a_state_that_lies_about_its_size(tmp_path):
+    import asyncio
+
+    from gpunet.job import tensors
+    from gpunet.job.format import ProgramParts
+    from gpunet.worker.executor import Executor
+
+    class Counter(torch.nn.Module):
+        def forward(self, x, h):
+            return x + h, h + 1
+
+    job = Job.from_module(Counter(), (torch.ones(1, 4), torch.zeros(1, 4)), state=1)
+
+    class Grows(torch.nn.Module):  # declares a (1, 4) state, returns a (2, 4) one
+        def forward(self, x, h):
+            return x, torch.cat([h, h])
+
+    traced = Job.from_module(Grows(), (torch.ones(1, 4), torch.zeros(1, 4)))
+    raw = json.loads(traced.manifest.to_json())
+    raw["state"] = 1
+    raw["outputs"][1]["shape"] = [1, 4]
+    liar = Job(ProgramParts(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode(), traced.parts.graph,
+                            traced.parts.weights))
+    x = tensors.encode({"input_0": torch.ones(1, 4)})
+
+    async def scenario(ex):
+        outs = []
+        for step in range(3):  # two sessions of the same program, interleaved: each counts on its own
+            for key in ("A/s", "B/s"):
+                r = await ex.run(job.program_hash, job.to_bytes() if step == 0 else None, x,
+                                 session=_session(key, step))
+                outs.append((key, tensors.decode(r.outputs)["output_0"][0, 0].item(), r.state_bytes))
+        assert outs == [(k, 1.0 + step, 16) for step in range(3) for k in ("A/s", "B/s")]
+        with pytest.raises(JobRejected, match="new state"):
+            await ex.run(liar.program_hash, liar.to_bytes(), x, session=_session("A/t", 0))
+        with pytest.raises(SessionLost):  # refused: nothing was kept for it
+            await ex.run(liar.program_hash, None, x, session=_session("A/t", 1))
+        await ex.drop_sessions(["A/s"])
+        with pytest.raises(SessionLost):
+            await ex.run(job.program_hash, None, x, session=_session("A/s", 3))
+        r = await ex.run(job.program_hash, None, x, session=_session("B/s", 3, close=True))
+        assert tensors.decode(r.outputs)["output_0"][0, 0].item() == 4.0
+        assert not ex.holds_session("B/s")
+
+    with Executor(processes=2, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False) as ex:
+        asyncio.run(scenario(ex))
+
+
+def test_a_position_counter_can_advance_by_a_symbolic_size():
+    """`pos + x.shape[1]` (a symbolic size as the other operand of a tensor op) converts, and counts as a number."""
+
+    class Counts(torch.nn.Module):
+        def forward(self, ids, pos):
+            return ids.float().sum(1) + pos, pos + ids.shape[1]
+
+    module = Counts()
+    job = Job.from_module(module, (torch.ones(1, 4, dtype=torch.long), torch.zeros(1)),
+                          dynamic_shapes=({1: Dim("T", min=1, max=64)}, None), state=1)
+    for t in (1, 3, 9):
+        x = torch.randint(0, 5, (1, t))
+        assert all(torch.equal(a, b) for a, b in zip(job.run_locally(x, torch.full((1,), 2.0)),
+                                                     module(x, torch.full((1,), 2.0))))

@@ -1,0 +1,159 @@
+"""A model spread over several workers (Petals-style) and inference sessions with state on the workers, on a real
+swarm, through the public API."""
+
+import signal
+
+
+import pytest
+import torch
+from torch.export import Dim
+
+import gpunet
+import gpunet.protocol
+from gpunet.ledger.tabs import Tab, steps_of
+from gpunet.models import TinyConfig, generate_locally, tiny_gpt
+from tests.swarm import wait_for
+
+pytestmark = pytest.mark.swarm
+
+CFG = TinyConfig(n_layers=4, max_len=96)
+
+
+def sequential(client, blocks, spans=3):
+    return client.sequential(blocks, example_inputs=(torch.randint(0, CFG.vocab, (1, 4)),),
+                             dynamic_shapes=({1: Dim("T", min=1, max=CFG.max_len)},), spans=spans)
+
+
+def generate(session, prompt: torch.Tensor, new_tokens: int) -> list[int]:
+    x, out = prompt, []
+    for _ in range(new_tokens):
+        logits = session.step(x)
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        x = torch.tensor([[token]])
+    return out
+
+
+def test_spread_model_forward_and_session_equal_local(swarm, client_for):
+    workers = swarm.start_workers(3)
+    ids = {swarm.worker_id(w) for w in workers}
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    blocks = tiny_gpt(CFG, seed=1)
+    remote = sequential(client, blocks)
+    assert [(s.start, s.stop) for s in remote.spans] == [(0, 2), (2, 4), (4, 6)]
+
+    prompt = torch.randint(0, CFG.vocab, (1, 6))
+    with torch.no_grad():
+        local = prompt
+        h = local
+        for b, st in zip(blocks, [b.initial_state() if hasattr(b, "initial_state") else () for b in blocks]):
+            h = b(h, *st)[0] if st else b(h)
+    assert torch.equal(remote(prompt), h)  # stateless: each span from its first state
+
+    want = generate_locally(blocks, prompt, 64)
+    with remote.session() as s:
+        got = generate(s, prompt, 64)
+        placement = s.placement
+        receipts = s.receipts
+    assert got == want
+    assert len({w for _, _, w in placement}) == 3 and {w for _, _, w in placement} <= ids
+    assert all(r.is_countersigned for r in receipts)
+    # Billed by tabs: one receipt per span for its 64 steps, not 192 ledger rows.
+    assert sorted(steps_of(r.job_id) for r in receipts) == [64, 64, 64] and len(receipts) == 3
+    assert {r.job_id for r in client.ledger.receipts()} >= {r.job_id for r in receipts}
+
+
+def test_session_survives_a_killed_worker_with_identical_tokens(swarm, client_for):
+    workers = swarm.start_workers(4)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 4, 30, "all four workers")
+    blocks = tiny_gpt(CFG, seed=2)
+    remote = sequential(client, blocks)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, 24)
+    by_id = {swarm.worker_id(w): w for w in workers}
+    with remote.session() as s:
+        got = generate(s, prompt, 12)
+        victim_id = s.placement[1][2]
+        by_id[victim_id].kill()  # SIGKILL: a crash, as far as the network can tell
+        x = torch.tensor([[got[-1]]])
+        for _ in range(12):
+            token = int(s.step(x)[0, -1].argmax())
+            got.append(token)
+            x = torch.tensor([[token]])
+        assert s.moves >= 1
+        assert s.placement[1][2] != victim_id
+    receipts = s.receipts  # closing paid the steps not billed yet
+    assert got == want
+    replacement = [r for r in receipts if r.worker_id == s.placement[1][2]]
+    # The replacement replayed the span's 12 steps and ran the 12 after: paid for exactly that work; the killed
+    # worker's unbilled steps are not paid (it is gone), the other spans' 24 steps each are.
+    assert sum(steps_of(r.job_id) for r in replacement) == 24
+    assert not [r for r in receipts if r.worker_id == victim_id]
+    assert sum(steps_of(r.job_id) for r in receipts) == 3 * 24
+
+
+def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, client_for):
+    workers = swarm.start_workers(4)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 4, 30, "all four workers")
+    blocks = tiny_gpt(CFG, seed=4)
+    remote = sequential(client, blocks)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, 20)
+    by_id = {swarm.worker_id(w): w for w in workers}
+    with remote.session() as s:
+        got = generate(s, prompt, 10)
+        leaving_id = s.placement[0][2]
+        leaving = by_id[leaving_id]
+        leaving.popen.send_signal(signal.SIGTERM)  # `systemctl stop`: it drains, taking no new steps
+        x = torch.tensor([[got[-1]]])
+        for _ in range(10):
+            got.append(int(s.step(x)[0, -1].argmax()))
+            x = torch.tensor([[got[-1]]])
+        assert s.placement[0][2] != leaving_id and s.moves == 1
+    assert got == want
+    assert leaving.terminate(timeout=60) == 0  # it left cleanly
+    # Its 10 steps were billed when the client closed the session there, and paid.
+    paid = [r for r in s.receipts if r.worker_id == leaving_id]
+    assert sum(steps_of(r.job_id) for r in paid) == 10 and all(r.is_countersigned for r in paid)
+
+
+def test_sessions_are_private_bounded_and_expire(swarm, client_for):
+    (worker,) = swarm.start_workers(1, "--max-sessions-per-client", "1", "--session-ttl", "30")
+    client, stranger = client_for(swarm), client_for(swarm, "stranger")
+    cfg = TinyConfig(n_layers=1, max_len=32)
+    blocks = tiny_gpt(cfg, seed=3)
+    remote = client.sequential(blocks, example_inputs=(torch.randint(0, 256, (1, 2)),), spans=1,
+                               dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},))
+    prompt = torch.randint(0, 256, (1, 3))
+    want = generate_locally(blocks, prompt, 6)
+    with remote.session() as s:
+        got = generate(s, prompt, 3)
+        # Another client naming this session (its id seen, or guessed) reaches nothing: sessions are per client.
+        span, placed = remote.spans[0], s._core.placed[0]
+        step = gpunet.protocol.SessionStep(placed.session_id, placed.step)
+        with pytest.raises(gpunet.SessionLost):
+            stranger._call(stranger._core.run_step(span.job, (torch.tensor([[1]]),), placed.worker_id, step,
+                                                   span.state, Tab()))
+        # One session per client on this worker: a second is refused, with the reason.
+        with pytest.raises(gpunet.GpunetError, match="sessions open here"):
+            with remote.session() as other:
+                other.step(prompt)
+        x = torch.tensor([[got[-1]]])
+        for _ in range(3):  # untouched by all that
+            got.append(int(s.step(x)[0, -1].argmax()))
+            x = torch.tensor([[got[-1]]])
+    assert got == want
+    # Closed: the worker freed it, so the one place is free again.
+    with remote.session(ttl=2) as s:
+        got = generate(s, prompt, 3)
+        worker.wait_for_line(r"1 session\(s\) expired; their state is freed \(0 session\(s\), 0 bytes", timeout=30)
+        # Expired on the worker: the next step finds no state, and the session rebuilds it by replay.
+        x = torch.tensor([[got[-1]]])
+        for _ in range(3):
+            got.append(int(s.step(x)[0, -1].argmax()))
+            x = torch.tensor([[got[-1]]])
+        assert s.moves == 1
+    assert got == want
