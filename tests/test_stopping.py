@@ -112,3 +112,13 @@ def test_worker_whose_p2p_daemon_died_first_still_leaves(swarm):
         os.kill(pid, signal.SIGKILL)
     worker.popen.send_signal(signal.SIGINT)
     _assert_left_cleanly(worker)
+
+
+@pytest.mark.parametrize("moment", ["Measured speed", "Joined gpunet network"])
+def test_worker_stopped_while_it_starts_leaves_within_seconds(swarm, moment):
+    """SIGTERM while the worker is still starting (a restart loop, `systemctl stop` right after start): it stops
+    there, never coming online, instead of waiting forever for a part that had not started yet."""
+    worker = swarm.start_worker(wait_online=False)
+    wait_for(lambda: moment in worker.output, 90, f"the worker to reach {moment!r}")
+    worker.popen.send_signal(signal.SIGTERM)
+    _assert_left_cleanly(worker, timeout=30)

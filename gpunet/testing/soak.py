@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from collections import Counter
@@ -20,6 +21,10 @@ import torch
 
 from gpunet.ledger.store import LEDGER_FILENAME, Ledger
 from gpunet.testing.localnet import LocalNetwork, Proc, wait_for
+
+
+#: Seconds the workers get to exit after SIGTERM at the end: a drain (at most --drain-timeout, 30 s) and then leaving.
+STOP_LIMIT = 60.0
 
 
 @dataclass
@@ -36,10 +41,12 @@ class SoakReport:
     ledgers_verified: int = 0
     ledger_errors: list[str] = field(default_factory=list)
     steady_rss_mb: tuple[float, float] = (0.0, 0.0)  # the never-killed worker: after warm-up, at the end
+    slowest_stop: float = 0.0  # seconds the slowest worker took to exit after SIGTERM at the end
+    stuck: list[str] = field(default_factory=list)  # workers still running STOP_LIMIT s after SIGTERM: their log tails
 
     @property
     def ok(self) -> bool:
-        return not (self.wrong or self.missing or self.paid_twice or self.ledger_errors)
+        return not (self.wrong or self.missing or self.paid_twice or self.ledger_errors or self.stuck)
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "ok": self.ok}
@@ -147,10 +154,18 @@ def soak(root: Path, workers: int = 5, jobs: int = 1000, kill_every: tuple[float
         except Exception as e:
             report.ledger_errors.append(f"client: {e}")
         client.close()
+        stopping = time.monotonic()
         for proc in [*live.values(), steady]:
             proc.popen.send_signal(signal.SIGTERM)
         for proc in [*live.values(), steady]:
-            proc.popen.wait(60)
+            try:
+                proc.popen.wait(max(0.1, stopping + STOP_LIMIT - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                report.stuck.append(f"{proc.name} (pid {proc.pid}) still running {STOP_LIMIT:.0f} s after SIGTERM; "
+                                    "its last lines:\n" + "\n".join(proc.lines[-40:]))
+                proc.popen.kill()
+                proc.popen.wait(10)
+            report.slowest_stop = max(report.slowest_stop, time.monotonic() - stopping)
         paid_by = Counter()
         for data_dir in sorted({p.data_dir for p in net.workers}):
             try:

@@ -234,7 +234,9 @@ class Worker:
             await self.start_services()
             self._owner_watch = asyncio.create_task(self._watch_owner())
             await self._owner_seen.wait()  # a worker its owner paused comes up paused
-            if self.availability.paused:
+            if self._stop.is_set():
+                pass  # stopped while starting: straight to leaving
+            elif self.availability.paused:
                 await self._set_paused()
             else:
                 await self.announce(WorkerState.ONLINE)
@@ -368,6 +370,12 @@ class Worker:
     async def _watch_owner(self) -> None:
         """Look at the machine and the owner's hand every OWNER_EVERY seconds (at once on SIGUSR1), and pause or
         resume the worker as gpunet.worker.availability decides."""
+        try:
+            await self._watch_owner_until_stopped()
+        finally:  # stopped before its first look, or failed: the start must not wait for a look that never comes
+            self._owner_seen.set()
+
+    async def _watch_owner_until_stopped(self) -> None:
         failing = False
         while not self._stop.is_set():
             reading = Reading(time.time())
