@@ -217,3 +217,30 @@ def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_
         return await payloads._from_peers(submit, Pieces(pieces.size, pieces.piece_size, pieces.hashes, ()))
 
     assert bytes(asyncio.run(main())) == data
+
+
+def test_a_holder_whose_first_streams_cannot_be_opened_is_tried_again(tmp_path):
+    """A holder busy loading what it just received can miss a stream or two on a loaded machine; giving up on it at
+    once would send the client's link a second copy. A holder that never answers is still given up on."""
+    data = _program()
+    pieces = PieceList.of(data)
+
+    class Flaky(_Network):
+        def __init__(self, servers, failures: int):
+            super().__init__(servers)
+            self.failures = failures
+
+        async def open(self, peer, door, maddrs=()):
+            if self.failures > 0:
+                self.failures -= 1
+                raise NetworkError("stream reset")
+            return await super().open(peer, door, maddrs)
+
+    async def main(failures: int):
+        net = Flaky({"holder": _holder(tmp_path, f"h{failures}", data)}, failures)
+        got = await Fetcher(net, own_id="me").fetch(H, pieces, [("holder", [])], timeout=30)
+        await asyncio.gather(*net.tasks)
+        return got
+
+    assert bytes(asyncio.run(main(failures=2))) == data  # one per stream: each is tried again once
+    assert asyncio.run(main(failures=100)) is None

@@ -128,6 +128,10 @@ class P2PTransport:
         # program -> the workers this client is sending it to now (id -> addresses): holders-to-be, which a worker
         # that also lacks it may fetch it from once they have it
         self._receiving: dict[str, dict[str, tuple[str, ...]]] = {}
+        # program -> workers that ran it for this client (they keep it on disk and serve it to peers): known holders
+        # before any record of theirs says so, so a replica asking after the first copy's job ended still fetches it
+        # from a peer instead of taking a second copy over this client's link
+        self._ran: LRU[str, dict[str, tuple[str, ...]]] = LRU(64)
         self._piece_lists: LRU[str, asyncio.Future] = LRU(32)  # program -> its PieceList, being hashed or done
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
 
@@ -228,6 +232,7 @@ class P2PTransport:
         """The stream door: any size; sends the program when the worker asks for it. ``program_crossed`` resolves
         once the worker holds the program or has been sent it (before the job's own result comes)."""
         reader, writer = await self.rpc.open(worker_id, Door.JOB, maddrs)
+        ran = False  # it answered with a result: it holds the program now
         try:
             inline = len(request.inputs) <= INLINE_BYTES
             await protocol.write(writer, Submit(request.job_id, request.program_hash, len(request.inputs),
@@ -252,6 +257,7 @@ class P2PTransport:
                 raise ProtocolError(f"worker {worker_id[-8:]} keeps asking for the program")
             if isinstance(reply, Error):
                 raise reply.exception()
+            ran = True
             outputs = reply.outputs
             if outputs is None:
                 t0 = time.perf_counter()
@@ -265,6 +271,10 @@ class P2PTransport:
             writer.close()
             raise
         finally:
+            if ran and not request.private:
+                ran_it = self._ran.get(request.program_hash) or {}
+                ran_it[worker_id] = tuple(maddrs)[:protocol.MAX_HOLDER_MADDRS]
+                self._ran.put(request.program_hash, dict(list(ran_it.items())[-protocol.MAX_HOLDERS:]))
             receiving = self._receiving.get(request.program_hash)
             if receiving is not None:
                 receiving.pop(worker_id, None)
@@ -321,11 +331,14 @@ class P2PTransport:
         return found
 
     def _holders(self, worker_id: str, request: JobRequest) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """Who a worker may fetch this program from: those routing knows hold it, then those this client is
-        sending it to right now (they serve it once it is loaded). Never for a private program."""
+        """Who a worker may fetch this program from: those routing knows hold it, those that ran it for this client,
+        then those this client is sending it to right now (they serve it once it is loaded). Never for a private
+        program."""
         if request.private:
             return ()
         found = dict(request.holders)
+        for peer, maddrs in (self._ran.get(request.program_hash) or {}).items():
+            found.setdefault(peer, maddrs)
         for peer, maddrs in self._receiving.get(request.program_hash, {}).items():
             found.setdefault(peer, maddrs)
         found.pop(worker_id, None)

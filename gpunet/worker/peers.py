@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from gpunet import protocol
-from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, WorkerBusy
+from gpunet.errors import GpunetError, JobRejected, NetworkError, ProgramNotCached, WorkerBusy
 from gpunet.pieces import PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.utils import LRU
@@ -40,6 +40,9 @@ STREAM_LIFETIME = 600.0
 #: one is waited for that the client did not say it is sending the program to (anyone may claim to hold anything).
 NOT_YET_RETRY = 0.5
 BUSY_PATIENCE = 10.0
+#: Times a stream to a holder that could not be opened is tried again (after NOT_YET_RETRY): a holder busy loading
+#: what it just received on a loaded machine can miss one stream, and giving up on it sends the client's link a copy.
+OPEN_RETRIES = 3
 #: How long a peer that served a corrupted piece is not asked again.
 BAN_SECONDS = 3600.0
 #: Bytes written between two waits of the upload cap: the fetcher sees steady progress, never one long pause.
@@ -232,9 +235,17 @@ class _Fetch:
         """Fetch pieces from ``peer`` until none is missing or it fails; a busy peer is asked again later (a stream
         it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for."""
         index = writer = None
+        failed_opens = 0
         try:
             while self.missing:
-                reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
+                try:
+                    reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
+                except NetworkError:
+                    failed_opens += 1
+                    if failed_opens > OPEN_RETRIES:
+                        raise
+                    await asyncio.sleep(NOT_YET_RETRY)
+                    continue
                 try:
                     while (index := await self._next()) is not None:
                         ok = await self._one(peer, reader, writer, index)

@@ -1,0 +1,113 @@
+"""The client's stream transport against scripted workers on local sockets (no p2p daemon): which copy of a program
+goes where. A worker that ran a program for this client holds it, so a replica asking for that program later, even
+after the first job ended and before any record says so, is told to fetch it from that worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from gpunet import protocol
+from gpunet.client.transport import JobRequest, P2PTransport
+from gpunet.ledger import Identity
+from gpunet.protocol import Payload, Pieces, Result, Send, Submit
+from gpunet.utils import sha256_hex
+from tests._ledger_util import worker_signed
+
+CLIENT = Identity.generate()
+PROGRAM = os.urandom(300_000)
+
+
+class ScriptedWorker:
+    """Asks for the program (saying it can fetch it from peers), records what the client answered, returns a result."""
+
+    def __init__(self):
+        self.identity = Identity.generate()
+        self.id = self.identity.peer_id
+        self.got_program = 0  # bytes of the program the client sent it
+        self.told_holders: list[str] = []
+
+    async def handle(self, reader, writer) -> None:
+        submit = await protocol.read(reader, Submit)
+        await protocol.write(writer, Send(True, False, pieces=True))
+        reply = await protocol.read(reader, Payload, Pieces)
+        if isinstance(reply, Pieces):
+            self.told_holders = [peer for peer, _ in reply.holders]
+            await protocol.read(reader, Payload)
+        else:
+            self.got_program = len(await protocol.read_payload(reader, reply.program_size, len(PROGRAM), "program"))
+        receipt = worker_signed(self.identity, CLIENT, submit.job_id)
+        await protocol.write(writer, Result(2, receipt.to_bytes(), b"ok"))
+        writer.close()
+
+
+class LocalRPC:
+    """``open`` dials the scripted worker's socket instead of going through a p2p daemon."""
+
+    def __init__(self):
+        self.ports: dict[str, int] = {}
+
+    async def open(self, peer_id, door, maddrs=()):
+        return await asyncio.open_connection("127.0.0.1", self.ports[peer_id])
+
+
+def _request(job_id: str) -> JobRequest:
+    return JobRequest(job_id, sha256_hex(PROGRAM), PROGRAM, b"", timeout=30, max_price=None)
+
+
+async def _serve(rpc: LocalRPC, worker: ScriptedWorker):
+    server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)
+    rpc.ports[worker.id] = server.sockets[0].getsockname()[1]
+    return server
+
+
+def test_a_worker_that_ran_a_program_is_named_as_its_holder_after_its_job_ended():
+    async def main():
+        rpc = LocalRPC()
+        first, second = ScriptedWorker(), ScriptedWorker()
+        servers = [await _serve(rpc, w) for w in (first, second)]
+        transport = P2PTransport(dht=None, rpc=rpc)
+        try:
+            delivery = await transport.run_stream(first.id, ["/ip4/127.0.0.1/tcp/1"], _request("a" * 32))
+            delivery.close()
+            assert first.got_program == len(PROGRAM)
+            # The first job is over: nobody is receiving the program now, and the request names no holder.
+            delivery = await transport.run_stream(second.id, ["/ip4/127.0.0.1/tcp/2"], _request("b" * 32))
+            delivery.close()
+            assert second.got_program == 0, "a second copy crossed the client's link"
+            assert second.told_holders == [first.id]
+            assert transport.program_bytes_sent == len(PROGRAM)
+        finally:
+            for server in servers:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_failed_its_job_is_not_named_as_a_holder():
+    class Failing(ScriptedWorker):
+        async def handle(self, reader, writer) -> None:
+            await protocol.read(reader, Submit)
+            await protocol.write(writer, Send(True, False, pieces=True))
+            reply = await protocol.read(reader, Payload, Pieces)
+            self.got_program = len(await protocol.read_payload(reader, reply.program_size, len(PROGRAM), "program"))
+            writer.close()  # gone before any result
+
+    async def main():
+        rpc = LocalRPC()
+        first, second = Failing(), ScriptedWorker()
+        servers = [await _serve(rpc, w) for w in (first, second)]
+        transport = P2PTransport(dht=None, rpc=rpc)
+        try:
+            try:
+                await transport.run_stream(first.id, [], _request("a" * 32))
+            except protocol.ProtocolError:
+                pass
+            delivery = await transport.run_stream(second.id, [], _request("b" * 32))
+            delivery.close()
+            assert second.got_program == len(PROGRAM) and second.told_holders == []
+        finally:
+            for server in servers:
+                server.close()
+
+    asyncio.run(main())
