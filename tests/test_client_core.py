@@ -171,6 +171,35 @@ def test_a_failing_worker_is_banned_and_the_job_retried_elsewhere(tmp_path):
     assert result.receipt.client_signature and result.receipt.worker_id == good.id
 
 
+def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp_path):
+    """Churn can empty the network for a moment (every worker restarting, their records lapsed together): a job that
+    already tried workers looks again for a while instead of failing with NoWorkersAvailable at once."""
+    w, other = FakeWorker("restarting", "vanish", tflops=100.0), FakeWorker("other")  # routing tries w first
+
+    async def scenario(core):
+        transport = core.transport
+        gone = asyncio.Event()
+        listed = transport.discover
+
+        async def discover():
+            return [] if gone.is_set() else await listed()
+
+        real_submit = transport.submit
+
+        async def submit(worker, request, **kw):
+            if not w.jobs:  # its first job: it dies, and every record lapses before the client looks again
+                gone.set()
+                core.router.update([])
+                asyncio.get_running_loop().call_later(1.5, gone.clear)  # the records are back
+            return await real_submit(worker, request, **kw)
+
+        transport.discover, transport.submit = discover, submit
+        return await core.run(JOB, [X])
+
+    result = run(tmp_path, [w, other], scenario)
+    assert result.worker_id == other.id and result.attempts == [w.id, other.id]
+
+
 def test_a_busy_worker_is_skipped_for_a_moment_not_banned(tmp_path):
     busy = FakeWorker("busy", "busy", tflops=100.0)
 

@@ -606,6 +606,7 @@ class ClientCore:
         redialled: set[str] = set()  # workers already tried again after a broken stream
         preempted: Counter[str] = Counter()  # workers that stopped this batch job for interactive work: others first
         last_error: GpunetError | None = None
+        emptied_until: float | None = None  # the network emptied under this job: looked for again until then
         while True:
             remaining = p.deadline - time.monotonic()
             if remaining <= 0:
@@ -622,6 +623,17 @@ class ClientCore:
                     continue
                 if not tried:
                     raise
+                if not self.router.workers:
+                    # Workers were here a moment ago (this job tried some): their records can all lapse at once
+                    # while they restart. Look again for a while before giving up on the network.
+                    emptied_until = emptied_until or min(p.deadline, time.monotonic() + EMPTY_NETWORK_WAIT)
+                    if time.monotonic() < emptied_until:
+                        await asyncio.sleep(self.config.refresh_period / 4)
+                        try:
+                            await self.refresh()
+                        except Exception as refresh_error:  # the next look may work; the deadline bounds it
+                            logger.debug("Looking for workers again failed: %s", refresh_error)
+                        continue
                 if rejections and all(isinstance(r, DeadlineUnreachable) for r in rejections):
                     raise DeadlineUnreachable(f"every worker that could take job {job_id[:12]} refused it: "
                                               f"{rejections[-1].reason}") from None
@@ -820,6 +832,9 @@ def check_call(job, inputs: Sequence, named: dict | None = None) -> tuple[torch.
 
 
 _LARGE_BYTES = 1 << 20
+#: Seconds a job that already tried workers waits for them to reappear when the network looks empty (their records
+#: lapse together while they restart) before it fails with NoWorkersAvailable.
+EMPTY_NETWORK_WAIT = 20.0
 #: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
 OUTPUT_HEADER_ALLOWANCE = 64 * 1024
 MAX_ESTIMATES = 1024
