@@ -44,6 +44,17 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+async def wait_out(*futures: asyncio.Future) -> None:
+    """Wait until every one of ``futures`` is done, however often the caller is cancelled meanwhile (a cleanup that
+    must not leave a task, a pipe or a slot half-handled behind a second cancel); the caller sees its own cancellation
+    in what those futures end with."""
+    while not all(f.done() for f in futures):
+        try:
+            await asyncio.wait(futures)
+        except asyncio.CancelledError:
+            pass
+
+
 class LRU(Generic[K, V]):
     """A dict bounded by entry count and (optionally) by total bytes, evicting the least recently used first.
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import msgpack
 
 from gpunet.errors import ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
+from gpunet.utils import wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
@@ -164,7 +165,7 @@ class _Slot:
             return await asyncio.shield(io)
         except asyncio.CancelledError:
             self.kill()
-            await _wait_out(io)  # a second cancel must not let the pipe close under the thread either
+            await wait_out(io)  # a second cancel must not let the pipe close under the thread either
             raise
 
     def exit_status(self) -> str:
@@ -535,7 +536,7 @@ class Executor:
             else:
                 slot.kill()  # the next job gets a fresh process
                 work.cancel()
-            await _wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
+            await wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
             if session is not None and not work.cancelled() and work.exception() is None:
                 # The step ended before it could stop (on a GPU, the stop is seen long before the queued kernels
                 # finish): its session's state in the process has moved on with it, so it is done, and taken as
@@ -620,15 +621,6 @@ class Executor:
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
-
-
-async def _wait_out(future: asyncio.Future) -> None:
-    """Wait until ``future`` is done, however often the caller is cancelled meanwhile (it re-raises its own)."""
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            pass
 
 
 def _reap(proc, conn) -> None:

@@ -71,7 +71,7 @@ from gpunet.protocol import (
     UseStream,
 )
 from gpunet.rpc import RPC
-from gpunet.utils import LRU, When, sha256_hex
+from gpunet.utils import LRU, When, sha256_hex, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.executor import STOP_GRACE
@@ -534,12 +534,22 @@ class JobService:
                 if tab is not None:  # this step filled the tab (or ended the session): its receipt goes with it
                     outcome.receipt = self._sign_tab(client_id, submit.session.id, submit.program, tab,
                                                      submit.max_price, host)
+                if not submit.session.close and not self.sessions.is_open(client_id, submit.session.id):
+                    # Its client closed it while this step ran: the state goes, and the tab (only the steps it said
+                    # it received) is awaited from it like a closed session's.
+                    self._drop([session["key"]])
+                    if outcome.receipt is not None:
+                        self.settlement.expect(client_id, outcome.receipt)
             job.outcome.set_result(outcome)
         except BaseException as e:
             if session is not None:
-                self.sessions.failed(client_id, submit.session.id, lost=isinstance(e, SessionLost)
-                                     or (submit.session.step > 0 and not self.executor.holds_session(session["key"])))
+                ended = self.sessions.failed(
+                    client_id, submit.session.id, lost=isinstance(e, SessionLost)
+                    or (submit.session.step > 0 and not self.executor.holds_session(session["key"])))
                 self._count_sessions()
+                if ended is not None:  # its client closed it while this step ran: what it received is owed
+                    self._bill(ended)
+                    self._drop([ended.key])
             job.outcome.set_exception(e if isinstance(e, GpunetError) else JobFailed(f"job did not finish: {type(e).__name__}"))
             job.outcome.exception()  # retrieved: a waiting retry gets it, an unwatched one does not warn
             raise
@@ -679,11 +689,7 @@ class JobService:
                 task.cancel()
             # Let the job give back its slot and executor before we answer; the reader is free again only once the
             # watch has really ended. A second cancel of ours must not leave either behind.
-            while not all(task.done() for task in tasks):
-                try:
-                    await asyncio.wait(tasks)
-                except asyncio.CancelledError:
-                    pass
+            await wait_out(*tasks)
             self._by_ticket.pop(job.ticket, None)
         stopped = job.run.cancelled() or isinstance(job.run.exception(), JobPreempted)
         if stopped and job.ticket.preempted and self.admission.paused is not None:
