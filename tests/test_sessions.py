@@ -100,6 +100,35 @@ def test_a_closing_client_is_billed_for_the_steps_it_received_and_one_client_can
     assert t.begin("A", "s2", "p", 0, ttl=10, now=0) == 100  # half of 1000 for one client, 400 held
 
 
+def test_a_close_asked_while_a_step_runs_ends_the_session_with_that_step_billed_as_the_client_said():
+    """A client that closes while a step still runs (its answer lost, or the client gave up on it) is not told "not
+    closed" and left to the session's expiry, which would bill the step it never got: the session ends when the step
+    does, its tab cut at the steps the client said it received; a step that fails ends it too, billed the same way."""
+    t = Sessions(SessionLimits(max_bytes=1000))
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "s", 300)
+    t.begin("A", "s", "p", 1, ttl=10, now=0)
+    assert t.close("A", "s", received=1) is None  # step 1 still runs
+    with pytest.raises(SessionLost, match="being closed"):
+        t.begin("A", "s", "p", 2, ttl=10, now=0)
+    tab = step_done(t, "A", "s", 300)  # step 1 ends: so does the session
+    assert (tab.first, tab.steps) == (0, 1)
+    assert len(t) == 0 and t.held_bytes == 0 and t.owing == 0
+
+    t.begin("A", "u", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "u", 300)
+    t.begin("A", "u", "p", 1, ttl=10, now=0)
+    assert t.close("A", "u", received=1) is None
+    ended = t.failed("A", "u", lost=False)
+    assert ended.tab.steps == 1 and len(t) == 0 and t.held_bytes == 0
+
+    t.begin("A", "v", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "v", 300)
+    t.begin("A", "v", "p", 1, ttl=10, now=0)
+    assert t.close("A", "v", received=0) is None  # it got nothing: nothing is billed
+    assert step_done(t, "A", "v", 300) is None and len(t) == 0
+
+
 def test_a_lost_session_takes_no_steps_but_its_tab_is_still_owed():
     t = Sessions(SessionLimits(max_bytes=1000))
     t.begin("A", "s", "p", 0, ttl=10, now=0)

@@ -40,6 +40,10 @@ class _Session:
     max_price: int | None = None
     host: str = ""
     tab: Tab = field(default_factory=Tab)
+    #: The client asked to close it while a step ran: it ends when that step does. ``received``: the steps the client
+    #: said it got answers to (None: an older client, every step done is billed).
+    closing: bool = False
+    received: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,8 @@ class Sessions:
                               "restarted)")
         if s.lost:
             raise SessionLost(f"session {session_id[:16]} lost its state here (its executor restarted)")
+        if s.closing:
+            raise SessionLost(f"session {session_id[:16]} is being closed (its client asked to)")
         if s.program != program:
             raise JobRejected("a session's steps all run the program that opened it")
         if s.running:
@@ -135,22 +141,25 @@ class Sessions:
         s.max_price = max_price
         s.next_step += 1
         s.expires = now + s.ttl
-        if close:
+        if close or s.closing:
             return self._end(client_id, session_id).tab
         if s.tab.full:
             tab, s.tab = s.tab, s.tab.next()
             return tab
         return None
 
-    def failed(self, client_id: str, session_id: str, lost: bool) -> None:
+    def failed(self, client_id: str, session_id: str, lost: bool) -> Ended | None:
         """A step did not run. A session that never opened ends; one whose state is gone (``lost``) takes no more
-        steps and frees its memory, but stays until closed or expired: its tab is still owed."""
+        steps and frees its memory, but stays until closed or expired: its tab is still owed. One its client asked to
+        close meanwhile ends now: returned, to be billed."""
         s = self._open.get((client_id, session_id))
         if s is None:
-            return
+            return None
         s.running = False
         if s.next_step == 0:
             self._end(client_id, session_id)
+        elif s.closing:
+            return self._end(client_id, session_id)
         elif lost and not s.lost:
             s.lost = True
             self._bytes -= s.state_bytes
@@ -161,18 +170,20 @@ class Sessions:
         return s is not None and s.running
 
     def close(self, client_id: str, session_id: str, received: int | None = None) -> Ended | None:
-        """The client is done with it (None if no such session is open, or a step of it is running).
+        """The client is done with it (None if no such session is open, or a step of it is running: it then ends
+        when that step does, billed as the client said here).
         ``received``: the steps the client says it got answers to, in all; the tab bills no step after those (a step
         whose answer was lost on the way is this worker's loss, not a debt the client would refuse whole)."""
         s = self._open.get((client_id, session_id))
-        if s is None or s.running:
+        if s is None:
             return None
-        ended = self._end(client_id, session_id)
-        if received is not None and ended.tab is not None:
-            tab = ended.tab.prefix(received - ended.tab.first)
-            ended = Ended(ended.key, ended.client_id, ended.session_id, ended.program, tab if tab.steps else None,
-                          ended.max_price, ended.host)
-        return ended
+        s.closing, s.received = True, received
+        if s.running:
+            return None
+        return self._end(client_id, session_id)
+
+    def is_open(self, client_id: str, session_id: str) -> bool:
+        return (client_id, session_id) in self._open
 
     def expired(self, now: float) -> list[Ended]:
         """End every session idle past its time; the executors free their state, the worker signs their tabs."""
@@ -186,7 +197,10 @@ class Sessions:
     def _end(self, client_id: str, session_id: str) -> Ended:
         s = self._open.pop((client_id, session_id))
         self._bytes -= s.state_bytes
-        return Ended(self.key(client_id, session_id), client_id, session_id, s.program, s.tab if s.tab.steps else None,
+        tab = s.tab
+        if s.closing and s.received is not None:  # however it ends, no step past what its client said it received
+            tab = tab.prefix(s.received - tab.first)
+        return Ended(self.key(client_id, session_id), client_id, session_id, s.program, tab if tab.steps else None,
                      s.max_price, s.host)
 
     def _ttl(self, ttl: float) -> float:
