@@ -331,7 +331,8 @@ class Pieces(Message):
     piece_size: int
     hashes: bytes
     holders: tuple[tuple[str, tuple[str, ...]], ...]
-    #: Those of the holders the client is sending the program to right now: worth waiting for while they say "busy".
+    #: Those of the holders the client vouches for (it is sending them the program right now, or they ran it for
+    #: this client): worth waiting for while they say "busy".
     coming: frozenset[str] = frozenset()
 
     def piece_list(self):

@@ -26,6 +26,7 @@ class ScriptedWorker:
         self.id = self.identity.peer_id
         self.got_program = 0  # bytes of the program the client sent it
         self.told_holders: list[str] = []
+        self.told_coming: frozenset[str] = frozenset()
 
     async def handle(self, reader, writer) -> None:
         submit = await protocol.read(reader, Submit)
@@ -33,6 +34,7 @@ class ScriptedWorker:
         reply = await protocol.read(reader, Payload, Pieces)
         if isinstance(reply, Pieces):
             self.told_holders = [peer for peer, _ in reply.holders]
+            self.told_coming = reply.coming
             await protocol.read(reader, Payload)
         else:
             self.got_program = len(await protocol.read_payload(reader, reply.program_size, len(PROGRAM), "program"))
@@ -76,6 +78,7 @@ def test_a_worker_that_ran_a_program_is_named_as_its_holder_after_its_job_ended(
             delivery.close()
             assert second.got_program == 0, "a second copy crossed the client's link"
             assert second.told_holders == [first.id]
+            assert second.told_coming == {first.id}  # vouched for: worth waiting for while it serves others
             assert transport.program_bytes_sent == len(PROGRAM)
         finally:
             for server in servers:

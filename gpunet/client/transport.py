@@ -298,7 +298,10 @@ class P2PTransport:
         sent = 0
         if holders:
             pieces = await asyncio.shield(self._piece_list(request))  # a job cancelled here leaves it to others
-            coming = frozenset(self._receiving.get(request.program_hash, ())) & {peer for peer, _ in holders}
+            # Worth waiting for while they say "busy" (serving others, still receiving it): those this client is
+            # sending it to now, and those that ran it for this client. Others are only what records claim.
+            vouched = set(self._receiving.get(request.program_hash, ())) | set(self._ran.get(request.program_hash) or ())
+            coming = frozenset(vouched & {peer for peer, _ in holders})
             await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming))
             await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
         else:
