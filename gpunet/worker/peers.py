@@ -43,6 +43,8 @@ BUSY_PATIENCE = 10.0
 #: Times a stream to a holder that could not be opened is tried again (after NOT_YET_RETRY): a holder busy loading
 #: what it just received on a loaded machine can miss one stream, and giving up on it sends the client's link a copy.
 OPEN_RETRIES = 3
+#: Times in all the holders the client vouches for (``coming``) are asked, when every stream to them ends early.
+VOUCHED_ROUNDS = 3
 #: How long a peer that served a corrupted piece is not asked again.
 BAN_SECONDS = 3600.0
 #: Bytes written between two waits of the upload cap: the fetcher sees steady progress, never one long pause.
@@ -167,16 +169,25 @@ class Fetcher:
         if not peers:
             return None
         run = _Fetch(self, program_hash, pieces, coming)
-        # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read overlap
-        # the other's transfer.
-        tasks = [asyncio.ensure_future(run.from_peer(peer, maddrs)) for peer, maddrs in peers
-                 for _ in range(SERVE_PER_PEER)]
-        try:
-            await asyncio.wait(tasks, timeout=timeout)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        deadline = time.monotonic() + timeout
+        for _ in range(VOUCHED_ROUNDS):
+            # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
+            # overlap the other's transfer.
+            tasks = [asyncio.ensure_future(run.from_peer(peer, maddrs)) for peer, maddrs in peers
+                     for _ in range(SERVE_PER_PEER)]
+            try:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            # Every stream ended early: holders the client vouches for are asked again (a stream reset, a holder
+            # still settling in); the others said what they had to say.
+            suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
+            peers = [(p, m) for p, m in peers if p in coming and p not in suspects]
+            if not run.missing or not peers or deadline - time.monotonic() < 2 * NOT_YET_RETRY:
+                break
+            await asyncio.sleep(2 * NOT_YET_RETRY)
         if run.missing:
             logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
@@ -264,7 +275,7 @@ class _Fetch:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # whatever a broken peer (or a bad address a client named) makes us trip on
-            logger.debug("fetching pieces of %s from %s stopped: %r", self.program_hash[:12], peer[-8:], e)
+            logger.info("Fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], e)
         finally:
             if index is not None:
                 self._give_back(index)  # someone else's to fetch
