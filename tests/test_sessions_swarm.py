@@ -77,11 +77,7 @@ def test_session_survives_a_killed_worker_with_identical_tokens(swarm, client_fo
         got = generate(s, prompt, 12)
         victim_id = s.placement[1][2]
         by_id[victim_id].kill()  # SIGKILL: a crash, as far as the network can tell
-        x = torch.tensor([[got[-1]]])
-        for _ in range(12):
-            token = int(s.step(x)[0, -1].argmax())
-            got.append(token)
-            x = torch.tensor([[token]])
+        got += generate(s, torch.tensor([[got[-1]]]), 12)
         assert s.moves >= 1
         assert s.placement[1][2] != victim_id
     receipts = s.receipts  # closing paid the steps not billed yet
@@ -108,10 +104,7 @@ def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, clien
         leaving_id = s.placement[0][2]
         leaving = by_id[leaving_id]
         leaving.popen.send_signal(signal.SIGTERM)  # `systemctl stop`: it drains, taking no new steps
-        x = torch.tensor([[got[-1]]])
-        for _ in range(10):
-            got.append(int(s.step(x)[0, -1].argmax()))
-            x = torch.tensor([[got[-1]]])
+        got += generate(s, torch.tensor([[got[-1]]]), 10)
         assert s.placement[0][2] != leaving_id and s.moves == 1
     assert got == want
     assert leaving.terminate(timeout=60) == 0  # it left cleanly
@@ -141,19 +134,13 @@ def test_sessions_are_private_bounded_and_expire(swarm, client_for):
         with pytest.raises(gpunet.GpunetError, match="sessions open here"):
             with remote.session() as other:
                 other.step(prompt)
-        x = torch.tensor([[got[-1]]])
-        for _ in range(3):  # untouched by all that
-            got.append(int(s.step(x)[0, -1].argmax()))
-            x = torch.tensor([[got[-1]]])
+        got += generate(s, torch.tensor([[got[-1]]]), 3)  # untouched by all that
     assert got == want
     # Closed: the worker freed it, so the one place is free again.
     with remote.session(ttl=2) as s:
         got = generate(s, prompt, 3)
         worker.wait_for_line(r"1 session\(s\) expired; their state is freed \(0 session\(s\), 0 bytes", timeout=30)
         # Expired on the worker: the next step finds no state, and the session rebuilds it by replay.
-        x = torch.tensor([[got[-1]]])
-        for _ in range(3):
-            got.append(int(s.step(x)[0, -1].argmax()))
-            x = torch.tensor([[got[-1]]])
+        got += generate(s, torch.tensor([[got[-1]]]), 3)
         assert s.moves == 1
     assert got == want
