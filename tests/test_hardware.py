@@ -126,3 +126,20 @@ def test_doctor_runs_every_check(tmp_path):
     assert set(checks) == {"gpu", "cpu", "ram", "disk", "reachability", "network", "clock"}
     assert checks["disk"].outcome in (Outcome.PASS, Outcome.WARN)
     assert checks["network"].outcome is Outcome.SKIP and checks["network"].advice
+
+
+def test_a_dtype_the_device_only_emulates_is_measured_at_a_smaller_size(monkeypatch):
+    """bf16 on a CPU without native support takes seconds per 1024 product: the worker's start must not wait for
+    four of them, so a product that alone would outlast the measurement is measured smaller."""
+    import torch
+
+    sizes = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: sizes.append(a.shape[0]) or real(a, b))
+    monkeypatch.setattr(throughput, "_seconds_per_product", lambda *a: 0.1)  # at 256: 6.4 s at 1024
+    assert throughput.measure_matmul_tflops("cpu", torch.float32, 1024) > 0
+    assert set(sizes) == {256}
+    sizes.clear()
+    monkeypatch.setattr(throughput, "_seconds_per_product", lambda *a: 0.001)  # 64 ms at 1024: measured as asked
+    assert throughput.measure_matmul_tflops("cpu", torch.float32, 1024) > 0
+    assert set(sizes) == {1024}

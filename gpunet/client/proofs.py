@@ -115,7 +115,7 @@ class SpeedProofs:
             attempt.next_at = self.clock() + waits[min(attempt.tries - 1, len(waits) - 1)]
             if committed[0] or attempt.tries > len(waits):
                 self.router.on_proof(entry.id, 0.0)  # see the module docstring: no proof, no credit
-            logger.info("Speed challenge to worker %s did not complete (%s)%s", entry.id[-8:], e or "timed out",
+            logger.info("Speed challenge to worker %s did not complete (%s)%s", entry.id[-8:], str(e) or "timed out",
                         "; it is credited no speed until it proves one" if entry.id in self.router.proven else
                         "; asking again later")
         except Exception:  # a broken worker must not break the client
