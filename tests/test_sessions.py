@@ -1,5 +1,6 @@
 """Sessions without a network: span planning, the worker's session table, the stateful-program format, the wire."""
 
+import asyncio
 import json
 
 import pytest
@@ -318,3 +319,78 @@ def test_a_position_counter_can_advance_by_a_symbolic_size():
         x = torch.randint(0, 5, (1, t))
         assert all(torch.equal(a, b) for a, b in zip(job.run_locally(x, torch.full((1,), 2.0)),
                                                      module(x, torch.full((1,), 2.0))))
+
+
+# --- checked steps (gpunet.client.audit), the rulings alone --------------------------------------------------------
+
+
+class _DoublingJob:
+    """A span's job stand-in: y = 2x, and the state counts steps."""
+
+    def run_locally(self, x, count):
+        return x * 2, count + 1
+
+
+class _FakeSpan:
+    stateful, fresh = True, True
+
+    def __init__(self):
+        self.job, self.state = _DoublingJob(), (torch.zeros(()),)
+
+
+class _FakeCore:
+    def __init__(self):
+        from gpunet.client.trust import Reputation
+
+        self.reputation = Reputation()
+
+
+def _checks(mode):
+    from gpunet.client.audit import SessionChecks
+
+    return SessionChecks(_FakeCore(), [_FakeSpan()], mode, lambda span: None, 60.0, lambda receipt: None)
+
+
+def _done(value):
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
+
+
+def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_clients_own():
+    from gpunet.client.audit import Caught
+    from gpunet.errors import VerificationFailed
+
+    history = [torch.ones(2), torch.full((2,), 3.0)]
+
+    async def main():
+        checks = _checks("local-sample")
+        await checks.judge(0, "0-1", "honest", 0, torch.full((2,), 2.0), _done(torch.full((2,), 2.0)), history)
+        assert checks.tally.checked == 1 and checks.reputation.streak("honest") == 1
+        checks.skipped(0)  # one output went out unchecked...
+        with pytest.raises(Caught) as caught:  # ...so a wrong one caught next makes it suspect
+            await checks.judge(0, "0-1", "liar", 1, torch.zeros(2), _done(torch.full((2,), 6.0)), history)
+        assert torch.equal(caught.value.truth, torch.full((2,), 6.0)) and caught.value.suspect == 1
+        assert checks.tally.caught == ["liar"] and checks.reputation.avoided("liar")
+
+        checks = _checks("adaptive")
+        checks.spans[0].checker.worker_id = "checker"
+        checks.spans[0].checker.drop = lambda pay: None
+        # The checker says 7, the worker 6: the client's own replay (2 x 3) sides with the worker.
+        await checks.judge(0, "0-1", "worker", 1, torch.full((2,), 6.0), _done(torch.full((2,), 7.0)), history)
+        assert checks.tally.caught == ["checker"] and checks.reputation.avoided("checker")
+        assert not checks.reputation.avoided("worker")
+        # This machine cannot replay, and the checker is a stranger: nobody is branded, the step fails.
+        checks = _checks("adaptive")
+        checks.spans[0].checker.worker_id = "stranger"
+        checks.spans[0].checker.drop = lambda pay: None
+
+        async def cannot(*args):
+            return None
+
+        checks._own = cannot
+        with pytest.raises(VerificationFailed, match="could not replay"):
+            await checks.judge(0, "0-1", "worker", 1, torch.full((2,), 6.0), _done(torch.full((2,), 7.0)), history)
+        assert not checks.tally.caught and not checks.reputation.avoided("worker")
+
+    asyncio.run(main())

@@ -144,3 +144,35 @@ def test_sessions_are_private_bounded_and_expire(swarm, client_for):
         got += generate(s, torch.tensor([[got[-1]]]), 3)
         assert s.moves == 1
     assert got == want
+
+
+def test_a_worker_lying_in_a_session_is_caught_by_a_replay_and_the_tokens_stay_exact(swarm, client_for):
+    """The cheapest worker corrupts every output. verify='local-sample': the client replays the span beside it and
+    catches the first wrong step; verify='adaptive' (another client, which does not know the liar yet): a checker
+    worker's shadow session disagrees, and the client's own replay decides. Either way the wrong output is never
+    returned (the replay's stands), the liar is not paid, and the span moves."""
+    liar = swarm.start_worker("--price", "0.5", "--fault-corrupt-fraction", "1.0")
+    swarm.start_workers(2)
+    liar_id = swarm.worker_id(liar)
+    blocks = tiny_gpt(CFG, seed=5)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, 8)
+    for name, mode in (("sampler", "local-sample"), ("adaptive", "adaptive")):
+        client = client_for(swarm, name)
+        wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+        remote = client.sequential(blocks, example_inputs=(torch.randint(0, CFG.vocab, (1, 4)),), spans=2,
+                                   dynamic_shapes=({1: Dim("T", min=1, max=CFG.max_len)},),
+                                   requirements=gpunet.Requirements(verify=mode, prefer="cheapest"))
+        with remote.session() as s:
+            got = generate(s, prompt, 8)
+            assert liar_id in s.checks.caught and s.moves >= 1
+            assert liar_id not in {w for _, _, w in s.placement}
+            assert s.checks.checked >= 8
+        assert got == want, mode
+        assert liar_id not in {r.worker_id for r in s.receipts}  # its steps are not paid
+        assert liar_id not in {r.worker_id for r in client.ledger.receipts()}
+        assert client._core.reputation.avoided(liar_id)
+        # Two spans of 8 steps (the moved span's new worker replayed the caught step, its answer taken from the
+        # replay). With adaptive, checker workers took each span's steps again in shadow sessions, paid like any work.
+        paid = sum(steps_of(r.job_id) for r in s.receipts)
+        assert paid == 16 if mode == "local-sample" else paid >= 32, (mode, paid)

@@ -304,13 +304,15 @@ class ClientCore:
         return worker
 
     async def run_step(self, job, inputs: Sequence[torch.Tensor], worker_id: str, session: protocol.SessionStep,
-                       state: Sequence[torch.Tensor], tab: Tab, requirements: Requirements | None = None) -> JobResult:
+                       state: Sequence[torch.Tensor], tab: Tab, requirements: Requirements | None = None,
+                       check=None) -> JobResult:
         """One session step on the worker that holds (or, step 0, will hold) its state; never retried elsewhere:
         a lost worker raises, and the caller rebuilds the session on another (gpunet.client.sequential).
         ``state``: the first state (sent when the step opens a session that is not ``fresh``; its shapes are what
         the dry run needs either way). ``tab``: this session's open tab on that worker, which the step joins; when
         the step fills it (or closes the session) the worker's receipt for it comes back, checked against the tab and
-        countersigned (``JobResult.receipt``; None for the other steps), and the tab starts again."""
+        countersigned (``JobResult.receipt``; None for the other steps), and the tab starts again. ``check``: awaited
+        with the step's outputs before anything is paid (gpunet.client.audit); what it raises refuses the receipt."""
         req = requirements or Requirements()
         sends_state = session.step == 0 and not session.fresh
         full = (*inputs, *state)
@@ -379,6 +381,13 @@ class ClientCore:
                 self.router.finished(worker_id)
             self.router.on_success(worker_id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                    delivery.transfer_seconds, cold=cold, ahead=ahead)
+            if check is not None:
+                try:
+                    await check(outputs)
+                except BaseException as e:
+                    if delivery.receipt is not None:
+                        self.settlement.refuse(delivery, str(e) or "the step's check did not complete")
+                    raise
             receipt = None
             if delivery.receipt is not None:
                 receipt = self._pay_tab(delivery, session.id, tab, p.max_price)

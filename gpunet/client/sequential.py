@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from gpunet import protocol
+from gpunet.client.audit import Caught, SessionChecks, Tally
 from gpunet.client.routing import Requirements
 from gpunet.errors import (
     GpunetError,
@@ -199,9 +200,10 @@ def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shape
     if requirements is not None and requirements.batch:
         raise UsageError("a model over several workers runs in the interactive lane: a batch step could be stopped "
                          "for other work, and its state with it (docs/market.md)")
-    if requirements is not None and (requirements.redundancy > 1 or requirements.verify != "none"):
-        raise UsageError("a model over several workers does not check its spans' results yet: give Requirements "
-                         "with redundancy=1 and verify='none' (docs/sessions.md, limits)")
+    if requirements is not None and requirements.redundancy > 1:
+        raise UsageError("a model over several workers checks its spans with verify='adaptive' or 'local-sample' "
+                         "(each checked step against a replay of the span), not with redundancy: give redundancy=1 "
+                         "(docs/sessions.md, checked steps)")
     sizes = [block_bytes(b) + sum(t.numel() * t.element_size()
                                   for t in _initial_state(b, initial_state[i] if initial_state else None))
              for i, b in enumerate(blocks)]
@@ -287,6 +289,9 @@ class SessionCore:
         self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
         req = seq.requirements
         self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
+        #: verify="adaptive" | "local-sample": live steps checked against a replay of the span (gpunet.client.audit)
+        self.checks = (SessionChecks(seq.core, seq.spans, req.verify, seq.requirements_for, ttl, self.receipts.append)
+                       if req.verify != "none" else None)
 
     @property
     def placement(self) -> list[tuple[int, int, str | None]]:
@@ -323,6 +328,17 @@ class SessionCore:
                 if placed.worker_id is None or self._draining(placed.worker_id):
                     await self._place(i, placed)
                 return await self._run(i, span, placed, x, close=close, record=True)
+            except Caught as caught:  # a checked step was wrong: the replay's output stands, the span moves
+                liar = placed.worker_id
+                logger.warning("%s", caught)
+                placed.failed.add(liar)
+                placed.tab = Tab()  # its steps not billed yet are not paid
+                self._close_on(liar, placed.session_id, placed.tab)  # frees its state there; pays nothing
+                placed.worker_id = None
+                self.moves += 1
+                if caught.suspect:
+                    raise caught.error from None
+                return caught.truth
             except (WorkerDraining, NetworkError, JobTimeout, JobFailed, JobRejected, InvalidReceipt) as e:
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
@@ -385,8 +401,29 @@ class SessionCore:
 
     async def _run(self, i: int, span: Span, placed: _Placed, x: torch.Tensor, close: bool, record: bool):
         step = protocol.SessionStep(placed.session_id, placed.step, fresh=span.fresh, close=close, ttl=self.ttl)
-        result = await self.seq.core.run_step(span.job, (x,), placed.worker_id, step, span.state, placed.tab,
-                                              self.seq.requirements_for(span))
+        check = replay = None
+        if record and self.checks is not None and self.checks.spans[i] is not None:
+            if self.checks.due(i, placed.worker_id):  # replayed beside the worker's step; judged before it is paid
+                history, worker_id = [*placed.history, x], placed.worker_id
+                replay = self.checks.replay(i, placed.step, history, exclude={worker_id, *placed.failed})
+
+                async def check(outputs):
+                    await self.checks.judge(i, f"{span.start}-{span.stop - 1}", worker_id, step.step, outputs[0],
+                                            replay, history)
+        try:
+            result = await self.seq.core.run_step(span.job, (x,), placed.worker_id, step, span.state, placed.tab,
+                                                  self.seq.requirements_for(span), check=check)
+        except Caught:
+            placed.step += 1
+            placed.history.append(x)  # the step was taken (wrongly): the span's next worker replays it too
+            raise
+        except BaseException:
+            if replay is not None and not replay.done():
+                replay.cancel()  # a checker stops (and is replaced); a replay in a thread runs out unused
+                replay.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        if record and self.checks is not None and check is None:
+            self.checks.skipped(i)
         placed.step += 1
         if result.receipt is not None:
             self.receipts.append(result.receipt)
@@ -406,6 +443,8 @@ class SessionCore:
             p.closed = True
         while self._handoffs:
             await asyncio.gather(*self._handoffs)
+        if self.checks is not None:
+            await self.checks.close()
 
 
 def x_meta(span: Span) -> torch.Tensor:
@@ -456,6 +495,12 @@ class _SessionView:
     def moves(self) -> int:
         """Times a span moved to another worker (its state rebuilt by replaying its past inputs)."""
         return self._core.moves
+
+    @property
+    def checks(self) -> Tally | None:
+        """With verify='adaptive' or 'local-sample': span steps checked against a replay, returned unchecked, and
+        the workers caught returning a wrong one (docs/sessions.md); None without verify."""
+        return self._core.checks.tally if self._core.checks is not None else None
 
 
 class AsyncSession(_SessionView):
