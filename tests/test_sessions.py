@@ -361,28 +361,43 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
     from gpunet.client.audit import Caught
     from gpunet.errors import VerificationFailed
 
-    history = [torch.ones(2), torch.full((2,), 3.0)]
+    history = [torch.full((2,), float(k)) for k in range(6)]  # the span doubles: the right output at step k is 2k
+    right = [2 * h for h in history]
 
     async def main():
         checks = _checks("local-sample")
-        await checks.judge(0, "0-1", "honest", 0, torch.full((2,), 2.0), _done(torch.full((2,), 2.0)), history)
-        assert checks.tally.checked == 1 and checks.reputation.streak("honest") == 1
-        checks.skipped(0)  # one output went out unchecked...
-        with pytest.raises(Caught) as caught:  # ...so a wrong one caught next makes it suspect
-            await checks.judge(0, "0-1", "liar", 1, torch.zeros(2), _done(torch.full((2,), 6.0)), history)
-        assert torch.equal(caught.value.truth, torch.full((2,), 6.0)) and caught.value.suspect == 1
-        assert checks.tally.caught == ["liar"] and checks.reputation.avoided("liar")
+        # Step 0 due: replayed and compared; step 1 returned unchecked, waiting; step 2 carries a receipt: compared,
+        # with step 1, before anything is paid.
+        await checks.settle(0, "0-1", "honest", 0, right[0], checks.replay(0, 0, history, "honest"), history, False)
+        await checks.settle(0, "0-1", "honest", 1, right[1], None, history, False)
+        assert checks.tally.checked == 1 and len(checks.spans[0].pending) == 1
+        await checks.settle(0, "0-1", "honest", 2, right[2], None, history, True)
+        assert checks.tally.checked == 3 and not checks.spans[0].pending
+        assert checks.reputation.streak("honest") == 3
+        # A wrong output caught at its own step: the replay's output stands in for it.
+        with pytest.raises(Caught) as caught:
+            await checks.settle(0, "0-1", "liar", 3, torch.zeros(2), checks.replay(0, 3, history, "liar"), history,
+                                False)
+        assert torch.equal(caught.value.truth, right[3])
+        assert checks.tally.caught == ["liar"] and "liar" in checks.banned and checks.reputation.avoided("liar")
+        # A wrong output that went out unchecked, found at the next check: it cannot be taken back.
+        await checks.settle(0, "0-1", "sly", 4, torch.zeros(2), None, history, False)
+        with pytest.raises(VerificationFailed, match="already returned"):
+            await checks.settle(0, "0-1", "sly", 5, right[5], checks.replay(0, 5, history, "sly"), history, False)
+        assert "sly" in checks.banned
 
+        # The checker says 7, the worker 2: the client's own replay (2 x 1) sides with the worker.
         checks = _checks("adaptive")
         checks.spans[0].checker.worker_id = "checker"
         checks.spans[0].checker.drop = lambda pay: None
-        # The checker says 7, the worker 6: the client's own replay (2 x 3) sides with the worker.
-        await checks.judge(0, "0-1", "worker", 1, torch.full((2,), 6.0), _done(torch.full((2,), 7.0)), history)
+        await checks.settle(0, "0-1", "worker", 1, right[1], _done([torch.full((2,), 7.0)]), history, False)
         assert checks.tally.caught == ["checker"] and checks.reputation.avoided("checker")
         assert not checks.reputation.avoided("worker")
-        # This machine cannot replay, and the checker is a stranger: nobody is branded, the step fails.
+        # This machine cannot replay: one worker's word against another's brands nobody, and the step fails.
         checks = _checks("adaptive")
-        checks.spans[0].checker.worker_id = "stranger"
+        checks.spans[0].checker.worker_id = "established"
+        for _ in range(20):
+            checks.reputation.record("established", "valid", checked=True)
         checks.spans[0].checker.drop = lambda pay: None
 
         async def cannot(*args):
@@ -390,7 +405,7 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
 
         checks._own = cannot
         with pytest.raises(VerificationFailed, match="could not replay"):
-            await checks.judge(0, "0-1", "worker", 1, torch.full((2,), 6.0), _done(torch.full((2,), 7.0)), history)
+            await checks.settle(0, "0-1", "worker", 1, right[1], _done([torch.full((2,), 7.0)]), history, False)
         assert not checks.tally.caught and not checks.reputation.avoided("worker")
 
     asyncio.run(main())

@@ -7,15 +7,18 @@ worker and is kept going, so checking every step costs one more run of the span,
 
 * ``verify="local-sample"``: the client replays the span itself (:class:`LocalReplay`, the worker's own interpreter,
   in a thread, alongside the network step). Nothing another worker says is trusted.
-* ``verify="adaptive"``: a checker worker drawn at random (``Router.choose_checker``: not by price or claimed speed)
-  holds a shadow session of the span (:class:`CheckerReplay`) and takes each checked step alongside the worker. When
-  the two disagree, the client's own replay decides; if this machine cannot run the span, an established checker's
-  word stands, a newcomer's does not (the step then fails unresolved, and nobody is branded).
+* ``verify="adaptive"``: a checker worker drawn at random (``Router.choose_checker``: not by price or claimed speed,
+  and from another network origin where there is one) holds a shadow session of the span (:class:`CheckerReplay`)
+  and takes each checked step alongside the worker. When the two disagree, the client's own replay decides; if this
+  machine cannot run the span, one worker's word against another's decides nothing: the step fails unresolved
+  (VerificationFailed), nobody is branded and neither is paid for it.
 
 Which steps are checked is the adaptive schedule of plain jobs (``Reputation.should_check``): every step of a worker
-without a history of checked results, then fewer. A caught step is never returned: the client returns the replay's
-output instead, refuses the worker's receipt, records it as rejected and moves the span. If the worker's earlier
-steps on that span went unchecked, their outputs (already returned) may be wrong too: the step raises
+without a history of checked results, then fewer; and always a step that carries a receipt, so no tab is paid for
+outputs nobody compared. The outputs returned unchecked wait (at most a tab's worth); the next check's replay passes
+through their steps anyway and compares them too. A wrong output caught at the step that gave it is never returned:
+the replay's output is, the worker's receipt is refused, it is recorded as rejected, the session uses it no more and
+the span moves. A wrong output found among those already returned cannot be taken back: the step raises
 VerificationFailed and the session ends.
 """
 
@@ -44,31 +47,35 @@ logger = logging.getLogger("gpunet.client")
 
 class LocalReplay:
     """The span run here, step after step, from its first state: the truth a worker's outputs are checked against.
-    Call :meth:`output_at` off the event loop (it computes); a lock keeps two calls from sharing the state."""
+    Call :meth:`outputs` off the event loop (it computes); a lock keeps two calls from sharing the state."""
 
     def __init__(self, span: "Span"):
         self.span = span
         self.state: tuple[torch.Tensor, ...] = span.state
         self.next = 0  # the step the state is ready for
+        self.kept: dict[int, torch.Tensor] = {}  # outputs computed and not yet asked for
         self._lock = threading.Lock()
 
-    def output_at(self, step: int, history: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The span's output at ``step`` (``history[k]``: its input at step k), replaying from the first step if
-        the state is past it."""
+    def outputs(self, first: int, last: int, history: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The span's outputs at steps ``first``..``last`` (``history[k]``: its input at step k), replaying from the
+        first step only if the state has passed ``first`` and the outputs are not kept."""
         with self._lock:
-            if step < self.next:
-                self.state, self.next = self.span.state, 0
-            out = None
-            while self.next <= step:
+            if not all(k in self.kept for k in range(first, min(last + 1, self.next))):
+                self.state, self.next, self.kept = self.span.state, 0, {}
+            while self.next <= last:
                 y, *state = self.span.job.run_locally(history[self.next], *self.state)
-                self.state, self.next, out = tuple(state), self.next + 1, y
+                if self.next >= first:
+                    self.kept[self.next] = y
+                self.state, self.next = tuple(state), self.next + 1
+            out = [self.kept[k] for k in range(first, last + 1)]
+            self.kept = {k: v for k, v in self.kept.items() if k >= first}  # a retried step may ask again
             return out
 
 
 @dataclass
 class CheckerReplay:
     """A shadow session of one span on a checker worker: the same inputs, step after step; dropped (and replayed from
-    the first step on another checker) when it fails, or when the client finds it lying."""
+    the first step on another checker) when it fails, or when the client finds it lying. One call at a time."""
 
     core: Any  # gpunet.client.core.ClientCore
     span: "Span"
@@ -79,34 +86,47 @@ class CheckerReplay:
     session_id: str = ""
     next: int = 0
     tab: Tab = field(default_factory=Tab)
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _closing: set[asyncio.Future] = field(default_factory=set)
 
-    async def output_at(self, step: int, history: Sequence[torch.Tensor], exclude: set[str]) -> torch.Tensor:
-        if self.worker_id is not None and (step < self.next or self.worker_id in exclude):
-            self.drop(pay=True)
-        if self.worker_id is None:
-            checker = self.core.router.choose_checker(self.requirements, exclude=exclude)
-            self.worker_id, self.session_id, self.next, self.tab = checker.id, secrets.token_urlsafe(12)[:16], 0, Tab()
-        try:
-            out = None
-            while self.next <= step:
-                message = protocol.SessionStep(self.session_id, self.next, fresh=self.span.fresh, ttl=self.ttl)
-                result = await self.core.run_step(self.span.job, (history[self.next],), self.worker_id, message,
-                                                  self.span.state, self.tab, self.requirements)
-                self.next, out = self.next + 1, result.outputs[0]
-                if result.receipt is not None:
-                    self.on_receipt(result.receipt)
+    async def outputs(self, first: int, last: int, history: Sequence[torch.Tensor], exclude: set[str],
+                      beside: set[str]) -> list[torch.Tensor]:
+        """Like :meth:`LocalReplay.outputs`, on the checker; ``exclude``: workers that may not check (the one checked,
+        those caught), ``beside``: workers it should not share a network origin with."""
+        async with self._lock:
+            if self.worker_id is not None and (
+                    self.worker_id in exclude
+                    or not all(k in self.kept for k in range(first, min(last + 1, self.next)))):
+                self.drop(pay=True)
+            if self.worker_id is None:
+                checker = self.core.router.choose_checker(self.requirements, exclude=exclude, replicas=beside)
+                self.worker_id, self.session_id = checker.id, secrets.token_urlsafe(12)[:16]
+                self.next, self.tab, self.kept = 0, Tab(), {}
+            try:
+                while self.next <= last:
+                    message = protocol.SessionStep(self.session_id, self.next, fresh=self.span.fresh, ttl=self.ttl)
+                    result = await self.core.run_step(self.span.job, (history[self.next],), self.worker_id, message,
+                                                      self.span.state, self.tab, self.requirements)
+                    if self.next >= first:
+                        self.kept[self.next] = result.outputs[0]
+                    self.next += 1
+                    if result.receipt is not None:
+                        self.on_receipt(result.receipt)
+            except BaseException:  # failed or cancelled part of the way: its state is unknown, so it is not used again
+                self.drop(pay=True)
+                raise
+            out = [self.kept[k] for k in range(first, last + 1)]
+            self.kept = {k: v for k, v in self.kept.items() if k >= first}
             return out
-        except BaseException:  # failed or cancelled part of the way: its state is unknown, so it is not used again
-            self.drop(pay=True)
-            raise
 
     def drop(self, pay: bool) -> None:
-        """Leave this checker: its session is closed in the background, its steps paid if ``pay`` (not when it lied)."""
+        """Leave this checker: its session is closed in the background, its steps paid if ``pay`` (not when it lied
+        or a dispute with it stayed unresolved)."""
         if self.worker_id is None:
             return
         worker_id, session_id, tab = self.worker_id, self.session_id, self.tab if pay else None
-        self.worker_id, self.tab = None, Tab()
+        self.worker_id, self.tab, self.kept = None, Tab(), {}
 
         async def close() -> None:
             try:
@@ -122,49 +142,54 @@ class CheckerReplay:
         task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        self.drop(pay=True)
+        async with self._lock:
+            self.drop(pay=True)
         while self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class Caught(Exception):
-    """A checked step's output was wrong: ``truth`` is the right one; ``suspect`` counts the worker's earlier outputs
-    on this span that went out unchecked (and may be wrong too)."""
+    """The output of the step just taken was wrong (and none returned before it): ``truth`` is the right one."""
 
-    def __init__(self, error: VerificationFailed, truth: torch.Tensor, suspect: int):
+    def __init__(self, error: VerificationFailed, truth: torch.Tensor):
         super().__init__(str(error))
-        self.error, self.truth, self.suspect = error, truth, suspect
+        self.error, self.truth = error, truth
 
 
 @dataclass
 class SpanChecks:
-    """The checks of one span of a session: the replays, and how many of the worker's outputs went out unchecked."""
+    """The checks of one span of a session: the replays, and the outputs returned but not compared yet."""
 
-    mode: str  # "adaptive" | "local-sample"
     local: LocalReplay
     checker: CheckerReplay | None
-    unchecked: int = 0  # live outputs of the span's current worker returned since its last checked step
+    pending: list[tuple[int, torch.Tensor, str]] = field(default_factory=list)  # (step, output, worker), in order
 
 
 @dataclass
 class Tally:
     """What the checks of a session found (``Session.checks``)."""
 
-    checked: int = 0  # span steps compared with a replay, and found right
-    unchecked: int = 0  # span steps returned without a check (the schedule skipped them, or no replay could run)
-    caught: list[str] = field(default_factory=list)  # workers whose output was wrong (each time one was caught)
+    checked: int = 0  # span steps whose output was compared with a replay, and found right
+    unchecked: int = 0  # span steps returned before a check (compared later, at the next check, if one comes)
+    caught: list[str] = field(default_factory=list)  # workers found returning a wrong output (once each time)
+
+
+#: What a replay on this machine may raise besides being cancelled: the span does not run here (memory, an op this
+#: torch lacks), which is not the worker's fault.
+_CANNOT_REPLAY = (Exception,)
 
 
 class SessionChecks:
-    """Decides for each live step of each span whether it is checked, replays, compares and rules (module doc)."""
+    """Decides which live steps of each span are checked, replays, compares and rules (module doc)."""
 
     def __init__(self, core: Any, spans: Sequence["Span"], mode: str, requirements_for, ttl: float,
                  on_receipt: Callable[[Any], None]):
         self.core, self.mode = core, mode
         self.reputation = core.reputation
         self.tally = Tally()
+        self.banned: set[str] = set()  # caught in this session: never used again by it, for any span or check
         self.spans = [
-            SpanChecks(mode, LocalReplay(span),
+            SpanChecks(LocalReplay(span),
                        CheckerReplay(core, span, requirements_for(span), ttl, on_receipt) if mode == "adaptive"
                        else None) if span.stateful else None
             for span in spans]
@@ -172,79 +197,121 @@ class SessionChecks:
     def due(self, i: int, worker_id: str) -> bool:
         return self.spans[i] is not None and self.reputation.should_check(worker_id)
 
-    def replay(self, i: int, step: int, history: Sequence[torch.Tensor], exclude: set[str]) -> asyncio.Future:
-        """Start computing span ``i``'s output at ``step`` (beside the worker's step)."""
+    def replay(self, i: int, step: int, history: Sequence[torch.Tensor], worker_id: str) -> asyncio.Future:
+        """Start computing span ``i``'s outputs from its first uncompared step to ``step`` (beside the worker's)."""
         checks = self.spans[i]
+        first = checks.pending[0][0] if checks.pending else step
         history = list(history[:step + 1])
         if checks.checker is not None:
-            return asyncio.ensure_future(checks.checker.output_at(step, history, exclude))
-        return asyncio.ensure_future(asyncio.to_thread(checks.local.output_at, step, history))
+            future = asyncio.ensure_future(checks.checker.outputs(
+                first, step, history, exclude={worker_id, *self.banned}, beside={worker_id}))
+        else:
+            future = asyncio.ensure_future(asyncio.to_thread(checks.local.outputs, first, step, history))
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an unused one's failure is not news
+        return future
 
-    def skipped(self, i: int) -> None:
-        if self.spans[i] is not None:
-            self.spans[i].unchecked += 1
-            self.tally.unchecked += 1
-
-    async def judge(self, i: int, span_name: str, worker_id: str, step: int, output: torch.Tensor,
-                    replay: asyncio.Future, history: Sequence[torch.Tensor]) -> None:
-        """Compare the worker's ``output`` with the replay's; returns if it is right (or cannot be checked), raises
-        :class:`Caught` if it is wrong, VerificationFailed if the client cannot tell who is."""
+    async def settle(self, i: int, span_name: str, worker_id: str, step: int, output: torch.Tensor,
+                     replay: asyncio.Future | None, history: Sequence[torch.Tensor], billed: bool) -> None:
+        """The step's ``output`` joins the span's uncompared ones; if a replay was started (the step was due), or the
+        step carries a receipt (``billed``: nothing is paid uncompared), they are all compared now. Returns if all
+        are right; raises :class:`Caught` if only this one is wrong, VerificationFailed if one already returned is
+        (or the client cannot tell who is right)."""
         checks = self.spans[i]
+        checks.pending.append((step, output, worker_id))
+        if replay is None and not billed:
+            return
+        if replay is None:
+            replay = self.replay(i, step, history, worker_id)
+        first = checks.pending[0][0]
         checker = checks.checker.worker_id if checks.checker is not None else None
         try:
             truth = await replay
-        except (GpunetError, TimeoutError, MemoryError) as e:
+        except asyncio.CancelledError:
+            raise
+        except _CANNOT_REPLAY as e:
             if checks.checker is None:
-                return self._unchecked(i, step, worker_id, f"this machine could not replay the span: {e or 'timed out'}")
-            logger.info("The checker of span %s failed (%s); this client replays the step itself", span_name, e)
-            truth, checker = await self._own(checks, step, history), None
+                return self._unchecked(checks, f"this machine could not replay the span: {e or type(e).__name__}")
+            logger.info("The checker of span %s failed (%s); this client replays the steps itself", span_name,
+                        e or type(e).__name__)
+            truth, checker = await self._own(checks, first, step, history), None
             if truth is None:
-                return self._unchecked(i, step, worker_id, "neither a checker nor this machine could replay the span")
-        if agree(output, truth):
-            self.reputation.record(worker_id, "valid", checked=True)
-            self.tally.checked += 1
-            checks.unchecked = 0
-            return
-        if checker is not None:  # a worker's word against a worker's: this client's own replay decides
-            own = await self._own(checks, step, history)
-            if own is not None and agree(output, own):
-                logger.warning("Checker %s of span %s returned a wrong output at step %d; it is not used again",
-                               checker[-8:], span_name, step)
-                self.reputation.record(checker, "rejected")
-                self.tally.caught.append(checker)
+                return self._unchecked(checks, "neither a checker nor this machine could replay the span")
+        if checker is not None and not all(agree(out, t) for (_, out, _), t in zip(checks.pending, truth)):
+            # One worker's word against another's: this client's own replay decides, or nothing does.
+            own = await self._own(checks, first, step, history)
+            if own is None:
                 checks.checker.drop(pay=False)
-                self.tally.checked += 1
-                return
-            if own is not None:
-                truth = own
-            elif not self.reputation.established(checker):
-                checks.checker.drop(pay=True)
+                checks.pending.clear()
                 raise VerificationFailed(
-                    f"span {span_name}: worker {worker_id[-8:]} and checker {checker[-8:]} disagree at step {step}, "
-                    "this machine could not replay the span to tell which is right, and the checker has no record "
-                    "with this client yet; open a new session")
-        self.reputation.record(worker_id, "rejected")
+                    f"span {span_name}: worker {worker_id[-8:]} and checker {checker[-8:]} disagree between steps "
+                    f"{first} and {step}, and this machine could not replay the span to tell which is right; neither "
+                    "is paid for it and nobody is branded. Open a new session")
+            if not all(agree(t, o) for t, o in zip(truth, own)):
+                self._convict(checker, f"checker of span {span_name}")
+                checks.checker.drop(pay=False)
+            truth = own
+        wrong = [(k, w) for (k, out, w), t in zip(checks.pending, truth) if not agree(out, t)]
+        for k, out, w in checks.pending:
+            if (k, w) not in wrong:
+                self.reputation.record(w, "valid", checked=True)
+                self.tally.checked += 1
+        checks.pending.clear()
+        if not wrong:
+            return
+        for w in dict.fromkeys(w for _, w in wrong):
+            self._convict(w, f"worker of span {span_name}")
         self.reputation.save()
-        self.tally.caught.append(worker_id)
-        suspect, checks.unchecked = checks.unchecked, 0
-        raise Caught(VerificationFailed(
-            f"span {span_name}: worker {worker_id[-8:]} returned a wrong output at step {step} (a replay of the span "
-            f"disagrees); it is not paid, and the span moves" + (
-                f"; its {suspect} earlier output(s) on this span went out unchecked and may be wrong too: this session "
-                "ends (open a new one)" if suspect else "")), truth, suspect)
+        steps = ", ".join(str(k) for k, _ in wrong)
+        if wrong == [(step, worker_id)]:  # only the output not returned yet: the replay's stands in for it
+            raise Caught(VerificationFailed(
+                f"span {span_name}: worker {worker_id[-8:]} returned a wrong output at step {step} (a replay of the "
+                "span disagrees); the replay's output is used, the worker is not paid and the span moves"),
+                truth[-1])
+        raise VerificationFailed(
+            f"span {span_name}: wrong output(s) at step(s) {steps} from worker(s) "
+            f"{', '.join(w[-8:] for w in dict.fromkeys(w for _, w in wrong))} (a replay of the span disagrees); "
+            "outputs already returned were wrong, so this session ends: open a new one (those workers are not used "
+            "by it again, and are not paid for the steps not billed yet)")
 
-    async def _own(self, checks: SpanChecks, step: int, history: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def _convict(self, worker_id: str, role: str) -> None:
+        logger.warning("The %s, %s, returned a wrong output; it is recorded as rejected and not used again by this "
+                       "session", role, worker_id[-8:])
+        self.reputation.record(worker_id, "rejected")
+        self.tally.caught.append(worker_id)
+        self.banned.add(worker_id)
+
+    async def _own(self, checks: SpanChecks, first: int, last: int,
+                   history: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         try:
-            return await asyncio.to_thread(checks.local.output_at, step, list(history[:step + 1]))
-        except (GpunetError, MemoryError) as e:
-            logger.warning("This machine could not replay the span to settle a check (%s)", e)
+            return await asyncio.to_thread(checks.local.outputs, first, last, list(history[:last + 1]))
+        except asyncio.CancelledError:
+            raise
+        except _CANNOT_REPLAY as e:
+            logger.warning("This machine could not replay the span to settle a check (%s)", e or type(e).__name__)
             return None
 
-    def _unchecked(self, i: int, step: int, worker_id: str, why: str) -> None:
-        logger.warning("Step %d of worker %s is returned unchecked: %s", step, worker_id[-8:], why)
-        self.skipped(i)
+    def _unchecked(self, checks: SpanChecks, why: str) -> None:
+        """No replay could run: the outputs waiting are let go uncompared (and a receipt for them is paid)."""
+        logger.warning("%d session output(s) returned unchecked: %s", len(checks.pending), why)
+        self.tally.unchecked += len(checks.pending)
+        checks.pending.clear()
+
+    async def flush(self, i: int, span_name: str, history: Sequence[torch.Tensor]) -> None:
+        """Compare the outputs still waiting (the session is closing, and the tab they are on is paid at close):
+        returns if they are right, raises VerificationFailed otherwise (their workers are then banned)."""
+        checks = self.spans[i]
+        if checks is None or not checks.pending:
+            return
+        step, output, worker_id = checks.pending.pop()
+        try:
+            await self.settle(i, span_name, worker_id, step, output, None, history, billed=True)
+        except Caught as caught:
+            raise caught.error from None
 
     async def close(self) -> None:
         for checks in self.spans:
-            if checks is not None and checks.checker is not None:
-                await checks.checker.close()
+            if checks is not None:
+                self.tally.unchecked += len(checks.pending)
+                checks.pending.clear()
+                if checks.checker is not None:
+                    await checks.checker.close()

@@ -312,7 +312,8 @@ class ClientCore:
         the dry run needs either way). ``tab``: this session's open tab on that worker, which the step joins; when
         the step fills it (or closes the session) the worker's receipt for it comes back, checked against the tab and
         countersigned (``JobResult.receipt``; None for the other steps), and the tab starts again. ``check``: awaited
-        with the step's outputs before anything is paid (gpunet.client.audit); what it raises refuses the receipt."""
+        with the step's outputs (and whether a receipt came) before anything is paid (gpunet.client.audit); what it
+        raises refuses the receipt."""
         req = requirements or Requirements()
         sends_state = session.step == 0 and not session.fresh
         full = (*inputs, *state)
@@ -383,7 +384,7 @@ class ClientCore:
                                    delivery.transfer_seconds, cold=cold, ahead=ahead)
             if check is not None:
                 try:
-                    await check(outputs)
+                    await check(outputs, delivery.receipt is not None)
                 except BaseException as e:
                     if delivery.receipt is not None:
                         self.settlement.refuse(delivery, str(e) or "the step's check did not complete")

@@ -34,6 +34,7 @@ from gpunet.errors import (
     NoWorkersAvailable,
     SessionLost,
     UsageError,
+    VerificationFailed,
     WorkerDraining,
 )
 from gpunet.ledger.receipts import Receipt, price_to_nano
@@ -328,17 +329,15 @@ class SessionCore:
                 if placed.worker_id is None or self._draining(placed.worker_id):
                     await self._place(i, placed)
                 return await self._run(i, span, placed, x, close=close, record=True)
-            except Caught as caught:  # a checked step was wrong: the replay's output stands, the span moves
-                liar = placed.worker_id
+            except Caught as caught:  # the step's output was wrong: the replay's stands in for it, the span moves
                 logger.warning("%s", caught)
-                placed.failed.add(liar)
-                placed.tab = Tab()  # its steps not billed yet are not paid
-                self._close_on(liar, placed.session_id, placed.tab)  # frees its state there; pays nothing
-                placed.worker_id = None
-                self.moves += 1
-                if caught.suspect:
-                    raise caught.error from None
+                self._drop_liars()
                 return caught.truth
+            except VerificationFailed:  # outputs already returned were wrong (or a dispute is unresolved): ends here
+                self._drop_liars()
+                if placed.worker_id is not None:  # unresolved: its open tab, the disputed step on it, is not paid
+                    self._leave(placed)
+                raise
             except (WorkerDraining, NetworkError, JobTimeout, JobFailed, JobRejected, InvalidReceipt) as e:
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
@@ -353,6 +352,20 @@ class SessionCore:
                 self.moves += 1
         raise SessionLost(f"span {span.start}-{span.stop - 1} could not be kept on any worker "
                           f"(moved {MAX_MOVES} times; last: {last})")
+
+    def _drop_liars(self) -> None:
+        """Spans whose worker was caught lying leave it: their steps not billed yet are not paid, their state there
+        is freed, and they move at their next step."""
+        for placed in self.placed:
+            if placed.worker_id is not None and placed.worker_id in self.checks.banned:
+                self._leave(placed)
+                self.moves += 1
+
+    def _leave(self, placed: _Placed) -> None:
+        placed.failed.add(placed.worker_id)
+        placed.tab = Tab()
+        self._close_on(placed.worker_id, placed.session_id, placed.tab)  # a close that pays nothing
+        placed.worker_id = None
 
     def _draining(self, worker_id: str) -> bool:
         """Its record says it is leaving (one missing from a refresh is not: the step finds out if it is gone)."""
@@ -370,15 +383,17 @@ class SessionCore:
             self._close_on(placed.workers[-1], placed.session_id, placed.tab)
         placed.tab = Tab()
         others = {p.worker_id for j, p in enumerate(self.placed) if j != i and p.worker_id}
+        banned = self.checks.banned if self.checks is not None else set()
         try:
             worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
-                                               self.seq.requirements_for(span), exclude=placed.failed, avoid=others)
+                                               self.seq.requirements_for(span), exclude=placed.failed | banned,
+                                               avoid=others)
         except NoWorkersAvailable:
-            if not placed.failed:
+            if not placed.failed - banned:
                 raise
-            placed.failed.clear()  # every worker failed it once: try them again rather than give up
+            placed.failed.clear()  # every worker failed it once: try them again rather than give up (not liars)
             worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
-                                               self.seq.requirements_for(span), avoid=others)
+                                               self.seq.requirements_for(span), exclude=set(banned), avoid=others)
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:
@@ -402,28 +417,24 @@ class SessionCore:
     async def _run(self, i: int, span: Span, placed: _Placed, x: torch.Tensor, close: bool, record: bool):
         step = protocol.SessionStep(placed.session_id, placed.step, fresh=span.fresh, close=close, ttl=self.ttl)
         check = replay = None
+        if record:
+            x = x.detach().clone()  # kept to be replayed: a caller reusing its buffer must not change the past
         if record and self.checks is not None and self.checks.spans[i] is not None:
-            if self.checks.due(i, placed.worker_id):  # replayed beside the worker's step; judged before it is paid
-                history, worker_id = [*placed.history, x], placed.worker_id
-                replay = self.checks.replay(i, placed.step, history, exclude={worker_id, *placed.failed})
+            history, worker_id = [*placed.history, x], placed.worker_id
+            if self.checks.due(i, worker_id):  # replayed beside the worker's step
+                replay = self.checks.replay(i, step.step, history, worker_id)
 
-                async def check(outputs):
-                    await self.checks.judge(i, f"{span.start}-{span.stop - 1}", worker_id, step.step, outputs[0],
-                                            replay, history)
+            async def check(outputs, billed: bool) -> None:  # before the step is returned or anything paid
+                await self.checks.settle(i, f"{span.start}-{span.stop - 1}", worker_id, step.step, outputs[0],
+                                         replay, history, billed)
         try:
             result = await self.seq.core.run_step(span.job, (x,), placed.worker_id, step, span.state, placed.tab,
                                                   self.seq.requirements_for(span), check=check)
-        except Caught:
+        except (Caught, VerificationFailed):
             placed.step += 1
             placed.history.append(x)  # the step was taken (wrongly): the span's next worker replays it too
             raise
-        except BaseException:
-            if replay is not None and not replay.done():
-                replay.cancel()  # a checker stops (and is replaced); a replay in a thread runs out unused
-                replay.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise
-        if record and self.checks is not None and check is None:
-            self.checks.skipped(i)
+        # A step that failed otherwise leaves its replay running: what it computes is kept for the step's retry.
         placed.step += 1
         if result.receipt is not None:
             self.receipts.append(result.receipt)
@@ -437,6 +448,14 @@ class SessionCore:
         """Free every span's state on its worker and pay the steps not billed yet (workers free the state after
         the session's ttl too, but then those steps wait for a payment that may never come)."""
         self._closed = True
+        failed: VerificationFailed | None = None
+        if self.checks is not None and self._broken is None:
+            for i, span in enumerate(self.seq.spans):  # outputs not compared yet: before their tab is paid
+                try:
+                    await self.checks.flush(i, f"{span.start}-{span.stop - 1}", self.placed[i].history)
+                except VerificationFailed as e:
+                    failed = failed or e
+                    self._drop_liars()
         for p in self.placed:
             if p.worker_id is not None and not p.closed:
                 self._close_on(p.worker_id, p.session_id, p.tab)
@@ -445,6 +464,8 @@ class SessionCore:
             await asyncio.gather(*self._handoffs)
         if self.checks is not None:
             await self.checks.close()
+        if failed is not None:
+            raise failed
 
 
 def x_meta(span: Span) -> torch.Tensor:
