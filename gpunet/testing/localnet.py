@@ -64,6 +64,7 @@ class Proc:
     data_dir: Path
     lines: list[str] = field(default_factory=list)
     ready: dict[str, Any] | None = None  # its ready file as last read: the id and addresses outlive the process
+    stop_sent: bool = False  # SIGTERM sent by request_stop (a second one makes a node leave without its jobs)
 
     def __post_init__(self):
         for stream in (self.popen.stdout, self.popen.stderr):
@@ -133,10 +134,15 @@ class Proc:
         except ProcessLookupError:
             return False
 
+    def request_stop(self) -> None:
+        """SIGTERM the main process (a clean leave), once; do not wait."""
+        if self.popen.poll() is None and not self.stop_sent:
+            self.stop_sent = True
+            self.popen.send_signal(signal.SIGTERM)
+
     def terminate(self, timeout: float = 60) -> int:
         """SIGTERM the main process (a clean leave) and wait for it; returns its exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+        self.request_stop()
         return self.popen.wait(timeout=timeout)
 
     def kill(self) -> None:
@@ -148,7 +154,7 @@ class Proc:
     def cleanup(self) -> None:
         """Leave nothing of this process group running."""
         if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
+            self.request_stop()
             try:
                 self.popen.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -259,8 +265,13 @@ class LocalNetwork:
         return proc.id
 
     def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.cleanup()
+        # Workers leave together (one after another took 10-17 s a swarm), then the bootstrap nodes they say
+        # goodbye through.
+        for group in ([p for p in self.procs if p.role != "bootstrap"], [p for p in self.procs if p.role == "bootstrap"]):
+            for proc in reversed(group):
+                proc.request_stop()
+            for proc in reversed(group):
+                proc.cleanup()
         leftovers = [p for p in self.procs if p.group_alive()]
         if self._tmp is not None:
             self._tmp.cleanup()
