@@ -45,6 +45,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("gpunet.client")
 
 
+def _can_answer(kept: dict[int, torch.Tensor], first: int, last: int, ready_for: int) -> bool:
+    """Whether a replay whose state is ready for step ``ready_for`` can give steps ``first``..``last`` without starting
+    over: every one of them it has passed is among its ``kept`` outputs."""
+    return all(k in kept for k in range(first, min(last + 1, ready_for)))
+
+
+def _answer(kept: dict[int, torch.Tensor], first: int, last: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """The outputs at ``first``..``last``, and what stays kept: those from ``first`` on (a retried step may ask again)."""
+    return [kept[k] for k in range(first, last + 1)], {k: v for k, v in kept.items() if k >= first}
+
+
 class LocalReplay:
     """The span run here, step after step, from its first state: the truth a worker's outputs are checked against.
     Call :meth:`outputs` off the event loop (it computes); a lock keeps two calls from sharing the state."""
@@ -60,15 +71,14 @@ class LocalReplay:
         """The span's outputs at steps ``first``..``last`` (``history[k]``: its input at step k), replaying from the
         first step only if the state has passed ``first`` and the outputs are not kept."""
         with self._lock:
-            if not all(k in self.kept for k in range(first, min(last + 1, self.next))):
+            if not _can_answer(self.kept, first, last, self.next):
                 self.state, self.next, self.kept = self.span.state, 0, {}
             while self.next <= last:
                 y, *state = self.span.job.run_locally(history[self.next], *self.state)
                 if self.next >= first:
                     self.kept[self.next] = y
                 self.state, self.next = tuple(state), self.next + 1
-            out = [self.kept[k] for k in range(first, last + 1)]
-            self.kept = {k: v for k, v in self.kept.items() if k >= first}  # a retried step may ask again
+            out, self.kept = _answer(self.kept, first, last)
             return out
 
 
@@ -95,9 +105,8 @@ class CheckerReplay:
         """Like :meth:`LocalReplay.outputs`, on the checker; ``exclude``: workers that may not check (the one checked,
         those caught), ``beside``: workers it should not share a network origin with."""
         async with self._lock:
-            if self.worker_id is not None and (
-                    self.worker_id in exclude
-                    or not all(k in self.kept for k in range(first, min(last + 1, self.next)))):
+            if self.worker_id is not None and (self.worker_id in exclude
+                                               or not _can_answer(self.kept, first, last, self.next)):
                 self.drop(pay=True)
             if self.worker_id is None:
                 checker = self.core.router.choose_checker(self.requirements, exclude=exclude, replicas=beside)
@@ -116,8 +125,7 @@ class CheckerReplay:
             except BaseException:  # failed or cancelled part of the way: its state is unknown, so it is not used again
                 self.drop(pay=True)
                 raise
-            out = [self.kept[k] for k in range(first, last + 1)]
-            self.kept = {k: v for k, v in self.kept.items() if k >= first}
+            out, self.kept = _answer(self.kept, first, last)
             return out
 
     def drop(self, pay: bool) -> None:
@@ -170,7 +178,7 @@ class Tally:
     """What the checks of a session found (``Session.checks``)."""
 
     checked: int = 0  # span steps whose output was compared with a replay, and found right
-    unchecked: int = 0  # span steps returned before a check (compared later, at the next check, if one comes)
+    unchecked: int = 0  # span steps returned and never compared (no replay could run, or the session ended first)
     caught: list[str] = field(default_factory=list)  # workers found returning a wrong output (once each time)
 
 
@@ -184,7 +192,6 @@ class SessionChecks:
 
     def __init__(self, core: Any, spans: Sequence["Span"], mode: str, requirements_for, ttl: float,
                  on_receipt: Callable[[Any], None]):
-        self.core, self.mode = core, mode
         self.reputation = core.reputation
         self.tally = Tally()
         self.banned: set[str] = set()  # caught in this session: never used again by it, for any span or check
