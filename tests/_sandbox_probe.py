@@ -22,9 +22,12 @@ def _root_powers() -> str:
     """Any capability left in any thread of this process (what root's processes have unless they drop them)."""
     left = []
     for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/status") as f:
-            left += [line.split()[0] for line in f if line.startswith(("CapEff", "CapPrm", "CapBnd", "CapAmb"))
-                     and int(line.split()[1], 16)]
+        try:
+            with open(f"/proc/self/task/{task}/status") as f:
+                left += [line.split()[0] for line in f if line.startswith(("CapEff", "CapPrm", "CapBnd", "CapAmb"))
+                         and int(line.split()[1], 16)]
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # a thread (one of torch's) that ended between the listing and the read
     return f"root powers: allowed ({', '.join(sorted(set(left)))})" if left else "root powers: refused (none left)"
 
 

@@ -1,3 +1,5 @@
+import fcntl
+
 import pytest
 
 from tests.swarm import Swarm, wait_for
@@ -9,6 +11,31 @@ def pytest_runtest_makereport(item, call):
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request, tmp_path_factory):
+    """The suite runs two test files at a time (pytest-xdist, see .ci/run); a test marked ``exclusive`` reads this
+    machine's load (a worker pausing while the CPU is busy) and runs alone. A readers-writer lock over files shared by
+    the xdist workers: every other test holds it shared. The turnstile, held while an exclusive test waits, keeps new
+    tests from starting meanwhile, so it is not starved."""
+    root = tmp_path_factory.getbasetemp()
+    if hasattr(request.config, "workerinput"):  # an xdist worker's base is under the run's shared one
+        root = root.parent
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(root / "machine.lock", "a") as machine, open(root / "turnstile.lock", "a") as turnstile:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            if not exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            if exclusive:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture

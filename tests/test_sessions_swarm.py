@@ -108,9 +108,10 @@ def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, clien
         assert s.placement[0][2] != leaving_id and s.moves == 1
     assert got == want
     assert leaving.terminate(timeout=60) == 0  # it left cleanly
-    # Its 10 steps were billed when the client closed the session there, and paid.
+    # Its steps were billed when the client closed the session there, and paid: the 10 before the SIGTERM, and an
+    # 11th when the signal landed while that step was in hand (a draining worker finishes it, then takes no more).
     paid = [r for r in s.receipts if r.worker_id == leaving_id]
-    assert sum(steps_of(r.job_id) for r in paid) == 10 and all(r.is_countersigned for r in paid)
+    assert sum(steps_of(r.job_id) for r in paid) in (10, 11) and all(r.is_countersigned for r in paid)
 
 
 def test_sessions_are_private_bounded_and_expire(swarm, client_for):

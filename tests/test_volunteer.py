@@ -83,6 +83,7 @@ def ready_state(proc) -> str | None:
     return info["state"] if info else None
 
 
+@pytest.mark.exclusive  # another test's processes would keep the machine busy too
 def test_a_cpu_worker_pauses_while_other_processes_keep_the_machine_busy(swarm):
     mine = swarm.start_worker("--pause-when-busy", "--resume-after", "2")
     wait_for(lambda: ready_state(mine) == "online", 60, "the worker to settle online")

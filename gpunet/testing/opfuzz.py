@@ -16,6 +16,7 @@ import math
 import multiprocessing
 import os
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -47,7 +48,8 @@ class Tensor:
         dtype = getattr(torch, self.dtype)
         if device == "meta":
             return torch.empty(self.shape, dtype=dtype, device="meta")
-        gen = torch.Generator().manual_seed(hash((self.shape, self.dtype, self.fill)) & 0xFFFF)
+        # The same values in every process and run (hash() of a str is salted per process).
+        gen = torch.Generator().manual_seed(zlib.crc32(repr((self.shape, self.dtype, self.fill)).encode()) & 0xFFFF)
         if self.fill == "zeros":
             return torch.zeros(self.shape, dtype=dtype)
         if dtype.is_floating_point:
