@@ -116,6 +116,10 @@ def worker(
              "--price). It rises toward --price while interactive work is wanted; see docs/market.md."),
     max_concurrent: int = typer.Option(
         _WORKER.max_concurrent, "--max-concurrent", metavar="N", min=1, help="Jobs executing at once."),
+    threads: Optional[int] = typer.Option(
+        _WORKER.threads, "--threads", metavar="N", min=1,
+        help="CPU threads a job may use (default: the cores, shared among --max-concurrent jobs). Fewer leave cores "
+             "free for you; the speed advertised is measured with them."),
     max_queue: int = typer.Option(
         _WORKER.max_queue, "--max-queue", metavar="N", min=0, help="Jobs waiting; beyond this the worker answers busy."),
     public_name: Optional[str] = typer.Option(
@@ -211,6 +215,7 @@ def worker(
         price=price,
         batch_price=batch_price,
         max_concurrent=max_concurrent,
+        threads=threads,
         max_queue=max_queue,
         public_name=public_name,
         data_dir=data_dir,

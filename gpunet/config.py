@@ -64,6 +64,10 @@ class WorkerConfig:
     #: discount batch APIs usually give. Never above ``price``.
     batch_price: float | None = None
     max_concurrent: int = 1  # jobs executing at once
+    #: CPU threads one job's ops may use (torch's intra-op threads, and the speed measured with them); None: the
+    #: cores shared among the ``max_concurrent`` executors. Fewer leave cores to the owner (and to other workers on
+    #: the same machine).
+    threads: int | None = None
     max_queue: int = 8  # jobs waiting beyond those; more are refused with "busy"
     public_name: str | None = None
     host_maddrs: list[str] = field(default_factory=lambda: list(DEFAULT_HOST_MADDRS))

@@ -100,10 +100,14 @@ def main() -> None:
     cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
     blocks = tiny_gpt(cfg, seed=0)
     prompt = torch.randint(0, cfg.vocab, (1, 1))  # every step one token: each step costs the same
-    results: dict = {"benchmark": "pipeline", "d_model": cfg.d_model, "layers": cfg.n_layers, "tokens": tokens}
+    results: dict = {"benchmark": "pipeline", "d_model": cfg.d_model, "layers": cfg.n_layers, "tokens": tokens,
+                     "threads_per_job": 1}
     with LocalNetwork(network="bench-pipeline", heartbeat=2.0) as net:
         bootstrap = net.start_bootstrap()
-        procs = net.start_workers(4)
+        # Four workers on one machine: each job gets one thread (gpunet worker --threads), as the local baseline does.
+        # Each with all the cores, their threads took the cores from each other and from the workers' own I/O: a
+        # test of oversubscription, not of the network.
+        procs = net.start_workers(4, "--threads", "1")
         by_id = {net.worker_id(p): p for p in procs}
         with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
             wait_for(lambda: len(client.workers(refresh=True)) == 4, 60, "four workers")
@@ -111,7 +115,7 @@ def main() -> None:
             remote = client.sequential(blocks, example_inputs=(example,), spans=3,
                                        dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},))
             spans = [(s.start, s.stop) for s in remote.spans]
-            torch.set_num_threads(1)  # as one executor on this machine runs (2 cores, 2 executors)
+            torch.set_num_threads(1)  # as each worker's jobs run here (--threads 1)
             want, local_times, span_times = local_steps(blocks, spans, prompt, tokens)
             with remote.session() as warm:  # programs loaded, dry runs cached, routing measured
                 remote_steps(warm, prompt, 4)

@@ -83,6 +83,24 @@ def test_throughput_is_measured_once_then_cached(tmp_path, monkeypatch):
     assert throughput.benchmark(cpu, tmp_path, rebenchmark=True) == {"fp32": 123.0, "bf16": 123.0}
 
 
+def test_a_cpu_speed_is_cached_per_thread_count(tmp_path, monkeypatch):
+    """`gpunet worker --threads N` measures the speed N threads give: a figure taken with another count is not read."""
+    import torch
+
+    cpu = hw.cpu_hardware()
+    monkeypatch.setattr(throughput, "measure_matmul_tflops", lambda *a, **k: float(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 1.0, "bf16": 1.0}
+        torch.set_num_threads(2)
+        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 2.0, "bf16": 2.0}
+        torch.set_num_threads(1)
+        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 1.0, "bf16": 1.0}  # both kept
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_idle_remeasurement_replaces_a_figure_taken_under_load(tmp_path, monkeypatch):
     """The published figure is the best of the last few measurements: one from a busy moment neither sticks forever
     nor drags a good figure down; a lasting change shows once the good one has aged out."""

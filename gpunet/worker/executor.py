@@ -691,6 +691,10 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
         os.makedirs(config["tmp_dir"], exist_ok=True)
         os.environ["TMPDIR"] = config["tmp_dir"]
         report = sandbox.enter_files([config["cache_dir"], config["tmp_dir"]], protected=config.get("protected", []))
+    # OpenMP's threads sleep between parallel regions instead of spinning: jobs come in bursts (a session's step,
+    # then nothing until the next), and spinning threads took the cores from the worker's own I/O, the p2p daemon and
+    # any other process (three workers on two cores computed a step 60% slower). Read when torch loads OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     from gpunet.job import tensors

@@ -217,6 +217,9 @@ class Worker:
             from gpunet.worker.background import load_standing_job
 
             self._standing = await asyncio.to_thread(load_standing_job, cfg.background_job, cfg.background_inputs)
+        import torch
+
+        torch.set_num_threads(self._threads())  # this process measures and proves the speed jobs get
         self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark)
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
@@ -465,6 +468,10 @@ class Worker:
 
     # --- job services: the RPC handler and executors plug in here ---------------------------------------------------
 
+    def _threads(self) -> int:
+        """CPU threads per job: --threads, or the cores shared among the executors."""
+        return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.max_concurrent)
+
     def _memory_budget(self) -> int:
         """Bytes one executor may use: a share of free device memory, leaving headroom for the system."""
         if self.config.memory_budget_gb:
@@ -500,6 +507,7 @@ class Worker:
         self.executor = Executor(
             device=self.hardware.torch_device,
             processes=cfg.max_concurrent,
+            threads_per_process=self._threads(),
             memory_budget_bytes=self._memory_budget(),
             default_timeout=60.0,
             cache_dir=self.data_dir / "programs",

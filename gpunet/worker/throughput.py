@@ -81,7 +81,9 @@ def _seconds_per_product(device: str, dtype: torch.dtype, n: int, sync) -> float
 
 
 def _cache_key(hardware: Hardware) -> str:
-    return f"{hardware.info.kind}|{hardware.info.name}|{hardware.info.count}|torch {torch.__version__}"
+    key = f"{hardware.info.kind}|{hardware.info.name}|{hardware.info.count}|torch {torch.__version__}"
+    # A CPU's speed is that of the threads a job gets (gpunet worker --threads): another count, another figure.
+    return f"{key}|threads {torch.get_num_threads()}" if hardware.info.kind == "cpu" else key
 
 
 def benchmark(hardware: Hardware, data_dir: Path, rebenchmark: bool = False) -> dict[str, float]:
