@@ -13,16 +13,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-@pytest.fixture(autouse=True)
-def _machine_share(request, tmp_path_factory):
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
     """The suite runs two test files at a time (pytest-xdist, see .ci/run); a test marked ``exclusive`` reads this
     machine's load (a worker pausing while the CPU is busy) and runs alone. A readers-writer lock over files shared by
     the xdist workers: every other test holds it shared. The turnstile, held while an exclusive test waits, keeps new
-    tests from starting meanwhile, so it is not starved."""
-    root = tmp_path_factory.getbasetemp()
-    if hasattr(request.config, "workerinput"):  # an xdist worker's base is under the run's shared one
+    tests from starting meanwhile, so it is not starved. Taken around the whole protocol: module fixtures set up or
+    torn down with a test are covered, and pytest-timeout's clock (inside) does not count the wait."""
+    root = item.config._tmp_path_factory.getbasetemp()  # the tmp_path_factory fixture's own object
+    if hasattr(item.config, "workerinput"):  # an xdist worker's base is under the run's shared one
         root = root.parent
-    exclusive = request.node.get_closest_marker("exclusive") is not None
+    exclusive = item.get_closest_marker("exclusive") is not None
     with open(root / "machine.lock", "a") as machine, open(root / "turnstile.lock", "a") as turnstile:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
@@ -31,7 +32,7 @@ def _machine_share(request, tmp_path_factory):
             if not exclusive:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
-            yield
+            return (yield)
         finally:
             fcntl.flock(machine, fcntl.LOCK_UN)
             if exclusive:

@@ -1,5 +1,6 @@
 """Hardware detection against FakeNVML (this machine has no GPU), the CPU path for real, and the throughput cache."""
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -85,20 +86,13 @@ def test_throughput_is_measured_once_then_cached(tmp_path, monkeypatch):
 
 def test_a_cpu_speed_is_cached_per_thread_count(tmp_path, monkeypatch):
     """`gpunet worker --threads N` measures the speed N threads give: a figure taken with another count is not read."""
-    import torch
-
     cpu = hw.cpu_hardware()
-    monkeypatch.setattr(throughput, "measure_matmul_tflops", lambda *a, **k: float(torch.get_num_threads()))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 1.0, "bf16": 1.0}
-        torch.set_num_threads(2)
-        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 2.0, "bf16": 2.0}
-        torch.set_num_threads(1)
-        assert throughput.benchmark(cpu, tmp_path) == {"fp32": 1.0, "bf16": 1.0}  # both kept
-    finally:
-        torch.set_num_threads(before)
+    measured = itertools.count(1.0)  # each measurement a new figure
+    monkeypatch.setattr(throughput, "measure_matmul_tflops", lambda *a, **k: next(measured))
+    one = throughput.benchmark(cpu, tmp_path, threads=1)
+    two = throughput.benchmark(cpu, tmp_path, threads=2)
+    assert two != one and throughput.benchmark(cpu, tmp_path, threads=1) == one  # measured once per count, both kept
+    assert hw.job_threads(3) == 3 and hw.job_threads(None, 1) >= hw.job_threads(None, 2) >= 1
 
 
 def test_an_idle_remeasurement_replaces_a_figure_taken_under_load(tmp_path, monkeypatch):

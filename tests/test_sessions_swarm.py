@@ -1,9 +1,6 @@
 """A model spread over several workers (Petals-style) and inference sessions with state on the workers, on a real
 swarm, through the public API."""
 
-import signal
-
-
 import pytest
 import torch
 from torch.export import Dim
@@ -103,11 +100,11 @@ def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, clien
         got = generate(s, prompt, 10)
         leaving_id = s.placement[0][2]
         leaving = by_id[leaving_id]
-        leaving.popen.send_signal(signal.SIGTERM)  # `systemctl stop`: it drains, taking no new steps
+        leaving.request_stop()  # SIGTERM, as `systemctl stop` sends: it drains, taking no new steps
         got += generate(s, torch.tensor([[got[-1]]]), 10)
         assert s.placement[0][2] != leaving_id and s.moves == 1
     assert got == want
-    assert leaving.terminate(timeout=60) == 0  # it left cleanly
+    assert leaving.terminate(timeout=60) == 0  # it left cleanly (waited for: a second SIGTERM would hurry it)
     # Its steps were billed when the client closed the session there, and paid: the 10 before the SIGTERM, and an
     # 11th when the signal landed while that step was in hand (a draining worker finishes it, then takes no more).
     paid = [r for r in s.receipts if r.worker_id == leaving_id]

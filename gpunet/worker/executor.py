@@ -31,6 +31,7 @@ import msgpack
 from gpunet.errors import ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
 from gpunet.utils import wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
+from gpunet.worker.hardware import job_threads
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
 #: Pipe messages up to this size are written and read on the event loop (the pipe drains at GB/s); bigger ones in a
@@ -248,7 +249,7 @@ class Executor:
             "disk_cache_bytes": disk_cache_bytes,
             "memory_cache_programs": memory_cache_programs,
             "max_flops": max_flops,
-            "threads": threads_per_process or max(1, (os.cpu_count() or 1) // processes),
+            "threads": job_threads(threads_per_process, processes),
             "sandbox": sandbox,  # see gpunet.worker.sandbox
             "tmp_dir": str(Path(cache_dir).parent / "executor-tmp"),
             "protected": [str(p) for p in protected],

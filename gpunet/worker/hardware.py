@@ -135,6 +135,18 @@ def memory_bytes() -> tuple[int, int]:
     return total, available
 
 
+def job_threads(threads: int | None = None, processes: int = 1) -> int:
+    """CPU threads one job may use: ``threads`` (gpunet worker --threads), else the CPUs this process may run on
+    (its affinity: taskset, a container's cpuset), shared among ``processes`` executors."""
+    if threads:
+        return threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // processes)
+
+
 def cpu_hardware() -> Hardware:
     total, available = memory_bytes()
     info = DeviceInfo(

@@ -213,14 +213,17 @@ class Worker:
         logger.info("Device: %s (%s x%d, %.1f GiB)", info.name, info.kind, info.count, info.memory_total / 2**30)
         if cfg.max_temperature is not None and not self.hardware.is_gpu and cfg.fake_gpu_probe is None:
             logger.warning("--max-temperature reads the GPU's temperature through NVML: this CPU worker ignores it")
+        import torch
+
+        # Before any torch work (a thread keeps the count it first ran an op with): this process measures and proves
+        # the speed jobs get.
+        torch.set_num_threads(self._threads())
         if cfg.background_job is not None:  # a mistake in it shows now, not at the first idle moment
             from gpunet.worker.background import load_standing_job
 
             self._standing = await asyncio.to_thread(load_standing_job, cfg.background_job, cfg.background_inputs)
-        import torch
-
-        torch.set_num_threads(self._threads())  # this process measures and proves the speed jobs get
-        self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark)
+        self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark,
+                                              self._threads())
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
         starting_network = not network.resolve_initial_peers(cfg.initial_peers)
@@ -429,7 +432,7 @@ class Worker:
     async def _remeasure_speed(self) -> None:
         """Measure the device again while no job runs (see worker.throughput); the next heartbeat publishes it."""
         before = self.tflops
-        self.tflops = await asyncio.to_thread(throughput.remeasure, self.hardware, self.data_dir)
+        self.tflops = await asyncio.to_thread(throughput.remeasure, self.hardware, self.data_dir, self._threads())
         if self.executor is not None:
             self.executor.speed_tflops = max(self.tflops.values(), default=None)
         changed = any(abs(v - before.get(k, 0.0)) > 0.1 * max(v, before.get(k, 0.0)) for k, v in self.tflops.items())
@@ -469,8 +472,8 @@ class Worker:
     # --- job services: the RPC handler and executors plug in here ---------------------------------------------------
 
     def _threads(self) -> int:
-        """CPU threads per job: --threads, or the cores shared among the executors."""
-        return self.config.threads or max(1, (os.cpu_count() or 1) // self.config.max_concurrent)
+        """CPU threads per job: --threads, or the CPUs shared among the executors."""
+        return hw.job_threads(self.config.threads, self.config.max_concurrent)
 
     def _memory_budget(self) -> int:
         """Bytes one executor may use: a share of free device memory, leaving headroom for the system."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gpunet.worker.hardware import Hardware
+from gpunet.worker.hardware import Hardware, job_threads
 
 logger = logging.getLogger(__name__)
 
@@ -80,27 +80,32 @@ def _seconds_per_product(device: str, dtype: torch.dtype, n: int, sync) -> float
     return time.perf_counter() - start
 
 
-def _cache_key(hardware: Hardware) -> str:
+def _cache_key(hardware: Hardware, threads: int | None = None) -> str:
+    """``threads``: a CPU's speed is that of the threads a job gets (gpunet worker --threads; None: the default
+    count, :func:`~gpunet.worker.hardware.job_threads`): another count, another figure. The caller has set torch to
+    that count before measuring."""
     key = f"{hardware.info.kind}|{hardware.info.name}|{hardware.info.count}|torch {torch.__version__}"
-    # A CPU's speed is that of the threads a job gets (gpunet worker --threads): another count, another figure.
-    return f"{key}|threads {torch.get_num_threads()}" if hardware.info.kind == "cpu" else key
+    return f"{key}|threads {job_threads(threads)}" if hardware.info.kind == "cpu" else key
 
 
-def benchmark(hardware: Hardware, data_dir: Path, rebenchmark: bool = False) -> dict[str, float]:
+def benchmark(hardware: Hardware, data_dir: Path, rebenchmark: bool = False, threads: int | None = None
+              ) -> dict[str, float]:
     """TFLOPS per dtype name for ``hardware``, from the cache unless absent or ``rebenchmark``."""
     path = Path(data_dir) / CACHE_FILENAME
-    cache, recent = _read(path, _cache_key(hardware))
+    key = _cache_key(hardware, threads)
+    cache, recent = _read(path, key)
     if recent and not rebenchmark:
         return _best(recent)
     logger.info("Measuring this device's speed (once; cached in %s)", path)
-    return _record(path, hardware, cache, [])
+    return _record(path, hardware, cache, [], key)
 
 
-def remeasure(hardware: Hardware, data_dir: Path) -> dict[str, float]:
+def remeasure(hardware: Hardware, data_dir: Path, threads: int | None = None) -> dict[str, float]:
     """Measure again and return the figure to publish: the best of the last ``RECENT`` measurements (cached)."""
     path = Path(data_dir) / CACHE_FILENAME
-    cache, recent = _read(path, _cache_key(hardware))
-    return _record(path, hardware, cache, recent)
+    key = _cache_key(hardware, threads)
+    cache, recent = _read(path, key)
+    return _record(path, hardware, cache, recent, key)
 
 
 def _measure(hardware: Hardware) -> dict[str, float]:
@@ -139,9 +144,10 @@ def _read(path: Path, key: str) -> tuple[dict, list[dict[str, float]]]:
     return cache, recent[-RECENT:]
 
 
-def _record(path: Path, hardware: Hardware, cache: dict, recent: list[dict[str, float]]) -> dict[str, float]:
+def _record(path: Path, hardware: Hardware, cache: dict, recent: list[dict[str, float]], key: str
+            ) -> dict[str, float]:
     recent = [*recent, _measure(hardware)][-RECENT:]
-    cache[_cache_key(hardware)] = {"recent": recent}
+    cache[key] = {"recent": recent}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     tmp.replace(path)
