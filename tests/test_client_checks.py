@@ -96,3 +96,42 @@ def test_a_receipt_naming_another_worker_is_refused(core):
 def test_the_output_cap_follows_the_dry_run():
     est = JOB.estimate(X)
     assert est.outputs == (("F32", (4, 8)),) and est.output_bytes == 4 * 8 * 4
+
+
+def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered():
+    """A batch of countersignatures sent while the worker's relay dies must not leave that work unpaid for good: it
+    is owed again (riding on the next job there, or sent again after a pause) until a few tries have failed."""
+    import gpunet.client.settlement as settlement_module
+    from gpunet.errors import NetworkError
+
+    class _Flaky:
+        def __init__(self, failures: int):
+            self.failures, self.delivered = failures, []
+
+        async def settle(self, worker_id, items):
+            if self.failures:
+                self.failures -= 1
+                raise NetworkError("worker did not answer (settle)")
+            self.delivered += items
+
+    async def main(failures: int):
+        transport = _Flaky(failures)
+        s = Settlement(transport)
+        s._owed["w"] = [("job-1", b"sig")]
+        s.flush()
+        await asyncio.gather(*s._sending)
+        assert s._owed == {"w": [("job-1", b"sig")]}  # owed again: the next job to w takes it
+        assert s.take("w") == [("job-1", b"sig")]
+        s.give_back("w", [("job-1", b"sig")])  # that job failed too
+        await s.close(timeout=5)
+        await asyncio.sleep(1.0)  # the pauses between tries are over: any send left would have gone by now
+        await asyncio.gather(*s._sending)
+        return transport.delivered, failures - transport.failures
+
+    settlement_module.RETRY_DELAY = 0.01
+    try:
+        assert asyncio.run(main(2)) == ([("job-1", b"sig")], 2)  # the third send got through
+        # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
+        assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)
+    finally:
+        settlement_module.RETRY_DELAY = 1.0

@@ -2,8 +2,10 @@
 
 A result that came on a stream is countersigned on that stream. One that came through the unary door is owed: the
 countersignature rides on this client's next job to that worker (no extra message in steady traffic), or goes in a
-batch call ``SETTLE_DELAY`` seconds later. Every send is tracked, so :meth:`close` delivers what is owed before the
-client leaves; a send that fails leaves the job in the worker's unpaid list, which is all that can be done.
+batch call ``SETTLE_DELAY`` seconds later. A batch that does not get through (the worker's relay died, its connection
+broke) is owed again: it rides on the next job, which reaches the worker by whatever way it is reachable now, or is
+sent again after ``RETRY_DELAY``, up to ``SETTLE_TRIES`` times. Every send is tracked, so :meth:`close` delivers what
+is owed before the client leaves; one that still fails leaves the job in the worker's unpaid list.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ logger = logging.getLogger("gpunet.client")
 SETTLE_DELAY = 0.05
 MAX_RIDE_ALONG = 256
 MAX_BATCH = 256
+#: Batch sends one countersignature gets before it is given up, and the pause before the next (doubling).
+SETTLE_TRIES = 4
+RETRY_DELAY = 1.0
 
 
 class Settlement:
@@ -32,6 +37,7 @@ class Settlement:
         self._owed: dict[str, list[tuple[str, bytes]]] = {}  # worker id -> (job id, signature) not yet sent
         self._timer = Debounce(SETTLE_DELAY, self.flush)
         self._sending: set[asyncio.Future] = set()
+        self._failed: dict[str, int] = {}  # job id -> batch sends that did not get through
 
     def countersign(self, delivery: "Delivery", signature: bytes) -> None:
         if delivery.via_unary:
@@ -63,7 +69,28 @@ class Settlement:
         owed, self._owed = self._owed, {}
         for worker_id, items in owed.items():
             for lo in range(0, len(items), MAX_BATCH):
-                self.track(self.transport.settle(worker_id, items[lo : lo + MAX_BATCH]))
+                self.track(self._send(worker_id, items[lo : lo + MAX_BATCH]))
+
+    async def _send(self, worker_id: str, items: list[tuple[str, bytes]]) -> None:
+        try:
+            await self.transport.settle(worker_id, items)
+        except Exception as e:
+            again = []
+            for job_id, signature in items:
+                tries = self._failed[job_id] = self._failed.get(job_id, 0) + 1
+                if tries < SETTLE_TRIES:
+                    again.append((job_id, signature))
+                else:
+                    del self._failed[job_id]
+            logger.debug("Countersignatures for worker %s did not get through (%s); %d owed again", worker_id[-8:],
+                         e, len(again))
+            if again:
+                self._owed.setdefault(worker_id, [])[:0] = again  # ride on the next job there, or sent again below
+                delay = RETRY_DELAY * 2 ** (min(self._failed[j] for j, _ in again) - 1)
+                asyncio.get_running_loop().call_later(delay, self._timer.poke)
+            raise
+        for job_id, _ in items:
+            self._failed.pop(job_id, None)
 
     def track(self, send: Awaitable) -> None:
         """Run ``send`` in the background; :meth:`close` waits for it."""
@@ -72,10 +99,15 @@ class Settlement:
         future.add_done_callback(self._sending.discard)
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Deliver what is owed before leaving (workers are waiting for it)."""
-        self.flush()
-        if self._sending:
-            await asyncio.wait(set(self._sending), timeout=timeout)
+        """Deliver what is owed before leaving (workers are waiting for it): what does not get through is sent once
+        more, within ``timeout`` in all."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        for _ in range(2):
+            self.flush()
+            if self._sending:
+                await asyncio.wait(set(self._sending), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+            if not self._owed:
+                break
 
 
 #: The longest one countersignature (or refusal) may take to deliver; a worker that never answers is not waited for.
