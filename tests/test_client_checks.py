@@ -98,7 +98,7 @@ def test_the_output_cap_follows_the_dry_run():
     assert est.outputs == (("F32", (4, 8)),) and est.output_bytes == 4 * 8 * 4
 
 
-def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered():
+def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(monkeypatch):
     """A batch of countersignatures sent while the worker's relay dies must not leave that work unpaid for good: it
     is owed again (riding on the next job there, or sent again after a pause) until a few tries have failed."""
     import gpunet.client.settlement as settlement_module
@@ -128,10 +128,7 @@ def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(
         await asyncio.gather(*s._sending)
         return transport.delivered, failures - transport.failures
 
-    settlement_module.RETRY_DELAY = 0.01
-    try:
-        assert asyncio.run(main(2)) == ([("job-1", b"sig")], 2)  # the third send got through
-        # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
-        assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)
-    finally:
-        settlement_module.RETRY_DELAY = 1.0
+    monkeypatch.setattr(settlement_module, "RETRY_DELAY", 0.01)
+    assert asyncio.run(main(2)) == ([("job-1", b"sig")], 2)  # the third send got through
+    # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
+    assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)

@@ -238,10 +238,13 @@ def test_home_worker_whose_relay_dies_keeps_serving_through_another(lab, tmp_pat
         outcome = json.loads(out.strip().splitlines()[-1])
         assert outcome["right"] == 30 and outcome["by"] == {worker.id: 30}
         books: list = []
+
+        def each_job_once():
+            books.append(_ledger_balance(worker.data_dir))
+            return books[-1] if books[-1].get(worker.id, {}).get("jobs_worked") == 30 else None
+
         try:
-            earned = wait_for(lambda: (lambda b: books.append(b) or (b if b.get(worker.id, {}).get("jobs_worked") == 30
-                                                                     else None))(_ledger_balance(worker.data_dir)),
-                              30, "the worker's ledger to hold each job once")
+            earned = wait_for(each_job_once, 30, "the worker's ledger to hold each job once")
         except TimeoutError as e:  # what it holds instead, and why, for a failure seen only in CI
             raise AssertionError(f"{e}: the worker's balance {books[-1:]}, the client's {_ledger_balance(client_dir)}"
                                  f"\n--- worker:\n{worker.output[-4000:]}\n--- client:\n{err[-3000:]}") from None

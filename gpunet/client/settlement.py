@@ -57,11 +57,15 @@ class Settlement:
             self._timer.poke()
         return owed
 
-    def give_back(self, worker_id: str, items: list[tuple[str, bytes]]) -> None:
-        """Taken but not delivered (the job failed): owed still."""
+    def give_back(self, worker_id: str, items: list[tuple[str, bytes]], after: float = 0.0) -> None:
+        """Taken but not delivered (the job failed, or the batch did not get through): owed still, sent in a batch
+        ``after`` seconds from now (plus SETTLE_DELAY) unless a job to that worker takes them first."""
         if items:
             self._owed.setdefault(worker_id, [])[:0] = items
-            self._timer.poke()
+            if after:
+                asyncio.get_running_loop().call_later(after, self._timer.poke)
+            else:
+                self._timer.poke()
 
     def flush(self) -> None:
         """Send every countersignature still owed, in one call per worker (per MAX_BATCH)."""
@@ -85,9 +89,7 @@ class Settlement:
             logger.debug("Countersignatures for worker %s did not get through (%s); %d owed again", worker_id[-8:],
                          e, len(again))
             if again:
-                self._owed.setdefault(worker_id, [])[:0] = again  # ride on the next job there, or sent again below
-                delay = RETRY_DELAY * 2 ** (min(self._failed[j] for j, _ in again) - 1)
-                asyncio.get_running_loop().call_later(delay, self._timer.poke)
+                self.give_back(worker_id, again, after=RETRY_DELAY * 2 ** (min(self._failed[j] for j, _ in again) - 1))
             raise
         for job_id, _ in items:
             self._failed.pop(job_id, None)
