@@ -62,10 +62,14 @@ class FakeTransport:
         self.client_id = client_id
         self.workers = {w.id: w for w in workers}
         self.settled: dict[str, list[str]] = {}
+        self.forgotten: list[str] = []  # workers the client said never to name as holders
         self.closed = False
 
     async def discover(self) -> list[WorkerEntry]:
         return [w.entry for w in self.workers.values()]
+
+    def forget(self, worker_id: str) -> None:
+        self.forgotten.append(worker_id)
 
     async def submit(self, worker: WorkerEntry, request: JobRequest, *, cached: bool, settlement) -> Delivery:
         w = self.workers[worker.id]
@@ -165,10 +169,11 @@ def test_a_failing_worker_is_banned_and_the_job_retried_elsewhere(tmp_path):
         assert core.router.bans[bad.id].strikes == 1 and core.router.bans[bad.id].until > 0
         return result
 
-    result = run(tmp_path, [bad, good], scenario)
+    result, transport = run(tmp_path, [bad, good], scenario, with_transport=True)
     assert torch.allclose(result.outputs, JOB.run_locally(X))
     assert result.worker_id == good.id and result.attempts == [bad.id, good.id]
     assert result.receipt.client_signature and result.receipt.worker_id == good.id
+    assert transport.forgotten == [bad.id]  # no other worker is sent to it for a program meanwhile
 
 
 def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp_path):

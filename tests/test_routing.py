@@ -1,5 +1,7 @@
 """Routing on synthetic worker views: filtering with reasons, ranking, bans, busy skips, load spreading, exploration."""
 
+import time
+
 import pytest
 
 from gpunet.client.routing import GiB, JobShape, Requirements, Router
@@ -61,6 +63,17 @@ def test_a_program_a_peer_holds_costs_a_cold_worker_less_than_our_upload_unless_
     private = JobShape(**{**big.__dict__, "private": True})
     assert r.expected_seconds(cold, private) == pytest.approx(big.program_bytes / 10e6, rel=0.01)
     assert [h.id for h in r.holders(PROGRAM, exclude="cold")] == ["holder"]
+
+
+def test_a_worker_that_just_failed_is_named_to_no_one_as_a_holder():
+    """A worker told to fetch a program from a dead peer spends seconds dialling it before it asks the client: one
+    banned for a failure is not named until its ban ends; one merely busy still is."""
+    r = router(worker("cold"), worker("dead", programs=[PROGRAM]), worker("busy", programs=[PROGRAM]))
+    r.on_failure("dead", now=time.monotonic())
+    r.on_busy("busy")
+    assert [h.id for h in r.holders(PROGRAM, exclude="cold")] == ["busy"]
+    r.bans["dead"].until = time.monotonic() - 1  # the ban is over: tried again, as for jobs
+    assert {h.id for h in r.holders(PROGRAM, exclude="cold")} == {"dead", "busy"}
 
 
 def test_each_workers_own_link_is_priced_in():

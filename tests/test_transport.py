@@ -114,3 +114,23 @@ def test_a_worker_that_failed_its_job_is_not_named_as_a_holder():
                 server.close()
 
     asyncio.run(main())
+
+
+def test_a_worker_that_ran_a_program_and_then_died_is_not_named_as_its_holder():
+    """A worker that ran the program is vouched for as a holder; once the client saw it fail (a span's worker killed),
+    a worker taking its place is not sent to fetch the program from it (it spent seconds dialling a dead peer)."""
+    async def main():
+        rpc = LocalRPC()
+        first, second = ScriptedWorker(), ScriptedWorker()
+        servers = [await _serve(rpc, w) for w in (first, second)]
+        transport = P2PTransport(dht=None, rpc=rpc)
+        try:
+            (await transport.run_stream(first.id, [], _request("a" * 32))).close()
+            transport.forget(first.id)  # what the client does when the worker stops answering
+            (await transport.run_stream(second.id, [], _request("b" * 32))).close()
+            assert second.got_program == len(PROGRAM) and second.told_holders == []
+        finally:
+            for server in servers:
+                server.close()
+
+    asyncio.run(main())

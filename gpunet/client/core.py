@@ -222,6 +222,12 @@ class ClientCore:
     def workers(self) -> list[WorkerEntry]:
         return list(self.router.workers.values())
 
+    def _strike(self, worker_id: str) -> float:
+        """A worker failed (or lied): routing bans it for a while, and no other worker is sent to it for a program
+        meanwhile. Returns the ban's length."""
+        self.transport.forget(worker_id)
+        return self.router.on_failure(worker_id)
+
     def _receipt_refused(self, receipt: Receipt, error: Exception) -> None:
         """A receipt we countersigned did not enter our ledger (its worker signature is void): that worker is broken or
         cheating; it is not paid (no valid receipt exists) and routing learns to avoid it."""
@@ -361,7 +367,7 @@ class ClientCore:
                     logger.info("The connection to worker %s broke during session step %s (%s); asking again",
                                 worker_id[-8:], p.job_id[:24], e)
                     continue
-                self.router.on_failure(worker_id)
+                self._strike(worker_id)
                 self.reputation.record(worker_id, "failure")
                 raise
             except WorkerBusy:  # its queue is full for a moment: the state is there, wait for it (backing off)
@@ -375,7 +381,7 @@ class ClientCore:
                     raise
                 continue
             except asyncio.TimeoutError:
-                self.router.on_failure(worker_id)
+                self._strike(worker_id)
                 self.reputation.record(worker_id, "failure")
                 raise JobTimeout(f"worker {worker_id[-8:]} took too long with session step {p.job_id[:24]}") from None
             finally:
@@ -674,7 +680,7 @@ class ClientCore:
                     raise _WrongAnswer(e) from None
             except _WrongAnswer as wrong:  # it answered, but not with what it was asked: honesty, not availability
                 taken.discard(worker.id)
-                ban = self.router.on_failure(worker.id)
+                ban = self._strike(worker.id)
                 self.reputation.record(worker.id, "invalid")
                 failed.add(worker.id)
                 last_error = wrong.error
@@ -688,7 +694,7 @@ class ClientCore:
                 if not req.batch:
                     # An honest worker never stops an interactive job for another: one that says so only wastes the
                     # job's time (and collects its inputs).
-                    ban = self.router.on_failure(worker.id)
+                    ban = self._strike(worker.id)
                     self.reputation.record(worker.id, "failure")
                     failed.add(worker.id)
                     logger.info("Worker %s stopped interactive job %s; banned %.0f s, retrying elsewhere",
@@ -737,7 +743,7 @@ class ClientCore:
                     logger.info("The connection to worker %s broke (%s); trying it again", worker.id[-8:], e)
                     continue
                 error = JobTimeout(f"worker {worker.id[-8:]} took too long") if isinstance(e, asyncio.TimeoutError) else e
-                ban = self.router.on_failure(worker.id)
+                ban = self._strike(worker.id)
                 self.reputation.record(worker.id, "timeout" if isinstance(error, JobTimeout) else "failure")
                 failed.add(worker.id)
                 last_error = error

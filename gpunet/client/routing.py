@@ -283,9 +283,11 @@ class Router:
 
     def holders(self, program_hash: str, exclude: str = "") -> list[WorkerEntry]:
         """Workers that should hold the program, others than ``exclude``: where a worker lacking it may fetch it
-        from. Directly reachable ones first (a relay's budget is the relayed worker's own jobs')."""
+        from; none banned for a recent failure (it may be gone). Directly reachable ones first (a relay's budget is
+        the relayed worker's own jobs')."""
+        now = time.monotonic()
         found = [e for e in self.workers.values() if e.id != exclude and e.record.reachability != "unreachable"
-                 and self.holds_program(e, program_hash)]
+                 and self.holds_program(e, program_hash) and not self._failing(e.id, now)]
         return sorted(found, key=lambda e: e.record.reachability != "direct")
 
     def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None,
@@ -422,6 +424,11 @@ class Router:
             _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
         else:
             _ema(self._overhead, worker_id, max(0.0, compute), a)
+
+    def _failing(self, worker_id: str, now: float) -> bool:
+        """Banned for a failure (not for being busy): not named to other workers as a holder meanwhile."""
+        ban = self.bans.get(worker_id)
+        return ban is not None and not ban.busy and ban.until > now
 
     def on_failure(self, worker_id: str, now: float | None = None) -> float:
         """Ban ``worker_id`` for ban_base * 2^(strikes-1) seconds (capped); returns the ban's length."""

@@ -103,6 +103,9 @@ class Transport(Protocol):
 
     async def cancel(self, worker_id: str, job_id: str) -> bool: ...
 
+    def forget(self, worker_id: str) -> None:
+        """``worker_id`` failed (it may be gone): never name it to other workers as a holder of a program."""
+
     async def close(self) -> None: ...
 
     # Optional (a transport without them: the client routes on claimed speed): speed challenges.
@@ -346,6 +349,17 @@ class P2PTransport:
             found.setdefault(peer, maddrs)
         found.pop(worker_id, None)
         return tuple(found.items())[:protocol.MAX_HOLDERS]
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that failed is named to no other as a holder: a worker told to fetch a program from a dead
+        peer spends seconds on its dials before it asks us (a span moving after its worker died waited 8 s)."""
+        for program in list(self._receiving):
+            receiving = self._receiving[program]
+            receiving.pop(worker_id, None)
+            if not receiving:
+                del self._receiving[program]
+        for ran in self._ran.values():
+            ran.pop(worker_id, None)
 
     async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
         """Countersignatures for results received through the unary door, in one call."""
