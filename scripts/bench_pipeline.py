@@ -2,12 +2,12 @@
 """A model spread over three workers, generating through an inference session, beside its baselines from this run.
 
 * tokens/s of greedy generation through a session (each span's KV cache on its worker) vs the same blocks generating
-  locally in this process (eager torch, same threads);
+  locally in this process (eager torch, same threads), in alternating rounds (--rounds) so both see the same machine;
 * per-step overhead (a step's wall time less the compute its workers did, as their receipts state it) vs the raw
   hivemind unary round trips a step needs (one per span, to the same workers, with a payload of the step's size);
 * time to recover from a killed span: the step after SIGKILLing one span's worker (it moves and replays) vs a step.
 
-    python scripts/bench_pipeline.py [--json] [--quick] [--d-model N]
+    python scripts/bench_pipeline.py [--json] [--quick] [--d-model N] [--layers N] [--rounds N]
 """
 
 from __future__ import annotations
@@ -95,13 +95,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer tokens")
     parser.add_argument("--d-model", type=int, default=768, help="width: sets the compute per step")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="local and networked generations, alternating")
     args = parser.parse_args()
     tokens = 24 if args.quick else TAB_STEPS  # one tab per span: its receipt gives the workers' compute
+    args.rounds = 1 if args.quick else args.rounds
     cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
     blocks = tiny_gpt(cfg, seed=0)
     prompt = torch.randint(0, cfg.vocab, (1, 1))  # every step one token: each step costs the same
     results: dict = {"benchmark": "pipeline", "d_model": cfg.d_model, "layers": cfg.n_layers, "tokens": tokens,
-                     "threads_per_job": 1}
+                     "rounds": args.rounds, "threads_per_job": 1}
     with LocalNetwork(network="bench-pipeline", heartbeat=2.0) as net:
         bootstrap = net.start_bootstrap()
         # Four workers on one machine: each job gets one thread (gpunet worker --threads), as the local baseline does.
@@ -116,18 +118,25 @@ def main() -> None:
                                        dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},))
             spans = [(s.start, s.stop) for s in remote.spans]
             torch.set_num_threads(1)  # as each worker's jobs run here (--threads 1)
-            want, local_times, span_times = local_steps(blocks, spans, prompt, tokens)
             with remote.session() as warm:  # programs loaded, dry runs cached, routing measured
                 remote_steps(warm, prompt, 4)
-            with remote.session() as session:
-                got, times = remote_steps(session, prompt, tokens)
-                placement = [w for _, _, w in session.placement]
-            assert got == want, "networked generation differs from local generation"
-            receipts = session.receipts  # tabs, paid by now: each span's steps, one receipt each
+            # Local and networked generations alternate, so both see the same machine: on a shared 2-vCPU VM the
+            # same run is 20% faster or slower from one minute to the next.
+            local_times, span_times, times, receipts = [], [], [], []
+            for _ in range(args.rounds):
+                want, steps, spent = local_steps(blocks, spans, prompt, tokens)
+                local_times += steps
+                span_times += spent
+                with remote.session() as session:
+                    got, steps = remote_steps(session, prompt, tokens)
+                    placement = [w for _, _, w in session.placement]
+                assert got == want, "networked generation differs from local generation"
+                times += steps
+                receipts += session.receipts  # tabs, paid by now: each span's steps, one receipt each
             # What the workers computed per step: each tab's compute time over the steps it covers.
-            worker_compute = sum(r.wall_time_us / steps_of(r.job_id) for r in receipts) / 1e6
+            worker_compute = sum(r.wall_time_us for r in receipts) / (tokens * args.rounds) / 1e6
             per_span = [r.wall_time_us / steps_of(r.job_id) / 1e6
-                        for r in sorted(receipts, key=lambda r: placement.index(r.worker_id))]
+                        for r in sorted(session.receipts, key=lambda r: placement.index(r.worker_id))]
             raw = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50)
             paced = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50, gaps=per_span)
             with remote.session() as session:
