@@ -14,6 +14,7 @@ from gpunet.job.format import ProgramParts
 from gpunet.pieces import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.worker.cache import DiskCache
+from gpunet.worker import peers
 from gpunet.worker.peers import Fetcher, PieceServer
 
 H = ProgramParts(b'{"m":1}', b"{}", hashlib.sha256(b"seed").digest() * ((2 * MIN_PIECE_BYTES + 12345) // 32)
@@ -244,3 +245,39 @@ def test_a_holder_whose_first_streams_cannot_be_opened_is_tried_again(tmp_path):
 
     assert bytes(asyncio.run(main(failures=2))) == data  # one per stream: each is tried again once
     assert asyncio.run(main(failures=100)) is None
+
+
+def test_a_busy_holder_is_not_given_up_on_for_stream_failures_spread_over_a_long_wait(tmp_path, monkeypatch):
+    """Only failures in a row end a holder's turn: waiting for one still receiving the program reopens a stream each
+    time it says busy, and a few of those opens failing here and there is not a dead peer."""
+    monkeypatch.setattr(peers, "NOT_YET_RETRY", 0.01)
+    monkeypatch.setattr(peers, "SERVE_PER_PEER", 1)  # one stream: its failures are all this test's
+    data = _program()
+    disk = DiskCache(tmp_path / "holder", 1 << 30)
+    busy = 0
+
+    def coming(program: str) -> bool:
+        nonlocal busy
+        busy += 1
+        if busy == 6:  # arrived: the next ask is served
+            disk.put(H, data)
+        return True
+
+    class EveryOtherOpenFails(_Network):
+        opens = 0
+
+        async def open(self, peer, door, maddrs=()):
+            self.opens += 1
+            if self.opens % 2 == 0:
+                raise NetworkError("stream reset")
+            return await super().open(peer, door, maddrs)
+
+    async def main():
+        net = EveryOtherOpenFails({"holder": PieceServer(disk, coming=coming)})
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), [("holder", [])], timeout=30)
+        await asyncio.gather(*net.tasks)
+        return got, net.opens
+
+    got, opens = asyncio.run(main())
+    assert got is not None and bytes(got) == data
+    assert opens > 2 * (peers.OPEN_RETRIES + 1)  # more failed opens in all than OPEN_RETRIES in a row

@@ -40,8 +40,9 @@ STREAM_LIFETIME = 600.0
 #: one is waited for that the client did not say it is sending the program to (anyone may claim to hold anything).
 NOT_YET_RETRY = 0.5
 BUSY_PATIENCE = 10.0
-#: Times a stream to a holder that could not be opened is tried again (after NOT_YET_RETRY): a holder busy loading
-#: what it just received on a loaded machine can miss one stream, and giving up on it sends the client's link a copy.
+#: Times in a row a stream to a holder that could not be opened is tried again (after NOT_YET_RETRY): a holder busy
+#: loading what it just received on a loaded machine can miss one stream, and giving up on it sends the client's link
+#: a copy.
 OPEN_RETRIES = 3
 #: Times in all the holders the client vouches for (``coming``) are asked, when every stream to them ends early.
 VOUCHED_ROUNDS = 3
@@ -257,6 +258,7 @@ class _Fetch:
                         raise
                     await asyncio.sleep(NOT_YET_RETRY)
                     continue
+                failed_opens = 0  # failures in a row: a long wait for a busy holder may meet a few, spread out
                 try:
                     while (index := await self._next()) is not None:
                         ok = await self._one(peer, reader, writer, index)
