@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Iterable
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings import control as _daemon_control
 from hivemind.p2p.p2p_daemon_bindings.utils import DEFAULT_MAX_BITS
+from hivemind.p2p.p2p_daemon_bindings.utils import write_pbmsg as _hivemind_write_pbmsg
 from hivemind.utils.multiaddr import Multiaddr
 
 from gpunet import protocol
@@ -45,8 +46,8 @@ def quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: dict) -> None:
 
 async def _write_pbmsg_whole(stream: asyncio.StreamWriter, pbmsg) -> None:
     """hivemind's ``write_pbmsg``, in one write: its own writes each byte of the length prefix separately, each
-    followed by a drain, so every message to or from the p2p daemon (each unary call, each reply) took three
-    writes, and could wake the daemon three times. On a small machine that is most of a small call's cost."""
+    followed by a drain, so every message to or from the p2p daemon (each unary call, each reply) took a write per
+    prefix byte plus one (three for most), each of which could wake the daemon."""
     size = pbmsg.ByteSize()
     if size >= 1 << DEFAULT_MAX_BITS:
         raise ValueError(f"integer too large: {size}")
@@ -60,7 +61,8 @@ async def _write_pbmsg_whole(stream: asyncio.StreamWriter, pbmsg) -> None:
     await stream.drain()
 
 
-_daemon_control.write_pbmsg = _write_pbmsg_whole  # the daemon client's every write goes through this name
+if _daemon_control.write_pbmsg is _hivemind_write_pbmsg:  # the daemon client's every write goes through this name
+    _daemon_control.write_pbmsg = _write_pbmsg_whole  # (a hivemind that changed it is left as it is)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="local and networked generations, alternating")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds takes 1 or more")
     tokens = 24 if args.quick else TAB_STEPS  # one tab per span: its receipt gives the workers' compute
     args.rounds = 1 if args.quick else args.rounds
     cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
@@ -135,6 +137,7 @@ def main() -> None:
                 receipts += session.receipts  # tabs, paid by now: each span's steps, one receipt each
             # What the workers computed per step: each tab's compute time over the steps it covers.
             worker_compute = sum(r.wall_time_us for r in receipts) / (tokens * args.rounds) / 1e6
+            # Each span's compute in the last round (its placement): how long the paced round trips wait after each.
             per_span = [r.wall_time_us / steps_of(r.job_id) / 1e6
                         for r in sorted(session.receipts, key=lambda r: placement.index(r.worker_id))]
             raw = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50)

@@ -176,6 +176,19 @@ def test_a_failing_worker_is_banned_and_the_job_retried_elsewhere(tmp_path):
     assert transport.forgotten == [bad.id]  # no other worker is sent to it for a program meanwhile
 
 
+def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
+    stays, leaves = FakeWorker("stays"), FakeWorker("leaves")
+
+    async def scenario(core):
+        del core.transport.workers[leaves.id]  # its record lapsed: gone, or going
+        await core.refresh()
+        core.transport.workers.clear()  # a look that finds nobody says little: nobody is forgotten for it
+        await core.refresh()
+
+    _, transport = run(tmp_path, [stays, leaves], scenario, with_transport=True)
+    assert transport.forgotten == [leaves.id]
+
+
 def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp_path):
     """Churn can empty the network for a moment (every worker restarting, their records lapsed together): a job that
     already tried workers looks again for a while instead of failing with NoWorkersAvailable at once."""

@@ -5,6 +5,7 @@ after the first job ended and before any record says so, is told to fetch it fro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 from gpunet import protocol
@@ -57,19 +58,24 @@ def _request(job_id: str) -> JobRequest:
     return JobRequest(job_id, sha256_hex(PROGRAM), PROGRAM, b"", timeout=30, max_price=None)
 
 
-async def _serve(rpc: LocalRPC, worker: ScriptedWorker):
-    server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)
-    rpc.ports[worker.id] = server.sockets[0].getsockname()[1]
-    return server
+@contextlib.asynccontextmanager
+async def _network(*workers: ScriptedWorker):
+    """A client transport whose streams reach ``workers``, each served on a local socket."""
+    rpc, servers = LocalRPC(), []
+    try:
+        for worker in workers:
+            servers.append(await asyncio.start_server(worker.handle, "127.0.0.1", 0))
+            rpc.ports[worker.id] = servers[-1].sockets[0].getsockname()[1]
+        yield P2PTransport(dht=None, rpc=rpc)
+    finally:
+        for server in servers:
+            server.close()
 
 
 def test_a_worker_that_ran_a_program_is_named_as_its_holder_after_its_job_ended():
     async def main():
-        rpc = LocalRPC()
         first, second = ScriptedWorker(), ScriptedWorker()
-        servers = [await _serve(rpc, w) for w in (first, second)]
-        transport = P2PTransport(dht=None, rpc=rpc)
-        try:
+        async with _network(first, second) as transport:
             delivery = await transport.run_stream(first.id, ["/ip4/127.0.0.1/tcp/1"], _request("a" * 32))
             delivery.close()
             assert first.got_program == len(PROGRAM)
@@ -80,9 +86,6 @@ def test_a_worker_that_ran_a_program_is_named_as_its_holder_after_its_job_ended(
             assert second.told_holders == [first.id]
             assert second.told_coming == {first.id}  # vouched for: worth waiting for while it serves others
             assert transport.program_bytes_sent == len(PROGRAM)
-        finally:
-            for server in servers:
-                server.close()
 
     asyncio.run(main())
 
@@ -97,11 +100,8 @@ def test_a_worker_that_failed_its_job_is_not_named_as_a_holder():
             writer.close()  # gone before any result
 
     async def main():
-        rpc = LocalRPC()
         first, second = Failing(), ScriptedWorker()
-        servers = [await _serve(rpc, w) for w in (first, second)]
-        transport = P2PTransport(dht=None, rpc=rpc)
-        try:
+        async with _network(first, second) as transport:
             try:
                 await transport.run_stream(first.id, [], _request("a" * 32))
             except protocol.ProtocolError:
@@ -109,9 +109,6 @@ def test_a_worker_that_failed_its_job_is_not_named_as_a_holder():
             delivery = await transport.run_stream(second.id, [], _request("b" * 32))
             delivery.close()
             assert second.got_program == len(PROGRAM) and second.told_holders == []
-        finally:
-            for server in servers:
-                server.close()
 
     asyncio.run(main())
 
@@ -120,17 +117,11 @@ def test_a_worker_that_ran_a_program_and_then_died_is_not_named_as_its_holder():
     """A worker that ran the program is vouched for as a holder; once the client saw it fail (a span's worker killed),
     a worker taking its place is not sent to fetch the program from it (it spent seconds dialling a dead peer)."""
     async def main():
-        rpc = LocalRPC()
         first, second = ScriptedWorker(), ScriptedWorker()
-        servers = [await _serve(rpc, w) for w in (first, second)]
-        transport = P2PTransport(dht=None, rpc=rpc)
-        try:
+        async with _network(first, second) as transport:
             (await transport.run_stream(first.id, [], _request("a" * 32))).close()
             transport.forget(first.id)  # what the client does when the worker stops answering
             (await transport.run_stream(second.id, [], _request("b" * 32))).close()
             assert second.got_program == len(PROGRAM) and second.told_holders == []
-        finally:
-            for server in servers:
-                server.close()
 
     asyncio.run(main())

@@ -204,6 +204,9 @@ class ClientCore:
 
     async def refresh(self) -> list[WorkerEntry]:
         entries = await self.transport.discover()
+        if entries:  # those whose records lapsed are gone, or going: not named as holders (an empty look says little)
+            for gone in self.router.workers.keys() - {e.id for e in entries}:
+                self._forget(gone)
         self.router.update(entries)
         if entries:
             self._fresh.set()
@@ -223,10 +226,17 @@ class ClientCore:
         return list(self.router.workers.values())
 
     def _strike(self, worker_id: str) -> float:
-        """A worker failed (or lied): routing bans it for a while, and no other worker is sent to it for a program
-        meanwhile. Returns the ban's length."""
-        self.transport.forget(worker_id)
+        """A worker failed (or lied): routing bans it for a while, and no other worker is sent to it for a program.
+        Returns the ban's length. Forgotten on any failure, not only an unreachable one: a worker that failed may be
+        dying, and one that lied only wastes a fetcher's time (pieces are checked), while a dead holder costs a cold
+        worker seconds of dialling; forgetting a live one costs at most one upload from here."""
+        self._forget(worker_id)
         return self.router.on_failure(worker_id)
+
+    def _forget(self, worker_id: str) -> None:
+        forget = getattr(self.transport, "forget", None)  # optional, as a transport's speed challenges are
+        if forget is not None:
+            forget(worker_id)
 
     def _receipt_refused(self, receipt: Receipt, error: Exception) -> None:
         """A receipt we countersigned did not enter our ledger (its worker signature is void): that worker is broken or
@@ -339,6 +349,7 @@ class ClientCore:
         while True:
             worker = self.router.workers.get(worker_id)
             if worker is None:
+                self._forget(worker_id)
                 raise SessionLost(f"worker {worker_id[-8:]} holding the session has left the network")
             remaining = p.deadline - time.monotonic()
             if remaining <= 0:

@@ -103,10 +103,10 @@ class Transport(Protocol):
 
     async def cancel(self, worker_id: str, job_id: str) -> bool: ...
 
-    def forget(self, worker_id: str) -> None:
-        """``worker_id`` failed (it may be gone): never name it to other workers as a holder of a program."""
-
     async def close(self) -> None: ...
+
+    # Optional: a worker that failed or left is not named to others as a program's holder.
+    # def forget(self, worker_id: str) -> None: ...
 
     # Optional (a transport without them: the client routes on claimed speed): speed challenges.
     # async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]: ...
@@ -351,8 +351,9 @@ class P2PTransport:
         return tuple(found.items())[:protocol.MAX_HOLDERS]
 
     def forget(self, worker_id: str) -> None:
-        """A worker that failed is named to no other as a holder: a worker told to fetch a program from a dead
-        peer spends seconds on its dials before it asks us (a span moving after its worker died waited 8 s)."""
+        """A worker that failed or left is named to no other as a holder (until it runs the program for us again):
+        a worker told to fetch a program from a dead peer spends seconds on its dials before it asks us (a span
+        moving after its worker died waited 8 s)."""
         for program in list(self._receiving):
             receiving = self._receiving[program]
             receiving.pop(worker_id, None)
