@@ -125,3 +125,40 @@ def test_a_worker_that_ran_a_program_and_then_died_is_not_named_as_its_holder():
             assert second.got_program == len(PROGRAM) and second.told_holders == []
 
     asyncio.run(main())
+
+
+def test_a_worker_still_receiving_a_program_is_not_named_once_forgotten():
+    """A worker the client is sending the program to is named as a holder-to-be; forgotten (it failed elsewhere, or
+    its record lapsed), it is not, even while that upload is still going."""
+    class Slow(ScriptedWorker):
+        def __init__(self):
+            super().__init__()
+            self.asked, self.go_on = asyncio.Event(), asyncio.Event()
+
+        async def handle(self, reader, writer) -> None:
+            await protocol.read(reader, Submit)
+            await protocol.write(writer, Send(True, False, pieces=True))
+            self.asked.set()
+            await self.go_on.wait()  # the program is on its way: the client lists this worker as receiving it
+            reply = await protocol.read(reader, Payload, Pieces)
+            self.got_program = len(await protocol.read_payload(reader, reply.program_size, len(PROGRAM), "program"))
+            await protocol.write(writer, Result(2, worker_signed(self.identity, CLIENT, "a" * 32).to_bytes(), b"ok"))
+            writer.close()
+
+    async def main():
+        first, second, third = Slow(), ScriptedWorker(), ScriptedWorker()
+        async with _network(first, second, third) as transport:
+            upload = asyncio.ensure_future(transport.run_stream(first.id, [], _request("a" * 32)))
+            await first.asked.wait()
+            async with asyncio.timeout(10):  # its Send answered: the client lists it as receiving the program
+                while first.id not in transport._receiving.get(sha256_hex(PROGRAM), {}):
+                    await asyncio.sleep(0.01)
+            (await transport.run_stream(second.id, [], _request("b" * 32))).close()
+            assert second.told_holders == [first.id]  # named while it receives the program
+            transport.forget(first.id)
+            (await transport.run_stream(third.id, [], _request("c" * 32))).close()
+            assert third.told_holders == [second.id]  # second, which ran it from the pieces; not first
+            first.go_on.set()
+            (await upload).close()
+
+    asyncio.run(main())
