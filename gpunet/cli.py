@@ -199,6 +199,10 @@ def worker(
     fault_corrupt_pieces: bool = typer.Option(
         _WORKER.fault_corrupt_pieces, "--fault-corrupt-pieces", hidden=True,
         help="FAULT INJECTION for tests: serve other workers program pieces with one byte wrong."),
+    fault_corrupt_pushes: bool = typer.Option(
+        _WORKER.fault_corrupt_pushes, "--fault-corrupt-pushes", hidden=True,
+        help="FAULT INJECTION for tests: push the next span's worker a session step output with one byte wrong "
+             "(and answer the client rightly)."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU; `gpunet worker pause` / `resume`
@@ -244,6 +248,7 @@ def worker(
         fake_gpu_probe=fake_gpu_probe,
         fault_corrupt_fraction=fault_corrupt_fraction,
         fault_corrupt_pieces=fault_corrupt_pieces,
+        fault_corrupt_pushes=fault_corrupt_pushes,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)

@@ -163,7 +163,7 @@ def _generation(console: Console, client: gpunet.Client, workers: int, new_token
             token = int(session.step(x)[0, -1].argmax())
             tokens.append(token)
             x = torch.tensor([[token]])
-        placement = session.placement
+        placement, pushed = session.placement, session.pushed
     seconds = time.perf_counter() - start
     receipts = session.receipts  # closing the session billed the steps of its last tabs
     want = generate_locally(blocks, prompt, new_tokens)
@@ -182,6 +182,9 @@ def _generation(console: Console, client: gpunet.Client, workers: int, new_token
     console.print(table)
     console.print(f"generated {new_tokens} tokens in {seconds:.1f} s ({new_tokens / seconds:.1f} tokens/s), "
                   f"identical to generating locally: {tokens}", soft_wrap=True)
+    if len(placement) > 1:
+        console.print(f"{pushed} of {(len(placement) - 1) * new_tokens} span inputs went straight from worker to "
+                      "worker (the first step opens each span's session by way of this client)", soft_wrap=True)
     per_worker = Counter()
     for r in client.ledger.receipts():
         per_worker[r.worker_id] += steps_of(r.job_id)

@@ -65,7 +65,11 @@ MIN_PAYLOAD_RATE = 1 << 20
 MAX_PING_BYTES = 4096
 #: Countersignatures one message may carry.
 MAX_SETTLE_ITEMS = 1024
+#: The biggest session step output a worker pushes to the next span's worker (docs/sessions.md, pushed steps); a
+#: bigger one goes by way of the client.
+MAX_PUSH_BYTES = 1 << 20
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
+_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}\Z")  # base58
 PROGRAM_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")  # it becomes a file name: no path tricks
 _LEN = struct.Struct(">I")
 
@@ -83,6 +87,7 @@ class Door(enum.Enum):
     REACH = ("reach", True)  # a stream: the answering node must see the caller's address
     RELAY_PROBE = ("relay-probe", True)  # a bootstrap node's own check of its relay (gpunet.dht.reachability)
     PIECE = ("piece", True)  # a worker fetching a program it lacks from a peer that holds it (gpunet.worker.peers)
+    PUSH = ("push", False, MAX_PUSH_BYTES + 4096)  # a session step's output, straight to the next span's worker
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
         """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
@@ -193,17 +198,42 @@ def _session_id(d: dict, name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class PushTo:
+    """Where a session step's output goes besides its client: the worker holding the next span (``peer``), as the
+    input of step ``step`` of that span's session ``session`` (the same client's)."""
+
+    peer: str
+    session: str
+    step: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"peer": self.peer, "session": self.session, "step": self.step}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> "PushTo":
+        if not isinstance(d, dict):
+            raise ProtocolError("push must be a map")
+        return cls(_peer_id(d, "peer"), _session_id(d, "session"), _step(d, "step"))
+
+
+@dataclass(frozen=True, slots=True)
 class SessionStep:
     """A job that is one step of an inference session (docs/sessions.md): the program's last ``state`` inputs are
     held on the worker between steps instead of sent. ``step`` 0 opens the session (its state given by the client,
     or ``fresh``: zeros of the declared shapes); each next step must be the one after the last; ``close`` drops the
-    state once this step is done; ``ttl``: seconds the state may stay idle."""
+    state once this step is done; ``ttl``: seconds the state may stay idle.
+
+    Pushed steps (Petals' server-to-server hops): ``push_to`` asks the worker to send its output on to the next span's
+    worker as well; ``input_from`` says this step's input comes that way, from that worker (the job then carries
+    no inputs, and its answer says the hash of the input it used, for the client to compare)."""
 
     id: str
     step: int
     fresh: bool = False
     close: bool = False
     ttl: float = 300.0
+    input_from: str | None = None
+    push_to: PushTo | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = {"id": self.id, "step": self.step, "ttl": float(self.ttl)}
@@ -211,6 +241,10 @@ class SessionStep:
             d["fresh"] = True
         if self.close:
             d["close"] = True
+        if self.input_from is not None:
+            d["from"] = self.input_from
+        if self.push_to is not None:
+            d["push"] = self.push_to.to_wire()
         return d
 
     @classmethod
@@ -218,15 +252,55 @@ class SessionStep:
         if not isinstance(d, dict):
             raise ProtocolError("session must be a map")
         session_id = _session_id(d, "id")
-        step = _size(d, "step")
-        if step >= MAX_SESSION_STEP:
-            raise ProtocolError("session step out of range")
+        step = _step(d, "step")
         ttl = _get(d, "ttl", (int, float), optional=True)
         ttl = 300.0 if ttl is None else float(ttl)
         if not (0 < ttl <= MAX_SESSION_TTL):  # also refuses NaN
             raise ProtocolError(f"session ttl must be between 0 and {MAX_SESSION_TTL:.0f} s")
+        input_from = _peer_id(d, "from") if d.get("from") is not None else None
+        push_to = PushTo.from_wire(d["push"]) if d.get("push") is not None else None
+        if input_from is not None and step == 0:
+            raise ProtocolError("a session's first step cannot take a pushed input: it opens the session")
         return cls(session_id, step, bool(_get(d, "fresh", bool, optional=True)),
-                   bool(_get(d, "close", bool, optional=True)), ttl)
+                   bool(_get(d, "close", bool, optional=True)), ttl, input_from, push_to)
+
+
+def _step(d: dict, name: str) -> int:
+    step = _size(d, name)
+    if step >= MAX_SESSION_STEP:
+        raise ProtocolError("session step out of range")
+    return step
+
+
+def _peer_id(d: dict, name: str) -> str:
+    peer_id = _get(d, name, str)
+    if not _PEER_ID_RE.match(peer_id):
+        raise ProtocolError(f"{name} must be a base58 peer id")
+    return peer_id
+
+
+@dataclass(frozen=True, slots=True)
+class Push(Message):
+    """One worker's session step output, sent to the worker holding the next span as the input of that span's step
+    (``SessionStep.push_to``); ``inputs`` None: it will not come (the step failed, or its output is too big to push),
+    ask the client for it."""
+
+    T: ClassVar[str] = "push"
+    client: str  # whose session
+    session: str
+    step: int
+    inputs: bytes | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "client": self.client, "session": self.session, "step": self.step,
+                "inputs": self.inputs}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Push":
+        inputs = _get(d, "inputs", bytes, optional=True)
+        if inputs is not None and len(inputs) > MAX_PUSH_BYTES:
+            raise ProtocolError(f"a pushed input is at most {MAX_PUSH_BYTES} bytes")
+        return cls(_peer_id(d, "client"), _session_id(d, "session"), _step(d, "step"), inputs)
 
 
 #: The market's lanes (docs/market.md), highest priority first; a client asks for one of CLIENT_LANES.
@@ -288,6 +362,8 @@ class Submit(Message):
         deadline = _time(d, "deadline") if d.get("deadline") is not None else None
         if deadline is not None and deadline <= 0:
             raise ProtocolError("deadline must be a unix time")
+        if session is not None and session.input_from is not None and inputs != b"":
+            raise ProtocolError("a step whose input is pushed to the worker carries no inputs of its own")
         return cls(_job_id(d), program, inputs_size, inputs, timeout, _get(d, "max_price", int, optional=True),
                    settle, malformed, bool(_get(d, "private", bool, optional=True)), session, lane, deadline)
 
@@ -317,7 +393,6 @@ class Send(Message):
 #: Peers one Pieces message may name, and addresses per peer.
 MAX_HOLDERS = 8
 MAX_HOLDER_MADDRS = 4
-_PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}\Z")  # base58
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,11 +500,14 @@ class Result(Message):
     outputs_size: int
     receipt: bytes
     outputs: bytes | None = None
+    input_hash: str | None = None  # a step whose input was pushed: the sha256 of the input it ran on
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "outputs_size": self.outputs_size, "receipt": self.receipt}
         if self.outputs is not None:
             d["outputs"] = self.outputs
+        if self.input_hash is not None:
+            d["input_hash"] = self.input_hash
         return d
 
     @classmethod
@@ -438,7 +516,10 @@ class Result(Message):
         outputs = _get(d, "outputs", bytes, optional=True)
         if outputs is not None and len(outputs) != size:
             raise ProtocolError("inline outputs do not match their declared size")
-        return cls(size, _get(d, "receipt", bytes), outputs)
+        input_hash = _get(d, "input_hash", str, optional=True)
+        if input_hash is not None and not PROGRAM_HASH_RE.match(input_hash):
+            raise ProtocolError("input_hash must be 64 lowercase hex characters")
+        return cls(size, _get(d, "receipt", bytes), outputs, input_hash)
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,19 +124,26 @@ def main() -> None:
                 remote_steps(warm, prompt, 4)
             # Local and networked generations alternate, so both see the same machine: on a shared 2-vCPU VM the
             # same run is 20% faster or slower from one minute to the next.
+            # Each round also generates with pushes off (every activation by way of the client), the way steps went
+            # before workers passed them on to each other: the gain from pushing, in the same run.
             local_times, span_times, times, receipts = [], [], [], []
+            via_client, via_client_receipts, pushed = [], [], 0
             for _ in range(args.rounds):
                 want, steps, spent = local_steps(blocks, spans, prompt, tokens)
                 local_times += steps
                 span_times += spent
-                with remote.session() as session:
-                    got, steps = remote_steps(session, prompt, tokens)
-                    placement = [w for _, _, w in session.placement]
-                assert got == want, "networked generation differs from local generation"
-                times += steps
-                receipts += session.receipts  # tabs, paid by now: each span's steps, one receipt each
+                for push in (True, False):
+                    with remote.session(push=push) as session:
+                        got, steps = remote_steps(session, prompt, tokens)
+                        placement = [w for _, _, w in session.placement]
+                    assert got == want, "networked generation differs from local generation"
+                    (times if push else via_client).extend(steps)
+                    # tabs, paid by now: each span's steps, one receipt each
+                    (receipts if push else via_client_receipts).extend(session.receipts)
+                    pushed += session.pushed
             # What the workers computed per step: each tab's compute time over the steps it covers.
             worker_compute = sum(r.wall_time_us for r in receipts) / (tokens * args.rounds) / 1e6
+            via_client_compute = sum(r.wall_time_us for r in via_client_receipts) / (tokens * args.rounds) / 1e6
             # Each span's compute in the last round (its placement): how long the paced round trips wait after each.
             per_span = [r.wall_time_us / steps_of(r.job_id) / 1e6
                         for r in sorted(session.receipts, key=lambda r: placement.index(r.worker_id))]
@@ -162,6 +169,9 @@ def main() -> None:
             "worker_compute_per_step_ms": worker_compute * 1e3,
             # a step's mean wall time less the workers' mean compute per step (tabs give the mean, not each step's)
             "overhead_ms": (statistics.mean(steady) - worker_compute) * 1e3,
+            "pushed_share": pushed / (len(steady) * (len(spans) - 1)),
+            "via_client_tokens_per_s": len(via_client) / sum(via_client),
+            "via_client_overhead_ms": (statistics.mean(via_client) - via_client_compute) * 1e3,
             "raw_round_trips_p50_ms": statistics.median(raw) * 1e3,
             "paced_round_trips_p50_ms": statistics.median(paced) * 1e3,
             "spans": len(spans),
@@ -176,6 +186,9 @@ def main() -> None:
           f"{r['network_tokens_per_s']:.1f} tokens/s | locally {r['local_tokens_per_s']:.1f} tokens/s "
           f"({r['efficiency'] * 100:.0f}%); compute per step {r['compute_per_step_ms']:.1f} ms here, "
           f"{r['worker_compute_per_step_ms']:.1f} ms on the workers")
+    print(f"with pushes off (every activation by way of the client): {r['via_client_tokens_per_s']:.1f} tokens/s, "
+          f"overhead {r['via_client_overhead_ms']:.2f} ms per step; {r['pushed_share'] * 100:.0f}% of span inputs "
+          "went worker to worker with pushes on")
     print(f"per-step overhead {r['overhead_ms']:.2f} ms | {r['spans']} raw hivemind round trips "
           f"{r['raw_round_trips_p50_ms']:.2f} ms back to back ({r['overhead_vs_raw']:.2f}x), "
           f"{r['paced_round_trips_p50_ms']:.2f} ms paced like a step ({r['overhead_vs_paced']:.2f}x)")

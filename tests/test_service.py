@@ -12,6 +12,7 @@ from gpunet.errors import (
     JobRejected,
     ProgramNotCached,
     ProtocolError,
+    SessionLost,
     WorkerBusy,
 )
 from gpunet.ledger import Identity, Ledger, countersign, sign_as_worker
@@ -617,5 +618,98 @@ def test_a_session_step_whose_client_hangs_up_runs_to_its_end_and_a_retry_gets_i
             executor.gate.set()
             assert (await retry).outputs == b"out" and executor.runs == 3
             assert service.sessions.running(ALICE, "s1") is False
+
+        asyncio.run(scenario())
+
+
+class SpanExecutor(GatedExecutor):
+    """A span's step: answers one tensor (what a span returns besides its state); keeps the inputs it ran on."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate.set()
+        self.inputs: list[bytes] = []
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
+        import torch
+
+        from gpunet.job import tensors
+
+        self.inputs.append(bytes(inputs))
+        return SimpleNamespace(outputs=tensors.encode({"output_0": torch.full((1, 1, 4), float(len(self.inputs)))}),
+                               flops=10**9, wall_time=0.001, state_bytes=4, started_at=0.0, ended_at=0.0)
+
+
+class PushesHeard:
+    """Stands in for the worker's RPC: the pushes it sends."""
+
+    def __init__(self):
+        self.sent: list[tuple[str, protocol.Push]] = []
+
+    async def call(self, peer_id, door, message, *expect):
+        self.sent.append((peer_id, message))
+        return Ok()
+
+
+def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_own_output_on(tmp_path):
+    """The input of a pushed step comes from the worker the client named, for a session open here, and nobody else;
+    the answer says the hash of that input; the output goes on to the next span's worker as its input; a step whose
+    push does not come stops waiting when its client cancels it."""
+    from gpunet.utils import sha256_hex
+    from gpunet.worker.service import _as_next_input
+
+    before, after = Identity.generate().peer_id, Identity.generate().peer_id
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        executor = SpanExecutor()
+        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
+        service._rpc = rpc = PushesHeard()
+
+        def pushed(step: int) -> Submit:
+            return Submit(f"s.{step}p", PROGRAM, 0, b"", session=protocol.SessionStep(
+                "s", step, input_from=before, push_to=protocol.PushTo(after, "t", step)))
+
+        async def push(sender: str, client: str, session: str, step: int, data: bytes | None):
+            reply = await service._handle_push(protocol.encode(protocol.Push(client, session, step, data)), sender)
+            return protocol.decode(reply, Ok, protocol.Error)
+
+        async def scenario():
+            await service._execute(ALICE, job("s.0", session=protocol.SessionStep("s", 0)), _UnaryPayloads(), None)
+            with pytest.raises(SessionLost):  # nobody waits here for a push to a session not held here
+                await service._execute(BOB, pushed(1), _UnaryPayloads(), None)
+            # Nobody can park bytes for a session not held here (another client's, a guessed one, a closed one).
+            refused = await push(before, BOB, "s", 1, b"x")
+            assert isinstance(refused, protocol.Error) and refused.code == "session_lost"
+            # A stranger's push for Alice's open session is held apart: the step takes only its named worker's.
+            assert isinstance(await push(CAROL, ALICE, "s", 1, b"forged"), Ok)
+            assert isinstance(await push(before, ALICE, "s", 1, b"right"), Ok)
+            outcome = await service._execute(ALICE, pushed(1), _UnaryPayloads(), None)
+            assert executor.inputs[-1] == b"right" and outcome.input_hash == sha256_hex(b"right")
+            await until(lambda: rpc.sent, "the output to be pushed on")
+            assert rpc.sent == [(after, protocol.Push(BOB, "t", 1, None)),  # Bob's refused step: "it will not come"
+                                (after, protocol.Push(ALICE, "t", 1, _as_next_input(outcome.outputs)))]
+
+            # The step can come first; its push then goes straight to it.
+            step = asyncio.ensure_future(service._execute(ALICE, pushed(2), _UnaryPayloads(), None))
+            await until(lambda: service.pushes._waiting, "the step to wait for its push")
+            assert isinstance(await push(before, ALICE, "s", 2, b"later"), Ok)
+            assert (await step).input_hash == sha256_hex(b"later")
+
+            # A push that will not come (the worker before failed): the step is refused at once, untouched, and
+            # the next span's worker hears the same from this one.
+            assert isinstance(await push(before, ALICE, "s", 3, None), Ok)
+            with pytest.raises(JobRejected, match="did not come"):
+                await service._execute(ALICE, pushed(3), _UnaryPayloads(), None)
+            await until(lambda: len(rpc.sent) == 4, "the refusal to be passed on")
+            assert rpc.sent[-1] == (after, protocol.Push(ALICE, "t", 3, None))
+            # The client gave up on it (its cancel): the step stops waiting, and the same step sent with its input
+            # runs.
+            step = asyncio.ensure_future(service._execute(ALICE, pushed(3), _UnaryPayloads(), None))
+            await until(lambda: service.pushes._waiting, "the step to wait for its push")
+            assert await cancel_by_rpc(service, ALICE, "s.3p")
+            with pytest.raises(JobRejected, match="did not come"):
+                await step
+            await service._execute(ALICE, job("s.3", session=protocol.SessionStep("s", 3)), _UnaryPayloads(), None)
+            assert executor.inputs[-1] == b"abcd" and len(executor.inputs) == 4
 
         asyncio.run(scenario())

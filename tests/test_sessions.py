@@ -12,6 +12,7 @@ from gpunet.client.sequential import _SpanModule, plan_spans, spans_needed
 from gpunet.errors import JobRejected, ProtocolError, SessionLost, UnsupportedProgram, WorkerBusy
 from gpunet.job import Job
 from gpunet.job.format import Manifest
+from gpunet.identity import Identity
 from gpunet.models import TinyConfig, generate_locally, tiny_gpt
 from gpunet.ledger.tabs import TAB_FLOPS, TAB_STEPS, Tab, parse, steps_of
 from gpunet.worker.sessions import SessionLimits, Sessions
@@ -250,6 +251,89 @@ def test_session_steps_parse_strictly():
         protocol.Submit.from_wire(wire)
     err = protocol.Error.of(SessionLost("gone"))
     assert err.code == "session_lost" and isinstance(err.exception(), SessionLost)
+
+
+def test_pushed_steps_parse_strictly():
+    peer = Identity.generate().peer_id
+    pushed = protocol.Submit("abc.3p", "0" * 64, 0, b"", session=protocol.SessionStep(
+        "abc", 3, input_from=peer, push_to=protocol.PushTo(peer, "def", 3)))
+    assert protocol.decode(protocol.encode(pushed), protocol.Submit) == pushed
+    for bad in ({"from": "not a peer id"}, {"from": peer, "step": 0},  # step 0 opens the session: sent whole
+                {"push": {"peer": peer, "session": "a.b", "step": 3}}, {"push": {"peer": "x", "session": "d", "step": 3}},
+                {"push": {"peer": peer, "session": "d", "step": -1}}, {"push": [peer, "d", 3]}):
+        wire = pushed.to_wire()
+        wire["session"] = {**wire["session"], **bad}
+        with pytest.raises(ProtocolError):
+            protocol.Submit.from_wire(wire)
+    wire = pushed.to_wire()
+    wire["inputs"], wire["inputs_size"] = b"abc", 3  # its input comes from the other worker, never with it
+    with pytest.raises(ProtocolError, match="carries no inputs"):
+        protocol.Submit.from_wire(wire)
+    push = protocol.Push(peer, "def", 3, b"x" * (protocol.MAX_PUSH_BYTES + 1))
+    with pytest.raises(ProtocolError, match="at most"):
+        protocol.decode(protocol.encode(push), protocol.Push)
+    result = protocol.Result(3, b"", b"xyz", "not a hash")
+    with pytest.raises(ProtocolError, match="input_hash"):
+        protocol.decode(protocol.encode(result), protocol.Result)
+
+
+def test_a_pushed_input_reaches_only_the_step_that_names_its_sender_and_what_waits_is_bounded():
+    from gpunet.worker.pushes import Pushes
+
+    async def scenario():
+        pushes = Pushes(max_bytes=10, max_held=2, keep=5.0)
+        # Pushed before the step asks: held for it, and taken once.
+        assert pushes.offer("w1", "alice", "s", 1, b"abc", now=0.0)
+        assert not pushes.offer("w1", "alice", "s", 1, b"abc", now=0.0)  # one per sender and step
+        assert await pushes.take("w1", "alice", "s", 1, timeout=1) == b"abc"
+        assert len(pushes) == 0 and pushes.held_bytes == 0
+        # The step asks first: the push goes straight to it.
+        waiting = asyncio.ensure_future(pushes.take("w1", "alice", "s", 2, timeout=5))
+        await asyncio.sleep(0)
+        assert pushes.offer("w1", "alice", "s", 2, b"def", now=1.0)
+        assert await waiting == b"def"
+        # Someone other than the worker the step names pushes: held apart, never given to that step.
+        assert pushes.offer("mallory", "alice", "s", 3, b"bad", now=1.0)
+        assert await pushes.take("w1", "alice", "s", 3, timeout=0.05) is None
+        # Bounded: by bytes and by count; and what waits too long goes.
+        assert not pushes.offer("w1", "bob", "t", 1, b"x" * 8, now=1.0)  # 3 + 8 > 10 bytes
+        assert pushes.offer("w1", "bob", "t", 1, b"x" * 7, now=1.0)
+        assert not pushes.offer("w1", "carol", "u", 1, b"", now=1.0)  # two held already
+        assert pushes.offer("w1", "carol", "u", 1, b"", now=7.0)  # the two before expired
+        assert pushes.held_bytes == 0 and len(pushes) == 1
+        one = Pushes(max_per_sender=2)  # one sender cannot take the room of all
+        assert one.offer("w1", "a", "s", 1, b"", now=0) and one.offer("w1", "a", "s", 2, b"", now=0)
+        assert not one.offer("w1", "a", "s", 3, b"", now=0) and one.offer("w2", "a", "s", 3, b"", now=0)
+        # "It will not come" (None) ends the wait at once; so does a cancel, or another step of the session.
+        waiting = asyncio.ensure_future(pushes.take("w1", "alice", "s", 4, timeout=5))
+        await asyncio.sleep(0)
+        assert pushes.offer("w1", "alice", "s", 4, None, now=7.0) and await waiting is None
+        waiting = asyncio.ensure_future(pushes.take("w1", "alice", "s", 5, timeout=5))
+        await asyncio.sleep(0)
+        pushes.call_off("alice", "s")
+        assert await waiting is None
+        first = asyncio.ensure_future(pushes.take("w1", "alice", "s", 6, timeout=5))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(pushes.take("w1", "alice", "s", 7, timeout=5))
+        await asyncio.sleep(0)
+        assert await first is None and not second.done()
+        pushes.offer("w1", "alice", "s", 7, b"g", now=7.0)
+        assert await second == b"g"
+
+    asyncio.run(scenario())
+
+
+def test_a_pushed_output_is_byte_for_byte_the_input_the_client_would_send():
+    """Both sides hash the same bytes: the next span's worker bills (and the client checks) the input it ran on."""
+    from gpunet.job import tensors
+    from gpunet.worker.service import TENSOR_ALIGN, _as_next_input
+
+    assert TENSOR_ALIGN == tensors.ALIGN
+    for t in (torch.randn(1, 1, 768), torch.randn(1, 7, 3).half(), torch.arange(5), torch.randn(())):
+        assert _as_next_input(tensors.encode({"output_0": t})) == tensors.encode({"input_0": t})
+    assert _as_next_input(tensors.encode({"output_0": torch.ones(2), "output_1": torch.ones(2)})) is None
+    assert _as_next_input(tensors.encode({"output_0": torch.ones(protocol.MAX_PUSH_BYTES // 4)})) is None
+    assert _as_next_input(b"\xff" * 20) is None and _as_next_input(b"") is None
 
 
 def _session(key, step, **kw):

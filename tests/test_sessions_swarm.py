@@ -53,7 +53,10 @@ def test_spread_model_forward_and_session_equal_local(swarm, client_for):
         got = generate(s, prompt, 64)
         placement = s.placement
         receipts = s.receipts
+        pushed = s.pushed
     assert got == want
+    # After the first step (which opens each span's session), every span's input went worker to worker.
+    assert pushed == 2 * 63
     assert len({w for _, _, w in placement}) == 3 and {w for _, _, w in placement} <= ids
     assert all(r.is_countersigned for r in receipts)
     # Billed by tabs: one receipt per span for its 64 steps, not 192 ledger rows.
@@ -90,6 +93,27 @@ def test_session_survives_a_killed_worker_with_identical_tokens(swarm, client_fo
     lines = by_id[s.placement[1][2]].lines
     assert any("INFO" in line for line in lines)  # its log, where a fetch from the victim would say so, is here
     assert not [line for line in lines if victim_id[-8:] in line]
+
+
+def test_a_worker_pushing_the_next_span_a_wrong_input_changes_no_token(swarm, client_for):
+    """A worker answers its client rightly but pushes the next span's worker something else: that worker says which
+    input it ran on, the client sees it is not the output it got, rebuilds that span's state elsewhere and sends the
+    session's activations itself from then on. The tokens are those of local generation."""
+    swarm.start_workers(3, "--fault-corrupt-pushes")
+    swarm.start_workers(1)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 4, 30, "all four workers")
+    blocks = tiny_gpt(CFG, seed=4)
+    remote = sequential(client, blocks)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, 16)
+    with remote.session() as s:
+        got = generate(s, prompt, 16)
+        moves, pushed = s.moves, s.pushed
+    assert got == want
+    # Three of four workers lie, so one of the two pushing spans' workers is a liar on the first pushed step: the
+    # span after it moved at once, and nothing was pushed after.
+    assert moves >= 1 and pushed <= 1
 
 
 def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, client_for):

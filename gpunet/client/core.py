@@ -39,6 +39,7 @@ from gpunet.errors import (
     DeadlineUnreachable,
     GpunetError,
     InvalidReceipt,
+    JobFailed,
     JobPreempted,
     JobRejected,
     JobTimeout,
@@ -73,6 +74,11 @@ class ClientConfig:
     max_resends: int = 2  # times a worker may lose a program between admission and run before it counts as failing
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     proofs: ProofConfig = field(default_factory=ProofConfig)  # challenging workers' claimed speeds
+
+
+class PushedInputDiffers(JobFailed):
+    """A pushed session step ran on an input other than the one the client holds for it (the span before pushed one
+    thing and answered another, or this worker says so): its state there went on from the wrong input."""
 
 
 @dataclass
@@ -321,7 +327,7 @@ class ClientCore:
 
     async def run_step(self, job, inputs: Sequence[torch.Tensor], worker_id: str, session: protocol.SessionStep,
                        state: Sequence[torch.Tensor], tab: Tab, requirements: Requirements | None = None,
-                       check=None) -> JobResult:
+                       check=None, pushed: asyncio.Future | None = None) -> JobResult:
         """One session step on the worker that holds (or, step 0, will hold) its state; never retried elsewhere:
         a lost worker raises, and the caller rebuilds the session on another (gpunet.client.sequential).
         ``state``: the first state (sent when the step opens a session that is not ``fresh``; its shapes are what
@@ -329,16 +335,25 @@ class ClientCore:
         the step fills it (or closes the session) the worker's receipt for it comes back, checked against the tab and
         countersigned (``JobResult.receipt``; None for the other steps), and the tab starts again. ``check``: awaited
         with the step's outputs (and whether a receipt came) before anything is paid (gpunet.client.audit); what it
-        raises refuses the receipt."""
+        raises refuses the receipt.
+
+        ``session.input_from``: the input is pushed to the worker by that worker (``inputs``: meta tensors of its
+        shapes) and ``pushed`` resolves to the hash of the input this client holds for the step (the previous span's
+        output); the worker says which it ran on, and PushedInputDiffers is raised when the two differ. Such a step
+        has a job id of its own, so the same step sent afterwards with its input never gets this answer."""
         req = requirements or Requirements()
         sends_state = session.step == 0 and not session.fresh
         full = (*inputs, *state)
-        encoded = job.encode_inputs(*full) if sends_state else job.encode_step_inputs(*inputs)
+        if session.input_from is not None:
+            encoded = b""
+        else:
+            encoded = job.encode_inputs(*full) if sends_state else job.encode_step_inputs(*inputs)
         estimate = await self._estimate(job, full)
         program = job.program_bytes()
         n_out = len(job.manifest.outputs) - job.manifest.state
         p = _Prepared(
-            job=job, req=req, job_id=f"{session.id}.{session.step}", encoded=encoded, input_hash=sha256_hex(encoded),
+            job=job, req=req, job_id=f"{session.id}.{session.step}{'p' if session.input_from else ''}", encoded=encoded,
+            input_hash=sha256_hex(encoded),
             flops=estimate.flops, program=program, deadline=time.monotonic() + req.timeout,
             shape=self.shape_of(job, estimate, len(encoded), req),
             max_price=price_to_nano(req.max_price) if req.max_price is not None else None,
@@ -364,6 +379,8 @@ class ClientCore:
                 async with asyncio.timeout(remaining):
                     delivery = await self.transport.submit(worker, request, cached=not cold,
                                                            settlement=self.settlement)
+                    if pushed is not None:
+                        p.input_hash = await self._pushed_input(delivery, pushed)
                 outputs = self._check_step(p, delivery, session, tab)
             except WorkerDraining:
                 raise
@@ -410,6 +427,21 @@ class ClientCore:
             if delivery.receipt is not None:
                 receipt = self._pay_tab(delivery, session.id, tab, p.max_price)
             return JobResult(outputs, worker_id, receipt, [worker_id], delivery.bytes_sent)
+
+    async def _pushed_input(self, delivery, pushed: asyncio.Future) -> str:
+        """The hash of a pushed step's input, once this client holds that input too, if the worker ran on the same."""
+        try:
+            expected = await asyncio.shield(pushed)
+            if delivery.input_hash != expected:
+                raise PushedInputDiffers(
+                    f"worker {delivery.worker_id[-8:]} ran the step on an input other than the previous span's output"
+                    if delivery.input_hash is not None else
+                    f"worker {delivery.worker_id[-8:]} did not say which input it ran a pushed step on")
+        except BaseException:
+            if delivery.receipt is not None:
+                self.settlement.refuse(delivery, "the step's input is not the one this client holds")
+            raise
+        return expected
 
     def _check_step(self, p: "_Prepared", delivery, session: protocol.SessionStep, tab: Tab):
         """A step's answer decodes against the manifest and joins the tab; a receipt comes exactly when the tab

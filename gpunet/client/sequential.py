@@ -23,6 +23,7 @@ import torch
 
 from gpunet import protocol
 from gpunet.client.audit import Caught, SessionChecks, Tally
+from gpunet.client.core import PushedInputDiffers
 from gpunet.client.routing import Requirements
 from gpunet.errors import (
     GpunetError,
@@ -39,6 +40,7 @@ from gpunet.errors import (
 )
 from gpunet.ledger.receipts import Receipt, price_to_nano
 from gpunet.ledger.tabs import Tab
+from gpunet.utils import sha256_hex
 
 logger = logging.getLogger("gpunet.client")
 
@@ -254,8 +256,8 @@ class SequentialCore:
                 x = (await self.core.run(span.job, (x,), self.requirements_for(span))).outputs
         return x
 
-    def session(self, ttl: float = 300.0) -> "SessionCore":
-        return SessionCore(self, ttl)
+    def session(self, ttl: float = 300.0, push: bool = True) -> "SessionCore":
+        return SessionCore(self, ttl, push)
 
 
 @dataclass
@@ -276,7 +278,7 @@ class SessionCore:
     """An inference session: each span's state on one worker between steps; moved, replaying, when that worker is
     lost. Steps run one at a time (each needs the one before)."""
 
-    def __init__(self, seq: SequentialCore, ttl: float = 300.0):
+    def __init__(self, seq: SequentialCore, ttl: float = 300.0, push: bool = True):
         if not 0 < ttl <= protocol.MAX_SESSION_TTL:
             raise UsageError(f"a session's ttl is between 0 and {protocol.MAX_SESSION_TTL:.0f} s")
         self.seq, self.ttl = seq, ttl
@@ -284,9 +286,11 @@ class SessionCore:
         self.receipts: list[Receipt] = []
         self.steps = 0
         self.moves = 0  # spans moved to another worker (their state rebuilt by replay)
+        self.pushed = 0  # span steps whose input came straight from the worker before (not by way of this client)
         self._lock = asyncio.Lock()
         self._closed = False
         self._broken: GpunetError | None = None  # a step failed part of the way: the spans disagree on the step
+        self._push = push  # steps may go span to span (off once a worker ran a pushed step on another input)
         self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
         req = seq.requirements
         self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
@@ -308,8 +312,11 @@ class SessionCore:
                              "did not all take that step, so it cannot go on)")
         async with self._lock:
             try:
-                for i in range(len(self.seq.spans)):
-                    x = await self.step_span(i, x)
+                if self._pushable():
+                    x = await self._step_pushed(x)
+                else:
+                    for i in range(len(self.seq.spans)):
+                        x = await self.step_span(i, x)
             except BaseException as e:
                 self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
                 raise
@@ -352,6 +359,86 @@ class SessionCore:
                 self.moves += 1
         raise SessionLost(f"span {span.start}-{span.stop - 1} could not be kept on any worker "
                           f"(moved {MAX_MOVES} times; last: {last})")
+
+    def _pushable(self) -> bool:
+        """Whether this step can go span to span (Petals' server-to-server hops): every span open on a worker that
+        stays, and no checks (a checked step's output is compared before the next span may use it)."""
+        return (self._push and self.checks is None and len(self.seq.spans) > 1
+                and getattr(self.seq.core.transport, "pushes", False)
+                and all(span.stateful for span in self.seq.spans)
+                and all(p.worker_id is not None and p.step > 0 and not p.closed and not self._draining(p.worker_id)
+                        for p in self.placed))
+
+    async def _step_pushed(self, x: torch.Tensor) -> torch.Tensor:
+        """One step with each span's output pushed by its worker straight to the next span's worker (and returned
+        here too): the client sends every span its step at once and reads the answers, so the activation crosses
+        the network once per span instead of twice. The client still holds every span's input (to move it), and each
+        worker says which input it ran on: one that differs from the output this client got from the span before
+        (a worker pushed one thing and answered another) has its state rebuilt elsewhere. A span whose push did not
+        come, or whose worker failed, takes the step the usual way, and so do the spans after it."""
+        from gpunet.job.format import check_inputs
+
+        spans, placed = self.seq.spans, self.placed
+        check_inputs(spans[0].job.manifest, (x,), without_state=True)
+        inputs = await self._input_shapes(x)
+        loop = asyncio.get_running_loop()
+        held = [loop.create_future() for _ in spans[1:]]  # the hash of span i's input, once this client holds it
+        tasks = []
+        for i, (span, p) in enumerate(zip(spans, placed)):
+            nxt = placed[i + 1] if i + 1 < len(spans) else None
+            step = protocol.SessionStep(
+                p.session_id, p.step, ttl=self.ttl, input_from=placed[i - 1].worker_id if i else None,
+                push_to=protocol.PushTo(nxt.worker_id, nxt.session_id, nxt.step) if nxt is not None else None)
+            tasks.append(asyncio.ensure_future(self.seq.core.run_step(
+                span.job, (x if i == 0 else inputs[i],), p.worker_id, step, span.state, p.tab,
+                self.seq.requirements_for(span), pushed=held[i - 1] if i else None)))
+        try:
+            for i, (span, p) in enumerate(zip(spans, placed)):
+                try:
+                    result = await tasks[i]
+                except GpunetError as e:
+                    for later in tasks[i + 1:]:  # their pushes will not come: their workers stop waiting
+                        later.cancel()
+                    if isinstance(e, PushedInputDiffers):
+                        logger.warning("Span %d-%d: %s; its state is rebuilt elsewhere, and this session's steps go "
+                                       "by way of the client from now on", span.start, span.stop - 1, e)
+                        self._push = False
+                        self._leave(p)
+                        self.moves += 1
+                    else:
+                        logger.info("Span %d-%d did not take its pushed step (%s); it and the spans after it take "
+                                    "this step the usual way", span.start, span.stop - 1, e)
+                    return await self._step_from(i, x)
+                p.step += 1
+                p.history.append(x.detach().clone())
+                self.pushed += i > 0
+                if result.receipt is not None:
+                    self.receipts.append(result.receipt)
+                x = result.outputs[0]
+                if i + 1 < len(spans):
+                    held[i].set_result(sha256_hex(spans[i + 1].job.encode_step_inputs(x)))
+            return x
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _step_from(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        for j in range(i, len(self.seq.spans)):
+            x = await self.step_span(j, x)
+        return x
+
+    async def _input_shapes(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each span's input for this step as a meta tensor (a pushed step's shapes, for the dry run), span after
+        span from the dry run's output shapes (cached: the same every generation step)."""
+        from gpunet.job import tensors
+
+        shapes = [torch.empty(x.shape, dtype=x.dtype, device="meta")]
+        for span in self.seq.spans[:-1]:
+            estimate = await self.seq.core._estimate(span.job, (shapes[-1], *span.meta_state()))
+            dtype, shape = estimate.outputs[0]
+            shapes.append(torch.empty(shape, dtype=tensors.DTYPES[dtype], device="meta"))
+        return shapes
 
     def _drop_liars(self) -> None:
         """Spans whose worker was caught lying leave it: their steps not billed yet are not paid, their state there
@@ -493,8 +580,8 @@ class AsyncRemoteSequential:
     async def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return await self._core.forward(x)
 
-    def session(self, ttl: float = 300.0) -> "AsyncSession":
-        return AsyncSession(self._core.session(ttl))
+    def session(self, ttl: float = 300.0, push: bool = True) -> "AsyncSession":
+        return AsyncSession(self._core.session(ttl, push))
 
 
 class _SessionView:
@@ -516,6 +603,11 @@ class _SessionView:
     def moves(self) -> int:
         """Times a span moved to another worker (its state rebuilt by replaying its past inputs)."""
         return self._core.moves
+
+    @property
+    def pushed(self) -> int:
+        """Span steps whose input went straight from the previous span's worker to this span's (docs/sessions.md)."""
+        return self._core.pushed
 
     @property
     def checks(self) -> Tally | None:
@@ -555,10 +647,10 @@ class RemoteSequential:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._call(self._core.forward(x))
 
-    def session(self, ttl: float = 300.0) -> "Session":
+    def session(self, ttl: float = 300.0, push: bool = True) -> "Session":
         """An inference session: each span's state (KV caches) stays on its worker between steps; idle past
         ``ttl`` seconds, workers free it."""
-        return Session(self._core.session(ttl), self._call)
+        return Session(self._core.session(ttl, push), self._call)
 
 
 class Session(_SessionView):

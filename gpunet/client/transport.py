@@ -89,6 +89,7 @@ class Delivery:
     via_unary: bool = False  # countersignatures for unary answers can ride on the next job to the worker
     finish: Callable[[Verdict], Awaitable[None]] = _nothing  # send the verdict (and close the stream, if any)
     close: Callable[[], None] = lambda: None  # hang up without a verdict: the work stays unpaid
+    input_hash: str | None = None  # a session step whose input was pushed to the worker: the input it says it ran on
 
 
 class Transport(Protocol):
@@ -122,6 +123,9 @@ def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
 
 class P2PTransport:
     """Jobs over hivemind's p2p daemon, as this client's own DHT node (a client: it serves no records)."""
+
+    #: Workers pass a session step's output on to the next span's worker (``SessionStep.push_to``).
+    pushes = True
 
     def __init__(self, dht, rpc: "RPC"):
         self.dht, self.rpc = dht, rpc
@@ -211,7 +215,8 @@ class P2PTransport:
         async def finish(verdict: Verdict) -> None:
             await self.rpc.call(worker_id, Door.SETTLE, verdict, Ok, Error)
 
-        return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish)
+        return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish,
+                        input_hash=reply.input_hash)
 
     async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest) -> Delivery:
         """A job for a program the worker may lack: the first such job to that worker goes at once (and carries the
@@ -261,6 +266,7 @@ class P2PTransport:
             if isinstance(reply, Error):
                 raise reply.exception()
             ran = True
+            input_hash = reply.input_hash
             outputs = reply.outputs
             if outputs is None:
                 t0 = time.perf_counter()
@@ -290,7 +296,8 @@ class P2PTransport:
             finally:
                 writer.close()
 
-        return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, finish=finish, close=writer.close)
+        return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, finish=finish, close=writer.close,
+                        input_hash=input_hash)
 
     async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
                                   writer, program_crossed: asyncio.Future | None) -> int:

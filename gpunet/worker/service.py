@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+import struct
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
@@ -62,6 +64,8 @@ from gpunet.protocol import (
     Pong,
     ProofOpening,
     ProveSpeed,
+    Push,
+    PushTo,
     Refuse,
     Result,
     Send,
@@ -77,6 +81,7 @@ from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.executor import STOP_GRACE
 from gpunet.worker.lanes import Action, Blame, Lanes, Start, Ticket
 from gpunet.worker.peers import Fetcher, PieceServer
+from gpunet.worker.pushes import Pushes
 from gpunet.worker.sessions import SessionLimits, Sessions
 from gpunet.worker.settlement import Settlement
 from gpunet.worker.uploads import Upload, Uploads, content_hash
@@ -97,6 +102,10 @@ MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see Jo
 #: Speed proofs whose row digests are kept for their opening (8 n bytes per product: 16 KiB at n = 2048, so at most
 #: 16 MiB per proof and 256 MiB in all; a CPU worker's proof is a few hundred KiB).
 MAX_OPEN_PROOFS = 16
+#: How long a worker tries to push a step's output to the next span's worker (that step then asks its client).
+PUSH_TIMEOUT = 10.0
+#: gpunet.job.tensors.ALIGN (not imported: that module imports torch, which this process does not need)
+TENSOR_ALIGN = 64
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -110,6 +119,7 @@ class Outcome:
     wall_time_us: int = 0
     started_at_us: int = 0
     ended_at_us: int = 0
+    input_hash: str | None = None  # a step whose input was pushed: what it ran on, for its client to compare
 
 
 @dataclass
@@ -122,6 +132,7 @@ class _Job:
     ticket: Ticket | None = None  # its place in the lanes, once its bytes are in
     upload: Upload | None = None
     charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
+    awaits_push: str | None = None  # the session whose pushed input this step waits for (a cancel calls that off)
 
 
 @dataclass
@@ -169,6 +180,7 @@ class JobService:
         peer_rate: float | None = None,
         corrupt_pieces: bool = False,
         session_limits: SessionLimits | None = None,
+        corrupt_pushes: bool = False,
     ):
         """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
         ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap)."""
@@ -211,6 +223,11 @@ class JobService:
         self._session_steps: dict[tuple[str, str], asyncio.Future] = {}  # (client, session) -> its running step
         self._drops: set[asyncio.Future] = set()  # sessions' state being freed in executors
         self._sessions_paid = When(lambda: not self.sessions.owing)
+        self.pushes = Pushes()  # session steps' inputs pushed by the previous span's worker (gpunet.worker.pushes)
+        self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
+        self._corrupt_pushes = corrupt_pushes  # FAULT INJECTION for tests: a pusher that lies to the next worker
+        if corrupt_pushes:
+            logger.warning("FAULT INJECTION: this worker pushes wrong inputs to the next span's worker")
 
     def _public_upload_coming(self, program_hash: str) -> bool:
         upload = self.uploads.coming(program_hash)
@@ -225,6 +242,7 @@ class JobService:
         await rpc.serve_unary(Door.SETTLE, self._handle_settle)
         await rpc.serve_unary(Door.CANCEL, self._handle_cancel)
         await rpc.serve_unary(Door.PROVE, self._handle_prove)
+        await rpc.serve_unary(Door.PUSH, self._handle_push)
         self._sweeper = asyncio.create_task(self._expire_sessions())
         if self.piece_server is not None:
             await self.piece_server.start(rpc)
@@ -234,6 +252,8 @@ class JobService:
         self.admission.drain()
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for task in list(self._pushing):
+            task.cancel()
         if self._rpc is not None:
             await self._rpc.close()
         await self.settlement.close()
@@ -356,7 +376,8 @@ class JobService:
                 return protocol.encode(UseStream())  # the result waits in the recent results for the stream retry
             if outcome.receipt is not None:
                 self.settlement.expect(client_id, outcome.receipt)  # countersigned by a later call
-            return protocol.encode(Result(len(outcome.outputs), _receipt_bytes(outcome), outcome.outputs))
+            return protocol.encode(Result(len(outcome.outputs), _receipt_bytes(outcome), outcome.outputs,
+                                          outcome.input_hash))
         except (_NeedsStream, ProgramNotCached):  # the stream door can resend the program
             return protocol.encode(UseStream())
         except GpunetError as e:
@@ -396,6 +417,9 @@ class JobService:
                     self._drop([ended.key])
                 return protocol.encode(SessionClosed(ended is not None, receipt.to_bytes() if receipt else None))
             job = self._jobs.get((client_id, message.job_id))
+            if job is not None and job.awaits_push is not None:  # a step still waiting for its input stops waiting
+                self.pushes.call_off(client_id, job.awaits_push)
+                return protocol.encode(Ok(cancelled=True))
             # Only a job still running can be stopped (cancel() is False for one that has just finished).
             stopped = job is not None and job.run is not None and job.run.cancel()
             return protocol.encode(Ok(cancelled=stopped))
@@ -500,6 +524,8 @@ class JobService:
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
         admitted, got, session = False, None, None
         try:
+            if submit.session is not None and submit.session.input_from is not None:
+                submit = await self._pushed_input(client_id, job, submit, need_program)
             try:
                 got = await self._receive(client_id, job, submit, payloads, need_program,
                                           charge=partial(self._charge, job, client_id, host))
@@ -524,6 +550,8 @@ class JobService:
                 raise self._busy()
             admitted = True
             outcome = await self._run(key, job, submit, got, reader, host, session)
+            if submit.session is not None and submit.session.input_from is not None:
+                outcome.input_hash = got.input_hash
             if session is not None:
                 tab = self.sessions.done(
                     client_id, submit.session.id, outcome.state_bytes, time.monotonic(), input_hash=got.input_hash,
@@ -541,7 +569,11 @@ class JobService:
                     if outcome.receipt is not None:
                         self.settlement.expect(client_id, outcome.receipt)
             job.outcome.set_result(outcome)
+            if submit.session is not None and submit.session.push_to is not None:
+                self._push_on(client_id, submit.session.push_to, outcome.outputs)
         except BaseException as e:
+            if submit.session is not None and submit.session.push_to is not None:
+                self._push_on(client_id, submit.session.push_to, None)  # the next span's worker asks the client
             if session is not None:
                 ended = self.sessions.failed(
                     client_id, submit.session.id, lost=isinstance(e, SessionLost)
@@ -571,6 +603,66 @@ class JobService:
             got = job.upload = None
         self.results.put(key, outcome, len(outcome.outputs))
         return outcome
+
+    # --- pushed steps: span to span without the client in between (docs/sessions.md) --------------------------------
+
+    async def _handle_push(self, request: bytes, sender_id: str) -> bytes:
+        """Another worker's output for the next step of a session held here. Taken only for a session open here (so
+        only bounded room is spent on it); the step itself says which worker's push it takes."""
+        try:
+            push = protocol.decode(request, Push)
+            if not self.sessions.is_open(push.client, push.session):
+                raise SessionLost(f"session {push.session[:16]} is not held here")
+            if push.inputs is not None:
+                protocol.check_payload_size(len(push.inputs), self.limits.max_input_bytes, "pushed inputs")
+            if not self.pushes.offer(sender_id, push.client, push.session, push.step, push.inputs, time.monotonic()):
+                raise WorkerBusy("no room for more pushed inputs here; the step will ask its client")
+            return protocol.encode(Ok())
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+
+    async def _pushed_input(self, client_id: str, job: _Job, submit: Submit, need_program: bool) -> Submit:
+        """The step with the input its client said another worker pushes here; JobRejected (the client then sends
+        it itself) if it does not come."""
+        step = submit.session
+        if not self.sessions.is_open(client_id, step.id):  # so what waits is bounded by the sessions held here
+            raise SessionLost(f"session {step.id[:16]} is not held here")
+        if need_program:  # the step would have to be sent again with the program, and its input with it
+            raise ProgramNotCached(submit.program)
+        job.awaits_push = step.id
+        try:
+            data = await self.pushes.take(step.input_from, client_id, step.id, step.step,
+                                          timeout=submit.timeout if submit.deadline is None
+                                          else min(submit.timeout, submit.deadline - time.time()))
+        finally:
+            job.awaits_push = None
+        if data is None:
+            raise JobRejected(f"the input of session step {step.step} did not come from worker "
+                              f"{step.input_from[-8:]}; send it with the step")
+        return replace(submit, inputs=data, inputs_size=len(data))
+
+    def _push_on(self, client_id: str, to: PushTo, outputs: bytes | None) -> None:
+        """Send a step's output on to the next span's worker (in the background: the client's answer does not wait
+        for it); None, or an output that is not one tensor small enough, tells it to ask the client instead."""
+        data = _as_next_input(outputs) if outputs is not None else None
+        if data is not None and self._corrupt_pushes:
+            data = data[:-1] + bytes([data[-1] ^ 1])
+        push = Push(client_id, to.session, to.step, data)
+        if to.peer == self.identity.peer_id:  # both spans here (no other worker could take one)
+            self.pushes.offer(to.peer, client_id, to.session, to.step, data, time.monotonic())
+            return
+        task = asyncio.ensure_future(self._send_push(to.peer, push))
+        self._pushing.add(task)
+        task.add_done_callback(self._pushing.discard)
+
+    async def _send_push(self, peer_id: str, push: Push) -> None:
+        try:
+            async with asyncio.timeout(PUSH_TIMEOUT):
+                reply = await self._rpc.call(peer_id, Door.PUSH, push, Ok, Error)
+            if isinstance(reply, Error):
+                logger.debug("Worker %s did not take a pushed input: %s", peer_id[-8:], reply.message)
+        except (GpunetError, TimeoutError) as e:  # its step asks the client for the input instead
+            logger.debug("Could not push a session step's output to worker %s: %s", peer_id[-8:], e)
 
     def _sign_tab(self, client_id: str, session_id: str, program: str, tab, max_price: int | None,
                   host: str = "") -> Receipt | None:
@@ -610,6 +702,7 @@ class JobService:
             return None
         room = self.sessions.begin(client_id, step.id, submit.program, step.step, step.ttl, time.monotonic(),
                                    host)
+        self.pushes.call_off(client_id, step.id)  # a step of it still waiting for a push is overtaken
         return {"key": Sessions.key(client_id, step.id), "step": step.step, "fresh": step.fresh, "close": step.close,
                 "room": room}
 
@@ -938,12 +1031,32 @@ class JobService:
         try:
             async with asyncio.timeout(protocol.payload_deadline(len(outcome.outputs))):
                 await protocol.write(writer, Result(len(outcome.outputs), _receipt_bytes(outcome),
-                                                    outcome.outputs if inline else None))
+                                                    outcome.outputs if inline else None, outcome.input_hash))
                 if not inline:
                     await protocol.write_payload(writer, outcome.outputs)
         except TimeoutError:
             raise ProtocolError("the client stopped reading the result") from None
         metrics.BYTES_OUT.inc(len(outcome.outputs))
+
+
+def _as_next_input(outputs: bytes) -> bytes | None:
+    """A span's step output as the next span's step input: its one tensor, ``output_0``, renamed ``input_0``, so the
+    bytes are those the client would send and both sides hash the same (``gpunet.job.tensors.encode``: a compact JSON
+    header padded to TENSOR_ALIGN; done on the bytes, as this process never imports torch). None if the output is not
+    one tensor, or is bigger than a push may be."""
+    if not 8 <= len(outputs) <= protocol.MAX_PUSH_BYTES + 1024:
+        return None
+    (n,) = struct.unpack("<Q", outputs[:8])
+    try:
+        header = json.loads(outputs[8:8 + n]) if 8 + n <= len(outputs) else None
+    except ValueError:
+        return None
+    if not isinstance(header, dict) or list(header) != ["output_0"]:
+        return None
+    head = json.dumps({"input_0": header["output_0"]}, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % TENSOR_ALIGN)
+    data = struct.pack("<Q", len(head)) + head + outputs[8 + n:]
+    return data if len(data) <= protocol.MAX_PUSH_BYTES else None
 
 
 def _receipt_bytes(outcome: Outcome) -> bytes:
