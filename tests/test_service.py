@@ -655,6 +655,8 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
     """The input of a pushed step comes from the worker the client named, for a session open here, and nobody else;
     the answer says the hash of that input; the output goes on to the next span's worker as its input; a step whose
     push does not come stops waiting when its client cancels it."""
+    from dataclasses import replace
+
     from gpunet.utils import sha256_hex
     from gpunet.worker.service import _as_next_input
 
@@ -677,6 +679,13 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             await service._execute(ALICE, job("s.0", session=protocol.SessionStep("s", 0)), _UnaryPayloads(), None)
             with pytest.raises(SessionLost):  # nobody waits here for a push to a session not held here
                 await service._execute(BOB, pushed(1), _UnaryPayloads(), None)
+            other = replace(pushed(1), program="cd" * 32)  # nor for a program it lacks (it must come with its input)
+            executor.has_program = lambda program_hash: program_hash == PROGRAM
+            with pytest.raises(ProgramNotCached):
+                await service._execute(ALICE, other, _UnaryPayloads(), None)
+            with pytest.raises(ProgramNotCached):  # the stream door too, and no upload is left counted
+                await service._execute(ALICE, other, _BringsProgram(b"x"), None)
+            assert service.admission.uploads(ALICE) == 0
             # Nobody can park bytes for a session not held here (another client's, a guessed one, a closed one).
             refused = await push(before, BOB, "s", 1, b"x")
             assert isinstance(refused, protocol.Error) and refused.code == "session_lost"
@@ -686,8 +695,8 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             outcome = await service._execute(ALICE, pushed(1), _UnaryPayloads(), None)
             assert executor.inputs[-1] == b"right" and outcome.input_hash == sha256_hex(b"right")
             await until(lambda: rpc.sent, "the output to be pushed on")
-            assert rpc.sent == [(after, protocol.Push(BOB, "t", 1, None)),  # Bob's refused step: "it will not come"
-                                (after, protocol.Push(ALICE, "t", 1, _as_next_input(outcome.outputs)))]
+            # (Bob's step, for a session not held here, made this worker push nothing anywhere.)
+            assert rpc.sent == [(after, protocol.Push(ALICE, "t", 1, _as_next_input(outcome.outputs)))]
 
             # The step can come first; its push then goes straight to it.
             step = asyncio.ensure_future(service._execute(ALICE, pushed(2), _UnaryPayloads(), None))
@@ -700,7 +709,7 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             assert isinstance(await push(before, ALICE, "s", 3, None), Ok)
             with pytest.raises(JobRejected, match="did not come"):
                 await service._execute(ALICE, pushed(3), _UnaryPayloads(), None)
-            await until(lambda: len(rpc.sent) == 4, "the refusal to be passed on")
+            await until(lambda: len(rpc.sent) == 3, "the refusal to be passed on")
             assert rpc.sent[-1] == (after, protocol.Push(ALICE, "t", 3, None))
             # The client gave up on it (its cancel): the step stops waiting, and the same step sent with its input
             # runs.

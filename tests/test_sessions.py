@@ -301,9 +301,11 @@ def test_a_pushed_input_reaches_only_the_step_that_names_its_sender_and_what_wai
         assert not pushes.offer("w1", "carol", "u", 1, b"", now=1.0)  # two held already
         assert pushes.offer("w1", "carol", "u", 1, b"", now=7.0)  # the two before expired
         assert pushes.held_bytes == 0 and len(pushes) == 1
-        one = Pushes(max_per_sender=2)  # one sender cannot take the room of all
-        assert one.offer("w1", "a", "s", 1, b"", now=0) and one.offer("w1", "a", "s", 2, b"", now=0)
-        assert not one.offer("w1", "a", "s", 3, b"", now=0) and one.offer("w2", "a", "s", 3, b"", now=0)
+        one = Pushes(max_per_session=2)  # whoever knows one session's id cannot take the room of all
+        assert one.offer("w1", "a", "s", 1, b"", now=0) and one.offer("w2", "a", "s", 2, b"", now=0)
+        assert not one.offer("w3", "a", "s", 3, b"", now=0) and one.offer("w1", "a", "t", 3, b"", now=0)
+        one.forget("a", "s")
+        assert len(one) == 1 and one.offer("w3", "a", "s", 3, b"", now=0)
         # "It will not come" (None) ends the wait at once; so does a cancel, or another step of the session.
         waiting = asyncio.ensure_future(pushes.take("w1", "alice", "s", 4, timeout=5))
         await asyncio.sleep(0)

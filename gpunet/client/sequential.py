@@ -48,6 +48,10 @@ logger = logging.getLogger("gpunet.client")
 MAX_MOVES = 3
 #: How long closing a session on a worker may take (a dead one's steps then stay unpaid: it cannot sign anyway).
 CLOSE_TIMEOUT = 15.0
+#: A pushed step's answer is awaited this long, plus this many times the mean span's time so far in the step, once the
+#: client holds its input; past that its push is taken as lost and the step goes by way of the client.
+PUSH_GRACE = 2.0
+PUSH_GRACE_SPANS = 4
 #: What a span's worker needs besides the span's weights and state, as a share of them (activations, the program's
 #: container while it loads).
 MEMORY_HEADROOM = 1.5
@@ -393,22 +397,28 @@ class SessionCore:
                 span.job, (x if i == 0 else inputs[i],), p.worker_id, step, span.state, p.tab,
                 self.seq.requirements_for(span), pushed=held[i - 1] if i else None)))
         try:
+            start = last = loop.time()
             for i, (span, p) in enumerate(zip(spans, placed)):
                 try:
-                    result = await tasks[i]
-                except GpunetError as e:
-                    for later in tasks[i + 1:]:  # their pushes will not come: their workers stop waiting
+                    # Once this client holds the span's input, its answer is due about a span's time later: a push
+                    # refused or lost on the way is not waited for until the step's timeout.
+                    grace = None if i == 0 else PUSH_GRACE + PUSH_GRACE_SPANS * (last - start) / i
+                    result = await asyncio.wait_for(asyncio.shield(tasks[i]), grace)
+                except (GpunetError, asyncio.TimeoutError) as e:
+                    for later in tasks[i:]:  # their pushes will not come: their workers stop waiting
                         later.cancel()
+                    self._push = False  # the rest of this session goes by way of the client
                     if isinstance(e, PushedInputDiffers):
-                        logger.warning("Span %d-%d: %s; its state is rebuilt elsewhere, and this session's steps go "
-                                       "by way of the client from now on", span.start, span.stop - 1, e)
-                        self._push = False
-                        self._leave(p)
+                        logger.warning("Span %d-%d: %s; its state is rebuilt elsewhere", span.start, span.stop - 1, e)
+                        p.failed.add(p.worker_id)  # its tab (without the disputed step) is paid as it is closed
+                        p.worker_id = None
                         self.moves += 1
                     else:
                         logger.info("Span %d-%d did not take its pushed step (%s); it and the spans after it take "
-                                    "this step the usual way", span.start, span.stop - 1, e)
+                                    "this step by way of the client, as the rest of the session will",
+                                    span.start, span.stop - 1, e if str(e) else "no answer in time")
                     return await self._step_from(i, x)
+                last = loop.time()
                 p.step += 1
                 p.history.append(x.detach().clone())
                 self.pushed += i > 0

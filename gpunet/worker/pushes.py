@@ -3,7 +3,7 @@
 A step sent with ``input_from`` waits here for the input that worker sends straight to this one (Petals'
 server-to-server hop: the activation does not travel back to the client and out again). The push and the step can
 arrive in either order, so a push may wait for its step and a step for its push. What is kept is bounded: pushes are
-taken only for sessions open here (the caller checks), one per (session, step, sender) and a few per sender, in a
+taken only for sessions open here (the caller checks), one per (session, step, sender) and two per session, in a
 byte budget, for
 ``keep`` seconds; a step's wait for its push ends when its client cancels it or another step of its session comes.
 
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 #: Bytes of pushed inputs held, all waiting pushes together, before new ones are refused (their steps then ask the
 #: client for their inputs instead).
 MAX_WAITING_BYTES = 32 * 2**20
-#: Pushes held at once (each for one session step), and from one sender (an honest one is a step or two ahead of its
-#: client's requests: a sender cannot fill the room for everyone).
+#: Pushes held at once (each for one session step), and for one session (an honest sender is a step ahead of its
+#: client's request at most: whoever knows a session's id can fill only that session's room, and 64 sessions at two
+#: each leave room for all).
 MAX_WAITING = 256
-MAX_PER_SENDER = 4
+MAX_PER_SESSION = 2
 #: How long a push waits for its step.
 KEEP_SECONDS = 30.0
 
@@ -39,8 +40,8 @@ class Pushes:
     """Pushed inputs waiting for their step, and steps waiting for their pushed input."""
 
     def __init__(self, max_bytes: int = MAX_WAITING_BYTES, max_held: int = MAX_WAITING, keep: float = KEEP_SECONDS,
-                 max_per_sender: int = MAX_PER_SENDER):
-        self.max_bytes, self.max_held, self.keep, self.max_per_sender = max_bytes, max_held, keep, max_per_sender
+                 max_per_session: int = MAX_PER_SESSION):
+        self.max_bytes, self.max_held, self.keep, self.max_per_session = max_bytes, max_held, keep, max_per_session
         self._held: OrderedDict[_Key, _Held] = OrderedDict()
         self._bytes = 0
         self._waiting: dict[tuple[str, str], tuple[_Key, asyncio.Future]] = {}  # (client, session) -> its step
@@ -63,7 +64,7 @@ class Pushes:
         self._expire(now)
         size = len(data) if data is not None else 0
         if (key in self._held or len(self._held) >= self.max_held or self._bytes + size > self.max_bytes
-                or sum(k[3] == sender for k in self._held) >= self.max_per_sender):
+                or sum(k[:2] == (client, session) for k in self._held) >= self.max_per_session):
             return False
         self._held[key] = _Held(data, now + self.keep)
         self._bytes += size

@@ -102,8 +102,10 @@ MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see Jo
 #: Speed proofs whose row digests are kept for their opening (8 n bytes per product: 16 KiB at n = 2048, so at most
 #: 16 MiB per proof and 256 MiB in all; a CPU worker's proof is a few hundred KiB).
 MAX_OPEN_PROOFS = 16
-#: How long a worker tries to push a step's output to the next span's worker (that step then asks its client).
+#: How long a worker tries to push a step's output to the next span's worker (that step then asks its client), and
+#: how many pushes it has on their way at most.
 PUSH_TIMEOUT = 10.0
+MAX_PUSHING = 64
 #: gpunet.job.tensors.ALIGN (not imported: that module imports torch, which this process does not need)
 TENSOR_ALIGN = 64
 
@@ -406,6 +408,7 @@ class JobService:
         try:
             message = protocol.decode(request, Cancel, CloseSession)
             if isinstance(message, CloseSession):
+                self.pushes.forget(client_id, message.session_id)  # a step waiting for a push stops waiting
                 step = self._session_steps.get((client_id, message.session_id))
                 if step is not None:  # a step still running (its answer may be on its way): close once it is done
                     await asyncio.wait([step], timeout=COUNTERSIGN_TIMEOUT)
@@ -517,6 +520,8 @@ class JobService:
         if submit.deadline is not None:
             self._check_deadline(submit)
         need_program = not self._holds_for(client_id, submit.program)
+        if submit.session is not None and submit.session.input_from is not None:
+            self._may_wait_for_push(client_id, submit, need_program)
         payloads.precheck(submit, need_program)
         uploading = need_program or submit.inputs is None
         if uploading and not self.admission.begin_upload(client_id, host):
@@ -525,7 +530,7 @@ class JobService:
         admitted, got, session = False, None, None
         try:
             if submit.session is not None and submit.session.input_from is not None:
-                submit = await self._pushed_input(client_id, job, submit, need_program)
+                submit = await self._pushed_input(client_id, job, submit)
             try:
                 got = await self._receive(client_id, job, submit, payloads, need_program,
                                           charge=partial(self._charge, job, client_id, host))
@@ -572,7 +577,8 @@ class JobService:
             if submit.session is not None and submit.session.push_to is not None:
                 self._push_on(client_id, submit.session.push_to, outcome.outputs)
         except BaseException as e:
-            if submit.session is not None and submit.session.push_to is not None:
+            if (submit.session is not None and submit.session.push_to is not None
+                    and self.sessions.is_open(client_id, submit.session.id)):
                 self._push_on(client_id, submit.session.push_to, None)  # the next span's worker asks the client
             if session is not None:
                 ended = self.sessions.failed(
@@ -610,25 +616,31 @@ class JobService:
         """Another worker's output for the next step of a session held here. Taken only for a session open here (so
         only bounded room is spent on it); the step itself says which worker's push it takes."""
         try:
-            push = protocol.decode(request, Push)
-            if not self.sessions.is_open(push.client, push.session):
-                raise SessionLost(f"session {push.session[:16]} is not held here")
-            if push.inputs is not None:
-                protocol.check_payload_size(len(push.inputs), self.limits.max_input_bytes, "pushed inputs")
-            if not self.pushes.offer(sender_id, push.client, push.session, push.step, push.inputs, time.monotonic()):
-                raise WorkerBusy("no room for more pushed inputs here; the step will ask its client")
+            self._offer(sender_id, protocol.decode(request, Push))
             return protocol.encode(Ok())
         except GpunetError as e:
             return protocol.encode(Error.of(e))
 
-    async def _pushed_input(self, client_id: str, job: _Job, submit: Submit, need_program: bool) -> Submit:
+    def _offer(self, sender_id: str, push: Push) -> None:
+        if not self.sessions.is_open(push.client, push.session):
+            raise SessionLost(f"session {push.session[:16]} is not held here")
+        if push.inputs is not None:
+            protocol.check_payload_size(len(push.inputs), self.limits.max_input_bytes, "pushed inputs")
+        if not self.pushes.offer(sender_id, push.client, push.session, push.step, push.inputs, time.monotonic()):
+            raise WorkerBusy("no room for more pushed inputs for this session here; the step will ask its client")
+
+    def _may_wait_for_push(self, client_id: str, submit: Submit, need_program: bool) -> None:
+        """A pushed step waits only for a session held here (so what waits is bounded by the sessions), whose program
+        is here (else it would be sent again with the program, and its input with it)."""
+        if not self.sessions.is_open(client_id, submit.session.id):
+            raise SessionLost(f"session {submit.session.id[:16]} is not held here")
+        if need_program:
+            raise ProgramNotCached(submit.program)
+
+    async def _pushed_input(self, client_id: str, job: _Job, submit: Submit) -> Submit:
         """The step with the input its client said another worker pushes here; JobRejected (the client then sends
         it itself) if it does not come."""
         step = submit.session
-        if not self.sessions.is_open(client_id, step.id):  # so what waits is bounded by the sessions held here
-            raise SessionLost(f"session {step.id[:16]} is not held here")
-        if need_program:  # the step would have to be sent again with the program, and its input with it
-            raise ProgramNotCached(submit.program)
         job.awaits_push = step.id
         try:
             data = await self.pushes.take(step.input_from, client_id, step.id, step.step,
@@ -649,7 +661,12 @@ class JobService:
             data = data[:-1] + bytes([data[-1] ^ 1])
         push = Push(client_id, to.session, to.step, data)
         if to.peer == self.identity.peer_id:  # both spans here (no other worker could take one)
-            self.pushes.offer(to.peer, client_id, to.session, to.step, data, time.monotonic())
+            try:
+                self._offer(to.peer, push)
+            except GpunetError as e:
+                logger.debug("A session step's output was not passed on here: %s", e)
+            return
+        if len(self._pushing) >= MAX_PUSHING:  # the step there asks its client
             return
         task = asyncio.ensure_future(self._send_push(to.peer, push))
         self._pushing.add(task)
