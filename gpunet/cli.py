@@ -203,6 +203,9 @@ def worker(
         _WORKER.fault_corrupt_pushes, "--fault-corrupt-pushes", hidden=True,
         help="FAULT INJECTION for tests: push the next span's worker a session step output with one byte wrong "
              "(and answer the client rightly)."),
+    fault_drop_pushes: bool = typer.Option(
+        _WORKER.fault_drop_pushes, "--fault-drop-pushes", hidden=True,
+        help="FAULT INJECTION for tests: never push a session step's output to the next span's worker."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU; `gpunet worker pause` / `resume`
@@ -249,6 +252,7 @@ def worker(
         fault_corrupt_fraction=fault_corrupt_fraction,
         fault_corrupt_pieces=fault_corrupt_pieces,
         fault_corrupt_pushes=fault_corrupt_pushes,
+        fault_drop_pushes=fault_drop_pushes,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)

@@ -101,6 +101,7 @@ class WorkerConfig:
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
     fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
     fault_corrupt_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker a wrong input
+    fault_drop_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker nothing (a lost push)
 
     def __post_init__(self):
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:

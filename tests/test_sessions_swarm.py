@@ -116,6 +116,26 @@ def test_a_worker_pushing_the_next_span_a_wrong_input_changes_no_token(swarm, cl
     assert moves >= 1 and pushed <= 1
 
 
+def test_pushes_lost_on_the_way_cost_a_short_wait_and_no_move(swarm, client_for):
+    """Workers whose pushes never arrive (a peer they cannot dial, a full room): the next span's step is waited for a
+    couple of seconds once the client holds its input, then cancelled (the worker stops waiting, its state untouched)
+    and sent with its input; the session goes on by way of the client, on the same workers."""
+    swarm.start_workers(3, "--fault-drop-pushes")
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    blocks = tiny_gpt(CFG, seed=5)
+    remote = sequential(client, blocks)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, 8)
+    with remote.session() as s:
+        got = generate(s, prompt, 8)
+        moves, pushed = s.moves, s.pushed
+    assert got == want
+    assert pushed == 0 and moves == 0
+    # Closing paid each worker for its 8 steps, once (the cancelled attempts ran nothing).
+    assert sorted(steps_of(r.job_id) for r in s.receipts) == [8, 8, 8]
+
+
 def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, client_for):
     workers = swarm.start_workers(4)
     client = client_for(swarm)

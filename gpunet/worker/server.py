@@ -536,6 +536,7 @@ class Worker:
             peer_rate=cfg.peer_upload_mbps * 1e6 or None,
             corrupt_pieces=cfg.fault_corrupt_pieces,
             corrupt_pushes=cfg.fault_corrupt_pushes,
+            drop_pushes=cfg.fault_drop_pushes,
             session_limits=SessionLimits(
                 max_bytes=int(cfg.session_memory_gb * 2**30) if cfg.session_memory_gb is not None
                 else self._memory_budget() // 4,

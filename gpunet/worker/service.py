@@ -183,6 +183,7 @@ class JobService:
         corrupt_pieces: bool = False,
         session_limits: SessionLimits | None = None,
         corrupt_pushes: bool = False,
+        drop_pushes: bool = False,
     ):
         """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
         ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap)."""
@@ -228,8 +229,11 @@ class JobService:
         self.pushes = Pushes()  # session steps' inputs pushed by the previous span's worker (gpunet.worker.pushes)
         self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
         self._corrupt_pushes = corrupt_pushes  # FAULT INJECTION for tests: a pusher that lies to the next worker
+        self._drop_pushes = drop_pushes  # FAULT INJECTION for tests: pushes lost on the way
         if corrupt_pushes:
             logger.warning("FAULT INJECTION: this worker pushes wrong inputs to the next span's worker")
+        if drop_pushes:
+            logger.warning("FAULT INJECTION: this worker pushes nothing to the next span's worker")
 
     def _public_upload_coming(self, program_hash: str) -> bool:
         upload = self.uploads.coming(program_hash)
@@ -656,6 +660,8 @@ class JobService:
     def _push_on(self, client_id: str, to: PushTo, outputs: bytes | None) -> None:
         """Send a step's output on to the next span's worker (in the background: the client's answer does not wait
         for it); None, or an output that is not one tensor small enough, tells it to ask the client instead."""
+        if self._drop_pushes:
+            return
         data = _as_next_input(outputs) if outputs is not None else None
         if data is not None and self._corrupt_pushes:
             data = data[:-1] + bytes([data[-1] ^ 1])
