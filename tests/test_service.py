@@ -698,27 +698,37 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             # (Bob's step, for a session not held here, made this worker push nothing anywhere.)
             assert rpc.sent == [(after, protocol.Push(ALICE, "t", 1, _as_next_input(outcome.outputs)))]
 
+            # Refused as busy once its input is here (its client asks again): the input waits for the retry.
+            assert isinstance(await push(before, ALICE, "s", 2, b"again"), Ok)
+            admit, service.admission.admit = service.admission.admit, lambda *args, **kwargs: False
+            with pytest.raises(WorkerBusy):
+                await service._execute(ALICE, pushed(2), _UnaryPayloads(), None)
+            service.admission.admit = admit
+            # The next span's worker was not told "it will not come" (nor is about to be).
+            assert len(rpc.sent) == 1 and not service._pushing
+            assert (await service._execute(ALICE, pushed(2), _UnaryPayloads(), None)).input_hash == sha256_hex(b"again")
+
             # The step can come first; its push then goes straight to it.
-            step = asyncio.ensure_future(service._execute(ALICE, pushed(2), _UnaryPayloads(), None))
+            step = asyncio.ensure_future(service._execute(ALICE, pushed(3), _UnaryPayloads(), None))
             await until(lambda: service.pushes._waiting, "the step to wait for its push")
-            assert isinstance(await push(before, ALICE, "s", 2, b"later"), Ok)
+            assert isinstance(await push(before, ALICE, "s", 3, b"later"), Ok)
             assert (await step).input_hash == sha256_hex(b"later")
 
             # A push that will not come (the worker before failed): the step is refused at once, untouched, and
             # the next span's worker hears the same from this one.
-            assert isinstance(await push(before, ALICE, "s", 3, None), Ok)
+            assert isinstance(await push(before, ALICE, "s", 4, None), Ok)
             with pytest.raises(JobRejected, match="did not come"):
-                await service._execute(ALICE, pushed(3), _UnaryPayloads(), None)
-            await until(lambda: len(rpc.sent) == 3, "the refusal to be passed on")
-            assert rpc.sent[-1] == (after, protocol.Push(ALICE, "t", 3, None))
+                await service._execute(ALICE, pushed(4), _UnaryPayloads(), None)
+            await until(lambda: len(rpc.sent) == 4, "the refusal to be passed on")
+            assert rpc.sent[-1] == (after, protocol.Push(ALICE, "t", 4, None))
             # The client gave up on it (its cancel): the step stops waiting, and the same step sent with its input
             # runs.
-            step = asyncio.ensure_future(service._execute(ALICE, pushed(3), _UnaryPayloads(), None))
+            step = asyncio.ensure_future(service._execute(ALICE, pushed(4), _UnaryPayloads(), None))
             await until(lambda: service.pushes._waiting, "the step to wait for its push")
-            assert await cancel_by_rpc(service, ALICE, "s.3p")
+            assert await cancel_by_rpc(service, ALICE, "s.4p")
             with pytest.raises(JobRejected, match="did not come"):
                 await step
-            await service._execute(ALICE, job("s.3", session=protocol.SessionStep("s", 3)), _UnaryPayloads(), None)
-            assert executor.inputs[-1] == b"abcd" and len(executor.inputs) == 4
+            await service._execute(ALICE, job("s.4", session=protocol.SessionStep("s", 4)), _UnaryPayloads(), None)
+            assert executor.inputs[-1] == b"abcd" and len(executor.inputs) == 5
 
         asyncio.run(scenario())

@@ -35,6 +35,7 @@ from gpunet.errors import (
     ProtocolError,
     SessionLost,
     WorkerBusy,
+    WorkerDraining,
 )
 from gpunet.identity import Identity
 from gpunet.ledger import tabs
@@ -135,6 +136,7 @@ class _Job:
     upload: Upload | None = None
     charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
     awaits_push: str | None = None  # the session whose pushed input this step waits for (a cancel calls that off)
+    pushed: bytes | None = None  # the pushed input it took (given back if the step is refused as busy: it is retried)
 
 
 @dataclass
@@ -581,7 +583,12 @@ class JobService:
             if submit.session is not None and submit.session.push_to is not None:
                 self._push_on(client_id, submit.session.push_to, outcome.outputs)
         except BaseException as e:
-            if (submit.session is not None and submit.session.push_to is not None
+            # Busy for a moment: its client asks again (the step did not run), and the pushed input waits for that.
+            busy = isinstance(e, WorkerBusy) and not isinstance(e, WorkerDraining)
+            if busy and job.pushed is not None:
+                self.pushes.offer(submit.session.input_from, client_id, submit.session.id, submit.session.step,
+                                  job.pushed, time.monotonic())
+            if (not busy and submit.session is not None and submit.session.push_to is not None
                     and self.sessions.is_open(client_id, submit.session.id)):
                 self._push_on(client_id, submit.session.push_to, None)  # the next span's worker asks the client
             if session is not None:
@@ -655,6 +662,7 @@ class JobService:
         if data is None:
             raise JobRejected(f"the input of session step {step.step} did not come from worker "
                               f"{step.input_from[-8:]}; send it with the step")
+        job.pushed = data
         return replace(submit, inputs=data, inputs_size=len(data))
 
     def _push_on(self, client_id: str, to: PushTo, outputs: bytes | None) -> None:
