@@ -71,23 +71,27 @@ def test_session_survives_a_killed_worker_with_identical_tokens(swarm, client_fo
     blocks = tiny_gpt(CFG, seed=2)
     remote = sequential(client, blocks)
     prompt = torch.randint(0, CFG.vocab, (1, 5))
-    want = generate_locally(blocks, prompt, 24)
+    want = generate_locally(blocks, prompt, 36)
     by_id = {swarm.worker_id(w): w for w in workers}
     with remote.session() as s:
         got = generate(s, prompt, 12)
         victim_id = s.placement[1][2]
+        pushed = s.pushed
         by_id[victim_id].kill()  # SIGKILL: a crash, as far as the network can tell
-        got += generate(s, torch.tensor([[got[-1]]]), 12)
+        got += generate(s, torch.tensor([[got[-1]]]), 24)
         assert s.moves >= 1
         assert s.placement[1][2] != victim_id
+        # The step that found the victim gone went by way of the client, and so did the 15 after it; then the
+        # workers pushed again (to the replacement too).
+        assert pushed == 2 * 11 and s.pushed == pushed + 2 * 8
     receipts = s.receipts  # closing paid the steps not billed yet
     assert got == want
     replacement = [r for r in receipts if r.worker_id == s.placement[1][2]]
-    # The replacement replayed the span's 12 steps and ran the 12 after: paid for exactly that work; the killed
-    # worker's unbilled steps are not paid (it is gone), the other spans' 24 steps each are.
-    assert sum(steps_of(r.job_id) for r in replacement) == 24
+    # The replacement replayed the span's 12 steps and ran the 24 after: paid for exactly that work; the killed
+    # worker's unbilled steps are not paid (it is gone), the other spans' 36 steps each are.
+    assert sum(steps_of(r.job_id) for r in replacement) == 36
     assert not [r for r in receipts if r.worker_id == victim_id]
-    assert sum(steps_of(r.job_id) for r in receipts) == 3 * 24
+    assert sum(steps_of(r.job_id) for r in receipts) == 3 * 36
     # The client saw the victim fail: the replacement was not sent to fetch the span's program from it (dialling a
     # dead peer cost a move 5 s).
     lines = by_id[s.placement[1][2]].lines

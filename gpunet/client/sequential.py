@@ -52,6 +52,9 @@ CLOSE_TIMEOUT = 15.0
 #: client holds its input; past that its push is taken as lost and the step goes by way of the client.
 PUSH_GRACE = 2.0
 PUSH_GRACE_SPANS = 4
+#: After a pushed step falls back (a push lost, a worker gone), steps go by way of the client for this many steps,
+#: doubled at each further fallback: a path where pushes never get through costs a grace wait ever more rarely.
+PUSH_RETRY_STEPS = 16
 #: What a span's worker needs besides the span's weights and state, as a share of them (activations, the program's
 #: container while it loads).
 MEMORY_HEADROOM = 1.5
@@ -295,6 +298,7 @@ class SessionCore:
         self._closed = False
         self._broken: GpunetError | None = None  # a step failed part of the way: the spans disagree on the step
         self._push = push  # steps may go span to span (off once a worker ran a pushed step on another input)
+        self._push_from, self._push_backoff = 0, PUSH_RETRY_STEPS  # after a fallback: from which step to try again
         self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
         req = seq.requirements
         self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
@@ -367,7 +371,7 @@ class SessionCore:
     def _pushable(self) -> bool:
         """Whether this step can go span to span (Petals' server-to-server hops): every span open on a worker that
         stays, and no checks (a checked step's output is compared before the next span may use it)."""
-        return (self._push and self.checks is None and len(self.seq.spans) > 1
+        return (self._push and self.steps >= self._push_from and self.checks is None and len(self.seq.spans) > 1
                 and getattr(self.seq.core.transport, "pushes", False)
                 and all(span.stateful for span in self.seq.spans)
                 and all(p.worker_id is not None and p.step > 0 and not p.closed and not self._draining(p.worker_id)
@@ -407,16 +411,19 @@ class SessionCore:
                 except (GpunetError, asyncio.TimeoutError) as e:
                     for later in tasks[i:]:  # their pushes will not come: their workers stop waiting
                         later.cancel()
-                    self._push = False  # the rest of this session goes by way of the client
+                    self._push_from, self._push_backoff = self.steps + self._push_backoff, 2 * self._push_backoff
                     if isinstance(e, PushedInputDiffers):
-                        logger.warning("Span %d-%d: %s; its state is rebuilt elsewhere", span.start, span.stop - 1, e)
+                        logger.warning("Span %d-%d: %s; its state is rebuilt elsewhere, and this session's steps go "
+                                       "by way of the client from now on", span.start, span.stop - 1, e)
+                        self._push = False
                         p.failed.add(p.worker_id)  # its tab (without the disputed step) is paid as it is closed
                         p.worker_id = None
                         self.moves += 1
                     else:
                         logger.info("Span %d-%d did not take its pushed step (%s); it and the spans after it take "
-                                    "this step by way of the client, as the rest of the session will",
-                                    span.start, span.stop - 1, e if str(e) else "no answer in time")
+                                    "this step by way of the client, as the session's next %d steps will",
+                                    span.start, span.stop - 1, e if str(e) else "no answer in time",
+                                    self._push_from - self.steps - 1)
                     return await self._step_from(i, x)
                 last = loop.time()
                 p.step += 1
