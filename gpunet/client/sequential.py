@@ -320,11 +320,7 @@ class SessionCore:
                              "did not all take that step, so it cannot go on)")
         async with self._lock:
             try:
-                if self._pushable():
-                    x = await self._step_pushed(x)
-                else:
-                    for i in range(len(self.seq.spans)):
-                        x = await self.step_span(i, x)
+                x = await (self._step_pushed(x) if self._pushable() else self._step_from(0, x))
             except BaseException as e:
                 self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
                 raise
@@ -441,6 +437,7 @@ class SessionCore:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _step_from(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Span ``i`` and the spans after it take the step by way of this client, one after the other."""
         for j in range(i, len(self.seq.spans)):
             x = await self.step_span(j, x)
         return x

@@ -4,8 +4,8 @@ A step sent with ``input_from`` waits here for the input that worker sends strai
 server-to-server hop: the activation does not travel back to the client and out again). The push and the step can
 arrive in either order, so a push may wait for its step and a step for its push. What is kept is bounded: pushes are
 taken only for sessions open here (the caller checks), one per (session, step, sender) and two per session, in a
-byte budget, for
-``keep`` seconds; a step's wait for its push ends when its client cancels it or another step of its session comes.
+byte budget, for ``keep`` seconds; a step's wait for its push ends when its client cancels it or another step of its
+session comes.
 
 No I/O here: the service decodes the Push messages and runs the steps.
 """
@@ -75,10 +75,8 @@ class Pushes:
         does not come within ``timeout``, or the wait is called off (:meth:`call_off`, or another step of the
         session waits now)."""
         key = (client, session, step, sender)
-        held = self._held.pop(key, None)
-        if held is not None:
-            self._bytes -= len(held.data) if held.data is not None else 0
-            return held.data
+        if key in self._held:
+            return self._pop(key)
         self.call_off(client, session)
         future = asyncio.get_running_loop().create_future()
         self._waiting[(client, session)] = (key, future)
@@ -100,13 +98,16 @@ class Pushes:
         """The session ended here: what was pushed for it goes, and a step waiting stops."""
         self.call_off(client, session)
         for key in [k for k in self._held if k[:2] == (client, session)]:
-            held = self._held.pop(key)
-            self._bytes -= len(held.data) if held.data is not None else 0
+            self._pop(key)
 
     def _expire(self, now: float) -> None:
         while self._held:
             key, held = next(iter(self._held.items()))
             if held.until > now:
                 break
-            del self._held[key]
-            self._bytes -= len(held.data) if held.data is not None else 0
+            self._pop(key)
+
+    def _pop(self, key: _Key) -> bytes | None:
+        data = self._held.pop(key).data
+        self._bytes -= len(data) if data is not None else 0
+        return data

@@ -526,7 +526,8 @@ class JobService:
         if submit.deadline is not None:
             self._check_deadline(submit)
         need_program = not self._holds_for(client_id, submit.program)
-        if submit.session is not None and submit.session.input_from is not None:
+        pushed = submit.session is not None and submit.session.input_from is not None  # its input comes from a peer
+        if pushed:
             self._may_wait_for_push(client_id, submit, need_program)
         payloads.precheck(submit, need_program)
         uploading = need_program or submit.inputs is None
@@ -535,7 +536,7 @@ class JobService:
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
         admitted, got, session = False, None, None
         try:
-            if submit.session is not None and submit.session.input_from is not None:
+            if pushed:
                 submit = await self._pushed_input(client_id, job, submit)
             try:
                 got = await self._receive(client_id, job, submit, payloads, need_program,
@@ -561,7 +562,7 @@ class JobService:
                 raise self._busy()
             admitted = True
             outcome = await self._run(key, job, submit, got, reader, host, session)
-            if submit.session is not None and submit.session.input_from is not None:
+            if pushed:
                 outcome.input_hash = got.input_hash
             if session is not None:
                 tab = self.sessions.done(
