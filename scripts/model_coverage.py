@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Which models convert into gpunet jobs and match eager PyTorch: the zoo of gpunet.testing.zoo (Hugging Face
-transformers text, vision and audio models at small random-init configs, and plain torch modules), one row each.
+transformers text, vision and audio models, torchvision and timm models, at small random-init configs, and plain torch
+modules), one row each.
 
-    pip install transformers          # optional: without it only the plain torch models run
+    pip install transformers torchvision timm   # optional (the test extra has them): a missing one's models are left out
     python scripts/model_coverage.py [--json] [--only NAME ...]
 """
 
@@ -27,16 +28,19 @@ def main() -> None:
     args = parser.parse_args()
     zoo = [m for m in models() if not args.only or m.name in args.only]
     outcomes = []
-    print(f"{'model':28} {'kind':7} {'result':9} {'seconds':>8}  detail")
+    print(f"{'model':32} {'from':12} {'kind':7} {'result':9} {'seconds':>8}  detail")
     for model in zoo:
         o = try_model(model)
         outcomes.append(o)
-        print(f"{o.name:28} {o.kind:7} {o.stage:9} {o.seconds:8.1f}  {o.detail[:110]}", flush=True)
+        print(f"{o.name:32} {o.source:12} {o.kind:7} {o.stage:9} {o.seconds:8.1f}  {o.detail[:100]}", flush=True)
     ok = sum(o.ok for o in outcomes)
-    by_kind = Counter((o.kind, o.ok) for o in outcomes)
-    kinds = sorted({o.kind for o in outcomes})
-    print(f"\n{ok} of {len(outcomes)} convert and match eager ("
-          + ", ".join(f"{k} {by_kind[(k, True)]}/{by_kind[(k, True)] + by_kind[(k, False)]}" for k in kinds) + ")")
+
+    def tally(attr: str) -> str:
+        count = Counter((getattr(o, attr), o.ok) for o in outcomes)
+        keys = sorted({getattr(o, attr) for o in outcomes})
+        return ", ".join(f"{k} {count[(k, True)]}/{count[(k, True)] + count[(k, False)]}" for k in keys)
+
+    print(f"\n{ok} of {len(outcomes)} convert and match eager (by kind: {tally('kind')}; by library: {tally('source')})")
     if args.json:
         print(json.dumps({"benchmark": "model_coverage", "ok": ok, "total": len(outcomes),
                           "models": [asdict(o) for o in outcomes]}))

@@ -1,11 +1,10 @@
-"""A model zoo as a new user would try it: Hugging Face transformers models (text, vision, audio) at small random-init
-configs, and plain torch modules, each with example inputs. Nothing is downloaded. Used by the coverage script
-(``scripts/model_coverage.py``) and the zoo test; transformers is an optional dependency (``pip install
-transformers``): without it only the plain torch models are listed.
+"""A model zoo as a new user would try it: Hugging Face transformers models (text, vision, audio), torchvision and timm
+models at small random-init configs, and plain torch modules, each with example inputs. Nothing is downloaded. Used by
+the coverage script (``scripts/model_coverage.py``) and the zoo test. transformers, torchvision and timm are optional
+(the project's ``test`` extra installs them): a library that is missing leaves its models out.
 
-No torchvision or timm: PyPI's torchvision 0.28.0 (the one for torch 2.13) is a CUDA build whose ``_C.so`` needs
-``libc10_cuda.so``, so next to a CPU torch ``import torchvision`` fails ("operator torchvision::nms does not exist"),
-and timm imports torchvision. transformers' own vision models (ViT, ConvNeXt, Swin, ResNet, ...) stand in.
+PyPI's torchvision wheels are CUDA builds; next to a CPU torch they need :func:`import_torchvision` (timm imports
+torchvision, so it goes through it too).
 
 Each entry builds ``(module, args, kwargs)``; :func:`try_model` traces it into a job and compares the job's outputs
 (run by the worker's own interpreter) with eager PyTorch's, saying at which step it failed if it did.
@@ -25,12 +24,14 @@ class Model:
     name: str
     kind: str  # text | vision | audio | torch
     build: Callable[[], tuple[torch.nn.Module, tuple, dict]]
+    source: str = "torch"  # the library that defines it: torch | transformers | torchvision | timm
 
 
 @dataclass
 class Outcome:
     name: str
     kind: str
+    source: str
     ok: bool
     stage: str  # "ok", "build", "export", "run", "mismatch"
     detail: str = ""
@@ -46,7 +47,7 @@ def _hf(name: str, kind: str, config: str, model: str, inputs: Callable[[], dict
         module = getattr(transformers, model)(conf).eval()
         return module, (), inputs()
 
-    return Model(name, kind, build)
+    return Model(name, kind, build, "transformers")
 
 
 def _ids(n: int = 8, vocab: int = 100) -> Callable[[], dict]:
@@ -148,13 +149,16 @@ class _TinyBlock(torch.nn.Module):
 
 
 def models() -> list[Model]:
-    """Every model of the zoo this environment can build (transformers ones only where it is installed)."""
-    zoo = _plain()
+    """Every model of the zoo this environment can build (a library's only where it is installed)."""
+    return _plain() + _transformers() + _torchvision() + _timm()
+
+
+def _transformers() -> list[Model]:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        return zoo
-    zoo += [
+        return []
+    return [
         _hf("bert", "text", "BertConfig", "BertModel", _ids(), **TEXT),
         _hf("roberta", "text", "RobertaConfig", "RobertaModel", _ids(), **TEXT, pad_token_id=1),
         _hf("distilbert", "text", "DistilBertConfig", "DistilBertModel", _ids(), vocab_size=100, dim=32, n_layers=2,
@@ -193,9 +197,111 @@ def models() -> list[Model]:
             conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2),
         _hf("hubert", "audio", "HubertConfig", "HubertModel", _audio(), **TEXT, conv_dim=(16, 16),
             conv_kernel=(10, 3), conv_stride=(5, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2),
-        Model("whisper-encoder", "audio", _whisper_encoder),
+        Model("whisper-encoder", "audio", _whisper_encoder, "transformers"),
     ]
-    return zoo
+
+
+#: The schemas of the torchvision ops its import registers fakes for unconditionally (see import_torchvision).
+_TORCHVISION_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                        "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+_torchvision_ops: list = []  # the torch.library.Library declaring them: dropping it would undeclare them
+
+
+def import_torchvision():
+    """``import torchvision``, also where its C++ ops cannot load.
+
+    PyPI's torchvision wheels are CUDA builds: their ops library (nms, roi_align, deform_conv2d) links libtorch_cuda,
+    so next to a CPU torch it does not load, and the import then fails registering a fake for an op that was never
+    declared ("operator torchvision::nms does not exist"). The models are plain Python and use none of those ops:
+    declaring the two schemas the import needs lets it finish, with the C++ ops still absent (``torchvision.ops.nms``
+    raises "no kernel", as it should). Where the ops load (a CUDA torch, or a CPU torchvision build), nothing is
+    declared.
+    """
+    import sys
+
+    try:
+        import torchvision
+        return torchvision
+    except RuntimeError as e:
+        if "torchvision::nms" not in str(e):
+            raise
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]  # the half-imported package
+    if not _torchvision_ops:
+        lib = torch.library.Library("torchvision", "FRAGMENT")
+        for schema in _TORCHVISION_SCHEMAS:
+            lib.define(schema)
+        _torchvision_ops.append(lib)
+    import torchvision
+    return torchvision
+
+
+def _torchvision() -> list[Model]:
+    try:
+        tv = import_torchvision()
+    except ImportError:
+        return []
+    m = tv.models
+
+    def mk(name, make, size, *, channels_last=False):
+        def build():
+            torch.manual_seed(0)
+            module = make().eval()
+            x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+            if channels_last:  # the layout whose adaptive pooling torch decomposes into as_strided (ConvNeXt, Swin)
+                module, x = module.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+            return module, (x,), {}
+        return Model(f"tv-{name}", "vision", build, "torchvision")
+
+    return [
+        mk("resnet18", lambda: m.resnet18(), 64),
+        mk("mobilenet-v3-small", lambda: m.mobilenet_v3_small(), 64),
+        mk("efficientnet-b0", lambda: m.efficientnet_b0(), 64),
+        mk("convnext-tiny-channels-last", lambda: m.convnext_tiny(), 64, channels_last=True),
+        mk("swin-t", lambda: m.swin_t(), 64),
+        mk("vit", lambda: m.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                              mlp_dim=64), 32),
+        mk("maxvit", lambda: m.MaxVit(input_size=(64, 64), stem_channels=16, partition_size=2, block_channels=[16, 32],
+                                      block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0), 64),
+        mk("regnet-y-400mf", lambda: m.regnet_y_400mf(), 64),
+        mk("shufflenet-v2", lambda: m.shufflenet_v2_x0_5(), 64),
+        mk("squeezenet", lambda: m.squeezenet1_0(), 64),
+        mk("googlenet", lambda: m.googlenet(aux_logits=False, init_weights=False), 64),
+        mk("inception-v3", lambda: m.inception_v3(aux_logits=False, init_weights=False), 96),
+    ]
+
+
+def _timm() -> list[Model]:
+    try:
+        import_torchvision()
+        import timm
+    except ImportError:
+        return []
+
+    def mk(name, size, **kw):
+        def build():
+            torch.manual_seed(0)
+            module = timm.create_model(name, pretrained=False, **kw).eval()
+            return module, (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0)),), {}
+        return Model(f"timm-{name}", "vision", build, "timm")
+
+    return [
+        mk("vit_tiny_patch16_224", 32, img_size=32, patch_size=8),
+        mk("eva02_tiny_patch14_224", 56, img_size=56),
+        mk("levit_128s", 64, img_size=64),
+        mk("mixer_s16_224", 64, img_size=64),
+        mk("poolformer_s12", 64),
+        mk("mobilevit_xxs", 64),
+        mk("edgenext_xx_small", 64),
+        mk("fastvit_t8", 64),
+        mk("coatnet_nano_rw_224", 64, img_size=64),
+        mk("efficientvit_b0", 64),
+        mk("xcit_nano_12_p16_224", 64, img_size=64),
+        mk("ghostnet_100", 64),
+        mk("convnext_atto", 64),
+        mk("mambaout_femto", 64),
+        mk("nfnet_l0", 64),
+    ]
 
 
 def _whisper_encoder():
@@ -223,7 +329,7 @@ def try_model(model: Model, atol: float = 1e-4) -> Outcome:
     t0 = time.perf_counter()
 
     def out(ok: bool, stage: str, detail: str = "", diff: float = 0.0) -> Outcome:
-        return Outcome(model.name, model.kind, ok, stage, detail[:300], time.perf_counter() - t0, diff)
+        return Outcome(model.name, model.kind, model.source, ok, stage, detail[:300], time.perf_counter() - t0, diff)
 
     try:
         module, args, kwargs = model.build()
