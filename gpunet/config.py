@@ -10,6 +10,14 @@ from pathlib import Path
 
 from gpunet.errors import ConfigError
 
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
 DEFAULT_NETWORK = "gpunet"
 INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
 DATA_DIR_ENV = "GPUNET_DATA_DIR"
@@ -104,6 +112,11 @@ class WorkerConfig:
     fault_drop_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker nothing (a lost push)
 
     def __post_init__(self):
+        cpus = usable_cpus()
+        if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= cpus):
+            raise ConfigError(f"--threads must be from 1 to the {cpus} CPU(s) this worker may use, not "
+                              f"{self.threads!r}: more threads than CPUs only slow each job and take the machine "
+                              "from its owner")
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
             raise ConfigError(f"--peer-upload-mbps must be 0 (no cap) or at least {MIN_PEER_UPLOAD_MBPS} MB/s: a peer "
                               "fetching from this worker gives up on a stream slower than about 1 MB/s")

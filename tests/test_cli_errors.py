@@ -24,8 +24,9 @@ def unusable_dir(tmp_path):
         (["ledger", "balance", "--data-dir", "{dir}"], "no ledger at"),  # reading creates nothing
         (["status", "--initial-peers", "not-an-address"], "initial peer 'not-an-address' is not a multiaddr"),
         (["bootstrap", "--network", "no.dots", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "network name 'no.dots'"),
+        (["worker", "--device", "cpu", "--threads", "100000"], "--threads must be from 1 to the"),
     ],
-    ids=["worker", "ledger", "status", "bootstrap"],
+    ids=["worker", "ledger", "status", "bootstrap", "worker-threads"],
 )
 def test_a_config_error_is_one_line_and_exit_code_2(args, message, unusable_dir, tmp_path):
     result = run_cli(*(a.format(dir=unusable_dir) for a in args), timeout=120, env={"GPUNET_DATA_DIR": str(tmp_path)})

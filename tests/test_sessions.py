@@ -328,9 +328,8 @@ def test_a_pushed_input_reaches_only_the_step_that_names_its_sender_and_what_wai
 def test_a_pushed_output_is_byte_for_byte_the_input_the_client_would_send():
     """Both sides hash the same bytes: the next span's worker bills (and the client checks) the input it ran on."""
     from gpunet.job import tensors
-    from gpunet.worker.service import TENSOR_ALIGN, _as_next_input
+    from gpunet.worker.service import _as_next_input
 
-    assert TENSOR_ALIGN == tensors.ALIGN
     for t in (torch.randn(1, 1, 768), torch.randn(1, 7, 3).half(), torch.arange(5), torch.randn(())):
         assert _as_next_input(tensors.encode({"output_0": t})) == tensors.encode({"input_0": t})
     assert _as_next_input(tensors.encode({"output_0": torch.ones(2), "output_1": torch.ones(2)})) is None

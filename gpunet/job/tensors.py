@@ -17,6 +17,7 @@ from typing import Mapping, NamedTuple
 import torch
 
 from gpunet.errors import JobRejected
+from gpunet.tensorframe import ALIGN, frame_header  # noqa: F401 (ALIGN: tensors.ALIGN to its users)
 
 # Closed list: safetensors dtype name <-> torch dtype. Anything else is rejected.
 DTYPES: dict[str, torch.dtype] = {
@@ -38,7 +39,6 @@ MAX_TENSORS = 100_000
 MAX_NDIM = 16
 MAX_NAME_LEN = 512
 DEFAULT_MAX_TOTAL_BYTES = 16 * 1024**3
-ALIGN = 64  # what PyTorch's CPU allocator guarantees; BLAS kernels choose their code path by alignment
 
 
 def aligned_copy(data: bytes | bytearray | memoryview) -> memoryview:
@@ -89,9 +89,7 @@ def _encoded_header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
         size = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % ALIGN)  # pad so the data section starts ALIGN-aligned
-    return struct.pack("<Q", len(head)) + head
+    return frame_header(header)
 
 
 def _reject(msg: str) -> JobRejected:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo
+from gpunet.config import usable_cpus
 from gpunet.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -140,11 +141,7 @@ def job_threads(threads: int | None = None, processes: int = 1) -> int:
     (its affinity: taskset, a container's cpuset), shared among ``processes`` executors."""
     if threads:
         return threads
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // processes)
+    return max(1, usable_cpus() // processes)
 
 
 def cpu_hardware() -> Hardware:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import struct
 import tempfile
 import time
 from collections import deque
@@ -22,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
-from gpunet import protocol, speedproof
+from gpunet import protocol, speedproof, tensorframe
 from gpunet.errors import (
     DeadlineUnreachable,
     ExecutorDied,
@@ -107,8 +105,6 @@ MAX_OPEN_PROOFS = 16
 #: how many pushes it has on their way at most.
 PUSH_TIMEOUT = 10.0
 MAX_PUSHING = 64
-#: gpunet.job.tensors.ALIGN (not imported: that module imports torch, which this process does not need)
-TENSOR_ALIGN = 64
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -1073,22 +1069,12 @@ class JobService:
 
 def _as_next_input(outputs: bytes) -> bytes | None:
     """A span's step output as the next span's step input: its one tensor, ``output_0``, renamed ``input_0``, so the
-    bytes are those the client would send and both sides hash the same (``gpunet.job.tensors.encode``: a compact JSON
-    header padded to TENSOR_ALIGN; done on the bytes, as this process never imports torch). None if the output is not
-    one tensor, or is bigger than a push may be."""
-    if not 8 <= len(outputs) <= protocol.MAX_PUSH_BYTES + 1024:
+    bytes are those the client would send and both sides hash the same. None if the output is not one tensor, or is
+    bigger than a push may be."""
+    if len(outputs) > protocol.MAX_PUSH_BYTES + 1024:
         return None
-    (n,) = struct.unpack("<Q", outputs[:8])
-    try:
-        header = json.loads(outputs[8:8 + n]) if 8 + n <= len(outputs) else None
-    except ValueError:
-        return None
-    if not isinstance(header, dict) or list(header) != ["output_0"]:
-        return None
-    head = json.dumps({"input_0": header["output_0"]}, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % TENSOR_ALIGN)
-    data = struct.pack("<Q", len(head)) + head + outputs[8 + n:]
-    return data if len(data) <= protocol.MAX_PUSH_BYTES else None
+    data = tensorframe.renamed(outputs, "output_0", "input_0")
+    return data if data is not None and len(data) <= protocol.MAX_PUSH_BYTES else None
 
 
 def _receipt_bytes(outcome: Outcome) -> bytes:
