@@ -113,6 +113,29 @@ def test_training_mode_dropout_traced_by_a_client_is_rejected():
         job.run_locally(torch.randn(2, 3))
 
 
+@torch.library.custom_op("gpunet_test::triple", mutates_args=())
+def _triple(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@_triple.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_an_extension_op_traced_by_a_client_is_rejected_with_where_it_belongs():
+    """A C++ extension's op (torchvision's nms, a custom kernel) has no counted cost and no check: the error says to
+    run that part on the client."""
+    class UsesExtension(torch.nn.Module):
+        def forward(self, x):
+            return _triple(x) + 1
+
+    job = Job.from_module(UsesExtension(), (torch.ones(3),))
+    with pytest.raises(JobRejected, match="gpunet_test.triple.default' is not in the worker's allowlist .*not one "
+                                          "of PyTorch's aten ops.*on the client"):
+        job.run_locally(torch.ones(3))
+
+
 def test_the_allowlist_excludes_every_dangerous_family():
     for bad in ("from_file", "_print", "as_strided", "empty", "empty_strided", "new_empty", "resize_", "set_",
                 "native_dropout", "rand", "randn", "randperm", "bernoulli", "manual_seed", "seed", "nonzero",

@@ -8,6 +8,7 @@ job over a limit before a byte is allocated on the real device. Failures raise J
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -185,8 +186,15 @@ _HINTS = (
 )
 
 
+_OP_NAME = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*")
+
+
 def _hint(op: str) -> str:
-    name = op.split(".", 1)[-1].split(".")[0]
+    namespace, _, rest = op.partition(".")
+    if namespace not in ("aten", "sym") and _OP_NAME.fullmatch(op):  # torchvision.nms.default: an extension's own op
+        return (" (not one of PyTorch's aten ops: a worker runs only those, whose work it can count and check; an "
+                "extension's op, such as torchvision's nms, belongs on the client)")
+    name = rest.split(".")[0]
     for keys, hint in _HINTS:
         if any(k in name for k in keys):
             return f" ({hint})"
