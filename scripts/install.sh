@@ -13,10 +13,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 # (setuptools warns, in a ten-line banner, that an editable install can be shadowed by a same-named folder: known.)
 PYTHONWARNINGS="ignore:Editable installation" quiet .venv/bin/python -m pip install -q -e ".[test]"
-# The model zoo's torchvision and timm (optional: without them the zoo leaves their models out). torchvision must be
-# the release built for this torch (torch 2.N pairs with torchvision 0.(N+15)), or pip would replace torch to match
-# the newest one; PyPI's is a CUDA build, which gpunet.testing.zoo.import_torchvision imports next to a CPU torch.
-tv=$(.venv/bin/python -c 'import torch; print("0.%d.*" % (int(torch.__version__.split(".")[1]) + 15))')
-quiet .venv/bin/python -m pip install -q "torchvision==$tv" "timm>=1.0" \
-    || echo "warning: could not install torchvision $tv and timm; the model zoo leaves their models out"
 .venv/bin/python -c "import gpunet, torch, hivemind; print('gpunet', gpunet.__version__, '| torch', torch.__version__, '| hivemind', hivemind.__version__)"

@@ -38,8 +38,8 @@ def test_the_zoo_has_torchvision_and_timm_models_beside_a_cpu_torch():
         import_torchvision()
         import timm  # noqa: F401
     except ImportError:
-        pytest.skip("the zoo's torchvision and timm models need `pip install torchvision timm` "
-                    "(the project's set-up installs them)")
+        pytest.skip("the zoo's torchvision and timm models live in .venv-zoo (bash scripts/zoo_venv.sh, which says "
+                    "why apart; .ci/run runs this file there too)")
     assert sum(m.source == "torchvision" for m in ZOO) >= 10 and sum(m.source == "timm" for m in ZOO) >= 10
 
 
@@ -47,7 +47,7 @@ def test_torchvision_imports_beside_a_cpu_torch_and_its_missing_ops_refuse():
     try:
         tv = import_torchvision()
     except ImportError:
-        pytest.skip("torchvision is not installed")
+        pytest.skip("torchvision is not installed here (it lives in .venv-zoo: bash scripts/zoo_venv.sh)")
     assert import_torchvision() is tv  # a second call finds it imported
     boxes, scores = torch.tensor([[0.0, 0.0, 1.0, 1.0]]), torch.tensor([1.0])
     if tv.extension._has_ops():  # a build whose C++ ops load here: nms really runs

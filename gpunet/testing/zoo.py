@@ -1,10 +1,9 @@
 """A model zoo as a new user would try it: Hugging Face transformers models (text, vision, audio), torchvision and timm
 models at small random-init configs, and plain torch modules, each with example inputs. Nothing is downloaded. Used by
-the coverage script (``scripts/model_coverage.py``) and the zoo test. transformers, torchvision and timm are optional
-(the project's ``test`` extra installs them): a library that is missing leaves its models out.
-
-PyPI's torchvision wheels are CUDA builds; next to a CPU torch they need :func:`import_torchvision` (timm imports
-torchvision, so it goes through it too).
+the coverage script (``scripts/model_coverage.py``) and the zoo test. Each library is optional: one that is missing
+leaves its models out. transformers comes with the project's ``test`` extra; torchvision and timm live in
+``.venv-zoo`` (``scripts/zoo_venv.sh``), because PyPI's torchvision is a CUDA build that, next to a CPU torch, needs
+:func:`import_torchvision` and stops transformers from loading any model until that has run.
 
 Each entry builds ``(module, args, kwargs)``; :func:`try_model` traces it into a job and compares the job's outputs
 (run by the worker's own interpreter) with eager PyTorch's, saying at which step it failed if it did.
