@@ -3,8 +3,10 @@
 transformers text, vision and audio models, torchvision and timm models, at small random-init configs, and plain torch
 modules), one row each.
 
-    pip install transformers torchvision timm   # optional (the test extra has them): a missing one's models are left out
-    python scripts/model_coverage.py [--json] [--only NAME ...]
+    python scripts/model_coverage.py [--json] [--only NAME ...]      # in .venv: plain torch and transformers
+    bash scripts/zoo_venv.sh && .venv-zoo/bin/python scripts/model_coverage.py   # with torchvision and timm too
+
+A library that is not installed has its models left out (and said so).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--only", nargs="*", help="model names to try")
     args = parser.parse_args()
-    zoo = [m for m in models() if not args.only or m.name in args.only]
+    everything = models()
+    zoo = [m for m in everything if not args.only or m.name in args.only]
     outcomes = []
     print(f"{'model':32} {'from':12} {'kind':7} {'result':9} {'seconds':>8}  detail")
     for model in zoo:
@@ -40,6 +43,10 @@ def main() -> None:
         keys = sorted({getattr(o, attr) for o in outcomes})
         return ", ".join(f"{k} {count[(k, True)]}/{count[(k, True)] + count[(k, False)]}" for k in keys)
 
+    missing = [lib for lib in ("transformers", "torchvision", "timm") if not any(m.source == lib for m in everything)]
+    if missing:
+        print(f"\n(left out, not installed here: {', '.join(missing)}; torchvision and timm live in .venv-zoo, "
+              "see scripts/zoo_venv.sh)")
     print(f"\n{ok} of {len(outcomes)} convert and match eager (by kind: {tally('kind')}; by library: {tally('source')})")
     if args.json:
         print(json.dumps({"benchmark": "model_coverage", "ok": ok, "total": len(outcomes),
