@@ -114,6 +114,17 @@ def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(
                 raise NetworkError("worker did not answer (settle)")
             self.delivered += items
 
+    async def rides_on_a_job():
+        """Owed again after a failed batch, then carried by a job that got through: nothing of it is kept."""
+        s = Settlement(_Flaky(1))
+        s._owed["w"] = [("job-2", b"sig")]
+        s.flush()
+        await asyncio.gather(*s._sending)
+        carried = s.take("w")
+        s.delivered(carried)  # what transport.submit says once the job's answer came
+        assert carried == [("job-2", b"sig")] and s._owed == {} and s._failed == {}
+        s._timer.cancel()
+
     async def main(failures: int):
         transport = _Flaky(failures)
         s = Settlement(transport)
@@ -130,5 +141,6 @@ def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(
 
     monkeypatch.setattr(settlement_module, "RETRY_DELAY", 0.01)
     assert asyncio.run(main(2)) == ([("job-1", b"sig")], 2)  # the third send got through
+    asyncio.run(rides_on_a_job())
     # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
     assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)

@@ -57,6 +57,12 @@ class Settlement:
             self._timer.poke()
         return owed
 
+    def delivered(self, items: list[tuple[str, bytes]]) -> None:
+        """Countersignatures taken to ride on a job that got through: the count of their failed batch sends goes."""
+        if self._failed:
+            for job_id, _ in items:
+                self._failed.pop(job_id, None)
+
     def give_back(self, worker_id: str, items: list[tuple[str, bytes]], after: float = 0.0) -> None:
         """Taken but not delivered (the job failed, or the batch did not get through): owed still, sent in a batch
         ``after`` seconds from now (plus SETTLE_DELAY) unless a job to that worker takes them first."""

@@ -174,14 +174,17 @@ class P2PTransport:
             if len(request.inputs) <= INLINE_BYTES and cached:
                 owed = settlement.take(worker.id)
                 try:
-                    return await self.run_unary(worker.id, request, settle=owed)
+                    delivery = await self.run_unary(worker.id, request, settle=owed)
                 except _UseStream:
-                    pass  # the countersignatures rode along; the worker took them before answering
+                    settlement.delivered(owed)  # they rode along; the worker took them before answering
                 except BaseException as e:
                     settlement.give_back(worker.id, owed)  # not delivered: owe them still
                     if isinstance(e, asyncio.CancelledError):  # cancelled or timed out: the worker can stop work on it
                         settlement.track(self.cancel(worker.id, request.job_id))
                     raise
+                else:
+                    settlement.delivered(owed)
+                    return delivery
             if cached:
                 return await self.run_stream(worker.id, list(worker.record.maddrs), request)
             return await self._run_stream_once_per_program(worker, request)
