@@ -8,8 +8,8 @@ import torch
 from torch.export import Dim
 
 from gpunet import protocol
-from gpunet.client.sequential import _SpanModule, plan_spans, spans_needed
-from gpunet.errors import JobRejected, ProtocolError, SessionLost, UnsupportedProgram, WorkerBusy
+from gpunet.client.sequential import _SpanModule, plan_spans, spans_needed, trace_spans
+from gpunet.errors import JobRejected, ProtocolError, SessionLost, UnsupportedProgram, UsageError, WorkerBusy
 from gpunet.job import Job
 from gpunet.job.format import Manifest
 from gpunet.identity import Identity
@@ -210,6 +210,27 @@ def test_stateful_blocks_trace_and_round_trip_their_state():
     assert all(torch.equal(a, b) for a, b in zip(want, got))
     # Local generation through the blocks is the reference sessions are held to.
     assert len(generate_locally(tiny_gpt(cfg), ids, 4)) == 4
+
+
+def test_a_block_passes_one_tensor_on_and_one_that_returns_more_is_told_how_to_fit():
+    """Older Hugging Face blocks return ``(hidden_states,)``: taken as the tensor. A block returning more is refused
+    eagerly, with the convention, not with torch.export's error from inside the next block."""
+    class Block(torch.nn.Module):
+        def __init__(self, outputs: int = 1):
+            super().__init__()
+            self.linear, self.outputs = torch.nn.Linear(4, 4), outputs
+
+        def forward(self, x):
+            return (self.linear(x),) * self.outputs
+
+    torch.manual_seed(0)
+    blocks, x = [Block(), Block(), Block()], torch.randn(2, 4)
+    spans = trace_spans(blocks, (x,), None, [(0, 2), (2, 3)])
+    got = spans[1].job.run_locally(spans[0].job.run_locally(x))
+    with torch.no_grad():
+        assert torch.equal(got, blocks[2](blocks[1](blocks[0](x)[0])[0])[0])
+    with pytest.raises(UsageError, match=r"a block \(Block\) returned a tuple: .* passes one tensor to the next"):
+        trace_spans([Block(), Block(2), Block()], (x,), None, [(0, 2), (2, 3)])
 
 
 def test_a_state_must_come_back_in_the_same_shape():

@@ -80,8 +80,21 @@ class _SpanModule(torch.nn.Module):
                 new += out
                 at += k
             else:
-                x = block(x)
+                x = _passed_on(block, block(x))
         return (x, *new) if new else x
+
+
+def _passed_on(block: torch.nn.Module, out: Any) -> torch.Tensor:
+    """A stateless block's output as the next block's input: one tensor (or a 1-tuple of one, as older Hugging Face
+    blocks return ``(hidden_states,)``)."""
+    if isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise UsageError(f"a block ({type(block).__name__}) returned a {type(out).__name__}: in a sequence each block "
+                         "passes one tensor to the next. Wrap a block that returns more so that it returns the hidden "
+                         "state only; a stateful block is forward(x, *state) -> (y, *new_state), with initial_state "
+                         "given (docs/sessions.md)")
+    return out
 
 
 @dataclass
@@ -191,9 +204,9 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         state = tuple(t for s in states[start:stop] for t in s)
         # forward(x, *state): torch.export takes the varargs' shapes as one tuple
         shapes = (x_dims, (None,) * len(state)) if x_dims is not None else None
-        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
-        with torch.no_grad():
+        with torch.no_grad():  # eagerly first: a block that does not fit the convention says so itself
             out = module(x, *state)
+        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
         x = out[0] if state else out
         x_dims = _dims_of(job)
         spans.append(Span(start, stop, job, state, all(not t.any() for t in state),
