@@ -36,6 +36,10 @@ DIAL_TIMEOUT = 3.0
 #: dial-back costs it a few connections. A caller turned away hears "busy" and asks again; it never reads that as
 #: "unreachable" (several nodes behind one address start together often: a home, a test on 127.0.0.1).
 CHECK_INTERVAL = 5.0
+#: Seconds a node behind NAT (a worker, or `gpunet doctor` trying as one) waits for its first relay reservation
+#: before it says it has none: go-libp2p's auto-relay books one on the static relays within seconds, a loaded
+#: machine in tens of them.
+RELAY_WAIT = 30.0
 MAX_CHECKS_AT_ONCE = 8
 BUSY_RETRIES = 3
 #: Further tries of a peer that could not be asked at all (not serving the door yet, no answer in time).

@@ -181,7 +181,7 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     if found == reachability.DIRECT:
         return Check("reachability", Outcome.PASS,
                      f"directly reachable: a peer connected back to {result.observed or 'this host'}, TCP port {port}")
-    relay = _relay_reservation(network, peers)
+    relay = _relay_reservation(network, peers, reachability.RELAY_WAIT)
     where = f"{result.observed or 'this host'}, TCP port {port}"
     forward = (f"for direct connections, forward TCP port {port} on your router to this machine and run the worker "
                f"with --host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/<your public IP>/tcp/{port}")
@@ -194,7 +194,7 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
                  "relay reservation", forward + "; or join through a bootstrap node that relays (`gpunet bootstrap`)")
 
 
-def _relay_reservation(network: str, peers: Sequence[str], wait: float = 15.0) -> str | None:
+def _relay_reservation(network: str, peers: Sequence[str], wait: float) -> str | None:
     """The relay that grants this host a reservation, tried the way a worker behind NAT does; None if none does."""
     from gpunet.dht import network as net
 

@@ -55,8 +55,6 @@ UNSETTLED_GRACE = 5.0
 LEAVE_STEP_TIMEOUT = 3.0
 #: Seconds between repeats of the "could not publish" warning while it lasts.
 UNPUBLISHED_REPEAT = 300.0
-#: Seconds a worker behind NAT waits for its first relay reservation before it says it has none.
-RELAY_WAIT = 20.0
 
 
 class Worker:
@@ -299,7 +297,7 @@ class Worker:
         if self.dht is None:
             return
         self._via_relays = True
-        deadline = time.monotonic() + RELAY_WAIT
+        deadline = time.monotonic() + reachability.RELAY_WAIT
         while time.monotonic() < deadline:
             self.maddrs = await asyncio.to_thread(network.visible_maddrs, self.dht, True)
             if any(reachability.is_relayed(m) for m in self.maddrs):
@@ -310,7 +308,7 @@ class Worker:
             await asyncio.sleep(0.5)
         self.reachability = reachability.UNREACHABLE
         logger.warning("No relay took a reservation for this worker within %.0f s; listed as unreachable (no jobs are "
-                       "routed to it) while it keeps trying", RELAY_WAIT)
+                       "routed to it) while it keeps trying", reachability.RELAY_WAIT)
 
     async def network_alive(self) -> bool:
         """Whether our DHT process and p2p daemon are still there to talk through."""
