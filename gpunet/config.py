@@ -18,6 +18,7 @@ def usable_cpus() -> int:
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
 
+
 DEFAULT_NETWORK = "gpunet"
 INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
 DATA_DIR_ENV = "GPUNET_DATA_DIR"
@@ -113,7 +114,7 @@ class WorkerConfig:
 
     def __post_init__(self):
         cpus = usable_cpus()
-        if self.threads is not None and not (isinstance(self.threads, int) and 1 <= self.threads <= cpus):
+        if self.threads is not None and not (type(self.threads) is int and 1 <= self.threads <= cpus):
             raise ConfigError(f"--threads must be from 1 to the {cpus} CPU(s) this worker may use, not "
                               f"{self.threads!r}: more threads than CPUs only slow each job and take the machine "
                               "from its owner")

@@ -1,8 +1,8 @@
 """The framing of tensor bytes, without torch: an 8-byte little-endian header length, a compact JSON header padded
 so the data section starts ALIGN-aligned, then the data (the safetensors layout).
 
-Its one home: ``gpunet.job.tensors`` builds and checks tensors on it, and the worker, which never imports torch,
-uses it to pass a span's step output on as the next span's input byte for byte as the client would encode it (both
+Its one home: ``gpunet.job.tensors`` encodes tensors with it, and the worker's service, which needs no torch, uses
+it to pass a span's step output on as the next span's input byte for byte as the client would encode it (both
 sides hash those bytes).
 """
 
@@ -21,6 +21,10 @@ def frame_header(header: dict) -> bytes:
     return struct.pack("<Q", len(head)) + head
 
 
+#: One tensor's header is a few hundred bytes; a longer one is not renamed.
+MAX_RENAMED_HEADER = 64 * 1024
+
+
 def renamed(data: bytes, old: str, new: str) -> bytes | None:
     """``data`` holding exactly one tensor, named ``old``, as the same tensor named ``new``; None for anything else.
 
@@ -29,12 +33,12 @@ def renamed(data: bytes, old: str, new: str) -> bytes | None:
     if len(data) < 8:
         return None
     (n,) = struct.unpack("<Q", data[:8])
-    if 8 + n > len(data):
+    if n > MAX_RENAMED_HEADER or 8 + n > len(data):
         return None
     try:
         header = json.loads(data[8:8 + n])
-    except (ValueError, RecursionError):
+        if not isinstance(header, dict) or list(header) != [old]:
+            return None
+        return frame_header({new: header[old]}) + data[8 + n:]
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to write back
         return None
-    if not isinstance(header, dict) or list(header) != [old]:
-        return None
-    return frame_header({new: header[old]}) + data[8 + n:]

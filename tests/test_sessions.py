@@ -231,6 +231,8 @@ def test_a_block_passes_one_tensor_on_and_one_that_returns_more_is_told_how_to_f
         assert torch.equal(got, blocks[2](blocks[1](blocks[0](x)[0])[0])[0])
     with pytest.raises(UsageError, match=r"a block \(Block\) returned a tuple: .* passes one tensor to the next"):
         trace_spans([Block(), Block(2), Block()], (x,), None, [(0, 2), (2, 3)])
+    with pytest.raises(UnsupportedProgram, match="blocks 0-1 fail on the example input: RuntimeError"):
+        trace_spans([torch.nn.Linear(4, 4), torch.nn.Linear(5, 5)], (x,), None, [(0, 2)])  # a model error, as such
 
 
 def test_a_state_must_come_back_in_the_same_shape():

@@ -34,6 +34,7 @@ from gpunet.errors import (
     NetworkError,
     NoWorkersAvailable,
     SessionLost,
+    UnsupportedProgram,
     UsageError,
     VerificationFailed,
     WorkerDraining,
@@ -204,8 +205,14 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         state = tuple(t for s in states[start:stop] for t in s)
         # forward(x, *state): torch.export takes the varargs' shapes as one tuple
         shapes = (x_dims, (None,) * len(state)) if x_dims is not None else None
-        with torch.no_grad():  # eagerly first: a block that does not fit the convention says so itself
-            out = module(x, *state)
+        try:  # eagerly first (on copies of the state): a block that does not fit the convention says so itself
+            with torch.no_grad():
+                out = module(x, *(t.clone() for t in state))
+        except GpunetError:
+            raise
+        except Exception as e:
+            raise UnsupportedProgram(f"blocks {start}-{stop - 1} fail on the example input: {type(e).__name__}: "
+                                     f"{str(e)[:500]}") from e
         job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
         x = out[0] if state else out
         x_dims = _dims_of(job)

@@ -187,11 +187,15 @@ _HINTS = (
 
 
 _OP_NAME = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*")
+#: Op namespaces PyTorch itself defines (an op there that is not allowed is not an extension's).
+_TORCH_NAMESPACES = frozenset({"aten", "sym", "prims", "rngprims", "debugprims", "torch", "c10d", "_c10d_functional",
+                               "quantized", "_quantized", "quantized_decomposed", "higher_order", "inductor",
+                               "profiler", "_operator"})
 
 
 def _hint(op: str) -> str:
     namespace, _, rest = op.partition(".")
-    if namespace not in ("aten", "sym") and _OP_NAME.fullmatch(op):  # torchvision.nms.default: an extension's own op
+    if namespace not in _TORCH_NAMESPACES and _OP_NAME.fullmatch(op):  # torchvision.nms.default: an extension's
         return (" (not one of PyTorch's aten ops: a worker runs only those, whose work it can count and check; an "
                 "extension's op, such as torchvision's nms, belongs on the client)")
     name = rest.split(".")[0]

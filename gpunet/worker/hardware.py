@@ -12,8 +12,8 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
-from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo
 from gpunet.config import usable_cpus
+from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo
 from gpunet.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def job_threads(threads: int | None = None, processes: int = 1) -> int:
 def cpu_hardware() -> Hardware:
     total, available = memory_bytes()
     info = DeviceInfo(
-        kind="cpu", name=cpu_model()[:MAX_DEVICE_NAME], count=1, memory_total=total, memory_free=available, cores=os.cpu_count() or 1
+        kind="cpu", name=cpu_model()[:MAX_DEVICE_NAME], count=1, memory_total=total, memory_free=available, cores=usable_cpus()
     )
     return Hardware(info=info, torch_device="cpu")
 
