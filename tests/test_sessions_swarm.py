@@ -31,6 +31,19 @@ def generate(session, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     return out
 
 
+def generate_in_one_session(client, workers: int, seed: int, new_tokens: int):
+    """Once ``client`` sees ``workers`` workers: ``new_tokens`` generated through one session, local generation's
+    tokens, and the (closed) session."""
+    wait_for(lambda: len(client.workers(refresh=True)) == workers, 30, f"all {workers} workers")
+    blocks = tiny_gpt(CFG, seed=seed)
+    remote = sequential(client, blocks)
+    prompt = torch.randint(0, CFG.vocab, (1, 5))
+    want = generate_locally(blocks, prompt, new_tokens)
+    with remote.session() as s:
+        got = generate(s, prompt, new_tokens)
+    return got, want, s
+
+
 def test_spread_model_forward_and_session_equal_local(swarm, client_for):
     workers = swarm.start_workers(3)
     ids = {swarm.worker_id(w) for w in workers}
@@ -105,19 +118,11 @@ def test_a_worker_pushing_the_next_span_a_wrong_input_changes_no_token(swarm, cl
     session's activations itself from then on. The tokens are those of local generation."""
     swarm.start_workers(3, "--fault-corrupt-pushes")
     swarm.start_workers(1)
-    client = client_for(swarm)
-    wait_for(lambda: len(client.workers(refresh=True)) == 4, 30, "all four workers")
-    blocks = tiny_gpt(CFG, seed=4)
-    remote = sequential(client, blocks)
-    prompt = torch.randint(0, CFG.vocab, (1, 5))
-    want = generate_locally(blocks, prompt, 16)
-    with remote.session() as s:
-        got = generate(s, prompt, 16)
-        moves, pushed = s.moves, s.pushed
+    got, want, s = generate_in_one_session(client_for(swarm), workers=4, seed=4, new_tokens=16)
     assert got == want
     # Three of four workers lie, so one of the two pushing spans' workers is a liar on the first pushed step: the
     # span after it moved at once, and nothing was pushed after.
-    assert moves >= 1 and pushed <= 1
+    assert s.moves >= 1 and s.pushed <= 1
 
 
 def test_pushes_lost_on_the_way_cost_a_short_wait_and_no_move(swarm, client_for):
@@ -125,17 +130,9 @@ def test_pushes_lost_on_the_way_cost_a_short_wait_and_no_move(swarm, client_for)
     couple of seconds once the client holds its input, then cancelled (the worker stops waiting, its state untouched)
     and sent with its input; the session goes on by way of the client, on the same workers."""
     swarm.start_workers(3, "--fault-drop-pushes")
-    client = client_for(swarm)
-    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
-    blocks = tiny_gpt(CFG, seed=5)
-    remote = sequential(client, blocks)
-    prompt = torch.randint(0, CFG.vocab, (1, 5))
-    want = generate_locally(blocks, prompt, 8)
-    with remote.session() as s:
-        got = generate(s, prompt, 8)
-        moves, pushed = s.moves, s.pushed
+    got, want, s = generate_in_one_session(client_for(swarm), workers=3, seed=5, new_tokens=8)
     assert got == want
-    assert pushed == 0 and moves == 0
+    assert s.pushed == 0 and s.moves == 0
     # Closing paid each worker for its 8 steps, once (the cancelled attempts ran nothing).
     assert sorted(steps_of(r.job_id) for r in s.receipts) == [8, 8, 8]
 

@@ -57,8 +57,12 @@ def _ids(n: int = 8, vocab: int = 100) -> Callable[[], dict]:
     return make
 
 
+def _image(size: int, channels: int = 3) -> torch.Tensor:
+    return torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(0))
+
+
 def _pixels(size: int = 32, channels: int = 3) -> Callable[[], dict]:
-    return lambda: {"pixel_values": torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(0))}
+    return lambda: {"pixel_values": _image(size, channels)}
 
 
 def _audio(n: int = 1600) -> Callable[[], dict]:
@@ -245,8 +249,7 @@ def _torchvision() -> list[Model]:
     def mk(name, make, size, *, channels_last=False):
         def build():
             torch.manual_seed(0)
-            module = make().eval()
-            x = torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0))
+            module, x = make().eval(), _image(size)
             if channels_last:  # the layout whose adaptive pooling torch decomposes into as_strided (ConvNeXt, Swin)
                 module, x = module.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
             return module, (x,), {}
@@ -281,7 +284,7 @@ def _timm() -> list[Model]:
         def build():
             torch.manual_seed(0)
             module = timm.create_model(name, pretrained=False, **kw).eval()
-            return module, (torch.randn(1, 3, size, size, generator=torch.Generator().manual_seed(0)),), {}
+            return module, (_image(size),), {}
         return Model(f"timm-{name}", "vision", build, "timm")
 
     return [
