@@ -113,9 +113,8 @@ class WorkerConfig:
     fault_drop_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker nothing (a lost push)
 
     def __post_init__(self):
-        cpus = usable_cpus()
-        if self.threads is not None and not (type(self.threads) is int and 1 <= self.threads <= cpus):
-            raise ConfigError(f"--threads must be from 1 to the {cpus} CPU(s) this worker may use, not "
+        if self.threads is not None and not (type(self.threads) is int and 1 <= self.threads <= usable_cpus()):
+            raise ConfigError(f"--threads must be from 1 to the {usable_cpus()} CPU(s) this worker may use, not "
                               f"{self.threads!r}: more threads than CPUs only slow each job and take the machine "
                               "from its owner")
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
