@@ -225,7 +225,11 @@ class SessionStep:
 
     Pushed steps (Petals' server-to-server hops): ``push_to`` asks the worker to send its output on to the next span's
     worker as well; ``input_from`` says this step's input comes that way, from that worker (the job then carries
-    no inputs, and its answer says the hash of the input it used, for the client to compare)."""
+    no inputs, and its answer says the hash of the input it used, for the client to compare).
+
+    ``state_bytes`` (step 0 only): the bytes its state takes (the program's declared state), reserved before the step
+    runs, so that sessions opening at once each count the others'; a state larger than declared is refused. Without
+    it the worker reserves all the room this client may take, until the state's size is known."""
 
     id: str
     step: int
@@ -234,6 +238,7 @@ class SessionStep:
     ttl: float = 300.0
     input_from: str | None = None
     push_to: PushTo | None = None
+    state_bytes: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = {"id": self.id, "step": self.step, "ttl": float(self.ttl)}
@@ -245,6 +250,8 @@ class SessionStep:
             d["from"] = self.input_from
         if self.push_to is not None:
             d["push"] = self.push_to.to_wire()
+        if self.state_bytes is not None:
+            d["state"] = self.state_bytes
         return d
 
     @classmethod
@@ -261,8 +268,11 @@ class SessionStep:
         push_to = PushTo.from_wire(d["push"]) if d.get("push") is not None else None
         if input_from is not None and step == 0:
             raise ProtocolError("a session's first step cannot take a pushed input: it opens the session")
+        state_bytes = _size(d, "state") if d.get("state") is not None else None
+        if state_bytes is not None and step != 0:
+            raise ProtocolError("only a session's first step declares its state's size")
         return cls(session_id, step, bool(_get(d, "fresh", bool, optional=True)),
-                   bool(_get(d, "close", bool, optional=True)), ttl, input_from, push_to)
+                   bool(_get(d, "close", bool, optional=True)), ttl, input_from, push_to, state_bytes)
 
 
 def _step(d: dict, name: str) -> int:

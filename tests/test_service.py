@@ -218,6 +218,30 @@ def test_settlement_files_countersigned_receipts_and_refuses_forged_or_unknown_o
         assert {r.job_id for r in ledger.unpaid()} == {"job-0", "job-2"}
 
 
+def test_a_batch_of_made_up_countersignatures_is_skipped_with_one_log_line(tmp_path, caplog):
+    """From a review: each unknown item of a 1,024-item batch was a warning of its own (138 KiB of log per 7 KB
+    request, from any peer)."""
+    worker, client = Identity.generate(), Identity.generate()
+
+    async def scenario(ledger):
+        books = LedgerWriter(ledger)
+        s = Settlement(books)
+        receipt = _delivered(worker, client, "real")
+        books.record_unpaid(receipt)
+        s.expect(client.peer_id, receipt)
+        good = countersign(receipt, client, output_hash="1" * 64, max_price=None)
+        junk = tuple((str(i), b"") for i in range(1000))
+        with caplog.at_level("WARNING", logger="gpunet.worker"):
+            await s.batch(client.peer_id, (*junk, ("real", good.client_signature)))
+        await s.close()
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        asyncio.run(scenario(ledger))
+        assert [r.job_id for r in ledger.receipts()] == ["real"]  # the real one among them is filed
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "gpunet.worker"]
+    assert line.startswith("Skipped 1000 bad countersignature(s)")
+
+
 # --- the service's cancel door ----------------------------------------------------------------------------------
 
 
@@ -509,14 +533,17 @@ def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_payi
     clock = Clock()
     a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
                   limits=ServiceLimits(max_unpaid_jobs=2, countersign_grace=60, unpaid_window=3600))
-    assert not a.may_skip_stream(ALICE)  # a newcomer uses the stream door, where its address counts
+    a.came_from(ALICE, "10.0.0.1")
+    assert a.unary_host(ALICE) is None  # a newcomer uses the stream door, where its address counts
     for i in range(8):
         a.delivered(ALICE, f"job-{i}")
     with pytest.raises(JobRejected, match="not yet countersigned"):  # 8 = 4 x 2 outstanding, none overdue yet
         a.screen(ALICE, job())
     a.paid(ALICE, "job-0")
     a.screen(ALICE, job())
-    assert a.may_skip_stream(ALICE)
+    assert a.unary_host(ALICE) == "10.0.0.1"  # ...and its unary jobs count against the address it came from
+    a.paid(BOB, "job-0")
+    assert a.unary_host(BOB) is None  # paid, but never seen on a stream: its address is not known
     for i in range(8, 20):
         a.delivered(ALICE, f"job-{i}")
     clock.now += 3601  # an hour on, debts are forgiven: the outstanding count too, not only the overdue one
@@ -639,6 +666,9 @@ class SpanExecutor(GatedExecutor):
         return SimpleNamespace(outputs=tensors.encode({"output_0": torch.full((1, 1, 4), float(len(self.inputs)))}),
                                flops=10**9, wall_time=0.001, state_bytes=4, started_at=0.0, ended_at=0.0)
 
+    async def drop_sessions(self, keys) -> None:
+        pass
+
 
 class PushesHeard:
     """Stands in for the worker's RPC: the pushes it sends."""
@@ -730,5 +760,82 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
                 await step
             await service._execute(ALICE, job("s.4", session=protocol.SessionStep("s", 4)), _UnaryPayloads(), None)
             assert executor.inputs[-1] == b"abcd" and len(executor.inputs) == 5
+
+        asyncio.run(scenario())
+
+
+def test_a_client_that_closes_saying_it_received_nothing_is_not_billed_but_is_counted_as_not_paying(tmp_path):
+    """``CloseSession.received`` lets an honest client not pay for an answer lost on the way. Steps it disclaims
+    ran all the same: they are noted as unbilled work, and count against the client's credit line like a receipt it
+    never countersigned, so "I received nothing" cannot get an open tab's work free again and again."""
+    clock = Clock()
+    limits = ServiceLimits(max_unpaid_jobs=2, countersign_grace=60, unpaid_window=3600)
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=2, max_queue=4, clock=clock,
+                                                 limits=limits), record=lambda: None)
+
+        async def session_closed_unpaid(sid: str, steps: int, received: int):
+            for step in range(steps):
+                await service._execute(ALICE, job(f"{sid}.{step}", session=protocol.SessionStep(sid, step)),
+                                       _UnaryPayloads(), None)
+            reply = await service._handle_cancel(protocol.encode(protocol.CloseSession(sid, received)), ALICE)
+            return protocol.decode(reply, protocol.SessionClosed)
+
+        async def scenario():
+            closed = await session_closed_unpaid("s1", 5, received=0)
+            assert closed.closed and closed.receipt is None  # nothing billed...
+            service.books.flush()
+            (note,) = [u for u in ledger.unbilled() if u.job_id.startswith("s1.")]
+            assert note.reason == "disclaimed" and note.flops == 5 * 10**9  # ...but the work is on the books
+            closed = await session_closed_unpaid("s2", 4, received=3)
+            assert closed.receipt is not None  # the three it received are billed as usual
+            clock.now += 61
+            with pytest.raises(JobRejected, match="not paid"):  # two disclaimed tabs and one unpaid: past the line
+                await service._execute(ALICE, job("s3.0", session=protocol.SessionStep("s3", 0)), _UnaryPayloads(),
+                                       None)
+            await service._execute(BOB, job("b.0", session=protocol.SessionStep("b", 0)), _UnaryPayloads(), None)
+
+        asyncio.run(scenario())
+
+
+def test_one_clients_pushes_to_a_peer_that_never_answers_do_not_take_every_other_clients_place(tmp_path):
+    """A client names the peer its step's output is pushed to; one that never answers holds each push for its
+    timeout. From a review: 64 such pushes from one client left none for anyone else's session."""
+    from gpunet.worker.service import MAX_PUSHING_PER_CLIENT
+
+    sink, after = Identity.generate().peer_id, Identity.generate().peer_id
+
+    class Rpc:
+        def __init__(self):
+            self.calls: list[str] = []
+
+        async def call(self, peer_id, door, message, *expect):
+            self.calls.append(peer_id)
+            if peer_id == sink:
+                await asyncio.Event().wait()
+            return Ok()
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
+        service._rpc = rpc = Rpc()
+
+        async def step(client: str, session: str, n: int, to: str):
+            await service._execute(client, job(f"{session}.{n}", session=protocol.SessionStep(
+                session, n, push_to=protocol.PushTo(to, "t", n))), _UnaryPayloads(), None)
+
+        async def scenario():
+            for n in range(MAX_PUSHING_PER_CLIENT + 4):
+                await step(ALICE, "s", n, sink)
+            await until(lambda: len(rpc.calls) == MAX_PUSHING_PER_CLIENT, "Alice's pushes to be under way")
+            await step(BOB, "b", 0, after)
+            await until(lambda: rpc.calls[-1] == after, "Bob's push to go out")
+            assert rpc.calls.count(sink) == MAX_PUSHING_PER_CLIENT  # the rest of Alice's were never sent
+            held = list(service._pushing)
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+            assert not service._pushes_of  # each ended push gave its place back
 
         asyncio.run(scenario())

@@ -1,6 +1,7 @@
 """Sessions without a network: span planning, the worker's session table, the stateful-program format, the wire."""
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -50,9 +51,9 @@ def step_done(t, client, sid, state_bytes=0, now=0.0, close=False, flops=10):
 
 def test_session_table_orders_bounds_and_expires():
     t = Sessions(SessionLimits(max_bytes=1000, max_client_share=1.0, max_sessions=3, max_per_client=2, max_ttl=60))
-    assert t.begin("A", "s1", "p", 0, ttl=10, now=0) == 1000
-    with pytest.raises(WorkerBusy):  # one opening at a time: its size is not known yet
-        t.begin("B", "s9", "p", 0, ttl=10, now=0)
+    assert t.begin("A", "s1", "p", 0, ttl=10, now=0) == 1000  # size not declared: all it may take, while it opens
+    with pytest.raises(WorkerBusy, match="others are opening"):
+        t.begin("B", "s9", "p", 0, ttl=10, now=0, declared=100)
     assert step_done(t, "A", "s1", 400, now=1) is None  # on the tab
     assert t.held_bytes == 400
     assert t.begin("A", "s2", "p", 0, ttl=10, now=1) == 600
@@ -83,7 +84,7 @@ def test_session_table_orders_bounds_and_expires():
     step_done(t, "A", "s5", 10)
     assert t.expired(now=59) == [] and len(t.expired(now=60)) == 1  # ttl capped by the worker's max
     t.begin("A", "s6", "p", 0, ttl=5, now=0)
-    tab = step_done(t, "A", "s6", 10, close=True)  # a one-step session: billed at once
+    tab = step_done(t, "A", "s6", 10, close=True).tab  # a one-step session: billed at once
     assert tab.steps == 1 and len(t) == 0 and t.held_bytes == 0
     assert t.close("A", "nope") is None
 
@@ -97,9 +98,44 @@ def test_a_closing_client_is_billed_for_the_steps_it_received_and_one_client_can
         step_done(t, "A", "s", 400)
     ended = t.close("A", "s", received=3)  # the answer to steps 3 and 4 never reached it
     assert ended.tab.steps == 3 and ended.tab.last == 2
+    # ...which ran all the same: not billed, but handed back to be counted against the client
+    assert (ended.disclaimed.first, ended.disclaimed.last, ended.disclaimed.flops) == (3, 4, 20)
+    assert parse(ended.disclaimed.job_id("s"))[2:] == (3, 4)
     t.begin("A", "s1", "p", 0, ttl=10, now=0)
     step_done(t, "A", "s1", 400)
     assert t.begin("A", "s2", "p", 0, ttl=10, now=0) == 100  # half of 1000 for one client, 400 held
+
+
+def test_openings_declare_their_state_and_run_at_once_without_waiting_for_each_other():
+    """From a review: one opening at a time let anyone hold every other client's openings off for as long as its own
+    first step took. Each opening now reserves the size it declares; only what does not fit waits."""
+    t = Sessions(SessionLimits(max_bytes=1000, max_client_share=0.5))
+    assert t.begin("A", "a", "p", 0, ttl=10, now=0, declared=300) == 300
+    assert t.begin("B", "b", "p", 0, ttl=10, now=0, declared=400) == 400  # while A's first step still runs
+    assert t.held_bytes == 700
+    with pytest.raises(WorkerBusy, match="others are opening"):  # 300 left: it may fit once one of them is done
+        t.begin("C", "c", "p", 0, ttl=10, now=0, declared=350)
+    with pytest.raises(JobRejected, match="takes 600 bytes"):  # over a client's share: it never will
+        t.begin("C", "c", "p", 0, ttl=10, now=0, declared=600)
+    step_done(t, "A", "a", 300)
+    t.failed("B", "b", lost=False)  # B's opening failed: its reservation goes
+    assert t.held_bytes == 300 and len(t) == 1
+    assert t.begin("C", "c", "p", 0, ttl=10, now=0, declared=350) == 350
+
+
+def test_free_identities_at_one_address_cannot_take_every_session_place_or_all_the_memory():
+    t = Sessions(SessionLimits(max_bytes=1000, max_client_share=0.5, max_sessions=64, max_per_client=8,
+                               max_per_host=16))
+    for n in range(16):  # two identities' worth of sessions from one address
+        t.begin(f"sybil-{n}", "s", "p", 0, ttl=10, now=0, host="10.0.0.9")
+        step_done(t, f"sybil-{n}", "s", 30 if n < 15 else 0)
+    with pytest.raises(JobRejected, match="at this address"):
+        t.begin("sybil-new", "s", "p", 0, ttl=10, now=0, host="10.0.0.9")
+    assert t.begin("honest", "s", "p", 0, ttl=10, now=0, host="10.0.0.1") == 500  # another address: its own share
+    step_done(t, "honest", "s", 0)
+    t.close("sybil-0", "s")
+    # A place is free again, but the address holds 420 of its 500 bytes: a new identity there gets the rest only.
+    assert t.begin("sybil-new", "s", "p", 0, ttl=10, now=0, host="10.0.0.9") == 80
 
 
 def test_a_close_asked_while_a_step_runs_ends_the_session_with_that_step_billed_as_the_client_said():
@@ -113,8 +149,8 @@ def test_a_close_asked_while_a_step_runs_ends_the_session_with_that_step_billed_
     assert t.close("A", "s", received=1) is None  # step 1 still runs
     with pytest.raises(SessionLost, match="being closed"):
         t.begin("A", "s", "p", 2, ttl=10, now=0)
-    tab = step_done(t, "A", "s", 300)  # step 1 ends: so does the session
-    assert (tab.first, tab.steps) == (0, 1)
+    ended = step_done(t, "A", "s", 300)  # step 1 ends: so does the session
+    assert (ended.tab.first, ended.tab.steps) == (0, 1) and ended.disclaimed.steps == 1
     assert len(t) == 0 and t.held_bytes == 0 and t.owing == 0
 
     t.begin("A", "u", "p", 0, ttl=10, now=0)
@@ -128,7 +164,8 @@ def test_a_close_asked_while_a_step_runs_ends_the_session_with_that_step_billed_
     step_done(t, "A", "v", 300)
     t.begin("A", "v", "p", 1, ttl=10, now=0)
     assert t.close("A", "v", received=0) is None  # it got nothing: nothing is billed
-    assert step_done(t, "A", "v", 300) is None and len(t) == 0
+    ended = step_done(t, "A", "v", 300)
+    assert ended.tab is None and ended.disclaimed.steps == 2 and len(t) == 0
 
 
 def test_a_lost_session_takes_no_steps_but_its_tab_is_still_owed():
@@ -260,9 +297,13 @@ def test_session_steps_parse_strictly():
     step = protocol.SessionStep("abc", 3, fresh=True, close=False, ttl=30)
     submit = protocol.Submit("abc.3", "0" * 64, 0, b"", session=step)
     assert protocol.decode(protocol.encode(submit), protocol.Submit).session == step
+    opening = dataclasses.replace(submit, session=protocol.SessionStep("abc", 0, state_bytes=4096))
+    assert protocol.decode(protocol.encode(opening), protocol.Submit).session.state_bytes == 4096
     for bad in ({"id": "a/b", "step": 0}, {"id": "a.b", "step": 0}, {"id": "x", "step": -1},
                 {"id": "x", "step": 0, "ttl": 1e9}, {"id": "x", "step": 0, "ttl": 0},
-                {"id": "x", "step": 0, "ttl": float("nan")}, {"id": "x", "step": True}, "x"):
+                {"id": "x", "step": 0, "ttl": float("nan")}, {"id": "x", "step": True}, "x",
+                {"id": "x", "step": 0, "state": -1}, {"id": "x", "step": 0, "state": "1"},
+                {"id": "x", "step": 1, "state": 10}):
         wire = submit.to_wire()
         wire["session"] = bad
         with pytest.raises(ProtocolError):

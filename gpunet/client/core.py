@@ -342,6 +342,8 @@ class ClientCore:
         output); the worker says which it ran on, and PushedInputDiffers is raised when the two differ. Such a step
         has a job id of its own, so the same step sent afterwards with its input never gets this answer."""
         req = requirements or Requirements()
+        if session.step == 0 and session.state_bytes is None:  # reserved by the worker before the step runs
+            session = replace(session, state_bytes=job.manifest.state_bytes)
         sends_state = session.step == 0 and not session.fresh
         full = (*inputs, *state)
         if session.input_from is not None:

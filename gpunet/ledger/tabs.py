@@ -79,6 +79,14 @@ class Tab:
                    self.wall_time_us if steps == self.steps else self.wall_time_us * steps // max(1, self.steps),
                    self.started_at_us, self.ended_at_us)
 
+    def split(self, steps: int) -> tuple["Tab", "Tab"]:
+        """Its first ``steps`` steps, and the rest (each a tab of its own, same nonce)."""
+        head = self.prefix(steps)
+        rest = Tab(self.nonce, head.first + head.steps, self.inputs[head.steps:], self.outputs[head.steps:],
+                   self.work[head.steps:], self.wall_time_us - head.wall_time_us,
+                   self.started_at_us if not head.steps else head.ended_at_us, self.ended_at_us)
+        return head, rest
+
     def next(self) -> "Tab":
         """The tab after this one is billed: empty, same session."""
         return Tab(self.nonce)

@@ -127,6 +127,7 @@ class Admission:
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._owed_by_host: LRU[str, dict[tuple[str, str], tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._paid_clients: LRU[str, bool] = LRU(MAX_TRACKED_CLIENTS)  # clients that have countersigned here
+        self._hosts: LRU[str, str] = LRU(MAX_TRACKED_CLIENTS)  # the address each client's last stream came from
         self._proofs: LRU[str, _Proof] = LRU(MAX_TRACKED_CLIENTS)  # each client's last speed challenge
         self._recent_proofs: deque[float] = deque()
         self.proving = False
@@ -251,10 +252,19 @@ class Admission:
             return sum(self._uploads_by_client.values())
         return self._uploads_by_client.get(client_id, 0)
 
-    def may_skip_stream(self, client_id: str) -> bool:
-        """The unary door does not see the peer's address, so only a client that has paid here before and owes
-        nothing overdue may use it; others take the stream door, where per-address limits apply."""
-        return client_id in self._paid_clients and not self.overdue(client_id)
+    def came_from(self, client_id: str, host: str) -> None:
+        """A stream of this client's came in from ``host`` (the unary door does not see the caller's address)."""
+        if host:
+            self._hosts.put(client_id, host)
+
+    def unary_host(self, client_id: str) -> str | None:
+        """The address to count a job that came through the unary door against: the one its client's last stream
+        came from. None (take the stream door) for a client that has not paid here yet, owes something overdue, or
+        whose address is not known: otherwise free identities, each paid up once, would be outside every per-address
+        limit (stops, crashes, unpaid results, sessions)."""
+        if client_id not in self._paid_clients or self.overdue(client_id):
+            return None
+        return self._hosts.get(client_id)
 
     def overdue(self, client_id: str) -> int:
         """Results this client was delivered and has not countersigned within the grace (within the window)."""

@@ -538,7 +538,8 @@ class Worker:
             session_limits=SessionLimits(
                 max_bytes=int(cfg.session_memory_gb * 2**30) if cfg.session_memory_gb is not None
                 else self._memory_budget() // 4,
-                max_per_client=cfg.max_sessions_per_client, max_ttl=cfg.session_ttl),
+                max_per_client=cfg.max_sessions_per_client, max_per_host=2 * cfg.max_sessions_per_client,
+                max_ttl=cfg.session_ttl),
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)

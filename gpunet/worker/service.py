@@ -15,7 +15,7 @@ import hashlib
 import logging
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
@@ -81,7 +81,7 @@ from gpunet.worker.executor import STOP_GRACE
 from gpunet.worker.lanes import Action, Blame, Lanes, Start, Ticket
 from gpunet.worker.peers import Fetcher, PieceServer
 from gpunet.worker.pushes import Pushes
-from gpunet.worker.sessions import SessionLimits, Sessions
+from gpunet.worker.sessions import Ended, SessionLimits, Sessions
 from gpunet.worker.settlement import Settlement
 from gpunet.worker.uploads import Upload, Uploads, content_hash
 
@@ -105,6 +105,10 @@ MAX_OPEN_PROOFS = 16
 #: how many pushes it has on their way at most.
 PUSH_TIMEOUT = 10.0
 MAX_PUSHING = 64
+#: ...and at most this many for one client: its client names the peer a push goes to, and a peer that never answers
+#: holds each for PUSH_TIMEOUT; one client's pushes must not take every other client's place (a session pushes one
+#: output per step, one step at a time, and a client holds at most --max-sessions-per-client sessions here).
+MAX_PUSHING_PER_CLIENT = 8
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -226,6 +230,7 @@ class JobService:
         self._sessions_paid = When(lambda: not self.sessions.owing)
         self.pushes = Pushes()  # session steps' inputs pushed by the previous span's worker (gpunet.worker.pushes)
         self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
+        self._pushes_of: Counter[str] = Counter()  # ...of each client's sessions
         self._corrupt_pushes = corrupt_pushes  # FAULT INJECTION for tests: a pusher that lies to the next worker
         self._drop_pushes = drop_pushes  # FAULT INJECTION for tests: pushes lost on the way
         if corrupt_pushes:
@@ -329,6 +334,7 @@ class JobService:
     async def _handle_job(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                           host: str = "") -> None:
         self.admission.stream_opened()
+        self.admission.came_from(client_id, host)
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
             payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir, self.fetcher)
@@ -373,9 +379,10 @@ class JobService:
                 logger.warning("Ignored %d malformed countersignature(s) from %s (the job itself is served)",
                                submit.settle_malformed, client_id[-8:])
             self.settlement.ride_along(client_id, submit.settle)  # checked and filed after the reply
-            if not self.admission.may_skip_stream(client_id):
+            host = self.admission.unary_host(client_id)
+            if host is None:
                 raise _NeedsStream()  # the unary door does not see the peer's address: the stream door does
-            outcome = await self._execute(client_id, submit, _UnaryPayloads(), None)
+            outcome = await self._execute(client_id, submit, _UnaryPayloads(), None, host)
             if len(outcome.outputs) > UNARY_OUTPUT_BYTES:
                 return protocol.encode(UseStream())  # the result waits in the recent results for the stream retry
             if outcome.receipt is not None:
@@ -561,12 +568,16 @@ class JobService:
             if pushed:
                 outcome.input_hash = got.input_hash
             if session is not None:
-                tab = self.sessions.done(
+                tab = billed = self.sessions.done(
                     client_id, submit.session.id, outcome.state_bytes, time.monotonic(), input_hash=got.input_hash,
                     output_hash=sha256_hex(outcome.outputs), flops=outcome.flops, wall_time_us=outcome.wall_time_us,
                     started_at_us=outcome.started_at_us, ended_at_us=outcome.ended_at_us,
                     max_price=submit.max_price, close=submit.session.close)
                 self._count_sessions()
+                if isinstance(billed, Ended):  # this step ended the session
+                    if billed.disclaimed is not None:
+                        self._disclaimed(billed)
+                    tab = billed.tab
                 if tab is not None:  # this step filled the tab (or ended the session): its receipt goes with it
                     outcome.receipt = self._sign_tab(client_id, submit.session.id, submit.program, tab,
                                                      submit.max_price, host)
@@ -677,11 +688,19 @@ class JobService:
             except GpunetError as e:
                 logger.debug("A session step's output was not passed on here: %s", e)
             return
-        if len(self._pushing) >= MAX_PUSHING:  # the step there asks its client
-            return
+        if len(self._pushing) >= MAX_PUSHING or self._pushes_of[client_id] >= MAX_PUSHING_PER_CLIENT:
+            return  # the step there asks its client
         task = asyncio.ensure_future(self._send_push(to.peer, push))
         self._pushing.add(task)
-        task.add_done_callback(self._pushing.discard)
+        self._pushes_of[client_id] += 1
+
+        def sent(done: asyncio.Future) -> None:
+            self._pushing.discard(done)
+            self._pushes_of[client_id] -= 1
+            if not self._pushes_of[client_id]:
+                del self._pushes_of[client_id]
+
+        task.add_done_callback(sent)
 
     async def _send_push(self, peer_id: str, push: Push) -> None:
         try:
@@ -711,6 +730,8 @@ class JobService:
     def _bill(self, ended, await_payment: bool = True) -> Receipt | None:
         """The tab of a session that ended (closed, expired): signed, and awaited from its client by a later call
         (unless ``await_payment`` is False: the worker is leaving)."""
+        if ended.disclaimed is not None:
+            self._disclaimed(ended)
         if ended.tab is None:
             return None
         try:
@@ -723,13 +744,26 @@ class JobService:
             self.settlement.expect(ended.client_id, receipt)
         return receipt
 
+    def _disclaimed(self, ended) -> None:
+        """Steps that ran here after those the closing client said it received: not billed (an answer lost on the
+        way is this worker's loss), but noted as unpaid work, and counted against the client like a receipt it never
+        countersigned, so that saying "received nothing" cannot get an open tab's work free again and again."""
+        rest = ended.disclaimed
+        job_id = rest.job_id(ended.session_id)
+        logger.warning("Client %s closed session %s saying it did not receive %d step(s) that ran here; not billed",
+                       ended.client_id[-8:], ended.session_id[:12], rest.steps)
+        self.books.record_unbilled(Unbilled(
+            ended.client_id, job_id, "disclaimed", f"its client said it did not receive steps {rest.first}-{rest.last}",
+            rest.flops, ended.program, INTERACTIVE))
+        self.admission.delivered(ended.client_id, job_id, ended.host)
+
     def _begin_session(self, client_id: str, submit: Submit, host: str = "") -> dict | None:
         """A session step may run (its client's, in order, within the limits): what the executor is told of it."""
         step = submit.session
         if step is None:
             return None
         room = self.sessions.begin(client_id, step.id, submit.program, step.step, step.ttl, time.monotonic(),
-                                   host)
+                                   host, step.state_bytes)
         self.pushes.call_off(client_id, step.id)  # a step of it still waiting for a push is overtaken
         return {"key": Sessions.key(client_id, step.id), "step": step.step, "fresh": step.fresh, "close": step.close,
                 "room": room}

@@ -21,9 +21,12 @@ class SessionLimits:
     """What a volunteer lends to sessions: memory for their state, how many, and for how long idle."""
 
     max_bytes: int = 1 << 30  # all sessions' state together
-    max_client_share: float = 0.5  # of max_bytes, the most one client's sessions may hold
+    max_client_share: float = 0.5  # of max_bytes, the most one client's sessions (or one address's) may hold
     max_sessions: int = 64
     max_per_client: int = 8
+    #: Identities are free, addresses less so: the sessions (and the share of max_bytes) of all clients at one network
+    #: address together, so that a few identities from one machine cannot hold every session place.
+    max_per_host: int = 16
     max_ttl: float = 600.0  # a client may ask for less idle time, never more
 
 
@@ -48,7 +51,9 @@ class _Session:
 
 @dataclass(frozen=True)
 class Ended:
-    """A session that ended, and the tab of its last steps (None when all were billed already)."""
+    """A session that ended, and the tab of its last steps (None when all were billed already). ``disclaimed``: the
+    steps after those its client said it received, which ran here and are not billed (they count against the client
+    as a result it never paid for: otherwise closing with ``received=0`` would get any open tab's work free)."""
 
     key: str
     client_id: str
@@ -57,6 +62,7 @@ class Ended:
     tab: Tab | None
     max_price: int | None
     host: str = ""
+    disclaimed: Tab | None = None
 
 
 class Sessions:
@@ -85,9 +91,12 @@ class Sessions:
         return sum(1 for s in self._open.values() if s.tab.steps)
 
     def begin(self, client_id: str, session_id: str, program: str, step: int, ttl: float, now: float,
-              host: str = "") -> int:
+              host: str = "", declared: int | None = None) -> int:
         """Check that this step may run now; returns the bytes a new session's state may take (its ``room``).
-        Raises JobRejected (limits, wrong program, out-of-order step) or SessionLost (not held here)."""
+        Raises JobRejected (limits, wrong program, out-of-order step) or SessionLost (not held here).
+
+        An opening reserves its room at once (``declared``, the size its client said its state takes, else all the
+        room it may take), so openings need not wait for each other; the step's end puts the true size in its place."""
         s = self._open.get((client_id, session_id))
         if step == 0:
             if s is not None:
@@ -96,18 +105,29 @@ class Sessions:
             if mine >= self.limits.max_per_client:
                 raise JobRejected(f"this client has {mine} sessions open here, the most this worker allows "
                                   f"(--max-sessions-per-client {self.limits.max_per_client}); close one first")
-            if any(o.running and o.next_step == 0 for o in self._open.values()):
-                # One opening at a time: its state's size is known once the executor has it, and the next opening's
-                # room must count it.
-                raise WorkerBusy("another session is opening on this worker; try again in a moment")
+            at_host = sum(1 for o in self._open.values() if o.host == host) if host else 0
+            if at_host >= self.limits.max_per_host:
+                raise JobRejected(f"clients at this address have {at_host} sessions open here, the most this worker "
+                                  "allows one address; close one first")
             if len(self._open) >= self.limits.max_sessions:
                 raise JobRejected(f"this worker holds {len(self._open)} sessions, as many as it takes; try another")
+            held = max(sum(o.state_bytes for (c, _), o in self._open.items() if c == client_id),
+                       sum(o.state_bytes for o in self._open.values() if o.host == host) if host else 0)
+            share = int(self.limits.max_bytes * self.limits.max_client_share) - held
+            room = max(0, min(self.limits.max_bytes - self._bytes, share))
+            if declared is not None and declared > room:
+                # Reserved by openings still running, which may turn out smaller or fail: worth asking again soon.
+                opening = sum(o.state_bytes for o in self._open.values() if o.running and o.next_step == 0)
+                later = declared <= min(self.limits.max_bytes - self._bytes + opening, share)
+                raise (WorkerBusy if later else JobRejected)(
+                    f"the session's state takes {declared} bytes; this worker has {room} left for this client's "
+                    "sessions now" + (" (others are opening)" if later else ""))
+            reserved = room if declared is None else declared
             self._open[(client_id, session_id)] = _Session(client_id, program, 0, now + self._ttl(ttl),
-                                                           self._ttl(ttl), 0, running=True, host=host,
+                                                           self._ttl(ttl), reserved, running=True, host=host,
                                                            tab=Tab(secrets.token_hex(4)))
-            held = sum(o.state_bytes for (c, _), o in self._open.items() if c == client_id)
-            return max(0, min(self.limits.max_bytes - self._bytes,
-                              int(self.limits.max_bytes * self.limits.max_client_share) - held))
+            self._bytes += reserved
+            return reserved
         if s is None:
             raise SessionLost(f"session {session_id[:16]} is not held here (it expired, was closed, or this worker "
                               "restarted)")
@@ -127,22 +147,22 @@ class Sessions:
 
     def done(self, client_id: str, session_id: str, state_bytes: int, now: float, *, input_hash: str,
              output_hash: str, flops: int, wall_time_us: int, started_at_us: int, ended_at_us: int,
-             max_price: int | None, close: bool = False) -> Tab | None:
+             max_price: int | None, close: bool = False) -> Tab | Ended | None:
         """A step ran: it goes on the session's tab, and the session moves on (or, ``close``, ends). Returns the tab
-        to sign when this step filled it or ended the session, else None."""
+        to sign when this step filled it, the session (its tab to sign) when this step ended it, else None."""
         s = self._open.get((client_id, session_id))
         if s is None:
             return None
         s.running = False
-        if s.next_step == 0:
+        if s.next_step == 0:  # the true size, in place of what its opening reserved
+            self._bytes += state_bytes - s.state_bytes
             s.state_bytes = state_bytes
-            self._bytes += state_bytes
         s.tab.add(s.next_step, input_hash, output_hash, flops, wall_time_us, started_at_us, ended_at_us)
         s.max_price = max_price
         s.next_step += 1
         s.expires = now + s.ttl
         if close or s.closing:
-            return self._end(client_id, session_id).tab
+            return self._end(client_id, session_id)
         if s.tab.full:
             tab, s.tab = s.tab, s.tab.next()
             return tab
@@ -197,11 +217,11 @@ class Sessions:
     def _end(self, client_id: str, session_id: str) -> Ended:
         s = self._open.pop((client_id, session_id))
         self._bytes -= s.state_bytes
-        tab = s.tab
+        tab, disclaimed = s.tab, None
         if s.closing and s.received is not None:  # however it ends, no step past what its client said it received
-            tab = tab.prefix(s.received - tab.first)
+            tab, disclaimed = tab.split(s.received - tab.first)
         return Ended(self.key(client_id, session_id), client_id, session_id, s.program, tab if tab.steps else None,
-                     s.max_price, s.host)
+                     s.max_price, s.host, disclaimed if disclaimed is not None and disclaimed.steps else None)
 
     def _ttl(self, ttl: float) -> float:
         return max(1.0, min(ttl, self.limits.max_ttl))

@@ -121,9 +121,15 @@ class Settlement:
 
     def _file(self, batches: list[tuple[str, tuple[tuple[str, bytes], ...]]]) -> None:
         for client_id, items in batches:
+            bad, first = 0, None
             for job_id, signature in items:
+                if (client_id, job_id) not in self.unsettled and self._find_receipt((client_id, job_id)) is None:
+                    bad, first = bad + 1, first or f"no result of job {job_id[:16]} for this client awaits settlement"
+                    continue  # nothing to check: a batch of made-up ids costs a lookup each, not a log line each
                 try:
                     self.settle(client_id, Countersign(job_id, signature))
-                except GpunetError as e:  # a bad one is logged and skipped, never fatal
-                    logger.warning("Bad countersignature from %s: %s", client_id[-8:], e)
+                except GpunetError as e:  # a bad one is skipped, never fatal
+                    bad, first = bad + 1, first or str(e)
+            if bad:  # one line per batch, however many it held
+                logger.warning("Skipped %d bad countersignature(s) from %s: %s", bad, client_id[-8:], first)
         self.books.flush()
