@@ -51,6 +51,7 @@ def answer(core, p: _Prepared, outputs: bytes, *, worker=None, signer=None, clai
     async def finish(verdict):
         refused.append(verdict)
 
+    core.router.advertised.put(worker.peer_id, 1.0)  # a worker routing found, at the price it advertised
     delivery = Delivery(claimed_by or worker.peer_id, outputs, receipt, len(p.encoded), 0.0, via_unary=True,
                         finish=finish)
     delivery.refused = refused

@@ -423,3 +423,63 @@ def test_a_session_step_whose_answer_is_lost_is_asked_again_of_the_worker_holdin
 
     with pytest.raises(ProtocolError, match="mid-message"):  # the second break is the span's to handle: it moves
         run(tmp_path / "b", [twice], cut_twice)
+
+
+def test_a_session_tab_billed_above_the_workers_advertised_price_is_refused(tmp_path):
+    """A tab receipt is checked like a job's: its price is at most what the worker advertises (whatever bound the
+    client's requirements left open), and a worker whose price the client never saw gets nothing countersigned."""
+    from gpunet.client.transport import Delivery
+    from gpunet.errors import InvalidReceipt
+    from gpunet.ledger.tabs import Tab
+
+    honest, greedy = FakeWorker("honest", price=1.0), FakeWorker("greedy", price=1.0)
+    stranger = FakeWorker("stranger")
+
+    def tab_and_receipt(worker: FakeWorker, client_id: str, price: float):
+        tab = Tab("0badc0de")
+        for step in range(2):
+            tab.add(step, "aa" * 32, "bb" * 32, 4 * 10**11)
+        receipt = sign_as_worker(
+            worker.identity, job_id=tab.job_id("s1"), client_id=client_id, program_hash="cd" * 32,
+            input_hash=tab.input_chain, output_hash=tab.output_chain, flops=tab.flops, wall_time_us=10,
+            price=price_to_nano(price), max_price=None, started_at_us=1, ended_at_us=2)
+        return tab, Delivery(worker.id, b"", receipt, 0, 0.0, finish=lambda verdict: worker.verdicts.append(verdict)
+                             or asyncio.sleep(0))
+
+    async def scenario(core):
+        await core.refresh()
+        tab, delivery = tab_and_receipt(greedy, core.identity.peer_id, 18e9)
+        with pytest.raises(InvalidReceipt, match="above the 1 this worker advertises"):
+            core._pay_tab(delivery, "s1", tab, None)
+        tab, delivery = tab_and_receipt(stranger, core.identity.peer_id, 1.0)
+        with pytest.raises(InvalidReceipt, match="never saw"):
+            core._pay_tab(delivery, "s1", tab, None)
+        tab, delivery = tab_and_receipt(honest, core.identity.peer_id, 1.0)
+        return core._pay_tab(delivery, "s1", tab, None)
+
+    paid = run(tmp_path, [honest, greedy], scenario)
+    assert paid.flops == 8 * 10**11 and paid.client_signature
+    assert [type(v) for v in greedy.verdicts] == [Refuse] and [type(v) for v in stranger.verdicts] == [Refuse]
+
+
+def test_a_checkers_last_tab_is_closed_under_the_price_bound_its_steps_were_sent_with():
+    """The worker signs a tab under the bound its steps carried; a close without it would fail the countersignature
+    and mark an honest checker as lying."""
+    from gpunet.client.audit import CheckerReplay
+    from gpunet.client.routing import Requirements
+    from gpunet.ledger.tabs import Tab
+
+    closed = []
+
+    class Core:
+        async def close_session(self, worker_id, session_id, tab=None, max_price=None):
+            closed.append((worker_id, session_id, max_price))
+
+    async def scenario():
+        checker = CheckerReplay(Core(), span=None, requirements=Requirements(max_price=2.5), ttl=60,
+                                on_receipt=lambda receipt: None, worker_id="w", session_id="s", tab=Tab())
+        checker.drop(pay=True)
+        await checker.close()
+
+    asyncio.run(scenario())
+    assert closed == [("w", "s", price_to_nano(2.5))]

@@ -122,6 +122,25 @@ def test_huge_header_lengths_are_refused_before_allocating(n):
         tensors.decode(struct.pack("<Q", n) + b"{}")
 
 
+@pytest.mark.parametrize("shape", [[0, 2**63], [0, 2**64 + 5], [0, 2**40, 2**40, 2**40], [2**62, 0, 2**62]])
+def test_an_empty_tensor_with_dimensions_no_tensor_can_have_is_refused(shape):
+    """Zero elements, so zero bytes: but torch cannot even compute such a tensor's strides (TypeError/RuntimeError,
+    which would escape a client's checks of a worker's answer)."""
+    head = json.dumps({"t": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    with pytest.raises(JobRejected, match="too large"):
+        tensors.decode(struct.pack("<Q", len(head)) + head)
+
+
+@SETTINGS
+@given(st.dictionaries(st.text(max_size=4), st.fixed_dictionaries({
+    "dtype": st.sampled_from(["F32", "F16", "BOOL", "I64", "U8", "X"]),
+    "shape": st.lists(st.sampled_from([0, 1, 2, 3, 2**31, 2**62, 2**63, 2**64]), max_size=5),
+    "data_offsets": st.lists(st.integers(0, 24), min_size=2, max_size=2)}), max_size=3), st.binary(max_size=24))
+def test_headers_of_any_shape_and_offsets(header, data):
+    head = json.dumps(header).encode()
+    _accept_or_reject(tensors.decode, struct.pack("<Q", len(head)) + head + data)
+
+
 def test_deep_json_nesting_is_refused():
     head = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(JobRejected, match="JSON"):

@@ -36,6 +36,7 @@ import torch
 from gpunet import protocol
 from gpunet.client.trust import agree
 from gpunet.errors import GpunetError, VerificationFailed
+from gpunet.ledger.receipts import price_to_nano
 from gpunet.ledger.tabs import Tab
 
 if TYPE_CHECKING:
@@ -134,12 +135,14 @@ class CheckerReplay:
         if self.worker_id is None:
             return
         worker_id, session_id, tab = self.worker_id, self.session_id, self.tab if pay else None
+        bound = self.requirements.max_price  # the bound its steps were sent with: the tab is signed under it
+        max_price = price_to_nano(bound) if bound is not None else None
         self.worker_id, self.tab, self.kept = None, Tab(), {}
 
         async def close() -> None:
             try:
                 async with asyncio.timeout(15.0):
-                    receipt = await self.core.close_session(worker_id, session_id, tab)
+                    receipt = await self.core.close_session(worker_id, session_id, tab, max_price)
             except (TimeoutError, GpunetError):
                 return
             if receipt is not None:

@@ -460,6 +460,17 @@ class ClientCore:
             raise InvalidReceipt(problem)
         return outputs
 
+    def _overpriced(self, receipt: Receipt) -> str | None:
+        """Why a receipt's price is not one to pay: above what its worker advertised (its interactive price is the
+        most it may charge in any lane), or from a worker whose price this client never saw. None if it is fine."""
+        advertised = self.router.advertised.get(receipt.worker_id)
+        if advertised is None:
+            return f"receipt is from worker {receipt.worker_id[-8:]}, whose advertised price this client never saw"
+        if receipt.price > price_to_nano(advertised):
+            return (f"receipt charges {format_credits(receipt.price)} credits/TFLOP, above the {advertised:g} this "
+                    "worker advertises")
+        return None
+
     def _pay_tab(self, delivery, session_id: str, tab: Tab, max_price: int | None) -> Receipt:
         """Check a tab's receipt against this client's own tab (every step's input and output hash, chained, and the
         work it counted), countersign and file it; InvalidReceipt (refused, not paid) otherwise."""
@@ -473,6 +484,8 @@ class ClientCore:
             problem = f"receipt is for {receipt.job_id[:64]}, the steps were {tab.first}-{tab.last} of {session_id}"
         elif receipt.input_hash != tab.input_chain:
             problem = "receipt's input hash is not the chain of the inputs sent in the tab's steps"
+        else:
+            problem = self._overpriced(receipt)
         try:
             if problem is not None:
                 raise InvalidReceipt(problem)
@@ -824,11 +837,8 @@ class ClientCore:
             problem = InvalidReceipt("receipt's input hash is not the hash of the inputs sent")
         elif receipt.output_hash != sha256_hex(delivery.outputs):
             problem = InvalidReceipt("receipt's output hash is not the hash of the outputs received")
-        elif (entry := self.router.workers.get(delivery.worker_id)) is not None and \
-                receipt.price > price_to_nano(entry.record.price):
-            # Its interactive price is the most it may charge in any lane (a batch floor never rises above it).
-            problem = InvalidReceipt(f"receipt charges {format_credits(receipt.price)} credits/TFLOP, above the "
-                                     f"{entry.record.price:g} this worker advertises")
+        elif (overpriced := self._overpriced(receipt)) is not None:
+            problem = InvalidReceipt(overpriced)
         else:
             try:
                 return p.job.decode_outputs(delivery.outputs, expected=p.outputs)

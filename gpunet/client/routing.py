@@ -193,9 +193,15 @@ class Router:
     #: Kept when a worker leaves (bounded), so leaving and coming back does not wipe a poor proof.
     proven: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
     _unproven_ceiling: float | None = None
+    #: The interactive price (credits/TFLOP) each worker last advertised: the most it may bill in any lane (a batch
+    #: floor never rises above it). Kept when its record lapses (bounded), so a session's last tab, billed by a
+    #: worker that has just left, is still checked against what it asked.
+    advertised: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
+        for entry in self.workers.values():
+            self.advertised.put(entry.id, entry.record.price)
         for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):
             for gone in table.keys() - self.workers.keys():  # what was known of workers that left
                 del table[gone]

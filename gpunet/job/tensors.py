@@ -37,6 +37,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 MAX_TENSORS = 100_000
 MAX_NDIM = 16
+#: The most elements a shape may span, counting an empty dimension as 1: past it, torch cannot compute the strides
+#: (even of an empty tensor such as shape [0, 2**63]).
+MAX_EXTENT = 2**62
 MAX_NAME_LEN = 512
 DEFAULT_MAX_TOTAL_BYTES = 16 * 1024**3
 
@@ -153,6 +156,8 @@ def _plan(head: bytes, data_len: int) -> _Plan:
         shape = spec.get("shape")
         if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(_is_int(d) and d >= 0 for d in shape):
             raise _reject(f"tensor {name!r} has an invalid shape")
+        if math.prod(max(d, 1) for d in shape) > MAX_EXTENT:  # an empty tensor's strides must still be int64s
+            raise _reject(f"tensor {name!r} has dimensions too large for any tensor")
         offs = spec.get("data_offsets")
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
             raise _reject(f"tensor {name!r} has invalid data_offsets")
