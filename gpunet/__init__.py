@@ -34,3 +34,8 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'gpunet' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, so ``dir(gpunet)`` and autocompletion offer ``Client``, ``Job``, ..."""
+    return sorted({*globals(), *_LAZY})

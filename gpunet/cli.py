@@ -16,9 +16,10 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpunet._version import __version__
-from gpunet.cli_errors import EXIT_FAILURE, handle_errors
+from gpunet.cli_errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, handle_errors
 from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, WorkerConfig
 
 app = typer.Typer(
@@ -422,4 +423,19 @@ def doctor(
 
 
 def main() -> None:
-    app()
+    """The ``gpunet`` command. Click's own usage errors (an unknown option, a bad value) end like every other error:
+    one ``error: ...`` line on stderr, exit code 2 (gpunet.cli_errors)."""
+    try:
+        code = app(standalone_mode=False)  # a command's typer.Exit comes back as its code
+    except typer.TyperException as e:  # click's (typer's copy's) usage and file errors
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None and e.format_message() == ctx.get_help():  # `gpunet`, `gpunet ledger`: their help
+            e.show()
+            sys.exit(EXIT_USAGE)
+        where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(e.format_message() + where)}", highlight=False,
+                                   soft_wrap=True)
+        sys.exit(getattr(e, "exit_code", EXIT_USAGE))
+    except typer.Abort:  # end of input at a prompt
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(code if isinstance(code, int) else 0)

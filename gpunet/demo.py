@@ -10,6 +10,7 @@ over the workers, generating tokens greedily through an inference session whose 
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from collections import Counter, defaultdict
@@ -25,6 +26,7 @@ from gpunet.ledger import format_credits, open_ledger
 from gpunet.ledger.tabs import steps_of
 from gpunet.status import NetworkStatus, render_table
 from gpunet.utils import wide_console
+from gpunet.worker.throughput import CACHE_FILENAME
 from gpunet.testing import LocalNetwork, wait_for
 
 
@@ -77,8 +79,20 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
         bootstrap = net.start_bootstrap()
         console.print(f"bootstrap node: {bootstrap}", soft_wrap=True)
         prices = [1.0 + 0.5 * i for i in range(workers)]  # credits per TFLOP; 1 is a worker's default
-        procs = [net.start_worker("--price", str(p), "--public-name", f"volunteer-{i + 1}", wait_online=False)
-                 for i, p in enumerate(prices)]
+
+        def start(i: int, wait_online: bool):
+            return net.start_worker("--price", str(prices[i]), "--public-name", f"volunteer-{i + 1}",
+                                    data_dir=net.root / f"volunteer-{i + 1}", wait_online=wait_online)
+
+        # The first measures this machine's speed alone; the others, on the same machine, start from its figure
+        # (measured side by side on shared cores, each would publish a fraction of it, a different one each time).
+        first = start(0, wait_online=True)
+        measured = first.data_dir / CACHE_FILENAME
+        for i in range(1, workers):
+            (net.root / f"volunteer-{i + 1}").mkdir(parents=True, exist_ok=True)
+            if measured.exists():
+                shutil.copyfile(measured, net.root / f"volunteer-{i + 1}" / CACHE_FILENAME)
+        procs = [first, *(start(i, wait_online=False) for i in range(1, workers))]
         for proc in procs:
             net.wait_online(proc)
         console.print(f"{workers} workers online (prices {', '.join(f'{p:g}' for p in prices)} credits/TFLOP)")
@@ -86,18 +100,22 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
         with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
             console.print(f"client {short_id(client.id)} sees {len(client.workers(refresh=True))} workers")
             report = _generation(console, client, workers) if generate else _jobs(console, client, jobs, workers)
-            _print_work(console, client)
+            names = {w.id: w.record.name for w in client.workers(refresh=True) if w.record.name}
+            _print_work(console, client, names)
             # Records refresh every heartbeat: show the table once they carry the final job counts.
             wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= report.jobs,
                      10 * net.heartbeat, "worker records to report every job")
             console.print(render_table(NetworkStatus(net.network, client.workers()), console.width))
 
-        _print_ledgers(console, net, client.id)
+        _print_ledgers(console, net, client.id, names)
         if keep:
+            dirs = "".join(f"\n  {names.get(net.worker_id(proc), proc.name)}: {proc.data_dir}" for proc in net.workers)
             console.print(
                 f"\nThe network stays up. Join or inspect it with:\n"
                 f"  gpunet status --network {net.network} --initial-peers {bootstrap}\n"
                 f"  gpunet worker --network {net.network} --initial-peers {bootstrap}\n"
+                f"Each node's data dir (for `gpunet ledger show --data-dir DIR`, `gpunet earnings --data-dir DIR`; "
+                f"removed when the demo stops):{dirs}\n  client: {net.root / 'client'}\n"
                 "Press Ctrl-C to stop it.",
                 soft_wrap=True,
             )
@@ -192,7 +210,12 @@ def _generation(console: Console, client: gpunet.Client, workers: int, new_token
                       tokens=tokens)
 
 
-def _print_work(console: Console, client: gpunet.Client) -> None:
+def _named(worker_id: str, names: dict[str, str]) -> str:
+    """A worker as the status table shows it: its public name, and the end of its peer id."""
+    return f"{names[worker_id]} ({short_id(worker_id)})" if worker_id in names else short_id(worker_id)
+
+
+def _print_work(console: Console, client: gpunet.Client, names: dict[str, str]) -> None:
     work: dict[str, list] = defaultdict(lambda: [0, 0, 0])
     for r in client.ledger.receipts():
         w = work[r.worker_id]
@@ -203,7 +226,7 @@ def _print_work(console: Console, client: gpunet.Client) -> None:
     for column in ("worker", "jobs (or steps)", "GFLOP", "paid (credits)"):
         table.add_column(column, justify="left" if column == "worker" else "right")
     for worker_id, (count, flops, amount) in sorted(work.items(), key=lambda kv: -kv[1][0]):
-        table.add_row(short_id(worker_id), str(count), f"{flops / 1e9:.2f}", format_credits(amount))
+        table.add_row(_named(worker_id, names), str(count), f"{flops / 1e9:.2f}", format_credits(amount))
     console.print(table)
 
 
@@ -212,7 +235,7 @@ def _count(data_dir) -> int:
         return ledger.head().count
 
 
-def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
+def _print_ledgers(console: Console, net: LocalNetwork, client_id: str, names: dict[str, str]) -> None:
     """Each node's own ledger file, verified. Workers file the last countersignatures by group commit a moment after
     the client has gone, so each worker's file is read once it holds every receipt the client paid it for (or after
     a deadline, and then the shortfall is shown)."""
@@ -232,7 +255,7 @@ def _print_ledgers(console: Console, net: LocalNetwork, client_id: str) -> None:
         with open_ledger(proc.data_dir) as ledger:
             head = ledger.verify()
             mine = ledger.balances().get(worker_id)
-            table.add_row(f"worker {short_id(worker_id)}", str(head.count), format_credits(mine.earned if mine else 0),
+            table.add_row(f"worker {_named(worker_id, names)}", str(head.count), format_credits(mine.earned if mine else 0),
                           "0.00", "[green]ok")
     with open_ledger(net.root / "client") as ledger:
         head = ledger.verify()

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -146,6 +147,10 @@ _COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue",
 _DROP_ORDER = ("up", "reach", "trust", "queue", "GiB free", "jobs", "state")
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def render_table(status: NetworkStatus, width: int | None = None) -> Table:
     """The status table; ``width``: the console's, so columns that do not fit are left out whole, never cut."""
     totals = status.totals
@@ -164,7 +169,8 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
         best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
         rows.append((
             short_id(w.id) + (f"\n{r.name}" if r.name else ""),
-            f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]",
+            f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]"
+            + (f"\n[dim]{escape(_cut(r.pause_reason, 24))}[/]" if r.state.value == "paused" and r.pause_reason else ""),
             f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
             f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
             f"{best[1]:.3g} {best[0]}" if best else "-",
@@ -177,7 +183,8 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             _duration(r.uptime(status.read_at)),
         ))
     columns = list(_COLUMNS)
-    widths = {c: max([len(c), *(len(Text.from_markup(row[i]).plain) for row in rows)]) for i, c in enumerate(columns)}
+    widths = {c: max([len(c), *(len(line) for row in rows for line in Text.from_markup(row[i]).plain.split("\n"))])
+              for i, c in enumerate(columns)}
     widths["worker"], widths["device"] = 12, 10  # text columns give way down to this, with an ellipsis
     hidden = []
     while width is not None and sum(widths[c] + 3 for c in columns) + 1 > width and len(hidden) < len(_DROP_ORDER):

@@ -34,3 +34,16 @@ def test_a_config_error_is_one_line_and_exit_code_2(args, message, unusable_dir,
     lines = _error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["status", "--bogus"], "No such option: --bogus (Possible options: --verbose) (see `"),
+    (["ledger", "show", "-n", "0"], "Invalid value for '--limit'"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+], ids=["unknown-option", "bad-value", "unknown-command"])
+def test_a_usage_error_is_one_line_and_exit_code_2_too(args, message, tmp_path):
+    """Click's own usage errors end like gpunet's: one ``error: ...`` line, not click's usage block."""
+    result = run_cli(*args, timeout=60, env={"GPUNET_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr

@@ -52,7 +52,7 @@ def test_show(node):
     one = run("show", "--job", "job-2", "--json", data_dir=data_dir)
     assert json.loads(one.stdout)["amount"] == 2_000_000_000
     missing = run("show", "--job", "nope", data_dir=data_dir)
-    assert missing.exit_code == 1 and "no receipt for job 'nope'" in missing.output
+    assert missing.exit_code == 1 and "error: no receipt for job 'nope'" in missing.output
     assert "job-unpaid" in run("unpaid", data_dir=data_dir).stdout
 
 

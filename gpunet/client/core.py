@@ -292,16 +292,24 @@ class ClientCore:
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
             inputs=tuple(inputs) if req.verify != "none" or req.redundancy > 1 else None,
         )
-        if not self.router.workers:
-            try:
-                await asyncio.wait_for(self._fresh.wait(), min(self.config.discovery_wait, req.timeout))
-            except asyncio.TimeoutError:
-                raise NoWorkersAvailable(f"no workers appeared in network {self.network!r} within "
-                                         f"{min(self.config.discovery_wait, req.timeout):.0f} s") from None
+        await self._some_workers(req)
         if req.redundancy == 1 and req.verify == "none":
             candidate = await self._deliver(p, job_id, set())
             return await self._pay(p, candidate, [])
         return await self._run_verified(p)
+
+    async def _some_workers(self, req: Requirements) -> None:
+        """Wait (a while) for discovery to find the first workers; NoWorkersAvailable, saying where it looked."""
+        if self.router.workers:
+            return
+        wait = min(self.config.discovery_wait, req.timeout)
+        try:
+            await asyncio.wait_for(self._fresh.wait(), wait)
+        except asyncio.TimeoutError:
+            raise NoWorkersAvailable(
+                f"no workers appeared in network {self.network!r} within {wait:.0f} s: is that the network the "
+                "workers joined (`gpunet demo` uses 'gpunet-demo'), and are the initial peers right? "
+                f"`gpunet status --network {self.network}` lists what can be seen") from None
 
     # --- inference sessions (gpunet.client.sequential drives them) -------------------------------------------------
 
@@ -315,11 +323,7 @@ class ClientCore:
         passing over ``avoid`` where it can."""
         req = requirements or Requirements()
         estimate = await self._estimate(job, inputs)
-        if not self.router.workers:
-            try:
-                await asyncio.wait_for(self._fresh.wait(), min(self.config.discovery_wait, req.timeout))
-            except asyncio.TimeoutError:
-                raise NoWorkersAvailable(f"no workers appeared in network {self.network!r}") from None
+        await self._some_workers(req)
         shape = self.shape_of(job, estimate, 0, req)
         worker = self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid))
         self._say_skips()

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from gpunet.cli_errors import handle_errors
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
-from gpunet.errors import LedgerCorrupted, LedgerError
+from gpunet.errors import GpunetError, LedgerCorrupted, LedgerError
 from gpunet.identity import KEY_FILENAME, Identity, short_id
 from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
@@ -45,7 +45,7 @@ DataDir = Annotated[
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for programs instead of a table.")]
 
-_out = Console()
+_out = wide_console()  # piped to a file or a pager: whole columns, not cut at rich's 80
 _err = Console(stderr=True)
 
 
@@ -127,14 +127,22 @@ def balance(
     columns = ["identity", "jobs worked", "earned", "jobs bought", "spent", "net"]
     if trusted is not None:
         columns.insert(3, "earned from untrusted")
-    for column in columns:
-        table.add_column(column, justify="left" if column == "identity" else "right")
+    rows = []
     for b in totals:
         name = b.identity + (" (this node)" if b.identity == me else "")
         cells = [name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought), format_credits(b.spent),
                  format_credits(b.net)]
         if trusted is not None:
             cells.insert(3, format_credits(b.earned_untrusted))
+        rows.append(cells)
+    for i, column in enumerate(columns):  # on a narrow terminal an identity folds onto more lines; figures stay whole
+        if column == "identity":
+            table.add_column(column, overflow="fold", min_width=12)
+        else:
+            header = column.replace(" ", "\n", 1) if column.startswith("jobs") else column  # narrower: two lines
+            table.add_column(header, justify="right", no_wrap=True,
+                             min_width=max([*map(len, header.split("\n")), *(len(row[i]) for row in rows)]))
+    for cells in rows:
         table.add_row(*cells)
     if totals:
         _out.print(table)
@@ -185,8 +193,7 @@ def show(
         if job is not None:
             found = ledger.find(job)  # job ids are each client's own: two clients may have used the same one
             if not found:
-                _err.print(f"no receipt for job {job!r} in this ledger", highlight=False)
-                raise typer.Exit(1)
+                raise GpunetError(f"no receipt for job {job!r} in this ledger")  # exit 1, "error: ..."
             if as_json:  # one object; a list only when several clients' jobs share the id
                 _print_json(found[0].to_dict() if len(found) == 1 else [r.to_dict() for r in found])
                 return

@@ -82,6 +82,9 @@ def check_cpu() -> Check:
     if machine not in ("x86_64", "amd64"):
         return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} ({machine}); AVX is an x86 requirement")
     flags = hw.cpu_flags()
+    if "avx512f" in flags:
+        bf16 = " (bf16)" if "avx512_bf16" in flags else ""
+        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} with AVX-512{bf16}")
     if "avx2" in flags:
         return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} with AVX2")
     if "avx" in flags:
@@ -176,8 +179,9 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
 
         found, result = asyncio.run(ask())
     if found == reachability.UNKNOWN:
-        return Check("reachability", Outcome.WARN, "no initial peer answered a dial-back check (an older gpunet?)",
-                     "a worker here announces its addresses as they are")
+        return Check("reachability", Outcome.WARN,
+                     f"no initial peer answered a dial-back check in network {network!r} (an older gpunet, or "
+                     "another --network?)", "a worker here announces its addresses as they are")
     if found == reachability.DIRECT:
         return Check("reachability", Outcome.PASS,
                      f"directly reachable: a peer connected back to {result.observed or 'this host'}, TCP port {port}")
@@ -235,13 +239,17 @@ def check_network(network: str, initial_peers: Sequence[str] | None, host_maddrs
         workers = reader.read().workers
         offsets = asyncio.run(_clock_offsets(reader.dht, network, [w.id for w in workers[:5]]))
         inbound = check_inbound(reader.dht, network, peers, host_maddrs)
-    checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible"), inbound]
+    if workers:
+        checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible"), inbound]
+    else:  # joined, but nobody there: most often another network's name
+        checks = [Check("network", Outcome.WARN, f"joined {network!r}; no workers visible in it",
+                        "is --network the name the workers use? (`gpunet demo` runs 'gpunet-demo')"), inbound]
     if not offsets:
         checks.append(Check("clock", Outcome.SKIP, "no worker answered a ping to compare clocks with"))
         return checks
     # offset = peer's clock minus ours, measured at the midpoint of a round trip (error at most half the RTT)
     worst = max(offsets, key=abs)
-    detail = f"clock offset to {len(offsets)} worker(s): up to {worst:+.2f} s"
+    detail = f"clock offset to {len(offsets)} worker(s): up to {worst if abs(worst) >= 0.005 else 0.0:+.2f} s"
     if abs(worst) > MAX_CLOCK_OFFSET:
         return checks + [Check("clock", Outcome.FAIL, detail, "sync your clock (enable NTP: timedatectl set-ntp true)")]
     if abs(worst) > 1.0:
