@@ -422,12 +422,18 @@ def doctor(
     raise typer.Exit(EXIT_FAILURE if any(c.outcome is Outcome.FAIL for c in checks) else 0)
 
 
+try:  # typer >= 0.28 carries its own copy of click, whose errors derive from this
+    from typer import TyperException as _UsageErrors
+except ImportError:  # older typer: click's own
+    from click import ClickException as _UsageErrors
+
+
 def main() -> None:
     """The ``gpunet`` command. Click's own usage errors (an unknown option, a bad value) end like every other error:
     one ``error: ...`` line on stderr, exit code 2 (gpunet.cli_errors)."""
     try:
         code = app(standalone_mode=False)  # a command's typer.Exit comes back as its code
-    except typer.TyperException as e:  # click's (typer's copy's) usage and file errors
+    except _UsageErrors as e:  # click's usage and file errors
         ctx = getattr(e, "ctx", None)
         if ctx is not None and e.format_message() == ctx.get_help():  # `gpunet`, `gpunet ledger`: their help
             e.show()

@@ -47,3 +47,9 @@ def test_a_usage_error_is_one_line_and_exit_code_2_too(args, message, tmp_path):
     assert result.returncode == 2, result.stderr
     lines = _error_lines(result.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_help_and_version_still_end_with_exit_code_0(tmp_path):
+    for args in (["--help"], ["ledger", "show", "--help"], ["--version"]):
+        result = run_cli(*args, timeout=60, env={"GPUNET_DATA_DIR": str(tmp_path)})
+        assert result.returncode == 0 and result.stdout and not result.stderr, (args, result.stderr)

@@ -136,6 +136,23 @@ def test_free_identities_at_one_address_cannot_take_every_session_place_or_all_t
     t.close("sybil-0", "s")
     # A place is free again, but the address holds 420 of its 500 bytes: a new identity there gets the rest only.
     assert t.begin("sybil-new", "s", "p", 0, ttl=10, now=0, host="10.0.0.9") == 80
+    # Clients of a home worker come through its relay, all at the relay's circuit address: not one address there.
+    relayed = "/ip4/10.0.0.7/tcp/4001/p2p/12D3KooWRelay/p2p-circuit"
+    t2 = Sessions(SessionLimits(max_bytes=1000, max_per_host=2))
+    for n in range(4):
+        assert t2.begin(f"far-{n}", "s", "p", 0, ttl=10, now=0, host=relayed, declared=100) == 100
+        step_done(t2, f"far-{n}", "s", 100)
+
+
+def test_an_opening_that_may_fit_once_another_opening_of_its_own_ends_is_told_busy_not_refused():
+    """From a review: only the worker-wide room counted running openings' reservations back, so an opening blocked
+    by its own client's (or address's) running opening was refused outright though that one might fail."""
+    t = Sessions(SessionLimits(max_bytes=1000, max_client_share=0.5))
+    assert t.begin("A", "a", "p", 0, ttl=10, now=0) == 500  # an older client: no size declared, all its share
+    with pytest.raises(WorkerBusy, match="others are opening"):
+        t.begin("A", "b", "p", 0, ttl=10, now=0, declared=200)
+    step_done(t, "A", "a", 100)  # it took 100 in the end
+    assert t.begin("A", "b", "p", 0, ttl=10, now=0, declared=200) == 200
 
 
 def test_a_close_asked_while_a_step_runs_ends_the_session_with_that_step_billed_as_the_client_said():

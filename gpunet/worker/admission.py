@@ -17,6 +17,8 @@ Rules, in the order a submit meets them:
 3b. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
    past its timeout counts as a stop too, a crash several times over);
+3c. so is one that closed ``max_unpaid_jobs`` inference sessions within ``unpaid_window`` saying it did not receive
+   steps that ran (not billed, see :meth:`Admission.disclaimed`); an address, ``host_stops_factor`` times as many;
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
 5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy,
    and so does one where this client already holds ``max_jobs_per_client`` places. Each lane has places of its own,
@@ -123,6 +125,9 @@ class Admission:
         self._places_by_lane: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
+        # Per client and per address: when it closed a session disclaiming steps that ran (see disclaimed()).
+        self._disclaims: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)
+        self._host_disclaims: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)
         # Delivered, not yet paid, as (delivered at, address): per client by job id, per address by (client, job id).
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._owed_by_host: LRU[str, dict[tuple[str, str], tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
@@ -180,6 +185,15 @@ class Admission:
             raise JobRejected("clients at this address stopped, timed out or crashed too many running jobs here "
                               f"in the last {self.limits.stopped_jobs_window / 60:.0f} min; no more of their jobs "
                               "for now")
+        window = self.limits.unpaid_window
+        disclaims = self._recent(self._disclaims, client_id, window)
+        if disclaims >= self.limits.max_unpaid_jobs:
+            raise JobRejected(f"this client closed {disclaims} sessions here in the last {window / 60:.0f} min saying "
+                              "it did not receive steps that ran (not billed); it takes no more of its jobs for now")
+        if host and self._recent(self._host_disclaims, host, window) >= self.limits.max_unpaid_jobs * \
+                self.limits.host_stops_factor:
+            raise JobRejected("clients at this address disclaimed too many session steps that ran here; no more of "
+                              "their jobs for now")
 
     @property
     def max_jobs_per_client(self) -> int:
@@ -282,11 +296,12 @@ class Admission:
     def recent_stops(self, client_id: str) -> int:
         return self._recent(self._stops, client_id)
 
-    def _recent(self, table: LRU, key: str) -> int:
+    def _recent(self, table: LRU, key: str, window: float | None = None) -> int:
+        """Events of ``key`` in ``table`` within the window (the stopped-jobs one unless given), older ones dropped."""
         stops = table.get(key)
         if not stops:
             return 0
-        horizon = self.clock() - self.limits.stopped_jobs_window
+        horizon = self.clock() - (self.limits.stopped_jobs_window if window is None else window)
         while stops and stops[0] < horizon:
             stops.popleft()
         return len(stops)
@@ -353,14 +368,24 @@ class Admission:
     def stopped_running(self, client_id: str, weight: int = 1, host: str = "") -> None:
         """One of the client's jobs cost the worker its executor: stopped while it ran (cancelled, the client went
         away, over its timeout), or it crashed the process (counted ``weight`` times)."""
-        for table, key in ((self._stops, client_id), (self._host_stops, host)):
+        self._note(((self._stops, client_id), (self._host_stops, host)), weight)
+
+    def disclaimed(self, client_id: str, host: str = "") -> None:
+        """The client closed a session saying it did not receive steps that ran here. They are not billed (an answer
+        can be lost on the way), but an honest client seldom loses one: past ``max_unpaid_jobs`` such closes within
+        ``unpaid_window`` (``host_stops_factor`` times that per address), its jobs are refused, so "received nothing"
+        cannot get open tabs' work free again and again."""
+        self._note(((self._disclaims, client_id), (self._host_disclaims, host)))
+
+    def _note(self, tables, weight: int = 1) -> None:
+        for table, key in tables:
             if not key:
                 continue
-            stops = table.get(key)
-            if stops is None:
-                stops = deque()
-            stops.extend([self.clock()] * weight)
-            table.put(key, stops)  # the least recently seen is forgotten beyond the bound
+            events = table.get(key)
+            if events is None:
+                events = deque()
+            events.extend([self.clock()] * weight)
+            table.put(key, events)  # the least recently seen is forgotten beyond the bound
 
     def delivered(self, client_id: str, job_id: str, host: str = "") -> None:
         """A result (with its receipt) is going out to ``client_id``: owed until :meth:`paid`."""

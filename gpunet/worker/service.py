@@ -105,10 +105,10 @@ MAX_OPEN_PROOFS = 16
 #: how many pushes it has on their way at most.
 PUSH_TIMEOUT = 10.0
 MAX_PUSHING = 64
-#: ...and at most this many for one client: its client names the peer a push goes to, and a peer that never answers
-#: holds each for PUSH_TIMEOUT; one client's pushes must not take every other client's place (a session pushes one
-#: output per step, one step at a time, and a client holds at most --max-sessions-per-client sessions here).
-MAX_PUSHING_PER_CLIENT = 8
+#: ...and at most this many per session a client may hold here (--max-sessions-per-client): its client names the peer
+#: a push goes to, and a peer that never answers holds each for PUSH_TIMEOUT, so one client's pushes must not take
+#: every other client's place (a session pushes one output per step, one step at a time: two leave room for a slow one).
+MAX_PUSHING_PER_SESSION = 2
 
 __all__ = ["JobService", "ServiceLimits"]
 
@@ -547,7 +547,7 @@ class JobService:
             finally:
                 if uploading:
                     self.admission.upload_done(client_id, host)
-            # Once its bytes are here: a slow upload must not hold the session table (one opening at a time).
+            # Once its bytes are here: a slow upload must not hold a session place (or its reserved memory).
             session = self._begin_session(client_id, submit, host)
             if session is not None:
                 self._session_steps[(client_id, submit.session.id)] = job.outcome
@@ -688,7 +688,8 @@ class JobService:
             except GpunetError as e:
                 logger.debug("A session step's output was not passed on here: %s", e)
             return
-        if len(self._pushing) >= MAX_PUSHING or self._pushes_of[client_id] >= MAX_PUSHING_PER_CLIENT:
+        if (len(self._pushing) >= MAX_PUSHING
+                or self._pushes_of[client_id] >= MAX_PUSHING_PER_SESSION * self.sessions.limits.max_per_client):
             return  # the step there asks its client
         task = asyncio.ensure_future(self._send_push(to.peer, push))
         self._pushing.add(task)
@@ -746,8 +747,9 @@ class JobService:
 
     def _disclaimed(self, ended) -> None:
         """Steps that ran here after those the closing client said it received: not billed (an answer lost on the
-        way is this worker's loss), but noted as unpaid work, and counted against the client like a receipt it never
-        countersigned, so that saying "received nothing" cannot get an open tab's work free again and again."""
+        way is this worker's loss), but noted as unpaid work, and counted against the client (Admission.disclaimed),
+        so that saying "received nothing" cannot get an open tab's work free again and again. Not as an unpaid
+        receipt: an honest client that lost one answer would then lose the unary door here for the hour."""
         rest = ended.disclaimed
         job_id = rest.job_id(ended.session_id)
         logger.warning("Client %s closed session %s saying it did not receive %d step(s) that ran here; not billed",
@@ -755,7 +757,7 @@ class JobService:
         self.books.record_unbilled(Unbilled(
             ended.client_id, job_id, "disclaimed", f"its client said it did not receive steps {rest.first}-{rest.last}",
             rest.flops, ended.program, INTERACTIVE))
-        self.admission.delivered(ended.client_id, job_id, ended.host)
+        self.admission.disclaimed(ended.client_id, ended.host)
 
     def _begin_session(self, client_id: str, submit: Submit, host: str = "") -> dict | None:
         """A session step may run (its client's, in order, within the limits): what the executor is told of it."""

@@ -105,20 +105,28 @@ class Sessions:
             if mine >= self.limits.max_per_client:
                 raise JobRejected(f"this client has {mine} sessions open here, the most this worker allows "
                                   f"(--max-sessions-per-client {self.limits.max_per_client}); close one first")
-            at_host = sum(1 for o in self._open.values() if o.host == host) if host else 0
+            # A relayed client is seen at its relay's circuit address, shared by every client of that relay: no
+            # per-address session limit for those (a home worker's clients all come that way).
+            by_host = bool(host) and "/p2p-circuit" not in host
+            at_host = sum(1 for o in self._open.values() if o.host == host) if by_host else 0
             if at_host >= self.limits.max_per_host:
                 raise JobRejected(f"clients at this address have {at_host} sessions open here, the most this worker "
                                   "allows one address; close one first")
             if len(self._open) >= self.limits.max_sessions:
                 raise JobRejected(f"this worker holds {len(self._open)} sessions, as many as it takes; try another")
-            held = max(sum(o.state_bytes for (c, _), o in self._open.items() if c == client_id),
-                       sum(o.state_bytes for o in self._open.values() if o.host == host) if host else 0)
-            share = int(self.limits.max_bytes * self.limits.max_client_share) - held
-            room = max(0, min(self.limits.max_bytes - self._bytes, share))
+            cap = int(self.limits.max_bytes * self.limits.max_client_share)
+            scopes = [lambda c, o: True, lambda c, o: c == client_id]
+            if by_host:
+                scopes.append(lambda c, o: o.host == host)
+            # What each scope (the worker, this client, this address) holds, and of that what openings still
+            # running have reserved: they may turn out smaller, or fail.
+            held = [sum(o.state_bytes for (c, _), o in self._open.items() if mine(c, o)) for mine in scopes]
+            pending = [sum(o.state_bytes for (c, _), o in self._open.items() if mine(c, o) and o.running
+                           and o.next_step == 0) for mine in scopes]
+            limits = [self.limits.max_bytes] + [cap] * (len(scopes) - 1)
+            room = max(0, min(limit - h for limit, h in zip(limits, held)))
             if declared is not None and declared > room:
-                # Reserved by openings still running, which may turn out smaller or fail: worth asking again soon.
-                opening = sum(o.state_bytes for o in self._open.values() if o.running and o.next_step == 0)
-                later = declared <= min(self.limits.max_bytes - self._bytes + opening, share)
+                later = declared <= min(limit - h + p for limit, h, p in zip(limits, held, pending))
                 raise (WorkerBusy if later else JobRejected)(
                     f"the session's state takes {declared} bytes; this worker has {room} left for this client's "
                     "sessions now" + (" (others are opening)" if later else ""))
