@@ -117,6 +117,9 @@ class WorkerConfig:
             raise ConfigError(f"--threads must be from 1 to the {usable_cpus()} CPU(s) this worker may use, not "
                               f"{self.threads!r}: more threads than CPUs only slow each job and take the machine "
                               "from its owner")
+        if self.public_name is not None and (len(self.public_name) > 64 or not self.public_name.isprintable()):
+            raise ConfigError(f"--public-name must be at most 64 printable characters, not {self.public_name!r}: "
+                              "it is shown in every `gpunet status` table")
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
             raise ConfigError(f"--peer-upload-mbps must be 0 (no cap) or at least {MIN_PEER_UPLOAD_MBPS} MB/s: a peer "
                               "fetching from this worker gives up on a stream slower than about 1 MB/s")

@@ -89,9 +89,7 @@ class Challenge:
     def for_claim(cls, tflops: dict[str, float], seconds: float = DEFAULT_SECONDS) -> "Challenge":
         """A challenge for a worker claiming ``tflops`` per dtype: in the dtype of its best claim (so the proof bounds
         the highest figure it advertises), at the matrix size that claim calls for."""
-        known = {k: v for k, v in tflops.items() if k in DTYPES}
-        dtype = max(known, key=known.get) if known else "fp32"
-        n = max(size for size, start in zip(SIZES, SIZE_FROM) if known.get(dtype, 0.0) >= start)
+        dtype, n = terms(tflops)
         return cls(os.urandom(SEED_BYTES), n, seconds, dtype)
 
     def check(self) -> None:
@@ -108,6 +106,23 @@ class Challenge:
     @property
     def flops_per_product(self) -> int:
         return 2 * self.n**3
+
+
+def terms(tflops: dict[str, float]) -> tuple[str, int]:
+    """The dtype and matrix size of a challenge to a worker claiming ``tflops``: its best claim's dtype, at the size
+    that claim calls for. A worker takes no other (a bigger matrix, or a dtype its device is slow at, would keep it
+    busy for minutes on one product)."""
+    known = {k: v for k, v in tflops.items() if k in DTYPES}
+    dtype = max(known, key=known.get) if known else "fp32"
+    return dtype, max(size for size, start in zip(SIZES, SIZE_FROM) if known.get(dtype, 0.0) >= start)
+
+
+def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
+    """Whether a worker claiming ``tflops`` should take a challenge in ``dtype`` at size ``n``: a dtype it claims, at
+    no bigger a size than that claim calls for (what :func:`terms` asks of it, or a smaller one, so a claim that
+    changed since the client read it does not turn an honest challenge away)."""
+    known = {k: v for k, v in tflops.items() if k in DTYPES} or {"fp32": 0.0}
+    return dtype in known and n <= max(size for size, start in zip(SIZES, SIZE_FROM) if known[dtype] >= start)
 
 
 def pair(j: int) -> tuple[int, int]:

@@ -168,18 +168,18 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
         count = "" if r.device.count == 1 else f"{r.device.count}x "
         best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
         rows.append((
-            short_id(w.id) + (f"\n{r.name}" if r.name else ""),
+            short_id(w.id) + (f"\n{escape(r.name)}" if r.name else ""),  # a peer's words: never markup
             f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]"
             + (f"\n[dim]{escape(_cut(r.pause_reason, 24))}[/]" if r.state.value == "paused" and r.pause_reason else ""),
-            f"{count}{r.device.name}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
+            f"{count}{escape(r.device.name)}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
             f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
-            f"{best[1]:.3g} {best[0]}" if best else "-",
+            f"{best[1]:.3g} {escape(best[0])}" if best else "-",
             f"{r.price:g}" + (f"/{r.batch_floor:g}" if r.batch_floor is not None else ""),
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
-            r.reachability,
+            escape(r.reachability),
             _duration(r.uptime(status.read_at)),
         ))
     columns = list(_COLUMNS)
@@ -208,5 +208,5 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
         table.caption += f"; too narrow for {', '.join(hidden)} (widen the terminal, or --json)"
     versions = sorted({w.record.version for w in status.workers})
     if versions:
-        table.caption += f"; gpunet {', '.join(versions)}"
+        table.caption += f"; gpunet {escape(', '.join(versions))}"
     return table

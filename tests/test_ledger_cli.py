@@ -126,3 +126,17 @@ def test_credit_two_free_identities_minted_for_each_other_is_shown_apart_from_tr
     assert "untrusted" in table and "3000.00" in table
     (tmp_path / "bad.txt").write_text("not-a-peer-id\n")
     assert run("balance", "--trust", str(tmp_path / "bad.txt"), data_dir=tmp_path / "node").exit_code == 2
+
+
+def test_a_merged_receipt_with_markup_for_a_job_id_and_a_time_no_calendar_holds_is_shown_as_it_is(tmp_path):
+    """From an attacker's review: two free identities sign such a receipt; once merged (entries are append-only) it
+    made `gpunet ledger show` fail for good (a MarkupError, 'year 586524 is out of range')."""
+    worker = Identity.generate()
+    with open_ledger(tmp_path / "node") as ledger:
+        ledger.append(full_receipt(worker, CLIENT, "[/]", ended_at_us=2**63 - 1))
+        ledger.append(full_receipt(worker, CLIENT, "[link=http://evil.example]pay[/link]"))
+    for args in (["show"], ["show", "--job", "[/]"], ["balance"]):
+        result = run(*args, data_dir=tmp_path / "node")
+        assert result.exit_code == 0, (args, result.output)
+    shown = run("show", data_dir=tmp_path / "node").output
+    assert "[/]" in shown and "9223372036854775807 µs" in shown and "[link=http://evil.example]pay[/link]" in shown

@@ -350,6 +350,36 @@ def test_merge_from_a_json_export_and_refusal_of_bad_rows(tmp_path):
         assert [r.job_id for r in b.receipts()] == ["job-1", "job-4"]
 
 
+def test_a_json_export_is_merged_a_row_at_a_time_and_a_hostile_one_is_refused_without_a_traceback(tmp_path,
+                                                                                                   monkeypatch):
+    """From an attacker's review: the whole document was parsed at once (a 4 MB file took 374 MiB; deep nesting
+    raised RecursionError). The writer's layout is read a row at a time; another layout only up to a size."""
+    from gpunet.ledger import export
+
+    with Ledger(tmp_path / "a.sqlite") as a:
+        filled(a, 3)
+        with open(tmp_path / "a.json", "w") as f:
+            write_json(a.entries(), a.head(), f)
+    lines = (tmp_path / "a.json").read_text().splitlines()
+    lines.insert(2, "  " + "x" * (export.MAX_ROW_LINE + 10) + ",")  # an overlong line: refused as a row, no more
+    (tmp_path / "a.json").write_text("\n".join(lines) + "\n")
+    rows = export.read_json_export(tmp_path / "a.json")
+    assert not isinstance(rows, list)  # a generator: nothing read past the header yet
+    with Ledger(tmp_path / "b.sqlite") as b:
+        report = b.merge(tmp_path / "a.json")
+        refused = [where for where, _ in report.refused]
+        assert report.added == 3 and refused == [f"row 2 (over {export.MAX_ROW_LINE} bytes)"]
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "big.json").write_text(json.dumps({"format": export.EXPORT_FORMAT, "version": 2,
+                                                   "receipts": [0] * 1000}))
+    with Ledger(tmp_path / "c.sqlite") as c:
+        with pytest.raises(LedgerError, match="neither a gpunet ledger"):
+            c.merge(tmp_path / "deep.json")
+        monkeypatch.setattr(export, "MAX_WHOLE_JSON_BYTES", 1000)
+        with pytest.raises(LedgerError, match="not laid out as"):
+            c.merge(tmp_path / "big.json")
+
+
 def test_merge_clears_unpaid_when_the_clients_copy_arrives(tmp_path):
     with Ledger(tmp_path / "worker.sqlite") as worker, Ledger(tmp_path / "client.sqlite") as client:
         worker.record_unpaid(worker_signed(W1, C1, "job-late"))

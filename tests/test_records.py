@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import msgpack
 import pytest
 from hivemind.dht.validation import CompositeValidator, DHTRecord
@@ -55,6 +57,13 @@ def test_a_format_1_record_is_read_with_its_price_per_tflop():
         ({"programs": ["x"] * 100}, "programs"),
         ({"format": 99}, "newer"),
         ({"version": None}, "version"),
+        # From an attacker's review: text printed by readers, figures summed by them.
+        ({"name": "\x1b[2Jcleared"}, "name"),
+        ({"device": {"kind": "cuda", "name": "\x1b]8;;http://evil/\x1b\\GPU"}}, "device.name"),
+        ({"pause_reason": "\x9bc"}, "pause_reason"),
+        ({"credits_earned": 1e300}, "credits_earned"),
+        ({"tflops": {"fp32": 1.5e308}}, "tflops"),
+        ({"jobs_done": 2**64}, "jobs_done"),
     ],
 )
 def test_schema_violations_are_refused_with_the_field_named(patch, complaint):
@@ -144,3 +153,39 @@ def test_a_record_outside_its_owners_bucket_is_refused():
                       MSGPackSerializer.dumps(make_record().to_wire()), get_dht_time() + 30)
     signed = DHTRecord(plain.key, plain.subkey, validator.sign_value(plain), plain.expiration_time)
     assert not validator.validate(signed)
+
+
+@pytest.mark.parametrize("extra", [
+    msgpack.ExtType(0x51, b"\x00junk"),  # hivemind's reader raised on it inside its search: the bucket's search hung
+    [[{"deep": msgpack.ExtType(1, b"")}]],
+    msgpack.Timestamp(0),  # decoded without the ext hook
+], ids=["ext", "nested-ext", "timestamp"])
+def test_a_record_holding_a_msgpack_extension_type_is_refused_at_store_time(extra):
+    """From an attacker's review: one signed record with an unknown field holding an extension type passed every
+    validator, and every reader's search of its bucket then never returned (discovery hung for the whole network)."""
+    owner = Identity.generate()
+    validator = CompositeValidator(network_validators("net", [owner]))
+    wire = {**make_record().to_wire(), "x": extra}
+    with pytest.raises(InvalidRecord, match="extension type"):
+        WorkerRecord.from_wire_bytes(msgpack.packb(wire))
+    key = key_id(worker_key("net", worker_bucket(owner.peer_id)))
+    plain = DHTRecord(key, MSGPackSerializer.dumps(owner.peer_id), msgpack.packb(wire, use_bin_type=True),
+                      get_dht_time() + 60)
+    assert not validator.validate(DHTRecord(plain.key, plain.subkey, validator.sign_value(plain), plain.expiration_time))
+
+
+def test_a_bucket_whose_search_never_ends_costs_only_that_bucket(monkeypatch):
+    import asyncio
+
+    from gpunet.dht import registry
+
+    monkeypatch.setattr(registry, "BUCKET_TIMEOUT", 0.2)
+
+    class Node:
+        async def get(self, key, latest=False):
+            if key == "hung":
+                await asyncio.Event().wait()
+            return SimpleNamespace(value={"w": SimpleNamespace(value={"a": 1}, expiration_time=7.0)})
+
+    out = asyncio.run(registry._read_buckets(None, Node(), ["hung", "fine"]))
+    assert out == [("w", {"a": 1}, 7.0)]

@@ -105,6 +105,33 @@ def test_challenges_a_worker_should_not_take_are_refused_on_the_wire():
         protocol.decode(protocol.encode(ProofOpening((opening,) * (speedproof.PICK_PRODUCTS + 1))))
 
 
+def test_a_worker_takes_only_the_challenge_its_own_claim_calls_for(tmp_path):
+    """From an attacker's review: a 4096x4096 fp16 challenge to a CPU worker (any client may send one) kept it busy
+    for minutes on one product, refusing every honest client's challenge meanwhile."""
+    from gpunet.dht.records import DeviceInfo, WorkerRecord
+    from gpunet.identity import Identity
+    from gpunet.ledger import Ledger
+    from gpunet.worker.service import JobService
+
+    record = WorkerRecord(version="t", state="online", device=DeviceInfo(kind="cpu", name="cpu", cores=2),
+                          tflops={"fp32": 0.2, "bf16": 0.9})
+    assert speedproof.terms(record.tflops) == ("bf16", N)
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=None, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=1), record=lambda: record)
+
+        async def ask(n: int, dtype: str):
+            reply = await service._handle_prove(protocol.encode(ProveSpeed(os.urandom(16), n, 0.01, dtype)), "c")
+            return protocol.decode(reply, SpeedCommitment, protocol.Error)
+
+        for n, dtype in ((4096, "fp16"), (N, "fp16"), (2048, "bf16")):  # a dtype it does not claim; too big
+            refused = asyncio.run(ask(n, dtype))
+            assert isinstance(refused, protocol.Error) and f"{N}x{N} bf16" in refused.message, refused
+        assert isinstance(asyncio.run(ask(N, "bf16")), SpeedCommitment)
+        service.admission._proofs.pop("c")  # (one challenge per client per interval)
+        assert isinstance(asyncio.run(ask(N, "fp32")), SpeedCommitment)  # its other claim: a claim read earlier
+
+
 # --- the worker's rationing ------------------------------------------------------------------------------------------
 
 

@@ -30,10 +30,12 @@ def test_figures_are_whole_at_80_columns():
 
 
 def test_a_paused_worker_shows_why_and_a_reason_is_never_read_as_markup():
-    record = WorkerRecord(version="0.1.0", state="paused", pause_reason="[red]the owner is gaming[/red]",
+    record = WorkerRecord(version="0.1.0[/]", state="paused", pause_reason="[red]the owner is gaming[/red]",
+                          name="[/]", reachability="[/x]",
                           device=DeviceInfo(kind="cpu", name="CPU", memory_total=2**34, memory_free=2**33, cores=8),
                           tflops={"fp32": 0.5}, price=1.0, started_at=time.time() - 60)
     status = NetworkStatus("gpunet", [WorkerEntry(Identity.generate().peer_id, record, time.time() + 30)])
     out = io.StringIO()
     Console(file=out, width=160, color_system=None).print(render_table(status, width=160))
     assert "paused" in out.getvalue() and "[red]the owner is gamin…" in out.getvalue(), out.getvalue()
+    assert "[/]" in out.getvalue() and "[/x]" in out.getvalue()  # a peer's text, shown as it is

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import time
 from typing import Annotated, Any
 
@@ -40,9 +41,25 @@ MAX_MADDR_CHARS = 240
 MAX_DEVICE_NAME = 72
 MAX_PAUSE_REASON = 64
 
-_Name = Annotated[str, Field(max_length=64)]
-_NonNegInt = Annotated[int, Field(ge=0)]
-_NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+#: Text readers print (status tables, the explorer, logs): no control characters (an ESC clears a reader's screen or
+#: plants a terminal hyperlink; markup in it is escaped where it is printed).
+_PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
+
+
+def printable(text: str, max_length: int) -> str:
+    """``text`` as a record may carry it: control characters as spaces, cut to ``max_length``."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", text)[:max_length]
+
+
+def _text(max_length: int):
+    return Annotated[str, Field(max_length=max_length, pattern=_PRINTABLE)]
+
+
+_Name = _text(64)
+_NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
+#: Figures are summed and scaled by readers (a network's TFLOPS, credits in nano-credits): finite and far from
+#: float's limits, so no total overflows to inf (not JSON) or an int conversion fails.
+_NonNegFloat = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
 
 
 class WorkerState(str, enum.Enum):
@@ -53,6 +70,29 @@ class WorkerState(str, enum.Enum):
     PAUSED = "paused"  # its owner is using the machine (or asked it to pause): ``pause_reason`` says which
     DRAINING = "draining"
     OFFLINE = "offline"  # a tombstone: the worker left cleanly, readers drop it at once
+
+
+def _no_extension(code: int, data: bytes):
+    """Records are plain msgpack. hivemind's readers decode extension types with hooks of their own, and one that
+    raises there leaves their whole search unanswered (every worker of the bucket hidden, discovery hung): refused
+    at store time instead."""
+    raise ValueError(f"msgpack extension type {code} in a record")
+
+
+def _plain(data) -> bool:
+    """Only nil, bool, int, float, str, bytes, arrays and maps (msgpack's timestamps, decoded without the hook, too
+    are refused); iterative, so a deeply nested record cannot exhaust the stack."""
+    todo = [data]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        elif item is not None and not isinstance(item, (bool, int, float, str, bytes)):
+            return False
+    return True
 
 
 class _WireModel(BaseModel):
@@ -76,13 +116,13 @@ class DeviceInfo(_WireModel):
     """What a worker computes on: one kind of device, possibly several of them."""
 
     kind: Annotated[str, Field(pattern=r"^(cpu|cuda)$")]
-    name: Annotated[str, Field(max_length=MAX_DEVICE_NAME)]
+    name: _text(MAX_DEVICE_NAME)
     count: Annotated[int, Field(ge=1, le=1024)] = 1
     memory_total: _NonNegInt = 0  # bytes, per device
     memory_free: _NonNegInt = 0  # bytes, per device (the least free across devices)
     cores: _NonNegInt = 0  # CPU cores (cpu devices)
-    driver: Annotated[str, Field(max_length=32)] | None = None  # NVML's: "550.54.15"
-    cuda: Annotated[str, Field(max_length=16)] | None = None  # "12.4"
+    driver: _text(32) | None = None  # NVML's: "550.54.15"
+    cuda: _text(16) | None = None  # "12.4"
     utilization: Annotated[float, Field(ge=0, le=100)] | None = None  # percent, mean across devices
 
 
@@ -90,10 +130,10 @@ class WorkerRecord(_WireModel):
     """A worker's advertisement: what status shows and what routing reads. Keyed in the DHT by the worker's peer id."""
 
     format: Annotated[int, Field(ge=1)] = WORKER_RECORD_FORMAT
-    version: Annotated[str, Field(max_length=32)]
+    version: _text(32)
     state: Annotated[WorkerState, Field(strict=False)]  # lax only here: accepts the enum's string value
     device: DeviceInfo
-    tflops: dict[Annotated[str, Field(max_length=16)], _NonNegFloat] = Field(default_factory=dict, max_length=6)
+    tflops: dict[_text(16), _NonNegFloat] = Field(default_factory=dict, max_length=6)
     price: _NonNegFloat = 0.0  # credits per TFLOP of counted work (format 1: per PFLOP, converted on reading)
     max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
     queue: _NonNegInt = 0
@@ -103,14 +143,14 @@ class WorkerRecord(_WireModel):
     programs: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
                                                                           max_length=MAX_CACHED_PROGRAMS)
     name: _Name | None = None
-    maddrs: list[Annotated[str, Field(max_length=MAX_MADDR_CHARS)]] = Field(default_factory=list,
+    maddrs: list[_text(MAX_MADDR_CHARS)] = Field(default_factory=list,
                                                                            max_length=MAX_ADVERTISED_MADDRS)
     ledger_count: _NonNegInt = 0
-    ledger_head: Annotated[str, Field(max_length=64)] | None = None
+    ledger_head: _text(64) | None = None
     credits_earned: _NonNegFloat = 0.0
     #: How peers reach it (gpunet.dht.reachability): "direct", "relayed" (through the relays in its maddrs) or
     #: "unknown". Any other short word (a later version's) is read as it is.
-    reachability: Annotated[str, Field(max_length=16)] = "unknown"
+    reachability: _text(16) = "unknown"
     #: Program bytes it served to other workers, and fetched from them, since it started (gpunet.worker.peers).
     peer_bytes_served: _NonNegInt = 0
     peer_bytes_fetched: _NonNegInt = 0
@@ -124,7 +164,7 @@ class WorkerRecord(_WireModel):
     preemptions_per_hour: _NonNegFloat = 0.0  # batch jobs it stopped for interactive work, lately
     batch_queue: _NonNegInt = 0
     #: Why a ``paused`` worker takes no jobs now (gpunet.worker.availability), in its owner's words or the rule's.
-    pause_reason: Annotated[str, Field(max_length=MAX_PAUSE_REASON)] | None = None
+    pause_reason: _text(MAX_PAUSE_REASON) | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """A plain dict for the DHT (hivemind msgpack-encodes it); enum values as strings."""
@@ -156,9 +196,11 @@ class WorkerRecord(_WireModel):
         if len(raw) > MAX_RECORD_BYTES:
             raise InvalidRecord(f"worker record is {len(raw)} bytes, over the {MAX_RECORD_BYTES}-byte cap")
         try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+            data = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_extension)
         except Exception as e:  # msgpack raises several unrelated types on malformed input
             raise InvalidRecord(f"worker record is not valid msgpack: {e}") from None
+        if not _plain(data):
+            raise InvalidRecord("worker record holds a msgpack extension type")
         return cls.from_wire(data)
 
     def uptime(self, now: float | None = None) -> float:

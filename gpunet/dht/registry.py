@@ -19,6 +19,9 @@ from gpunet.dht.records import (
 from gpunet.dht.validation import MAX_RECORD_TTL
 from gpunet.errors import GpunetError, NetworkError
 
+#: The longest one bucket's search may take before the listing goes on without it (discover() waits 30 s in all).
+BUCKET_TIMEOUT = 20.0
+
 
 @dataclass(frozen=True)
 class WorkerEntry:
@@ -88,7 +91,12 @@ async def _read_buckets(_dht: hivemind.DHT, node, keys: list[str]) -> list[tuple
 
     One search per key (not one multi-key search) keeps each reply to a single bucket, far under the 4 MiB limit.
     """
-    results = await asyncio.gather(*(node.get(key, latest=True) for key in keys), return_exceptions=True)
+    async def one(key: str):
+        # A search that never ends (a reader-side failure inside hivemind leaves its future unset) costs one bucket
+        # for a while, never the whole listing, nor a client's every refresh.
+        return await asyncio.wait_for(node.get(key, latest=True), BUCKET_TIMEOUT)
+
+    results = await asyncio.gather(*(one(key) for key in keys), return_exceptions=True)
     out = []
     for result in results:
         if isinstance(result, BaseException) or result is None or not isinstance(result.value, dict):

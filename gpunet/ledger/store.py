@@ -720,7 +720,8 @@ def _foreign_entries(other: "Ledger") -> Iterator[tuple[str, bytes]]:
         cursor = db.execute("SELECT seq, receipt FROM entries ORDER BY seq")
         while rows := cursor.fetchmany(_VERIFY_BATCH):
             for seq, data in rows:
-                yield f"entry {seq}", data if isinstance(data, bytes) else b""
+                # (a hostile file's seq column may hold any text: only a number is repeated in reports)
+                yield f"entry {seq if type(seq) is int else '?'}", data if isinstance(data, bytes) else b""
     except sqlite3.DataError as e:
         raise LedgerError(f"{other.path}: a value is larger than any receipt ({e}); this is not a gpunet ledger") \
             from None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpunet.config import usable_cpus
-from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo
+from gpunet.dht.records import MAX_DEVICE_NAME, DeviceInfo, printable
 from gpunet.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ def job_threads(threads: int | None = None, processes: int = 1) -> int:
 def cpu_hardware() -> Hardware:
     total, available = memory_bytes()
     info = DeviceInfo(
-        kind="cpu", name=cpu_model()[:MAX_DEVICE_NAME], count=1, memory_total=total, memory_free=available, cores=usable_cpus()
+        kind="cpu", name=printable(cpu_model(), MAX_DEVICE_NAME), count=1, memory_total=total, memory_free=available,
+        cores=usable_cpus()
     )
     return Hardware(info=info, torch_device="cpu")
 
@@ -180,7 +181,7 @@ def detect(device: str = "auto", nvml: Any | None = None) -> Hardware:
     utilizations = [g.utilization for g in chosen if g.utilization is not None]
     info = DeviceInfo(
         kind="cuda",
-        name=chosen[0].name[:MAX_DEVICE_NAME],
+        name=printable(chosen[0].name, MAX_DEVICE_NAME),
         count=len(chosen),
         memory_total=min(g.memory_total for g in chosen),
         memory_free=min(g.memory_free for g in chosen),

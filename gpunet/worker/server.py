@@ -29,6 +29,7 @@ from gpunet.dht.records import (
     MAX_PAUSE_REASON,
     WorkerRecord,
     WorkerState,
+    printable,
 )
 from gpunet.errors import ConfigError, NetworkError
 from gpunet.identity import Identity
@@ -137,7 +138,8 @@ class Worker:
             interactive_load=round(lanes.load(INTERACTIVE), 3) if lanes else 0.0,
             preemptions_per_hour=round(lanes.preemption_rate(), 2) if lanes else 0.0,
             batch_queue=lanes.count(BATCH, running=False) if lanes else 0,
-            pause_reason=self.availability.reason[:MAX_PAUSE_REASON] if self.state is WorkerState.PAUSED else None,
+            pause_reason=printable(self.availability.reason, MAX_PAUSE_REASON) if self.state is WorkerState.PAUSED
+            else None,
         )
 
     async def announce(self, state: WorkerState | None = None) -> bool:

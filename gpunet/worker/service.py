@@ -297,6 +297,12 @@ class JobService:
             message = protocol.decode(request, ProveSpeed, OpenProof)
             if isinstance(message, ProveSpeed):
                 challenge = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype)
+                record = self._record()
+                claims = record.tflops if record is not None else {}
+                if not speedproof.fits(claims, challenge.dtype, challenge.n):
+                    dtype, n = speedproof.terms(claims)
+                    raise JobRejected(f"this worker takes speed challenges of {n}x{n} {dtype} matrices (what its "
+                                      f"claimed speed calls for), not {challenge.n}x{challenge.n} {challenge.dtype}")
                 self.admission.screen_proof(client_id)
                 self.admission.proof_started(client_id, message.seed, message.n)
                 digests = await self._device_work(client_id, speedproof.prove, challenge, self.device, commits=True)
