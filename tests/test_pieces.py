@@ -215,9 +215,45 @@ def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_
 
         payloads = _StreamPayloads(to_worker.reader, Client(), ServiceLimits(), fetcher=NoPeers())
         submit = Submit("job-1", H, 0, b"", 30.0)
-        return await payloads._from_peers(submit, Pieces(pieces.size, pieces.piece_size, pieces.hashes, ()))
+        return await payloads._from_peers(submit, Pieces(pieces.size, pieces.piece_size, pieces.hashes, ()),
+                                          charged.append)
 
+    charged = []
     assert bytes(asyncio.run(main())) == data
+    assert charged == [pieces.size]  # charged once, before the client sent it
+
+
+def test_a_coming_holder_that_never_delivers_holds_no_budget_and_one_without_room_ends_the_fetch(tmp_path):
+    """From an attacker's review: a client named as "coming" a peer of its own that answers busy for ever, and the
+    program's whole size stayed charged to the worker's buffer budget while the worker waited (up to half the job's
+    time). The charge is now taken with the first right piece; if there is no room then, the fetch ends."""
+    from gpunet.errors import WorkerBusy
+
+    data = _program()
+    pieces = PieceList.of(data)
+    asked = []
+
+    async def main(holder: PieceServer, on_first, timeout: float):
+        net = _Network({"holder": holder})
+        got = await Fetcher(net, own_id="me").fetch(H, pieces, [("holder", [])], timeout=timeout,
+                                                   coming=frozenset({"holder"}), on_first=on_first)
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got
+
+    never = PieceServer(DiskCache(tmp_path / "never", 1 << 30), coming=lambda program: True)  # busy for ever
+    assert asyncio.run(main(never, lambda: asked.append("charge"), timeout=1.0)) is None
+    assert asked == []  # a whole second of waiting, nothing charged
+
+    def no_room():
+        asked.append("charge")
+        raise WorkerBusy("the worker's buffer is full")
+
+    assert asyncio.run(main(_holder(tmp_path, "has", data), no_room, timeout=30)) is None
+    assert asked == ["charge"]  # asked once, and nothing was taken after the refusal
+    assert bytes(asyncio.run(main(_holder(tmp_path, "has2", data), lambda: asked.append("ok"), timeout=30))) == data
+    assert asked == ["charge", "ok"]
 
 
 def test_a_holder_whose_first_streams_cannot_be_opened_is_tried_again(tmp_path):

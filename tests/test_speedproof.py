@@ -257,12 +257,37 @@ def test_honest_workers_are_proven_and_the_fastest_claims_go_first():
         for _ in range(3):
             p.schedule(p.router.workers.values())
             await _settle(p)
-        assert prover.challenges == ["fast", "mid", "slow"]
+        assert prover.challenges[0] == "fast" and sorted(prover.challenges[1:]) == ["mid", "slow"]
         assert all(t > 0 for t in p.router.proven.values()) and len(p.router.proven) == 3
         p.schedule(p.router.workers.values())
         assert not p._tasks  # each worker once
 
     asyncio.run(main())
+
+
+def test_a_flood_of_records_claiming_the_top_speeds_does_not_keep_the_others_unchallenged():
+    """From an attacker's review: 256 records claiming 1e6 TFLOPS that never answer used up the challenges (fastest
+    claims first, 256 per run), so neither a liar claiming 5,000 nor the honest workers were ever challenged. Every
+    other challenge now goes to a worker drawn at random, and the budget of new ones refills each hour."""
+    from gpunet.client.proofs import _Attempts
+
+    sybils = [worker(f"sybil-{i}", tflops=1e6) for i in range(256)]
+    liar, honest = worker("liar", tflops=5000.0), [worker(f"honest-{i}", tflops=50.0) for i in range(5)]
+    p = SpeedProofs(None, None, None, rng=random.Random(7))
+    now, challenged = 0.0, {}
+    while now < 6 * 3600 and not ("liar" in challenged and all(h.id in challenged for h in honest)):
+        due = p.due(sybils + [liar] + honest, now)
+        p._picks += len(due)
+        for e in due:  # what schedule() does, every challenge timing out
+            a = p._attempts.setdefault(e.id, _Attempts())
+            a.tries += 1
+            if a.tries == 1:
+                p._first_tries.append(now)
+            challenged.setdefault(e.id, now)
+            a.next_at = now + 30.5 + (30, 120, 600)[min(a.tries - 1, 2)]
+        now += 30.5 / 2  # two in flight, each timing out after its seconds + 30 s
+    assert "liar" in challenged and all(h.id in challenged for h in honest), f"after {now / 3600:.1f} h"
+    assert max(challenged[w.id] for w in [liar, *honest]) < 3 * 3600
 
 
 def test_a_worker_that_fakes_its_proof_is_credited_nothing_and_recorded_as_lying():

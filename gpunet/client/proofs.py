@@ -1,8 +1,9 @@
 """Speed proofs, the client's side: which workers to challenge and when; routing learns what they proved.
 
 The exchange and its checks are :mod:`gpunet.speedproof`; the bytes move through the transport. Each worker is
-challenged once per client run, in order of claimed speed (the fastest claims attract jobs first, so they are the
-ones worth checking first), a few at a time and in the background: no job waits for a proof. Until a worker's proof
+challenged once per client run, a few at a time and in the background (no job waits for a proof): every other
+challenge goes to the fastest claim waiting (the fastest claims attract jobs first, so they are the ones worth
+checking first), the rest to a worker drawn at random, so a flood of top claims cannot keep the others unchecked. Until a worker's proof
 is in, routing credits it at most the fastest proof seen (see :meth:`Router.speed_factor`).
 
 * A proof that checks out gives ``Router.on_proof(worker, tflops)``.
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
@@ -34,6 +37,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("gpunet.client")
 
+#: ProofConfig.max_workers new challenges per this many seconds.
+BUDGET_WINDOW = 3600.0
+
 
 @dataclass
 class ProofConfig:
@@ -43,7 +49,7 @@ class ProofConfig:
     concurrent: int = 2  # challenges in flight at once
     seconds: float = speedproof.DEFAULT_SECONDS  # how long each worker computes
     retry_after: tuple[float, ...] = (30.0, 120.0, 600.0)  # after a busy, refused or failed-to-answer challenge
-    max_workers: int = 256  # workers challenged per client run (the top claims); the rest stay capped
+    max_workers: int = 256  # new workers challenged per hour at most; the rest stay capped meanwhile
     timeout: float = 30.0  # beyond the challenge's own seconds
 
 
@@ -62,27 +68,40 @@ class SpeedProofs:
     reputation: "Reputation"
     config: ProofConfig = field(default_factory=ProofConfig)
     clock: object = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
     _attempts: dict[str, _Attempts] = field(default_factory=dict)
     _tasks: set[asyncio.Task] = field(default_factory=set)
-    _started: int = 0
+    _first_tries: deque = field(default_factory=deque)  # when each worker was first challenged (the last hour's)
+    _picks: int = 0
 
     def due(self, entries: Iterable["WorkerEntry"], now: float | None = None) -> list["WorkerEntry"]:
-        """The workers to challenge now, fastest claims first (pure: which, not how)."""
+        """The workers to challenge now (pure: which, not how): every other one the fastest claim waiting, the
+        others drawn at random among those waiting. Claims alone would let a flood of records claiming the top
+        speeds (never answering, each taking its retries) keep every other worker, a liar among them, unchallenged
+        for good, and with nobody proven a claim is credited as it stands."""
         now = self.clock() if now is None else now
         free = self.config.concurrent - sum(a.running for a in self._attempts.values())
         if free <= 0:
             return []
+        while self._first_tries and now - self._first_tries[0] > BUDGET_WINDOW:
+            self._first_tries.popleft()
+        new = self.config.max_workers - len(self._first_tries)
         # Not through relays: libp2p's relays often run limited (128 KiB per connection), and a proof's opening takes
         # most of that. An unproven worker is credited no more than the median proven one, so this gains it nothing.
+        # A worker not challenged yet only within the budget of new challenges; a retry always.
         waiting = [e for e in entries if e.record.best_tflops > 0 and e.record.reachability != "relayed"
-                   and self._may_try(e.id, now)]
+                   and self._may_try(e.id, now) and (e.id in self._attempts or new > 0)]
         waiting.sort(key=lambda e: e.record.best_tflops, reverse=True)
-        due, new = [], self.config.max_workers - self._started
-        for e in waiting[:free * 4]:
-            if e.id in self._attempts or new > 0:  # a retry, or a worker not yet challenged while within the bound
-                new -= e.id not in self._attempts
-                due.append(e)
-        return due[:free]
+        due, k = [], self._picks
+        while waiting and len(due) < free:
+            pick = waiting.pop(0 if k % 2 == 0 else self.rng.randrange(len(waiting)))
+            k += 1
+            if pick.id not in self._attempts:
+                if new <= 0:
+                    continue
+                new -= 1
+            due.append(pick)
+        return due
 
     def _may_try(self, worker_id: str, now: float) -> bool:
         a = self._attempts.get(worker_id)
@@ -91,11 +110,14 @@ class SpeedProofs:
 
     def schedule(self, entries: Iterable["WorkerEntry"]) -> None:
         """Start challenges for the workers due (call after each refresh of the worker view)."""
-        for entry in self.due(entries):
+        due = self.due(entries)
+        self._picks += len(due)
+        for entry in due:
             attempt = self._attempts.setdefault(entry.id, _Attempts())
             attempt.running = True
             attempt.tries += 1
-            self._started += attempt.tries == 1
+            if attempt.tries == 1:
+                self._first_tries.append(self.clock())
             task = asyncio.ensure_future(self._challenge(entry, attempt))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

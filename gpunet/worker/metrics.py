@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 JOBS = Counter("gpunet_jobs_total", "Jobs by outcome", ["outcome"])
 JOB_SECONDS = Histogram(
@@ -53,5 +57,25 @@ def show_lanes(lanes) -> None:
 
 
 def serve(port: int, host: str = "127.0.0.1") -> None:
-    """Expose /metrics over HTTP; on loopback unless the volunteer asks otherwise."""
-    start_http_server(port, addr=host)
+    """Expose /metrics over HTTP on loopback, in a thread. Only to requests addressed to it by a loopback name: a web
+    page of another site that resolves its own name to 127.0.0.1 (DNS rebinding) sends its own Host, and would
+    otherwise read the lanes and the top clients' ids."""
+    app = make_wsgi_app()
+    allowed = {f"{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]", host)}
+
+    def guarded(environ, start_response):
+        if environ.get("HTTP_HOST", "") not in allowed:
+            start_response("421 Misdirected Request", [("Content-Type", "text/plain")])
+            return [b"this server answers requests for its own address only\n"]
+        return app(environ, start_response)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args) -> None:  # scrapes are not news
+            pass
+
+    server = make_server(host, port, guarded, _ThreadingServer, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True

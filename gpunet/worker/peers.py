@@ -161,15 +161,20 @@ class Fetcher:
         self.fetched = 0  # bytes, since start
 
     async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[tuple[str, Sequence[str]]],
-                    timeout: float, coming: frozenset[str] = frozenset()) -> bytearray | None:
+                    timeout: float, coming: frozenset[str] = frozenset(),
+                    on_first: Callable[[], None] | None = None) -> bytearray | None:
         """The program's bytes, every piece and then the whole checked against ``program_hash``; None if the peers
         could not deliver them within ``timeout``. ``coming``: holders that are still receiving it from the client,
         waited for while they say so. Peers caught serving a wrong piece are banned only once the whole program is
-        proven right (so neither a client's wrong list nor an accomplice of it can get honest holders banned)."""
+        proven right (so neither a client's wrong list nor an accomplice of it can get honest holders banned).
+
+        ``on_first``: called once the first right piece is here, before the program's memory is taken (the worker
+        charges its buffer budget then, not while a holder that may never deliver keeps it waiting); what it raises
+        ends the fetch (None)."""
         peers = [(p, list(m)) for p, m in dict(holders).items() if p != self.own_id and not self.bans.banned(p)]
         if not peers:
             return None
-        run = _Fetch(self, program_hash, pieces, coming)
+        run = _Fetch(self, program_hash, pieces, coming, on_first)
         deadline = time.monotonic() + timeout
         for _ in range(VOUCHED_ROUNDS):
             # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
@@ -186,9 +191,13 @@ class Fetcher:
             # still settling in); the others said what they had to say.
             suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
             peers = [(p, m) for p, m in peers if p in coming and p not in suspects]
-            if not run.missing or not peers or deadline - time.monotonic() < 2 * NOT_YET_RETRY:
+            if (run.refused is not None or not run.missing or not peers
+                    or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
                 break
             await asyncio.sleep(2 * NOT_YET_RETRY)
+        if run.refused is not None:
+            logger.info("Fetching program %s from peers stopped: %s", program_hash[:12], run.refused)
+            return None
         if run.missing:
             logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
@@ -216,10 +225,14 @@ class _Busy(Exception):
 class _Fetch:
     """One program's fetch: which pieces are still missing, and who tried to pass off a wrong one."""
 
-    def __init__(self, fetcher: Fetcher, program_hash: str, pieces: PieceList, coming: frozenset[str]):
+    def __init__(self, fetcher: Fetcher, program_hash: str, pieces: PieceList, coming: frozenset[str],
+                 on_first: Callable[[], None] | None = None):
         self.fetcher, self.program_hash, self.pieces, self.coming = fetcher, program_hash, pieces, coming
         self.started = time.monotonic()
-        self.buffer = bytearray(pieces.size)
+        self.on_first = on_first
+        self.refused: Exception | None = None  # what on_first raised: the fetch is over
+        self.buffer: bytearray | None = None  # taken with the first right piece
+        self.progress: dict[str, float] = {}  # when each peer last delivered a piece
         self.missing = set(range(len(pieces)))
         self.todo = list(range(len(pieces)))
         self.wrong: dict[int, set[str]] = {}
@@ -230,7 +243,7 @@ class _Fetch:
     async def _next(self) -> int | None:
         """The next piece to fetch; when none is left to hand out but some are still on their way from slower
         peers, wait: one of those may fail and come back (no piece is left to a peer that gave up)."""
-        while self.missing:
+        while self.missing and self.refused is None:
             while self.todo:
                 index = self.todo.pop(0)
                 if index in self.missing:
@@ -271,8 +284,12 @@ class _Fetch:
                     index = None
                     writer.close()
                     writer = None
-                    if peer not in self.coming and time.monotonic() - self.started > BUSY_PATIENCE:
-                        return  # busy for too long, and the client never said it was sending it the program
+                    # Busy for too long: a holder the client never said it was sending the program to, or one
+                    # that has it (it delivered) and has served nothing since. A "coming" one that never delivered
+                    # is waited for (it costs this worker an upload place, not the program's memory: see on_first).
+                    waited = time.monotonic() - self.progress.get(peer, self.started)
+                    if (peer not in self.coming or peer in self.sources) and waited > BUSY_PATIENCE:
+                        return
                     await asyncio.sleep(NOT_YET_RETRY)
         except asyncio.CancelledError:
             raise
@@ -297,7 +314,7 @@ class _Fetch:
         if reply.size != length:
             raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))
-        if index not in self.missing:  # another peer delivered it meanwhile
+        if index not in self.missing or self.refused is not None:  # another peer delivered it meanwhile
             return True
         if not await asyncio.to_thread(self.pieces.matches, index, data):  # overlaps the other stream's transfer
             logger.warning("Peer %s served a corrupted piece %d of program %s; fetching it elsewhere", peer[-8:],
@@ -305,9 +322,21 @@ class _Fetch:
             self.wrong.setdefault(index, set()).add(peer)
             self._give_back(index)
             return False
+        if self.buffer is None:
+            if self.on_first is not None:
+                try:
+                    self.on_first()
+                except Exception as e:  # no room for it now: the fetch ends, every stream with it
+                    self.refused = e
+                    self.changed.set()
+                    return False
+            self.buffer = bytearray(self.pieces.size)
+        if index not in self.missing:  # delivered by another stream while this one waited for the check
+            return True
         self.buffer[start:start + length] = data
         self.missing.discard(index)
         self.sources.add(peer)
+        self.progress[peer] = time.monotonic()
         self.convicted |= self.wrong.pop(index, set())  # this digest is matched, so their copy was wrong
         self.changed.set()
         return True

@@ -1192,25 +1192,36 @@ class _StreamPayloads:
         program_size = pieces.size if pieces is not None else payload.program_size
         if need_program:
             protocol.check_payload_size(program_size, self.limits.max_program_bytes, "program")
-        charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program else 0))
+        # A program from peers is charged once its first piece is here (or before the client sends it after all):
+        # holders a client names may never deliver, and waiting for them must not hold the budget.
+        charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program and pieces is None else 0))
         program = None
         if need_program and pieces is None:
             program = await self._read_program(program_size)
         inputs = await self._read_inputs(submit) if need_inputs else None
         if pieces is not None:
-            program = await self._from_peers(submit, pieces)
+            program = await self._from_peers(submit, pieces, charge)
         if not need_inputs:
             return _Inputs(program, submit.inputs, sha256_hex(submit.inputs))
         inputs.program = program
         return inputs
 
-    async def _from_peers(self, submit: Submit, pieces: Pieces) -> bytes | bytearray:
+    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None]) -> bytes | bytearray:
         """The program from the peers the client named (every piece checked; the executor checks the whole against
-        its hash as it loads it, as for any program), else from the client after all."""
+        its hash as it loads it, as for any program), else from the client after all. ``charge``: the budget, charged
+        the program's size once, when its bytes start to come (from a peer, or from the client)."""
+        charged = False
+
+        def first_piece() -> None:
+            nonlocal charged
+            charge(pieces.size)
+            charged = True
+
         # At most half the job's time (the client then still has the rest to send it), and no longer than the client
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
         fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders,
-                                                         submit.timeout / 2, coming=pieces.coming))
+                                                         submit.timeout / 2, coming=pieces.coming,
+                                                         on_first=first_piece))
         gone = asyncio.ensure_future(self.reader.read(1))
         try:
             await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -1226,6 +1237,8 @@ class _StreamPayloads:
         fetched = fetch.result()
         if fetched is not None:
             return fetched  # a bytearray, not copied: the executor takes any bytes-like program
+        if not charged:
+            charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
         await protocol.write(self.writer, Send(True, False))
         payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
         if payload.program_size != pieces.size or payload.inputs_size is not None:
