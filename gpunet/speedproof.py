@@ -119,10 +119,13 @@ def terms(tflops: dict[str, float]) -> tuple[str, int]:
 
 def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
     """Whether a worker claiming ``tflops`` should take a challenge in ``dtype`` at size ``n``: a dtype it claims, at
-    no bigger a size than that claim calls for (what :func:`terms` asks of it, or a smaller one, so a claim that
-    changed since the client read it does not turn an honest challenge away)."""
+    most one size above what that claim calls for (a claim measured again, lower, since the client read it must not
+    turn an honest challenge away; a product one size up is 8x the work, a 4096 one on a CPU hundreds)."""
     known = {k: v for k, v in tflops.items() if k in DTYPES} or {"fp32": 0.0}
-    return dtype in known and n <= max(size for size, start in zip(SIZES, SIZE_FROM) if known[dtype] >= start)
+    if dtype not in known:
+        return False
+    step = max(i for i, start in enumerate(SIZE_FROM) if known[dtype] >= start)
+    return n in SIZES[: step + 2]
 
 
 def pair(j: int) -> tuple[int, int]:

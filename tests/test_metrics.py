@@ -18,9 +18,9 @@ def test_metrics_answer_their_loopback_names_and_refuse_another_sites_host():
     load and the top clients' ids."""
     port = _free_port()
     metrics.serve(port)
-    for name in ("127.0.0.1", "localhost"):
+    for name in ("127.0.0.1", "localhost", "LOCALHOST:19100"):  # any port: a scrape through an SSH tunnel
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-        conn.request("GET", "/metrics", headers={"Host": f"{name}:{port}"})
+        conn.request("GET", "/metrics", headers={"Host": name if ":" in name else f"{name}:{port}"})
         assert conn.getresponse().status == 200
     assert b"gpunet_jobs_total" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)

@@ -124,7 +124,7 @@ def test_a_worker_takes_only_the_challenge_its_own_claim_calls_for(tmp_path):
             reply = await service._handle_prove(protocol.encode(ProveSpeed(os.urandom(16), n, 0.01, dtype)), "c")
             return protocol.decode(reply, SpeedCommitment, protocol.Error)
 
-        for n, dtype in ((4096, "fp16"), (N, "fp16"), (2048, "bf16")):  # a dtype it does not claim; too big
+        for n, dtype in ((4096, "fp16"), (N, "fp16"), (4096, "bf16")):  # a dtype it does not claim; too big
             refused = asyncio.run(ask(n, dtype))
             assert isinstance(refused, protocol.Error) and f"{N}x{N} bf16" in refused.message, refused
         assert isinstance(asyncio.run(ask(N, "bf16")), SpeedCommitment)

@@ -19,8 +19,10 @@ from gpunet.dht.records import (
 from gpunet.dht.validation import MAX_RECORD_TTL
 from gpunet.errors import GpunetError, NetworkError
 
-#: The longest one bucket's search may take before the listing goes on without it (discover() waits 30 s in all).
-BUCKET_TIMEOUT = 20.0
+#: The longest one bucket's search may take before the listing goes on without it: just under discover()'s 30 s, so
+#: a slow honest bucket still comes back when it would have, and a client's listing (which has no limit of its own)
+#: never waits for ever on one.
+BUCKET_TIMEOUT = 28.0
 
 
 @dataclass(frozen=True)

@@ -119,23 +119,30 @@ def _rows(f, rows: list) -> Iterator[tuple[str, bytes]]:
 
 
 def _streamed_rows(f) -> Iterator[tuple[str, bytes]]:
-    with f:
-        position = 0
-        while line := f.readline(MAX_ROW_LINE + 1):
-            text = line.strip().rstrip(b",")
-            if text in (b"]}", b"]", b""):
-                continue
-            position += 1
-            if len(line) > MAX_ROW_LINE:
-                while line and not line.endswith(b"\n"):  # the rest of an overlong line
-                    line = f.readline(MAX_ROW_LINE)
-                yield f"row {position} (over {MAX_ROW_LINE} bytes)", b""
-                continue
-            try:
-                row = json.loads(text)
-            except (UnicodeDecodeError, ValueError, RecursionError):
-                row = None
-            yield _row(position, row)
+    try:
+        with f:
+            yield from _lines_as_rows(f)
+    except OSError as e:
+        raise LedgerError(f"cannot read {f.name}: {e.strerror}") from e
+
+
+def _lines_as_rows(f) -> Iterator[tuple[str, bytes]]:
+    position = 0
+    while line := f.readline(MAX_ROW_LINE + 1):
+        text = line.strip().rstrip(b",")
+        if text in (b"]}", b"]", b""):
+            continue
+        position += 1
+        if len(line) > MAX_ROW_LINE:
+            while line and not line.endswith(b"\n"):  # the rest of an overlong line
+                line = f.readline(MAX_ROW_LINE)
+            yield f"row {position} (over {MAX_ROW_LINE} bytes)", b""
+            continue
+        try:
+            row = json.loads(text)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            row = None
+        yield _row(position, row)
 
 
 def _row(position: int, row: Any) -> tuple[str, bytes]:

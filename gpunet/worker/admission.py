@@ -237,9 +237,10 @@ class Admission:
         _count(self._uploads_by_client, client_id, -1)
         _count(self._uploads_by_host, host, -1)
 
-    def charge(self, nbytes: int, client_id: str = "", host: str = "") -> None:
+    def charge(self, nbytes: int, client_id: str = "", host: str = "", dry: bool = False) -> None:
         """Charge a payload's declared size before any of it is read; WorkerBusy when the buffer (or this client's or
-        address's share of it) is full for now, JobRejected when the payload could never fit."""
+        address's share of it) is full for now, JobRejected when the payload could never fit. ``dry``: only check,
+        charging nothing (a program peers will send is charged when it starts to come)."""
         total, share = self.limits.max_buffered_bytes, int(self.limits.max_buffered_bytes * self.limits.buffer_share)
         if nbytes > share:
             raise JobRejected(f"payload of {human_bytes(nbytes)} is over what one client may send this worker at "
@@ -251,6 +252,8 @@ class Admission:
                 or self._bytes_by_host.get(host, 0) + nbytes > share):
             raise WorkerBusy("this client (or its address) already has its share of this worker's payload buffer "
                              "in flight", self.queue_length)
+        if dry:
+            return
         self.buffered_bytes += nbytes
         _count(self._bytes_by_client, client_id, nbytes)
         _count(self._bytes_by_host, host, nbytes)

@@ -186,8 +186,8 @@ def detect(device: str = "auto", nvml: Any | None = None) -> Hardware:
         memory_total=min(g.memory_total for g in chosen),
         memory_free=min(g.memory_free for g in chosen),
         cores=os.cpu_count() or 1,
-        driver=report.driver,
-        cuda=report.cuda,
+        driver=printable(report.driver, 32) if report.driver else None,
+        cuda=printable(report.cuda, 16) if report.cuda else None,
         utilization=sum(utilizations) / len(utilizations) if utilizations else None,
     )
     return Hardware(info=info, torch_device=f"cuda:{chosen[0].index}", indices=tuple(g.index for g in chosen))

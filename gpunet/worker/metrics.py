@@ -61,10 +61,12 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
     page of another site that resolves its own name to 127.0.0.1 (DNS rebinding) sends its own Host, and would
     otherwise read the lanes and the top clients' ids."""
     app = make_wsgi_app()
-    allowed = {f"{name}:{port}" for name in ("127.0.0.1", "localhost", "[::1]", host)}
+    allowed = {"127.0.0.1", "localhost", "[::1]", host}
 
     def guarded(environ, start_response):
-        if environ.get("HTTP_HOST", "") not in allowed:
+        # The name only, whatever the port (a scrape through an SSH tunnel names its own); no Host at all is no
+        # browser's request.
+        if _host_name(environ.get("HTTP_HOST", host)).lower() not in allowed:
             start_response("421 Misdirected Request", [("Content-Type", "text/plain")])
             return [b"this server answers requests for its own address only\n"]
         return app(environ, start_response)
@@ -75,6 +77,13 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
 
     server = make_server(host, port, guarded, _ThreadingServer, handler_class=Quiet)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+
+def _host_name(header: str) -> str:
+    """The name part of a Host header: ``[::1]:9100`` -> ``[::1]``, ``localhost:9100`` -> ``localhost``."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.split(":", 1)[0]
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

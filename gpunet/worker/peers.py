@@ -262,7 +262,7 @@ class _Fetch:
         index = writer = None
         failed_opens = 0
         try:
-            while self.missing:
+            while self.missing and self.refused is None:
                 try:
                     reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
                 except NetworkError:
@@ -321,6 +321,8 @@ class _Fetch:
                            index, self.program_hash[:12])
             self.wrong.setdefault(index, set()).add(peer)
             self._give_back(index)
+            return False
+        if self.refused is not None:  # refused while this piece was being checked
             return False
         if self.buffer is None:
             if self.on_first is not None:

@@ -798,9 +798,10 @@ class JobService:
             return False
         return self.executor.has_program(program_hash)
 
-    def _charge(self, job: _Job, client_id: str, host: str, nbytes: int) -> None:
-        self.admission.charge(nbytes, client_id, host)
-        job.charged += nbytes
+    def _charge(self, job: _Job, client_id: str, host: str, nbytes: int, dry: bool = False) -> None:
+        self.admission.charge(nbytes, client_id, host, dry=dry)
+        if not dry:
+            job.charged += nbytes
 
     async def _receive(self, client_id: str, job: _Job, submit: Submit, payloads, need_program: bool,
                        charge: Callable[[int], None]) -> _Inputs:
@@ -1195,6 +1196,8 @@ class _StreamPayloads:
         # A program from peers is charged once its first piece is here (or before the client sends it after all):
         # holders a client names may never deliver, and waiting for them must not hold the budget.
         charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program and pieces is None else 0))
+        if pieces is not None:
+            charge(program_size, dry=True)  # one that could never fit, or no room now: said before waiting on peers
         program = None
         if need_program and pieces is None:
             program = await self._read_program(program_size)
