@@ -5,6 +5,7 @@ after the first job ended and before any record says so, is told to fetch it fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import os
 
@@ -29,6 +30,8 @@ class ScriptedWorker:
         self.told_holders: list[str] = []
         self.told_coming: frozenset[str] = frozenset()
 
+    falls_back = False  # told of holders, it cannot fetch from them and asks the client for the program after all
+
     async def handle(self, reader, writer) -> None:
         submit = await protocol.read(reader, Submit)
         await protocol.write(writer, Send(True, False, pieces=True))
@@ -37,7 +40,10 @@ class ScriptedWorker:
             self.told_holders = [peer for peer, _ in reply.holders]
             self.told_coming = reply.coming
             await protocol.read(reader, Payload)
-        else:
+            if self.falls_back:
+                await protocol.write(writer, Send(True, False))
+                reply = await protocol.read(reader, Payload)
+        if not isinstance(reply, Pieces):
             self.got_program = len(await protocol.read_payload(reader, reply.program_size, len(PROGRAM), "program"))
         receipt = worker_signed(self.identity, CLIENT, submit.job_id)
         await protocol.write(writer, Result(2, receipt.to_bytes(), b"ok"))
@@ -160,5 +166,34 @@ def test_a_worker_still_receiving_a_program_is_not_named_once_forgotten():
             assert third.told_holders == [second.id]  # second, which ran it from the pieces; not first
             first.go_on.set()
             (await upload).close()
+
+    asyncio.run(main())
+
+
+class FallbackWorker(ScriptedWorker):
+    """Told of holders, it cannot fetch from them (they answered "busy"): it asks the client for the program."""
+
+    falls_back = True
+
+
+def test_holders_only_records_name_come_after_vouched_ones_and_are_dropped_once_they_did_not_deliver():
+    """From an attacker's review: eight records claiming a popular program (answering "busy") took every holder
+    place a worker is told of, so each fetch of it waited out its patience before asking the client."""
+    sybils = [(Identity.generate().peer_id, ("/ip4/10.9.9.9/tcp/1",)) for _ in range(8)]
+
+    async def main():
+        first, second, third = FallbackWorker(), FallbackWorker(), ScriptedWorker()
+        async with _network(first, second, third) as transport:
+            request = dataclasses.replace(_request("a" * 32), holders=tuple(sybils))
+            (await transport.run_stream(first.id, ["/ip4/127.0.0.1/tcp/1"], request)).close()
+            assert first.told_holders == [peer for peer, _ in sybils] and first.got_program == len(PROGRAM)
+            # first ran it: named first now; the sybils that did not deliver are not named again for a while
+            request = dataclasses.replace(_request("b" * 32), holders=tuple(sybils))
+            (await transport.run_stream(second.id, ["/ip4/127.0.0.1/tcp/2"], request)).close()
+            assert second.told_holders == [first.id]
+            request = dataclasses.replace(_request("c" * 32), holders=tuple(sybils))
+            (await transport.run_stream(third.id, ["/ip4/127.0.0.1/tcp/3"], request)).close()
+            assert third.told_holders[:2] == [first.id, second.id] and not set(third.told_holders) & {
+                peer for peer, _ in sybils}
 
     asyncio.run(main())

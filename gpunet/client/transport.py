@@ -121,6 +121,10 @@ def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
     return Receipt.from_bytes(data)
 
 
+#: How long holders a worker could not fetch a program from, named only by their records, are not named again.
+UNHELPFUL_SECONDS = 300.0
+
+
 class P2PTransport:
     """Jobs over hivemind's p2p daemon, as this client's own DHT node (a client: it serves no records)."""
 
@@ -140,6 +144,10 @@ class P2PTransport:
         # from a peer instead of taking a second copy over this client's link
         self._ran: LRU[str, dict[str, tuple[str, ...]]] = LRU(64)
         self._piece_lists: LRU[str, asyncio.Future] = LRU(32)  # program -> its PieceList, being hashed or done
+        # program -> holders only records vouched for, which a worker told of them then asked us for the program
+        # after all: not named again for UNHELPFUL_SECONDS (records claiming a popular program, answering "busy",
+        # cost every fetch its patience)
+        self._unhelpful: LRU[str, dict[str, float]] = LRU(64)
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
 
     @classmethod
@@ -257,11 +265,13 @@ class P2PTransport:
                 program_crossed.set_result(None)  # it holds the program (or refused the job): nothing to carry
             transfer_seconds = 0.0
             # At most: the program from peers (or us) with the inputs, then the program from us if the peers failed.
+            named: list[str] = []  # holders told of that only records vouch for
             for _ in range(2):
                 if not isinstance(reply, Send):
                     break
                 t0 = time.perf_counter()
-                sent += await self._send_what_is_asked(worker_id, maddrs, request, reply, writer, program_crossed)
+                sent += await self._send_what_is_asked(worker_id, maddrs, request, reply, writer, program_crossed,
+                                                       named)
                 transfer_seconds += time.perf_counter() - t0
                 reply = await protocol.read(reader, Send, Result, Error)
             if isinstance(reply, Send):
@@ -303,10 +313,12 @@ class P2PTransport:
                         input_hash=input_hash)
 
     async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
-                                  writer, program_crossed: asyncio.Future | None) -> int:
+                                  writer, program_crossed: asyncio.Future | None, named: list[str] | None = None
+                                  ) -> int:
         """Answer a worker's Send; returns the bytes sent. A worker that lacks the program and can fetch it from
         peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
-        worker."""
+        worker. ``named``: this stream's holders that only records vouch for (added to here; if the worker asks for
+        the program after all, they are not named again for a while)."""
         holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
         sent = 0
         if holders:
@@ -315,9 +327,16 @@ class P2PTransport:
             # sending it to now, and those that ran it for this client. Others are only what records claim.
             vouched = set(self._receiving.get(request.program_hash, ())) | set(self._ran.get(request.program_hash) or ())
             coming = frozenset(vouched & {peer for peer, _ in holders})
+            if named is not None:
+                named.extend(peer for peer, _ in holders if peer not in vouched)
             await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming))
             await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
         else:
+            if ask.program and named:  # the peers it was told of did not deliver
+                until = time.monotonic() + UNHELPFUL_SECONDS
+                struck = self._unhelpful.get(request.program_hash) or {}
+                self._unhelpful.put(request.program_hash, {**struck, **{peer: until for peer in named}})
+                named.clear()
             if ask.program and not request.private:
                 # Listed (before anything is awaited, so that replicas asking at the same moment see it) until its
                 # job ends (run_stream): by then it serves the program from its disk.
@@ -352,11 +371,14 @@ class P2PTransport:
         program."""
         if request.private:
             return ()
-        found = dict(request.holders)
-        for peer, maddrs in (self._ran.get(request.program_hash) or {}).items():
-            found.setdefault(peer, maddrs)
+        # Those this client vouches for first: records alone could fill every place with holders that never deliver.
+        found = dict(self._ran.get(request.program_hash) or {})
         for peer, maddrs in self._receiving.get(request.program_hash, {}).items():
             found.setdefault(peer, maddrs)
+        struck, now = self._unhelpful.get(request.program_hash) or {}, time.monotonic()
+        for peer, maddrs in request.holders:
+            if struck.get(peer, 0.0) <= now:
+                found.setdefault(peer, maddrs)
         found.pop(worker_id, None)
         return tuple(found.items())[:protocol.MAX_HOLDERS]
 

@@ -52,8 +52,8 @@ class _Session:
 @dataclass(frozen=True)
 class Ended:
     """A session that ended, and the tab of its last steps (None when all were billed already). ``disclaimed``: the
-    steps after those its client said it received, which ran here and are not billed (they count against the client
-    as a result it never paid for: otherwise closing with ``received=0`` would get any open tab's work free)."""
+    steps after those its client said it received, which ran here and are not billed (the close counts against the
+    client, Admission.disclaimed: otherwise closing with ``received=0`` would get any open tab's work free)."""
 
     key: str
     client_id: str
