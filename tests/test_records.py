@@ -61,6 +61,7 @@ def test_a_format_1_record_is_read_with_its_price_per_tflop():
         ({"name": "\x1b[2Jcleared"}, "name"),
         ({"device": {"kind": "cuda", "name": "\x1b]8;;http://evil/\x1b\\GPU"}}, "device.name"),
         ({"pause_reason": "\x9bc"}, "pause_reason"),
+        ({"name": "volunteer-\u202e1-reetnulov"}, "name"),  # shown backwards: another worker's name
         ({"credits_earned": 1e300}, "credits_earned"),
         ({"tflops": {"fp32": 1.5e308}}, "tflops"),
         ({"jobs_done": 2**64}, "jobs_done"),

@@ -41,14 +41,17 @@ MAX_MADDR_CHARS = 240
 MAX_DEVICE_NAME = 72
 MAX_PAUSE_REASON = 64
 
-#: Text readers print (status tables, the explorer, logs): no control characters (an ESC clears a reader's screen or
-#: plants a terminal hyperlink; markup in it is escaped where it is printed).
-_PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f]*$"
+#: Text readers print (status tables, the explorer, logs) has none of these: control characters (an ESC clears a
+#: reader's screen or plants a terminal hyperlink) and the invisible or direction-changing ones (U+202E shows a name
+#: backwards: another worker's, to a reader). Markup in text is escaped where it is printed.
+_UNPRINTABLE = ((0x00, 0x1F), (0x7F, 0x9F), (0x200B, 0x200F), (0x2028, 0x202E), (0x2060, 0x2069), (0xFEFF, 0xFEFF))
+_PRINTABLE = "^[^" + "".join(f"\\x{{{a:X}}}-\\x{{{b:X}}}" for a, b in _UNPRINTABLE) + "]*$"  # pydantic's (Rust) regex
+_UNPRINTABLE_RE = re.compile("[" + "".join(f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in _UNPRINTABLE) + "]")
 
 
 def printable(text: str, max_length: int) -> str:
-    """``text`` as a record may carry it: control characters as spaces, cut to ``max_length``."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", text)[:max_length]
+    """``text`` as a record may carry it: unprintable characters as spaces, cut to ``max_length``."""
+    return _UNPRINTABLE_RE.sub(" ", text)[:max_length]
 
 
 def _text(max_length: int):
