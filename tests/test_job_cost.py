@@ -48,6 +48,17 @@ def test_elementwise_chains_and_sorts_count_against_the_limit():
         limited.run_locally(x)
 
 
+def test_a_pooling_window_given_as_one_number_counts_in_every_spatial_dimension():
+    """From an attacker's review: max_pool3d with kernel_size=[25] is a 25x25x25 window, billed as 25 (625x less)."""
+    x = torch.randn(1, 1, 30, 30, 30)
+    one = Job.from_function(lambda t: torch.nn.functional.max_pool3d(t, kernel_size=[25], stride=1), (x,))
+    full = Job.from_function(lambda t: torch.nn.functional.max_pool3d(t, kernel_size=[25, 25, 25], stride=1), (x,))
+    assert one.estimate(x).flops == full.estimate(x).flops >= 25**3 * 6**3
+    pooled = torch.randn(1, 3, 40, 40)
+    assert Job.from_function(lambda t: torch.nn.functional.avg_pool2d(t, 5), (pooled,)).estimate(pooled).flops == \
+        cost.ELEMENTWISE * 3 * 8 * 8 * 25
+
+
 def test_views_cost_nothing_and_matmuls_cost_their_flops():
     w = torch.randn(64, 64)
     job = Job.from_function(lambda x: (x @ w).view(-1)[:10].unsqueeze(0).permute(1, 0), (torch.randn(8, 64),))

@@ -58,3 +58,33 @@ def test_a_job_that_would_segfault_its_executor_fails_cleanly(tmp_path):
         except JobFailed as e:
             assert "refused before the kernel ran" in str(e), e
         assert ex.pids() == [pid]  # the executor lived
+
+
+def test_batch_norm_with_parameters_of_another_size_than_its_channels_is_refused_before_the_kernel():
+    """From an attacker's review: the meta dry run broadcasts a one-element bias (or weight, mean, var) and passes;
+    the CPU kernel then reads one value per channel, out of the executor's heap (another client's session input came
+    back in the output), or segfaults. A traced BatchNorm runs as before."""
+    import json
+
+    from gpunet.job.format import ProgramParts, canonical_json
+    from gpunet.job.interpreter import run_program
+    from gpunet.job.validator import load_program
+
+    bn = torch.nn.BatchNorm1d(64).eval()
+    x = torch.randn(2, 64, 5)
+    job = Job.from_module(bn, (x,))
+    with torch.no_grad():
+        assert torch.allclose(job.run_locally(x), bn(x), atol=1e-6)
+    g, m = json.loads(job.parts.graph), json.loads(job.parts.manifest)
+    (node,) = [n for n in g["nodes"] if n["op"] == "aten._native_batch_norm_legit_no_training.default"]
+    g["nodes"].insert(0, {"name": "one", "op": "aten.full.default", "args": [[1], 0.0],
+                          "kwargs": {"dtype": {"dtype": "F32"}, "layout": None, "device": {"device": "cpu"},
+                                     "pin_memory": None}})
+    m["ops"]["aten.full.default"] = str(torch.ops.aten.full.default._schema)
+    node["args"][2] = {"ref": "one"}  # the bias: one value for 64 channels
+    tampered = load_program(ProgramParts(canonical_json(m), canonical_json(g), job.parts.weights).to_bytes())
+    try:
+        run_program(tampered, [x])
+        raise AssertionError("the kernel ran")
+    except JobFailed as e:
+        assert "bias must be 1-D with one value per channel (64)" in str(e) and "refused before the kernel ran" in str(e)

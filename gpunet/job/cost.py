@@ -109,10 +109,18 @@ def _topk(args, kwargs, out) -> int:
     return ELEMENTWISE * x.numel() * max(1, math.ceil(math.log2(max(size, 2))))
 
 
-def _window(args, kwargs, out) -> int:
-    kernel = args[1] if len(args) > 1 else kwargs.get("kernel_size", [1])
-    size = math.prod(kernel) if isinstance(kernel, (list, tuple)) else int(kernel)
-    return ELEMENTWISE * _numel(out) * max(1, size)
+def _window(spatial: int) -> Callable:
+    """A pooling window's work per output element: the kernel's size over ``spatial`` dimensions (one number, or a
+    one-element list, stands for every one of them: ``[25]`` in 3-D is 25**3, not 25)."""
+
+    def count(args, kwargs, out) -> int:
+        kernel = args[1] if len(args) > 1 else kwargs.get("kernel_size", [1])
+        kernel = list(kernel) if isinstance(kernel, (list, tuple)) else [int(kernel)]
+        if len(kernel) == 1:
+            kernel = kernel * spatial
+        return ELEMENTWISE * _numel(out) * max(1, math.prod(kernel))
+
+    return count
 
 
 def _interpolate(points: int) -> Callable:
@@ -160,11 +168,11 @@ FORMULAS: dict[str, Callable] = {
     "_pdist_forward": _pdist,
     "sort": _sort,
     "topk": _topk,
-    "avg_pool1d": _window,
-    "avg_pool2d": _window,
-    "avg_pool3d": _window,
-    "max_pool2d_with_indices": _window,
-    "max_pool3d_with_indices": _window,
+    "avg_pool1d": _window(1),
+    "avg_pool2d": _window(2),
+    "avg_pool3d": _window(3),
+    "max_pool2d_with_indices": _window(2),
+    "max_pool3d_with_indices": _window(3),
     "upsample_nearest2d": _interpolate(1),
     "upsample_bilinear2d": _interpolate(4),
     "grid_sampler_2d": lambda args, kwargs, out: ELEMENTWISE * (16 if len(args) > 2 and args[2] == 2 else 4)

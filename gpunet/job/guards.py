@@ -81,8 +81,25 @@ def _fft_c2r(args: list, kwargs: dict) -> None:
         _refuse("aten._fft_c2r", "last_dim_size must be at least 1")
 
 
+def _batch_norm_no_training(args: list, kwargs: dict) -> None:
+    """The CPU kernel reads ``input.size(1)`` values of each of weight, bias, running_mean and running_var, whatever
+    their size; the meta dry run broadcasts a one-element one and passes. A one-element bias read another client's
+    session input back out of the executor's heap (an attacker's review), a big channel count segfaulted."""
+    op = "aten._native_batch_norm_legit_no_training"
+    a = _bind(torch.ops.aten._native_batch_norm_legit_no_training.default, args, kwargs)
+    x = a["input"]
+    if x.dim() < 2:
+        _refuse(op, "input must have a channel dimension")
+    channels = x.shape[1]
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        t = a[name]
+        if t is not None and (t.dim() != 1 or t.shape[0] != channels):
+            _refuse(op, f"{name} must be 1-D with one value per channel ({channels}), not {list(t.shape)}")
+
+
 #: Guards by op name as it appears in a program ("aten.<name>.<overload>").
 GUARDS: dict[str, Guard] = {
+    "aten._native_batch_norm_legit_no_training.default": _batch_norm_no_training,
     "aten._embedding_bag.default": _embedding_bag,
     "aten._fft_r2c.default": _fft_r2c,
     "aten._fft_c2r.default": _fft_c2r,

@@ -604,8 +604,9 @@ class Executor:
                     outputs = await slot.in_thread(slot.conn.recv_bytes)
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
-        if reply.get("restart"):
-            slot.kill()
+        if reply.get("restart"):  # the job poisoned the process's CUDA context: the process (and every session it
+            slot.kill()           # held) goes, which is the job's doing, counted as a crash against its client
+            raise ExecutorDied(f"{reply.get('message', 'CUDA error')}; its executor had to be replaced")
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
