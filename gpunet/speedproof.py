@@ -110,22 +110,28 @@ class Challenge:
 
 def terms(tflops: dict[str, float]) -> tuple[str, int]:
     """The dtype and matrix size of a challenge to a worker claiming ``tflops``: its best claim's dtype, at the size
-    that claim calls for. A worker takes no other (a bigger matrix, or a dtype its device is slow at, would keep it
-    busy for minutes on one product)."""
-    known = {k: v for k, v in tflops.items() if k in DTYPES}
-    dtype = max(known, key=known.get) if known else "fp32"
-    return dtype, max(size for size, start in zip(SIZES, SIZE_FROM) if known.get(dtype, 0.0) >= start)
+    that claim calls for (:func:`fits` says what else a worker takes)."""
+    known = _claims(tflops)
+    dtype = max(known, key=known.get)
+    return dtype, SIZES[_size_step(known[dtype])]
 
 
 def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
     """Whether a worker claiming ``tflops`` should take a challenge in ``dtype`` at size ``n``: a dtype it claims, at
     most one size above what that claim calls for (a claim measured again, lower, since the client read it must not
     turn an honest challenge away; a product one size up is 8x the work, a 4096 one on a CPU hundreds)."""
-    known = {k: v for k, v in tflops.items() if k in DTYPES} or {"fp32": 0.0}
-    if dtype not in known:
-        return False
-    step = max(i for i, start in enumerate(SIZE_FROM) if known[dtype] >= start)
-    return n in SIZES[: step + 2]
+    known = _claims(tflops)
+    return dtype in known and n in SIZES[: _size_step(known[dtype]) + 2]
+
+
+def _claims(tflops: dict[str, float]) -> dict[str, float]:
+    """The claims a challenge can be in (none: fp32, at the smallest size)."""
+    return {k: v for k, v in tflops.items() if k in DTYPES} or {"fp32": 0.0}
+
+
+def _size_step(claimed: float) -> int:
+    """The index in SIZES of the matrix size a claim of ``claimed`` TFLOPS calls for."""
+    return max(i for i, start in enumerate(SIZE_FROM) if claimed >= start)
 
 
 def pair(j: int) -> tuple[int, int]:
