@@ -17,7 +17,15 @@ def test_metrics_answer_their_loopback_names_and_refuse_another_sites_host():
     """From an attacker's review: a page of another site resolving its own name to 127.0.0.1 could read the lanes'
     load and the top clients' ids."""
     port = _free_port()
-    metrics.serve(port)
+    server = metrics.serve(port)
+    try:
+        _check_hosts(port)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _check_hosts(port: int) -> None:
     for name in ("127.0.0.1", "localhost", "LOCALHOST:19100"):  # any port: a scrape through an SSH tunnel
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
         conn.request("GET", "/metrics", headers={"Host": name if ":" in name else f"{name}:{port}"})

@@ -56,10 +56,10 @@ def show_lanes(lanes) -> None:
             CLIENT_SHARE.labels(lane, "others").set(sum(v for _, v in shares[TOP_CLIENTS:]))
 
 
-def serve(port: int, host: str = "127.0.0.1") -> None:
+def serve(port: int, host: str = "127.0.0.1") -> WSGIServer:
     """Expose /metrics over HTTP on loopback, in a thread. Only to requests addressed to it by a loopback name: a web
     page of another site that resolves its own name to 127.0.0.1 (DNS rebinding) sends its own Host, and would
-    otherwise read the lanes and the top clients' ids."""
+    otherwise read the lanes and the top clients' ids. Returns the server (``shutdown()`` stops it)."""
     app = make_wsgi_app()
     allowed = {"127.0.0.1", "localhost", "[::1]", host}
 
@@ -77,6 +77,7 @@ def serve(port: int, host: str = "127.0.0.1") -> None:
 
     server = make_server(host, port, guarded, _ThreadingServer, handler_class=Quiet)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
 
 
 def _host_name(header: str) -> str:
