@@ -61,6 +61,11 @@ class JobRejected(JobError):
         self.reason = reason
 
 
+class DryRunTooLong(JobRejected):
+    """The dry run that counts a job's work (from shapes, before anything runs) took longer than the worker allows
+    (``WorkerLimits.max_dry_run_seconds``): the program has too many nodes, or nodes too slow to count, for one job."""
+
+
 class UsageError(GpunetError, TypeError):
     """gpunet was handed something it cannot use (a model where a Job belongs, a list where a tensor belongs); the
     message says what to pass instead."""

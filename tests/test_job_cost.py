@@ -87,6 +87,64 @@ def test_a_worker_stops_a_job_that_runs_longer_than_its_counted_work_pays_for(tm
         ex.close()
 
 
+def _grid_sampling(nodes: int) -> Job:
+    """Little counted work (a few thousand FLOPs), but grid_sampler_2d's meta decomposition takes ms a node to count."""
+    import torch.nn.functional as F
+
+    def resample(x, grid):
+        for _ in range(nodes):
+            x = F.grid_sample(x, grid, align_corners=False)
+        return x
+
+    return Job.from_function(resample, (torch.randn(1, 1, 4, 4), torch.rand(1, 4, 4, 2) * 2 - 1))
+
+
+def test_the_dry_run_is_bounded_in_time_and_stoppable_and_a_refusal_is_kept():
+    """Counting work from shapes costs the worker time no receipt pays for: it stops past the worker's limit, at a
+    stop word as a real run does, and the same shapes are refused at once the next time."""
+    from dataclasses import replace
+
+    from gpunet.errors import DryRunTooLong, JobPreempted
+    from gpunet.job.validator import WorkerLimits, load_program
+
+    job = _grid_sampling(30)
+    x, grid = torch.randn(1, 1, 4, 4), torch.rand(1, 4, 4, 2) * 2 - 1
+    prog = load_program(job.to_bytes(), limits=replace(WorkerLimits(), max_dry_run_seconds=0.0))
+    for _ in range(2):  # over time is no fact about the shapes: tried again, not kept
+        with pytest.raises(DryRunTooLong, match="over 0 s .* 30 nodes") as e:
+            prog.dry_run([x, grid])
+        assert e.value.dry_seconds > 0
+    prog = load_program(job.to_bytes())
+    with pytest.raises(JobPreempted):
+        prog.dry_run([x, grid], stop=lambda: True)
+    est, seconds = prog.dry_run([x, grid])
+    assert seconds > 0 and prog.dry_run([x, grid]) == (est, 0.0)  # counted once per shapes
+
+    tight = load_program(job.to_bytes(), limits=replace(WorkerLimits(), max_flops=est.flops - 1))  # fails at the end
+    with pytest.raises(JobRejected, match="FLOPs, over the limit") as first:
+        tight.dry_run([x, grid])
+    assert first.value.dry_seconds > 0
+    with pytest.raises(JobRejected, match="FLOPs, over the limit") as again:
+        tight.dry_run([x, grid])
+    assert getattr(again.value, "dry_seconds", 0) == 0  # kept: refused without a second dry run
+
+
+def test_an_executor_reports_what_each_dry_run_took_and_stops_one_past_its_limit(tmp_path):
+    from gpunet.errors import DryRunTooLong
+
+    job = _grid_sampling(30)
+    x, grid = torch.randn(1, 1, 4, 4), torch.rand(1, 4, 4, 2) * 2 - 1
+    inputs = job.encode_inputs(x, grid)
+    with Executor(processes=1, cache_dir=tmp_path / "cache", sandbox=False) as ex:
+        first = asyncio.run(ex.run(job.program_hash, job.program_bytes(), inputs, 60))
+        again = asyncio.run(ex.run(job.program_hash, None, inputs, 60))
+        assert first.dry_seconds > 0 and again.dry_seconds == 0 and first.flops == again.flops
+    with Executor(processes=1, cache_dir=tmp_path / "cache2", sandbox=False, max_dry_run_seconds=0.01) as ex:
+        with pytest.raises(DryRunTooLong, match="split the program") as e:
+            asyncio.run(ex.run(job.program_hash, job.program_bytes(), inputs, 60))
+        assert e.value.dry_seconds >= 0.01
+
+
 @pytest.mark.swarm
 def test_work_that_used_to_be_free_is_billed_by_a_real_worker(swarm, client_for):
     """Sorts, distances and elementwise chains were billed 0 FLOPs: free compute for any client."""

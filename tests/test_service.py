@@ -1,7 +1,7 @@
 """The worker without a network: admission (a pure state machine), settlement, and the service's cancel door."""
 
 import asyncio
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +19,7 @@ from gpunet.ledger import Identity, Ledger, countersign, sign_as_worker
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.protocol import Cancel, Countersign, Ok, Refuse, Submit
 from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.executor import RunResult
 from gpunet.worker.service import JobService, _UnaryPayloads
 from gpunet.worker.settlement import Settlement
 
@@ -356,7 +357,7 @@ class QuickExecutor(HangingExecutor):
     """Finishes every job at once with the same small output."""
 
     async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
-        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=0)
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0)
 
 
 def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_path):
@@ -439,6 +440,39 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
         asyncio.run(scenario())
 
 
+class SlowDryRunExecutor(HangingExecutor):
+    """Programs whose dry runs take long: 1.2 s then the job runs; over 3 s and it is refused by the executor."""
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
+        if program_hash.startswith("ee"):
+            error = JobRejected("dry run failed: node 'x' raised RuntimeError")
+            error.dry_seconds = 3.1
+            raise error
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0, dry_seconds=1.2)
+
+
+def test_slow_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
+    """The dry run is paid by no receipt: one that takes long, refused or not, counts a stop per half second, so a
+    client cannot keep an executor counting for free."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = JobService(identity=Identity.generate(), executor=SlowDryRunExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
+                                                 limits=ServiceLimits(max_stopped_jobs=10)), record=lambda: None)
+
+        async def scenario():
+            await service._execute(ALICE, job("slow-1"), _UnaryPayloads(), None)
+            assert service.admission.recent_stops(ALICE) == 2  # 1.2 s: two half seconds
+            with pytest.raises(JobRejected, match="dry run failed"):
+                await service._execute(ALICE, replace(job("slow-2"), program="ee" * 32), _UnaryPayloads(), None)
+            assert service.admission.recent_stops(ALICE) == 8
+            await service._execute(ALICE, job("slow-3"), _UnaryPayloads(), None)
+            with pytest.raises(JobRejected, match="crashed running jobs here 10 times"):
+                await service._execute(ALICE, job("slow-4"), _UnaryPayloads(), None)
+            await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None)  # another client is still served
+
+        asyncio.run(scenario())
+
+
 def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
@@ -474,7 +508,7 @@ class RememberingExecutor(_NoStops):
             raise ProgramNotCached(program_hash)
         self.held.add(program_hash)
         self.private_runs.append(private)
-        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=0)
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0)
 
 
 class _BringsProgram:
@@ -595,8 +629,7 @@ class GatedExecutor(HangingExecutor):
     async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
         self.runs += 1
         await self.gate.wait()
-        return SimpleNamespace(outputs=b"out", flops=10**9, wall_time=0.001, state_bytes=4,
-                               started_at=0.0, ended_at=0.0)
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0, state_bytes=4)
 
     def holds_session(self, key: str) -> bool:
         return True
@@ -663,8 +696,8 @@ class SpanExecutor(GatedExecutor):
         from gpunet.job import tensors
 
         self.inputs.append(bytes(inputs))
-        return SimpleNamespace(outputs=tensors.encode({"output_0": torch.full((1, 1, 4), float(len(self.inputs)))}),
-                               flops=10**9, wall_time=0.001, state_bytes=4, started_at=0.0, ended_at=0.0)
+        return RunResult(outputs=tensors.encode({"output_0": torch.full((1, 1, 4), float(len(self.inputs)))}),
+                         flops=10**9, wall_time=0.001, peak_memory_bytes=0, state_bytes=4)
 
     async def drop_sessions(self, keys) -> None:
         pass

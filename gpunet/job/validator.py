@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from gpunet.errors import JobRejected
+from gpunet.errors import DryRunTooLong, JobRejected
 from gpunet.job import graph as g
 from gpunet.job import cost, guards, tensors
 from gpunet.job.format import (
@@ -93,6 +94,10 @@ class WorkerLimits:
     max_nodes: int = 200_000
     max_peak_memory_bytes: int = 8 * 1024**3
     max_flops: int = 10**15
+    # The dry run costs the worker time no receipt pays for (its work is counted from shapes; some ops' meta
+    # decompositions take tens of ms a node): past this it stops and the job is refused. Models of up to 1,200 nodes
+    # dry-run in 15-120 ms here; the worker counts slow dry runs against their client (gpunet.worker.service).
+    max_dry_run_seconds: float = 5.0
 
 
 _MAX_INT = 2**63 - 1
@@ -143,12 +148,50 @@ class Program:
 
     def estimate(self, inputs: Sequence[torch.Tensor]) -> Estimate:
         """Check inputs against the manifest, then dry-run on meta tensors: FLOPs and peak bytes, limits enforced."""
+        return self.dry_run(inputs)[0]
+
+    def dry_run(self, inputs: Sequence[torch.Tensor],
+                stop: Callable[[], bool] | None = None) -> tuple[Estimate, float]:
+        """:meth:`estimate`, and the seconds its dry run took (0 when an earlier one for these shapes answered).
+
+        ``stop`` is asked before each node, as in a real run (see :func:`gpunet.job.interpreter.execute`); past
+        ``max_dry_run_seconds`` the dry run stops with :class:`DryRunTooLong`. A refusal is kept like an estimate, so
+        the same shapes are refused at once the next time. A JobRejected raised here carries ``dry_seconds``.
+        """
         check_inputs(self.manifest, inputs)
         key = tuple((t.dtype, tuple(t.shape)) for t in inputs)
         with self._lock:
             known = self._estimates.get(key)
+        if isinstance(known, JobRejected):
+            raise JobRejected(known.reason)
         if known is not None:
-            return known
+            return known, 0.0
+        t0 = time.monotonic()
+        try:
+            est = self._dry_run(inputs, key, self._deadline(t0, stop))
+        except JobRejected as e:
+            if not isinstance(e, DryRunTooLong):  # the same shapes fail the same way: refused at once next time
+                with self._lock:
+                    self._estimates.put(key, JobRejected(e.reason))  # not e: its traceback holds the run's frames
+            e.dry_seconds = time.monotonic() - t0
+            raise
+        return est, time.monotonic() - t0
+
+    def _deadline(self, t0: float, stop: Callable[[], bool] | None) -> Callable[[], bool]:
+        limit = self.limits.max_dry_run_seconds
+        deadline = t0 + limit
+
+        def asked() -> bool:
+            if time.monotonic() > deadline:
+                raise DryRunTooLong(
+                    f"the dry run took over {limit:g} s (counting the program's work from its {len(self.steps)} "
+                    "nodes' shapes) and was stopped: split the program into smaller jobs, e.g. a remote "
+                    "sequential's spans (client.sequential)")
+            return stop is not None and stop()
+
+        return asked
+
+    def _dry_run(self, inputs: Sequence[torch.Tensor], key: tuple, stop: Callable[[], bool]) -> Estimate:
         mem_limit = _tighter(self.limits.max_peak_memory_bytes, self.manifest.limits.max_peak_memory_bytes)
         flop_limit = _tighter(self.limits.max_flops, self.manifest.limits.max_flops)
         meta_inputs = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in inputs]
@@ -158,7 +201,7 @@ class Program:
             tracker.pin(slot, env[slot])
         meter = [0]
         with torch.inference_mode():
-            outs = execute(self.steps, env, self.output_slots, tracker, meter)
+            outs = execute(self.steps, env, self.output_slots, tracker, meter, stop=stop)
         flops = meter[0]
         if flop_limit is not None and flops > flop_limit:
             raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "

@@ -16,7 +16,8 @@ Rules, in the order a submit meets them:
    holds ``host_stops_factor`` times as many;
 3b. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
-   past its timeout counts as a stop too, a crash several times over);
+   past its timeout counts as a stop too, a crash several times over, and so does a slow dry run, once per
+   ``DRY_RUN_SECONDS_PER_STOP`` it took: its time is paid by no receipt);
 3c. so is one that closed ``max_unpaid_jobs`` inference sessions within ``unpaid_window`` saying it did not receive
    steps that ran (not billed, see :meth:`Admission.disclaimed`); an address, ``host_stops_factor`` times as many;
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
@@ -180,11 +181,11 @@ class Admission:
         if stopped >= self.limits.max_stopped_jobs:
             raise JobRejected(f"this client stopped, timed out or crashed running jobs here {stopped} times in the last "
                               f"{self.limits.stopped_jobs_window / 60:.0f} min (each costs this worker a fresh "
-                              "executor); it takes no more of its jobs for now")
+                              "executor; a slow dry run counts too); it takes no more of its jobs for now")
         if host and self._recent(self._host_stops, host) >= self.limits.max_stopped_jobs * self.limits.host_stops_factor:
             raise JobRejected("clients at this address stopped, timed out or crashed too many running jobs here "
-                              f"in the last {self.limits.stopped_jobs_window / 60:.0f} min; no more of their jobs "
-                              "for now")
+                              f"in the last {self.limits.stopped_jobs_window / 60:.0f} min (a slow dry run counts "
+                              "too); no more of their jobs for now")
         window = self.limits.unpaid_window
         disclaims = self._recent(self._disclaims, client_id, window)
         if disclaims >= self.limits.max_unpaid_jobs:

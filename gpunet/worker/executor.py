@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import mmap
 import multiprocessing
 import os
@@ -28,7 +29,9 @@ from pathlib import Path
 
 import msgpack
 
-from gpunet.errors import ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
+from gpunet.errors import (
+    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost,
+)
 from gpunet.utils import wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 from gpunet.worker.hardware import job_threads
@@ -43,7 +46,8 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go thro
 #: may take before it is killed after all: one op cannot be interrupted.
 STOP_GRACE = 2.0
 
-_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted}
+_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
+           "DryRunTooLong": DryRunTooLong}
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class RunResult:
     wall_time: float
     peak_memory_bytes: int
     state_bytes: int = 0  # a session step: what its state holds in the executor now
+    dry_seconds: float = 0.0  # what its dry run took (0: an earlier one for the same shapes answered)
 
 
 class _Slot:
@@ -232,6 +237,7 @@ class Executor:
         sandbox: bool = True,
         protected: list[str] = (),
         speed_tflops: float | None = None,
+        max_dry_run_seconds: float | None = None,
     ):
         self.default_timeout = default_timeout
         #: The device's measured speed (best dtype): a job runs no longer than its counted work allows at a small share
@@ -253,6 +259,7 @@ class Executor:
             "sandbox": sandbox,  # see gpunet.worker.sandbox
             "tmp_dir": str(Path(cache_dir).parent / "executor-tmp"),
             "protected": [str(p) for p in protected],
+            "max_dry_run_seconds": max_dry_run_seconds,  # None: WorkerLimits' own
         }
         self._ctx, self._config = multiprocessing.get_context("spawn"), config
         self._slots = [_Slot(self._ctx, config) for _ in range(processes)]
@@ -610,12 +617,14 @@ class Executor:
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
-                             reply.get("state_bytes", 0))
+                             reply.get("state_bytes", 0), float(reply.get("dry_seconds", 0.0)))
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
-        raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
+        error = _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
+        error.dry_seconds = float(reply.get("dry_seconds", 0.0))  # the service counts a slow dry run's cost
+        raise error
 
     def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
@@ -706,7 +715,10 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
     torch.set_num_threads(config["threads"])
     device = config["device"]
     budget = config["memory_budget_bytes"]
-    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=config["max_flops"], max_program_bytes=budget, max_input_bytes=budget)
+    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=config["max_flops"], max_program_bytes=budget,
+                          max_input_bytes=budget)
+    if config.get("max_dry_run_seconds") is not None:
+        limits = dataclasses.replace(limits, max_dry_run_seconds=config["max_dry_run_seconds"])
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
     _limit_memory(budget, device)
@@ -738,6 +750,8 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
         except (JobRejected, JobFailed, JobPreempted) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
+            if getattr(e, "dry_seconds", 0):  # a refusal by the dry run: what it cost (see Program.dry_run)
+                reply["dry_seconds"] = e.dry_seconds
         except ProgramNotCached as e:
             reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
         except MemoryError:
@@ -786,7 +800,7 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     if session is not None:
         given, state_bytes = _with_state(prog, session, given, sessions, device)
     inputs = prog.inputs_from_dict(given)
-    est = prog.estimate(inputs)
+    est, dry_seconds = prog.dry_run(inputs, stop=stop)
     if started is not None:  # the parent caps the run time by the counted work
         started(est.flops)
     t0 = time.perf_counter()
@@ -797,6 +811,8 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
     reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
+    if dry_seconds:
+        reply["dry_seconds"] = dry_seconds
     new_state = None
     if session is not None:  # the new state stays here; the step's answer is the rest
         k = prog.manifest.state

@@ -96,6 +96,11 @@ LINGER_BYTES = 1 << 20
 #: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
+#: A dry run counts one stopped job against its client for every this many seconds it took, whatever its outcome: its
+#: work is counted from shapes and billed by FLOPs, not by its own time, which some programs make large for little
+#: counted work (nodes whose meta decompositions take tens of ms). Honest models of up to 1,200 nodes take 15-120 ms
+#: here, and an earlier dry run for the same shapes answers at once.
+DRY_RUN_SECONDS_PER_STOP = 0.5
 MAX_RECENT_RESULTS = 4096
 MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see JobService._add_owner)
 #: Speed proofs whose row digests are kept for their opening (8 n bytes per product: 16 KiB at n = 2048, so at most
@@ -893,6 +898,7 @@ class JobService:
                                                  private=submit.private or submit.program in self._private,
                                                  tag=ticket, spare_sessions=session is None, **extra)
             done = True
+            self._dry_run_cost(client_id, host, result.dry_seconds)
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()
             self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1,
@@ -906,6 +912,7 @@ class JobService:
             raise
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
+            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0))
             if isinstance(e, JobFailed) and not isinstance(e, SessionLost):  # it ran, and broke: the job's own error
                 self._unbilled(key, submit, "failed", str(e))
                 if ticket.victim is not None:  # another client's job was stopped for one that fails: not free
@@ -1033,6 +1040,14 @@ class JobService:
         logger.info("Batch job %s for client %s stopped for an interactive job (not billed; its client runs it again)",
                     key[1][:12], key[0][-8:])
         self._unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
+
+    def _dry_run_cost(self, client_id: str, host: str, seconds: float) -> None:
+        """Count a slow dry run against its client like stopped jobs (see DRY_RUN_SECONDS_PER_STOP)."""
+        weight = int(seconds / DRY_RUN_SECONDS_PER_STOP)
+        if weight > 0:
+            logger.info("A dry run for client %s took %.1f s: counted as %d stopped job(s)", client_id[-8:], seconds,
+                        weight)
+            self.admission.stopped_running(client_id, weight=weight, host=host)
 
     def _unbilled(self, key: tuple[str, str], submit: Submit, reason: str, detail: str) -> None:
         """Note work started here that will not be paid, and why (``gpunet earnings`` lists it)."""
