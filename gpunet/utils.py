@@ -62,11 +62,15 @@ class LRU(Generic[K, V]):
     thread-safe: callers that share one across threads hold their own lock.
     """
 
-    def __init__(self, max_items: int, max_bytes: int | None = None, keep_newest: bool = False):
-        """``keep_newest``: a value larger than ``max_bytes`` is kept, alone; otherwise it is not kept at all (rather
-        than evicting everything else for it)."""
-        self.max_items, self.max_bytes, self.keep_newest = max_items, max_bytes, keep_newest
+    def __init__(self, max_items: int, max_bytes: int | None = None, owner: Callable[[K], Hashable] | None = None,
+                 max_owner_bytes: int | None = None):
+        """A value larger than ``max_bytes`` is not kept (rather than evicting everything else for it). ``owner`` with
+        ``max_owner_bytes``: whose each key is; one owner's values are kept up to that many bytes, its own least
+        recently used evicted first, so one owner's big values do not push out everyone else's."""
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._owner, self.max_owner_bytes = owner, max_owner_bytes
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._owned: dict[Hashable, int] = {}  # owner -> bytes held (with owner and max_owner_bytes only)
         self.nbytes = 0
 
     def get(self, key: K, default: V | None = None) -> V | None:
@@ -79,22 +83,35 @@ class LRU(Generic[K, V]):
 
     def put(self, key: K, value: V, nbytes: int = 0) -> None:
         """Insert or replace, then evict the least recently used down to the bounds."""
-        if self.max_bytes is not None and nbytes > self.max_bytes and not self.keep_newest:
-            self.pop(key)
-            return
         self.pop(key)
+        shared = self._owner is not None and self.max_owner_bytes is not None
+        if (self.max_bytes is not None and nbytes > self.max_bytes) or (shared and nbytes > self.max_owner_bytes):
+            return
+        if shared:
+            owner = self._owner(key)
+            if self._owned.get(owner, 0) + nbytes > self.max_owner_bytes:
+                for old in [k for k in self._items if self._owner(k) == owner]:  # its own, oldest first
+                    self.pop(old)
+                    if self._owned.get(owner, 0) + nbytes <= self.max_owner_bytes:
+                        break
+            if nbytes:
+                self._owned[owner] = self._owned.get(owner, 0) + nbytes
         self._items[key] = (value, nbytes)
         self.nbytes += nbytes
         while len(self._items) > 1 and (len(self._items) > self.max_items
                                         or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
-            _, (_, n) = self._items.popitem(last=False)
-            self.nbytes -= n
+            self.pop(next(iter(self._items)))
 
     def pop(self, key: K, default: V | None = None) -> V | None:
         item = self._items.pop(key, None)
         if item is None:
             return default
         self.nbytes -= item[1]
+        if self._owner is not None and self.max_owner_bytes is not None:
+            owner = self._owner(key)
+            left = self._owned.pop(owner, 0) - item[1]
+            if left > 0:
+                self._owned[owner] = left
         return item[0]
 
     def __contains__(self, key: object) -> bool:

@@ -65,6 +65,15 @@ def test_views_cost_nothing_and_matmuls_cost_their_flops():
     assert job.estimate(torch.randn(8, 64)).flops == 2 * 8 * 64 * 64
 
 
+def test_an_output_that_is_a_broadcast_view_counts_its_dense_copy():
+    """An expand of one number into a big answer was free work (and free bytes to send): its copy is counted."""
+    x = torch.randn(1, 1)
+    broadcast = Job.from_function(lambda t: (t + 1).expand(1000, 1000), (x,))
+    assert broadcast.estimate(x).flops == cost.ELEMENTWISE * (1 + 1000 * 1000)
+    dense = Job.from_function(lambda t: (t + 1).expand(1000, 1000).contiguous() + 1, (x,))
+    assert dense.estimate(x).flops == cost.ELEMENTWISE * (1 + 2 * 1000 * 1000)  # clone, add; a dense output: no more
+
+
 def test_a_worker_stops_a_job_that_runs_longer_than_its_counted_work_pays_for(tmp_path, monkeypatch):
     """The cap is the counted work at a small share of the worker's measured speed, plus a grace; a worker claiming
     to be enormously fast with no grace allows this job almost no time, so the cap shows without a long test."""

@@ -1,6 +1,7 @@
 """The worker without a network: admission (a pure state machine), settlement, and the service's cancel door."""
 
 import asyncio
+import socket
 from dataclasses import replace
 
 import pytest
@@ -15,7 +16,7 @@ from gpunet.errors import (
     SessionLost,
     WorkerBusy,
 )
-from gpunet.ledger import Identity, Ledger, countersign, sign_as_worker
+from gpunet.ledger import Identity, Ledger, Receipt, countersign, sign_as_worker
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.protocol import Cancel, Countersign, Ok, Refuse, Submit
 from gpunet.worker.admission import Admission, ServiceLimits
@@ -876,3 +877,75 @@ def test_one_clients_pushes_to_a_peer_that_never_answers_do_not_take_every_other
             assert not service._pushes_of  # each ended push gave its place back
 
         asyncio.run(scenario())
+
+
+# --- results: kept for retries, held while written ---------------------------------------------------------------
+
+
+class SizedExecutor(HangingExecutor):
+    """Each job's output is as many bytes as its timeout says (a test's way to pick sizes)."""
+
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
+        return RunResult(outputs=bytes(int(timeout)), flops=10**9, wall_time=0.001, peak_memory_bytes=0)
+
+
+def test_one_clients_big_results_do_not_push_every_other_clients_kept_results_out(tmp_path):
+    """A result over the kept bytes used to stay, alone: one big answer emptied the cache, and honest retries of
+    finished jobs were told to use a fresh job id. A client's results are kept up to its share, its own go first."""
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        limits = ServiceLimits(recent_results_bytes=1000, max_timeout=10**6)  # one client: 500 bytes
+        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
+                             record=lambda: None)
+
+        async def scenario():
+            run = lambda client, job_id, size: service._execute(client, job(job_id, timeout=size), _UnaryPayloads(),
+                                                                 None)
+            bobs = await run(BOB, "bob-1", 300)
+            alices = [await run(ALICE, f"alice-{i}", 200) for i in range(2)]
+            await run(ALICE, "alice-huge", 5000)  # over everything: not kept, nothing pushed out for it
+            await run(ALICE, "alice-2", 200)  # over her share: her oldest goes
+            assert await run(BOB, "bob-1", 300) is bobs  # Bob's retry is answered from his kept result
+            assert await run(ALICE, "alice-1", 200) is alices[1]
+            for gone in ("alice-0", "alice-huge"):
+                with pytest.raises(JobRejected, match="no longer kept"):
+                    await run(ALICE, gone, 200)
+
+        asyncio.run(scenario())
+
+
+def test_a_result_its_client_does_not_read_counts_against_its_share_and_its_receipt_still_settles(tmp_path):
+    """While a result is written it is held in this process: against its client's share of the payload buffer (a
+    client that does not read has its next payloads refused, not the worker's memory filled). A client that hangs up
+    may still countersign it later, whatever the kept results have done since."""
+    size = 8 << 20
+    client = Identity.generate()
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        limits = ServiceLimits(max_buffered_bytes=2 * size, recent_results_bytes=1, max_timeout=10**9)
+        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
+                             record=lambda: None)
+
+        async def scenario():
+            ours, theirs = socket.socketpair()
+            reader, writer = await asyncio.open_connection(sock=ours)
+            their_reader, their_writer = await asyncio.open_connection(sock=theirs)
+            await protocol.write(their_writer, job("big", timeout=size))
+            serving = asyncio.ensure_future(service._handle_job(client.peer_id, reader, writer, "/ip4/10.0.0.1"))
+            await until(lambda: service.admission.buffered_bytes == size, "the result to be held while written")
+            with pytest.raises(WorkerBusy, match="share"):
+                service.admission.charge(1024, client.peer_id)
+            service.admission.charge(1024, BOB)  # another client's payload still fits
+            service.admission.release_bytes(1024, BOB)
+            result = await protocol.read(their_reader, protocol.Result)  # the header, then it stops reading
+            their_writer.close()  # hangs up mid-result
+            await asyncio.wait_for(serving, 30)
+            assert service.admission.buffered_bytes == 0
+            assert (client.peer_id, "big") not in service.results  # not kept (over the kept bytes)
+            return result
+
+        result = asyncio.run(scenario())
+        receipt = Receipt.from_bytes(result.receipt)
+        service.settlement.settle(client.peer_id, Countersign("big", client.sign(receipt.signing_bytes())))
+        service.books.flush()
+        assert ledger.get("big", client.peer_id) is not None

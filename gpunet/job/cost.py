@@ -22,6 +22,8 @@ The equivalents, per op class (``n`` = elements of the output unless said otherw
   interpolation point); adaptive pooling per input element.
 * **FFT**: 5·n·log2(n) over the transformed signal.
 * **views and shape queries** (view, permute, expand, slice, select, squeeze, alias, sym_size...): 0 — no data moves.
+  An *output* that is a strided view is made dense before it is delivered, a copy: ``ELEMENTWISE`` per element (an
+  ``expand`` of one number into a gigabyte answer was free).
 
 Every op that is not a view also costs at least the elements it reads and writes (the sum over its tensor arguments
 and its output): a scatter through a huge, freely expanded index, or an adaptive pool that upsamples, is billed for
@@ -207,6 +209,11 @@ def formula_for(op_name: str, overload=None) -> Callable | None:
         return max(int(formula(args, kwargs, out)), touched)
 
     return counted
+
+
+def made_dense(outputs: list[torch.Tensor]) -> int:
+    """The copy that makes each strided-view output dense for delivery (see the module's table)."""
+    return sum(ELEMENTWISE * o.numel() for o in outputs if not o.is_contiguous())
 
 
 def seconds_allowed(cost: int, tflops: float) -> float:

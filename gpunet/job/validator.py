@@ -202,14 +202,14 @@ class Program:
         meter = [0]
         with torch.inference_mode():
             outs = execute(self.steps, env, self.output_slots, tracker, meter, stop=stop)
-        flops = meter[0]
-        if flop_limit is not None and flops > flop_limit:
-            raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "
-                              "matmuls and convolutions by their FLOPs, every other op by a documented equivalent)")
         try:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:
             raise JobRejected(f"dry run: an output is not a tensor gpunet can carry ({e})") from None
+        flops = meter[0] + cost.made_dense(outs)
+        if flop_limit is not None and flops > flop_limit:
+            raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "
+                              "matmuls and convolutions by their FLOPs, every other op by a documented equivalent)")
         tracker.materialise_outputs(outs)
         est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs)
         with self._lock:

@@ -28,7 +28,8 @@ Rules, in the order a submit meets them:
    in (so idle streams cannot make a worker busy for everyone); at most ``max_uploads_per_client`` (per peer id) and
    ``max_uploads_per_host`` (per network address: identities are free, addresses less so) run at once, and each
    payload's declared size is charged to the worker's ``max_buffered_bytes`` before a byte of it is read. The charge
-   is given back when the job ends (its bytes are held until then).
+   is given back when the job ends (its bytes are held until then); a result is held against the same share while it
+   is written to its client (:meth:`Admission.hold`).
 
 Speed challenges (:mod:`gpunet.speedproof`) are free work for whoever asks, so they are rationed apart from jobs: one
 at a time, ``max_proofs_per_minute`` in all, one per client per ``proof_interval``, and each may be opened once, by the
@@ -59,7 +60,8 @@ class ServiceLimits:
     max_program_bytes: int = 2 * 1024**3
     max_input_bytes: int = 1024**3
     max_timeout: float = 3600.0
-    recent_results_bytes: int = 256 * 1024**2  # finished results kept for retries of the same job id
+    # Finished results kept for retries of the same job id (one client's up to buffer_share of it).
+    recent_results_bytes: int = 256 * 1024**2
     # Stopping a running job costs this worker a fresh executor (a torch import, the program cache): a client that
     # stops more than this many within the window gets its new jobs refused until older stops age out.
     max_stopped_jobs: int = 20
@@ -70,7 +72,8 @@ class ServiceLimits:
     max_uploads_per_client: int = 4
     max_uploads_per_host: int = 32
     # Of the buffer, one identity and one address may hold at most this share (declared sizes are charged before the
-    # bytes come, so without it one address could hold it all while sending almost nothing).
+    # bytes come, so without it one address could hold it all while sending almost nothing); of the kept results,
+    # one identity.
     buffer_share: float = 0.5
     # An address (identities are free) may stop or crash this many times the per-client allowance.
     host_stops_factor: int = 4
@@ -253,8 +256,13 @@ class Admission:
                 or self._bytes_by_host.get(host, 0) + nbytes > share):
             raise WorkerBusy("this client (or its address) already has its share of this worker's payload buffer "
                              "in flight", self.queue_length)
-        if dry:
-            return
+        if not dry:
+            self.hold(nbytes, client_id, host)
+
+    def hold(self, nbytes: int, client_id: str = "", host: str = "") -> None:
+        """Count bytes held here for a client, never refused: a result being written to it (the work is done). They
+        take from its (and its address's) share like a payload's charge, so a client that does not read its results
+        has its next payloads refused; given back with :meth:`release_bytes`."""
         self.buffered_bytes += nbytes
         _count(self._bytes_by_client, client_id, nbytes)
         _count(self._bytes_by_host, host, nbytes)

@@ -200,9 +200,11 @@ class JobService:
         self.admission = admission
         self.limits = admission.limits
         self.books = LedgerWriter(ledger)  # receipts are filed in batches, after the reply has gone
-        # Finished results, kept for retries of the same job id (the newest stays even if alone it is over the bound).
-        self.results: LRU[tuple[str, str], Outcome] = LRU(MAX_RECENT_RESULTS, self.limits.recent_results_bytes,
-                                                        keep_newest=True)
+        # Finished results, kept for retries of the same job id; one client's up to its share of the bytes (its own
+        # oldest go first: one big result, or many, must not push every other client's out).
+        self.results: LRU[tuple[str, str], Outcome] = LRU(
+            MAX_RECENT_RESULTS, self.limits.recent_results_bytes, owner=lambda key: key[0],
+            max_owner_bytes=int(self.limits.recent_results_bytes * self.limits.buffer_share))
         self.settlement = Settlement(self.books, find_receipt=self._recent_receipt, on_paid=admission.paid)
         # Private programs (Submit.private): hash -> the clients that sent its bytes. Only they may run it from this
         # worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes.
@@ -350,12 +352,12 @@ class JobService:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
             payloads = _StreamPayloads(reader, writer, self.limits, self.spool_dir, self.fetcher)
             outcome = await self._execute(client_id, submit, payloads, reader, host)
-            await self._reply(outcome, writer)
+            await self._reply(outcome, writer, client_id, host)
             if outcome.receipt is not None:  # a session step billed later has nothing to settle now
                 await self._settle_from_stream(client_id, outcome.receipt, reader)
         except ProtocolError as e:
             metrics.JOBS.labels("protocol_error").inc()
-            logger.info("Dropped a malformed request from %s: %s", client_id[-8:], e)
+            logger.info("Stream from %s dropped (malformed, stalled or broken): %s", client_id[-8:], e)
             await _try_send(writer, Error.of(e), reader)
         except GpunetError as e:  # refused, failed or timed out: the client gets the reason
             await _try_send(writer, Error.of(e, queue=self.admission.queue_length), reader)
@@ -372,6 +374,9 @@ class JobService:
             message = await protocol.read(reader, Countersign, Refuse, timeout=COUNTERSIGN_TIMEOUT)
         except ProtocolError:
             logger.warning("Client %s did not countersign job %s: recorded as unpaid", client_id[-8:], receipt.job_id[:12])
+            # Its countersignature may still come with a later job or batch: awaited with the unary door's, not
+            # looked up among the kept results (they are for retries, and others' results push them out).
+            self.settlement.expect(client_id, receipt)
             return
         try:
             if message.job_id != receipt.job_id:
@@ -1111,18 +1116,28 @@ class JobService:
             raise DeadlineUnreachable(f"this worker cannot start the job before its deadline: about {wait:.1f} s of "
                                       f"work is ahead of it here, and the deadline is {max(0.0, left):.1f} s away")
 
-    async def _reply(self, outcome: Outcome, writer) -> None:
-        """The result, within the time its size allows: a client that stops reading does not pin it here."""
-        inline = len(outcome.outputs) <= INLINE_BYTES
+    async def _reply(self, outcome: Outcome, writer, client_id: str, host: str) -> None:
+        """The result, within the time its size allows: a client that stops reading does not pin it here for long,
+        and while it is written its bytes count against its client's share of the payload buffer (Admission.hold):
+        one that does not read its results has its next payloads refused, not this process's memory filled."""
+        size = len(outcome.outputs)
+        inline = size <= INLINE_BYTES
+        self.admission.hold(size, client_id, host)
         try:
-            async with asyncio.timeout(protocol.payload_deadline(len(outcome.outputs))):
-                await protocol.write(writer, Result(len(outcome.outputs), _receipt_bytes(outcome),
+            async with asyncio.timeout(protocol.payload_deadline(size)):
+                await protocol.write(writer, Result(size, _receipt_bytes(outcome),
                                                     outcome.outputs if inline else None, outcome.input_hash))
                 if not inline:
                     await protocol.write_payload(writer, outcome.outputs)
-        except TimeoutError:
-            raise ProtocolError("the client stopped reading the result") from None
-        metrics.BYTES_OUT.inc(len(outcome.outputs))
+        except (TimeoutError, ProtocolError) as e:
+            if outcome.receipt is not None:  # it may have got the receipt, and countersign it later
+                self.settlement.expect(client_id, outcome.receipt)
+            if isinstance(e, TimeoutError):
+                raise ProtocolError("the client stopped reading the result") from None
+            raise
+        finally:
+            self.admission.release_bytes(size, client_id, host)
+        metrics.BYTES_OUT.inc(size)
 
 
 def _as_next_input(outputs: bytes) -> bytes | None:
