@@ -16,10 +16,9 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from gpunet._version import __version__
-from gpunet.cli_errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, handle_errors
+from gpunet.cli_errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, print_error
 from gpunet.config import DEFAULT_HOST_MADDRS, DEFAULT_NETWORK, WorkerConfig
 
 app = typer.Typer(
@@ -439,8 +438,7 @@ def main() -> None:
             e.show()
             sys.exit(EXIT_USAGE)
         where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(e.format_message() + where)}", highlight=False,
-                                   soft_wrap=True)
+        print_error(e.format_message() + where)
         sys.exit(getattr(e, "exit_code", EXIT_USAGE))
     except typer.Abort:  # end of input at a prompt
         sys.exit(EXIT_INTERRUPTED)

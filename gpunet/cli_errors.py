@@ -18,7 +18,7 @@ from typing import Callable, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from gpunet.errors import ConfigError, GpunetError, LedgerError
 
@@ -35,8 +35,13 @@ def exit_code(error: GpunetError) -> int:
 
 def fail(error: GpunetError) -> typer.Exit:
     """Print ``error: <message>`` on one line (never wrapped, never read as markup); the Exit to raise."""
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+    print_error(str(error))
     return typer.Exit(exit_code(error))
+
+
+def print_error(message: str) -> None:
+    """``error: <message>`` on stderr, on one line; the message is Text, never markup (it may quote a peer)."""
+    Console(stderr=True).print(Text.assemble(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
 
 
 def handle_errors(command: F) -> F:

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -167,23 +166,26 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
         r = w.record
         count = "" if r.device.count == 1 else f"{r.device.count}x "
         best = max(r.tflops.items(), key=lambda kv: kv[1], default=None)
+        # A peer's words go in as Text, never as markup (escaping them still showed a trailing backslash doubled).
+        state = Text(r.state.value, style=_STATE_STYLE.get(r.state.value, ""))
+        if r.state.value == "paused" and r.pause_reason:
+            state.append("\n" + _cut(r.pause_reason, 24), style="dim")
         rows.append((
-            short_id(w.id) + (f"\n{escape(r.name)}" if r.name else ""),  # a peer's words: never markup
-            f"[{_STATE_STYLE.get(r.state.value, '')}]{r.state.value}[/]"
-            + (f"\n[dim]{escape(_cut(r.pause_reason, 24))}[/]" if r.state.value == "paused" and r.pause_reason else ""),
-            f"{count}{escape(r.device.name)}" if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
+            Text(short_id(w.id) + (f"\n{r.name}" if r.name else "")),
+            state,
+            Text(f"{count}{r.device.name}") if r.device.kind == "cuda" else f"CPU {r.device.cores}c",
             f"{_gib(r.device.memory_free)}/{_gib(r.device.memory_total)}",
-            f"{best[1]:.3g} {escape(best[0])}" if best else "-",
+            Text(f"{best[1]:.3g} {best[0]}") if best else "-",
             f"{r.price:g}" + (f"/{r.batch_floor:g}" if r.batch_floor is not None else ""),
             f"{r.queue}/{r.max_concurrent}",
             str(r.jobs_done),
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
-            escape(r.reachability),
+            Text(r.reachability),
             _duration(r.uptime(status.read_at)),
         ))
     columns = list(_COLUMNS)
-    widths = {c: max([len(c), *(len(line) for row in rows for line in Text.from_markup(row[i]).plain.split("\n"))])
+    widths = {c: max([len(c), *(len(line) for row in rows for line in _plain(row[i]).split("\n"))])
               for i, c in enumerate(columns)}
     widths["worker"], widths["device"] = 12, 10  # text columns give way down to this, with an ellipsis
     hidden = []
@@ -207,6 +209,10 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
     if hidden:
         table.caption += f"; too narrow for {', '.join(hidden)} (widen the terminal, or --json)"
     versions = sorted({w.record.version for w in status.workers})
-    if versions:
-        table.caption += f"; gpunet {escape(', '.join(versions))}"
+    if versions:  # peers' words: as Text
+        table.caption = Text(table.caption) + Text(f"; gpunet {', '.join(versions)}")
     return table
+
+
+def _plain(cell: str | Text) -> str:
+    return cell.plain if isinstance(cell, Text) else Text.from_markup(cell).plain

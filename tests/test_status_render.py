@@ -39,3 +39,16 @@ def test_a_paused_worker_shows_why_and_a_reason_is_never_read_as_markup():
     Console(file=out, width=160, color_system=None).print(render_table(status, width=160))
     assert "paused" in out.getvalue() and "[red]the owner is gamin…" in out.getvalue(), out.getvalue()
     assert "[/]" in out.getvalue() and "[/x]" in out.getvalue()  # a peer's text, shown as it is
+
+
+def test_a_peers_text_ending_in_a_backslash_shows_as_it_is():
+    """rich's escape() doubles a trailing backslash (so that it cannot escape markup after it): peers' text is Text."""
+    record = WorkerRecord(version="0.1.0\\", state="online", name="ends in \\", reachability="relayed\\",
+                          device=DeviceInfo(kind="cuda", name="GPU\\", memory_total=2**34, memory_free=2**33),
+                          tflops={"fp32": 0.5}, price=1.0, started_at=time.time() - 60)
+    status = NetworkStatus("gpunet", [WorkerEntry(Identity.generate().peer_id, record, time.time() + 30)])
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(render_table(status, width=200))
+    text = out.getvalue()
+    for shown in ("ends in \\", "GPU\\", "relayed\\", "gpunet 0.1.0\\"):
+        assert shown in text and shown + "\\" not in text, text

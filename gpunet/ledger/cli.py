@@ -16,7 +16,6 @@ from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -170,7 +169,7 @@ def _flops(n: int) -> str:
     return str(n)
 
 
-def _receipt_table(title: str, rows: list[tuple[int | None, Receipt]]) -> Table:
+def _receipt_table(title: str | Text, rows: list[tuple[int | None, Receipt]]) -> Table:
     """Newest-first rows of receipts; the job id is never cut (it is what ``show --job`` takes)."""
     table = Table(title=title, title_justify="left")
     with_seq = any(seq is not None for seq, _ in rows)
@@ -180,7 +179,7 @@ def _receipt_table(title: str, rows: list[tuple[int | None, Receipt]]) -> Table:
     for column in ("worker", "client", "FLOPs", "credits", "ended (UTC)"):
         table.add_column(column, justify="left" if column in ("worker", "client") else "right", no_wrap=True)
     for seq, r in rows:
-        cells = [escape(r.job_id), short_id(r.worker_id), short_id(r.client_id), _flops(r.flops), format_credits(r.amount),
+        cells = [Text(r.job_id), short_id(r.worker_id), short_id(r.client_id), _flops(r.flops), format_credits(r.amount),
                  _time(r.ended_at_us)]  # fmt: skip
         table.add_row(*([str(seq)] if with_seq else []), *cells)
     return table
@@ -203,10 +202,10 @@ def show(
                 _print_json(found[0].to_dict() if len(found) == 1 else [r.to_dict() for r in found])
                 return
             for receipt in found:
-                table = Table(title=f"Receipt for job {escape(job)} of client {short_id(receipt.client_id)}",
+                table = Table(title=Text(f"Receipt for job {job} of client {short_id(receipt.client_id)}"),
                               title_justify="left", show_header=False)
                 for key, value in receipt.to_dict().items():
-                    table.add_row(key, escape(str(value)))  # a merged receipt's text is anyone's
+                    table.add_row(key, Text(str(value)))  # a merged receipt's text is anyone's: never markup
                 _out.print(table)
             return
         entries = ledger.entries(limit, newest_first=True)
@@ -228,7 +227,7 @@ def verify(data_dir: DataDir = None, as_json: AsJson = False) -> None:
             if as_json:
                 _print_json({"ok": False, "ledger": str(path), "entry": e.entry, "error": str(e)})
             else:
-                _err.print(f"[red]FAILED[/red] {escape(f'{path}: {e}')}", highlight=False)
+                _err.print(Text.assemble(("FAILED", "red"), f" {path}: {e}"), highlight=False)
             raise typer.Exit(1) from None
     if as_json:
         _print_json({"ok": True, "ledger": str(path), **head._asdict()})
@@ -274,13 +273,13 @@ def merge(
     if as_json:
         _print_json(report.to_dict())
     else:
-        _out.print(f"merged {escape(str(file))}: {report.added} added, {report.duplicates} already held, "
-                   f"{report.refused_count} refused, {report.conflicts_count} conflicts", highlight=False)  # fmt: skip
+        _out.print(Text(f"merged {file}: {report.added} added, {report.duplicates} already held, "
+                   f"{report.refused_count} refused, {report.conflicts_count} conflicts"), highlight=False)  # fmt: skip
         for where, reason in report.refused:
-            _err.print(f"refused {escape(f'{where}: {reason}')}", highlight=False)  # a hostile file's words
+            _err.print(Text(f"refused {where}: {reason}"), highlight=False)  # a hostile file's words: never markup
         for job_id in report.conflicts:
-            _err.print(f"[red]CONFLICT[/red] job {escape(job_id)}: a different valid receipt is already held; both kept "
-                       "(see `gpunet ledger conflicts`)", highlight=False)  # fmt: skip
+            _err.print(Text.assemble(("CONFLICT", "red"), f" job {job_id}: a different valid receipt is already held; "
+                                     "both kept (see `gpunet ledger conflicts`)"), highlight=False)
         unlisted = report.refused_count - len(report.refused) + report.conflicts_count - len(report.conflicts)
         if unlisted:
             _err.print(f"... and {unlisted} more (only the first {report.MAX_LISTED} of each are listed)",
@@ -312,7 +311,7 @@ def conflicts(data_dir: DataDir = None, as_json: AsJson = False) -> None:
     if not found:
         _out.print("None.")
     for c in found:
-        _out.print(_receipt_table(escape(f"Job {c.job_id}: held vs. from {c.source}"), [(None, c.existing), (None, c.other)]))
+        _out.print(_receipt_table(Text(f"Job {c.job_id}: held vs. from {c.source}"), [(None, c.existing), (None, c.other)]))
 
 
 
@@ -344,7 +343,7 @@ def earnings_command(
     for column in (by, "jobs", "TFLOP", "credits"):
         table.add_column(column, justify="left" if column == by else "right")
     for key, tally in report.rows.items():
-        table.add_row(short_id(key) if by == "client" else escape(key), str(tally.jobs), f"{tally.flops / 1e12:.4g}",
+        table.add_row(short_id(key) if by == "client" else Text(key), str(tally.jobs), f"{tally.flops / 1e12:.4g}",
                       format_credits(tally.nano))
     table.add_row("total", str(report.total.jobs), f"{report.total.flops / 1e12:.4g}", format_credits(report.total.nano),
                   style="bold")
