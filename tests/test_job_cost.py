@@ -138,6 +138,22 @@ def test_the_dry_run_is_bounded_in_time_and_stoppable_and_a_refusal_is_kept():
     assert getattr(again.value, "dry_seconds", 0) == 0  # kept: refused without a second dry run
 
 
+def test_a_cpu_convolutions_own_buffers_are_in_the_dry_runs_peak_memory():
+    """Outside oneDNN (float64, float16) torch's CPU convolution unfolds its input first: a 31x31 float64 kernel
+    over 256x256 took 1.9 GiB beside a 2 MiB output, and the dry run counted 6 MiB."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(1, 4, 256, 256, dtype=torch.float64), torch.randn(4, 4, 31, 31, dtype=torch.float64)
+    job = Job.from_function(lambda t, k: F.conv2d(t, k, padding=15), (x, w))
+    columns = 4 * 31 * 31 * 256 * 256 * 8
+    assert job.estimate(x, w).peak_memory_bytes >= columns
+    x32, w32 = x.float(), w.float()  # oneDNN's: no columns
+    assert Job.from_function(lambda t, k: F.conv2d(t, k, padding=15), (x32, w32)).estimate(x32, w32) \
+        .peak_memory_bytes < 8 * 2**20
+    grouped = Job.from_function(lambda t, k: F.conv2d(t, k, padding=15, groups=4), (x, w[:, :1]))
+    assert columns // 4 <= grouped.estimate(x, w[:, :1]).peak_memory_bytes < columns // 2  # per group
+
+
 def test_an_executor_reports_what_each_dry_run_took_and_stops_one_past_its_limit(tmp_path):
     from gpunet.errors import DryRunTooLong
 

@@ -211,6 +211,43 @@ def formula_for(op_name: str, overload=None) -> Callable | None:
     return counted
 
 
+# --- memory some kernels take beyond their output ---------------------------------------------------------------
+
+
+def _conv_columns(args, kwargs, out) -> int:
+    """torch's CPU convolution outside oneDNN (float64, float16; oneDNN takes float32 and bfloat16) unfolds its input
+    into "columns" (im2col, vol2col) first: (C/groups)·prod(kernel)·prod(spatial)·N elements, measured equal to this
+    on torch 2.13, three times it for a transposed float16 one (computed through float32)."""
+    x, weight = args[0], args[1]
+    if x.dtype in (torch.float32, torch.bfloat16) or weight.dim() < 3:
+        return 0
+    transposed = bool(args[6]) if len(args) > 6 else False
+    # weight: (C_out, C_in/groups, *kernel), transposed (C_in, C_out/groups, *kernel): its dim 1 is the channels
+    # unfolded per group either way; the positions, the output's (the input's when transposed): the larger, here.
+    spatial = max(math.prod(x.shape[2:]), math.prod(out.shape[2:]))
+    columns = x.shape[0] * weight.shape[1] * math.prod(weight.shape[2:]) * spatial * x.element_size()
+    return columns * (3 if transposed and x.dtype == torch.float16 else 1)
+
+
+def workspace_for(op_name: str, device: torch.device, overload=None) -> Callable | None:
+    """Bytes one call of ``op_name`` allocates for itself on ``device`` beyond its output (the dry run counts them at
+    their node, gone after it), as ``workspace(args, kwargs, out)``; None where that is small. Only the CPU's are
+    known: a 31x31 float64 convolution took 1.9 GiB beside a 2 MiB output. Elsewhere the device's memory limit on the
+    executor (gpunet.worker.executor) is what bounds them."""
+    if device.type != "cpu" or packet_name(op_name) != "convolution":
+        return None
+
+    def workspace(args, kwargs, out) -> int:
+        if kwargs and overload is not None:
+            from gpunet.job.guards import _bind
+
+            bound = _bind(overload, list(args), kwargs)
+            args = [bound.get(a.name) for a in overload._schema.arguments]
+        return _conv_columns(args, kwargs, out)
+
+    return workspace
+
+
 def made_dense(outputs: list[torch.Tensor]) -> int:
     """The copy that makes each strided-view output dense for delivery (see the module's table)."""
     return sum(ELEMENTWISE * o.numel() for o in outputs if not o.is_contiguous())

@@ -34,6 +34,7 @@ class Step:
     view_of: int | None = None  # slot whose storage the output aliases (views), for memory accounting
     guard: Callable[[list, dict], None] | None = None  # checks real argument values first (gpunet.job.guards)
     cost: Callable[[list, dict, Any], int] | None = None  # counted work from shapes (gpunet.job.cost); None: free
+    workspace: Callable[[list, dict, Any], int] | None = None  # bytes the kernel takes beside its output, while it runs
 
 
 DEVICE_SLOT = 0  # env[0] holds the device; every Device argument is a reference to it
@@ -56,13 +57,17 @@ class MemoryTracker:
         self._new(slot, nbytes(value), where="inputs and weights")
         self._refs[self._storage_of[slot]] += 1
 
-    def produced(self, step: Step, value: Any) -> None:
+    def produced(self, step: Step, value: Any, workspace: int = 0) -> None:
+        """``value`` is live from now; ``workspace``: bytes the kernel also held while it ran (at the peak, not after)."""
         if step.view_of is not None and step.view_of in self._storage_of:
             sid = self._storage_of[step.view_of]
             self._storage_of[step.slot] = sid
             self._refs[sid] += 1
         else:
             self._new(step.slot, nbytes(value), where=f"node {step.name!r} ({step.op})")
+        if workspace:
+            self._grow(workspace, where=f"node {step.name!r} ({step.op}, with the kernel's own buffers)")
+            self.live -= workspace
 
     def materialise_outputs(self, outputs: Sequence[Any]) -> None:
         """What the end of a run allocates on top of what is live: each output that is a strided view (an ``expand``
@@ -147,7 +152,7 @@ def execute(
             if meter is not None and step.cost is not None:
                 meter[0] += step.cost(args, kwargs, out)
             if tracker is not None:
-                tracker.produced(step, out)
+                tracker.produced(step, out, step.workspace(args, kwargs, out) if step.workspace is not None else 0)
                 for s in step.free_after:
                     tracker.freed(s)
             for s in step.free_after:

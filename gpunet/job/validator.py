@@ -455,7 +455,7 @@ def _compile_node(prog: Program, node: dict, where: str, op: str, slots: dict, k
         first = pos_t[0] if pos_t else None
         view_of = first.slot if isinstance(first, _Ref) else None
     step = Step(name, op, aten, 0, *_patches(pos_t, kw_t), view_of=view_of, guard=guards.GUARDS.get(op),
-                cost=formula)
+                cost=formula, workspace=cost.workspace_for(op, prog.device, aten))
     return step, kind
 
 
