@@ -63,14 +63,16 @@ class LRU(Generic[K, V]):
     """
 
     def __init__(self, max_items: int, max_bytes: int | None = None, owner: Callable[[K], Hashable] | None = None,
-                 max_owner_bytes: int | None = None):
-        """A value larger than ``max_bytes`` is not kept (rather than evicting everything else for it). ``owner`` with
-        ``max_owner_bytes``: whose each key is; one owner's values are kept up to that many bytes, its own least
-        recently used evicted first, so one owner's big values do not push out everyone else's."""
+                 share: float = 1.0):
+        """A value larger than ``max_bytes`` is not kept (rather than evicting everything else for it). ``owner``:
+        whose each key is; one owner's values are kept up to ``share`` of the items and of the bytes, its own least
+        recently used evicted first, so one owner's values (big ones, or many) do not push out everyone else's."""
         self.max_items, self.max_bytes = max_items, max_bytes
-        self._owner, self.max_owner_bytes = owner, max_owner_bytes
+        self._owner = owner
+        self._owner_items = max(1, int(max_items * share))
+        self._owner_bytes = None if max_bytes is None else int(max_bytes * share)
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
-        self._owned: dict[Hashable, int] = {}  # owner -> bytes held (with owner and max_owner_bytes only)
+        self._owned: dict[Hashable, list[int]] = {}  # owner -> [items, bytes] (with an owner function only)
         self.nbytes = 0
 
     def get(self, key: K, default: V | None = None) -> V | None:
@@ -84,18 +86,19 @@ class LRU(Generic[K, V]):
     def put(self, key: K, value: V, nbytes: int = 0) -> None:
         """Insert or replace, then evict the least recently used down to the bounds."""
         self.pop(key)
-        shared = self._owner is not None and self.max_owner_bytes is not None
-        if (self.max_bytes is not None and nbytes > self.max_bytes) or (shared and nbytes > self.max_owner_bytes):
+        cap = self.max_bytes if self._owner_bytes is None or self._owner is None else self._owner_bytes
+        if cap is not None and nbytes > cap:
             return
-        if shared:
+        if self._owner is not None:
             owner = self._owner(key)
-            if self._owned.get(owner, 0) + nbytes > self.max_owner_bytes:
+            held = self._owned.get(owner, [0, 0])
+            if held[0] + 1 > self._owner_items or (cap is not None and held[1] + nbytes > cap):
                 for old in [k for k in self._items if self._owner(k) == owner]:  # its own, oldest first
                     self.pop(old)
-                    if self._owned.get(owner, 0) + nbytes <= self.max_owner_bytes:
+                    held = self._owned.get(owner, [0, 0])
+                    if held[0] + 1 <= self._owner_items and (cap is None or held[1] + nbytes <= cap):
                         break
-            if nbytes:
-                self._owned[owner] = self._owned.get(owner, 0) + nbytes
+            self._owned[owner] = [held[0] + 1, held[1] + nbytes]
         self._items[key] = (value, nbytes)
         self.nbytes += nbytes
         while len(self._items) > 1 and (len(self._items) > self.max_items
@@ -107,11 +110,11 @@ class LRU(Generic[K, V]):
         if item is None:
             return default
         self.nbytes -= item[1]
-        if self._owner is not None and self.max_owner_bytes is not None:
+        if self._owner is not None:
             owner = self._owner(key)
-            left = self._owned.pop(owner, 0) - item[1]
-            if left > 0:
-                self._owned[owner] = left
+            items, nbytes = self._owned.pop(owner)
+            if items > 1:
+                self._owned[owner] = [items - 1, nbytes - item[1]]
         return item[0]
 
     def __contains__(self, key: object) -> bool:

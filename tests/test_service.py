@@ -197,12 +197,12 @@ def test_settlement_files_countersigned_receipts_and_refuses_forged_or_unknown_o
 
     async def scenario(ledger):
         books = LedgerWriter(ledger)
-        s = Settlement(books, max_unsettled=2)
+        s = Settlement(books, max_unsettled=8)  # one client: a quarter of it
         receipts = [_delivered(worker, client, f"job-{i}") for i in range(3)]
         for r in receipts:
             books.record_unpaid(r)
             s.expect(client.peer_id, r)
-        assert len(s.unsettled) == 2  # bounded: the oldest went (it stays in the ledger's unpaid list)
+        assert len(s.unsettled) == 2  # bounded: its oldest went (it stays in the ledger's unpaid list)
         good = countersign(receipts[1], client, output_hash="1" * 64, max_price=None)
         s.ride_along(client.peer_id, (("job-1", good.client_signature),))
         with pytest.raises(InvalidReceipt):
@@ -442,36 +442,54 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
 
 
 class SlowDryRunExecutor(HangingExecutor):
-    """Programs whose dry runs take long: 1.2 s then the job runs; over 3 s and it is refused by the executor."""
+    """Programs whose dry runs take long: "ee..." is refused after 0.4 s, "ff..." fails after a 1.2 s dry run, any
+    other runs after 1.5 s of dry run."""
 
     async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
-        if program_hash.startswith("ee"):
-            error = JobRejected("dry run failed: node 'x' raised RuntimeError")
-            error.dry_seconds = 3.1
+        if program_hash[:2] in ("ee", "ff"):
+            refused = program_hash.startswith("ee")
+            error = (JobRejected("dry run failed: over the limit") if refused else JobFailed("node 'x' raised"))
+            error.dry_seconds = 0.4 if refused else 1.2
             raise error
-        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0, dry_seconds=1.2)
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0, dry_seconds=1.5)
 
 
-def test_slow_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
-    """The dry run is paid by no receipt: one that takes long, refused or not, counts a stop per half second, so a
-    client cannot keep an executor counting for free."""
+def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
+    """The dry run is paid by no receipt: a billed job's counts a stop per whole second; one that is refused, or
+    whose job then fails, counts every fraction (carried to the next), so short refusals are not free either."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=SlowDryRunExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
-                                                 limits=ServiceLimits(max_stopped_jobs=10)), record=lambda: None)
+                                                 limits=ServiceLimits(max_stopped_jobs=6, host_stops_factor=2)),
+                             record=lambda: None)
+        run = lambda client, job_id, program=PROGRAM, host="/ip4/10.0.0.1": service._execute(
+            client, replace(job(job_id), program=program), _UnaryPayloads(), None, host)
 
         async def scenario():
-            await service._execute(ALICE, job("slow-1"), _UnaryPayloads(), None)
-            assert service.admission.recent_stops(ALICE) == 2  # 1.2 s: two half seconds
-            with pytest.raises(JobRejected, match="dry run failed"):
-                await service._execute(ALICE, replace(job("slow-2"), program="ee" * 32), _UnaryPayloads(), None)
-            assert service.admission.recent_stops(ALICE) == 8
-            await service._execute(ALICE, job("slow-3"), _UnaryPayloads(), None)
-            with pytest.raises(JobRejected, match="crashed running jobs here 10 times"):
-                await service._execute(ALICE, job("slow-4"), _UnaryPayloads(), None)
-            await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None)  # another client is still served
+            await run(ALICE, "slow-1")
+            assert service.admission.recent_stops(ALICE) == 1  # 1.5 s, billed: one whole second
+            for i in range(2):
+                with pytest.raises(JobRejected, match="over the limit"):
+                    await run(ALICE, f"refused-{i}", "ee" * 32)
+            assert service.admission.recent_stops(ALICE) == 1  # 0.8 s so far, carried
+            with pytest.raises(JobRejected):
+                await run(ALICE, "refused-2", "ee" * 32)
+            assert service.admission.recent_stops(ALICE) == 2  # 1.2 s: one more, 0.2 carried
+            with pytest.raises(JobFailed):  # its dry run passed, the job then failed: nothing billed
+                await run(ALICE, "fails", "ff" * 32)
+            assert service.admission.recent_stops(ALICE) == 3  # 1.4 s: one more, 0.4 carried
+            for i in range(3):
+                await run(ALICE, f"slow-{i + 2}")
+            with pytest.raises(JobRejected, match="crashed running jobs here 6 times"):
+                await run(ALICE, "slow-9")
+            for i in range(3):  # fresh names at the same address: the address carries its own fractions
+                with pytest.raises(JobRejected, match="over the limit"):
+                    await run(f"sybil-{i}", f"s-{i}", "ee" * 32)
+            assert sum(service.admission.recent_stops(f"sybil-{i}") for i in range(3)) == 0
+            await run(BOB, "bob-1", host="/ip4/10.0.0.2")  # another client elsewhere is still served
 
         asyncio.run(scenario())
+        assert service.admission._recent(service.admission._host_stops, "/ip4/10.0.0.1") == 6 + 1  # + the sybils'
 
 
 def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
@@ -949,3 +967,36 @@ def test_a_result_its_client_does_not_read_counts_against_its_share_and_its_rece
         service.settlement.settle(client.peer_id, Countersign("big", client.sign(receipt.signing_bytes())))
         service.books.flush()
         assert ledger.get("big", client.peer_id) is not None
+
+
+def test_retries_of_a_result_being_written_hold_its_bytes_once_and_a_client_at_its_share_is_busy(tmp_path):
+    size = 8 << 20
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        limits = ServiceLimits(max_buffered_bytes=4 * size, recent_results_bytes=4 * size, max_timeout=10**9)
+        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
+                             record=lambda: None)
+
+        async def stream(job_id: str):
+            ours, theirs = socket.socketpair()
+            reader, writer = await asyncio.open_connection(sock=ours)
+            their_reader, their_writer = await asyncio.open_connection(sock=theirs)
+            await protocol.write(their_writer, job(job_id, timeout=size))
+            serving = asyncio.ensure_future(service._handle_job(ALICE, reader, writer, "/ip4/10.0.0.1"))
+            await protocol.read(their_reader, protocol.Result)  # the header, then it stops reading
+            return serving, their_writer
+
+        async def scenario():
+            streams = [await stream("big") for _ in range(3)]  # the first, then two retries of its job id
+            assert service.admission.buffered_bytes == size  # one result in memory, held once
+            other = await stream("other")  # another unread result: now the client holds its share (2 x size)
+            with pytest.raises(WorkerBusy, match="results it has not read"):
+                await service._execute(ALICE, job("next", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.1")
+            await service._execute(BOB, job("bobs", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.2")
+            for serving, their_writer in [*streams, other]:
+                their_writer.close()
+            await asyncio.wait_for(asyncio.gather(*(serving for serving, _ in [*streams, other])), 30)
+            assert service.admission.buffered_bytes == 0 and not service._writing
+            await service._execute(ALICE, job("next", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.1")
+
+        asyncio.run(scenario())

@@ -197,3 +197,36 @@ def test_holders_only_records_name_come_after_vouched_ones_and_are_dropped_once_
                 peer for peer, _ in sybils}
 
     asyncio.run(main())
+
+
+def test_a_job_whose_answer_may_not_fit_the_unary_door_goes_by_stream_at_once():
+    """The unary door carries at most 1 MiB back; a bigger answer used to come back as "use the stream", its result
+    kept by the worker for the retry, and a worker keeps none over its client's share of kept results."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Doors(P2PTransport):
+        def __init__(self):  # no network: only the choice of door is under test
+            pass
+
+        async def run_unary(self, worker_id, request, settle=()):
+            calls.append(("unary", request.job_id))
+            return "answer"
+
+        async def run_stream(self, worker_id, maddrs, request):
+            calls.append(("stream", request.job_id))
+            return "answer"
+
+    settlement = SimpleNamespace(take=lambda worker_id: (), delivered=lambda owed: None,
+                                 give_back=lambda worker_id, owed: None)
+    worker = SimpleNamespace(id="w", record=SimpleNamespace(maddrs=()))
+    small = dataclasses.replace(_request("small"), max_output_bytes=protocol.UNARY_OUTPUT_BYTES)
+    big = dataclasses.replace(_request("big"), max_output_bytes=protocol.UNARY_OUTPUT_BYTES + 1)
+
+    async def scenario():
+        for request in (small, big):
+            assert await Doors().submit(worker, request, cached=True, settlement=settlement) == "answer"
+
+    asyncio.run(scenario())
+    assert calls == [("unary", "small"), ("stream", "big")]

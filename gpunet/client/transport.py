@@ -22,6 +22,7 @@ from gpunet.ledger.receipts import Receipt
 from gpunet.pieces import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
+    UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
     Countersign,
@@ -179,7 +180,10 @@ class P2PTransport:
     async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
                      settlement: "Settlement") -> Delivery:
         try:
-            if len(request.inputs) <= INLINE_BYTES and cached:
+            # The unary door answers in one round trip, but carries at most UNARY_OUTPUT_BYTES back: a job known to
+            # answer more goes by stream at once (a worker that kept such a result for a stream retry could not keep
+            # one over its client's share of kept results).
+            if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
                 owed = settlement.take(worker.id)
                 try:
                     delivery = await self.run_unary(worker.id, request, settle=owed)

@@ -22,8 +22,9 @@ The equivalents, per op class (``n`` = elements of the output unless said otherw
   interpolation point); adaptive pooling per input element.
 * **FFT**: 5·n·log2(n) over the transformed signal.
 * **views and shape queries** (view, permute, expand, slice, select, squeeze, alias, sym_size...): 0 — no data moves.
-  An *output* that is a strided view is made dense before it is delivered, a copy: ``ELEMENTWISE`` per element (an
-  ``expand`` of one number into a gigabyte answer was free).
+  But an *output* that no node computed (a view, or an input or a weight passed through) is copied into the answer:
+  ``ELEMENTWISE`` per element (an ``expand`` of one number into a gigabyte answer, or a weight returned by every call,
+  was free).
 
 Every op that is not a view also costs at least the elements it reads and writes (the sum over its tensor arguments
 and its output): a scatter through a huge, freely expanded index, or an adaptive pool that upsamples, is billed for
@@ -34,7 +35,7 @@ passing them by keyword is counted the same.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -248,9 +249,10 @@ def workspace_for(op_name: str, device: torch.device, overload=None) -> Callable
     return workspace
 
 
-def made_dense(outputs: list[torch.Tensor]) -> int:
-    """The copy that makes each strided-view output dense for delivery (see the module's table)."""
-    return sum(ELEMENTWISE * o.numel() for o in outputs if not o.is_contiguous())
+def delivered_views(outputs: list[torch.Tensor], views: Sequence[bool]) -> int:
+    """The copy that delivers each output no node computed (a view, an input or a weight passed through; see the
+    module's table). Decided from the graph, not from strides: the client and the worker must count the same."""
+    return sum(ELEMENTWISE * o.numel() for o, view in zip(outputs, views) if view)
 
 
 def seconds_allowed(cost: int, tflops: float) -> float:

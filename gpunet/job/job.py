@@ -25,7 +25,12 @@ from gpunet.job.format import (
 )
 from gpunet.job.interpreter import run_program
 from gpunet.job.trace import _FunctionModule, trace
-from gpunet.job.validator import load_program
+from gpunet.job.validator import WorkerLimits, load_program
+
+#: The client's own dry run (estimates, run_locally) checks everything a worker does except the limits that are each
+#: worker's to set, for its own device and CPU: peak memory (a GPU's kernels need less than a CPU's) and the dry run's
+#: time. A job over a worker's is refused by that worker, with the limit named.
+_LOCAL_LIMITS = WorkerLimits(max_peak_memory_bytes=None, max_dry_run_seconds=float("inf"))
 
 
 class Job:
@@ -171,7 +176,7 @@ class Job:
 
     def _validated(self):
         if self._program is None:
-            self._program = load_program(self.parts, device="cpu")
+            self._program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS)
         return self._program
 
     def estimate(self, *inputs: torch.Tensor) -> Estimate:

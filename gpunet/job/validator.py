@@ -92,11 +92,12 @@ class WorkerLimits:
     max_program_bytes: int = DEFAULT_MAX_PROGRAM_BYTES
     max_input_bytes: int = 2 * 1024**3
     max_nodes: int = 200_000
-    max_peak_memory_bytes: int = 8 * 1024**3
+    max_peak_memory_bytes: int | None = 8 * 1024**3  # None: no limit (a client's own dry run, gpunet.job.job)
     max_flops: int = 10**15
     # The dry run costs the worker time no receipt pays for (its work is counted from shapes; some ops' meta
-    # decompositions take tens of ms a node): past this it stops and the job is refused. Models of up to 1,200 nodes
-    # dry-run in 15-120 ms here; the worker counts slow dry runs against their client (gpunet.worker.service).
+    # decompositions take ms a node): past this it stops and the job is refused. Models of up to 1,200 nodes dry-run
+    # in 15-120 ms here, about 0.1 ms a node, so this is about 50,000 nodes (under max_nodes): a bigger model is
+    # several jobs (client.sequential). The worker counts dry runs' time against their client (Admission.dry_ran).
     max_dry_run_seconds: float = 5.0
 
 
@@ -124,6 +125,7 @@ class Program:
         self.limits = limits
         self.steps: list[Step] = []
         self.output_slots: list[int] = []
+        self.view_outputs: tuple[bool, ...] = ()  # per output: no node made it (an input, a weight, a view)
         self.weights: list[torch.Tensor] = []
         self._meta_weights: list[torch.Tensor] = []
         self._estimates: LRU[tuple, Estimate] = LRU(64)
@@ -152,7 +154,7 @@ class Program:
 
     def dry_run(self, inputs: Sequence[torch.Tensor],
                 stop: Callable[[], bool] | None = None) -> tuple[Estimate, float]:
-        """:meth:`estimate`, and the seconds its dry run took (0 when an earlier one for these shapes answered).
+        """:meth:`estimate`, and the CPU seconds its dry run took (0 when an earlier one for these shapes answered).
 
         ``stop`` is asked before each node, as in a real run (see :func:`gpunet.job.interpreter.execute`); past
         ``max_dry_run_seconds`` the dry run stops with :class:`DryRunTooLong`. A refusal is kept like an estimate, so
@@ -166,25 +168,26 @@ class Program:
             raise JobRejected(known.reason)
         if known is not None:
             return known, 0.0
-        t0 = time.monotonic()
+        # Its own thread's CPU time: a loaded machine must not make a client's dry run look long (nor cost it more).
+        t0 = time.thread_time()
         try:
             est = self._dry_run(inputs, key, self._deadline(t0, stop))
         except JobRejected as e:
             if not isinstance(e, DryRunTooLong):  # the same shapes fail the same way: refused at once next time
                 with self._lock:
                     self._estimates.put(key, JobRejected(e.reason))  # not e: its traceback holds the run's frames
-            e.dry_seconds = time.monotonic() - t0
+            e.dry_seconds = time.thread_time() - t0
             raise
-        return est, time.monotonic() - t0
+        return est, time.thread_time() - t0
 
     def _deadline(self, t0: float, stop: Callable[[], bool] | None) -> Callable[[], bool]:
         limit = self.limits.max_dry_run_seconds
         deadline = t0 + limit
 
         def asked() -> bool:
-            if time.monotonic() > deadline:
+            if time.thread_time() > deadline:
                 raise DryRunTooLong(
-                    f"the dry run took over {limit:g} s (counting the program's work from its {len(self.steps)} "
+                    f"the dry run took over {limit:g} s of CPU (counting the program's work from its {len(self.steps)} "
                     "nodes' shapes) and was stopped: split the program into smaller jobs, e.g. a remote "
                     "sequential's spans (client.sequential)")
             return stop is not None and stop()
@@ -206,7 +209,7 @@ class Program:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:
             raise JobRejected(f"dry run: an output is not a tensor gpunet can carry ({e})") from None
-        flops = meter[0] + cost.made_dense(outs)
+        flops = meter[0] + cost.delivered_views(outs, self.view_outputs)
         if flop_limit is not None and flops > flop_limit:
             raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "
                               "matmuls and convolutions by their FLOPs, every other op by a documented equivalent)")
@@ -324,6 +327,8 @@ def _compile(prog: Program, graph: Any) -> None:
     for name in weights:
         declare(name, ("tensor",), "graph weights")
     used_by: dict[int, int] = {}
+    # Slots whose value is no new data: inputs, weights, views of them or of any node (and items of a view's list).
+    aliases = set(range(1, 1 + len(slots)))
     for index, node in enumerate(nodes):
         if not isinstance(node, dict):
             raise JobRejected(f"node #{index} is not an object")
@@ -337,9 +342,12 @@ def _compile(prog: Program, graph: Any) -> None:
             used_by[s] = len(prog.steps)
         step.slot = declare(name, kind, where)
         prog.steps.append(step)
+        if step.view_of is not None and (op != g.GETITEM or step.view_of in aliases):
+            aliases.add(step.slot)
     for i, out in enumerate(outputs):
         ref = _ref(out, slots, kinds, f"output {i}", "tensor")
         prog.output_slots.append(ref.slot)
+    prog.view_outputs = tuple(s in aliases for s in prog.output_slots)
     if len(outputs) != len(prog.manifest.outputs):
         raise JobRejected(f"graph has {len(outputs)} outputs but the manifest lists {len(prog.manifest.outputs)}")
     keep = set(prog.output_slots)

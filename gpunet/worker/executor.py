@@ -573,6 +573,15 @@ class Executor:
         return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
     async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
+        """The run's result; any error raised carries ``dry_seconds``, what its dry run took (the service counts it)."""
+        dry = [0.0]
+        try:
+            return await self._reply_of(slot, program_hash, timeout, dry)
+        except (JobRejected, JobFailed, JobPreempted, JobTimeout, ExecutorDied) as e:
+            e.dry_seconds = getattr(e, "dry_seconds", 0.0) or dry[0]
+            raise
+
+    async def _reply_of(self, slot: _Slot, program_hash: str, timeout: float, dry: list[float]) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
@@ -593,6 +602,7 @@ class Executor:
                 return self._died(slot, "while running the job")
             if not reply.get("started"):
                 break
+            dry[0] = float(reply.get("dry_seconds", 0.0))
             # The dry run has counted the job's work: it runs no longer than that pays for. (Imported here: this
             # module is the executor's entry point and must not import torch before the sandbox is entered.)
             from gpunet.job.cost import seconds_allowed
@@ -617,13 +627,13 @@ class Executor:
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
-                             reply.get("state_bytes", 0), float(reply.get("dry_seconds", 0.0)))
+                             reply.get("state_bytes", 0), dry[0])
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         error = _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
-        error.dry_seconds = float(reply.get("dry_seconds", 0.0))  # the service counts a slow dry run's cost
+        error.dry_seconds = float(reply.get("dry_seconds", 0.0))  # a refusal by the dry run itself
         raise error
 
     def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
@@ -712,6 +722,10 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
     from gpunet.job.interpreter import run_program
     from gpunet.job.validator import WorkerLimits, load_program
 
+    # The first meta kernel that needs torch's Python registrations imports about 800 modules (sympy, mpmath): 1.2 s
+    # of CPU. Here, before the executor says it is ready, not in a client's first dry run (whose time it is charged).
+    torch.ops.aten.mean.dim(torch.empty(2, 3, device="meta"), [1])
+
     torch.set_num_threads(config["threads"])
     device = config["device"]
     budget = config["memory_budget_bytes"]
@@ -745,7 +759,8 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
         run = req.get("run")
         try:
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})),
+                             started=lambda flops, dry: conn.send_bytes(
+                                 msgpack.packb({"started": True, "flops": flops, "dry_seconds": dry})),
                              sessions=sessions,
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
         except (JobRejected, JobFailed, JobPreempted) as e:
@@ -801,8 +816,8 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         given, state_bytes = _with_state(prog, session, given, sessions, device)
     inputs = prog.inputs_from_dict(given)
     est, dry_seconds = prog.dry_run(inputs, stop=stop)
-    if started is not None:  # the parent caps the run time by the counted work
-        started(est.flops)
+    if started is not None:  # the parent caps the run time by the counted work, and counts the dry run's time
+        started(est.flops, dry_seconds)
     t0 = time.perf_counter()
     outs = run_program(prog, inputs, stop=stop)
     if device.startswith("cuda"):
@@ -811,8 +826,6 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - t0
     reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
-    if dry_seconds:
-        reply["dry_seconds"] = dry_seconds
     new_state = None
     if session is not None:  # the new state stays here; the step's answer is the rest
         k = prog.manifest.state

@@ -96,11 +96,6 @@ LINGER_BYTES = 1 << 20
 #: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
-#: A dry run counts one stopped job against its client for every this many seconds it took, whatever its outcome: its
-#: work is counted from shapes and billed by FLOPs, not by its own time, which some programs make large for little
-#: counted work (nodes whose meta decompositions take tens of ms). Honest models of up to 1,200 nodes take 15-120 ms
-#: here, and an earlier dry run for the same shapes answers at once.
-DRY_RUN_SECONDS_PER_STOP = 0.5
 MAX_RECENT_RESULTS = 4096
 MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked (see JobService._add_owner)
 #: Speed proofs whose row digests are kept for their opening (8 n bytes per product: 16 KiB at n = 2048, so at most
@@ -204,8 +199,10 @@ class JobService:
         # oldest go first: one big result, or many, must not push every other client's out).
         self.results: LRU[tuple[str, str], Outcome] = LRU(
             MAX_RECENT_RESULTS, self.limits.recent_results_bytes, owner=lambda key: key[0],
-            max_owner_bytes=int(self.limits.recent_results_bytes * self.limits.buffer_share))
+            share=self.limits.buffer_share)
         self.settlement = Settlement(self.books, find_receipt=self._recent_receipt, on_paid=admission.paid)
+        # id(outcome) -> [streams writing it now, the client and address its bytes are held against] (held once)
+        self._writing: dict[int, list] = {}
         # Private programs (Submit.private): hash -> the clients that sent its bytes. Only they may run it from this
         # worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes.
         self._private: dict[str, set[str]] = {}  # bounded by _add_owner (never evicts a program still held)
@@ -903,21 +900,22 @@ class JobService:
                                                  private=submit.private or submit.program in self._private,
                                                  tag=ticket, spare_sessions=session is None, **extra)
             done = True
-            self._dry_run_cost(client_id, host, result.dry_seconds)
+            self._dry_run_cost(client_id, host, result.dry_seconds, billed=True)
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()
+            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0), billed=False)
             self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1,
                                            host=host)
             if isinstance(e, ExecutorDied):
                 logger.warning("Job %s for client %s killed its executor: %s", job_id[:12], client_id[-8:], e)
             self._unbilled(key, submit, "timed_out" if isinstance(e, JobTimeout) else "failed", str(e))
             raise
-        except JobPreempted:  # stopped at a node boundary; its executor serves on
+        except JobPreempted:  # stopped at a node boundary (the worker's doing): nothing counts against its client
             self._preempted(key, submit)
             raise
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
-            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0))
+            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0), billed=False)
             if isinstance(e, JobFailed) and not isinstance(e, SessionLost):  # it ran, and broke: the job's own error
                 self._unbilled(key, submit, "failed", str(e))
                 if ticket.victim is not None:  # another client's job was stopped for one that fails: not free
@@ -1046,13 +1044,11 @@ class JobService:
                     key[1][:12], key[0][-8:])
         self._unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
 
-    def _dry_run_cost(self, client_id: str, host: str, seconds: float) -> None:
-        """Count a slow dry run against its client like stopped jobs (see DRY_RUN_SECONDS_PER_STOP)."""
-        weight = int(seconds / DRY_RUN_SECONDS_PER_STOP)
-        if weight > 0:
-            logger.info("A dry run for client %s took %.1f s: counted as %d stopped job(s)", client_id[-8:], seconds,
-                        weight)
-            self.admission.stopped_running(client_id, weight=weight, host=host)
+    def _dry_run_cost(self, client_id: str, host: str, seconds: float, billed: bool) -> None:
+        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran)."""
+        if seconds and self.admission.dry_ran(client_id, seconds, refused=not billed, host=host):
+            logger.info("A dry run for client %s took %.2f s (%s): counted against it", client_id[-8:], seconds,
+                        "billed" if billed else "not billed")
 
     def _unbilled(self, key: tuple[str, str], submit: Submit, reason: str, detail: str) -> None:
         """Note work started here that will not be paid, and why (``gpunet earnings`` lists it)."""
@@ -1122,7 +1118,11 @@ class JobService:
         one that does not read its results has its next payloads refused, not this process's memory filled."""
         size = len(outcome.outputs)
         inline = size <= INLINE_BYTES
-        self.admission.hold(size, client_id, host)
+        held = self._writing.get(id(outcome))  # a retry's stream writes the same bytes: held once
+        if held is None:
+            self.admission.hold(size, client_id, host)
+            held = self._writing[id(outcome)] = [0, client_id, host]
+        held[0] += 1
         try:
             async with asyncio.timeout(protocol.payload_deadline(size)):
                 await protocol.write(writer, Result(size, _receipt_bytes(outcome),
@@ -1136,7 +1136,10 @@ class JobService:
                 raise ProtocolError("the client stopped reading the result") from None
             raise
         finally:
-            self.admission.release_bytes(size, client_id, host)
+            held[0] -= 1
+            if not held[0]:
+                del self._writing[id(outcome)]
+                self.admission.release_bytes(size, held[1], held[2])
         metrics.BYTES_OUT.inc(size)
 
 

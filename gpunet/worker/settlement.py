@@ -25,6 +25,7 @@ from gpunet.utils import LRU, Debounce, When
 logger = logging.getLogger("gpunet.worker")
 
 MAX_UNSETTLED = 4096
+UNSETTLED_SHARE = 0.25
 Key = tuple[str, str]  # (client id, job id)
 
 
@@ -35,7 +36,9 @@ class Settlement:
         ``on_paid(client_id, job_id)``: hears of every valid countersignature (the credit line)."""
         self.books = books
         self._on_paid = on_paid
-        self.unsettled: LRU[Key, Receipt] = LRU(max_unsettled)
+        # Delivered receipts awaiting their countersignature; one client's up to a quarter (its own oldest go first:
+        # a client that never pays, under any number of names, must not push out everyone's).
+        self.unsettled: LRU[Key, Receipt] = LRU(max_unsettled, owner=lambda key: key[0], share=UNSETTLED_SHARE)
         self._find_receipt = find_receipt
         self._queued: list[tuple[str, tuple[tuple[str, bytes], ...]]] = []  # ride-along, not yet checked
         self._timer = Debounce(FLUSH_DELAY, self._check_soon)
