@@ -442,45 +442,48 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
 
 
 class SlowDryRunExecutor(HangingExecutor):
-    """Programs whose dry runs take long: "ee..." is refused after 0.4 s, "ff..." fails after a 1.2 s dry run, any
-    other runs after 1.5 s of dry run."""
+    """Programs whose dry runs take long: "ee..." is refused after 0.4 s, "ff..." fails after a 1.2 s dry run, "cc..."
+    is cancelled by its client before its executor says, any other runs after 1.5 s of dry run."""
 
-    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, **_):
-        if program_hash[:2] in ("ee", "ff"):
-            refused = program_hash.startswith("ee")
-            error = (JobRejected("dry run failed: over the limit") if refused else JobFailed("node 'x' raised"))
-            error.dry_seconds = 0.4 if refused else 1.2
-            raise error
-        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0, dry_seconds=1.5)
+    async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, dry=None, **_):
+        dry.sent, dry.cap = asyncio.get_running_loop().time(), 5.0
+        if program_hash.startswith("cc"):
+            dry.sent -= 60.0  # an hour of dry run would count the cap
+            raise asyncio.CancelledError()
+        dry.seconds = {"ee": 0.4, "ff": 1.2}.get(program_hash[:2], 1.5)
+        if program_hash.startswith("ee"):
+            raise JobRejected("dry run failed: over the limit")
+        if program_hash.startswith("ff"):
+            raise JobFailed("node 'x' raised")
+        return RunResult(outputs=b"out", flops=10**9, wall_time=0.001, peak_memory_bytes=0)
 
 
 def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
-    """The dry run is paid by no receipt: a billed job's counts a stop per whole second; one that is refused, or
-    whose job then fails, counts every fraction (carried to the next), so short refusals are not free either."""
+    """The dry run is paid by no receipt: its CPU seconds count as stops, fractions carried over per client and per
+    address, a billed job's first quarter second free, so neither short refusals nor fresh names are free."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         service = JobService(identity=Identity.generate(), executor=SlowDryRunExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
-                                                 limits=ServiceLimits(max_stopped_jobs=6, host_stops_factor=2)),
+                                                 limits=ServiceLimits(max_stopped_jobs=10, host_stops_factor=2)),
                              record=lambda: None)
         run = lambda client, job_id, program=PROGRAM, host="/ip4/10.0.0.1": service._execute(
             client, replace(job(job_id), program=program), _UnaryPayloads(), None, host)
 
         async def scenario():
             await run(ALICE, "slow-1")
-            assert service.admission.recent_stops(ALICE) == 1  # 1.5 s, billed: one whole second
+            assert service.admission.recent_stops(ALICE) == 1  # 1.5 s, billed: 1.25 counted, 0.25 carried
             for i in range(2):
                 with pytest.raises(JobRejected, match="over the limit"):
                     await run(ALICE, f"refused-{i}", "ee" * 32)
-            assert service.admission.recent_stops(ALICE) == 1  # 0.8 s so far, carried
-            with pytest.raises(JobRejected):
-                await run(ALICE, "refused-2", "ee" * 32)
-            assert service.admission.recent_stops(ALICE) == 2  # 1.2 s: one more, 0.2 carried
+            assert service.admission.recent_stops(ALICE) == 2  # 0.25 + 0.8: one more, 0.05 carried
             with pytest.raises(JobFailed):  # its dry run passed, the job then failed: nothing billed
                 await run(ALICE, "fails", "ff" * 32)
-            assert service.admission.recent_stops(ALICE) == 3  # 1.4 s: one more, 0.4 carried
-            for i in range(3):
-                await run(ALICE, f"slow-{i + 2}")
-            with pytest.raises(JobRejected, match="crashed running jobs here 6 times"):
+            assert service.admission.recent_stops(ALICE) == 3  # 1.25: one more, 0.25 carried
+            with pytest.raises(JobFailed, match="went away"):  # hung up before its executor said: the cap (5 s) counts
+                await run(ALICE, "gone", "cc" * 32)
+            assert service.admission.recent_stops(ALICE) == 3 + 5 + 1  # and the stop itself
+            await run(ALICE, "slow-2")
+            with pytest.raises(JobRejected, match="crashed running jobs here 10 times"):
                 await run(ALICE, "slow-9")
             for i in range(3):  # fresh names at the same address: the address carries its own fractions
                 with pytest.raises(JobRejected, match="over the limit"):
@@ -489,7 +492,7 @@ def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
             await run(BOB, "bob-1", host="/ip4/10.0.0.2")  # another client elsewhere is still served
 
         asyncio.run(scenario())
-        assert service.admission._recent(service.admission._host_stops, "/ip4/10.0.0.1") == 6 + 1  # + the sybils'
+        assert service.admission._recent(service.admission._host_stops, "/ip4/10.0.0.1") == 10 + 1  # + the sybils'
 
 
 def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):

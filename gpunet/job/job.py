@@ -27,9 +27,10 @@ from gpunet.job.interpreter import run_program
 from gpunet.job.trace import _FunctionModule, trace
 from gpunet.job.validator import WorkerLimits, load_program
 
-#: The client's own dry run (estimates, run_locally) checks everything a worker does except the limits that are each
-#: worker's to set, for its own device and CPU: peak memory (a GPU's kernels need less than a CPU's) and the dry run's
-#: time. A job over a worker's is refused by that worker, with the limit named.
+#: The client's own dry run (estimates, run_locally) checks what a worker does, with a worker's default limits except
+#: two that depend on each worker's device and CPU: peak memory (a GPU's kernels need less than a CPU's) and the dry
+#: run's time. Workers set their own limits (memory, FLOPs, sizes) too: a job over one is refused by that worker, with
+#: the limit named.
 _LOCAL_LIMITS = WorkerLimits(max_peak_memory_bytes=None, max_dry_run_seconds=float("inf"))
 
 

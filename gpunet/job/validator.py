@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gpunet.errors import DryRunTooLong, JobRejected
+from gpunet.errors import DryRunTooLong, JobPreempted, JobRejected
 from gpunet.job import graph as g
 from gpunet.job import cost, guards, tensors
 from gpunet.job.format import (
@@ -125,7 +125,7 @@ class Program:
         self.limits = limits
         self.steps: list[Step] = []
         self.output_slots: list[int] = []
-        self.view_outputs: tuple[bool, ...] = ()  # per output: no node made it (an input, a weight, a view)
+        self.view_outputs: tuple[bool, ...] = ()  # per output: delivering it is uncounted work (see _compile)
         self.weights: list[torch.Tensor] = []
         self._meta_weights: list[torch.Tensor] = []
         self._estimates: LRU[tuple, Estimate] = LRU(64)
@@ -158,7 +158,8 @@ class Program:
 
         ``stop`` is asked before each node, as in a real run (see :func:`gpunet.job.interpreter.execute`); past
         ``max_dry_run_seconds`` the dry run stops with :class:`DryRunTooLong`. A refusal is kept like an estimate, so
-        the same shapes are refused at once the next time. A JobRejected raised here carries ``dry_seconds``.
+        the same shapes are refused at once the next time. A JobRejected or JobPreempted raised here carries
+        ``dry_seconds``.
         """
         check_inputs(self.manifest, inputs)
         key = tuple((t.dtype, tuple(t.shape)) for t in inputs)
@@ -172,10 +173,10 @@ class Program:
         t0 = time.thread_time()
         try:
             est = self._dry_run(inputs, key, self._deadline(t0, stop))
-        except JobRejected as e:
-            if not isinstance(e, DryRunTooLong):  # the same shapes fail the same way: refused at once next time
-                with self._lock:
-                    self._estimates.put(key, JobRejected(e.reason))  # not e: its traceback holds the run's frames
+        except (JobRejected, JobPreempted) as e:
+            if isinstance(e, JobRejected) and not isinstance(e, DryRunTooLong):  # the same shapes fail the same way:
+                with self._lock:  # refused at once next time (not e: its traceback holds the run's frames)
+                    self._estimates.put(key, JobRejected(e.reason))
             e.dry_seconds = time.thread_time() - t0
             raise
         return est, time.thread_time() - t0
@@ -327,8 +328,10 @@ def _compile(prog: Program, graph: Any) -> None:
     for name in weights:
         declare(name, ("tensor",), "graph weights")
     used_by: dict[int, int] = {}
-    # Slots whose value is no new data: inputs, weights, views of them or of any node (and items of a view's list).
-    aliases = set(range(1, 1 + len(slots)))
+    # Views (and items of a view's list), each mapped to whether delivering it would be work nobody counted: a
+    # weight's bytes (sent once, returned by every call) or an expand's (a few bytes standing for many). Other views
+    # deliver no more than a counted node made or the client sent.
+    aliases: dict[int, bool] = {slot: slot > len(inputs) for slot in range(1, 1 + len(slots))}
     for index, node in enumerate(nodes):
         if not isinstance(node, dict):
             raise JobRejected(f"node #{index} is not an object")
@@ -343,11 +346,11 @@ def _compile(prog: Program, graph: Any) -> None:
         step.slot = declare(name, kind, where)
         prog.steps.append(step)
         if step.view_of is not None and (op != g.GETITEM or step.view_of in aliases):
-            aliases.add(step.slot)
+            aliases[step.slot] = aliases.get(step.view_of, False) or op == "aten.expand.default"
     for i, out in enumerate(outputs):
         ref = _ref(out, slots, kinds, f"output {i}", "tensor")
         prog.output_slots.append(ref.slot)
-    prog.view_outputs = tuple(s in aliases for s in prog.output_slots)
+    prog.view_outputs = tuple(aliases.get(s, False) for s in prog.output_slots)
     if len(outputs) != len(prog.manifest.outputs):
         raise JobRejected(f"graph has {len(outputs)} outputs but the manifest lists {len(prog.manifest.outputs)}")
     keep = set(prog.output_slots)

@@ -16,8 +16,8 @@ Rules, in the order a submit meets them:
    holds ``host_stops_factor`` times as many;
 3b. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
-   past its timeout counts as a stop too, a crash several times over, and so does a dry run, once per
-   ``dry_run_seconds_per_stop`` it took: its time is paid by no receipt, see :meth:`Admission.dry_ran`);
+   past its timeout counts as a stop too, a crash several times over, and so does a dry run's time, once per
+   ``dry_run_seconds_per_stop``: it is paid by no receipt, see :meth:`Admission.dry_ran`);
 3c. so is one that closed ``max_unpaid_jobs`` inference sessions within ``unpaid_window`` saying it did not receive
    steps that ran (not billed, see :meth:`Admission.disclaimed`); an address, ``host_stops_factor`` times as many;
 4. (the service then answers a retry of a known job id from its result, without admitting it again;)
@@ -77,11 +77,12 @@ class ServiceLimits:
     buffer_share: float = 0.5
     # An address (identities are free) may stop or crash this many times the per-client allowance.
     host_stops_factor: int = 4
-    # The dry run's time is paid by no receipt (work is counted from shapes and billed by FLOPs): a job's dry run counts
-    # one stop per this many seconds it took; one that ends in a refusal counts every fraction, carried over (per client
-    # and per address) to the next. Honest models of up to 1,200 nodes take 15-120 ms (about 1 s the first time in a
-    # fresh executor), and an earlier dry run for the same shapes answers at once.
+    # The dry run's time is paid by no receipt (work is counted from shapes and billed by FLOPs): it counts one stop
+    # per this many CPU seconds, fractions carried over (per client and per address) to the next, less
+    # dry_run_free_seconds for a job that is billed. Honest models of up to 1,200 nodes take 15-120 ms, and an
+    # earlier dry run for the same shapes answers at once.
     dry_run_seconds_per_stop: float = 1.0
+    dry_run_free_seconds: float = 0.25
     # The credit line: results delivered but not countersigned within the grace (a countersignature rides on the
     # client's next job or comes in a batch soon after) count against their client for the window; at this many,
     # its jobs are refused. A refusal counts too: the client got the outputs and did not pay.
@@ -162,12 +163,7 @@ class Admission:
     # --- decisions -------------------------------------------------------------------------------------------------
 
     def screen(self, client_id: str, submit: Submit, host: str = "") -> None:
-        """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load;
-        WorkerBusy while the client (or its address) holds its whole share of the payload buffer."""
-        share = int(self.limits.max_buffered_bytes * self.limits.buffer_share)
-        if self._bytes_by_client.get(client_id, 0) >= share or (host and self._bytes_by_host.get(host, 0) >= share):
-            raise WorkerBusy("this client (or its address) holds its share of this worker's buffer: payloads on their "
-                             "way in, or results it has not read yet", self.queue_length)
+        """Raise JobRejected (or ProtocolError) if this worker must refuse the job outright, whatever its load."""
         if submit.max_price is not None and submit.lane == BATCH and submit.max_price < self.batch_price_nano:
             raise JobRejected(f"this worker sells batch work at {format_credits(self.batch_price_nano)} credits/TFLOP "
                               f"or more, above the job's bid {format_credits(submit.max_price)}")
@@ -215,6 +211,14 @@ class Admission:
     def max_jobs_per_client(self) -> int:
         """Places one client may hold: all running slots, but never the whole queue (others can always get in line)."""
         return self.max_concurrent + self.max_queue // 2
+
+    def check_share(self, client_id: str, host: str = "") -> None:
+        """WorkerBusy while the client (or its address) holds its whole share of the payload buffer: payloads on
+        their way in, or results being written to it that it has not read (a new job would add to them)."""
+        share = int(self.limits.max_buffered_bytes * self.limits.buffer_share)
+        if self._bytes_by_client.get(client_id, 0) >= share or (host and self._bytes_by_host.get(host, 0) >= share):
+            raise WorkerBusy("this client (or its address) holds its share of this worker's buffer: payloads on their "
+                             "way in, or results it has not read yet", self.queue_length)
 
     def has_room(self, client_id: str, lane: str = INTERACTIVE) -> bool:
         """Whether ``admit(client_id, lane)`` would succeed now; WorkerBusy while draining. Asked before a job's bytes
@@ -394,19 +398,19 @@ class Admission:
         away, over its timeout), or it crashed the process (counted ``weight`` times)."""
         self._note(((self._stops, client_id), (self._host_stops, host)), weight)
 
-    def dry_ran(self, client_id: str, seconds: float, refused: bool, host: str = "") -> int:
-        """A dry run for the client took ``seconds``: counted as stops (see ``dry_run_seconds_per_stop``); a billed job
-        gets what is short of a whole stop free, a refused one does not. Returns the stops counted for the client."""
-        units = seconds / self.limits.dry_run_seconds_per_stop
+    def dry_ran(self, client_id: str, seconds: float, billed: bool, host: str = "") -> int:
+        """A dry run for the client took ``seconds`` of CPU: counted as stops, fractions carried over, a billed job's
+        first ``dry_run_free_seconds`` free (see ServiceLimits). Returns the stops counted for the client now."""
+        charged = max(0.0, seconds - self.limits.dry_run_free_seconds) if billed else seconds
+        units = charged / self.limits.dry_run_seconds_per_stop
         counted = 0
         for table, carry, key in ((self._stops, self._dry_carry, client_id),
                                   (self._host_stops, self._host_dry_carry, host)):
-            if not key:
+            if not key or not units:
                 continue
-            owed = units + (carry.get(key, 0.0) if refused else 0.0)
+            owed = units + carry.get(key, 0.0)
             whole = int(owed)
-            if refused:
-                carry.put(key, owed - whole)
+            carry.put(key, owed - whole)
             if whole:
                 self._note(((table, key),), whole)
             if table is self._stops:

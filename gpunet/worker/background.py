@@ -39,6 +39,7 @@ def load_standing_job(job_path: Path, inputs_path: Path | None):
     when either will not do), so a mistake shows when the worker starts, not at the first idle moment."""
     from gpunet.job import Job
     from gpunet.job import tensors
+    from gpunet.job.validator import WorkerLimits, load_program
 
     try:
         job = Job.load(job_path)
@@ -56,7 +57,9 @@ def load_standing_job(job_path: Path, inputs_path: Path | None):
                               f"{', '.join(sorted(named))})")
     try:
         encoded = job.encode_inputs(*inputs)  # the job's own check of count, dtypes and shapes
-        job.estimate(*inputs)  # validated (allowlisted ops, bounded memory) exactly as a worker loads it
+        # Validated (allowlisted ops, bounded memory and dry run) exactly as a worker loads it: with a worker's
+        # limits, not the client's own estimate, which leaves those to each worker.
+        load_program(job.parts, device="cpu", limits=WorkerLimits()).estimate(inputs)
     except GpunetError as e:
         raise ConfigError(f"--background-job {job_path}: {e}") from None
     return job, encoded

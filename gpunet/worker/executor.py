@@ -59,7 +59,22 @@ class RunResult:
     wall_time: float
     peak_memory_bytes: int
     state_bytes: int = 0  # a session step: what its state holds in the executor now
-    dry_seconds: float = 0.0  # what its dry run took (0: an earlier one for the same shapes answered)
+
+
+@dataclass
+class DryRun:
+    """What a run's dry run took, for its caller whatever the run's outcome (a result, an error, a cancellation):
+    :meth:`Executor.run` fills it in. The dry run's time is paid by no receipt (gpunet.worker.admission.dry_ran)."""
+
+    sent: float | None = None  # when the job went to its executor (the event loop's clock)
+    seconds: float | None = None  # the CPU time its executor said the dry run took (0: the same shapes answered)
+    cap: float = 0.0  # the longest a dry run may take in that executor
+
+    def cost(self, now: float) -> float:
+        """The dry run's time; for a run stopped before its executor said, what it may have been (at most ``cap``)."""
+        if self.seconds is not None:
+            return self.seconds
+        return 0.0 if self.sent is None else min(max(0.0, now - self.sent), self.cap)
 
 
 class _Slot:
@@ -76,6 +91,7 @@ class _Slot:
         self.start()
 
     sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
+    dry_cap = 0.0  # the longest a dry run may take there, as it reported once ready
 
     def take_over(self, spare: "_Slot") -> tuple:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
@@ -114,6 +130,7 @@ class _Slot:
                 if isinstance(hello, dict) and hello.get("ready") is True:
                     self.ready = True
                     self.sandbox = list(hello.get("sandbox") or [])
+                    self.dry_cap = float(hello.get("max_dry_run_seconds", 0.0))
                     return
             except (EOFError, OSError, ValueError):
                 pass
@@ -288,14 +305,15 @@ class Executor:
 
     async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
                   private: bool = False, session: dict | None = None, tag: object = None,
-                  spare_sessions: bool = False) -> RunResult:
+                  spare_sessions: bool = False, dry: DryRun | None = None) -> RunResult:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout.
 
         ``session``: the job is a step of an inference session, ``{"key", "step", "fresh", "close", "room"}``; its
         state stays in the executor that ran step 0 (SessionLost once that process is gone); ``room``: the most bytes
         a new session's state may take. ``tag``: a name for this run, to :meth:`stop` it by while it runs.
         ``spare_sessions``: take an executor holding no session's state if one is idle (work that may be stopped keeps
-        out of the way of the sessions' steps, which must run there).
+        out of the way of the sessions' steps, which must run there). ``dry``: filled in with what the job's dry run
+        took, whatever the outcome.
 
         Cancelling a run kills its process, unless the process holds sessions' state: a kill would lose every session
         there (any client's), so the run is stopped at its program's next node instead, and so is a run past its
@@ -316,7 +334,8 @@ class Executor:
         try:
             if pinned is not None and self._pins.get(session["key"], (None, -1))[1] != slot.generation:
                 raise SessionLost("the session's state was lost while its step waited: its executor restarted")
-            result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session)
+            result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session,
+                                        DryRun() if dry is None else dry)
             if session is not None:
                 if session.get("close"):
                     self._pins.pop(session["key"], None)
@@ -507,9 +526,10 @@ class Executor:
             spare.stop()
 
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
-                      private: bool = False, session: dict | None = None) -> RunResult:
+                      private: bool, session: dict | None, dry: DryRun) -> RunResult:
         await self._revive(slot)
         await slot.ensure_ready()
+        dry.sent, dry.cap = asyncio.get_running_loop().time(), slot.dry_cap
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
         # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
@@ -531,7 +551,7 @@ class Executor:
             payloads.append(inputs)
         messages = [msgpack.packb(header, use_bin_type=True), *payloads]
         slot.in_flight = True
-        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout))
+        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout, dry))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -559,7 +579,7 @@ class Executor:
             slot.in_flight = False
 
     async def _send_and_await(self, slot: _Slot, messages: list[bytes], shared, program_hash: str,
-                              timeout: float) -> RunResult:
+                              timeout: float, dry: DryRun) -> RunResult:
         try:
             if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
                 slot.send(messages)
@@ -567,21 +587,12 @@ class Executor:
                 await slot.in_thread(slot.send, messages, shared)
         except (OSError, ValueError):
             return self._died(slot, "before the job was sent", by_the_job=False)
-        return await self._await_reply(slot, program_hash, timeout)
+        return await self._await_reply(slot, program_hash, timeout, dry)
 
     def _holds_sessions(self, slot: _Slot) -> bool:
         return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
-    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
-        """The run's result; any error raised carries ``dry_seconds``, what its dry run took (the service counts it)."""
-        dry = [0.0]
-        try:
-            return await self._reply_of(slot, program_hash, timeout, dry)
-        except (JobRejected, JobFailed, JobPreempted, JobTimeout, ExecutorDied) as e:
-            e.dry_seconds = getattr(e, "dry_seconds", 0.0) or dry[0]
-            raise
-
-    async def _reply_of(self, slot: _Slot, program_hash: str, timeout: float, dry: list[float]) -> RunResult:
+    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float, dry: DryRun) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
@@ -602,7 +613,7 @@ class Executor:
                 return self._died(slot, "while running the job")
             if not reply.get("started"):
                 break
-            dry[0] = float(reply.get("dry_seconds", 0.0))
+            dry.seconds = float(reply.get("dry_seconds", 0.0))
             # The dry run has counted the job's work: it runs no longer than that pays for. (Imported here: this
             # module is the executor's entry point and must not import torch before the sandbox is entered.)
             from gpunet.job.cost import seconds_allowed
@@ -612,6 +623,9 @@ class Executor:
                 deadline = loop.time() + allowed
                 why = (f"job ran past the {allowed:.0f} s its counted work ({reply.get('flops', 0):.3g} FLOPs) allows "
                        f"on this worker ({self.speed_tflops:.3g} TFLOPS)")
+        # It answered: its dry run took what it said (at "started", or now when the dry run refused or stopped the
+        # job), or nothing (the job failed before its dry run).
+        dry.seconds = float(reply.get("dry_seconds", dry.seconds or 0.0))
         try:
             outputs = reply.get("outputs")
             if reply.get("ok") and outputs is None:
@@ -627,14 +641,12 @@ class Executor:
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
-                             reply.get("state_bytes", 0), dry[0])
+                             reply.get("state_bytes", 0))
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
-        error = _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
-        error.dry_seconds = float(reply.get("dry_seconds", 0.0))  # a refusal by the dry run itself
-        raise error
+        raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
     def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
@@ -738,7 +750,7 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
     _limit_memory(budget, device)
     if config.get("sandbox"):
         report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
-    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report}))
+    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report, "max_dry_run_seconds": limits.max_dry_run_seconds}))
     sessions: dict[str, list] = {}  # inference sessions' state, between their steps (the parent bounds it)
     while True:
         try:
@@ -765,7 +777,7 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
         except (JobRejected, JobFailed, JobPreempted) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
-            if getattr(e, "dry_seconds", 0):  # a refusal by the dry run: what it cost (see Program.dry_run)
+            if hasattr(e, "dry_seconds"):  # refused or stopped by the dry run: what it took (see Program.dry_run)
                 reply["dry_seconds"] = e.dry_seconds
         except ProgramNotCached as e:
             reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}

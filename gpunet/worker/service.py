@@ -77,7 +77,7 @@ from gpunet.rpc import RPC
 from gpunet.utils import LRU, When, sha256_hex, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
-from gpunet.worker.executor import STOP_GRACE
+from gpunet.worker.executor import STOP_GRACE, DryRun
 from gpunet.worker.lanes import Action, Blame, Lanes, Start, Ticket
 from gpunet.worker.peers import Fetcher, PieceServer
 from gpunet.worker.pushes import Pushes
@@ -527,6 +527,7 @@ class JobService:
             return known
         if key in self._jobs:  # a retry while the first run is still going: wait for it
             return await asyncio.shield(self._jobs[key].outcome)
+        self.admission.check_share(client_id, host)  # (a retry above adds nothing: its result is held already)
         # One job, one receipt, ever: a second receipt for a client's job id would read as fraud by this worker (and
         # a run nobody pays for). Job ids are each client's own: another client using the same id (guessed, or seen
         # while running a replica) is a different job, so it can neither block nor take over this one.
@@ -892,18 +893,19 @@ class JobService:
         started, clock = time.time(), time.monotonic()
         logger.debug("Running job %s for client %s (%s lane)", job_id[:12], client_id[-8:], ticket.lane)
         extra: dict[str, Any] = {"session": session} if session is not None else {}
+        dry = DryRun()  # what its dry run took, whatever happens (see _dry_run_cost)
         try:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
                 # Tagged with its ticket: the pool can stop it (preempted, paused) and say where it runs.
                 result = await self.executor.run(submit.program, got.program, got.inputs, timeout=timeout,
                                                  private=submit.private or submit.program in self._private,
-                                                 tag=ticket, spare_sessions=session is None, **extra)
+                                                 tag=ticket, spare_sessions=session is None, dry=dry, **extra)
             done = True
-            self._dry_run_cost(client_id, host, result.dry_seconds, billed=True)
+            self._dry_run_cost(client_id, host, dry, billed=True)
         except (ExecutorDied, JobTimeout) as e:  # the job cost this worker its executor: counted against its client
             metrics.JOBS.labels(type(e).__name__).inc()
-            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0), billed=False)
+            self._dry_run_cost(client_id, host, dry)
             self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(e, ExecutorDied) else 1,
                                            host=host)
             if isinstance(e, ExecutorDied):
@@ -915,7 +917,7 @@ class JobService:
             raise
         except GpunetError as e:
             metrics.JOBS.labels(type(e).__name__).inc()
-            self._dry_run_cost(client_id, host, getattr(e, "dry_seconds", 0.0), billed=False)
+            self._dry_run_cost(client_id, host, dry)
             if isinstance(e, JobFailed) and not isinstance(e, SessionLost):  # it ran, and broke: the job's own error
                 self._unbilled(key, submit, "failed", str(e))
                 if ticket.victim is not None:  # another client's job was stopped for one that fails: not free
@@ -926,6 +928,7 @@ class JobService:
                 self._preempted(key, submit)
                 raise
             metrics.JOBS.labels("cancelled").inc()
+            self._dry_run_cost(client_id, host, dry)
             self.admission.stopped_running(client_id, host=host)
             logger.info("Job %s for client %s stopped while running (cancelled, or the client went away)",
                         job_id[:12], client_id[-8:])
@@ -1044,9 +1047,11 @@ class JobService:
                     key[1][:12], key[0][-8:])
         self._unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
 
-    def _dry_run_cost(self, client_id: str, host: str, seconds: float, billed: bool) -> None:
-        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran)."""
-        if seconds and self.admission.dry_ran(client_id, seconds, refused=not billed, host=host):
+    def _dry_run_cost(self, client_id: str, host: str, dry: DryRun, billed: bool = False) -> None:
+        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran); one its executor never
+        reported (stopped before it said) counts what it may have been."""
+        seconds = dry.cost(asyncio.get_running_loop().time())
+        if seconds and self.admission.dry_ran(client_id, seconds, billed=billed, host=host):
             logger.info("A dry run for client %s took %.2f s (%s): counted against it", client_id[-8:], seconds,
                         "billed" if billed else "not billed")
 

@@ -37,7 +37,8 @@ class Settlement:
         self.books = books
         self._on_paid = on_paid
         # Delivered receipts awaiting their countersignature; one client's up to a quarter (its own oldest go first:
-        # a client that never pays, under any number of names, must not push out everyone's).
+        # one client that never pays must not push out everyone's; names are free, so four can, but each is cut off
+        # by its credit line after a few unpaid results).
         self.unsettled: LRU[Key, Receipt] = LRU(max_unsettled, owner=lambda key: key[0], share=UNSETTLED_SHARE)
         self._find_receipt = find_receipt
         self._queued: list[tuple[str, tuple[tuple[str, bytes], ...]]] = []  # ride-along, not yet checked
