@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -63,6 +64,28 @@ def test_views_cost_nothing_and_matmuls_cost_their_flops():
     w = torch.randn(64, 64)
     job = Job.from_function(lambda x: (x @ w).view(-1)[:10].unsqueeze(0).permute(1, 0), (torch.randn(8, 64),))
     assert job.estimate(torch.randn(8, 64)).flops == 2 * 8 * 64 * 64  # a view of a counted node: nothing more
+
+
+def test_a_worker_stops_a_job_that_runs_longer_than_its_counted_work_pays_for(tmp_path, monkeypatch):
+    """The cap is the counted work at a small share of the worker's measured speed, plus a grace; a worker claiming
+    to be enormously fast with no grace allows this job almost no time, so the cap shows without a long test."""
+    monkeypatch.setattr(cost, "GRACE_SECONDS", 0.0)
+    x = torch.randn(256, 256)
+
+    def slow(t):
+        for _ in range(40):
+            t = torch.tanh(t @ t)
+        return t
+
+    job = Job.from_function(slow, (x,))
+    ex = Executor(processes=1, cache_dir=tmp_path / "cache", speed_tflops=1e6, sandbox=False)
+    try:
+        with pytest.raises(JobTimeout, match="counted work"):
+            asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
+        ex.speed_tflops = None  # no measured speed: only the job's own timeout applies
+        asyncio.run(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
+    finally:
+        ex.close()
 
 
 def test_an_output_that_is_a_weight_or_an_expand_counts_its_copy_into_the_answer():
@@ -154,11 +177,27 @@ def test_an_executor_reports_what_each_dry_run_took_and_stops_one_past_its_limit
         two = asyncio.run(ex.run(job.program_hash, None, inputs, 60, dry=again))
         assert first.seconds > 0 and again.seconds == 0 and one.flops == two.flops  # counted once per shapes
         assert first.cap == 5.0  # the executor's limit, as it said when ready
-        longer = _grid_sampling(31)  # new shapes to count: about 0.25 s of CPU
-        timed_out = DryRun()  # stopped before it said: what it may have been, at most the executor's limit
-        with pytest.raises(JobTimeout):
-            asyncio.run(ex.run(longer.program_hash, longer.program_bytes(), inputs, 0.05, dry=timed_out))
-        assert timed_out.seconds is None and timed_out.cost(timed_out.sent + 60) == 5.0
+        longer = _grid_sampling(200)  # a new program to count: about 1.6 s of CPU, cancelled as its dry run begins
+        cancelled = DryRun()  # stopped before it ended: what it may have been, at most the executor's limit
+        slot = ex._slots[0]
+
+        async def cancel_during_the_dry_run():
+            this_run = slot.run_id + 1
+            run = asyncio.ensure_future(ex.run(longer.program_hash, longer.program_bytes(), inputs, 60, dry=cancelled))
+            end = time.monotonic() + 60
+            while slot.dry_word[0] != this_run:  # the executor writes it as the dry run begins
+                assert time.monotonic() < end, "the dry run never began"
+                await asyncio.sleep(0.005)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+
+        asyncio.run(cancel_during_the_dry_run())
+        assert cancelled.seconds is None and cancelled.cost(cancelled.began + 60) == 5.0
+        quick = DryRun()  # a job that never reached its dry run (its program not held, no bytes sent) costs nothing
+        with pytest.raises(gpunet.ProgramNotCached):
+            asyncio.run(ex.run(_grid_sampling(2).program_hash, None, inputs, 60, dry=quick))
+        assert quick.began is None and quick.cost(1e9) == 0.0
     with Executor(processes=1, cache_dir=tmp_path / "cache2", sandbox=False, max_dry_run_seconds=0.01) as ex:
         stopped = DryRun()
         with pytest.raises(DryRunTooLong, match="split the program"):

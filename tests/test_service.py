@@ -2,6 +2,7 @@
 
 import asyncio
 import socket
+import time
 from dataclasses import replace
 
 import pytest
@@ -443,12 +444,12 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
 
 class SlowDryRunExecutor(HangingExecutor):
     """Programs whose dry runs take long: "ee..." is refused after 0.4 s, "ff..." fails after a 1.2 s dry run, "cc..."
-    is cancelled by its client before its executor says, any other runs after 1.5 s of dry run."""
+    is cancelled by its client during its dry run, any other runs after 1.5 s of dry run."""
 
     async def run(self, program_hash, program_bytes, inputs, timeout=None, private=False, dry=None, **_):
-        dry.sent, dry.cap = asyncio.get_running_loop().time(), 5.0
-        if program_hash.startswith("cc"):
-            dry.sent -= 60.0  # an hour of dry run would count the cap
+        dry.cap = 5.0
+        if program_hash.startswith("cc"):  # its dry run began a minute ago and had not ended: the cap counts
+            dry.began = time.monotonic() - 60.0
             raise asyncio.CancelledError()
         dry.seconds = {"ee": 0.4, "ff": 1.2}.get(program_hash[:2], 1.5)
         if program_hash.startswith("ee"):
@@ -479,7 +480,7 @@ def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
             with pytest.raises(JobFailed):  # its dry run passed, the job then failed: nothing billed
                 await run(ALICE, "fails", "ff" * 32)
             assert service.admission.recent_stops(ALICE) == 3  # 1.25: one more, 0.25 carried
-            with pytest.raises(JobFailed, match="went away"):  # hung up before its executor said: the cap (5 s) counts
+            with pytest.raises(JobFailed, match="went away"):  # hung up during a dry run: the cap (5 s) counts
                 await run(ALICE, "gone", "cc" * 32)
             assert service.admission.recent_stops(ALICE) == 3 + 5 + 1  # and the stop itself
             await run(ALICE, "slow-2")

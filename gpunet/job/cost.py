@@ -22,9 +22,9 @@ The equivalents, per op class (``n`` = elements of the output unless said otherw
   interpolation point); adaptive pooling per input element.
 * **FFT**: 5·n·log2(n) over the transformed signal.
 * **views and shape queries** (view, permute, expand, slice, select, squeeze, alias, sym_size...): 0 — no data moves.
-  But an *output* that is a weight, or an ``expand`` (or a view of either), is copied into the answer for work no
-  node counted: ``ELEMENTWISE`` per element (an ``expand`` of one number into a gigabyte answer, or a weight returned
-  by every call, was free).
+  But an *output* that is a weight, a session's state, or an ``expand`` (or a view of one) is copied into the answer
+  for work no node counted: ``ELEMENTWISE`` per element (an ``expand`` of one number into a gigabyte answer, or a
+  weight returned by every call, was free).
 
 Every op that is not a view also costs at least the elements it reads and writes (the sum over its tensor arguments
 and its output): a scatter through a huge, freely expanded index, or an adaptive pool that upsamples, is billed for

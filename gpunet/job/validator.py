@@ -329,9 +329,10 @@ def _compile(prog: Program, graph: Any) -> None:
         declare(name, ("tensor",), "graph weights")
     used_by: dict[int, int] = {}
     # Views (and items of a view's list), each mapped to whether delivering it would be work nobody counted: a
-    # weight's bytes (sent once, returned by every call) or an expand's (a few bytes standing for many). Other views
-    # deliver no more than a counted node made or the client sent.
-    aliases: dict[int, bool] = {slot: slot > len(inputs) for slot in range(1, 1 + len(slots))}
+    # weight's or a session state's bytes (sent once, held here, returned by every call) or an expand's (a few bytes
+    # standing for many). Other views deliver no more than a counted node made or the client sent.
+    sent = len(inputs) - prog.manifest.state
+    aliases: dict[int, bool] = {slot: slot > sent for slot in range(1, 1 + len(slots))}
     for index, node in enumerate(nodes):
         if not isinstance(node, dict):
             raise JobRejected(f"node #{index} is not an object")

@@ -135,7 +135,7 @@ class Admission:
         self._places_by_lane: dict[str, int] = {}
         self._stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # per client: when it stopped running jobs
         self._host_stops: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)  # the same, per address
-        self._dry_carry: LRU[str, float] = LRU(MAX_TRACKED_CLIENTS)  # refused dry runs' stops short of a whole one
+        self._dry_carry: LRU[str, float] = LRU(MAX_TRACKED_CLIENTS)  # dry runs' time short of a whole stop
         self._host_dry_carry: LRU[str, float] = LRU(MAX_TRACKED_CLIENTS)
         # Per client and per address: when it closed a session disclaiming steps that ran (see disclaimed()).
         self._disclaims: LRU[str, deque[float]] = LRU(MAX_TRACKED_CLIENTS)

@@ -34,12 +34,15 @@ KEEP_OUTPUTS = 16
 FAILURE_BACKOFF = 60.0
 
 
-def load_standing_job(job_path: Path, inputs_path: Path | None):
-    """The job and its inputs (canonical bytes), checked as a worker checks any job (ConfigError, with the reason,
-    when either will not do), so a mistake shows when the worker starts, not at the first idle moment."""
+def load_standing_job(job_path: Path, inputs_path: Path | None, memory_budget: int = 8 * 2**30,
+                      device: str = "cpu"):
+    """The job and its inputs (canonical bytes), checked as this worker's executors (``memory_budget``, ``device``)
+    check any job (ConfigError, with the reason, when either will not do), so a mistake shows when the worker starts,
+    not at the first idle moment."""
     from gpunet.job import Job
     from gpunet.job import tensors
-    from gpunet.job.validator import WorkerLimits, load_program
+    from gpunet.job.validator import load_program
+    from gpunet.worker.executor import job_limits
 
     try:
         job = Job.load(job_path)
@@ -57,9 +60,11 @@ def load_standing_job(job_path: Path, inputs_path: Path | None):
                               f"{', '.join(sorted(named))})")
     try:
         encoded = job.encode_inputs(*inputs)  # the job's own check of count, dtypes and shapes
-        # Validated (allowlisted ops, bounded memory and dry run) exactly as a worker loads it: with a worker's
-        # limits, not the client's own estimate, which leaves those to each worker.
-        load_program(job.parts, device="cpu", limits=WorkerLimits()).estimate(inputs)
+        # Validated (allowlisted ops, bounded memory and dry run) as this worker's executors load it: with their
+        # limits, not the client's own estimate, which leaves those to each worker. Weights stay off a GPU (meta):
+        # only its kernels' memory rules matter here.
+        where = "cpu" if str(device) == "cpu" else "meta"
+        load_program(job.parts, device=where, limits=job_limits(memory_budget)).estimate(inputs)
     except GpunetError as e:
         raise ConfigError(f"--background-job {job_path}: {e}") from None
     return job, encoded

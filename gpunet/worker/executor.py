@@ -66,15 +66,21 @@ class DryRun:
     """What a run's dry run took, for its caller whatever the run's outcome (a result, an error, a cancellation):
     :meth:`Executor.run` fills it in. The dry run's time is paid by no receipt (gpunet.worker.admission.dry_ran)."""
 
-    sent: float | None = None  # when the job went to its executor (the event loop's clock)
-    seconds: float | None = None  # the CPU time its executor said the dry run took (0: the same shapes answered)
+    began: float | None = None  # when its dry run began (time.monotonic()); None: it never did
+    seconds: float | None = None  # the CPU time it took (0: the same shapes answered); None: stopped before it ended
     cap: float = 0.0  # the longest a dry run may take in that executor
 
     def cost(self, now: float) -> float:
-        """The dry run's time; for a run stopped before its executor said, what it may have been (at most ``cap``)."""
+        """The dry run's time; for one stopped before it ended, what it may have been (at most ``cap``)."""
         if self.seconds is not None:
             return self.seconds
-        return 0.0 if self.sent is None else min(max(0.0, now - self.sent), self.cap)
+        return 0.0 if self.began is None else min(max(0.0, now - self.began), self.cap)
+
+
+#: The shared words a child writes as a run's dry run begins and ends: the run's number (written last), when it
+#: began (time.monotonic(), one clock for all processes), the CPU seconds it took (-1 until it ends). Read by the
+#: parent however the run ended, even if the process was killed before it could say.
+_DRY_RUN, _DRY_BEGAN, _DRY_SECONDS = range(3)
 
 
 class _Slot:
@@ -97,7 +103,7 @@ class _Slot:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
         the old (process, pipe) to reap."""
         old = (self.proc, self.conn)
-        self.proc, self.conn, self.stop_word = spare.proc, spare.conn, spare.stop_word
+        self.proc, self.conn, self.stop_word, self.dry_word = spare.proc, spare.conn, spare.stop_word, spare.dry_word
         self.ready, self.killed, self.hashes = False, False, set()
         self.generation += 1
         return old
@@ -108,8 +114,9 @@ class _Slot:
         # A word of shared memory: the parent writes there the number of a run it wants stopped, and the child checks
         # it between the program's nodes (gpunet.job.interpreter.execute), so the process lives on.
         self.stop_word = self._ctx.RawValue("q", -1)
-        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config, self.stop_word), daemon=True,
-                                      name="gpunet-executor")
+        self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0])  # see _DRY_RUN
+        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config, self.stop_word, self.dry_word),
+                                      daemon=True, name="gpunet-executor")
         with _sigint_ignored_by_children():
             self.proc.start()
         child.close()
@@ -529,7 +536,7 @@ class Executor:
                       private: bool, session: dict | None, dry: DryRun) -> RunResult:
         await self._revive(slot)
         await slot.ensure_ready()
-        dry.sent, dry.cap = asyncio.get_running_loop().time(), slot.dry_cap
+        dry.cap = slot.dry_cap
         # A small msgpack header, then the program and inputs as raw pipe messages: packing hundreds of MiB into one
         # msgpack message would copy them once more for nothing. Small inputs ride in the header (one write, one wake).
         # Big inputs go through shared memory instead: one copy into a memfd whose descriptor is passed over the
@@ -551,7 +558,7 @@ class Executor:
             payloads.append(inputs)
         messages = [msgpack.packb(header, use_bin_type=True), *payloads]
         slot.in_flight = True
-        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout, dry))
+        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -577,9 +584,13 @@ class Executor:
             raise
         finally:
             slot.in_flight = False
+            word = slot.dry_word  # what the run's dry run took, as far as it got (before a kill's restart replaces it)
+            if word[_DRY_RUN] == slot.run_id:
+                dry.began = word[_DRY_BEGAN]
+                dry.seconds = None if word[_DRY_SECONDS] < 0 else word[_DRY_SECONDS]
 
     async def _send_and_await(self, slot: _Slot, messages: list[bytes], shared, program_hash: str,
-                              timeout: float, dry: DryRun) -> RunResult:
+                              timeout: float) -> RunResult:
         try:
             if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
                 slot.send(messages)
@@ -587,12 +598,12 @@ class Executor:
                 await slot.in_thread(slot.send, messages, shared)
         except (OSError, ValueError):
             return self._died(slot, "before the job was sent", by_the_job=False)
-        return await self._await_reply(slot, program_hash, timeout, dry)
+        return await self._await_reply(slot, program_hash, timeout)
 
     def _holds_sessions(self, slot: _Slot) -> bool:
         return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
-    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float, dry: DryRun) -> RunResult:
+    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
@@ -613,7 +624,6 @@ class Executor:
                 return self._died(slot, "while running the job")
             if not reply.get("started"):
                 break
-            dry.seconds = float(reply.get("dry_seconds", 0.0))
             # The dry run has counted the job's work: it runs no longer than that pays for. (Imported here: this
             # module is the executor's entry point and must not import torch before the sandbox is entered.)
             from gpunet.job.cost import seconds_allowed
@@ -623,9 +633,6 @@ class Executor:
                 deadline = loop.time() + allowed
                 why = (f"job ran past the {allowed:.0f} s its counted work ({reply.get('flops', 0):.3g} FLOPs) allows "
                        f"on this worker ({self.speed_tflops:.3g} TFLOPS)")
-        # It answered: its dry run took what it said (at "started", or now when the dry run refused or stopped the
-        # job), or nothing (the job failed before its dry run).
-        dry.seconds = float(reply.get("dry_seconds", dry.seconds or 0.0))
         try:
             outputs = reply.get("outputs")
             if reply.get("ok") and outputs is None:
@@ -709,7 +716,7 @@ def _sigint_ignored_by_children():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
 
-def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
+def _child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
     # first), so a keypress must not kill one mid-job or mid-import with a traceback.
@@ -732,7 +739,7 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
 
     from gpunet.job import tensors
     from gpunet.job.interpreter import run_program
-    from gpunet.job.validator import WorkerLimits, load_program
+    from gpunet.job.validator import load_program
 
     # The first meta kernel that needs torch's Python registrations imports about 800 modules (sympy, mpmath): 1.2 s
     # of CPU. Here, before the executor says it is ready, not in a client's first dry run (whose time it is charged).
@@ -741,10 +748,7 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
     torch.set_num_threads(config["threads"])
     device = config["device"]
     budget = config["memory_budget_bytes"]
-    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=config["max_flops"], max_program_bytes=budget,
-                          max_input_bytes=budget)
-    if config.get("max_dry_run_seconds") is not None:
-        limits = dataclasses.replace(limits, max_dry_run_seconds=config["max_dry_run_seconds"])
+    limits = job_limits(budget, config["max_flops"], config.get("max_dry_run_seconds"))
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
     _limit_memory(budget, device)
@@ -771,14 +775,12 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
         run = req.get("run")
         try:
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             started=lambda flops, dry: conn.send_bytes(
-                                 msgpack.packb({"started": True, "flops": flops, "dry_seconds": dry})),
+                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})),
+                             dry_word=dry_word,
                              sessions=sessions,
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
         except (JobRejected, JobFailed, JobPreempted) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
-            if hasattr(e, "dry_seconds"):  # refused or stopped by the dry run: what it took (see Program.dry_run)
-                reply["dry_seconds"] = e.dry_seconds
         except ProgramNotCached as e:
             reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
         except MemoryError:
@@ -801,6 +803,17 @@ def _child_main(conn: Connection, config: dict, stop_word=None) -> None:
             return
 
 
+def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float | None = None):
+    """The limits an executor with a memory ``budget`` checks every job against (gpunet.job.validator.WorkerLimits)."""
+    from gpunet.job.validator import WorkerLimits
+
+    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=max_flops, max_program_bytes=budget,
+                          max_input_bytes=budget)
+    if max_dry_run_seconds is not None:
+        limits = dataclasses.replace(limits, max_dry_run_seconds=max_dry_run_seconds)
+    return limits
+
+
 def _map_shared(fd: int, size: int) -> memoryview:
     """The parent's memfd, mapped read-only; unmapped when the last tensor viewing it is gone."""
     try:
@@ -810,7 +823,7 @@ def _map_shared(fd: int, size: int) -> memoryview:
 
 
 def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program, started=None,
-             sessions: dict | None = None, stop=None) -> dict:
+             sessions: dict | None = None, stop=None, dry_word=None) -> dict:
     h = check_hash(req["hash"])
     prog = programs.get(h)
     if prog is None:
@@ -827,9 +840,9 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     if session is not None:
         given, state_bytes = _with_state(prog, session, given, sessions, device)
     inputs = prog.inputs_from_dict(given)
-    est, dry_seconds = prog.dry_run(inputs, stop=stop)
-    if started is not None:  # the parent caps the run time by the counted work, and counts the dry run's time
-        started(est.flops, dry_seconds)
+    est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))
+    if started is not None:  # the parent caps the run time by the counted work
+        started(est.flops)
     t0 = time.perf_counter()
     outs = run_program(prog, inputs, stop=stop)
     if device.startswith("cuda"):
@@ -850,6 +863,21 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         if not session.get("close"):
             sessions[session["key"]] = new_state
     return {"ok": True, "outputs": data, **reply}
+
+
+def _dry_run(prog, inputs, stop, dry_word, run):
+    """The program's dry run, what it took written to the shared ``dry_word`` as it goes (see _DRY_RUN)."""
+    if dry_word is None or not run:
+        return prog.dry_run(inputs, stop=stop)[0]
+    dry_word[_DRY_BEGAN], dry_word[_DRY_SECONDS] = time.monotonic(), -1.0
+    dry_word[_DRY_RUN] = run  # last: the parent reads this first
+    try:
+        est, seconds = prog.dry_run(inputs, stop=stop)
+    except (JobRejected, JobPreempted) as e:  # refused or stopped by the dry run: what it took
+        dry_word[_DRY_SECONDS] = getattr(e, "dry_seconds", 0.0)
+        raise
+    dry_word[_DRY_SECONDS] = seconds
+    return est
 
 
 def _own_state(prog, state: list) -> list:

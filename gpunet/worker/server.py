@@ -221,7 +221,8 @@ class Worker:
         if cfg.background_job is not None:  # a mistake in it shows now, not at the first idle moment
             from gpunet.worker.background import load_standing_job
 
-            self._standing = await asyncio.to_thread(load_standing_job, cfg.background_job, cfg.background_inputs)
+            self._standing = await asyncio.to_thread(load_standing_job, cfg.background_job, cfg.background_inputs,
+                                                     self._memory_budget(), self.hardware.torch_device)
         self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark,
                                               self._threads())
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))

@@ -1048,9 +1048,9 @@ class JobService:
         self._unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
 
     def _dry_run_cost(self, client_id: str, host: str, dry: DryRun, billed: bool = False) -> None:
-        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran); one its executor never
-        reported (stopped before it said) counts what it may have been."""
-        seconds = dry.cost(asyncio.get_running_loop().time())
+        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran); one stopped before it
+        ended (the run timed out or was cancelled) counts what it may have been."""
+        seconds = dry.cost(time.monotonic())
         if seconds and self.admission.dry_ran(client_id, seconds, billed=billed, host=host):
             logger.info("A dry run for client %s took %.2f s (%s): counted against it", client_id[-8:], seconds,
                         "billed" if billed else "not billed")
