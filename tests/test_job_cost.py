@@ -68,9 +68,10 @@ def test_views_cost_nothing_and_matmuls_cost_their_flops():
 
 def test_a_worker_stops_a_job_that_runs_longer_than_its_counted_work_pays_for(tmp_path, monkeypatch):
     """The cap is the counted work at a small share of the worker's measured speed, plus a grace; a worker claiming
-    to be enormously fast with no grace allows this job almost no time, so the cap shows without a long test."""
+    to be enormously fast with no grace allows this job almost no time, so the cap shows without a long test. (The
+    worker looks for the cap every GRACE_SECONDS, at least every 50 ms: the job runs longer than that.)"""
     monkeypatch.setattr(cost, "GRACE_SECONDS", 0.0)
-    x = torch.randn(256, 256)
+    x = torch.randn(512, 512)
 
     def slow(t):
         for _ in range(40):

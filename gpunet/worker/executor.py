@@ -78,9 +78,10 @@ class DryRun:
 
 
 #: The shared words a child writes as a run's dry run begins and ends: the run's number (written last), when it
-#: began (time.monotonic(), one clock for all processes), the CPU seconds it took (-1 until it ends). Read by the
-#: parent however the run ended, even if the process was killed before it could say.
-_DRY_RUN, _DRY_BEGAN, _DRY_SECONDS = range(3)
+#: began (time.monotonic(), one clock for all processes), the CPU seconds it took (-1 until it ends), the work it
+#: counted (-1 until it ends well) and when it ended. Read by the parent however the run ended, even if the process was
+#: killed before it could say; the counted work caps the run's time (Executor._work_deadline) with no message sent.
+_DRY_RUN, _DRY_BEGAN, _DRY_SECONDS, _DRY_FLOPS, _DRY_ENDED = range(5)
 
 
 class _Slot:
@@ -114,7 +115,7 @@ class _Slot:
         # A word of shared memory: the parent writes there the number of a run it wants stopped, and the child checks
         # it between the program's nodes (gpunet.job.interpreter.execute), so the process lives on.
         self.stop_word = self._ctx.RawValue("q", -1)
-        self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0])  # see _DRY_RUN
+        self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0, -1.0, 0.0])  # see _DRY_RUN
         self.proc = self._ctx.Process(target=_child_main, args=(child, self._config, self.stop_word, self.dry_word),
                                       daemon=True, name="gpunet-executor")
         with _sigint_ignored_by_children():
@@ -603,37 +604,58 @@ class Executor:
     def _holds_sessions(self, slot: _Slot) -> bool:
         return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
+    def _work_deadline(self, slot: _Slot, loop) -> tuple[float, str] | None:
+        """When the run in ``slot`` has used the time its counted work pays for (on ``loop``'s clock), and why; None
+        until its dry run has counted it."""
+        from gpunet.job.cost import seconds_allowed
+
+        word = slot.dry_word
+        ended, flops = word[_DRY_ENDED], word[_DRY_FLOPS]
+        if word[_DRY_RUN] != slot.run_id or flops < 0:
+            return None
+        allowed = seconds_allowed(int(flops), self.speed_tflops)
+        why = (f"job ran past the {allowed:.0f} s its counted work ({flops:.3g} FLOPs) allows on this worker "
+               f"({self.speed_tflops:.3g} TFLOPS)")
+        return loop.time() + (ended + allowed - time.monotonic()), why
+
     async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
         stopping = False
-        while True:
-            if not await slot.readable(max(0.0, deadline - loop.time())):
-                if not stopping and self._holds_sessions(slot):
-                    # A kill would take every session this process holds (any client's) with it: first ask the
-                    # run to stop at its program's next node.
-                    slot.stop_word.value = slot.run_id
-                    stopping, deadline = True, loop.time() + STOP_GRACE
-                    continue
-                slot.kill()
-                raise JobTimeout(f"{why}; its executor was killed and replaced")
-            try:
-                reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
-            except (EOFError, OSError, ValueError):
-                return self._died(slot, "while running the job")
-            if not reply.get("started"):
-                break
-            # The dry run has counted the job's work: it runs no longer than that pays for. (Imported here: this
-            # module is the executor's entry point and must not import torch before the sandbox is entered.)
-            from gpunet.job.cost import seconds_allowed
+        # The run's counted work caps its time, from the end of its dry run. The child sends no message when that
+        # ends (one more wake of this loop per job): the cap is never sooner than GRACE_SECONDS after it, so looking at
+        # the shared words that often finds it in time. (Imported here: this module is the executor's entry point and
+        # must not import torch before the sandbox is entered.)
+        look_every = None
+        if self.speed_tflops:
+            from gpunet.job.cost import GRACE_SECONDS
 
-            allowed = seconds_allowed(int(reply.get("flops", 0)), self.speed_tflops) if self.speed_tflops else None
-            if allowed is not None and loop.time() + allowed < deadline:
-                deadline = loop.time() + allowed
-                why = (f"job ran past the {allowed:.0f} s its counted work ({reply.get('flops', 0):.3g} FLOPs) allows "
-                       f"on this worker ({self.speed_tflops:.3g} TFLOPS)")
+            look_every = max(GRACE_SECONDS, 0.05)
+        while True:
+            wait = deadline - loop.time()
+            if look_every is not None and not stopping:
+                wait = min(wait, look_every)
+            if await slot.readable(max(0.0, wait)):
+                break
+            if look_every is not None and not stopping:
+                cap = self._work_deadline(slot, loop)
+                if cap is not None:
+                    look_every = None
+                    if cap[0] < deadline:
+                        deadline, why = cap
+                if loop.time() < deadline:
+                    continue
+            if not stopping and self._holds_sessions(slot):
+                # A kill would take every session this process holds (any client's) with it: first ask the run to
+                # stop at its program's next node.
+                slot.stop_word.value = slot.run_id
+                stopping, deadline = True, loop.time() + STOP_GRACE
+                continue
+            slot.kill()
+            raise JobTimeout(f"{why}; its executor was killed and replaced")
         try:
+            reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
             outputs = reply.get("outputs")
             if reply.get("ok") and outputs is None:
                 if reply.get("outputs_size", 0) <= _INLINE_PIPE_BYTES:
@@ -775,7 +797,6 @@ def _child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -
         run = req.get("run")
         try:
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             started=lambda flops: conn.send_bytes(msgpack.packb({"started": True, "flops": flops})),
                              dry_word=dry_word,
                              sessions=sessions,
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
@@ -822,7 +843,7 @@ def _map_shared(fd: int, size: int) -> memoryview:
         os.close(fd)
 
 
-def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program, started=None,
+def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
              sessions: dict | None = None, stop=None, dry_word=None) -> dict:
     h = check_hash(req["hash"])
     prog = programs.get(h)
@@ -840,9 +861,7 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     if session is not None:
         given, state_bytes = _with_state(prog, session, given, sessions, device)
     inputs = prog.inputs_from_dict(given)
-    est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))
-    if started is not None:  # the parent caps the run time by the counted work
-        started(est.flops)
+    est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))  # the parent caps the run's time by its count
     t0 = time.perf_counter()
     outs = run_program(prog, inputs, stop=stop)
     if device.startswith("cuda"):
@@ -869,14 +888,15 @@ def _dry_run(prog, inputs, stop, dry_word, run):
     """The program's dry run, what it took written to the shared ``dry_word`` as it goes (see _DRY_RUN)."""
     if dry_word is None or not run:
         return prog.dry_run(inputs, stop=stop)[0]
-    dry_word[_DRY_BEGAN], dry_word[_DRY_SECONDS] = time.monotonic(), -1.0
+    dry_word[_DRY_BEGAN], dry_word[_DRY_SECONDS], dry_word[_DRY_FLOPS] = time.monotonic(), -1.0, -1.0
     dry_word[_DRY_RUN] = run  # last: the parent reads this first
     try:
         est, seconds = prog.dry_run(inputs, stop=stop)
     except (JobRejected, JobPreempted) as e:  # refused or stopped by the dry run: what it took
         dry_word[_DRY_SECONDS] = getattr(e, "dry_seconds", 0.0)
         raise
-    dry_word[_DRY_SECONDS] = seconds
+    dry_word[_DRY_ENDED], dry_word[_DRY_SECONDS] = time.monotonic(), seconds
+    dry_word[_DRY_FLOPS] = est.flops  # last: the parent takes it as the sign that the rest is written
     return est
 
 
