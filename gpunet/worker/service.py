@@ -582,18 +582,17 @@ class JobService:
             if pushed:
                 outcome.input_hash = got.input_hash
             if session is not None:
-                tab = billed = self.sessions.done(
+                billed = self.sessions.done(
                     client_id, submit.session.id, outcome.state_bytes, time.monotonic(), input_hash=got.input_hash,
                     output_hash=sha256_hex(outcome.outputs), flops=outcome.flops, wall_time_us=outcome.wall_time_us,
                     started_at_us=outcome.started_at_us, ended_at_us=outcome.ended_at_us,
                     max_price=submit.max_price, close=submit.session.close)
                 self._count_sessions()
-                if isinstance(billed, Ended):  # this step ended the session
-                    if billed.disclaimed is not None:
-                        self._disclaimed(billed)
-                    tab = billed.tab
-                if tab is not None:  # this step filled the tab (or ended the session): its receipt goes with it
-                    outcome.receipt = self._sign_tab(client_id, submit.session.id, submit.program, tab,
+                # The receipt of a tab this step filled, or of the session it ended, goes with its answer.
+                if isinstance(billed, Ended):
+                    outcome.receipt = self._bill(billed, await_payment=False)
+                elif billed is not None:
+                    outcome.receipt = self._sign_tab(client_id, submit.session.id, submit.program, billed,
                                                      submit.max_price, host)
                 if not submit.session.close and not self.sessions.is_open(client_id, submit.session.id):
                     # Its client closed it while this step ran: the state goes, and the tab (only the steps it said
