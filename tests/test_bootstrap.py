@@ -56,3 +56,23 @@ def test_worker_stops_cleanly_while_waiting_for_initial_peers(tmp_path):
         worker.wait_for_line(r"None of the initial peers answered", timeout=60)
         assert worker.terminate(timeout=15) == 0
         wait_for(lambda: not worker.group_alive(), 10, "the worker's daemon to be gone too")
+
+
+@pytest.mark.swarm
+def test_a_worker_whose_only_bootstrap_restarts_joins_again(tmp_path):
+    """hivemind forgets a peer that stops answering and meets peers only by talking to them: a running worker whose
+    one initial peer went down and came back used to stay alone for good, online by its own account and seen by
+    nobody. It now notices it has no peer left and joins again through its initial peer."""
+    with Swarm(tmp_path, network="boot-test", heartbeat=1.0) as swarm:
+        port = free_port()
+        boot = swarm.start_bootstrap(host_maddrs=f"/ip4/127.0.0.1/tcp/{port}")
+        first_proc = swarm.bootstrap
+        alone = swarm.start_worker()
+        assert first_proc.terminate(timeout=30) == 0
+        alone.wait_for_line(r"no DHT peer left", timeout=60)  # its heartbeats found nobody to store with
+
+        assert swarm.start_bootstrap(host_maddrs=f"/ip4/127.0.0.1/tcp/{port}", data_dir=first_proc.data_dir) == boot
+        later = swarm.start_worker()
+        alone.wait_for_line(r"Joined the network again", timeout=60)
+        ids = {swarm.worker_id(alone), swarm.worker_id(later)}
+        wait_for(lambda: _online_via(swarm, boot) == ids, 60, "both workers seen through the restarted bootstrap")

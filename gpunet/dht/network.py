@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
+from functools import partial
 from typing import Callable, Iterable, Sequence
 
 import hivemind
@@ -20,6 +22,8 @@ from gpunet.dht import hardening
 from gpunet.dht.validation import network_validators
 from gpunet.errors import ConfigError, NetworkError, PeersUnreachable
 from gpunet.identity import Identity
+
+logger = logging.getLogger(__name__)
 
 _NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -121,6 +125,8 @@ def join(
         unreachable = peers and any(s in str(e) for s in _NO_PEER_ANSWERED)
         raise (PeersUnreachable if unreachable else NetworkError)(f"could not join {where}: {e}") from e
     _tie_to_this_process(dht)
+    if peers:
+        dht.run_coroutine(partial(_rejoin_when_alone, initial_peers=peers, period=REJOIN_PERIOD), return_future=True)
     return dht
 
 
@@ -215,6 +221,47 @@ async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: f
 
 def _tie_to_this_process(dht: hivemind.DHT) -> None:
     """Make the DHT child process (and its daemon) exit when this process dies, however it dies."""
-    from functools import partial
-
     dht.run_coroutine(partial(_exit_with_parent, parent_pid=os.getpid()), return_future=True)
+
+
+#: How often a node left with no DHT peer at all looks for its initial peers again.
+REJOIN_PERIOD = 10.0
+
+
+async def _rejoin_when_alone(_dht: hivemind.DHT, node, initial_peers: Sequence[str], period: float) -> None:
+    """Runs inside the DHT process. hivemind drops a peer from its routing table when it fails to answer, and meets
+    peers only by talking to them: a node whose every peer went away for a while (its only bootstrap restarted) would
+    stay alone for good, publishing its records to nobody. When the table is empty, dial and ping the initial peers
+    again (a ping adds the peer on both sides) and look up the node's own neighbourhood, as joining did."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+
+    peers = []
+    for addr in initial_peers:
+        maddr = Multiaddr(addr)
+        peers.append((PeerID.from_base58(maddr["p2p"]), maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))))
+    alone_since = None
+    while node.is_alive:
+        await asyncio.sleep(period)
+        if node.protocol.routing_table.uid_to_peer_id:
+            alone_since = None
+            continue
+        if alone_since is None:
+            alone_since = asyncio.get_running_loop().time()
+            logger.warning("This node has no DHT peer left; asking its initial peers again every %.0f s", period)
+        answered = await asyncio.gather(*(_dial_and_ping(node, peer_id, maddr) for peer_id, maddr in peers))
+        if any(answered):
+            await asyncio.sleep(0)  # the ping's routing-table update is a task of its own
+            await node.find_nearest_nodes([node.node_id])
+            logger.warning("Joined the network again through an initial peer (after %.0f s alone)",
+                           asyncio.get_running_loop().time() - alone_since)
+            alone_since = None
+
+
+async def _dial_and_ping(node, peer_id, maddr) -> bool:
+    try:  # the daemon may have forgotten the address of a peer it lost
+        await node.p2p._client.connect(peer_id, [maddr])
+    except Exception:
+        return False  # not back yet
+    return await node.protocol.call_ping(peer_id) is not None
