@@ -30,6 +30,19 @@ def test_job_is_public_and_errors_share_one_base():
         assert issubclass(getattr(gpunet, name), GpunetError)
 
 
+def test_example_inputs_that_share_memory_trace_as_separate_inputs():
+    """torch.export takes the same tensor passed twice for one input, and its graph then ignores the second: a job
+    traced on ``(a, a)`` (or on a view of ``a``) must still compute with each input it is given."""
+    def f(p, q):
+        return torch.tanh(p) + q
+
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    for example in ((a, a), (a, a[:]), (a, a.view(4, 5))):
+        job = Job.from_function(f, example)
+        assert torch.allclose(job.run_locally(a, b), f(a, b))
+        assert len(job.manifest.inputs) == 2
+
+
 def test_manifest_records_ops_inputs_and_ranges(job):
     m = job.manifest
     assert m.format_version == 1 and m.torch_version == torch.__version__

@@ -289,6 +289,17 @@ def test_a_block_passes_one_tensor_on_and_one_that_returns_more_is_told_how_to_f
         trace_spans([torch.nn.Linear(4, 4), torch.nn.Linear(5, 5)], (x,), None, [(0, 2)])  # a model error, as such
 
 
+def test_a_span_of_stateless_blocks_traces_with_dynamic_shapes():
+    """A span with no state passes torch.export one varargs entry, not an empty tuple for a state it lacks."""
+    torch.manual_seed(0)
+    blocks, x = [torch.nn.Linear(8, 8) for _ in range(3)], torch.randn(1, 3, 8)
+    spans = trace_spans(blocks, (x,), ({1: Dim("S", min=1, max=16)},), [(0, 2), (2, 3)])
+    longer = torch.randn(1, 11, 8)
+    with torch.no_grad():
+        assert torch.allclose(spans[1].job.run_locally(spans[0].job.run_locally(longer)),
+                              blocks[2](blocks[1](blocks[0](longer))), atol=1e-6)
+
+
 def test_a_state_must_come_back_in_the_same_shape():
     class Grows(torch.nn.Module):
         def forward(self, x, cache):

@@ -204,7 +204,7 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         module = _SpanModule(blocks[start:stop], [len(s) for s in states[start:stop]]).eval()
         state = tuple(t for s in states[start:stop] for t in s)
         # forward(x, *state): torch.export takes the varargs' shapes as one tuple
-        shapes = (x_dims, (None,) * len(state)) if x_dims is not None else None
+        shapes = None if x_dims is None else (x_dims, (None,) * len(state)) if state else (x_dims,)
         try:  # eagerly first (on copies of the state): a block that does not fit the convention says so itself
             with torch.no_grad():
                 out = module(x, *(t.clone() for t in state))

@@ -132,6 +132,7 @@ def trace(
         example_inputs = example_inputs + tuple(example_kwargs.values())
     if not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise UnsupportedProgram("example inputs must all be tensors")
+    example_inputs = _unaliased(example_inputs)
     export_dynamic = dynamic_shapes
     if isinstance(module, _KeywordModule) and dynamic_shapes is not None:
         export_dynamic = (tuple(dynamic_shapes),)  # forward(*args): one varargs tuple
@@ -186,6 +187,23 @@ def trace(
         for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
             spec["name"] = name
     return traced
+
+
+def _unaliased(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The example inputs, each with memory of its own. torch.export takes two inputs that share memory (the same
+    tensor passed twice, one zeros tensor for both halves of a KV cache) for one, and its graph then reads the first
+    wherever the second was meant: a program that ignores an input, silently. They are only examples: copies do."""
+    seen: set[int] = set()
+    out = []
+    for x in inputs:
+        ptr = x.untyped_storage().data_ptr() if x.numel() else None
+        if ptr is not None and ptr in seen:
+            x = x.clone()
+            ptr = x.untyped_storage().data_ptr()
+        if ptr is not None:
+            seen.add(ptr)
+        out.append(x)
+    return tuple(out)
 
 
 def _rsub(self, other, alpha=1):
