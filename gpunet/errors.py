@@ -87,6 +87,12 @@ class JobFailed(JobError):
     """A job started but did not produce a result (it raised, or its executor died)."""
 
 
+class JobRaised(JobFailed):
+    """An op of the job's own program raised as it ran (an index out of range, a size an op refused): the same inputs
+    raise the same way on any worker. The client asks a second worker before it believes one (a worker could say so
+    to be rid of a job), and then raises this, holding it against neither."""
+
+
 class ExecutorDied(JobFailed):
     """(Worker side) the executor process died under a job — a kernel crash, the OOM killer. It costs the worker a
     fresh executor, so the worker counts it against the job's client; the client sees a JobFailed."""

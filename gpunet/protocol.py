@@ -39,6 +39,7 @@ import msgpack
 from gpunet.errors import (
     GpunetError,
     JobFailed,
+    JobRaised,
     JobRejected,
     JobTimeout,
     ProgramNotCached,
@@ -885,6 +886,7 @@ class Error(Message):
     program: str | None = None  # not_cached: the program to resend
     draining: bool = False  # busy because it is leaving (a code of its own would read as a failure to older clients)
     preempted: bool = False  # busy because a higher lane took its slot (likewise: older clients retry it as busy)
+    raised: bool = False  # failed because an op of the job raised: the job's own error (older clients: a failure)
 
     @classmethod
     def of(cls, error: GpunetError, queue: int = 0) -> "Error":
@@ -892,7 +894,7 @@ class Error(Message):
         code = next((c for c, kind in _CODES.items() if isinstance(error, kind)), "failed")
         program = error.program_hash if isinstance(error, ProgramNotCached) else None
         return cls(code, str(error)[:2000], queue, program, isinstance(error, WorkerDraining),
-                   isinstance(error, JobPreempted))
+                   isinstance(error, JobPreempted), isinstance(error, JobRaised))
 
     def exception(self) -> GpunetError:
         """The exception this stands for; unknown codes become JobFailed."""
@@ -902,6 +904,8 @@ class Error(Message):
             return kind(message, self.queue)
         if self.code == "not_cached":
             return ProgramNotCached(self.program or "?")
+        if self.code == "failed" and self.raised:
+            return JobRaised(message)
         return _CODES.get(self.code, JobFailed)(message)
 
     def to_wire(self) -> dict[str, Any]:
@@ -912,6 +916,8 @@ class Error(Message):
             d["draining"] = True
         if self.preempted:
             d["preempted"] = True
+        if self.raised:
+            d["raised"] = True
         return d
 
     @classmethod
@@ -921,7 +927,7 @@ class Error(Message):
         return cls(_text(d, "code", 32) or "failed", _text(d, "message", 2000),
                    queue if type(queue) is int and 0 <= queue < 2**31 else 0,
                    program if isinstance(program, str) and PROGRAM_HASH_RE.match(program) else None,
-                   d.get("draining") is True, d.get("preempted") is True)
+                   d.get("draining") is True, d.get("preempted") is True, d.get("raised") is True)
 
 
 # --- encoding: unary bodies and stream frames ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from gpunet.errors import (
     DeadlineUnreachable,
     JobFailed,
     JobPreempted,
+    JobRaised,
     JobRejected,
     JobTimeout,
     NetworkError,
@@ -42,7 +43,8 @@ X = torch.randn(4, 8)
 class FakeWorker:
     """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
     ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject,
-    preempt (a batch job stopped for interactive work), late (refused for its deadline), break (the stream cut)."""
+    preempt (a batch job stopped for interactive work), late (refused for its deadline), break (the stream cut),
+    raise (says the job raised when it did not; one that does raise, raises here for real)."""
 
     def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
         self.name, self.script, self.price = name, list(script), price
@@ -93,6 +95,8 @@ class FakeTransport:
             raise ProgramNotCached(request.program_hash)
         if act == "hang":
             await asyncio.Event().wait()
+        if act == "raise":
+            raise JobRaised("node 'x' (aten.add.Tensor) raised RuntimeError: made up")
         if request.session is not None:
             return self._step(w, request, act)
         job = gpunet.Job.from_bytes(request.program)
@@ -132,6 +136,9 @@ class FakeTransport:
         if act == "cut":
             raise ProtocolError("peer closed the stream mid-message")
         return delivery
+
+    async def close_session(self, worker_id: str, session_id: str, received) -> None:
+        self.workers[worker_id].states.pop(session_id, None)  # its steps stay unbilled: these fakes sign no tabs
 
     async def settle(self, worker_id: str, items) -> None:
         self.settled.setdefault(worker_id, []).extend(job_id for job_id, _ in items)
@@ -174,6 +181,47 @@ def test_a_failing_worker_is_banned_and_the_job_retried_elsewhere(tmp_path):
     assert result.worker_id == good.id and result.attempts == [bad.id, good.id]
     assert result.receipt.client_signature and result.receipt.worker_id == good.id
     assert transport.forgotten == [bad.id]  # no other worker is sent to it for a program meanwhile
+
+
+EMBED = gpunet.Job.from_module(torch.nn.Embedding(10, 4), example_inputs=(torch.tensor([[1, 2]]),))
+OUT_OF_RANGE = torch.tensor([[1, 50]])
+
+
+def test_a_job_that_raises_on_two_workers_is_its_own_error_and_held_against_neither(tmp_path):
+    """An index out of range raises on any worker: a second worker confirms it, the caller gets JobRaised (not
+    NoWorkersAvailable after every worker tried it), and no worker is banned or ranked down for the job's error."""
+    workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
+
+    async def scenario(core):
+        with pytest.raises(JobRaised, match=r"index out of range .*the same on 2 workers"):
+            await core.run(EMBED, [OUT_OF_RANGE])
+        assert not core.router.bans and all(core.reputation.workers.get(w.id) is None
+                                            or core.reputation.workers[w.id].failures == 0 for w in workers)
+        return await core.run(EMBED, [torch.tensor([[3, 4]])])  # the next job goes as fast as ever
+
+    result = run(tmp_path, workers, scenario)
+    assert sorted(len(w.jobs) for w in workers) in ([0, 1, 2], [1, 1, 1])
+    assert torch.equal(result.outputs, EMBED.run_locally(torch.tensor([[3, 4]])))
+
+
+def test_a_worker_that_says_the_job_raised_is_struck_once_another_worker_runs_it(tmp_path):
+    liar, good = FakeWorker("liar", "raise", tflops=100.0), FakeWorker("good")  # routing tries the liar first
+
+    async def scenario(core):
+        result = await core.run(JOB, [X])
+        assert core.router.bans[liar.id].strikes == 1 and core.reputation.workers[liar.id].failures == 1
+        return result
+
+    result = run(tmp_path, [liar, good], scenario)
+    assert result.worker_id == good.id and result.attempts == [liar.id, good.id]
+
+
+def test_a_job_that_raises_on_the_only_worker_says_so(tmp_path):
+    async def scenario(core):
+        with pytest.raises(JobRaised, match="no other worker could run it to confirm"):
+            await core.run(EMBED, [OUT_OF_RANGE])
+
+    run(tmp_path, [FakeWorker("alone")], scenario)
 
 
 def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
@@ -484,3 +532,43 @@ def test_a_checkers_last_tab_is_closed_under_the_price_bound_its_steps_were_sent
 
     asyncio.run(scenario())
     assert closed == [("w", "s", price_to_nano(2.5))]
+
+
+class EmbedSum(torch.nn.Module):
+    """A stateful block: sums the embeddings of every token it has seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids, total):
+        total = total + self.embed(ids).sum(1)
+        return total, total
+
+
+def test_a_session_step_that_raises_or_is_refused_leaves_the_session_usable(tmp_path):
+    """A token out of the vocabulary raises on the worker (and on a second one, after a move): the step's own
+    error. A wrong dtype is refused before anything is sent. Neither step was taken by any span, so the session goes
+    on, and its sums count only the steps that ran."""
+    from gpunet.client.sequential import SessionCore, build
+
+    torch.manual_seed(0)
+    block = EmbedSum()
+
+    async def scenario(core):
+        await core.refresh()
+        session = SessionCore(build(core, [block], (torch.tensor([[1]]),), spans=1,
+                                    initial_state=[(torch.ones(1, 4),)]))  # sent with step 0 (not "fresh")
+        first = await session.step(torch.tensor([[1]]))
+        with pytest.raises(JobRaised, match="index out of range.*the same on two workers"):
+            await session.step(torch.tensor([[50]]))
+        with pytest.raises(JobRejected, match="dtype"):
+            await session.step(torch.tensor([[1.5]]))
+        second = await session.step(torch.tensor([[2]]))
+        await session.close()
+        return first, second, session.moves
+
+    first, second, moves = run(tmp_path, [FakeWorker("a"), FakeWorker("b")], scenario)
+    with torch.no_grad():
+        assert torch.allclose(second, 1 + block.embed(torch.tensor([[1, 2]])).sum(1))
+    assert moves == 1  # one more worker asked, not every worker three times

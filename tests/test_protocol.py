@@ -11,6 +11,7 @@ from gpunet.speedproof import Opening
 from gpunet.errors import (
     JobPreempted,
     JobFailed,
+    JobRaised,
     JobRejected,
     JobTimeout,
     ProgramNotCached,
@@ -127,7 +128,8 @@ def test_doors_name_one_protocol_each():
 
 @pytest.mark.parametrize("error", [WorkerBusy("full", 3), JobRejected("op aten.from_file"), JobFailed("boom"),
                                    JobTimeout("slow"), ProtocolError("bad"), ProgramNotCached(H),
-                                   WorkerDraining("leaving", 3), JobPreempted("an interactive job took its slot", 3)])
+                                   WorkerDraining("leaving", 3), JobPreempted("an interactive job took its slot", 3),
+                                   JobRaised("node 'x' (aten.embedding.default) raised IndexError")])
 def test_errors_cross_the_wire_as_the_same_family(error):
     back = protocol.decode(protocol.encode(Error.of(error, queue=3)), Error).exception()
     assert type(back) is type(error)

@@ -41,6 +41,7 @@ from gpunet.errors import (
     InvalidReceipt,
     JobFailed,
     JobPreempted,
+    JobRaised,
     JobRejected,
     JobTimeout,
     NetworkError,
@@ -685,6 +686,8 @@ class ClientCore:
         preempted: Counter[str] = Counter()  # workers that stopped this batch job for interactive work: others first
         last_error: GpunetError | None = None
         emptied_until: float | None = None  # the network emptied under this job: looked for again until then
+        raised: list[str] = []  # workers that said the job itself raised (see JobRaised), and what they said
+        raised_error: JobRaised | None = None
         while True:
             remaining = p.deadline - time.monotonic()
             if remaining <= 0:
@@ -715,6 +718,9 @@ class ClientCore:
                 if rejections and all(isinstance(r, DeadlineUnreachable) for r in rejections):
                     raise DeadlineUnreachable(f"every worker that could take job {job_id[:12]} refused it: "
                                               f"{rejections[-1].reason}") from None
+                if raised:  # no other worker to ask: the one that ran it is all there is to go on
+                    raise JobRaised(f"{raised_error} (said by worker {raised[0][-8:]}; no other worker could run it "
+                                    "to confirm)") from None
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
             taken.add(worker.id)
             tried.append(worker.id)
@@ -779,6 +785,18 @@ class ClientCore:
                 if resends > self.config.max_resends:  # a worker that keeps losing it is failing after all
                     failed.add(worker.id)
                 continue
+            except JobRaised as e:
+                # The job's own error, this worker says: the same inputs raise the same way anywhere. Believed once
+                # another worker agrees (one could say so to be rid of the job), and then held against neither.
+                taken.discard(worker.id)
+                failed.add(worker.id)
+                raised.append(worker.id)
+                raised_error = last_error = e
+                if len(raised) >= RAISED_CONFIRMATIONS:
+                    raise JobRaised(f"{e} (the same on {len(raised)} workers: the job's own error; run_locally shows "
+                                    "it too)") from None
+                logger.info("Worker %s says job %s raised (%s); asking another worker", worker.id[-8:], job_id[:12], e)
+                continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
                 taken.discard(worker.id)
                 rejections.append(e)
@@ -816,6 +834,11 @@ class ClientCore:
                 self.router.finished(worker.id)
             self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds, cold=cold, ahead=ahead)
+            for liar in raised:  # it ran here: their "the job raised" was not the job's doing
+                self._strike(liar)
+                self.reputation.record(liar, "failure")
+                logger.info("Worker %s said job %s raised, and worker %s ran it", liar[-8:], job_id[:12],
+                            worker.id[-8:])
             return _Candidate(worker.id, delivery, outputs, tried)
 
     def _say_skips(self) -> None:
@@ -910,6 +933,8 @@ _LARGE_BYTES = 1 << 20
 #: Seconds a job that already tried workers waits for them to reappear when the network looks empty (their records
 #: lapse together while they restart) before it fails with NoWorkersAvailable.
 EMPTY_NETWORK_WAIT = 20.0
+#: Workers that must say a job itself raised before the client raises it (JobRaised): the one that ran it, and one more.
+RAISED_CONFIRMATIONS = 2
 #: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
 OUTPUT_HEADER_ALLOWANCE = 64 * 1024
 MAX_ESTIMATES = 1024

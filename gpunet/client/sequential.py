@@ -29,6 +29,7 @@ from gpunet.errors import (
     GpunetError,
     InvalidReceipt,
     JobFailed,
+    JobRaised,
     JobRejected,
     JobTimeout,
     NetworkError,
@@ -339,10 +340,16 @@ class SessionCore:
             raise UsageError(f"this session failed at step {self.steps} ({self._broken}); open a new one (its spans "
                              "did not all take that step, so it cannot go on)")
         async with self._lock:
+            taken = [len(p.history) for p in self.placed]
             try:
                 x = await (self._step_pushed(x) if self._pushable() else self._step_from(0, x))
             except BaseException as e:
-                self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
+                # A wrong input (refused here) or the step's own error (JobRaised: its worker's state is as before
+                # the step) before any span took the step leaves every span where it was: the session goes on.
+                # Anything else may have left spans on different steps.
+                untouched = taken == [len(p.history) for p in self.placed]
+                if not (untouched and isinstance(e, (UsageError, JobRejected, JobRaised))):
+                    self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
                 raise
             self.steps += 1
             return x
@@ -355,6 +362,7 @@ class SessionCore:
 
         check_inputs(span.job.manifest, (x,), without_state=True)  # a wrong input is the caller's, not a worker's
         last: GpunetError | None = None
+        raised = False  # a worker said the step itself raised: one more worker is asked, not more
         for _ in range(MAX_MOVES + 1):
             try:
                 if placed.worker_id is None or self._draining(placed.worker_id):
@@ -372,7 +380,11 @@ class SessionCore:
             except (WorkerDraining, NetworkError, JobTimeout, JobFailed, JobRejected, InvalidReceipt) as e:
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
-                # fails the same way everywhere, so the moves are bounded.
+                # fails the same way everywhere (JobRaised: raised once another worker agrees), so moves are bounded.
+                if isinstance(e, JobRaised):
+                    if raised:
+                        raise JobRaised(f"{e} (the same on two workers: the step's own error)") from None
+                    raised = True
                 last = e
                 gone = placed.worker_id
                 if gone is not None:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gpunet.errors import GpunetError, JobFailed, JobPreempted, JobRejected
+from gpunet.errors import GpunetError, JobFailed, JobPreempted, JobRaised, JobRejected
 from gpunet.job.tensors import ALIGN
 from gpunet.utils import human_bytes
 
@@ -162,7 +162,11 @@ def execute(
     except Exception as e:  # an op raised: report which node, never a raw torch error
         where = f"node {step.name!r} ({step.op})" if step is not None else "program"
         msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
-        raise (JobRejected(f"dry run failed: {msg}") if tracker is not None else JobFailed(msg)) from None
+        if tracker is not None:
+            raise JobRejected(f"dry run failed: {msg}") from None
+        if isinstance(e, MemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e):
+            raise JobFailed(f"{where} ran out of memory on this worker: {str(e)[:300]}") from None  # the machine's
+        raise JobRaised(msg) from None  # the job's own: it would raise the same anywhere
     return [env[s] for s in outputs]
 
 

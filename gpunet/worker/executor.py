@@ -30,7 +30,8 @@ from pathlib import Path
 import msgpack
 
 from gpunet.errors import (
-    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost,
+    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout, ProgramNotCached,
+    SessionLost,
 )
 from gpunet.utils import wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
@@ -47,7 +48,7 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go thro
 STOP_GRACE = 2.0
 
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
-           "DryRunTooLong": DryRunTooLong}
+           "DryRunTooLong": DryRunTooLong, "JobRaised": JobRaised}
 
 
 @dataclass(frozen=True)
