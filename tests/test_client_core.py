@@ -217,11 +217,14 @@ def test_a_worker_that_says_the_job_raised_is_struck_once_another_worker_runs_it
 
 
 def test_a_job_that_raises_on_the_only_worker_says_so(tmp_path):
-    async def scenario(core):
-        with pytest.raises(JobRaised, match="no other worker could run it to confirm"):
-            await core.run(EMBED, [OUT_OF_RANGE])
+    alone = FakeWorker("alone")
 
-    run(tmp_path, [FakeWorker("alone")], scenario)
+    async def scenario(core):
+        with pytest.raises(JobRaised, match="no other worker could run it to confirm") as raised:
+            await core.run(EMBED, [OUT_OF_RANGE])
+        assert raised.value.attempts == [alone.id]  # JobFuture.attempts, for a job that failed
+
+    run(tmp_path, [alone], scenario)
 
 
 def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
@@ -352,6 +355,10 @@ def test_wrong_arguments_say_what_to_pass_and_numpy_arrays_are_taken_as_they_are
             await core.run(model, [X])
         with pytest.raises(UsageError, match="input 0 is a list; pass each input as a torch.Tensor"):
             await core.run(JOB, [X.tolist()])
+        for wrong in ([X, X], []):  # at the call, like a wrong name, not as a worker's refusal later
+            with pytest.raises(UsageError, match=rf"the job takes 1 input\(s\) \(args_0\), got {len(wrong)}"):
+                await core.run(JOB, wrong)
+        assert JOB.estimate(args_0=X) == JOB.estimate(X)  # by name, as run_locally and submit take them
         return await core.run(JOB, [X.numpy()])
 
     result = run(tmp_path, [FakeWorker("w")], scenario)

@@ -399,3 +399,35 @@ def test_a_big_program_crosses_each_link_once_however_many_jobs_want_it(swarm, c
     assert program_bytes_sent <= len(ran_it) * program, (
         f"{program_bytes_sent / program:.1f} copies of the program sent for {len(ran_it)} workers")
     assert all(w.popen.poll() is None for w in workers)
+
+
+def test_a_closed_client_says_so_at_once_and_its_unfinished_jobs_end(swarm, client_for):
+    """After close(), every call fails at once with "client is closed" (remote models, sessions and a refreshed
+    worker list used to wait for ever on the stopped loop), and a job still running when the client closed ends
+    with an error instead of leaving its future pending."""
+    swarm.start_worker()
+    client = client_for(swarm)
+    remote = client.sequential([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], example_inputs=(torch.randn(1, 4),),
+                               spans=1)
+    assert remote(torch.randn(1, 4)).shape == (1, 4)
+    session = remote.session()
+    slow = gpunet.Job.from_module(SlowChain(steps=200), (torch.randn(64, 384),))
+    running = client.submit(slow, torch.randn(64, 384))
+    t0 = time.monotonic()
+    client.close()
+    with pytest.raises(gpunet.GpunetError, match="closed"):
+        running.result(timeout=30)
+    for call in (lambda: remote(torch.randn(1, 4)), lambda: session.step(torch.randn(1, 4)),
+                 lambda: client.workers(refresh=True), lambda: client.submit(slow, torch.randn(64, 384))):
+        with pytest.raises(gpunet.GpunetError, match="client is closed"):
+            call()
+    assert time.monotonic() - t0 < 30
+
+    async def async_client_after_close():
+        async with gpunet.AsyncClient(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                                      data_dir=client._core.data_dir.parent / "async") as other:
+            pass
+        with pytest.raises(gpunet.GpunetError, match="client is closed"):
+            other.submit(slow, torch.randn(64, 384))
+
+    asyncio.run(async_client_after_close())

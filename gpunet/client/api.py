@@ -29,7 +29,8 @@ from gpunet.utils import new_event_loop
 
 class JobFuture(concurrent.futures.Future):
     """A submitted job. ``result()`` is the output tensor(s); once done, ``worker_id`` and ``receipt`` say who ran it
-    and what was paid, ``attempts`` lists every worker tried and ``bytes_sent`` what the delivering one received.
+    and what was paid, ``attempts`` lists every worker tried (also when it failed) and ``bytes_sent`` what the
+    delivering one received.
     ``checked`` is True when the result was compared with another worker's (redundancy, or an adaptive spot check)
     and agreed; an adaptive job that found no second worker to check with says False here (and in the log)."""
 
@@ -52,6 +53,7 @@ class JobFuture(concurrent.futures.Future):
             return
         error = outcome.exception()
         if error is not None:
+            self.attempts = list(getattr(error, "attempts", []))
             self.set_exception(error)
             return
         result: JobResult = outcome.result()
@@ -136,6 +138,7 @@ class AsyncClient:
         await self._core.close()
 
     def submit(self, job, *inputs, requirements: Requirements | None = None, **named) -> AsyncJobFuture:
+        self._core.check_open()
         inputs = check_call(job, inputs, named)  # a wrong argument fails here, not later in the future
         future = AsyncJobFuture()
         task = asyncio.ensure_future(self._core.run(job, inputs, requirements))
@@ -171,6 +174,7 @@ class AsyncClient:
     def sequential(self, blocks, example_inputs, dynamic_shapes=None, *, spans: int | None = None,
                    initial_state=None, requirements: Requirements | None = None) -> AsyncRemoteSequential:
         """Like :meth:`Client.sequential`, awaited: ``await remote(x)``, ``async with remote.session() as s``."""
+        self._core.check_open()
         return AsyncRemoteSequential(sequential.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
                                                       initial_state, requirements))
 
@@ -226,6 +230,7 @@ class Client:
         self._thread.start()
         self._local = threading.local()
         self._closed = False
+        self._calls: set[asyncio.Task] = set()  # jobs and calls running for the caller: stopped by close()
         try:
             self._call(self._core.start())
         except BaseException:
@@ -239,7 +244,33 @@ class Client:
         return self._core.id
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the client's loop and wait for it; a closed client (or one closed meanwhile) says so."""
+        if self._closed:
+            coro.close()
+            raise GpunetError("client is closed")
+        try:
+            return asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop).result()
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise GpunetError("the client was closed while this call ran") from None
+            raise
+
+    async def _tracked(self, coro):
+        task = asyncio.current_task()
+        self._calls.add(task)
+        try:
+            return await coro
+        finally:
+            self._calls.discard(task)
+
+    async def _stop_calls(self) -> None:
+        """What still runs for the caller (other threads' jobs and steps): stopped before the core closes, so no
+        one waits on a loop that is gone."""
+        calls = [task for task in self._calls if task is not asyncio.current_task()]
+        for task in calls:
+            task.cancel()
+        if calls:
+            await asyncio.wait(calls, timeout=10)
 
     def __enter__(self) -> "Client":
         return self
@@ -252,6 +283,8 @@ class Client:
             return
         self._closed = True
         try:
+            if self._thread.is_alive():
+                asyncio.run_coroutine_threadsafe(self._stop_calls(), self._loop).result(timeout=30)
             self._shutdown()
         finally:
             ledger = getattr(self._local, "ledger", None)
@@ -272,8 +305,14 @@ class Client:
         """On the client's loop: run the job as a task that settles ``future`` (one cross-thread hop each way)."""
         if future.cancelled():
             return
+        if self._closed:  # closed between submit and now
+            future.set_exception(GpunetError("client is closed"))
+            return
         task = self._loop.create_task(self._core.run(job, inputs, requirements))
-        task.add_done_callback(future._settle)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        task.add_done_callback(lambda done: future._settle(done) if not (done.cancelled() and self._closed) else
+                               future.set_exception(GpunetError("the client was closed before this job finished")))
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
 
     def map(

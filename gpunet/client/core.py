@@ -164,6 +164,7 @@ class ClientCore:
         self._refresher: asyncio.Task | None = None
         self._fresh = asyncio.Event()
         self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
+        self.closed = False
 
     @property
     def program_bytes_sent(self) -> int:
@@ -186,7 +187,12 @@ class ClientCore:
         await self.refresh()
         self._refresher = asyncio.create_task(self._refresh_forever())
 
+    def check_open(self) -> None:
+        if self.closed:
+            raise GpunetError("client is closed")
+
     async def close(self) -> None:
+        self.closed = True
         try:
             if self.settlement is not None:  # workers are owed these countersignatures: deliver them before leaving
                 await self.settlement.close()
@@ -272,6 +278,7 @@ class ClientCore:
     async def run(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
                   job_id: str | None = None) -> JobResult:
         """Route, send, retry, verify as asked; returns the checked, countersigned result."""
+        self.check_open()
         inputs = check_call(job, inputs)
         req = requirements or Requirements()
         job_id = job_id or uuid.uuid4().hex
@@ -322,6 +329,7 @@ class ClientCore:
                     exclude: set[str] = frozenset(), avoid: set[str] = frozenset()) -> WorkerEntry:
         """The worker routing would send ``job`` to now (``inputs`` may be meta tensors: only shapes matter),
         passing over ``avoid`` where it can."""
+        self.check_open()
         req = requirements or Requirements()
         estimate = await self._estimate(job, inputs)
         await self._some_workers(req)
@@ -346,6 +354,7 @@ class ClientCore:
         shapes) and ``pushed`` resolves to the hash of the input this client holds for the step (the previous span's
         output); the worker says which it ran on, and PushedInputDiffers is raised when the two differ. Such a step
         has a job id of its own, so the same step sent afterwards with its input never gets this answer."""
+        self.check_open()
         req = requirements or Requirements()
         if session.step == 0 and session.state_bytes is None:  # reserved by the worker before the step runs
             session = replace(session, state_bytes=job.manifest.state_bytes)
@@ -676,9 +685,18 @@ class ClientCore:
             candidates.append(await self._deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", taken))
 
     async def _deliver(self, p: "_Prepared", job_id: str, taken: set[str], checker: bool = False) -> "_Candidate":
-        """One result from one worker not in ``taken`` (which it joins), retrying elsewhere on failure."""
-        req = p.req
+        """One result from one worker not in ``taken`` (which it joins), retrying elsewhere on failure; an error
+        says in ``attempts`` which workers it went to (``JobFuture.attempts``)."""
         tried: list[str] = []
+        try:
+            return await self._try_workers(p, job_id, taken, tried, checker)
+        except GpunetError as e:
+            e.attempts = list(tried)
+            raise
+
+    async def _try_workers(self, p: "_Prepared", job_id: str, taken: set[str], tried: list[str],
+                           checker: bool) -> "_Candidate":
+        req = p.req
         failed: set[str] = set()
         rejections: list[JobRejected] = []
         resends = 0  # times a worker lost the program between admission and run (not its fault)

@@ -123,6 +123,9 @@ class Job:
 
         names = self.input_names
         if not kwargs:
+            if len(args) != len(names):
+                raise UsageError(f"the job takes {len(names)} input(s) ({', '.join(names)}), got {len(args)}: one "
+                                 "positional argument per input it was traced with (or by name)")
             return tuple(args)
         if len(args) > len(names):
             raise UsageError(f"the job takes {len(names)} inputs ({', '.join(names)}), got {len(args)} positional")
@@ -180,9 +183,10 @@ class Job:
             self._program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS)
         return self._program
 
-    def estimate(self, *inputs: torch.Tensor) -> Estimate:
-        """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills)."""
-        return self._validated().estimate(list(inputs))
+    def estimate(self, *inputs: torch.Tensor, **named: torch.Tensor) -> Estimate:
+        """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills); inputs go
+        by position or by name, as for :meth:`run_locally`."""
+        return self._validated().estimate(list(self.bind(inputs, named)))
 
     def run_locally(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
