@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.swarm import wait_for
 
@@ -122,3 +123,43 @@ def test_worker_stopped_while_it_starts_leaves_within_seconds(swarm, moment):
     wait_for(lambda: moment in worker.output, 90, f"the worker to reach {moment!r}")
     worker.popen.send_signal(signal.SIGTERM)
     _assert_left_cleanly(worker, timeout=30)
+
+
+class _Spin(torch.nn.Module):
+    """Seconds of matmuls on one CPU thread, in many small nodes (a stop takes effect at the next one)."""
+
+    def __init__(self, n: int = 1024, steps: int = 300):
+        super().__init__()
+        self.w, self.steps = torch.nn.Parameter(torch.randn(n, n) / n**0.5), steps
+
+    def forward(self, x):
+        for _ in range(self.steps):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_a_drain_that_runs_out_of_time_stops_its_job_which_runs_elsewhere(swarm, client_for):
+    """``--drain-timeout`` over: the job still running is stopped as a pause stops one (not billed, noted as
+    "drained"), its client hears the worker left and runs it elsewhere. It used to be killed with the executors, read
+    as the job's own crash (held against its client), and noted after the ledger had closed (lost)."""
+    import gpunet
+    from gpunet.ledger import open_ledger
+
+    # The leaving worker is the cheaper one, so the job goes there first; the other is where it ends up.
+    leaving = swarm.start_worker("--drain-timeout", "1", "--threads", "1", "--price", "1", "-v")
+    other = swarm.start_worker("--price", "2")
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "the client to see both workers")
+    job = gpunet.Job.from_module(_Spin(), (torch.randn(1024, 1024),))
+    x = torch.randn(1024, 1024)
+    future = client.submit(job, x, requirements=gpunet.Requirements(prefer="cheapest", timeout=300))
+    leaving.wait_for_line(r"Running job", timeout=60)
+    leaving.popen.send_signal(signal.SIGTERM)  # to the worker alone: its daemon lives on, so it drains
+    _assert_left_cleanly(leaving, timeout=30)
+    assert "stopping them (not billed" in leaving.output, leaving.output
+    assert "killed its executor" not in leaving.output and "Could not note" not in leaving.output, leaving.output
+    with torch.no_grad():
+        assert torch.allclose(future.result(timeout=240), job.run_locally(x))
+    assert future.worker_id == swarm.worker_id(other)
+    with open_ledger(leaving.data_dir) as ledger:
+        assert [note.reason for note in ledger.unbilled()] == ["drained"]

@@ -125,7 +125,7 @@ class Entry:
 @dataclass(frozen=True)
 class Unbilled:
     """Work a worker started and was not paid for, and why (``reason``: refused, cancelled, timed_out, preempted,
-    failed, paused, disclaimed (session steps a closing client said it did not receive); ``detail``: the words of
+    failed, paused, drained (stopped when the worker's drain ran out of time), disclaimed (session steps a closing client said it did not receive); ``detail``: the words of
     whoever decided)."""
 
     client_id: str

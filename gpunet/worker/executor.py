@@ -31,7 +31,7 @@ import msgpack
 
 from gpunet.errors import (
     DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout, ProgramNotCached,
-    SessionLost,
+    SessionLost, WorkerDraining,
 )
 from gpunet.utils import wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
@@ -637,8 +637,11 @@ class Executor:
             wait = deadline - loop.time()
             if look_every is not None and not stopping:
                 wait = min(wait, look_every)
-            if await slot.readable(max(0.0, wait)):
-                break
+            try:
+                if await slot.readable(max(0.0, wait)):
+                    break
+            except (OSError, ValueError):  # its pipe was closed under it: the pool is closing (the worker leaves)
+                raise WorkerDraining("the worker stopped while the job ran; run it elsewhere") from None
             if look_every is not None and not stopping:
                 cap = self._work_deadline(slot, loop)
                 if cap is not None:
@@ -681,6 +684,8 @@ class Executor:
     def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
         in it; a process that died before the job reached it is no fault of the job's."""
+        if self._closed:  # stopped by close(): the worker is leaving, and the job did nothing wrong
+            raise WorkerDraining("the worker stopped while the job ran; run it elsewhere")
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")

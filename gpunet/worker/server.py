@@ -452,8 +452,13 @@ class Worker:
         await self.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
         if not await _within(admission.drained(), deadline - time.monotonic()):
-            logger.warning("%d job(s) still running after %.0f s; abandoning them", admission.active,
-                           self.config.drain_timeout)
+            from gpunet.worker.executor import STOP_GRACE
+
+            stopped = self.service.stop_running()
+            logger.warning("%d job(s) still running after %.0f s; stopping them (not billed: their clients run them "
+                           "elsewhere)", stopped, self.config.drain_timeout)
+            # Each stops at its program's next node, or is killed once one op outlasts STOP_GRACE.
+            await _within(admission.drained(), STOP_GRACE + 1.0)
         # Sessions' last steps are billed when their clients close them (a client told that we drain moves its span
         # and closes here): give them a moment, then sign what is left ourselves.
         grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))

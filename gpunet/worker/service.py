@@ -214,6 +214,7 @@ class JobService:
         self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano)
         self._turns: dict[Ticket, asyncio.Future] = {}  # waiting for a Start
         self._pause_timer: asyncio.TimerHandle | None = None
+        self._leaving = False  # the drain ran out of time: running jobs are being stopped (stop_running)
         #: The latest jobs that ran here and how each ended, newest last (the dashboard shows them).
         self.recent: deque[dict] = deque(maxlen=RECENT_JOBS)
         self._by_ticket: dict[Ticket, _Job] = {}
@@ -863,6 +864,9 @@ class JobService:
             await wait_out(*tasks)
             self._by_ticket.pop(job.ticket, None)
         stopped = job.run.cancelled() or isinstance(job.run.exception(), JobPreempted)
+        if stopped and job.ticket.preempted and self._leaving:
+            raise WorkerDraining("this worker left the network before the job finished; run it elsewhere",
+                                 self.admission.queue_length)
         if stopped and job.ticket.preempted and self.admission.paused is not None:
             raise self.admission.pause_error()  # the owner took the machine back: run it elsewhere
         if job.run.cancelled():
@@ -1037,6 +1041,10 @@ class JobService:
             metrics.count_lanes(self.lanes)
 
     def _preempted(self, key: tuple[str, str], submit: Submit) -> None:
+        if self._leaving:
+            metrics.JOBS.labels("drained").inc()
+            self._unbilled(key, submit, "drained", "stopped: this worker left the network before it finished")
+            return
         if self.admission.paused is not None:
             metrics.JOBS.labels("paused").inc()
             self._unbilled(key, submit, "paused", f"stopped: this worker paused ({self.admission.paused})")
@@ -1060,10 +1068,13 @@ class JobService:
         self._ran(key, submit.lane, reason)
 
     def _ran(self, key: tuple[str, str], lane: str, outcome: str, receipt: Receipt | None = None) -> None:
+        """One line of the dashboard's recent jobs; one not billed has no start or price, and earned nothing."""
         self.recent.append({"job_id": key[1], "client_id": key[0], "lane": lane, "outcome": outcome,
                             "ended_at": time.time(),
-                            **({"started_at": receipt.started_at_us / 1e6, "price": receipt.price,
-                                "amount": receipt.amount, "flops": receipt.flops} if receipt is not None else {})})
+                            "started_at": receipt.started_at_us / 1e6 if receipt is not None else None,
+                            "price": receipt.price if receipt is not None else None,
+                            "amount": receipt.amount if receipt is not None else 0,
+                            "flops": receipt.flops if receipt is not None else 0})
 
     def _stop_run(self, ticket: Ticket) -> None:
         """Stop a running job the worker no longer wants to run (preempted, or the owner paused the worker): at its
@@ -1098,6 +1109,16 @@ class JobService:
         if self._pause_timer is not None:
             self._pause_timer.cancel()
             self._pause_timer = None
+
+    def stop_running(self) -> int:
+        """The worker is leaving and its drain ran out of time: stop the jobs still running, as a pause does, before
+        the executors go (killed under them, a job would read as its own crash). Their clients hear that the worker
+        left and run them elsewhere; nothing is billed for them. Returns how many were running."""
+        self._leaving = True
+        running = list(self.lanes.running)
+        for ticket in running:
+            self._stop_run(ticket)
+        return len(running)
 
     def _stop_all_for_pause(self) -> None:
         self._pause_timer = None
