@@ -123,6 +123,8 @@ class WorkerConfig:
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
             raise ConfigError(f"--peer-upload-mbps must be 0 (no cap) or at least {MIN_PEER_UPLOAD_MBPS} MB/s: a peer "
                               "fetching from this worker gives up on a stream slower than about 1 MB/s")
+        if self.dashboard_port and self.dashboard_port == self.metrics_port:
+            raise ConfigError(f"--dashboard-port and --metrics-port are both {self.dashboard_port}: give each its own")
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):
             raise ConfigError(f"--price must be a number from 0 to {MAX_PRICE:g} credits per TFLOP, not {self.price!r}")
         if self.batch_price is None:

@@ -25,8 +25,9 @@ def unusable_dir(tmp_path):
         (["status", "--initial-peers", "not-an-address"], "initial peer 'not-an-address' is not a multiaddr"),
         (["bootstrap", "--network", "no.dots", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], "network name 'no.dots'"),
         (["worker", "--device", "cpu", "--threads", "100000"], "--threads must be from 1 to the"),
+        (["worker", "--device", "cpu", "--dashboard-port", "18999", "--metrics-port", "18999"], "give each its own"),
     ],
-    ids=["worker", "ledger", "status", "bootstrap", "worker-threads"],
+    ids=["worker", "ledger", "status", "bootstrap", "worker-threads", "worker-ports"],
 )
 def test_a_config_error_is_one_line_and_exit_code_2(args, message, unusable_dir, tmp_path):
     result = run_cli(*(a.format(dir=unusable_dir) for a in args), timeout=120, env={"GPUNET_DATA_DIR": str(tmp_path)})
@@ -53,3 +54,19 @@ def test_help_and_version_still_end_with_exit_code_0(tmp_path):
     for args in (["--help"], ["ledger", "show", "--help"], ["--version"]):
         result = run_cli(*args, timeout=60, env={"GPUNET_DATA_DIR": str(tmp_path)})
         assert result.returncode == 0 and result.stdout and not result.stderr, (args, result.stderr)
+
+
+def test_a_worker_whose_dashboard_port_is_taken_says_so_before_it_joins(tmp_path):
+    """Found after joining, the worker used to be listed "joining" for nobody until its record expired."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = run_cli("worker", "--device", "cpu", "--dashboard-port", str(port), "--initial-peers",
+                         "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq",
+                         timeout=120, env={"GPUNET_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    assert _error_lines(result.stderr)[-1] == f"error: --dashboard-port {port}: cannot listen on it (Address already in use)"
+    assert "initial peers" not in result.stderr and "Joined" not in result.stdout  # it never tried to join

@@ -86,6 +86,13 @@ def test_export_csv_and_json_round_trip_through_merge(node, tmp_path):
     assert merged.exit_code == 0 and json.loads(merged.stdout)["added"] == 3
     assert run("verify", data_dir=tmp_path / "client").exit_code == 0
     assert run("export", "-f", "xml", data_dir=data_dir).exit_code == 2
+    to_stdout = run("export", "-f", "json", "-o", "-", data_dir=data_dir)  # "-" is stdout, not a file named "-"
+    assert to_stdout.exit_code == 0 and json.loads(to_stdout.stdout)["head"]["count"] == 3
+    nowhere = run("export", "-o", str(tmp_path / "no-such-dir" / "x.csv"), data_dir=data_dir)
+    assert nowhere.exit_code == 2 and "cannot write" in nowhere.output and "Traceback" not in nowhere.output
+    (tmp_path / "empty.json").write_bytes(b"")
+    empty = run("merge", str(tmp_path / "empty.json"), data_dir=tmp_path / "client")
+    assert empty.exit_code == 2 and "export it again" in empty.output and "-wal" not in empty.output
 
 
 def test_merge_exit_codes(node, tmp_path):
@@ -99,6 +106,7 @@ def test_merge_exit_codes(node, tmp_path):
     assert [(c["job_id"], c["held"]["worker_id"], c["other"]["worker_id"]) for c in shown] == [
         ("job-2", me.peer_id, OTHER.peer_id)
     ]
+    assert f"worker_id: held {me.peer_id} / other {OTHER.peer_id}" in run("conflicts", data_dir=data_dir).output
     missing = run("merge", str(tmp_path / "nothing-here"), data_dir=data_dir)
     assert missing.exit_code == 2 and "cannot read" in missing.output
 

@@ -231,3 +231,12 @@ def test_a_deadline_no_worker_can_meet_is_refused_with_the_soonest_estimate():
 
     due = datetime.now(timezone.utc) + timedelta(minutes=5)
     assert Requirements(deadline=due).deadline == pytest.approx(due.timestamp())
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_price=float("inf")), dict(max_price=float("nan")), dict(max_price="2"),
+                                    dict(max_price=20000), dict(min_memory_gb=-1), dict(min_tflops=float("nan")),
+                                    dict(timeout=0), dict(timeout=float("inf")), dict(redundancy=2.0)])
+def test_a_requirement_that_is_no_usable_number_is_refused_when_it_is_made(kwargs):
+    """inf or nan used to pass here and fail at submit as a receipt error; a string as a bare TypeError."""
+    with pytest.raises(ConfigError, match=f"Requirements.{next(iter(kwargs))}"):
+        Requirements(**kwargs)

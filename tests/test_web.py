@@ -94,6 +94,7 @@ def test_the_dashboard_answers_only_its_owner_and_refuses_what_another_site_woul
     assert post("/api/pause") == 403  # no key: a cross-site form cannot learn it
     assert post("/api/pause", headers={"X-Gpunet-Token": token, "Origin": "http://evil.example"}) == 403
     assert post("/api/pause", headers={"X-Gpunet-Token": token}, body=b"not json") == 400
+    assert post("/api/pause", headers={"X-Gpunet-Token": token}, body=b'{"reason": 5}') == 400  # said, not dropped
     assert post("/api/pause", headers={"X-Gpunet-Token": token, "Host": f"evil.example:{port}"}) == 421  # rebinding
     assert wait_state(swarm, worker, "online") is None  # none of them paused it
     assert post("/api/pause", headers={"X-Gpunet-Token": token}) == 200

@@ -37,6 +37,7 @@ from datetime import datetime
 from typing import Iterable, Literal
 
 from gpunet.client.trust import Reputation
+from gpunet.config import MAX_PRICE
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
@@ -48,6 +49,14 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
+
+
+def _check_number(name: str, value, positive: bool = False, most: float = math.inf, why: str = "") -> None:
+    """A Requirements figure must be a finite number in range (inf or nan would only fail later, somewhere else)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0) or value > most:
+        bound = f"from 0 to {most:g}" if most != math.inf else "above 0" if positive else ">= 0"
+        raise ConfigError(f"Requirements.{name} must be a finite number {bound}{why}, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,13 @@ class Requirements:
             raise ConfigError(f"Requirements.device must be 'any', 'gpu' or 'cpu', not {self.device!r}")
         if self.prefer not in ("balanced", "fastest", "cheapest"):
             raise ConfigError(f"Requirements.prefer must be 'balanced', 'fastest' or 'cheapest', not {self.prefer!r}")
-        if self.timeout <= 0:
-            raise ConfigError("Requirements.timeout must be positive")
-        if self.max_price is not None and self.max_price < 0:
-            raise ConfigError("Requirements.max_price must be >= 0")
-        if not 1 <= self.redundancy <= 16:
+        _check_number("min_memory_gb", self.min_memory_gb)
+        _check_number("min_tflops", self.min_tflops)
+        _check_number("timeout", self.timeout, positive=True)
+        if self.max_price is not None:
+            _check_number("max_price", self.max_price, most=MAX_PRICE,
+                          why=f" (credits per TFLOP; no worker charges over {MAX_PRICE:g}; None for no limit)")
+        if isinstance(self.redundancy, bool) or not isinstance(self.redundancy, int) or not 1 <= self.redundancy <= 16:
             raise ConfigError("Requirements.redundancy must be between 1 and 16")
         if self.verify not in ("none", "adaptive", "local-sample"):
             raise ConfigError(f"Requirements.verify must be 'none', 'adaptive' or 'local-sample', not {self.verify!r}")

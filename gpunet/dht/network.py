@@ -177,6 +177,19 @@ def _check_ports_free(maddrs: Iterable[str]) -> None:
                                   "that port? pick another, or /tcp/0 for any free one)") from None
 
 
+def check_local_ports_free(**ports: int) -> None:
+    """Refuse, before joining, a local service port (``dashboard_port=8470``) something already holds: found after
+    the join, the worker would leave again having been listed for nothing."""
+    for name, port in ports.items():
+        if port:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError as e:
+                    raise ConfigError(f"--{name.replace('_', '-')} {port}: cannot listen on it ({e.strerror})") from None
+
+
 def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: Identity | None = None
                    ) -> hivemind.DHT:
     """Join ``network`` to use it, not to serve it: a DHT client that stores no records for others and listens on

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from gpunet.cli_errors import handle_errors
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
-from gpunet.errors import GpunetError, LedgerCorrupted, LedgerError
+from gpunet.errors import ConfigError, GpunetError, LedgerCorrupted, LedgerError
 from gpunet.identity import KEY_FILENAME, Identity, short_id
 from gpunet.ledger.balances import balances
 from gpunet.ledger.export import write_csv, write_json
@@ -169,6 +169,9 @@ def _flops(n: int) -> str:
     return str(n)
 
 
+_SIGNATURES = ("worker_signature", "client_signature")
+
+
 def _receipt_table(title: str | Text, rows: list[tuple[int | None, Receipt]]) -> Table:
     """Newest-first rows of receipts; the job id is never cut (it is what ``show --job`` takes)."""
     table = Table(title=title, title_justify="left")
@@ -245,13 +248,18 @@ class ExportFormat(str, Enum):
 def export(
     data_dir: DataDir = None,
     format: Annotated[ExportFormat, typer.Option("--format", "-f", metavar="FORMAT", help="Output format.")] = ExportFormat.csv,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here instead of stdout.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write here instead of stdout (- is stdout).")] = None,
 ) -> None:
     """Every receipt, for settlement outside gpunet (each row keeps the exact signed receipt, base64)."""
+    if output is not None and str(output) == "-":
+        output = None
     with _read_ledger(data_dir) as ledger:
         entries = ledger.entries()
         head = ledger.head()
-    out = open(output, "w", newline="") if output else sys.stdout
+    try:
+        out = open(output, "w", newline="") if output else sys.stdout
+    except OSError as e:
+        raise ConfigError(f"cannot write {output}: {e.strerror}") from None
     try:
         count = write_csv(entries, out) if format is ExportFormat.csv else write_json(entries, head, out)
     finally:
@@ -312,6 +320,9 @@ def conflicts(data_dir: DataDir = None, as_json: AsJson = False) -> None:
         _out.print("None.")
     for c in found:
         _out.print(_receipt_table(Text(f"Job {c.job_id}: held vs. from {c.source}"), [(None, c.existing), (None, c.other)]))
+        held, other = c.existing.to_dict(), c.other.to_dict()
+        for key in (k for k in held if k not in _SIGNATURES and held[k] != other.get(k)):  # what the table may not show
+            _out.print(Text(f"  {key}: held {held[key]} / other {other.get(key)}"))
 
 
 

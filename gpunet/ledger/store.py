@@ -680,6 +680,8 @@ def _read_source(path: Path) -> Iterable[tuple[str, bytes]]:
                    "and merge the export")
     has_wal = Path(f"{path}-wal").exists()  # looked at first: opening the file may leave an empty one behind
     if not magic and not has_wal:
+        if path.suffix.lower() == ".json":  # an export cut short, not a ledger copied without its -wal
+            raise LedgerError(f"{path} is empty: not a `gpunet ledger export --format json` (export it again)")
         raise LedgerError(f"{path} is empty{wal_missing}")
     if magic == _SQLITE_MAGIC:
         try:

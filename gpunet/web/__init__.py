@@ -36,6 +36,11 @@ def asset(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
+
+class BadRequest(Exception):
+    """A POST handler's refusal of its body: answered 400 with the message."""
+
+
 class Site:
     """An aiohttp app serving one page, the shared assets and a JSON API, on 127.0.0.1 (or ``host``) only."""
 
@@ -77,7 +82,11 @@ class Site:
                 body = None
             if not isinstance(body, dict):
                 return web.json_response({"error": "the body is a JSON object"}, status=400, headers=_HEADERS)
-            return web.json_response(await handler(body), headers=_HEADERS)
+            try:
+                result = await handler(body)
+            except BadRequest as e:
+                return web.json_response({"error": str(e)}, status=400, headers=_HEADERS)
+            return web.json_response(result, headers=_HEADERS)
 
         self.app.router.add_post(path, endpoint)
 

@@ -22,7 +22,7 @@ import time
 from gpunet.ledger.earnings import EarningsBook
 from gpunet.ledger.store import open_ledger
 from gpunet.protocol import LANES
-from gpunet.web import Site
+from gpunet.web import BadRequest, Site
 from gpunet.worker import control
 
 
@@ -87,7 +87,9 @@ class Dashboard:
             return self._book.report(ledger, days)
 
     async def pause(self, body: dict) -> dict:
-        reason = body.get("reason") if isinstance(body.get("reason"), str) else ""
+        reason = body.get("reason", "")
+        if not isinstance(reason, str):
+            raise BadRequest('"reason" is text (or left out)')
         control.set_pause(self.worker.data_dir, reason[:200])
         self.worker.poke_owner()
         return {"paused": True}

@@ -228,6 +228,7 @@ class Worker:
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
         starting_network = not network.resolve_initial_peers(cfg.initial_peers)
+        network.check_local_ports_free(dashboard_port=cfg.dashboard_port, metrics_port=cfg.metrics_port)
         self.dht = await self._join(None)
         if self.dht is None:  # stopped while waiting for an initial peer
             return 0
@@ -252,6 +253,13 @@ class Worker:
             self._owner_watch.cancel()
             await self._drain()
             return 0
+        except Exception:
+            if self._last_expiration and self.state is not WorkerState.OFFLINE:  # listed, and failing: unlisted now
+                try:
+                    await self.announce(WorkerState.OFFLINE)
+                except Exception as e:
+                    logger.debug("Could not leave a tombstone: %s", e)
+            raise
         finally:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
