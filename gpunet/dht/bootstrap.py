@@ -87,7 +87,11 @@ def run_bootstrap(
         readyfile.remove_ready(data_dir)
         if doors is not None:
             doors.stop()
-        if dht is not None:
+        if dht is not None and doors is not None and not doors.daemon_alive:
+            # Ctrl-C in a terminal stopped the daemon with us: a polite shutdown would wait its grace period on it.
+            dht.terminate()
+            dht.join(5)
+        elif dht is not None:
             dht.shutdown()
 
 
@@ -105,6 +109,7 @@ class Doors:
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._relay: bool | None = None  # None: no public address to test it on
+        self.daemon_alive = True  # False once stopped: the p2p daemon was gone (the whole process group signalled)
         self._thread = threading.Thread(target=self._run, name="gpunet-doors", daemon=True)
 
     def start(self, stop: threading.Event) -> bool | None:
@@ -138,7 +143,8 @@ class Doors:
                 await asyncio.sleep(0.2)
         finally:
             self._ready.set()
-            if await rpc.daemon_alive():
+            self.daemon_alive = await rpc.daemon_alive()
+            if self.daemon_alive:
                 await rpc.close()
 
     def _run(self) -> None:
