@@ -337,9 +337,10 @@ def earnings_command(
 ) -> None:
     """What this worker earned (from its own ledger): jobs, counted work and credits, and every job not paid, with the
     reason."""
-    from gpunet.ledger.earnings import earnings, parse_since
+    from gpunet.ledger.earnings import check_grouping, earnings, parse_since
 
     start = parse_since(since)
+    check_grouping(by)  # a mistake in the command is said first, wherever the data dir points
     with _read_ledger(data_dir) as ledger:
         me = _own_id(ledger.path.parent)
         if me is None:

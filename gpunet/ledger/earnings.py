@@ -80,11 +80,15 @@ class Earnings:
         }
 
 
+def check_grouping(by: str) -> None:
+    if by not in ("day", "client"):
+        raise ConfigError(f"earnings are grouped by 'day' or 'client', not {by!r}")
+
+
 def earnings(ledger: Ledger, worker_id: str, since: float | None = None, by: Literal["day", "client"] = "day",
              now: float | None = None) -> Earnings:
     """This worker's earnings in ``ledger`` since ``since`` (unix time; None: all), grouped ``by`` day or client."""
-    if by not in ("day", "client"):
-        raise ConfigError(f"earnings are grouped by 'day' or 'client', not {by!r}")
+    check_grouping(by)
     now = time.time() if now is None else now
     since_us = int(since * 1e6) if since is not None else 0
     out = Earnings(worker_id, by, since)
