@@ -88,9 +88,9 @@ class JobFailed(JobError):
 
 
 class JobRaised(JobFailed):
-    """An op of the job's own program raised as it ran (an index out of range, a size an op refused): the same inputs
-    raise the same way on any worker. The client asks a second worker before it believes one (a worker could say so
-    to be rid of a job), and then raises this, holding it against neither."""
+    """An op of the job's own program raised on the job's values as it ran (an index out of range, offsets a guard
+    refused): the same inputs raise the same way on any worker. A client does not take one worker's word for it (saying
+    so gets rid of a job): it runs a small job itself, or asks a second worker drawn at random (docs/trust.md)."""
 
 
 class ExecutorDied(JobFailed):

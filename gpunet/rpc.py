@@ -70,6 +70,12 @@ def peer(peer_id: str) -> PeerID:
     return PeerID.from_base58(peer_id)
 
 
+
+async def dial(p2p: P2P, peer_id: PeerID, maddrs: Iterable[Multiaddr]) -> None:
+    """Have the daemon connect to ``peer_id`` at ``maddrs`` (it forgets the addresses of a peer it lost a while ago)."""
+    await p2p._client.connect(peer_id, list(maddrs))
+
+
 class RPC:
     """gpunet's doors on one node's p2p replica (``await dht.replicate_p2p()``), for one network name."""
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gpunet
+from gpunet.client import core as core_module
 from gpunet.client.core import ClientCore
 from gpunet.client.transport import Delivery, JobRequest
 from gpunet.dht.records import DeviceInfo, WorkerRecord
@@ -187,28 +188,41 @@ EMBED = gpunet.Job.from_module(torch.nn.Embedding(10, 4), example_inputs=(torch.
 OUT_OF_RANGE = torch.tensor([[1, 50]])
 
 
-def test_a_job_that_raises_on_two_workers_is_its_own_error_and_held_against_neither(tmp_path):
-    """An index out of range raises on any worker: a second worker confirms it, the caller gets JobRaised (not
-    NoWorkersAvailable after every worker tried it), and no worker is banned or ranked down for the job's error."""
+def test_a_job_that_raises_is_its_own_error_once_the_client_sees_it_raise_too(tmp_path):
+    """An index out of range raises on any worker: a job small enough is run here to see (no second worker needed),
+    the caller gets JobRaised (not NoWorkersAvailable after every worker tried it), and no worker is banned."""
     workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
 
     async def scenario(core):
-        with pytest.raises(JobRaised, match=r"index out of range .*the same on 2 workers"):
+        with pytest.raises(JobRaised, match=r"index out of range .*this client's own run raised the same"):
             await core.run(EMBED, [OUT_OF_RANGE])
         assert not core.router.bans and all(core.reputation.workers.get(w.id) is None
                                             or core.reputation.workers[w.id].failures == 0 for w in workers)
         return await core.run(EMBED, [torch.tensor([[3, 4]])])  # the next job goes as fast as ever
 
     result = run(tmp_path, workers, scenario)
-    assert sorted(len(w.jobs) for w in workers) in ([0, 1, 2], [1, 1, 1])
+    assert sorted(len(w.jobs) for w in workers) in ([0, 0, 2], [0, 1, 1])
     assert torch.equal(result.outputs, EMBED.run_locally(torch.tensor([[3, 4]])))
 
 
-def test_a_worker_that_says_the_job_raised_is_struck_once_another_worker_runs_it(tmp_path):
+def test_a_job_too_big_to_run_here_raises_once_a_second_worker_drawn_at_random_says_the_same(tmp_path, monkeypatch):
+    monkeypatch.setattr(core_module, "LOCAL_CONFIRM_FLOPS", 0)
+    workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
+
+    async def scenario(core):
+        with pytest.raises(JobRaised, match=r"index out of range .*worker \S+ raised the same"):
+            await core.run(EMBED, [OUT_OF_RANGE])
+        assert not core.router.bans
+
+    run(tmp_path, workers, scenario)
+    assert sorted(len(w.jobs) for w in workers) == [0, 1, 1]
+
+
+def test_a_worker_that_says_the_job_raised_is_struck_once_the_job_runs(tmp_path):
     liar, good = FakeWorker("liar", "raise", tflops=100.0), FakeWorker("good")  # routing tries the liar first
 
     async def scenario(core):
-        result = await core.run(JOB, [X])
+        result = await core.run(JOB, [X])  # small: this client ran it, and it did not raise
         assert core.router.bans[liar.id].strikes == 1 and core.reputation.workers[liar.id].failures == 1
         return result
 
@@ -216,11 +230,26 @@ def test_a_worker_that_says_the_job_raised_is_struck_once_another_worker_runs_it
     assert result.worker_id == good.id and result.attempts == [liar.id, good.id]
 
 
-def test_a_job_that_raises_on_the_only_worker_says_so(tmp_path):
+def test_a_checker_that_says_the_job_raised_is_a_failure_not_the_jobs_error(tmp_path):
+    """The result it was to check exists: its word cannot end the job (nor unpay the worker that ran it)."""
+    good, checker = FakeWorker("good", tflops=100.0), FakeWorker("checker", "raise")
+
+    async def scenario(core):
+        result = await core.run(JOB, [X], gpunet.Requirements(verify="adaptive"))
+        assert core.router.bans[checker.id].strikes == 1
+        return result
+
+    result = run(tmp_path, [good, checker], scenario)
+    assert result.worker_id == good.id and result.checked  # this client checked it itself
+    assert torch.allclose(result.outputs, JOB.run_locally(X))
+
+
+def test_a_job_that_raises_on_the_only_worker_and_is_too_big_to_run_here_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(core_module, "LOCAL_CONFIRM_FLOPS", 0)
     alone = FakeWorker("alone")
 
     async def scenario(core):
-        with pytest.raises(JobRaised, match="no other worker could run it to confirm") as raised:
+        with pytest.raises(JobRaised, match="no other worker could run it to confirm, nor this client") as raised:
             await core.run(EMBED, [OUT_OF_RANGE])
         assert raised.value.attempts == [alone.id]  # JobFuture.attempts, for a job that failed
 

@@ -234,9 +234,16 @@ def test_a_deadline_no_worker_can_meet_is_refused_with_the_soonest_estimate():
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_price=float("inf")), dict(max_price=float("nan")), dict(max_price="2"),
-                                    dict(max_price=20000), dict(min_memory_gb=-1), dict(min_tflops=float("nan")),
+                                    dict(min_memory_gb=-1), dict(min_tflops=float("nan")),
                                     dict(timeout=0), dict(timeout=float("inf")), dict(redundancy=2.0)])
 def test_a_requirement_that_is_no_usable_number_is_refused_when_it_is_made(kwargs):
     """inf or nan used to pass here and fail at submit as a receipt error; a string as a bare TypeError."""
     with pytest.raises(ConfigError, match=f"Requirements.{next(iter(kwargs))}"):
         Requirements(**kwargs)
+
+
+def test_a_bid_above_any_workers_price_is_that_price_and_numpy_numbers_do():
+    import numpy as np
+
+    assert Requirements(max_price=20000).max_price == 10000  # no worker may charge more (WorkerConfig.price)
+    assert Requirements(max_price=np.float32(1.5), min_memory_gb=np.int64(2)).max_price == 1.5

@@ -12,6 +12,7 @@ import itertools
 import threading
 import weakref
 from collections import deque
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
@@ -283,9 +284,11 @@ class Client:
             return
         self._closed = True
         try:
-            if self._thread.is_alive():
-                asyncio.run_coroutine_threadsafe(self._stop_calls(), self._loop).result(timeout=30)
-            self._shutdown()
+            try:
+                if self._thread.is_alive():
+                    asyncio.run_coroutine_threadsafe(self._stop_calls(), self._loop).result(timeout=30)
+            finally:
+                self._shutdown()
         finally:
             ledger = getattr(self._local, "ledger", None)
             if ledger is not None:
@@ -311,8 +314,13 @@ class Client:
         task = self._loop.create_task(self._core.run(job, inputs, requirements))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
-        task.add_done_callback(lambda done: future._settle(done) if not (done.cancelled() and self._closed) else
-                               future.set_exception(GpunetError("the client was closed before this job finished")))
+        task.add_done_callback(partial(self._settle, future))
+
+    def _settle(self, future: JobFuture, task: asyncio.Task) -> None:
+        if task.cancelled() and self._closed and not future.done():
+            future.set_exception(GpunetError("the client was closed before this job finished"))
+        else:
+            future._settle(task)
         future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
 
     def map(

@@ -100,6 +100,7 @@ class _Prepared:
     max_output_bytes: int  # their data plus room for the header: a bigger answer is refused before it is read
     hashing: asyncio.Future | None = None
     inputs: tuple | None = None  # the tensors themselves, kept for verified jobs: the client may compute the job here
+    peak_memory: int = 0  # the dry run's peak, in bytes
 
 
 @dataclass
@@ -299,6 +300,7 @@ class ClientCore:
             outputs=estimate.outputs,
             max_output_bytes=estimate.output_bytes + OUTPUT_HEADER_ALLOWANCE, hashing=hashing,
             inputs=tuple(inputs) if req.verify != "none" or req.redundancy > 1 else None,
+            peak_memory=estimate.peak_memory_bytes,
         )
         await self._some_workers(req)
         if req.redundancy == 1 and req.verify == "none":
@@ -632,6 +634,27 @@ class ClientCore:
         self.reputation.save()
         return result
 
+    async def _raises_here(self, p: "_Prepared", said: JobRaised) -> bool | None:
+        """Whether the job raises on this machine too (True), runs (False), or was not tried here (None: too big to
+        run on a client, or this machine cannot). Decides a worker's "the job raised" without trusting anyone."""
+        if p.flops > LOCAL_CONFIRM_FLOPS or p.peak_memory > LOCAL_CONFIRM_BYTES:
+            return None
+        inputs = p.inputs
+        if inputs is None:
+            from gpunet.job import tensors
+
+            given = tensors.decode(p.encoded)
+            inputs = tuple(given[f"input_{i}"] for i in range(len(given)))
+        try:
+            async with asyncio.timeout(max(0.1, min(LOCAL_CONFIRM_SECONDS, p.deadline - time.monotonic()))):
+                await asyncio.to_thread(p.job.run_locally, *inputs)
+        except JobRaised:
+            return True
+        except (GpunetError, TimeoutError, MemoryError) as e:
+            logger.info("Could not run job %s here to check that it raises (%s)", p.job_id[:12], e or "too slow")
+            return None
+        return False
+
     async def _compute_here(self, p: "_Prepared"):
         """The job computed on this machine, within what is left of its timeout (TimeoutError past it)."""
         async with asyncio.timeout(max(0.1, p.deadline - time.monotonic())):
@@ -704,7 +727,7 @@ class ClientCore:
         preempted: Counter[str] = Counter()  # workers that stopped this batch job for interactive work: others first
         last_error: GpunetError | None = None
         emptied_until: float | None = None  # the network emptied under this job: looked for again until then
-        raised: list[str] = []  # workers that said the job itself raised (see JobRaised), and what they said
+        raised: list[tuple[str, str]] = []  # (worker, where) for workers that said the job itself raised (JobRaised)
         raised_error: JobRaised | None = None
         while True:
             remaining = p.deadline - time.monotonic()
@@ -712,7 +735,10 @@ class ClientCore:
                 raise JobTimeout(f"job {job_id[:12]} did not finish within {req.timeout:g} s; tried {_names(tried)}"
                                  + (f" (last error: {last_error})" if last_error else ""))
             try:
-                worker = (self.router.choose_checker(req, exclude=failed, replicas=taken - failed) if checker else
+                # A second opinion on "the job raised" comes from a worker drawn at random, like a checker: the next
+                # cheapest could be the same owner's second identity.
+                worker = (self.router.choose_checker(req, exclude=failed, replicas=taken - failed)
+                          if checker or raised else
                           self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed, avoid=set(preempted),
                                              within=remaining if req.deadline is not None else None))
                 self._say_skips()
@@ -737,8 +763,8 @@ class ClientCore:
                     raise DeadlineUnreachable(f"every worker that could take job {job_id[:12]} refused it: "
                                               f"{rejections[-1].reason}") from None
                 if raised:  # no other worker to ask: the one that ran it is all there is to go on
-                    raise JobRaised(f"{raised_error} (said by worker {raised[0][-8:]}; no other worker could run it "
-                                    "to confirm)") from None
+                    raise JobRaised(f"{raised_error} (said by worker {raised[0][0][-8:]}; no other worker could run "
+                                    "it to confirm, nor this client)") from None
                 raise NoWorkersAvailable(f"{e}; tried {_names(tried)}; last error: {last_error}") from None
             taken.add(worker.id)
             tried.append(worker.id)
@@ -804,15 +830,26 @@ class ClientCore:
                     failed.add(worker.id)
                 continue
             except JobRaised as e:
-                # The job's own error, this worker says: the same inputs raise the same way anywhere. Believed once
-                # another worker agrees (one could say so to be rid of the job), and then held against neither.
+                # The job's own error, this worker says: the same inputs raise the same way anywhere. Not believed on
+                # its word (saying so gets rid of a job): this client runs the job itself when it is small enough,
+                # else a second worker drawn at random must say the same. A checker's word on a result another worker
+                # gave is not enough either: there it is a failure like any other.
                 taken.discard(worker.id)
                 failed.add(worker.id)
-                raised.append(worker.id)
                 raised_error = last_error = e
-                if len(raised) >= RAISED_CONFIRMATIONS:
-                    raise JobRaised(f"{e} (the same on {len(raised)} workers: the job's own error; run_locally shows "
-                                    "it too)") from None
+                verdict = None if checker else await self._raises_here(p, e)
+                if verdict is True or (verdict is None and not checker and _raised_where(e) in
+                                       {where for _, where in raised}):
+                    who = "this client's own run" if verdict else f"worker {raised[0][0][-8:]}"
+                    raise JobRaised(f"{e} ({who} raised the same: the job's own error, held against no worker)"
+                                    ) from None
+                if verdict is False or checker:  # it ran here, or the result it was to check exists: not the job's
+                    self._strike(worker.id)
+                    self.reputation.record(worker.id, "failure")
+                    logger.info("Worker %s said job %s raised (%s), which %s; banned for a while", worker.id[-8:],
+                                job_id[:12], e, "this client ran" if verdict is False else "another worker ran")
+                    continue
+                raised.append((worker.id, _raised_where(e)))
                 logger.info("Worker %s says job %s raised (%s); asking another worker", worker.id[-8:], job_id[:12], e)
                 continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
@@ -852,7 +889,7 @@ class ClientCore:
                 self.router.finished(worker.id)
             self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds, cold=cold, ahead=ahead)
-            for liar in raised:  # it ran here: their "the job raised" was not the job's doing
+            for liar, _ in raised:  # it ran here: their "the job raised" was not the job's doing
                 self._strike(liar)
                 self.reputation.record(liar, "failure")
                 logger.info("Worker %s said job %s raised, and worker %s ran it", liar[-8:], job_id[:12],
@@ -925,6 +962,12 @@ class _WrongAnswer(Exception):
         self.error = error
 
 
+def _raised_where(error: JobRaised) -> str:
+    """Where a job raised, as a worker says (the node and the exception's type), to compare two workers' words."""
+    text = str(error)
+    return text[:text.index(":")] if ":" in text else text
+
+
 def check_call(job, inputs: Sequence, named: dict | None = None) -> tuple[torch.Tensor, ...]:
     """What a submit was handed, as a Job and tensors in its input order (numpy arrays are taken as they are; named
     inputs go where their names say); UsageError otherwise, saying what to pass. Called where the user calls, so the
@@ -951,8 +994,11 @@ _LARGE_BYTES = 1 << 20
 #: Seconds a job that already tried workers waits for them to reappear when the network looks empty (their records
 #: lapse together while they restart) before it fails with NoWorkersAvailable.
 EMPTY_NETWORK_WAIT = 20.0
-#: Workers that must say a job itself raised before the client raises it (JobRaised): the one that ran it, and one more.
-RAISED_CONFIRMATIONS = 2
+#: A job a worker says raised (JobRaised) is run here to see, when it is this small (a few seconds on a CPU at most);
+#: a bigger one needs a second worker, drawn at random, to say the same.
+LOCAL_CONFIRM_FLOPS = 10**11
+LOCAL_CONFIRM_BYTES = 2**30
+LOCAL_CONFIRM_SECONDS = 30.0
 #: Room for the safetensors header of a job's outputs (names, dtypes, shapes as JSON) on top of their data.
 OUTPUT_HEADER_ALLOWANCE = 64 * 1024
 MAX_ESTIMATES = 1024

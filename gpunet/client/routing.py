@@ -29,6 +29,7 @@ checked worker, and one that refuses challenges is in the end credited nothing.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from collections import Counter
@@ -51,12 +52,12 @@ EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
 
 
-def _check_number(name: str, value, positive: bool = False, most: float = math.inf, why: str = "") -> None:
+def _check_number(name: str, value, positive: bool = False, why: str = "") -> None:
     """A Requirements figure must be a finite number in range (inf or nan would only fail later, somewhere else)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
-            or (positive and value == 0) or value > most:
-        bound = f"from 0 to {most:g}" if most != math.inf else "above 0" if positive else ">= 0"
-        raise ConfigError(f"Requirements.{name} must be a finite number {bound}{why}, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0):
+        raise ConfigError(f"Requirements.{name} must be a finite number {'above 0' if positive else '>= 0'}{why}, "
+                          f"not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,9 @@ class Requirements:
         _check_number("min_tflops", self.min_tflops)
         _check_number("timeout", self.timeout, positive=True)
         if self.max_price is not None:
-            _check_number("max_price", self.max_price, most=MAX_PRICE,
-                          why=f" (credits per TFLOP; no worker charges over {MAX_PRICE:g}; None for no limit)")
+            _check_number("max_price", self.max_price, why=" (credits per TFLOP; None for no limit)")
+            # No worker charges more: a higher bid is that one (and fits in a receipt).
+            object.__setattr__(self, "max_price", min(float(self.max_price), MAX_PRICE))
         if isinstance(self.redundancy, bool) or not isinstance(self.redundancy, int) or not 1 <= self.redundancy <= 16:
             raise ConfigError("Requirements.redundancy must be between 1 and 16")
         if self.verify not in ("none", "adaptive", "local-sample"):

@@ -347,7 +347,8 @@ class SessionCore:
                 # A wrong input (refused here) or the step's own error (JobRaised: its worker's state is as before
                 # the step) before any span took the step leaves every span where it was: the session goes on.
                 # Anything else may have left spans on different steps.
-                untouched = taken == [len(p.history) for p in self.placed]
+                untouched = taken == [len(p.history) for p in self.placed] and all(
+                    p.worker_id is None or p.step == len(p.history) for p in self.placed)
                 if not (untouched and isinstance(e, (UsageError, JobRejected, JobRaised))):
                     self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
                 raise
@@ -381,7 +382,7 @@ class SessionCore:
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
                 # fails the same way everywhere (JobRaised: raised once another worker agrees), so moves are bounded.
-                if isinstance(e, JobRaised):
+                if isinstance(e, JobRaised) and self.checks is None:  # (checked steps: their replays ran it too)
                     if raised:
                         raise JobRaised(f"{e} (the same on two workers: the step's own error)") from None
                     raised = True
@@ -530,7 +531,10 @@ class SessionCore:
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:
-            await self._run(i, span, placed, past, close=False, record=False)
+            try:
+                await self._run(i, span, placed, past, close=False, record=False)
+            except JobRaised as e:  # a step that ran before cannot raise now: this worker's failure, not the job's
+                raise JobFailed(f"replaying step {placed.step}: {e}") from None
 
     def _close_on(self, worker_id: str, session_id: str, tab: Tab) -> None:
         """Close a session a span left (in the background) and pay its tab, if that worker still answers."""

@@ -251,30 +251,35 @@ async def _rejoin_when_alone(_dht: hivemind.DHT, node, initial_peers: Sequence[s
     from hivemind.p2p import PeerID
 
     peers = []
-    for addr in initial_peers:
-        maddr = Multiaddr(addr)
-        peers.append((PeerID.from_base58(maddr["p2p"]), maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))))
+    for addr in initial_peers:  # the peer is the last /p2p/ (before it, a relay's circuit is how to reach it)
+        where, _, peer = str(addr).rpartition("/p2p/")
+        peers.append((PeerID.from_base58(peer), Multiaddr(where)))
     alone_since = None
     while node.is_alive:
         await asyncio.sleep(period)
-        if node.protocol.routing_table.uid_to_peer_id:
-            alone_since = None
-            continue
-        if alone_since is None:
-            alone_since = asyncio.get_running_loop().time()
-            logger.warning("This node has no DHT peer left; asking its initial peers again every %.0f s", period)
-        answered = await asyncio.gather(*(_dial_and_ping(node, peer_id, maddr) for peer_id, maddr in peers))
-        if any(answered):
-            await asyncio.sleep(0)  # the ping's routing-table update is a task of its own
-            await node.find_nearest_nodes([node.node_id])
-            logger.warning("Joined the network again through an initial peer (after %.0f s alone)",
-                           asyncio.get_running_loop().time() - alone_since)
-            alone_since = None
+        try:
+            if node.protocol.routing_table.uid_to_peer_id:
+                alone_since = None
+                continue
+            if alone_since is None:
+                alone_since = asyncio.get_running_loop().time()
+                logger.warning("This node has no DHT peer left; asking its initial peers again every %.0f s", period)
+            answered = await asyncio.gather(*(_dial_and_ping(node, peer_id, maddr) for peer_id, maddr in peers))
+            if any(answered):
+                await asyncio.sleep(0)  # the ping's routing-table update is a task of its own
+                await node.find_nearest_nodes([node.node_id])
+                logger.warning("Joined the network again through an initial peer (after %.0f s alone)",
+                               asyncio.get_running_loop().time() - alone_since)
+                alone_since = None
+        except Exception as e:  # the next look may work: this watch must not end for good
+            logger.debug("Looking for initial peers again failed: %s", e)
 
 
 async def _dial_and_ping(node, peer_id, maddr) -> bool:
+    from gpunet.rpc import dial
+
     try:  # the daemon may have forgotten the address of a peer it lost
-        await node.p2p._client.connect(peer_id, [maddr])
+        await dial(node.p2p, peer_id, [maddr])
     except Exception:
         return False  # not back yet
     return await node.protocol.call_ping(peer_id) is not None

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from gpunet.errors import JobFailed
+from gpunet.errors import JobRaised
 
 Guard = Callable[[list, dict], None]
 
@@ -32,7 +32,7 @@ def _bind(overload, args: list, kwargs: dict) -> dict[str, Any]:
 
 
 def _refuse(op: str, why: str) -> None:
-    raise JobFailed(f"{op}: {why} (refused before the kernel ran)")
+    raise JobRaised(f"{op}: {why} (refused before the kernel ran)")  # the job's own values: the same anywhere
 
 
 def _embedding_bag(args: list, kwargs: dict) -> None:
@@ -107,7 +107,7 @@ GUARDS: dict[str, Guard] = {
 
 
 def check(op: str, args: list[Any], kwargs: dict[str, Any] | None = None) -> None:
-    """Raise JobFailed if this call would make ``op``'s kernel unsafe; nothing for ops without a guard."""
+    """Raise JobRaised if this call would make ``op``'s kernel unsafe; nothing for ops without a guard."""
     guard = GUARDS.get(op)
     if guard is not None:
         guard(args, kwargs or {})

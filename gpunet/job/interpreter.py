@@ -164,10 +164,19 @@ def execute(
         msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
         if tracker is not None:
             raise JobRejected(f"dry run failed: {msg}") from None
-        if isinstance(e, MemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e):
-            raise JobFailed(f"{where} ran out of memory on this worker: {str(e)[:300]}") from None  # the machine's
-        raise JobRaised(msg) from None  # the job's own: it would raise the same anywhere
+        if _the_jobs_own(e):
+            raise JobRaised(msg) from None  # it would raise the same on any worker
+        raise JobFailed(msg) from None  # perhaps this machine's (memory, a dtype its kernels lack, a library)
     return [env[s] for s in outputs]
+
+
+def _the_jobs_own(error: Exception) -> bool:
+    """Whether an op's error comes from the job's own values, the same on any machine: an index out of range. Others
+    (out of memory, a dtype a CPU kernel lacks, a library's refusal) may be the worker's, and count as its failure."""
+    text = str(error)
+    return isinstance(error, IndexError) or (isinstance(error, (RuntimeError, ValueError))
+                                             and ("out of bounds" in text or "out of range" in text)
+                                             and "memory" not in text)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -536,6 +536,8 @@ class Executor:
 
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
                       private: bool, session: dict | None, dry: DryRun) -> RunResult:
+        if self._closed:  # the worker is leaving: this job runs elsewhere
+            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
         await self._revive(slot)
         await slot.ensure_ready()
         dry.cap = slot.dry_cap
@@ -611,8 +613,9 @@ class Executor:
         from gpunet.job.cost import seconds_allowed
 
         word = slot.dry_word
-        ended, flops = word[_DRY_ENDED], word[_DRY_FLOPS]
-        if word[_DRY_RUN] != slot.run_id or flops < 0:
+        run = word[_DRY_RUN]
+        flops, ended = word[_DRY_FLOPS], word[_DRY_ENDED]
+        if run != slot.run_id or word[_DRY_RUN] != run or flops < 0:  # another run's words, or rewritten meanwhile
             return None
         allowed = seconds_allowed(int(flops), self.speed_tflops)
         why = (f"job ran past the {allowed:.0f} s its counted work ({flops:.3g} FLOPs) allows on this worker "

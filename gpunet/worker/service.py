@@ -865,8 +865,7 @@ class JobService:
             self._by_ticket.pop(job.ticket, None)
         stopped = job.run.cancelled() or isinstance(job.run.exception(), JobPreempted)
         if stopped and job.ticket.preempted and self._leaving:
-            raise WorkerDraining("this worker left the network before the job finished; run it elsewhere",
-                                 self.admission.queue_length)
+            raise self._leaving_error()
         if stopped and job.ticket.preempted and self.admission.paused is not None:
             raise self.admission.pause_error()  # the owner took the machine back: run it elsewhere
         if job.run.cancelled():
@@ -973,6 +972,8 @@ class JobService:
 
     async def _turn(self, ticket: Ticket, deadline: float | None) -> None:
         """Wait until the lanes start this job (at most until its deadline)."""
+        if self._leaving:
+            raise self._leaving_error()
         if self.admission.paused is not None:
             raise self.admission.pause_error()
         turn = self._turns[ticket] = asyncio.get_running_loop().create_future()
@@ -1115,10 +1116,17 @@ class JobService:
         the executors go (killed under them, a job would read as its own crash). Their clients hear that the worker
         left and run them elsewhere; nothing is billed for them. Returns how many were running."""
         self._leaving = True
+        for turn in list(self._turns.values()):  # first the waiting ones: a stopped job's slot must start nothing
+            if not turn.done():
+                turn.set_exception(self._leaving_error())
         running = list(self.lanes.running)
         for ticket in running:
             self._stop_run(ticket)
         return len(running)
+
+    def _leaving_error(self) -> WorkerDraining:
+        return WorkerDraining("this worker left the network before the job finished; run it elsewhere",
+                              self.admission.queue_length)
 
     def _stop_all_for_pause(self) -> None:
         self._pause_timer = None
