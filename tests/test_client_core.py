@@ -205,6 +205,18 @@ def test_a_job_that_raises_is_its_own_error_once_the_client_sees_it_raise_too(tm
     assert torch.equal(result.outputs, EMBED.run_locally(torch.tensor([[3, 4]])))
 
 
+def test_a_redundant_job_that_raises_bans_no_worker(tmp_path):
+    """Replicas start together: each worker's "it raised" waits on the same run here (once), not a checker's strike."""
+    workers = [FakeWorker(name) for name in "abcd"]
+
+    async def scenario(core):
+        with pytest.raises(JobRaised, match="this client's own run raised the same"):
+            await core.run(EMBED, [OUT_OF_RANGE], gpunet.Requirements(redundancy=2))
+        assert not core.router.bans
+
+    run(tmp_path, workers, scenario)
+
+
 def test_a_job_too_big_to_run_here_raises_once_a_second_worker_drawn_at_random_says_the_same(tmp_path, monkeypatch):
     monkeypatch.setattr(core_module, "LOCAL_CONFIRM_FLOPS", 0)
     workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]

@@ -246,4 +246,5 @@ def test_a_bid_above_any_workers_price_is_that_price_and_numpy_numbers_do():
     import numpy as np
 
     assert Requirements(max_price=20000).max_price == 10000  # no worker may charge more (WorkerConfig.price)
-    assert Requirements(max_price=np.float32(1.5), min_memory_gb=np.int64(2)).max_price == 1.5
+    picked = Requirements(max_price=np.float32(1.5), min_memory_gb=np.int64(2), timeout=np.float32(30))
+    assert picked.max_price == 1.5 and type(picked.timeout) is float and type(picked.min_memory_gb) is float

@@ -315,13 +315,13 @@ class Client:
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
         task.add_done_callback(partial(self._settle, future))
+        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
 
     def _settle(self, future: JobFuture, task: asyncio.Task) -> None:
         if task.cancelled() and self._closed and not future.done():
             future.set_exception(GpunetError("the client was closed before this job finished"))
         else:
             future._settle(task)
-        future.add_done_callback(lambda f: self._loop.call_soon_threadsafe(task.cancel) if f.cancelled() else None)
 
     def map(
         self, job, *iterables: Iterable, requirements: Requirements | None = None, progress: bool = True

@@ -8,6 +8,7 @@ worker is skipped and the job retried elsewhere; a job id is never paid twice.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import random
@@ -101,6 +102,8 @@ class _Prepared:
     hashing: asyncio.Future | None = None
     inputs: tuple | None = None  # the tensors themselves, kept for verified jobs: the client may compute the job here
     peak_memory: int = 0  # the dry run's peak, in bytes
+    delivered: int = 0  # results in hand (a verified job's replicas): a worker saying it raised contradicts them
+    raises_here: asyncio.Future | None = None  # this client's own run of the job, once a worker said it raised
 
 
 @dataclass
@@ -165,6 +168,7 @@ class ClientCore:
         self._refresher: asyncio.Task | None = None
         self._fresh = asyncio.Event()
         self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
+        self._checks_here: concurrent.futures.ThreadPoolExecutor | None = None  # see _raises_here
         self.closed = False
 
     @property
@@ -212,6 +216,8 @@ class ClientCore:
             await self.transport.close()
         if self.ledger is not None:
             self.ledger.close()
+        if self._checks_here is not None:
+            self._checks_here.shutdown(wait=False, cancel_futures=True)
         self.reputation.save()
 
     # --- the worker view -------------------------------------------------------------------------------------------
@@ -328,17 +334,23 @@ class ClientCore:
                         req.dtype or _dtype_of(job), req.private)
 
     async def place(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
-                    exclude: set[str] = frozenset(), avoid: set[str] = frozenset()) -> WorkerEntry:
+                    exclude: set[str] = frozenset(), avoid: set[str] = frozenset(), drawn: bool = False) -> WorkerEntry:
         """The worker routing would send ``job`` to now (``inputs`` may be meta tensors: only shapes matter),
-        passing over ``avoid`` where it can."""
+        passing over ``avoid`` where it can; ``drawn``: one drawn at random, as a checker is (a second opinion)."""
         self.check_open()
         req = requirements or Requirements()
         estimate = await self._estimate(job, inputs)
         await self._some_workers(req)
         shape = self.shape_of(job, estimate, 0, req)
-        worker = self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid))
+        worker = (self.router.choose_checker(req, exclude=set(exclude), replicas=set(avoid)) if drawn else
+                  self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid)))
         self._say_skips()
         return worker
+
+    def held_against(self, worker_id: str, outcome: str) -> None:
+        """A worker's misdeed seen outside a job's own retries (a session's span): a ban, and its record."""
+        self._strike(worker_id)
+        self.reputation.record(worker_id, outcome)
 
     async def run_step(self, job, inputs: Sequence[torch.Tensor], worker_id: str, session: protocol.SessionStep,
                        state: Sequence[torch.Tensor], tab: Tab, requirements: Requirements | None = None,
@@ -545,11 +557,15 @@ class ClientCore:
         paid: set[int] = set()
         try:
             return await self._verify(p, taken, candidates, paid)
-        except BaseException:
+        except BaseException as e:
             # Whatever went wrong (a replica failed, the caller cancelled), no result we did not pay for stays open.
+            raises = getattr(e, "confirmed_here", False)  # the job raises on this machine: those results were made up
             for i, c in enumerate(candidates):
                 if i not in paid:
-                    self.settlement.refuse(c.delivery, "job abandoned before its results were compared")
+                    if raises:
+                        self.reputation.record(c.worker_id, "invalid")
+                    self.settlement.refuse(c.delivery, "a result for a job that raises" if raises else
+                                           "job abandoned before its results were compared")
             raise
 
     async def _verify(self, p: "_Prepared", taken: set[str], candidates: list, paid: set[int]) -> JobResult:
@@ -634,26 +650,23 @@ class ClientCore:
         self.reputation.save()
         return result
 
-    async def _raises_here(self, p: "_Prepared", said: JobRaised) -> bool | None:
+    async def _raises_here(self, p: "_Prepared") -> bool | None:
         """Whether the job raises on this machine too (True), runs (False), or was not tried here (None: too big to
-        run on a client, or this machine cannot). Decides a worker's "the job raised" without trusting anyone."""
+        run on a client, or this machine cannot). Decides a worker's "the job raised" without trusting anyone. Run
+        once per job, and one job at a time on a thread of its own: lying workers cannot make the client run a job
+        again and again, nor fill its threads (a run past its time finishes there, holding up only later checks)."""
         if p.flops > LOCAL_CONFIRM_FLOPS or p.peak_memory > LOCAL_CONFIRM_BYTES:
             return None
-        inputs = p.inputs
-        if inputs is None:
-            from gpunet.job import tensors
-
-            given = tensors.decode(p.encoded)
-            inputs = tuple(given[f"input_{i}"] for i in range(len(given)))
+        if p.raises_here is None:
+            if self._checks_here is None:
+                self._checks_here = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpunet-check")
+            p.raises_here = asyncio.get_running_loop().run_in_executor(self._checks_here, _raises, p)
         try:
             async with asyncio.timeout(max(0.1, min(LOCAL_CONFIRM_SECONDS, p.deadline - time.monotonic()))):
-                await asyncio.to_thread(p.job.run_locally, *inputs)
-        except JobRaised:
-            return True
-        except (GpunetError, TimeoutError, MemoryError) as e:
-            logger.info("Could not run job %s here to check that it raises (%s)", p.job_id[:12], e or "too slow")
+                return await asyncio.shield(p.raises_here)
+        except TimeoutError:
+            logger.info("Could not run job %s here in time to check that it raises", p.job_id[:12])
             return None
-        return False
 
     async def _compute_here(self, p: "_Prepared"):
         """The job computed on this machine, within what is left of its timeout (TimeoutError past it)."""
@@ -665,6 +678,9 @@ class ClientCore:
         drawn) workers until one does; None when this machine cannot run the job (then the vote stands as it is)."""
         try:
             mine = await self._compute_here(p)
+        except JobRaised as e:  # it raises here: the results in hand were made up, not checked ones
+            e.confirmed_here = True
+            raise
         except (GpunetError, TimeoutError) as e:
             logger.warning("Could not compute job %s here to settle whom to trust (%s)", p.job_id[:12],
                            e or "not within the job's timeout")
@@ -689,6 +705,9 @@ class ClientCore:
             return await self._pay(p, candidates[0], [], checked=False)
         try:
             mine = await self._compute_here(p)
+        except JobRaised as e:  # it raises here: the results in hand were made up, not checked ones
+            e.confirmed_here = True
+            raise
         except (GpunetError, TimeoutError) as e:  # this machine cannot run it (memory, time): not the worker's fault
             logger.warning("Could not compute job %s here to check it (%s); its result is returned marked unchecked",
                            p.job_id[:12], e)
@@ -737,7 +756,8 @@ class ClientCore:
             try:
                 # A second opinion on "the job raised" comes from a worker drawn at random, like a checker: the next
                 # cheapest could be the same owner's second identity.
-                worker = (self.router.choose_checker(req, exclude=failed, replicas=taken - failed)
+                worker = (self.router.choose_checker(req, exclude=failed,
+                                                     replicas=(taken - failed) | {w for w, _ in raised})
                           if checker or raised else
                           self.router.choose(req, p.shape, exclude=failed, replicas=taken - failed, avoid=set(preempted),
                                              within=remaining if req.deadline is not None else None))
@@ -832,24 +852,33 @@ class ClientCore:
             except JobRaised as e:
                 # The job's own error, this worker says: the same inputs raise the same way anywhere. Not believed on
                 # its word (saying so gets rid of a job): this client runs the job itself when it is small enough,
-                # else a second worker drawn at random must say the same. A checker's word on a result another worker
-                # gave is not enough either: there it is a failure like any other.
+                # else a second worker drawn at random must name the same node and exception. Where another worker
+                # has already given a result, a claim that is not confirmed here is a disagreement, not the job's.
                 taken.discard(worker.id)
                 failed.add(worker.id)
                 raised_error = last_error = e
-                verdict = None if checker else await self._raises_here(p, e)
-                if verdict is True or (verdict is None and not checker and _raised_where(e) in
-                                       {where for _, where in raised}):
-                    who = "this client's own run" if verdict else f"worker {raised[0][0][-8:]}"
-                    raise JobRaised(f"{e} ({who} raised the same: the job's own error, held against no worker)"
-                                    ) from None
-                if verdict is False or checker:  # it ran here, or the result it was to check exists: not the job's
+                verdict = await self._raises_here(p)
+                if verdict is None and p.deadline - time.monotonic() <= 0.1 and p.flops <= LOCAL_CONFIRM_FLOPS:
+                    verdict = "late"  # said with no time left to check it: a job held to its end, as a timeout
+                where = _raised_where(e)
+                agreed = [w for w, said in raised if said == where]
+                if verdict is True or (verdict is None and agreed and not p.delivered):
+                    for other, said in raised:  # one place is where it raised: whoever named another lied
+                        if said != where:
+                            self._strike(other)
+                            self.reputation.record(other, "failure")
+                    who = "this client's own run" if verdict is True else f"worker {agreed[0][-8:]}"
+                    error = JobRaised(f"{e} ({who} raised the same: the job's own error, held against no worker)")
+                    error.confirmed_here = verdict is True
+                    raise error from None
+                if verdict is False or verdict == "late":
                     self._strike(worker.id)
-                    self.reputation.record(worker.id, "failure")
-                    logger.info("Worker %s said job %s raised (%s), which %s; banned for a while", worker.id[-8:],
-                                job_id[:12], e, "this client ran" if verdict is False else "another worker ran")
+                    self.reputation.record(worker.id, "failure" if verdict is False else "timeout")
+                    logger.info("Worker %s said job %s raised (%s), %s; banned for a while", worker.id[-8:],
+                                job_id[:12], e, "which this client ran" if verdict is False else "too late to check")
                     continue
-                raised.append((worker.id, _raised_where(e)))
+                if not p.delivered:
+                    raised.append((worker.id, where))
                 logger.info("Worker %s says job %s raised (%s); asking another worker", worker.id[-8:], job_id[:12], e)
                 continue
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
@@ -889,6 +918,7 @@ class ClientCore:
                 self.router.finished(worker.id)
             self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds, cold=cold, ahead=ahead)
+            p.delivered += 1
             for liar, _ in raised:  # it ran here: their "the job raised" was not the job's doing
                 self._strike(liar)
                 self.reputation.record(liar, "failure")
@@ -960,6 +990,24 @@ class _WrongAnswer(Exception):
     def __init__(self, error: GpunetError):
         super().__init__(str(error))
         self.error = error
+
+
+def _raises(p: "_Prepared") -> bool | None:
+    """The job run here (in a thread): True if it raises as a job's own error, False if it runs, None if it cannot
+    run here (memory, a dtype this machine lacks)."""
+    inputs = p.inputs
+    if inputs is None:
+        from gpunet.job import tensors
+
+        given = tensors.decode(p.encoded)
+        inputs = tuple(given[f"input_{i}"] for i in range(len(given)))
+    try:
+        p.job.run_locally(*inputs)
+    except JobRaised:
+        return True
+    except (GpunetError, MemoryError):
+        return None
+    return False
 
 
 def _raised_where(error: JobRaised) -> str:

@@ -52,12 +52,16 @@ EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
 
 
-def _check_number(name: str, value, positive: bool = False, why: str = "") -> None:
-    """A Requirements figure must be a finite number in range (inf or nan would only fail later, somewhere else)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0 \
-            or (positive and value == 0):
+def _check_number(name: str, value, positive: bool = False, why: str = "") -> float:
+    """A Requirements figure as a float: a finite number in range (inf or nan would only fail later, elsewhere)."""
+    try:
+        number = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int too big for a float
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
         raise ConfigError(f"Requirements.{name} must be a finite number {'above 0' if positive else '>= 0'}{why}, "
                           f"not {value!r}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -91,13 +95,12 @@ class Requirements:
             raise ConfigError(f"Requirements.device must be 'any', 'gpu' or 'cpu', not {self.device!r}")
         if self.prefer not in ("balanced", "fastest", "cheapest"):
             raise ConfigError(f"Requirements.prefer must be 'balanced', 'fastest' or 'cheapest', not {self.prefer!r}")
-        _check_number("min_memory_gb", self.min_memory_gb)
-        _check_number("min_tflops", self.min_tflops)
-        _check_number("timeout", self.timeout, positive=True)
+        for name in ("min_memory_gb", "min_tflops", "timeout"):  # plain floats from here (numpy's too)
+            object.__setattr__(self, name, _check_number(name, getattr(self, name), positive=name == "timeout"))
         if self.max_price is not None:
-            _check_number("max_price", self.max_price, why=" (credits per TFLOP; None for no limit)")
-            # No worker charges more: a higher bid is that one (and fits in a receipt).
-            object.__setattr__(self, "max_price", min(float(self.max_price), MAX_PRICE))
+            # No worker charges more than MAX_PRICE: a higher bid is that one (and fits in a receipt).
+            object.__setattr__(self, "max_price", min(MAX_PRICE, _check_number(
+                "max_price", self.max_price, why=" (credits per TFLOP; None for no limit)")))
         if isinstance(self.redundancy, bool) or not isinstance(self.redundancy, int) or not 1 <= self.redundancy <= 16:
             raise ConfigError("Requirements.redundancy must be between 1 and 16")
         if self.verify not in ("none", "adaptive", "local-sample"):

@@ -349,7 +349,9 @@ class SessionCore:
                 # Anything else may have left spans on different steps.
                 untouched = taken == [len(p.history) for p in self.placed] and all(
                     p.worker_id is None or p.step == len(p.history) for p in self.placed)
-                if not (untouched and isinstance(e, (UsageError, JobRejected, JobRaised))):
+                # (A checked session's replays took the step beside its worker: the state they hold has moved on.)
+                usable = isinstance(e, (UsageError, JobRejected)) or isinstance(e, JobRaised) and self.checks is None
+                if not (untouched and usable):
                     self._broken = e if isinstance(e, GpunetError) else GpunetError(type(e).__name__)
                 raise
             self.steps += 1
@@ -363,12 +365,15 @@ class SessionCore:
 
         check_inputs(span.job.manifest, (x,), without_state=True)  # a wrong input is the caller's, not a worker's
         last: GpunetError | None = None
-        raised = False  # a worker said the step itself raised: one more worker is asked, not more
+        raised_by: str | None = None  # a worker said the step itself raised: one more worker, drawn at random, is asked
         for _ in range(MAX_MOVES + 1):
             try:
                 if placed.worker_id is None or self._draining(placed.worker_id):
-                    await self._place(i, placed)
-                return await self._run(i, span, placed, x, close=close, record=True)
+                    await self._place(i, placed, drawn=raised_by is not None)
+                y = await self._run(i, span, placed, x, close=close, record=True)
+                if raised_by is not None:  # another worker took the step: the first one's "it raised" was false
+                    self.seq.core.held_against(raised_by, "failure")
+                return y
             except Caught as caught:  # the step's output was wrong: the replay's stands in for it, the span moves
                 logger.warning("%s", caught)
                 self._drop_liars()
@@ -382,10 +387,10 @@ class SessionCore:
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
                 # fails the same way everywhere (JobRaised: raised once another worker agrees), so moves are bounded.
-                if isinstance(e, JobRaised) and self.checks is None:  # (checked steps: their replays ran it too)
-                    if raised:
+                if isinstance(e, JobRaised) and placed.worker_id is not None:
+                    if raised_by is not None:
                         raise JobRaised(f"{e} (the same on two workers: the step's own error)") from None
-                    raised = True
+                    raised_by = placed.worker_id
                 last = e
                 gone = placed.worker_id
                 if gone is not None:
@@ -506,7 +511,7 @@ class SessionCore:
         entry = self.seq.core.router.workers.get(worker_id)
         return entry is not None and entry.record.state.value == "draining"
 
-    async def _place(self, i: int, placed: _Placed) -> None:
+    async def _place(self, i: int, placed: _Placed, drawn: bool = False) -> None:
         """Put span ``i`` on a worker (passing over those holding the session's other spans, and those that failed
         it) and rebuild its state there by replaying its past inputs."""
         span = self.seq.spans[i]
@@ -521,13 +526,14 @@ class SessionCore:
         try:
             worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
                                                self.seq.requirements_for(span), exclude=placed.failed | banned,
-                                               avoid=others)
+                                               avoid=others, drawn=drawn)
         except NoWorkersAvailable:
             if not placed.failed - banned:
                 raise
             placed.failed.clear()  # every worker failed it once: try them again rather than give up (not liars)
             worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
-                                               self.seq.requirements_for(span), exclude=set(banned), avoid=others)
+                                               self.seq.requirements_for(span), exclude=set(banned), avoid=others,
+                                               drawn=drawn)
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:

@@ -253,7 +253,10 @@ async def _rejoin_when_alone(_dht: hivemind.DHT, node, initial_peers: Sequence[s
     peers = []
     for addr in initial_peers:  # the peer is the last /p2p/ (before it, a relay's circuit is how to reach it)
         where, _, peer = str(addr).rpartition("/p2p/")
-        peers.append((PeerID.from_base58(peer), Multiaddr(where)))
+        try:
+            peers.append((PeerID.from_base58(peer), Multiaddr(where)))
+        except Exception as e:  # one the daemon took but this cannot dial again: the others still can
+            logger.debug("Initial peer %s cannot be dialled again: %s", addr, e)
     alone_since = None
     while node.is_alive:
         await asyncio.sleep(period)

@@ -327,8 +327,8 @@ class Executor:
         Cancelling a run kills its process, unless the process holds sessions' state: a kill would lose every session
         there (any client's), so the run is stopped at its program's next node instead, and so is a run past its
         time there (killed only if one op outlasts STOP_GRACE)."""
-        if self._closed:
-            raise JobFailed("executor is closed")
+        if self._closed:  # the worker is leaving: the job runs elsewhere
+            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
         check_hash(program_hash)
         if program_bytes is None and not self.has_program(program_hash):
             raise ProgramNotCached(program_hash)
@@ -437,7 +437,7 @@ class Executor:
             self._closed = True
         for waiter in list(self._waiters):  # may run in another thread (the worker closes the pool in one)
             if not waiter.done():
-                waiter.get_loop().call_soon_threadsafe(_fail, waiter, JobFailed("executor is closed"))
+                waiter.get_loop().call_soon_threadsafe(_fail, waiter, WorkerDraining("the worker stopped before the job ran; run it elsewhere"))
         for s in self._slots:
             s.stop()
         with self._spare_lock:
@@ -460,7 +460,7 @@ class Executor:
         holding no session's state); else wait in line (FIFO): a released executor is handed straight to the first
         caller waiting, so no newcomer can overtake it."""
         if self._closed:
-            raise JobFailed("executor is closed")
+            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
         idle = [s for s in self._slots if not s.busy]
         if idle and not self._waiters:
             if spare_sessions:
@@ -483,7 +483,7 @@ class Executor:
     async def _acquire_slot(self, slot: _Slot) -> _Slot:
         """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
         if self._closed:
-            raise JobFailed("executor is closed")
+            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
         if not slot.busy:
             slot.busy = True
             return slot
