@@ -10,6 +10,7 @@ import torch
 
 import gpunet
 from gpunet import Requirements
+from gpunet.testing.workloads import Spin
 from tests.swarm import wait_for
 
 pytestmark = pytest.mark.swarm
@@ -157,24 +158,25 @@ def test_busy_worker_is_skipped_and_cached_program_is_not_resent(swarm, client_f
     cheap_id, other_id = swarm.worker_id(cheap), swarm.worker_id(other)
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
-    model = SlowChain()
-    job = gpunet.Job.from_module(model, (torch.randn(64, 384),))
+    # About a second of work (tens of GFLOP): still running when the second job comes (SlowChain's few tens of ms
+    # could end first, and the second then found the cheap worker free).
+    job = gpunet.Job.from_module(Spin(k=96), (torch.randn(256, 1024),))
     cheapest = Requirements(prefer="cheapest", timeout=120)
     program_size = len(job.program_bytes())
 
-    first = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    first = client.submit(job, torch.randn(256, 1024), requirements=cheapest)
     cheap.wait_for_line(r"Running job", timeout=60)
-    second = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    second = client.submit(job, torch.randn(256, 1024), requirements=cheapest)
     first.result(timeout=120), second.result(timeout=120)
     assert first.worker_id == cheap_id
     assert second.worker_id == other_id and second.attempts[0] == cheap_id  # busy -> elsewhere
 
-    third = client.submit(job, torch.randn(64, 384), requirements=cheapest)
+    third = client.submit(job, torch.randn(256, 1024), requirements=cheapest)
     third.result(timeout=120)
     assert third.worker_id == cheap_id
     assert first.bytes_sent > program_size  # the program went with the first job
     assert third.bytes_sent < program_size  # ...and never again: the worker had it cached
-    assert third.bytes_sent == len(job.encode_inputs(torch.randn(64, 384)))
+    assert third.bytes_sent == len(job.encode_inputs(torch.randn(256, 1024)))
 
 
 def test_malformed_and_oversized_messages_get_an_error_and_the_worker_keeps_serving(swarm, client_for):

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+from gpunet.testing.workloads import Spin
+
 from tests.swarm import wait_for
 
 pytestmark = pytest.mark.swarm
@@ -126,19 +128,6 @@ def test_worker_stopped_while_it_starts_leaves_within_seconds(swarm, moment):
     _assert_left_cleanly(worker, timeout=30)
 
 
-class _Spin(torch.nn.Module):
-    """Seconds of matmuls on one CPU thread, in many small nodes (a stop takes effect at the next one)."""
-
-    def __init__(self, n: int = 1024, steps: int = 300):
-        super().__init__()
-        self.w, self.steps = torch.nn.Parameter(torch.randn(n, n) / n**0.5), steps
-
-    def forward(self, x):
-        for _ in range(self.steps):
-            x = torch.tanh(x @ self.w)
-        return x
-
-
 def test_a_drain_that_runs_out_of_time_stops_its_job_which_runs_elsewhere(swarm, client_for):
     """``--drain-timeout`` over: the job still running is stopped as a pause stops one (not billed, noted as
     "drained"), its client hears the worker left and runs it elsewhere. It used to be killed with the executors, read
@@ -151,7 +140,7 @@ def test_a_drain_that_runs_out_of_time_stops_its_job_which_runs_elsewhere(swarm,
     other = swarm.start_worker("--price", "2")
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "the client to see both workers")
-    job = gpunet.Job.from_module(_Spin(), (torch.randn(1024, 1024),))
+    job = gpunet.Job.from_module(Spin(k=300), (torch.randn(1024, 1024),))  # seconds on one thread
     x = torch.randn(1024, 1024)
     future = client.submit(job, x, requirements=gpunet.Requirements(prefer="cheapest", timeout=300))
     leaving.wait_for_line(r"Running job", timeout=60)
