@@ -328,7 +328,7 @@ class Executor:
         there (any client's), so the run is stopped at its program's next node instead, and so is a run past its
         time there (killed only if one op outlasts STOP_GRACE)."""
         if self._closed:  # the worker is leaving: the job runs elsewhere
-            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
+            raise _leaving("before")
         check_hash(program_hash)
         if program_bytes is None and not self.has_program(program_hash):
             raise ProgramNotCached(program_hash)
@@ -437,7 +437,7 @@ class Executor:
             self._closed = True
         for waiter in list(self._waiters):  # may run in another thread (the worker closes the pool in one)
             if not waiter.done():
-                waiter.get_loop().call_soon_threadsafe(_fail, waiter, WorkerDraining("the worker stopped before the job ran; run it elsewhere"))
+                waiter.get_loop().call_soon_threadsafe(_fail, waiter, _leaving("before"))
         for s in self._slots:
             s.stop()
         with self._spare_lock:
@@ -460,7 +460,7 @@ class Executor:
         holding no session's state); else wait in line (FIFO): a released executor is handed straight to the first
         caller waiting, so no newcomer can overtake it."""
         if self._closed:
-            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
+            raise _leaving("before")
         idle = [s for s in self._slots if not s.busy]
         if idle and not self._waiters:
             if spare_sessions:
@@ -483,7 +483,7 @@ class Executor:
     async def _acquire_slot(self, slot: _Slot) -> _Slot:
         """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
         if self._closed:
-            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
+            raise _leaving("before")
         if not slot.busy:
             slot.busy = True
             return slot
@@ -537,7 +537,7 @@ class Executor:
     async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
                       private: bool, session: dict | None, dry: DryRun) -> RunResult:
         if self._closed:  # the worker is leaving: this job runs elsewhere
-            raise WorkerDraining("the worker stopped before the job ran; run it elsewhere")
+            raise _leaving("before")
         await self._revive(slot)
         await slot.ensure_ready()
         dry.cap = slot.dry_cap
@@ -644,7 +644,7 @@ class Executor:
                 if await slot.readable(max(0.0, wait)):
                     break
             except (OSError, ValueError):  # its pipe was closed under it: the pool is closing (the worker leaves)
-                raise WorkerDraining("the worker stopped while the job ran; run it elsewhere") from None
+                raise _leaving("while") from None
             if look_every is not None and not stopping:
                 cap = self._work_deadline(slot, loop)
                 if cap is not None:
@@ -688,10 +688,15 @@ class Executor:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
         in it; a process that died before the job reached it is no fault of the job's."""
         if self._closed:  # stopped by close(): the worker is leaving, and the job did nothing wrong
-            raise WorkerDraining("the worker stopped while the job ran; run it elsewhere")
+            raise _leaving("while")
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
+
+
+def _leaving(when: str) -> WorkerDraining:
+    """What a job hears when the pool closed before or while it ran: the worker is leaving; it runs elsewhere."""
+    return WorkerDraining(f"the worker stopped {when} the job ran; run it elsewhere")
 
 
 def _reap(proc, conn) -> None:
