@@ -72,7 +72,9 @@ class LRU(Generic[K, V]):
         self._owner_items = max(1, int(max_items * share))
         self._owner_bytes = None if max_bytes is None else int(max_bytes * share)
         self._items: OrderedDict[K, tuple[V, int]] = OrderedDict()
-        self._owned: dict[Hashable, list[int]] = {}  # owner -> [items, bytes] (with an owner function only)
+        # With an owner function: owner -> its keys, least recently used first, and the bytes they hold (so evicting
+        # an owner's oldest is one step, not a scan of every key: a worker's kept results are 4,096 places).
+        self._owned: dict[Hashable, tuple[OrderedDict[K, None], list[int]]] = {}
         self.nbytes = 0
 
     def get(self, key: K, default: V | None = None) -> V | None:
@@ -81,6 +83,8 @@ class LRU(Generic[K, V]):
         if item is None:
             return default
         self._items.move_to_end(key)
+        if self._owner is not None:
+            self._owned[self._owner(key)][0].move_to_end(key)
         return item[0]
 
     def put(self, key: K, value: V, nbytes: int = 0) -> None:
@@ -91,14 +95,12 @@ class LRU(Generic[K, V]):
             return
         if self._owner is not None:
             owner = self._owner(key)
-            held = self._owned.get(owner, [0, 0])
-            if held[0] + 1 > self._owner_items or (cap is not None and held[1] + nbytes > cap):
-                for old in [k for k in self._items if self._owner(k) == owner]:  # its own, oldest first
-                    self.pop(old)
-                    held = self._owned.get(owner, [0, 0])
-                    if held[0] + 1 <= self._owner_items and (cap is None or held[1] + nbytes <= cap):
-                        break
-            self._owned[owner] = [held[0] + 1, held[1] + nbytes]
+            keys, held = self._owned.get(owner) or (OrderedDict(), [0])
+            while keys and (len(keys) + 1 > self._owner_items or (cap is not None and held[0] + nbytes > cap)):
+                self.pop(next(iter(keys)))  # its own, oldest first
+            keys[key] = None
+            held[0] += nbytes
+            self._owned[owner] = (keys, held)
         self._items[key] = (value, nbytes)
         self.nbytes += nbytes
         while len(self._items) > 1 and (len(self._items) > self.max_items
@@ -112,9 +114,11 @@ class LRU(Generic[K, V]):
         self.nbytes -= item[1]
         if self._owner is not None:
             owner = self._owner(key)
-            items, nbytes = self._owned.pop(owner)
-            if items > 1:
-                self._owned[owner] = [items - 1, nbytes - item[1]]
+            keys, held = self._owned[owner]
+            del keys[key]
+            held[0] -= item[1]
+            if not keys:
+                del self._owned[owner]
         return item[0]
 
     def __contains__(self, key: object) -> bool:

@@ -281,6 +281,16 @@ def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
     assert transport.forgotten == [leaves.id]
 
 
+def test_the_worker_list_is_refreshed_less_often_when_listing_it_takes_long():
+    """A big network takes seconds to list (every record's signature checked): refreshed every 2 s regardless, a
+    client that only waits would keep a core busy. Small networks stay at the configured period; a listing slowed
+    by a peer that does not answer puts off the next one by a minute at most."""
+    assert core_module.refresh_pause(2.0, 0.05) == 2.0
+    assert core_module.refresh_pause(2.0, 2.5) == 25.0
+    assert core_module.refresh_pause(2.0, 28.0) == core_module.MAX_REFRESH_PAUSE
+    assert core_module.refresh_pause(90.0, 28.0) == 90.0  # never sooner than the configured period
+
+
 def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp_path):
     """Churn can empty the network for a moment (every worker restarting, their records lapsed together): a job that
     already tried workers looks again for a while instead of failing with NoWorkersAvailable at once."""

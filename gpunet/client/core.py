@@ -66,11 +66,23 @@ from gpunet.utils import LRU, sha256_hex
 logger = logging.getLogger("gpunet.client")
 
 
+#: A client spends at most about 1/REFRESH_DUTY of its time refreshing the worker list (listing 10,000 workers takes
+#: seconds of signature checks, which every 2 s would keep a core busy for a client that only waits), and waits at
+#: most MAX_REFRESH_PAUSE seconds between two (a refresh slowed by a peer that does not answer is no measure of size).
+REFRESH_DUTY = 10
+MAX_REFRESH_PAUSE = 60.0
+
+
+def refresh_pause(period: float, took: float) -> float:
+    """Seconds until the next refresh of the worker list, after one that took ``took`` seconds."""
+    return max(period, min(REFRESH_DUTY * took, MAX_REFRESH_PAUSE))
+
+
 @dataclass
 class ClientConfig:
     """Client tuning, with defaults."""
 
-    refresh_period: float = 2.0  # seconds between worker-list refreshes
+    refresh_period: float = 2.0  # seconds between worker-list refreshes (at least; see refresh_pause)
     discovery_wait: float = 10.0  # how long a job waits for a first worker to appear in an empty view
     max_rejections: int = 3  # worker-specific refusals tolerated before the refusal is final
     max_resends: int = 2  # times a worker may lose a program between admission and run before it counts as failing
@@ -235,12 +247,15 @@ class ClientCore:
         return entries
 
     async def _refresh_forever(self) -> None:
+        took = 0.0
         while True:
-            await asyncio.sleep(self.config.refresh_period)
+            await asyncio.sleep(refresh_pause(self.config.refresh_period, took))
+            t0 = time.monotonic()
             try:
                 await self.refresh()
             except Exception as e:  # a slow or broken refresh must not kill the client; the next one may work
                 logger.warning("Refreshing the worker list failed: %s", e)
+            took = time.monotonic() - t0
 
     def workers(self) -> list[WorkerEntry]:
         return list(self.router.workers.values())

@@ -264,11 +264,16 @@ class SequentialCore:
     def __init__(self, core, spans: list[Span], requirements: Requirements | None = None):
         self.core, self.spans = core, spans
         self.requirements = requirements or Requirements()
+        self._needs: dict[int, Requirements] = {}  # by span start: asked at every step
 
     def requirements_for(self, span: Span) -> Requirements:
         """A span needs a worker with room for its weights and state (and some headroom)."""
-        need = (span.weight_bytes + span.state_bytes) * MEMORY_HEADROOM / 2**30
-        return replace(self.requirements, min_memory_gb=max(self.requirements.min_memory_gb, need))
+        need = self._needs.get(span.start)
+        if need is None:
+            memory = (span.weight_bytes + span.state_bytes) * MEMORY_HEADROOM / 2**30
+            need = self._needs[span.start] = replace(self.requirements,
+                                                     min_memory_gb=max(self.requirements.min_memory_gb, memory))
+        return need
 
     async def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One stateless pass: each span as a plain job (a stateful span as a one-step session from its first

@@ -32,7 +32,7 @@ CLIENT_SHARE = Gauge("gpunet_client_share", "A client's share of its lane's exec
 
 
 def count_lanes(lanes) -> None:
-    """Publish the floor and the jobs per lane (after every change: a few gauges)."""
+    """Publish the floor and the jobs per lane (a moment after a change, and at each heartbeat)."""
     from gpunet.protocol import LANES
 
     BATCH_FLOOR.set(lanes.floor / 1e9)

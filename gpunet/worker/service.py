@@ -74,7 +74,7 @@ from gpunet.protocol import (
     UseStream,
 )
 from gpunet.rpc import RPC
-from gpunet.utils import LRU, When, sha256_hex, wait_out
+from gpunet.utils import LRU, Debounce, When, sha256_hex, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.executor import STOP_GRACE, DryRun
@@ -89,6 +89,7 @@ logger = logging.getLogger("gpunet.worker")
 
 COUNTERSIGN_TIMEOUT = 30.0
 RECENT_JOBS = 100
+LANE_GAUGES_DELAY = 0.1  # seconds from a change in the lanes to their gauges (metrics.count_lanes)
 #: After an error, how long (and how many bytes) a worker reads what the client still sends before it closes the
 #: stream (see _try_send).
 LINGER = 2.0
@@ -212,6 +213,9 @@ class JobService:
         # Which admitted job runs next, at what price, and which batch job an interactive one stops (pure; see
         # gpunet.worker.lanes): a job waits for its turn there, and a Preempt stops the run of the job named.
         self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano)
+        # The lanes' gauges, published a moment after a change rather than at every job's start and end (a dozen
+        # gauge writes a job; a scrape comes every few seconds at most).
+        self._count_lanes = Debounce(LANE_GAUGES_DELAY, lambda: metrics.count_lanes(self.lanes))
         self._turns: dict[Ticket, asyncio.Future] = {}  # waiting for a Start
         self._pause_timer: asyncio.TimerHandle | None = None
         self._leaving = False  # the drain ran out of time: running jobs are being stopped (stop_running)
@@ -521,7 +525,6 @@ class JobService:
         it counts as an upload of its client and address, its payload is charged to the buffer budget before it is
         read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
-        signed = self.books.signed(client_id, submit.job_id)
         self.admission.screen(client_id, submit, host=host)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same result, same receipt, no second bill
@@ -531,8 +534,9 @@ class JobService:
         self.admission.check_share(client_id, host)  # (a retry above adds nothing: its result is held already)
         # One job, one receipt, ever: a second receipt for a client's job id would read as fraud by this worker (and
         # a run nobody pays for). Job ids are each client's own: another client using the same id (guessed, or seen
-        # while running a replica) is a different job, so it can neither block nor take over this one.
-        if signed is not None:
+        # while running a replica) is a different job, so it can neither block nor take over this one. (A session
+        # step is billed in its session's tabs, under job ids no step can take: no receipt is kept under its own.)
+        if submit.session is None and self.books.signed(client_id, submit.job_id) is not None:
             raise JobRejected(f"job id {submit.job_id[:16]} was already run here and its result is no longer kept; "
                               "use a fresh job id")
         if tabs.parse(submit.job_id) is not None:
@@ -1039,7 +1043,7 @@ class JobService:
             else:
                 self._stop_run(action.ticket)
         if actions:
-            metrics.count_lanes(self.lanes)
+            self._count_lanes.poke()
 
     def _preempted(self, key: tuple[str, str], submit: Submit) -> None:
         if self._leaving:
