@@ -119,13 +119,64 @@ def test_worker_whose_p2p_daemon_died_first_still_leaves(swarm):
 
 
 @pytest.mark.parametrize("moment", ["Measured speed", "Joined gpunet network"])
-def test_worker_stopped_while_it_starts_leaves_within_seconds(swarm, moment):
-    """SIGTERM while the worker is still starting (a restart loop, `systemctl stop` right after start): it stops
-    there, never coming online, instead of waiting forever for a part that had not started yet."""
+@pytest.mark.parametrize("to_group", [False, True], ids=["sigterm", "ctrl-c-to-group"])
+def test_worker_stopped_while_it_starts_leaves_within_seconds(swarm, moment, to_group):
+    """SIGTERM while the worker is still starting (a restart loop, `systemctl stop` right after start), or Ctrl-C to
+    its process group as it joins (its p2p daemon and torch's shared-memory manager stop under the join): it stops
+    there, never coming online, with status 0, instead of waiting for a part that had not started yet or reporting
+    the join's failure as an error."""
     worker = swarm.start_worker(wait_online=False)
     wait_for(lambda: moment in worker.output, 90, f"the worker to reach {moment!r}")
-    worker.popen.send_signal(signal.SIGTERM)
+    if to_group:
+        os.killpg(worker.pid, signal.SIGINT)
+    else:
+        worker.popen.send_signal(signal.SIGTERM)
     _assert_left_cleanly(worker, timeout=30)
+    assert "Online" not in worker.output and "error" not in worker.output, worker.output
+
+
+def _signals_seen_by_parent_when_its_forked_child_gets_one(queue) -> None:
+    import asyncio
+    import multiprocessing
+    import time
+
+    import gpunet.dht.network  # noqa: F401  (what a node imports before its DHT process is forked)
+
+    async def main() -> int:
+        seen = []
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, seen.append, 1)
+        fork = multiprocessing.get_context("fork")  # as hivemind's DHT process is started
+        running = fork.Event()
+        child = fork.Process(target=lambda: running.set() or time.sleep(30))
+        child.start()
+        try:
+            assert running.wait(30)
+            os.kill(child.pid, signal.SIGINT)  # the child's share of a Ctrl-C to the group
+            await asyncio.sleep(0.5)
+        finally:
+            child.kill()
+            child.join()
+        return len(seen)
+
+    queue.put(asyncio.run(main()))
+
+
+def test_a_signal_to_the_dht_process_is_not_also_the_nodes():
+    """A forked child keeps its parent's signal wakeup socket: a Ctrl-C reaching hivemind's DHT process as it starts
+    woke the node's event loop a second time, which took it for a second Ctrl-C ("leaving without waiting for running
+    jobs", status 1)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: this one's handlers are pytest's
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_signals_seen_by_parent_when_its_forked_child_gets_one, args=(queue,))
+    proc.start()
+    try:
+        assert queue.get(timeout=120) == 0
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def test_a_drain_that_runs_out_of_time_stops_its_job_which_runs_elsewhere(swarm, client_for):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 from functools import partial
 from typing import Callable, Iterable, Sequence
@@ -24,6 +25,21 @@ from gpunet.errors import ConfigError, NetworkError, PeersUnreachable
 from gpunet.identity import Identity
 
 logger = logging.getLogger(__name__)
+
+
+def _not_the_parents_signals() -> None:
+    """In a process just forked from a node (hivemind's DHT process): stop signalling the parent's event loop.
+
+    A fork keeps the parent's signal wakeup socket, so a Ctrl-C or ``systemctl stop`` (sent to the whole process
+    group) reaching the child before hivemind ignores it there woke the parent's loop a second time, which read it as
+    a second Ctrl-C: "leaving without waiting for running jobs", exit status 1."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread's: nothing to undo
+        pass
+
+
+os.register_at_fork(after_in_child=_not_the_parents_signals)
 
 _NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -213,7 +229,6 @@ async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: f
     ``terminate()`` at shutdown (and ``systemctl stop``) could not stop it. (hivemind ignores SIGINT here on purpose:
     the owner decides when its DHT stops.)"""
     import asyncio
-    import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     while os.getppid() == parent_pid:

@@ -226,6 +226,8 @@ class Worker:
         self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark,
                                               self._threads())
         logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
+        if self._stop.is_set():  # Ctrl-C while measuring: nothing joined yet, nothing to leave
+            return 0
 
         starting_network = not network.resolve_initial_peers(cfg.initial_peers)
         network.check_local_ports_free(dashboard_port=cfg.dashboard_port, metrics_port=cfg.metrics_port)
@@ -234,11 +236,17 @@ class Worker:
             return 0
         try:
             self.maddrs = network.visible_maddrs(self.dht)
-            await self._find_reachability()
-            if self.dht is None:  # stopped while rejoining through relays
+            # Stopped while starting (Ctrl-C, `systemctl stop` right after start): leave from where it got, not after
+            # starting the parts still to come (a dial-back check, executors, the dashboard).
+            if not self._stop.is_set():
+                await self._find_reachability()
+            if self.dht is None or self._stop.is_set():  # stopped while joining, or rejoining through relays
                 return 0
             self._print_welcome(starting_network)
             await self.announce(WorkerState.JOINING)
+            if self._stop.is_set():  # as it was listed: unlisted again before any executor starts
+                await self._unlist()
+                return 0
             await self.start_services()
             self._owner_watch = asyncio.create_task(self._watch_owner())
             await self._owner_seen.wait()  # a worker its owner paused comes up paused
@@ -254,16 +262,21 @@ class Worker:
             await self._drain()
             return 0
         except Exception:
-            if self._last_expiration and self.state is not WorkerState.OFFLINE:  # listed, and failing: unlisted now
-                try:
-                    await self.announce(WorkerState.OFFLINE)
-                except Exception as e:
-                    logger.debug("Could not leave a tombstone: %s", e)
+            await self._unlist()  # listed, and failing
             raise
         finally:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
             await self._stop_dht()
+
+    async def _unlist(self) -> None:
+        """Leave a tombstone over our record, if one was published (best effort, within LEAVE_STEP_TIMEOUT: a Ctrl-C
+        to the process group has stopped the p2p daemon too, and then the record expires by itself)."""
+        if self._last_expiration and self.state is not WorkerState.OFFLINE:
+            try:
+                await self.announce(WorkerState.OFFLINE)
+            except Exception as e:
+                logger.debug("Could not leave a tombstone: %s", e)
 
     async def _join(self, reachability: str | None):
         """Join the DHT. Behind NAT (``"private"``) as a DHT client: peers would reach its DHT node only through a
@@ -271,10 +284,18 @@ class Worker:
         cfg = self.config
         if reachability is None and not cfg.relay_service:
             reachability = "no-relay"
-        return await asyncio.to_thread(
-            network.join_retrying, cfg.network, cfg.initial_peers, stop=self._stopping.wait, say=logger.warning,
-            identity=self.identity, host_maddrs=cfg.host_maddrs, start_new=True, reachability=reachability,
-            announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private")
+        try:
+            return await asyncio.to_thread(
+                network.join_retrying, cfg.network, cfg.initial_peers, stop=self._stopping.wait, say=logger.warning,
+                identity=self.identity, host_maddrs=cfg.host_maddrs, start_new=True, reachability=reachability,
+                announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private")
+        except Exception as e:
+            if not self._stop.is_set():
+                raise
+            # Ctrl-C reaches the whole process group: the join's own helpers (its p2p daemon, torch's shared-memory
+            # manager) stopped under it. We were leaving anyway.
+            logger.info("Stopped while joining the network (%s)", str(e).splitlines()[0][:200])
+            return None
 
     async def _find_reachability(self) -> None:
         """Ask an initial peer to dial us back (gpunet.dht.reachability). Not dialable: rejoin through relays."""
