@@ -37,6 +37,27 @@ def job_of(k: int) -> gpunet.Job:
     return gpunet.Job.from_module(Churn(k, seed=0).eval(), (torch.randn(4),))
 
 
+def product_seconds() -> float:
+    """One of Churn's 1024x1024 products on this machine with the threads the worker gives a job: the unit the job
+    sizes are counted in, so that a "0.8 s batch job" is one on any machine (on a machine 2.5x slower, fixed sizes
+    made every batch job outlast the gap between interactive ones: none finished)."""
+    from gpunet.worker.hardware import job_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(job_threads(None, 1))
+    try:
+        w = torch.randn(1024, 1024) / 32
+        with torch.no_grad():
+            for _ in range(3):
+                torch.tanh(w @ w)
+            t0 = time.perf_counter()
+            for _ in range(20):
+                torch.tanh(w @ w)
+            return (time.perf_counter() - t0) / 20
+    finally:
+        torch.set_num_threads(before)
+
+
 def executor_start_seconds() -> float:
     """A fresh executor process, ready for jobs (torch imported, sandbox applied): what preempting costs at most."""
     from gpunet.worker.executor import Executor
@@ -121,6 +142,10 @@ def main() -> None:
     n = 8 if args.quick else 20
     results: dict = {"benchmark": "lanes", "interactive_jobs": n}
     results["executor_start_s"] = executor_start_seconds()
+    unit = results["product_s"] = product_seconds()
+    sizes = {name: max(1, round(seconds / unit)) for name, seconds in (("small", 0.015), ("heavy", 0.8),
+                                                                      ("medium", 0.15))}
+    results["products_per_job"] = sizes
     with LocalNetwork(network="bench-lanes", heartbeat=2.0) as net:
         bootstrap = net.start_bootstrap()
         net.start_worker("--max-concurrent", "1", "--max-queue", "64", "--price", "2", "--batch-price", "1")
@@ -131,7 +156,7 @@ def main() -> None:
                 gpunet.Client(**peers, data_dir=net.root / "modest") as modest:
             for c in (people, batch, flood, modest):
                 wait_for(lambda: c.workers(refresh=True), 60, "the worker")
-            small, heavy, medium = job_of(4), job_of(120), job_of(24)  # ~15 ms, ~0.8 s and ~0.15 s of work here
+            small, heavy, medium = (job_of(sizes[k]) for k in ("small", "heavy", "medium"))  # 15 ms, 0.8 s, 0.15 s
             for c, j in ((people, small), (batch, heavy), (flood, medium), (modest, medium)):
                 c.submit(j, torch.randn(4)).result(timeout=300)  # programs loaded, routing measured
             idle = latencies(people, small, n, gap=0.3)
