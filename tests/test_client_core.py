@@ -284,7 +284,7 @@ def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
 def test_the_worker_list_is_refreshed_less_often_when_listing_it_takes_long():
     """A big network takes seconds to list (every record's signature checked): refreshed every 2 s regardless, a
     client that only waits would keep a core busy. Small networks stay at the configured period; a listing slowed
-    by a peer that does not answer puts off the next one by a minute at most."""
+    by a peer that does not answer puts off the next one by half a minute at most."""
     assert core_module.refresh_pause(2.0, 0.05) == 2.0
     assert core_module.refresh_pause(2.0, 2.5) == 25.0
     assert core_module.refresh_pause(2.0, 28.0) == core_module.MAX_REFRESH_PAUSE

@@ -68,9 +68,10 @@ logger = logging.getLogger("gpunet.client")
 
 #: A client spends at most about 1/REFRESH_DUTY of its time refreshing the worker list (listing 10,000 workers takes
 #: seconds of signature checks, which every 2 s would keep a core busy for a client that only waits), and waits at
-#: most MAX_REFRESH_PAUSE seconds between two (a refresh slowed by a peer that does not answer is no measure of size).
+#: most MAX_REFRESH_PAUSE seconds between two (a refresh slowed by a peer that does not answer is no measure of size);
+#: a failed refresh, or one that found nobody, is followed by the next at the configured period.
 REFRESH_DUTY = 10
-MAX_REFRESH_PAUSE = 60.0
+MAX_REFRESH_PAUSE = 30.0
 
 
 def refresh_pause(period: float, took: float) -> float:
@@ -249,13 +250,15 @@ class ClientCore:
     async def _refresh_forever(self) -> None:
         took = 0.0
         while True:
-            await asyncio.sleep(refresh_pause(self.config.refresh_period, took))
+            # An empty view is looked at again soon whatever a look costs: jobs wait for its first workers.
+            await asyncio.sleep(refresh_pause(self.config.refresh_period, took if self.router.workers else 0.0))
             t0 = time.monotonic()
             try:
                 await self.refresh()
+                took = time.monotonic() - t0
             except Exception as e:  # a slow or broken refresh must not kill the client; the next one may work
                 logger.warning("Refreshing the worker list failed: %s", e)
-            took = time.monotonic() - t0
+                took = 0.0  # no measure of the network's size
 
     def workers(self) -> list[WorkerEntry]:
         return list(self.router.workers.values())

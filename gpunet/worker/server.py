@@ -247,7 +247,16 @@ class Worker:
             if self._stop.is_set():  # as it was listed: unlisted again before any executor starts
                 await self._unlist()
                 return 0
-            await self.start_services()
+            try:
+                await self.start_services()
+            except Exception as e:
+                if not self._stop.is_set():
+                    raise
+                # Ctrl-C reaches the whole group: a part starting under it (the p2p daemon the job doors register
+                # with) may have stopped first. We were leaving anyway.
+                logger.info("Stopped while starting (%s)", _first_line(e))
+                await self._unlist()
+                return 0
             self._owner_watch = asyncio.create_task(self._watch_owner())
             await self._owner_seen.wait()  # a worker its owner paused comes up paused
             if self._stop.is_set():
@@ -294,7 +303,7 @@ class Worker:
                 raise
             # Ctrl-C reaches the whole process group: the join's own helpers (its p2p daemon, torch's shared-memory
             # manager) stopped under it. We were leaving anyway.
-            logger.info("Stopped while joining the network (%s)", str(e).splitlines()[0][:200])
+            logger.info("Stopped while joining the network (%s)", _first_line(e))
             return None
 
     async def _find_reachability(self) -> None:
@@ -621,6 +630,11 @@ class Worker:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's first line, for a log line (its type when it says nothing)."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 async def _bounded(awaitable, seconds: float, default=None, result=None):
