@@ -98,6 +98,11 @@ class ExecutorDied(JobFailed):
     fresh executor, so the worker counts it against the job's client; the client sees a JobFailed."""
 
 
+class ExecutorStartFailed(JobFailed):
+    """(Worker side) an executor process could not start its device (a GPU driver, or the executor sandbox, refusing
+    it). Not the job's fault: the worker says it at start rather than failing every job."""
+
+
 class SessionLost(JobFailed):
     """A session's state is no longer on the worker (it expired, was closed, or the worker or its executor restarted);
     the client rebuilds it elsewhere by replaying the session's past inputs (gpunet.client.sequential)."""

@@ -30,6 +30,11 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """An error's first line, for a log line (its type when it says nothing)."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:limit]
+
+
 def human_bytes(n: int) -> str:
     """A size as people read it: ``13.1 TiB``, ``512 KiB``, ``12 bytes``."""
     size = float(n)

@@ -48,6 +48,9 @@ def probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
     report += sandbox.enter_syscalls(config["disk_cache_bytes"])
     go.set()
     thread.join()
+    named = threading.Event()
+    worker = threading.Thread(target=named.wait)  # a thread to name from this one, as CUDA names the threads it starts
+    worker.start()
     results = [
         _attempt("read key", lambda: open(key, "rb").read()),
         _attempt("read home", lambda: open(home_file, "rb").read()),
@@ -61,10 +64,14 @@ def probe(config: dict, key: str, home_file: str, parent: int, out) -> None:
         _attempt("other process's cmdline", lambda: open(f"/proc/{parent}/cmdline", "rb").read()),
         _attempt("socketpair", lambda: socket.socketpair()),
         _attempt("signal the parent", lambda: os.kill(parent, 0)),
+        _attempt("name the parent's thread", lambda: open(f"/proc/{parent}/task/{parent}/comm", "w").write("x")),
         _root_powers(),
         *done,
+        _attempt("name its own thread", lambda: open(f"/proc/self/task/{worker.native_id}/comm", "w").write("job")),
         _attempt("write cache", lambda: open(os.path.join(config["cache_dir"], "ok"), "wb").write(b"x")),
     ]
+    named.set()
+    worker.join()
     out.send((report, results))
 
 

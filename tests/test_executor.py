@@ -346,3 +346,13 @@ def test_a_cancelled_session_step_that_ends_anyway_is_taken_as_done(tmp_path):
 
     with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False) as ex:
         asyncio.run(scenario(ex))
+
+
+def test_a_device_that_cannot_start_is_said_with_its_error(tmp_path):
+    """A GPU that the driver (or the sandbox, as CUDA was on an H200 before /proc/self/task was writable) refuses:
+    the executor says why instead of dying with a traceback, and the worker can say it at start."""
+    from gpunet.errors import ExecutorStartFailed
+
+    with Executor(processes=1, device="cuda:99", cache_dir=tmp_path / "programs") as bad:
+        with pytest.raises(ExecutorStartFailed, match=r"could not start \(cuda:99: \w+"):
+            asyncio.run(bad.sandbox_report())

@@ -30,10 +30,10 @@ from pathlib import Path
 import msgpack
 
 from gpunet.errors import (
-    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout, ProgramNotCached,
-    SessionLost, WorkerDraining,
+    DryRunTooLong, ExecutorDied, ExecutorStartFailed, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout,
+    ProgramNotCached, SessionLost, WorkerDraining,
 )
-from gpunet.utils import wait_out
+from gpunet.utils import first_line, wait_out
 from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
 from gpunet.worker.hardware import job_threads
 
@@ -141,6 +141,9 @@ class _Slot:
                     self.sandbox = list(hello.get("sandbox") or [])
                     self.dry_cap = float(hello.get("max_dry_run_seconds", 0.0))
                     return
+                if isinstance(hello, dict) and hello.get("error"):
+                    self.kill()
+                    raise ExecutorStartFailed(f"executor process could not start ({hello['error']})")
             except (EOFError, OSError, ValueError):
                 pass
         how = await asyncio.to_thread(self.exit_status)
@@ -787,7 +790,11 @@ def _child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -
     limits = job_limits(budget, config["max_flops"], config.get("max_dry_run_seconds"))
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
-    _limit_memory(budget, device)
+    try:  # the first call that starts the device (CUDA here): a driver or sandbox that refuses it is said, not crashed
+        _limit_memory(budget, device)
+    except Exception as e:
+        conn.send_bytes(msgpack.packb({"ready": False, "error": f"{device}: {type(e).__name__}: {first_line(e, 400)}"}))
+        raise SystemExit(1) from None
     if config.get("sandbox"):
         report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
     conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report, "max_dry_run_seconds": limits.max_dry_run_seconds}))

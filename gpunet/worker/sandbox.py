@@ -7,8 +7,8 @@ needs, it locks itself down before it takes a job.
 
 * **Landlock** (Linux >= 5.13; no privileges): files are read-only and only beneath what the executor needs — the
   Python installation and virtualenv, the gpunet and torch packages, ``/usr``, ``/lib``, ``/proc``, ``/sys``, a few
-  device files — plus read-write access to the program cache directory alone. The data dir (the identity key!) and
-  the home directory are out of reach. Where the kernel supports it (ABI 4), TCP connect and bind are denied too, and
+  device files — plus read-write access to the program cache directory and the process's own thread entries in
+  ``/proc``. The data dir (the identity key!) and the home directory are out of reach. Where the kernel supports it (ABI 4), TCP connect and bind are denied too, and
   Landlock also stops the process from ptrace-ing (or reading the memory of) its parent.
 * **seccomp** (no privileges once ``no_new_privs`` is set): no new sockets of any kind, no ``execve``, no new
   processes (threads only).
@@ -93,6 +93,10 @@ _SYSTEM_READ = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sys", "/etc/ld.so.
                 "/etc/ld.so.conf.d", "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group",
                 "/proc/self", "/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/sys/kernel", "/proc/sys/vm",
                 "/proc/driver/nvidia")
+#: Written by the process itself: CUDA's start fails without it ("cudaGetDeviceCount(): Error 304: OS call failed",
+#: seen on an H200; most likely it names the threads it starts, which writes /proc/self/task/TID/comm). Only this
+#: process's own threads lie beneath, and with every capability dropped nothing there reaches further.
+_PROC_WRITE = ("/proc/self/task",)
 #: Device files a job's process may read and write (GPU devices are added when present).
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/full")
 
@@ -171,6 +175,8 @@ def _landlock(read_roots: list[str], write_dirs: list[str], abi: int) -> list[st
             allow(path, _DIR_READ)
         for path in [*_DEVICES, *glob.glob("/dev/nvidia*"), *glob.glob("/dev/dri/*")]:
             allow(path, _FILE_RW | _IOCTL_DEV)
+        for path in _PROC_WRITE:
+            allow(path, _FILE_RW)
         for path in write_dirs:
             allow(path, _DIR_RW)
         if libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:

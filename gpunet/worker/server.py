@@ -31,13 +31,13 @@ from gpunet.dht.records import (
     WorkerState,
     printable,
 )
-from gpunet.errors import ConfigError, NetworkError
+from gpunet.errors import ConfigError, ExecutorStartFailed, NetworkError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import NANO, format_credits, price_to_nano
 from gpunet.ledger.store import open_ledger
 from gpunet.protocol import BATCH, INTERACTIVE
 from gpunet.rpc import quiet_lost_daemon
-from gpunet.utils import new_event_loop
+from gpunet.utils import first_line, new_event_loop
 from gpunet.worker import hardware as hw
 from gpunet.worker import control, metrics, throughput
 from gpunet.worker.availability import Availability, OwnerRules, Reading, parse_active_hours
@@ -254,7 +254,7 @@ class Worker:
                     raise
                 # Ctrl-C reaches the whole group: a part starting under it (the p2p daemon the job doors register
                 # with) may have stopped first. We were leaving anyway.
-                logger.info("Stopped while starting (%s)", _first_line(e))
+                logger.info("Stopped while starting (%s)", first_line(e))
                 await self._unlist()
                 return 0
             self._owner_watch = asyncio.create_task(self._watch_owner())
@@ -303,7 +303,7 @@ class Worker:
                 raise
             # Ctrl-C reaches the whole process group: the join's own helpers (its p2p daemon, torch's shared-memory
             # manager) stopped under it. We were leaving anyway.
-            logger.info("Stopped while joining the network (%s)", _first_line(e))
+            logger.info("Stopped while joining the network (%s)", first_line(e))
             return None
 
     async def _find_reachability(self) -> None:
@@ -562,7 +562,13 @@ class Worker:
             sandbox=cfg.sandbox,
             speed_tflops=max(self.tflops.values(), default=None),
         )
-        for line in await self.executor.sandbox_report():  # before any job: the executors lock themselves down
+        try:
+            report = await self.executor.sandbox_report()  # before any job: the executors lock themselves down
+        except ExecutorStartFailed as e:
+            hint = (" If your kernel or GPU driver refuses the executor sandbox, `--no-sandbox` starts without it "
+                    "(please report it)." if cfg.sandbox else "")
+            raise ConfigError(f"{e}; run `gpunet doctor`.{hint}") from None
+        for line in report:
             (logger.warning if line.startswith(("WARNING", "no ", "sandbox incomplete")) else logger.info)(
                 "Executor sandbox: %s", line.removeprefix("WARNING: "))
         self.ledger = open_ledger(self.data_dir)
@@ -630,11 +636,6 @@ class Worker:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
-
-
-def _first_line(error: BaseException) -> str:
-    """An error's first line, for a log line (its type when it says nothing)."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 async def _bounded(awaitable, seconds: float, default=None, result=None):
