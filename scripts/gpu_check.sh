@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What a session runs on a lent GPU machine (the device tool), in one go (about 5 minutes): the CUDA paths (NVML,
+# torch's CUDA build, executors sandboxed on the GPU, sessions with their KV caches there) and issue 15's figures on a
+# machine with cores to spare. That machine has the CUDA build of torch but not hivemind or gpunet's other needs, and
+# no registry: `bash scripts/gpu_wheels.sh` here first, then carry .whl. Each step has its own time limit and the
+# steps go on after a failure; everything lands in $OUT (or ./gpu-check).
+#   bash scripts/gpu_check.sh        # on the GPU machine, from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-check}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # a folder named site-packages: executors' sandbox lets them read it
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-packages .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=$PWD:/tmp/site-packages
+fi
+step() {  # step NAME SECONDS COMMAND...: its output to the terminal and to $out/NAME.txt
+    local name=$1 limit=$2; shift 2
+    echo "=== $name ($(date +%T), limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" > "$out/$name.txt" 2>&1; local rc=$?
+    tail -n 25 "$out/$name.txt"; echo "=== $name: rc $rc"
+}
+step versions 60 bash -c 'nproc; nvidia-smi -L; python3 -c "import sys, torch, hivemind, gpunet
+print(sys.version.split()[0], torch.__version__, torch.cuda.is_available(), hivemind.__version__, gpunet.__version__)"'
+step doctor 45 python3 -m gpunet doctor --device cuda:0 --network gpu-check --data-dir /tmp/doctor
+step bench_gpu 150 python3 scripts/bench_pipeline.py --d-model 1024 --device cuda:0 --json
+step bench_cpu 180 python3 scripts/bench_pipeline.py --d-model 1024 --json
