@@ -8,6 +8,7 @@ that dies without a word simply stops refreshing its record, which expires after
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -54,6 +55,9 @@ UNSETTLED_GRACE = 5.0
 #: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
 #: the p2p daemon (and, on SIGTERM, the DHT process) may be dead already: nothing may wait on them without a bound.
 LEAVE_STEP_TIMEOUT = 3.0
+#: Seconds a group Ctrl-C takes to settle: a part that failed while the worker starts waits this long for the signal
+#: sent with its failure, and the same signal arriving again this soon is not a second Ctrl-C.
+SIGNAL_SETTLE = 0.5
 #: Seconds between repeats of the "could not publish" warning while it lasts.
 UNPUBLISHED_REPEAT = 300.0
 
@@ -101,6 +105,7 @@ class Worker:
         self._unpublished = 0  # heartbeats in a row whose record no peer accepted
         self._unpublished_said = -UNPUBLISHED_REPEAT
         self._stop = asyncio.Event()
+        self._stop_asked_at = 0.0
         self._stopping = threading.Event()  # the same, for waits in threads (joining while no initial peer answers)
 
     @property
@@ -250,7 +255,7 @@ class Worker:
             try:
                 await self.start_services()
             except Exception as e:
-                if not self._stop.is_set():
+                if not await self._stopped_meanwhile():
                     raise
                 # Ctrl-C reaches the whole group: a part starting under it (the p2p daemon the job doors register
                 # with) may have stopped first. We were leaving anyway.
@@ -299,7 +304,7 @@ class Worker:
                 identity=self.identity, host_maddrs=cfg.host_maddrs, start_new=True, reachability=reachability,
                 announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private")
         except Exception as e:
-            if not self._stop.is_set():
+            if not await self._stopped_meanwhile():
                 raise
             # Ctrl-C reaches the whole process group: the join's own helpers (its p2p daemon, torch's shared-memory
             # manager) stopped under it. We were leaving anyway.
@@ -374,11 +379,25 @@ class Worker:
         print(f"  gpunet worker --network {self.config.network} --initial-peers {joinable}", flush=True)
         print(f"Worker id: {self.id}", flush=True)
 
+    async def _stopped_meanwhile(self) -> bool:
+        """Whether a stop was asked, for a part that failed while starting. A Ctrl-C to the process group stops that
+        part's helpers (the p2p daemon, torch's shared-memory manager) at the moment our own handler is called, and
+        the failure can reach this loop first: the signal is given a moment to be handled."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), SIGNAL_SETTLE)
+        return self._stop.is_set()
+
     def _request_stop(self, sig: int) -> None:
         if self._stop.is_set():
+            if time.monotonic() - self._stop_asked_at < SIGNAL_SETTLE:
+                # The same Ctrl-C, once more: a child forked by C code (torch's shared-memory manager starting) that
+                # has not exec'd yet still holds this loop's signal socket, and its share of the group's signal
+                # arrives here too.
+                return
             logger.warning("Second %s: leaving without waiting for running jobs", signal.Signals(sig).name)
             sys.exit(1)
         logger.info("%s received: finishing running jobs, then leaving the network", signal.Signals(sig).name)
+        self._stop_asked_at = time.monotonic()
         self._stop.set()
         self._stopping.set()
 
