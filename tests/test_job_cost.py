@@ -179,7 +179,7 @@ def test_an_executor_reports_what_each_dry_run_took_and_stops_one_past_its_limit
         assert first.seconds > 0 and again.seconds == 0 and one.flops == two.flops  # counted once per shapes
         assert first.cap == 5.0  # the executor's limit, as it said when ready
         longer = _grid_sampling(200)  # a new program to count: about 1.6 s of CPU, cancelled as its dry run begins
-        cancelled = DryRun()  # stopped before it ended: what it may have been, at most the executor's limit
+        cancelled = DryRun()  # stopped at its next node: what it took until then, measured
         slot = ex._slots[0]
 
         async def cancel_during_the_dry_run():
@@ -194,7 +194,7 @@ def test_an_executor_reports_what_each_dry_run_took_and_stops_one_past_its_limit
                 await run
 
         asyncio.run(cancel_during_the_dry_run())
-        assert cancelled.seconds is None and cancelled.cost(cancelled.began + 60) == 5.0
+        assert cancelled.seconds is not None and cancelled.cost(cancelled.began + 60) == cancelled.seconds < 5.0
         quick = DryRun()  # a job that never reached its dry run (its program not held, no bytes sent) costs nothing
         with pytest.raises(gpunet.ProgramNotCached):
             asyncio.run(ex.run(_grid_sampling(2).program_hash, None, inputs, 60, dry=quick))

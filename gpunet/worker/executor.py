@@ -3,9 +3,9 @@
 Each executor is a ``spawn``-started process (fork is unsafe beside threads and the libp2p daemon) that validates,
 caches and runs programs under a memory budget. The parent waits on the reply *or* the process's death, with a
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
-worker keeps serving; a job whose caller gives up (cancel, client gone) is stopped the same way, except in a process
-holding inference sessions' state, where runs are stopped at their program's next node instead (a kill would lose
-every session there). Parent and child exchange msgpack over a pipe, never pickle.
+worker keeps serving. A job whose caller gives up (cancel, client gone) is stopped at its program's next node, and
+its executor serves on; one still running :data:`STOP_GRACE` later is stopped as a hung one is, except in a process
+holding inference sessions' state (a kill would lose every session there). Parent and child exchange msgpack over a pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a 
 _INLINE_PIPE_BYTES = 1 << 20
 _IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
 _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go through the pipe
-#: How long a run asked to stop at its next node (preempted, or past its time on an executor holding sessions' state)
-#: may take before it is killed after all: one op cannot be interrupted.
+#: How long a run asked to stop at its next node (preempted, cancelled, or past its time on an executor holding
+#: sessions' state) may take before it is killed after all: one op cannot be interrupted.
 STOP_GRACE = 2.0
 
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
@@ -247,9 +247,9 @@ class Executor:
 
     The parent talks to each process over its pipe from the event loop itself: waiting is ``add_reader`` on the pipe
     and on the process sentinel, so a small job costs no thread hop; only payloads over :data:`_INLINE_PIPE_BYTES`
-    move in a thread. Cancelling :meth:`run` while the job runs kills that executor (the pool starts a fresh one):
-    that is how a cancelled or abandoned job stops using the machine; in a process holding sessions' state the run is
-    stopped at its next node instead (see :meth:`run`).
+    move in a thread. Cancelling :meth:`run` while the job runs stops it at its program's next node, the process
+    serving on; one that does not stop within :data:`STOP_GRACE` (an op running long) has its executor killed (the
+    pool starts a fresh one), except in a process holding sessions' state (see :meth:`run`).
     """
 
     def __init__(
@@ -327,9 +327,10 @@ class Executor:
         out of the way of the sessions' steps, which must run there). ``dry``: filled in with what the job's dry run
         took, whatever the outcome.
 
-        Cancelling a run kills its process, unless the process holds sessions' state: a kill would lose every session
-        there (any client's), so the run is stopped at its program's next node instead, and so is a run past its
-        time there (killed only if one op outlasts STOP_GRACE)."""
+        Cancelling a run stops it at its program's next node, the process serving on; one op that outlasts
+        STOP_GRACE has its process killed, unless the process holds sessions' state: a kill would lose every session
+        there (any client's), so a run there is only ever stopped, and so is a run past its time there (killed only
+        if one op outlasts STOP_GRACE)."""
         if self._closed:  # the worker is leaving: the job runs elsewhere
             raise _leaving("before")
         check_hash(program_hash)
@@ -363,7 +364,7 @@ class Executor:
         """Ask the executor running the job tagged ``tag`` to stop it at the next node of its program: its ``run``
         raises JobPreempted and the process serves the next job, no restart. False when that job is not running in an
         executor now (the caller then cancels it). A single op that runs long keeps going until it returns: the
-        caller bounds the wait (a cancel kills the process, unless it holds sessions' state)."""
+        caller bounds the wait (a cancel kills the process after STOP_GRACE, unless it holds sessions' state)."""
         slot = self._tagged.get(tag)
         if slot is None or not slot.in_flight or slot.killed:
             return False
@@ -569,16 +570,30 @@ class Executor:
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            # The caller gave up on the run. Killing the process stops it at once, but the state of every session it
-            # holds (any client's) would go with it: there, the run is asked to stop at its program's next node (or
-            # before its first, if it has not reached the process yet) and waited for, within its own time limit
-            # (past it, _await_reply kills it as for any run).
-            if self._holds_sessions(slot):
-                slot.stop_word.value = slot.run_id
-            else:
-                slot.kill()  # the next job gets a fresh process
-                work.cancel()
-            await wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
+            # The caller gave up on the run. It is asked to stop at its program's next node (or before its first, if
+            # it has not reached the process yet), so the process, torch imported and programs cached, serves the
+            # next job: killed, it cost that job a fresh executor's start (2.7 s on a 2-core machine). A run still
+            # going after STOP_GRACE (one op running long) is killed, unless its process holds sessions' state (any
+            # client's, lost with it): that one is waited for within its own time limit (past it, _await_reply
+            # kills it as for any run).
+            asked = slot.stop_word.value == slot.run_id  # stopped already (a preemption, a pause): its grace is over
+            slot.stop_word.value = slot.run_id
+            overdue = None
+            if not self._holds_sessions(slot):
+                def kill_if_running() -> None:
+                    if not work.done():
+                        slot.kill()  # the next job gets a fresh process
+                        work.cancel()
+
+                if asked:
+                    kill_if_running()
+                else:
+                    overdue = asyncio.get_running_loop().call_later(STOP_GRACE, kill_if_running)
+            try:
+                await wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
+            finally:
+                if overdue is not None:
+                    overdue.cancel()
             if session is not None and not work.cancelled() and work.exception() is None:
                 # The step ended before it could stop (on a GPU, the stop is seen long before the queued kernels
                 # finish): its session's state in the process has moved on with it, so it is done, and taken as
