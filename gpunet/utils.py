@@ -32,7 +32,7 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def first_line(error: BaseException, limit: int = 200) -> str:
     """An error's first line, for a log line (its type when it says nothing)."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:limit]
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
 
 
 def human_bytes(n: int) -> str:

@@ -98,6 +98,7 @@ class _Slot:
         self.closed = False
         self.start()
 
+    stop_asked_at = 0.0  # when the running job was asked to stop (time.monotonic())
     sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
     dry_cap = 0.0  # the longest a dry run may take there, as it reported once ready
 
@@ -369,6 +370,7 @@ class Executor:
         if slot is None or not slot.in_flight or slot.killed:
             return False
         slot.stop_word.value = slot.run_id
+        slot.stop_asked_at = time.monotonic()
         return True
 
     def running_where(self, session_key: str) -> list[object]:
@@ -576,8 +578,11 @@ class Executor:
             # going after STOP_GRACE (one op running long) is killed, unless its process holds sessions' state (any
             # client's, lost with it): that one is waited for within its own time limit (past it, _await_reply
             # kills it as for any run).
-            asked = slot.stop_word.value == slot.run_id  # stopped already (a preemption, a pause): its grace is over
-            slot.stop_word.value = slot.run_id
+            grace = STOP_GRACE
+            if slot.stop_word.value == slot.run_id:  # asked already (a preemption, a pause): its grace runs on
+                grace = max(0.0, slot.stop_asked_at + STOP_GRACE - time.monotonic())
+            else:
+                slot.stop_word.value, slot.stop_asked_at = slot.run_id, time.monotonic()
             overdue = None
             if not self._holds_sessions(slot):
                 def kill_if_running() -> None:
@@ -585,10 +590,7 @@ class Executor:
                         slot.kill()  # the next job gets a fresh process
                         work.cancel()
 
-                if asked:
-                    kill_if_running()
-                else:
-                    overdue = asyncio.get_running_loop().call_later(STOP_GRACE, kill_if_running)
+                overdue = asyncio.get_running_loop().call_later(grace, kill_if_running)
             try:
                 await wait_out(work)  # a second cancel must not leave the pipe half read or written under a thread
             finally:
@@ -844,6 +846,14 @@ def _child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -
             reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
         except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
             reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+        if device.startswith("cuda") and not reply["ok"]:
+            # A run stopped or failed between nodes may leave kernels queued: they finish here, before the reply
+            # frees this process for the next job (whose time and errors they are not); an error they raise is this
+            # run's.
+            try:
+                torch.cuda.synchronize(device)
+            except Exception as e:
+                reply["message"] = f"{reply.get('message', '')}; then {type(e).__name__}: {str(e)[:300]}"
         # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
         # report the failure, then exit so the pool starts a clean executor.
         poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")

@@ -105,7 +105,7 @@ class Worker:
         self._unpublished = 0  # heartbeats in a row whose record no peer accepted
         self._unpublished_said = -UNPUBLISHED_REPEAT
         self._stop = asyncio.Event()
-        self._stop_asked_at = 0.0
+        self._stop_asked_at, self._stop_signal = 0.0, 0  # when the first stop signal came, and which
         self._stopping = threading.Event()  # the same, for waits in threads (joining while no initial peer answers)
 
     @property
@@ -389,15 +389,16 @@ class Worker:
 
     def _request_stop(self, sig: int) -> None:
         if self._stop.is_set():
-            if time.monotonic() - self._stop_asked_at < SIGNAL_SETTLE:
-                # The same Ctrl-C, once more: a child forked by C code (torch's shared-memory manager starting) that
-                # has not exec'd yet still holds this loop's signal socket, and its share of the group's signal
-                # arrives here too.
+            if sig == self._stop_signal and time.monotonic() - self._stop_asked_at < SIGNAL_SETTLE:
+                # Most likely the same Ctrl-C, once more: a child forked by C code (torch's shared-memory manager
+                # starting) that has not exec'd yet still holds this loop's signal socket, and its share of the
+                # group's signal arrives here too.
+                logger.info("%s again at once: still leaving (again to leave without waiting)", signal.Signals(sig).name)
                 return
             logger.warning("Second %s: leaving without waiting for running jobs", signal.Signals(sig).name)
             sys.exit(1)
         logger.info("%s received: finishing running jobs, then leaving the network", signal.Signals(sig).name)
-        self._stop_asked_at = time.monotonic()
+        self._stop_asked_at, self._stop_signal = time.monotonic(), sig
         self._stop.set()
         self._stopping.set()
 
