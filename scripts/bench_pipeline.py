@@ -217,8 +217,8 @@ def main() -> None:
     print(f"recovering a killed span (move + replay of {tokens} steps): {r['recover_step_s']:.2f} s | a step "
           f"{r['step_p50_ms']:.1f} ms")
     if gpu:
-        print(f"on {args.device}: {r['tokens_differing']} of {r['tokens'] * r['rounds'] * 2} networked tokens differ from "
-              "local eager generation")
+        print(f"on {args.device}: {r['tokens_differing']} of {r['tokens'] * r['rounds'] * 2} networked tokens "
+              "differ from local eager generation")
     if args.json:
         print(json.dumps(results))
 

@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then  # a folder named site-packages: executors' sandbox lets them read it
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-packages .whl/*.whl \
-        || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site-packages .whl/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site-packages
 fi
 step() {  # step NAME SECONDS COMMAND...: its output to the terminal and to $out/NAME.txt

@@ -5,7 +5,8 @@ caches and runs programs under a memory budget. The parent waits on the reply *o
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
 worker keeps serving. A job whose caller gives up (cancel, client gone) is stopped at its program's next node, and
 its executor serves on; one still running :data:`STOP_GRACE` later is stopped as a hung one is, except in a process
-holding inference sessions' state (a kill would lose every session there). Parent and child exchange msgpack over a pipe, never pickle.
+holding inference sessions' state (a kill would lose every session there). Parent and child exchange msgpack over a
+pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -98,9 +99,16 @@ class _Slot:
         self.closed = False
         self.start()
 
-    stop_asked_at = 0.0  # when the running job was asked to stop (time.monotonic())
+    stop_asked_at = 0.0  # when the running job was first asked to stop (time.monotonic())
     sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
     dry_cap = 0.0  # the longest a dry run may take there, as it reported once ready
+
+    def ask_stop(self) -> float:
+        """Ask the running job to stop at its program's next node (read there through the shared stop word); returns
+        the seconds of STOP_GRACE it has left, counted from the first time it was asked."""
+        if self.stop_word.value != self.run_id:
+            self.stop_word.value, self.stop_asked_at = self.run_id, time.monotonic()
+        return max(0.0, self.stop_asked_at + STOP_GRACE - time.monotonic())
 
     def take_over(self, spare: "_Slot") -> tuple:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
@@ -369,8 +377,7 @@ class Executor:
         slot = self._tagged.get(tag)
         if slot is None or not slot.in_flight or slot.killed:
             return False
-        slot.stop_word.value = slot.run_id
-        slot.stop_asked_at = time.monotonic()
+        slot.ask_stop()
         return True
 
     def running_where(self, session_key: str) -> list[object]:
@@ -578,11 +585,7 @@ class Executor:
             # going after STOP_GRACE (one op running long) is killed, unless its process holds sessions' state (any
             # client's, lost with it): that one is waited for within its own time limit (past it, _await_reply
             # kills it as for any run).
-            grace = STOP_GRACE
-            if slot.stop_word.value == slot.run_id:  # asked already (a preemption, a pause): its grace runs on
-                grace = max(0.0, slot.stop_asked_at + STOP_GRACE - time.monotonic())
-            else:
-                slot.stop_word.value, slot.stop_asked_at = slot.run_id, time.monotonic()
+            grace = slot.ask_stop()  # asked already (a preemption, a pause): what is left of that grace
             overdue = None
             if not self._holds_sessions(slot):
                 def kill_if_running() -> None:
@@ -676,7 +679,7 @@ class Executor:
             if not stopping and self._holds_sessions(slot):
                 # A kill would take every session this process holds (any client's) with it: first ask the run to
                 # stop at its program's next node.
-                slot.stop_word.value = slot.run_id
+                slot.ask_stop()
                 stopping, deadline = True, loop.time() + STOP_GRACE
                 continue
             slot.kill()

@@ -8,8 +8,9 @@ needs, it locks itself down before it takes a job.
 * **Landlock** (Linux >= 5.13; no privileges): files are read-only and only beneath what the executor needs — the
   Python installation and virtualenv, the gpunet and torch packages, ``/usr``, ``/lib``, ``/proc``, ``/sys``, a few
   device files — plus read-write access to the program cache directory and the process's own thread entries in
-  ``/proc``. The data dir (the identity key!) and the home directory are out of reach. Where the kernel supports it (ABI 4), TCP connect and bind are denied too, and
-  Landlock also stops the process from ptrace-ing (or reading the memory of) its parent.
+  ``/proc``. The data dir (the identity key!) and the home directory are out of reach. Where the kernel supports it
+  (ABI 4), TCP connect and bind are denied too, and Landlock also stops the process from ptrace-ing (or reading the
+  memory of) its parent.
 * **seccomp** (no privileges once ``no_new_privs`` is set): no new sockets of any kind, no ``execve``, no new
   processes (threads only).
 * **rlimits**: open files, the size of files written, no core dumps (plus the address-space limit the executor sets

@@ -393,7 +393,8 @@ class Worker:
                 # Most likely the same Ctrl-C, once more: a child forked by C code (torch's shared-memory manager
                 # starting) that has not exec'd yet still holds this loop's signal socket, and its share of the
                 # group's signal arrives here too.
-                logger.info("%s again at once: still leaving (again to leave without waiting)", signal.Signals(sig).name)
+                logger.info("%s again at once: still leaving (again to leave without waiting)",
+                            signal.Signals(sig).name)
                 return
             logger.warning("Second %s: leaving without waiting for running jobs", signal.Signals(sig).name)
             sys.exit(1)
