@@ -9,6 +9,7 @@ network; only the bytes never leave the process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 
 import pytest
@@ -276,6 +277,10 @@ def test_a_worker_whose_record_lapsed_is_no_longer_named_as_a_holder(tmp_path):
         await core.refresh()
         core.transport.workers.clear()  # a look that finds nobody says little: nobody is forgotten for it
         await core.refresh()
+        assert list(core.router.workers) == [stays.id]  # its record still holds: still routable (was: none online)
+        core.router.update([dataclasses.replace(stays.entry, expiration_time=0.0)])  # ...until it lapses
+        await core.refresh()
+        assert not core.router.workers
 
     _, transport = run(tmp_path, [stays, leaves], scenario, with_transport=True)
     assert transport.forgotten == [leaves.id]

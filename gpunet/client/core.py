@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from hivemind.utils import get_dht_time
 
 from gpunet import protocol
 from gpunet.client.proofs import ProofConfig, SpeedProofs
@@ -240,9 +241,11 @@ class ClientCore:
         if entries:  # those whose records lapsed are gone, or going: not named as holders (an empty look says little)
             for gone in self.router.workers.keys() - {e.id for e in entries}:
                 self._forget(gone)
-        self.router.update(entries)
-        if entries:
+            self.router.update(entries)
             self._fresh.set()
+        else:  # a look that finds nobody (a DHT search lost under load) keeps the workers whose records still hold
+            now = get_dht_time()
+            self.router.update([e for e in self.router.workers.values() if e.expiration_time > now])
         if self.proofs is not None:
             self.proofs.schedule(entries)
         return entries
