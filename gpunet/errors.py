@@ -17,6 +17,10 @@ class ConfigError(GpunetError):
     """A setting, flag or data directory is unusable."""
 
 
+class DataDirInUse(ConfigError):
+    """Another running node holds this data dir (one node per data dir: the dir holds the node's identity)."""
+
+
 class IdentityError(ConfigError):
     """The node's key file is missing, unreadable or malformed."""
 

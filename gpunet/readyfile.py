@@ -1,4 +1,12 @@
-"""A running node's ready file, ``<data dir>/ready.json``: what deployment tools read instead of scraping its output.
+"""A running node's hold on its data dir (``<data dir>/node.lock``) and its ready file (``<data dir>/ready.json``).
+
+One node per data dir: the dir holds the node's identity, so two nodes started on one dir would run as one peer id
+and take each other's countersignatures (and the second's start would delete the first's ready file). A node holds an
+exclusive ``flock`` on ``node.lock`` for its lifetime (:func:`hold`); a second node on the same dir stops at once with
+the first's pid. The kernel drops the lock when the node's process ends, however it ends, so a crash leaves no stale
+lock to clean up.
+
+The ready file is what deployment tools read instead of scraping a node's output.
 
 ``gpunet worker`` and ``gpunet bootstrap`` write it once they have joined the network and rewrite it at each change of
 state (``joining`` → ``online`` → ``draining`` → ``offline``); a clean exit removes it. It holds at least ``pid``,
@@ -10,6 +18,7 @@ also removes a leftover file when it starts).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -17,7 +26,52 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpunet.errors import ConfigError, DataDirInUse
+
 READY_FILENAME = "ready.json"
+LOCK_FILENAME = "node.lock"
+
+
+class DataDirLock:
+    """This process's hold on a node's data dir; :meth:`release` (or the process's end) lets it go."""
+
+    def __init__(self, data_dir: Path, file):
+        self.data_dir, self._file = data_dir, file
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the descriptor drops the flock
+            self._file = None
+
+
+def hold(data_dir: str | os.PathLike, role: str) -> DataDirLock:
+    """Take ``data_dir`` for this node (``role``: worker, bootstrap) until it exits; DataDirInUse if another node runs
+    there. Take it before anything else touches the dir (the identity, a leftover ready file)."""
+    data_dir = Path(data_dir)
+    path = data_dir / LOCK_FILENAME
+    try:
+        file = open(path, "a+")
+    except OSError as e:
+        raise ConfigError(f"cannot open {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        try:
+            other = json.loads(file.read())
+        except ValueError:
+            other = {}
+        file.close()
+        other = other if isinstance(other, dict) else {}
+        who = f"a gpunet {other.get('role')}" if isinstance(other.get("role"), str) else "another gpunet node"
+        pid = f" (pid {other['pid']})" if isinstance(other.get("pid"), int) else ""
+        raise DataDirInUse(f"data dir {data_dir} is in use by {who}{pid}: one node per data dir (it holds the node's "
+                           "identity); give this one its own with --data-dir DIR (or GPUNET_DATA_DIR)") from None
+    file.seek(0)
+    file.truncate()
+    file.write(json.dumps({"pid": os.getpid(), "role": role}))
+    file.flush()
+    return DataDirLock(data_dir, file)
 
 
 def ready_path(data_dir: str | os.PathLike) -> Path:

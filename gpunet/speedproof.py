@@ -65,6 +65,14 @@ PICK_PRODUCTS, PICK_ROWS = 6, 2
 #: Routing allows a claim up to this many times the proven speed (the proof's own overhead and network delay; see
 #: ``scripts/bench_speedproof.py`` for the ratio an honest worker shows).
 SLACK = 2.0
+
+
+def credit_cap(proven_tflops: float) -> float:
+    """The most TFLOPS routing credits a worker that proved ``proven_tflops``: the one expression both routing and
+    anything checking it use (computed along two paths, two floats can differ in the last bit)."""
+    return SLACK * proven_tflops
+
+
 SEED_BYTES = 16
 COMMIT_BYTES = 16
 
@@ -72,10 +80,13 @@ _MASK = (1 << 31) - 1
 _K = 7919
 
 
-#: The dtypes a challenge may be multiplied in (the names of a worker record's ``tflops``). Ternary products are exact
-#: in each: entries stay far below 256 (bf16 keeps every integer up to 256; |c| > 256 needs 8.5 standard deviations
-#: at n = 2048).
+#: The dtypes a challenge may be multiplied in (the names of a worker record's ``tflops``). Ternary products must be
+#: exact in each: fp16 keeps every integer up to 2048, bf16 only up to 256. An entry of a product is a sum of n terms
+#: in {-1, 0, 1} (standard deviation sqrt(2n/3)): |c| > 256 is 8.5 standard deviations at n = 2048 (never seen), but
+#: only 6 at n = 4096, where about one proof in 20,000 would hold an entry bf16 rounds and an honest worker would fail.
 DTYPES = ("fp32", "fp16", "bf16")
+#: The largest matrix size per dtype at which every product is exact (see DTYPES).
+MAX_EXACT_N = {"bf16": 2048}
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,9 @@ class Challenge:
             raise ValueError(f"a challenge may take at most {MAX_SECONDS:g} s")
         if self.dtype not in DTYPES:
             raise ValueError(f"a challenge's dtype is one of {', '.join(DTYPES)}")
+        if self.n > MAX_EXACT_N.get(self.dtype, self.n):
+            raise ValueError(f"a {self.dtype} challenge is at most {MAX_EXACT_N[self.dtype]} wide (beyond, an honest "
+                             "product can round)")
 
     @property
     def flops_per_product(self) -> int:
@@ -113,7 +127,7 @@ def terms(tflops: dict[str, float]) -> tuple[str, int]:
     that claim calls for (:func:`fits` says what else a worker takes)."""
     known = _claims(tflops)
     dtype = max(known, key=known.get)
-    return dtype, SIZES[_size_step(known[dtype])]
+    return dtype, min(SIZES[_size_step(known[dtype])], MAX_EXACT_N.get(dtype, SIZES[-1]))
 
 
 def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
@@ -121,7 +135,8 @@ def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
     most one size above what that claim calls for (a claim measured again, lower, since the client read it must not
     turn an honest challenge away; a product one size up is 8x the work, a 4096 one on a CPU hundreds)."""
     known = _claims(tflops)
-    return dtype in known and n in SIZES[: _size_step(known[dtype]) + 2]
+    return (dtype in known and n in SIZES[: _size_step(known[dtype]) + 2]
+            and n <= MAX_EXACT_N.get(dtype, n))
 
 
 def _claims(tflops: dict[str, float]) -> dict[str, float]:

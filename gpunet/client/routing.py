@@ -43,7 +43,7 @@ from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
 from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE
-from gpunet.speedproof import SLACK
+from gpunet.speedproof import credit_cap
 from gpunet.utils import LRU, host_of
 
 GiB = 2**30
@@ -224,14 +224,16 @@ class Router:
         self._set_ceiling()
 
     def on_proof(self, worker_id: str, tflops: float) -> None:
-        """A worker's speed proof came out at ``tflops`` (0.0: it failed)."""
-        self.proven.put(worker_id, tflops)
+        """A worker's speed proof came out at ``tflops`` (0.0: it failed, and its earlier proofs count for nothing);
+        a valid proof asked again keeps the best one (a proof timed at a busy moment shows less than the device)."""
+        earlier = self.proven.get(worker_id) or 0.0
+        self.proven.put(worker_id, max(tflops, earlier) if tflops > 0 else 0.0)
         self._set_ceiling()
 
     def _set_ceiling(self) -> None:
         """What a worker not proven yet is credited at most: the median credited speed of the proven workers in view,
         so a claim alone never outranks the typical checked worker (and refusing challenges gains nothing)."""
-        credited = sorted(min(e.record.best_tflops, SLACK * p) for e in self.workers.values()
+        credited = sorted(min(e.record.best_tflops, credit_cap(p)) for e in self.workers.values()
                           if (p := self.proven.get(e.id)) is not None and p > 0)
         self._unproven_ceiling = credited[(len(credited) - 1) // 2] if credited else None
 
@@ -241,22 +243,29 @@ class Router:
         now = time.monotonic() if now is None else now
         return at is not None and now - at > self.config.remeasure_after and not self.inflight[worker_id]
 
-    def speed_factor(self, entry: WorkerEntry) -> float:
-        """The share of its claimed throughput routing credits a worker: min(1, SLACK * proven / claimed best). One not
-        proven yet is credited up to the median proven worker (none proven yet: its claim stands)."""
-        claimed = entry.record.best_tflops
-        if claimed <= 0:
-            return 1.0
+    def credit_limit(self, entry: WorkerEntry) -> float | None:
+        """The most TFLOPS routing credits this worker's best dtype: ``credit_cap`` of its proof; not proven yet, the
+        median proven worker's credit; None: no limit (nobody proven yet)."""
         proven = self.proven.get(entry.id)
-        if proven is not None:
-            return min(1.0, SLACK * proven / claimed)
-        return 1.0 if self._unproven_ceiling is None else min(1.0, self._unproven_ceiling / claimed)
+        return credit_cap(proven) if proven is not None else self._unproven_ceiling
+
+    def speed_factor(self, entry: WorkerEntry) -> float:
+        """The share of its claimed throughput routing credits a worker: min(1, limit / claimed best)."""
+        claimed, limit = entry.record.best_tflops, self.credit_limit(entry)
+        return 1.0 if claimed <= 0 or limit is None else min(1.0, limit / claimed)
 
     def credited_tflops(self, entry: WorkerEntry, dtype: str | None = None) -> float:
-        """The worker's claimed TFLOPS in ``dtype`` (its best without one), as far as it has proven them."""
+        """The worker's claimed TFLOPS in ``dtype`` (its best without one), as far as it has proven them: its best
+        claim up to :meth:`credit_limit` exactly, another dtype's claim scaled by :meth:`speed_factor` (and never over
+        the limit: a scaled figure can round one bit over)."""
         r = entry.record
         claimed = (r.tflops.get(dtype) if dtype else None) or r.best_tflops
-        return claimed * self.speed_factor(entry)
+        limit = self.credit_limit(entry)
+        if limit is None:
+            return claimed
+        if claimed >= r.best_tflops:
+            return min(claimed, limit)
+        return min(claimed * self.speed_factor(entry), limit)
 
     # --- filtering -------------------------------------------------------------------------------------------------
 

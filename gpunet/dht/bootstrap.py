@@ -9,7 +9,7 @@ import signal
 import threading
 
 from gpunet import readyfile
-from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
+from gpunet.config import BOOTSTRAP_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import network
 from gpunet.identity import Identity
 
@@ -36,7 +36,8 @@ def run_bootstrap(
     up only once those doors answer, so the first worker's dial-back check never finds them missing."""
     network.check_network_name(network_name)
     network.resolve_initial_peers(initial_peers)
-    data_dir = resolve_data_dir(data_dir, writable=True)
+    data_dir = resolve_data_dir(data_dir, writable=True, default=BOOTSTRAP_DATA_DIR)
+    hold = readyfile.hold(data_dir, "bootstrap")  # before the identity and the ready file: one node per data dir
     readyfile.remove_ready(data_dir)  # one left by an earlier run that died must never be read as ours
     identity = Identity.load_or_create(data_dir)
     stop = threading.Event()
@@ -93,6 +94,7 @@ def run_bootstrap(
             dht.join(5)
         elif dht is not None:
             dht.shutdown()
+        hold.release()
 
 
 class Doors:

@@ -98,18 +98,23 @@ def _pdist(args, kwargs, out) -> int:
     return 3 * (n * (n - 1) // 2) * d
 
 
+def _log2_ceil(size: int) -> int:
+    """ceil(log2(size)), at least 1, in integers: both sides bill this count, and a libm's log2 may differ by a bit."""
+    return max(1, (max(int(size), 2) - 1).bit_length())
+
+
 def _sort(args, kwargs, out) -> int:
     x = args[0]
     dim = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("dim", -1)
     size = x.shape[dim] if x.dim() else 1
-    return ELEMENTWISE * x.numel() * max(1, math.ceil(math.log2(max(size, 2))))
+    return ELEMENTWISE * x.numel() * _log2_ceil(size)
 
 
 def _topk(args, kwargs, out) -> int:
     x = args[0]
     dim = args[2] if len(args) > 2 and isinstance(args[2], int) else kwargs.get("dim", -1)
     size = x.shape[dim] if x.dim() else 1
-    return ELEMENTWISE * x.numel() * max(1, math.ceil(math.log2(max(size, 2))))
+    return ELEMENTWISE * x.numel() * _log2_ceil(size)
 
 
 def _window(spatial: int) -> Callable:

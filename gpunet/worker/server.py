@@ -71,6 +71,7 @@ class Worker:
         network.check_network_name(config.network)
         network.resolve_initial_peers(config.initial_peers)
         self.data_dir: Path = resolve_data_dir(config.data_dir, writable=True)
+        self._hold = readyfile.hold(self.data_dir, "worker")  # before the identity: one node per data dir
         self.identity = Identity.load_or_create(self.data_dir)
         self._nvml = nvml
         self.hardware = hw.detect(config.device, nvml)
@@ -203,8 +204,11 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            return runner.run(self.serve())
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                return runner.run(self.serve())
+        finally:
+            self._hold.release()
 
     async def serve(self) -> int:
         loop = asyncio.get_running_loop()
@@ -230,7 +234,7 @@ class Worker:
                                                      self._memory_budget(), self.hardware.torch_device)
         self.tflops = await asyncio.to_thread(throughput.benchmark, self.hardware, self.data_dir, cfg.rebenchmark,
                                               self._threads())
-        logger.info("Measured speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
+        logger.info("Speed: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
         if self._stop.is_set():  # Ctrl-C while measuring: nothing joined yet, nothing to leave
             return 0
 

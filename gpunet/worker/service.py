@@ -314,7 +314,10 @@ class JobService:
                                       f"claimed speed calls for), not {challenge.n}x{challenge.n} {challenge.dtype}")
                 self.admission.screen_proof(client_id)
                 self.admission.proof_started(client_id, message.seed, message.n)
+                started = time.perf_counter()
                 digests = await self._device_work(client_id, speedproof.prove, challenge, self.device, commits=True)
+                logger.debug("Speed challenge from %s: %d products of %s %dx%d in %.3f s", client_id[-8:],
+                             len(digests), challenge.dtype, challenge.n, challenge.n, time.perf_counter() - started)
                 self._proof_digests.put(client_id, digests)
                 return protocol.encode(SpeedCommitment(tuple(speedproof.commit(digests))))
             self.admission.screen_opening(client_id, message.seed, message.n, message.picks)
@@ -943,7 +946,7 @@ class JobService:
         finally:
             self.admission.ended(done)
             self._apply(self.lanes.ended(ticket, time.monotonic() - clock))
-        ended = time.time()
+        ended = max(time.time(), started)  # a clock stepped back mid-job must not make the receipt unsignable
         outputs = result.outputs if self._corrupt_outputs is None else self._corrupt_outputs(result.outputs)
         if submit.session is not None:  # billed by its session's tab (see _execute)
             metrics.JOBS.labels("done").inc()

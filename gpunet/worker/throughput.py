@@ -95,6 +95,7 @@ def benchmark(hardware: Hardware, data_dir: Path, rebenchmark: bool = False, thr
     key = _cache_key(hardware, threads)
     cache, recent = _read(path, key)
     if recent and not rebenchmark:
+        logger.info("Using the speed measured earlier (cached in %s; --rebenchmark measures it again)", path)
         return _best(recent)
     logger.info("Measuring this device's speed (once; cached in %s)", path)
     return _record(path, hardware, cache, [], key)
