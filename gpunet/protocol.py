@@ -89,12 +89,15 @@ class Door(enum.Enum):
     RELAY_PROBE = ("relay-probe", True)  # a bootstrap node's own check of its relay (gpunet.dht.reachability)
     PIECE = ("piece", True)  # a worker fetching a program it lacks from a peer that holds it (gpunet.worker.peers)
     PUSH = ("push", False, MAX_PUSH_BYTES + 4096)  # a session step's output, straight to the next span's worker
+    HELLO = ("hello", False, 1024)  # which network a node runs: the one door outside any network (gpunet.dht.hello)
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):
         """``max_request``: the largest request body this door reads (a unary door refuses bigger ones unread)."""
         self.slug, self.stream, self.max_request = slug, stream, max_request
 
     def protocol(self, network: str) -> str:
+        if self is Door.HELLO:  # asked of a node whatever network it runs, to learn which
+            return f"/gpunet/{self.slug}/{PROTOCOL_VERSION}"
         return f"/gpunet/{network}/{self.slug}/{PROTOCOL_VERSION}"
 
 
@@ -815,6 +818,40 @@ class ProofOpening(Message):
                 raise ProtocolError("a proof opening is [product, digests, [[row, bytes], ...]] per product")
             openings.append(Opening(item[0], item[1], {r[0]: r[1] for r in item[2]}))
         return cls(tuple(openings))
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """"Which network do you run?" (the ``hello`` door, outside every network)."""
+
+    T: ClassVar[str] = "hello"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Hello":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Greeting(Message):
+    """A node's answer to Hello: the network it runs, its role (worker, bootstrap) and gpunet version."""
+
+    T: ClassVar[str] = "greeting"
+    network: str
+    role: str = ""
+    version: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "network": self.network, "role": self.role, "version": self.version}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Greeting":
+        network = _get(d, "network", str)
+        if not 0 < len(network) <= 64 or _CONTROL.search(network):
+            raise ProtocolError("a greeting names a network of 1-64 printable characters")
+        return cls(network, _text(d, "role", 32), _text(d, "version", 32))
 
 
 #: Ports one reachability check may ask to be dialled on.

@@ -156,3 +156,29 @@ def test_a_speed_measured_under_load_is_refreshed_while_idle(swarm, client_for, 
 
     wait_for(lambda: fp32() > 1e-3, 60, "the worker to publish a re-measured speed")
     assert "Speed measured again while idle" in proc.output
+
+
+@pytest.mark.swarm
+def test_a_worker_of_another_network_stops_naming_the_network_its_initial_peer_runs(swarm):
+    """`--network gpunett` against a `gpunet-local` bootstrap went "Online" and never got a job; the only hint blamed
+    NAT. It now stops before it is listed, with one line naming what the peer runs and the fix."""
+    worker = swarm.start_worker(network=swarm.network + "x", wait_online=False)
+    assert worker.popen.wait(timeout=120) == 2, worker.output
+    errors = [line for line in worker.lines if line.startswith("error:")]
+    assert len(errors) == 1, worker.output
+    assert f"none of the initial peers runs network '{swarm.network}x'" in errors[0]
+    assert f"runs '{swarm.network}' (a bootstrap)" in errors[0] and f"--network {swarm.network}" in errors[0]
+    assert "Online" not in worker.output and "Traceback" not in worker.output
+    assert swarm.status()["workers"] == []
+
+
+def test_a_worker_given_its_own_address_as_initial_peer_says_so(tmp_path):
+    from gpunet.identity import Identity
+
+    own = Identity.load_or_create(tmp_path).peer_id
+    result = run_cli("worker", "--initial-peers", f"/ip4/127.0.0.1/tcp/4001/p2p/{own}", "--data-dir", str(tmp_path),
+                     timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "is this node itself" in result.stderr and own in result.stderr
+    assert "Measuring" not in result.stderr  # said at once, before the speed test
+    _no_traceback(result)

@@ -38,6 +38,8 @@ from gpunet.protocol import (
     Pieces,
     Ping,
     Pong,
+    Greeting,
+    Hello,
     ProofOpening,
     ProveSpeed,
     Push,
@@ -100,6 +102,8 @@ EXAMPLES = [
            frozenset({"12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds"})),
     GetPiece(H, 1, 4 << 20),
     PieceData(1024),
+    Hello(),
+    Greeting("gpunet", "bootstrap", "0.1.0"),
 ]
 
 
@@ -123,7 +127,15 @@ def test_messages_round_trip_and_ignore_unknown_fields(message):
 
 def test_doors_name_one_protocol_each():
     names = {door.protocol("net") for door in Door}
-    assert len(names) == len(Door) and all(n.startswith("/gpunet/net/") for n in names)
+    assert len(names) == len(Door) and all(n.startswith("/gpunet/net/") for n in names - {"/gpunet/hello/1"})
+    assert Door.HELLO.protocol("a") == Door.HELLO.protocol("b")  # the one door outside every network
+
+
+@pytest.mark.parametrize("wire", [{"t": "greeting"}, {"t": "greeting", "network": ""}, {"t": "greeting", "network": 7},
+                                  {"t": "greeting", "network": "x" * 65}, {"t": "greeting", "network": "a\x1b[2J"}])
+def test_a_greeting_without_a_printable_network_is_refused(wire):
+    with pytest.raises(ProtocolError):
+        protocol.decode(msgpack.packb(wire), Greeting)
 
 
 @pytest.mark.parametrize("error", [WorkerBusy("full", 3), JobRejected("op aten.from_file"), JobFailed("boom"),

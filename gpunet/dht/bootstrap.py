@@ -10,7 +10,7 @@ import threading
 
 from gpunet import readyfile
 from gpunet.config import BOOTSTRAP_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
-from gpunet.dht import network
+from gpunet.dht import hello, network
 from gpunet.identity import Identity
 
 logger = logging.getLogger("gpunet.bootstrap")
@@ -40,6 +40,7 @@ def run_bootstrap(
     hold = readyfile.hold(data_dir, "bootstrap")  # before the identity and the ready file: one node per data dir
     readyfile.remove_ready(data_dir)  # one left by an earlier run that died must never be read as ours
     identity = Identity.load_or_create(data_dir)
+    network.not_this_node(network.resolve_initial_peers(initial_peers), identity.peer_id)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -134,6 +135,7 @@ class Doors:
         rpc = RPC(await self.dht.replicate_p2p(), self.network_name)
         try:
             await ReachService().start(rpc)
+            await hello.serve(rpc, self.network_name, "bootstrap")
             public = [m for m in network.visible_maddrs(self.dht) if not m.startswith(("/ip4/127.", "/ip6/::1"))]
             if public:
                 self._relay = await relay_works(public[0], self.network_name)

@@ -71,6 +71,21 @@ _NO_PEER_ANSWERED = ("failed to connect to bootstrap peers", "none of the initia
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
 
+def not_this_node(peers: Sequence[str], own_id: str) -> list[str]:
+    """``peers`` less those that are this very node (its own address, passed back to it: a node cannot join through
+    itself, and waited for ever for "an initial peer" to answer); ConfigError if that leaves none."""
+    others = [p for p in peers if not p.endswith(f"/p2p/{own_id}")]
+    if peers and not others:
+        raise ConfigError(f"the initial peer{'s' if len(peers) > 1 else ''} {', '.join(peers)} "
+                          f"{'are' if len(peers) > 1 else 'is'} this node itself (peer id {own_id}, the identity in "
+                          "its data dir): give the address of another node of the network, or leave --initial-peers "
+                          "out to start a new network")
+    for p in peers:
+        if p not in others:
+            logger.warning("Initial peer %s is this node itself: skipped", p)
+    return others
+
+
 def join_retrying(network: str, initial_peers: Sequence[str] | None, *, stop: Callable[[float], bool],
                   say: Callable[[str], None], **kwargs) -> hivemind.DHT | None:
     """:func:`join`, trying again with backoff while none of the initial peers answers (all down, or restarting),
@@ -112,6 +127,8 @@ def join(
     """
     check_network_name(network)
     peers = resolve_initial_peers(initial_peers)
+    if identity is not None:
+        peers = not_this_node(peers, identity.peer_id)
     if not peers and not start_new:
         raise ConfigError(f"no initial peers: pass --initial-peers or set {INITIAL_PEERS_ENV}")
     _check_ports_free(host_maddrs or DEFAULT_HOST_MADDRS)

@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 from gpunet import readyfile
 from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
-from gpunet.dht import network, reachability, registry
+from gpunet.dht import hello, network, reachability, registry
 from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
@@ -73,6 +73,7 @@ class Worker:
         self.data_dir: Path = resolve_data_dir(config.data_dir, writable=True)
         self._hold = readyfile.hold(self.data_dir, "worker")  # before the identity: one node per data dir
         self.identity = Identity.load_or_create(self.data_dir)
+        network.not_this_node(network.resolve_initial_peers(config.initial_peers), self.identity.peer_id)
         self._nvml = nvml
         self.hardware = hw.detect(config.device, nvml)
         self.state = WorkerState.JOINING
@@ -248,6 +249,8 @@ class Worker:
             # Stopped while starting (Ctrl-C, `systemctl stop` right after start): leave from where it got, not after
             # starting the parts still to come (a dial-back check, executors, the dashboard).
             if not self._stop.is_set():
+                await self._check_initial_peers()
+            if not self._stop.is_set():
                 await self._find_reachability()
             if self.dht is None or self._stop.is_set():  # stopped while joining, or rejoining through relays
                 return 0
@@ -315,12 +318,26 @@ class Worker:
             logger.info("Stopped while joining the network (%s)", first_line(e))
             return None
 
+    def _initial_peers(self) -> list[str]:
+        return network.not_this_node(network.resolve_initial_peers(self.config.initial_peers), self.id)
+
+    async def _check_initial_peers(self) -> None:
+        """Stop here, before being listed, if the initial peers that answer all run another network (gpunet.dht.hello:
+        such a worker went "online" and never got a job)."""
+        from gpunet.rpc import RPC
+
+        peers = self._initial_peers()
+        if peers:
+            # Not closed after: hivemind keeps one replica per DHT, which the next steps use too.
+            await hello.check_initial_peers(RPC(await self.dht.replicate_p2p(), self.config.network),
+                                            self.config.network, peers)
+
     async def _find_reachability(self) -> None:
         """Ask an initial peer to dial us back (gpunet.dht.reachability). Not dialable: rejoin through relays."""
         from gpunet.rpc import RPC
 
         cfg = self.config
-        peers = network.resolve_initial_peers(cfg.initial_peers)
+        peers = self._initial_peers()
         if not peers:
             logger.info("Reachability unknown: this worker starts the network, so no peer can dial it back yet")
             return
@@ -621,6 +638,7 @@ class Worker:
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         await self.service.start(self.rpc)
         await reachability.ReachService().start(self.rpc)  # other nodes may ask this one to dial them back
+        await hello.serve(self.rpc, cfg.network, "worker")  # and which network it runs, when they join through it
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", cfg.metrics_port)
