@@ -444,3 +444,32 @@ def test_a_closed_client_says_so_at_once_and_its_unfinished_jobs_end(swarm, clie
             other.submit(slow, torch.randn(64, 384))
 
     asyncio.run(async_client_after_close())
+
+
+def test_jobs_sent_while_their_workers_are_still_joining_wait_for_them(swarm, tmp_path):
+    """A script started right after its workers: they are listed `joining` (dialling back, proving their speed,
+    starting executors) when the jobs come. The jobs wait for them within their timeout instead of raising
+    NoWorkersAvailable ("1 is joining") at once."""
+    from gpunet.client.core import ClientConfig
+
+    model, job = mlp_job()
+    x = torch.randn(8, 16)
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network, data_dir=tmp_path / "client",
+                       config=ClientConfig(discovery_wait=120)) as client:
+        first = client.submit(job, x)  # nobody there yet
+        swarm.start_worker(wait_online=False)
+        assert torch.allclose(first.result(timeout=180), model(x), atol=1e-6)
+        second = swarm.start_worker(wait_online=False)
+        # once listed, joining or not, it counts toward redundancy (and the copy for it waits for it)
+        wait_for(lambda: any(w.id == second.id for w in client.workers(refresh=True)), 90, "the second worker listed")
+        outputs = list(client.map(job, [x] * 4, requirements=Requirements(redundancy=2)))
+        assert all(torch.allclose(y, model(x), atol=1e-6) for y in outputs)
+
+
+def test_redundancy_above_the_workers_there_are_is_refused_before_any_copy_runs(swarm, client_for):
+    worker = swarm.start_worker()
+    client = client_for(swarm)
+    _, job = mlp_job()
+    with pytest.raises(gpunet.NoWorkersAvailable, match=r"redundancy=3 needs 3 distinct workers, but only 1 of the 1"):
+        client.submit(job, torch.randn(8, 16), requirements=Requirements(redundancy=3)).result(timeout=60)
+    assert _worker_receipts(worker) == []  # nothing ran, so nothing is left unpaid

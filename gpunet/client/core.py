@@ -363,8 +363,16 @@ class ClientCore:
         estimate = await self._estimate(job, inputs)
         await self._some_workers(req)
         shape = self.shape_of(job, estimate, 0, req)
-        worker = (self.router.choose_checker(req, exclude=set(exclude), replicas=set(avoid)) if drawn else
-                  self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid)))
+        deadline = time.monotonic() + req.timeout
+        while True:
+            try:
+                worker = (self.router.choose_checker(req, exclude=set(exclude), replicas=set(avoid)) if drawn else
+                          self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid)))
+                break
+            except NoWorkersAvailable as e:  # busy, or still joining: wait for them within the timeout
+                if e.retry_at is None or e.retry_at >= deadline:
+                    raise
+                await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
         self._say_skips()
         return worker
 
@@ -598,6 +606,8 @@ class ClientCore:
         if p.req.verify == "local-sample" and p.req.redundancy == 1:
             return await self._check_locally(p, taken, candidates, paid)
         k = p.req.redundancy
+        if k > 1:
+            await self._enough_for(p.req, k)
         replicas = [asyncio.ensure_future(one_more(checker=i > 0)) for i in range(k)]
         try:
             await asyncio.gather(*replicas)
@@ -651,6 +661,18 @@ class ClientCore:
             result = result or outcome
         self.reputation.save()
         return result
+
+    async def _enough_for(self, req: Requirements, k: int) -> None:
+        """Redundancy ``k`` needs k distinct workers: NoWorkersAvailable, with the count, before any copy is sent (the
+        copies that ran would be wasted work, refused unpaid)."""
+        if self.router.could_take(req) < k:
+            await self.refresh()  # the view may be a moment old: one fresh look before refusing
+        n = self.router.could_take(req)
+        if n < k:
+            raise NoWorkersAvailable(
+                f"redundancy={k} needs {k} distinct workers, but only {n} of the {len(self.router.workers)} known "
+                f"worker{'s' if len(self.router.workers) != 1 else ''} in network {self.network!r} could take this "
+                f"job: lower redundancy, or ease the requirements")
 
     async def _check_alone(self, p: "_Prepared", candidates: list, paid: set[int], one_more) -> JobResult:
         """An adaptive spot check with no second worker to ask: the client's own computation is the check. If this

@@ -50,6 +50,8 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
+#: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile).
+JOINING_LOOK_AGAIN = 0.5
 
 
 def _check_number(name: str, value, positive: bool = False, why: str = "") -> float:
@@ -122,9 +124,13 @@ class Requirements:
 
     def refusal(self, entry: WorkerEntry) -> str | None:
         """Why ``entry`` cannot take this job, or None when it can."""
+        if entry.record.state is not WorkerState.ONLINE:
+            return f"is {entry.record.state.value}"
+        return self.unfit(entry)
+
+    def unfit(self, entry: WorkerEntry) -> str | None:
+        """Why ``entry`` could not take this job even once online (a joining worker that fits is worth waiting for)."""
         r = entry.record
-        if r.state is not WorkerState.ONLINE:
-            return f"is {r.state.value}"
         if r.reachability == "unreachable":
             return "cannot be reached now (behind NAT, and no relay holds a reservation for it)"
         if self.device == "gpu" and r.device.kind != "cuda":
@@ -269,6 +275,14 @@ class Router:
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
+    def could_take(self, req: Requirements) -> int:
+        """How many known workers could take a job of ``req`` now or once they are online (busy, briefly banned or
+        joining counts; caught lying does not): what redundancy can count on."""
+        return sum(1 for e in self.workers.values()
+                   if (e.record.state is WorkerState.ONLINE or e.record.state is WorkerState.JOINING)
+                   and req.unfit(e) is None
+                   and not (self.reputation is not None and self.reputation.avoided(e.id)))
+
     def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None,
                  replicas: set[str] = frozenset()) -> list[WorkerEntry]:
         """Workers that meet ``req``, are not banned, did not fail this job (``exclude``) and do not run another copy
@@ -290,6 +304,9 @@ class Router:
             if why is None and ban is not None and ban.until > now:
                 why = "is busy" if ban.busy else "is banned for recent failures"
                 retry_at = ban.until if retry_at is None else min(retry_at, ban.until)
+            if (entry.record.state is WorkerState.JOINING and entry.id not in exclude and entry.id not in replicas
+                    and req.unfit(entry) is None):  # it will be online in a moment (its speed proven, executors up)
+                retry_at = min(retry_at or math.inf, now + JOINING_LOOK_AGAIN)
             if why is None:
                 ok.append(entry)
                 self.skipped.pop(entry.id, None)
