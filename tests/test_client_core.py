@@ -422,13 +422,17 @@ def test_wrong_arguments_say_what_to_pass_and_numpy_arrays_are_taken_as_they_are
     assert torch.allclose(gpunet.Job.from_module(model, torch.randn(4, 8)).run_locally(X), model(X).detach())  # 1 tensor
 
 
-def test_too_few_workers_for_the_redundancy_asked_is_said_as_such(tmp_path):
+def test_too_few_workers_for_the_redundancy_asked_is_said_before_any_copy_is_sent(tmp_path):
+    """The copies used to run, then the job failed: work no one would pay for ("never countersigned")."""
+    a, b = FakeWorker("a"), FakeWorker("b")
+
     async def scenario(core):
         with pytest.raises(gpunet.NoWorkersAvailable) as e:
             await core.run(JOB, [X], gpunet.Requirements(redundancy=3))
-        assert "already runs another copy of this job" in str(e.value) and "failed" not in str(e.value)
+        assert "redundancy=3 needs 3 distinct workers, but only 2 of the 2 known workers" in str(e.value)
 
-    run(tmp_path, [FakeWorker("a"), FakeWorker("b")], scenario)
+    run(tmp_path, [a, b], scenario)
+    assert a.jobs == [] and b.jobs == []
 
 
 def test_an_unavailable_worker_is_not_treated_as_a_liar_but_a_wrong_answer_is(tmp_path):
