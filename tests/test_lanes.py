@@ -98,6 +98,7 @@ def test_background_work_yields_to_any_paying_job_first():
     bg = Ticket("me", BACKGROUND)
     m2.enqueue(bg)
     assert preempted(m2.enqueue(Ticket("x", BATCH))) == [bg]  # a paying batch job stops free work too
+    assert m.preemptions == m2.preemptions == 0 and m.preemption_rate() == 0  # no client's job was stopped
     assert bg.price == 0
 
 

@@ -159,6 +159,10 @@ def test_the_volunteers_own_job_fills_idle_time_and_yields_to_paying_work(swarm,
             assert torch.equal(client.submit(small, y).result(timeout=120), small_model(y))
     assert runs("stopped") >= 1
     assert all(r.lane == "interactive" for r in client.ledger.receipts())
+    # The volunteer's own job yielding is no preemption: routing does not steer batch work away from this worker for
+    # it (it published 4 an hour, idle), and the dashboard's "batch stopped" stays at nothing.
+    listed = swarm.wait_for_status(lambda s: s["workers"] and s["workers"][0]["jobs_done"] >= 3, "the jobs listed")
+    assert listed["workers"][0]["preemptions_per_hour"] == 0
     assert worker.terminate() == 0
     owner = Identity.load_or_create(worker.data_dir / "client").peer_id
     with open_ledger(worker.data_dir) as ledger:  # the owner's work is on the books, at no price

@@ -150,7 +150,7 @@ class Lanes:
     #: Whether a running job may be stopped at all (a test can say no; the worker stops any).
     can_preempt: Callable[[Ticket], bool] = lambda ticket: True
     running: set[Ticket] = field(default_factory=set)
-    preemptions: int = 0  # jobs stopped for a higher lane, in all
+    preemptions: int = 0  # clients' jobs stopped for a higher lane, in all (not the volunteer's background job)
     _lanes: dict[str, _Lane] = field(default_factory=lambda: {lane: _Lane() for lane in LANES})
     _typical: dict[str, float] = field(default_factory=dict)  # client -> its jobs' seconds (EMA)
     _stopping: set[Ticket] = field(default_factory=set)  # told to Preempt, not ended yet
@@ -349,8 +349,9 @@ class Lanes:
         for ticket in victims:
             ticket.preempted = True
             self._stopping.add(ticket)
-            self.preemptions += 1
-            self._stops.add(1.0, now)
+            if ticket.lane != BACKGROUND:  # the volunteer's own work yielding is not a client's job stopped
+                self.preemptions += 1
+                self._stops.add(1.0, now)
         return victims
 
     def _nearly_done(self, ticket: Ticket) -> bool:
