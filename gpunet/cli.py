@@ -144,7 +144,7 @@ def worker(
         help="Lock executors down (Landlock, seccomp, rlimits; see docs/security.md). Turn off only if your kernel or "
              "GPU driver refuses it."),
     metrics_port: int = typer.Option(
-        _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
+        _WORKER.metrics_port, "--metrics-port", metavar="PORT", min=0, max=65535, help="Serve Prometheus metrics on 127.0.0.1:PORT."),
     announce_maddrs: Optional[List[str]] = AnnounceMaddrs,
     relay_service: bool = typer.Option(
         _WORKER.relay_service, "--relay-service/--no-relay-service",
@@ -188,7 +188,7 @@ def worker(
         help="When the worker pauses, running jobs get this long to finish; then they are stopped (their clients "
              "run them elsewhere)."),
     dashboard_port: int = typer.Option(
-        _WORKER.dashboard_port, "--dashboard-port", metavar="PORT", min=0,
+        _WORKER.dashboard_port, "--dashboard-port", metavar="PORT", min=0, max=65535,
         help="Serve this worker's dashboard (state, jobs, earnings, pause) on http://127.0.0.1:PORT."),
     fake_gpu_probe: Optional[Path] = typer.Option(
         _WORKER.fake_gpu_probe, "--fake-gpu-probe", metavar="FILE", hidden=True,
@@ -338,6 +338,10 @@ def status(
     _setup_logging(verbose)
     console = wide_console()
     ratings_dir = client_data_dir(client_dir, create=False)  # status only reads: it needs no writable home
+    if serve:  # a port in use is said now, in one line, not after reading the network
+        from gpunet.dht.network import check_local_ports_free
+
+        check_local_ports_free(serve=serve)
 
     def ratings():
         return Reputation.load(ratings_dir) if ratings_dir.is_dir() else None

@@ -14,6 +14,7 @@ import logging
 import signal
 from collections import Counter, deque
 
+from gpunet.errors import ConfigError
 from gpunet.status import NetworkStatus, StatusReader
 from gpunet.web import Site
 
@@ -63,7 +64,10 @@ class Explorer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await self.site.start(port)
+        try:
+            await self.site.start(port)
+        except OSError as e:  # taken since it was checked
+            raise ConfigError(f"--serve {port}: cannot listen on it ({e.strerror})") from None
         refresher = asyncio.create_task(self.refresh_forever())
         try:
             if ready is not None:

@@ -41,7 +41,10 @@ def test_a_config_error_is_one_line_and_exit_code_2(args, message, unusable_dir,
     (["status", "--bogus"], "No such option: --bogus (Possible options: --verbose) (see `"),
     (["ledger", "show", "-n", "0"], "Invalid value for '--limit'"),
     (["nosuchcommand"], "No such command 'nosuchcommand'"),
-], ids=["unknown-option", "bad-value", "unknown-command"])
+    (["worker", "--dashboard-port", "80000"], "Invalid value for '--dashboard-port'"),
+    (["worker", "--metrics-port", "65536"], "Invalid value for '--metrics-port'"),
+    (["status", "--serve", "70000"], "Invalid value for '--serve'"),
+], ids=["unknown-option", "bad-value", "unknown-command", "dashboard-port", "metrics-port", "serve-port"])
 def test_a_usage_error_is_one_line_and_exit_code_2_too(args, message, tmp_path):
     """Click's own usage errors end like gpunet's: one ``error: ...`` line, not click's usage block."""
     result = run_cli(*args, timeout=60, env={"GPUNET_DATA_DIR": str(tmp_path)})
@@ -70,3 +73,20 @@ def test_a_worker_whose_dashboard_port_is_taken_says_so_before_it_joins(tmp_path
     assert result.returncode == 2, result.stderr
     assert _error_lines(result.stderr)[-1] == f"error: --dashboard-port {port}: cannot listen on it (Address already in use)"
     assert "initial peers" not in result.stderr and "Joined" not in result.stdout  # it never tried to join
+
+
+def test_serving_the_explorer_on_a_port_in_use_is_one_line_at_once(tmp_path):
+    import socket
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        result = run_cli("status", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWPsS6WVgn6NikYPt6GFjsnxXuFDX5YHMHeymcq9WqUm4L",
+                         "--serve", str(port), timeout=60, env={"GPUNET_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and f"--serve {port}: cannot listen on it" in lines[0], result.stderr
+    assert time.monotonic() - t0 < 20  # before any look at the network (the initial peer here answers nobody)

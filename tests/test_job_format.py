@@ -164,3 +164,18 @@ def test_a_container_with_fields_nobody_reads_is_refused(job):
     obj["padding"] = b"\x00" * 1024
     with pytest.raises(JobRejected, match="unknown field 'padding'"):
         Job.from_bytes(msgpack.packb(obj, use_bin_type=True))
+
+
+def test_run_locally_and_estimate_take_the_same_inputs_as_submit_numpy_arrays_too():
+    import numpy as np
+
+    from gpunet import Job, UsageError
+
+    model = torch.nn.Linear(4, 3)
+    job = Job.from_module(model, example_inputs=(torch.randn(2, 4),))
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    with torch.no_grad():
+        assert torch.allclose(job.run_locally(x), model(torch.from_numpy(x)), atol=1e-6)
+    assert job.estimate(x).flops == job.estimate(torch.from_numpy(x)).flops
+    with pytest.raises(UsageError, match="input 0 is a list"):
+        job.run_locally([[1.0] * 4] * 2)

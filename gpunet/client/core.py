@@ -1069,16 +1069,7 @@ def check_call(job, inputs: Sequence, named: dict | None = None) -> tuple[torch.
         hint = (" (trace it first: gpunet.Job.from_module(model, example_inputs=(x,)))"
                 if isinstance(job, torch.nn.Module) or callable(job) else "")
         raise UsageError(f"submit takes a gpunet.Job, not a {type(job).__name__}{hint}")
-    inputs = job.bind(inputs, named)
-    tensors = []
-    for i, x in enumerate(inputs):
-        if not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy" and hasattr(x, "__array__"):
-            x = torch.from_numpy(x) if type(x).__name__ == "ndarray" else torch.as_tensor(x)
-        if not isinstance(x, torch.Tensor):
-            raise UsageError(f"input {i} is a {type(x).__name__}; pass each input as a torch.Tensor (or numpy array), "
-                             "one positional argument per input the job was traced with")
-        tensors.append(x)
-    return tuple(tensors)
+    return job.bind(inputs, named)
 
 
 _LARGE_BYTES = 1 << 20

@@ -117,8 +117,12 @@ class Job:
         """The inputs in order, by name: ``submit(job, *args, **by_name)`` fills them (keyword inputs keep theirs)."""
         return tuple(spec.name for spec in self.manifest.inputs)
 
-    def bind(self, args: Sequence = (), kwargs: dict | None = None) -> tuple:
-        """Positional and named inputs as the job's input order; UsageError, saying which, when they do not fit."""
+    def bind(self, args: Sequence = (), kwargs: dict | None = None) -> tuple[torch.Tensor, ...]:
+        """Positional and named inputs as tensors in the job's input order (numpy arrays taken as they are), for
+        ``submit`` and ``run_locally`` alike; UsageError, saying which, when they do not fit."""
+        return tuple(_as_tensor(i, x) for i, x in enumerate(self._bind(args, kwargs)))
+
+    def _bind(self, args: Sequence, kwargs: dict | None) -> tuple:
         from gpunet.errors import UsageError
 
         names = self.input_names
@@ -197,3 +201,15 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job(hash={self.program_hash[:12]}, op_kinds={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
+
+
+def _as_tensor(i: int, x) -> torch.Tensor:
+    """Input ``i`` as a tensor: a numpy array (or numpy scalar) as it is; UsageError for anything else."""
+    from gpunet.errors import UsageError
+
+    if not isinstance(x, torch.Tensor) and type(x).__module__ == "numpy" and hasattr(x, "__array__"):
+        x = torch.from_numpy(x) if type(x).__name__ == "ndarray" else torch.as_tensor(x)
+    if not isinstance(x, torch.Tensor):
+        raise UsageError(f"input {i} is a {type(x).__name__}; pass each input as a torch.Tensor (or numpy array), "
+                         "one positional argument per input the job was traced with")
+    return x
