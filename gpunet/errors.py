@@ -32,6 +32,10 @@ class NetworkError(GpunetError):
     """The node could not join the network or talk to a peer."""
 
 
+class LocalNetworkDown(NetworkError):
+    """This node's own p2p daemon is gone (a Ctrl-C to the whole process group stops it too): no peer is at fault."""
+
+
 class PeersUnreachable(NetworkError):
     """None of the initial peers answered: they may be down or restarting (a node may wait and try again)."""
 

@@ -21,7 +21,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import write_pbmsg as _hivemind_writ
 from hivemind.utils.multiaddr import Multiaddr
 
 from gpunet import protocol
-from gpunet.errors import NetworkError, ProtocolError
+from gpunet.errors import LocalNetworkDown, NetworkError, ProtocolError
 from gpunet.protocol import Door, Message
 from gpunet.utils import LRU, host_of
 
@@ -171,7 +171,7 @@ class RPC:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the daemon reports an unreachable peer or a dead handler as a generic error
-            raise NetworkError(f"worker {peer_id[-8:]} did not answer ({door.slug}): {e}") from None
+            raise await self.failure(f"worker {peer_id[-8:]} did not answer ({door.slug}): {e}") from None
 
     async def open(self, peer_id: str, door: Door, maddrs: Iterable[str] = ()
                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -187,7 +187,7 @@ class RPC:
         except Exception as e:
             first = e
             if not maddrs:
-                raise NetworkError(f"cannot reach worker {peer_id[-8:]}: {first}") from None
+                raise await self.failure(f"cannot reach worker {peer_id[-8:]}: {first}") from None
         # A relayed address (.../p2p/RELAY/p2p-circuit/p2p/ID) is left to the daemon, which finds the peer's relays
         # through its own routing (the first try above); cut at "/p2p/" it would name the relay, not the peer.
         direct = [Multiaddr(m.split("/p2p/")[0]) for m in maddrs if "/p2p-circuit" not in m]
@@ -200,7 +200,15 @@ class RPC:
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            raise NetworkError(f"cannot reach worker {peer_id[-8:]}: {e}") from None
+            raise await self.failure(f"cannot reach worker {peer_id[-8:]}: {e}") from None
+
+    async def failure(self, message: str) -> NetworkError:
+        """The error for a failed call: the peer's (NetworkError), unless our own daemon is gone (LocalNetworkDown:
+        a Ctrl-C to the process group stops it with us, and no peer may be blamed for that)."""
+        if not await self.daemon_alive(0.5):
+            return LocalNetworkDown("this node's own p2p daemon is gone (stopped with it by a Ctrl-C to the process "
+                                    "group?): nothing can be sent")
+        return NetworkError(message)
 
     # --- small requests both sides use -------------------------------------------------------------------------------
 

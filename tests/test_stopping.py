@@ -204,3 +204,48 @@ def test_a_drain_that_runs_out_of_time_stops_its_job_which_runs_elsewhere(swarm,
     assert future.worker_id == swarm.worker_id(other)
     with open_ledger(leaving.data_dir) as ledger:
         assert [note.reason for note in ledger.unbilled()] == ["drained"]
+
+
+_SESSION_SCRIPT = """
+import logging, sys, torch, gpunet
+logging.basicConfig(level=logging.INFO)
+from torch.export import Dim
+from gpunet.models import TinyConfig, tiny_gpt
+cfg = TinyConfig(n_layers=4, d_model=1024, max_len=2048)  # a step of 64 tokens: about a second here
+with gpunet.Client(initial_peers=[sys.argv[1]], network=sys.argv[2], data_dir=sys.argv[3]) as client:
+    remote = client.sequential(tiny_gpt(cfg, seed=0), example_inputs=(torch.randint(0, cfg.vocab, (1, 4)),),
+                               dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},), spans=1)
+    with remote.session() as s:
+        for i in range(cfg.max_len // 64):
+            s.step(torch.randint(0, cfg.vocab, (1, 64)))
+            if i == 1:
+                print("stepping", flush=True)
+"""
+
+
+def test_ctrl_c_to_a_client_during_a_session_step_blames_no_worker(swarm, tmp_path):
+    """The script's own p2p daemon dies with the Ctrl-C, under the step still running: that is no lost worker (it
+    logged "Span ... lost its worker ... moving it and replaying" and counted a failure against the worker)."""
+    from gpunet.client.trust import Reputation
+
+    worker = swarm.start_worker()
+    client_dir = tmp_path / "client"
+    script = subprocess.Popen([sys.executable, "-c", _SESSION_SCRIPT, swarm.bootstrap_addr, swarm.network,
+                               str(client_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert script.stdout.readline().strip() == "stepping", script.stderr.read()[-3000:]
+        os.killpg(script.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the script and its p2p daemon
+        _, err = script.communicate(timeout=60)
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+            script.wait(timeout=30)
+    wait_for(lambda: _group_gone(script.pid), 15, "the script's DHT process and daemon to exit")
+    assert "KeyboardInterrupt" in err, err[-3000:]
+    assert "lost its worker" not in err and "replaying" not in err, err[-3000:]
+    # Its close raced the step still running: the tab it closed with is the one it says it received (it refused the
+    # worker's honest receipt as "for steps 0-1, the steps were 0-2" and held it against the worker as invalid)
+    assert "refuses" not in err, err[-3000:]
+    trust = Reputation.load(client_dir).workers.get(worker.id)
+    assert trust is None or (trust.failures == 0 and trust.invalid == 0), trust

@@ -46,6 +46,7 @@ from gpunet.errors import (
     JobRaised,
     JobRejected,
     JobTimeout,
+    LocalNetworkDown,
     NetworkError,
     NoWorkersAvailable,
     ProgramNotCached,
@@ -441,7 +442,7 @@ class ClientCore:
                     if pushed is not None:
                         p.input_hash = await self._pushed_input(delivery, pushed)
                 outputs = self._check_step(p, delivery, session, tab)
-            except WorkerDraining:
+            except (WorkerDraining, LocalNetworkDown):
                 raise
             except NetworkError as e:
                 relayed = worker.record.reachability == "relayed"
@@ -562,6 +563,9 @@ class ClientCore:
                             max_price: int | None = None) -> Receipt | None:
         """Free a session's state on its worker, and pay the receipt of the steps on ``tab`` (the ones not billed
         yet). None when there was nothing to pay, or the worker is gone (those steps then stay unpaid)."""
+        # The tab as it stands now: a step still running when the session is closed (a Ctrl-C under it) may add
+        # itself to it meanwhile, and the worker bills only what we say here we received.
+        tab = tab.prefix(tab.steps) if tab is not None else None
         received = tab.first + tab.steps if tab is not None and tab.steps else None
         try:
             delivery = await self.transport.close_session(worker_id, session_id, received)
@@ -924,6 +928,8 @@ class ClientCore:
                     raised.append((worker.id, where))
                 logger.info("Worker %s says job %s raised (%s); asking another worker", worker.id[-8:], job_id[:12], e)
                 continue
+            except LocalNetworkDown:  # our own daemon went (a Ctrl-C to the process group): no worker's doing
+                raise
             except JobRejected as e:  # worker-specific (its limits, its price): another may take it
                 taken.discard(worker.id)
                 rejections.append(e)

@@ -32,6 +32,7 @@ from gpunet.errors import (
     JobRaised,
     JobRejected,
     JobTimeout,
+    LocalNetworkDown,
     NetworkError,
     NoWorkersAvailable,
     SessionLost,
@@ -389,6 +390,11 @@ class SessionCore:
                     self._leave(placed)
                 raise
             except (WorkerDraining, NetworkError, JobTimeout, JobFailed, JobRejected, InvalidReceipt) as e:
+                if isinstance(e, LocalNetworkDown):  # our own daemon went with a Ctrl-C: no worker was lost
+                    raise
+                if self._closed or self.seq.core.closed:  # closed under the step: no worker was lost either
+                    raise UsageError(f"the {'session' if self._closed else 'client'} was closed while step "
+                                     f"{self.steps} ran on span {span.start}-{span.stop - 1}") from None
                 # The state is gone (SessionLost, a dead executor or worker), the worker leaves, or it will not take
                 # the span (its session limits): another worker replays the span's steps. An error of the job's own
                 # fails the same way everywhere (JobRaised: raised once another worker agrees), so moves are bounded.

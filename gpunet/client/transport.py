@@ -202,8 +202,8 @@ class P2PTransport:
             return await self._run_stream_once_per_program(worker, request)
         except GpunetError:
             raise
-        except (ConnectionError, OSError) as e:
-            raise NetworkError(f"worker {worker.id[-8:]}: {type(e).__name__}: {e}") from None
+        except (ConnectionError, OSError) as e:  # the worker's connection, unless our own daemon went
+            raise await self.rpc.failure(f"worker {worker.id[-8:]}: {type(e).__name__}: {e}") from None
         except Exception as e:  # whatever a broken or hostile worker makes us trip on: its fault, not the job's
             raise ProtocolError(f"worker {worker.id[-8:]} sent an answer that cannot be read ({type(e).__name__})"
                                 ) from None
