@@ -179,3 +179,40 @@ def test_run_locally_and_estimate_take_the_same_inputs_as_submit_numpy_arrays_to
     assert job.estimate(x).flops == job.estimate(torch.from_numpy(x)).flops
     with pytest.raises(UsageError, match="input 0 is a list"):
         job.run_locally([[1.0] * 4] * 2)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    return cfg, LlamaForCausalLM(cfg).eval()
+
+
+def test_a_bare_hugging_face_decoder_layer_is_told_what_its_model_passes_it():
+    """It failed with torch.export's "cannot unpack non-iterable NoneType object"."""
+    _, model = _tiny_llama()
+    with pytest.raises(UnsupportedProgram, match=r"LlamaDecoderLayer is a Hugging Face layer that its model calls with "
+                                                 r"position_embeddings \(the rotary"):
+        Job.from_module(model.model.layers[0], example_inputs=(torch.randn(1, 4, 64),))
+
+
+def test_a_cache_updated_in_place_is_told_to_become_state_and_training_mode_to_become_eval():
+    from transformers import StaticCache
+
+    cfg, model = _tiny_llama()
+    cache = StaticCache(config=cfg, max_cache_len=32)
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, positions):
+            return self.model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True).logits
+
+    with pytest.raises(UnsupportedProgram, match=r"updates one of its tensors in place \(a Hugging Face StaticCache") as e:
+        Job.from_module(Step(), example_inputs=(torch.randint(0, 128, (1, 4)), torch.arange(4)))
+    assert "eval mode" not in str(e.value) and "forward(x, *state) -> (y, *new_state)" in str(e.value)
+    with pytest.raises(UnsupportedProgram, match=r"put it in eval mode"):
+        Job.from_module(torch.nn.BatchNorm1d(4).train(), example_inputs=(torch.randn(3, 4),))

@@ -158,6 +158,9 @@ def trace(
                 "the model returns its KV cache object (a Hugging Face Cache, which a job cannot carry): trace it "
                 "with use_cache=False in its config (or call), and for generation keep the cache on the workers "
                 f"with client.sequential and a static cache (docs/sessions.md) (torch.export: {first[:200]})") from None
+        hint = _hf_layer_hint(module, example_inputs, example_kwargs)
+        if hint:
+            raise UnsupportedProgram(f"{hint} (torch.export: {type(e).__name__}: {first[:200]})") from None
         raise UnsupportedProgram(f"torch.export could not trace the module: {type(e).__name__}: {e} (this is the "
                                  "first of three steps: torch.export, then torch's decompositions, then gpunet's "
                                  "converter; check the model runs with these example inputs, and see torch.export's "
@@ -174,12 +177,14 @@ def trace(
             ep = decomposed
             _drop_relayouts(ep.graph)
     except Exception as e:
+        if "is mutated in the forward method" in str(e):  # a constant updated in place: a cache's tensors
+            raise UnsupportedProgram(_IN_PLACE + f" (torch: {str(e).strip().splitlines()[0][:200]})") from None
         raise UnsupportedProgram(f"torch's decompositions (the second of three steps, after torch.export traced the "
                                  f"module) failed: {type(e).__name__}: {str(e)[:500]}; this is torch's step, not "
                                  "gpunet's: another torch version may decompose it, or replace the layer that fails"
                                  ) from e
     try:
-        traced = _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes))
+        traced = _convert(ep, _user_dim_names(module, example_inputs, dynamic_shapes), training=module.training)
     except UnsupportedProgram as e:
         raise UnsupportedProgram(f"gpunet's converter (the last step, after torch.export and its decompositions): "
                                  f"{e}") from None
@@ -187,6 +192,36 @@ def trace(
         for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
             spec["name"] = name
     return traced
+
+
+#: Why a module that updates tensors in place cannot be a job, and what to do instead.
+_IN_PLACE = ("the module updates one of its tensors in place (a Hugging Face StaticCache does this with its KV "
+             "cache): a job's only effect is its outputs, so it must return new values instead. Keep such state as a "
+             "stateful block, forward(x, *state) -> (y, *new_state), whose state a session keeps on the worker "
+             "(client.sequential(...).session(); docs/sessions.md)")
+
+
+def _hf_layer_hint(module: torch.nn.Module, inputs: tuple, kwargs: dict | None) -> str | None:
+    """What a bare Hugging Face decoder layer lacks when it fails to trace: the rotary ``position_embeddings`` and the
+    cache its model hands it (as a layer alone it got None for them: "cannot unpack non-iterable NoneType")."""
+    inner = getattr(module, "module", module)  # a keyword wrapper's module
+    if not type(inner).__module__.startswith("transformers."):
+        return None
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    given = set(kwargs or ()) | set(list(params)[: len(inputs) - len(kwargs or ())])
+    what = {"position_embeddings": "position_embeddings (the rotary (cos, sin) its model computes once for all "
+                                   "layers)", "past_key_values": "past_key_values (the KV cache)",
+            "past_key_value": "past_key_value (the KV cache)", "cache_position": "cache_position"}
+    missing = [what[p] for p in what if p in params and p not in given]
+    if not missing:
+        return None
+    return (f"{type(inner).__name__} is a Hugging Face layer that its model calls with {', '.join(missing)}: "
+            "called alone it gets None for them. Trace a module that makes them itself: the positions and the rotary "
+            "embedding from the model's rotary_emb, and the KV cache as explicit state, forward(x, *state) -> "
+            "(y, *new_state), which client.sequential's sessions keep on the workers (docs/sessions.md)")
 
 
 def _unaliased(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -369,7 +404,7 @@ def _children(spec: Any) -> list:
     return list(spec.children()) if callable(getattr(spec, "children", None)) else list(spec.children_specs)
 
 
-def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], str]) -> Traced:
+def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], str], training: bool = False) -> Traced:
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
@@ -389,9 +424,11 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
             raise UnsupportedProgram(f"input {name} of kind {spec.kind.name} is not supported")
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
-            raise UnsupportedProgram(
-                f"the module mutates state ({spec.kind.name}); put it in eval mode and avoid in-place buffer updates"
-            )
+            if spec.kind == OutputKind.BUFFER_MUTATION and training:
+                raise UnsupportedProgram(
+                    f"the module updates its buffer {spec.target} in place, as a module in training mode does "
+                    "(BatchNorm's running statistics): put it in eval mode (model.eval()) before tracing")
+            raise UnsupportedProgram(f"{_IN_PLACE} ({spec.kind.name} of {spec.target})")
 
     # Name the symbolic dimensions of the inputs; record only names and integer bounds.
     dims: dict[str, dict] = {}
