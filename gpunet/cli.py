@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 from rich.console import Console
 
 from gpunet._version import __version__
@@ -30,6 +31,17 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain help: flags shown as flags (rich's renders "--json <bool>"), arguments as FILE
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _usage_name(argument) -> str:
+    """An argument in a usage line as people write it (``FILE``, ``[FILE]``), not Typer's ``{FILE}`` for a required
+    one."""
+    name = argument.display_name_raw if argument.required else f"[{argument.display_name_raw}]"
+    return name + ("..." if argument.nargs != 1 else "")
+
+
+if hasattr(typer.core.TyperArgument, "_usage_display_name"):  # Typer's own rendering, where it has one
+    typer.core.TyperArgument._usage_display_name = _usage_name
 
 from gpunet.ledger import cli as ledger_cli  # noqa: E402  (a sub-app; imports nothing heavy)
 from gpunet.ledger.cli import app as ledger_app  # noqa: E402
@@ -270,9 +282,10 @@ def worker_pause(
     from gpunet.config import resolve_data_dir
     from gpunet.worker.control import set_pause
 
-    pid = set_pause(resolve_data_dir(data_dir), reason)
-    print(f"Paused the worker (pid {pid}); it finishes running jobs and takes no new ones." if pid else
-          "No worker runs from this data dir now; it will start paused.")
+    where = resolve_data_dir(data_dir)
+    pid = set_pause(where, reason)
+    print(f"Paused the worker of {where} (pid {pid}); it finishes running jobs and takes no new ones." if pid else
+          f"No worker runs from {where} now; the next one started there starts paused.")
 
 
 @worker_app.command("resume")
@@ -282,9 +295,10 @@ def worker_resume(data_dir: Optional[Path] = DataDir) -> None:
     from gpunet.config import resolve_data_dir
     from gpunet.worker.control import set_pause
 
-    pid = set_pause(resolve_data_dir(data_dir), None)
-    print(f"Resumed the worker (pid {pid})." if pid else "No worker runs from this data dir now; it will not start "
-          "paused.")
+    where = resolve_data_dir(data_dir)
+    pid = set_pause(where, None)
+    print(f"Resumed the worker of {where} (pid {pid})." if pid else f"No worker runs from {where} now; the next one "
+          "started there will not start paused.")
 
 
 app.command("earnings")(ledger_cli.earnings_command)

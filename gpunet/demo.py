@@ -25,7 +25,7 @@ from gpunet.identity import short_id
 from gpunet.ledger import format_credits, open_ledger
 from gpunet.ledger.tabs import steps_of
 from gpunet.status import NetworkStatus, render_table
-from gpunet.utils import wide_console
+from gpunet.utils import plural, wide_console
 from gpunet.worker.throughput import CACHE_FILENAME
 from gpunet.testing import LocalNetwork, wait_for
 
@@ -52,8 +52,15 @@ class DemoReport:
     tokens: list[int] | None = None  # --generate: the tokens the network generated (equal to local generation)
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
+def _interrupter(console: Console):
+    """SIGINT and SIGTERM end the demo through the context managers, which stop every process; said at once (closing
+    the client and the nodes takes seconds, which were silent)."""
+
+    def interrupt(*_) -> None:
+        console.print("\nStopping the client and every process the demo started (a few seconds)…")
+        raise KeyboardInterrupt
+
+    return interrupt
 
 
 def _transformer() -> torch.nn.Module:
@@ -73,7 +80,8 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
              generate: bool = False) -> DemoReport:
     console = console or wide_console()
     # SIGTERM ends the demo like Ctrl-C does: through the context managers, which stop every process.
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupter(console))
     with LocalNetwork(network="gpunet-demo", heartbeat=2.0) as net:
         console.rule("[bold]gpunet demo: a local network on 127.0.0.1")
         bootstrap = net.start_bootstrap()
@@ -95,10 +103,10 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
         procs = [first, *(start(i, wait_online=False) for i in range(1, workers))]
         for proc in procs:
             net.wait_online(proc)
-        console.print(f"{workers} workers online (prices {', '.join(f'{p:g}' for p in prices)} credits/TFLOP)")
+        console.print(f"{plural(workers, 'worker')} online (prices {', '.join(f'{p:g}' for p in prices)} credits/TFLOP)")
 
         with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
-            console.print(f"client {short_id(client.id)} sees {len(client.workers(refresh=True))} workers")
+            console.print(f"client {short_id(client.id)} sees {plural(len(client.workers(refresh=True)), 'worker')}")
             report = _generation(console, client, workers) if generate else _jobs(console, client, jobs, workers)
             names = {w.id: w.record.name for w in client.workers(refresh=True) if w.record.name}
             _print_work(console, client, names)
@@ -122,8 +130,9 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
             try:
                 signal.pause()
             except KeyboardInterrupt:
-                pass
-        console.print("stopping the local network…")
+                pass  # (said by the handler)
+        else:
+            console.print("stopping the local network…")
     console.print("[green]demo finished: every process it started has stopped.")
     return report
 

@@ -63,7 +63,9 @@ UNARY_OUTPUT_BYTES = 1 << 20
 FRAME_TIMEOUT = 10.0
 #: ...and a payload at no less than this rate, beyond the frame timeout.
 MIN_PAYLOAD_RATE = 1 << 20
-MAX_PING_BYTES = 4096
+#: The most a ping echoes: a session step's hidden state (d_model 16,384 in fp32), so a raw round trip can stand beside
+#: a step of the same size (scripts/bench_pipeline.py's baseline).
+MAX_PING_BYTES = 64 * 1024
 #: Countersignatures one message may carry.
 MAX_SETTLE_ITEMS = 1024
 #: The biggest session step output a worker pushes to the next span's worker (docs/sessions.md, pushed steps); a

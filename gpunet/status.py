@@ -13,6 +13,7 @@ from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.records import WorkerState
 from gpunet.dht.registry import WorkerEntry
+from gpunet.utils import plural
 from gpunet.identity import short_id
 from gpunet.ledger.receipts import NANO, format_credits
 
@@ -156,7 +157,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
     table = Table(
         title=f"gpunet network {status.network!r}",
         caption=(
-            f"{totals['workers']} workers ({totals['online']} online), {totals['gpus']} GPUs, "
+            f"{plural(totals['workers'], 'worker')} ({totals['online']} online), {plural(totals['gpus'], 'GPU')}, "
             f"{totals['tflops']:.3g} TFLOPS, {totals['jobs_done']} jobs done, {totals['queued']} queued; "
             "price: credits per TFLOP, interactive/batch floor"
         ),

@@ -45,6 +45,17 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def plural(n: int, thing: str) -> str:
+    """``3 workers``, ``1 worker``: a count and its noun, plural only where it is."""
+    return f"{n} {thing}{'' if n == 1 else 's'}"
+
+
+def human_seconds(seconds: float) -> str:
+    """A duration for people: milliseconds under a second (a deadline 0.04 s away is not "0.0 s away")."""
+    seconds = max(0.0, seconds)
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 

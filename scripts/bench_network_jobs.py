@@ -3,7 +3,7 @@
 
 * tiny job round trip (warm program, ~1 KB in and out): p50/p99 through ``Client.submit`` vs hivemind's raw unary
   RPC between the same two processes (the worker's ping handler echoing 1 KB), and vs a Ray task if Ray is installed;
-* jobs/s with 32 jobs in flight to one worker;
+* jobs/s with 32 jobs in flight to one worker; 64 in flight to a worker with default settings, beside Client.map;
 * bulk input (64 and 256 MiB) MB/s vs raw loopback TCP between two processes;
 * a compute-bound job (seconds of matmuls): network wall time vs the same computation run locally.
 
@@ -115,6 +115,23 @@ def bench_throughput(client: gpunet.Client, n: int, in_flight: int = 32) -> dict
     for f in pending:
         f.result()
     return {"jobs_per_s": n / (time.perf_counter() - t0), "in_flight": in_flight}
+
+
+def bench_default_worker(n: int, in_flight: int = 64) -> dict:
+    """Tiny jobs against a worker with default settings (one job running, 8 queued): ``in_flight`` submits at once,
+    beside ``Client.map`` over the same jobs on the same worker (which keeps its own window). A client's burst must
+    wait on the client for room, not be answered "busy" and back off (it ran at a sixth of map's rate)."""
+    with LocalNetwork(network="bench-jobs-default", heartbeat=5.0) as net:
+        bootstrap = net.start_bootstrap()
+        net.start_worker()
+        with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
+            burst = bench_throughput(client, n, in_flight)
+            job, x = tiny_job(), torch.randn(256)
+            t0 = time.perf_counter()
+            for _ in client.map(job, [x] * n, progress=False):
+                pass
+            return {"submit_jobs_per_s": burst["jobs_per_s"], "in_flight": in_flight,
+                    "map_jobs_per_s": n / (time.perf_counter() - t0)}
 
 
 def _tcp_sink(port_queue, nbytes: int) -> None:
@@ -269,6 +286,9 @@ def main() -> None:
             results["compute"] = c = bench_compute(client, threads=1)
             print(f"compute-bound job ({c['gflop']:.0f} GFLOP): network {c['network_s']:.2f} s | local "
                   f"{c['local_s']:.2f} s (efficiency {c['efficiency'] * 100:.0f}%)", flush=True)
+    results["default_worker"] = dw = bench_default_worker(3 * n)
+    print(f"a default worker (--max-queue 8), {dw['in_flight']} submits in flight: {dw['submit_jobs_per_s']:.0f} "
+          f"jobs/s | Client.map on the same worker: {dw['map_jobs_per_s']:.0f} jobs/s", flush=True)
     ray = bench_ray(n)
     results["ray"] = ray
     print("ray: not installed (pip install ray to compare)" if ray is None else

@@ -32,6 +32,7 @@ from torch.export import Dim  # noqa: E402
 import gpunet  # noqa: E402
 from gpunet.ledger.tabs import TAB_STEPS, steps_of  # noqa: E402
 from gpunet.models import TinyConfig, initial_state, tiny_gpt  # noqa: E402
+from gpunet.protocol import MAX_PING_BYTES  # noqa: E402
 from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
 
 
@@ -115,6 +116,9 @@ def main() -> None:
         parser.error("--rounds takes 1 or more")
     tokens = 24 if args.quick else TAB_STEPS  # one tab per span: its receipt gives the workers' compute
     args.rounds = 1 if args.quick else args.rounds
+    if 4 * args.d_model + 256 > MAX_PING_BYTES:  # the raw baseline echoes a step's bytes through the ping door
+        parser.error(f"--d-model {args.d_model}: the raw round trip it is measured against carries at most "
+                     f"{MAX_PING_BYTES} bytes (d-model up to {(MAX_PING_BYTES - 256) // 4})")
     cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
     blocks = tiny_gpt(cfg, seed=0)
     prompt = torch.randint(0, cfg.vocab, (1, 1))  # every step one token: each step costs the same

@@ -29,3 +29,45 @@ def test_demo_generate_spreads_a_model_and_generates_what_local_generation_does(
         assert name in out.split("where the model ran")[1].split("who did what")[0]
     assert out.count("│ ok") == 4
     assert "every process it started has stopped" in out
+
+
+def test_ctrl_c_in_the_demo_says_at_once_that_it_stops_everything_and_does(tmp_path):
+    """Closing the client and the nodes takes seconds: 12 of them were silent after a Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from gpunet.testing.localnet import gpunet_cmd
+    from tests.swarm import wait_for
+
+    demo = subprocess.Popen(gpunet_cmd("demo", "--workers", "1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "GPUNET_DATA_DIR": str(tmp_path), "COLUMNS": "120"},
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    lines: list[str] = []
+    try:
+        import threading
+
+        threading.Thread(target=lambda: lines.extend(iter(demo.stdout.readline, "")), daemon=True).start()
+        wait_for(lambda: any("1 worker online" in line for line in lines), 300, "the demo's worker online")
+        os.killpg(demo.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        t0 = time.monotonic()
+        wait_for(lambda: any("Stopping the client and every process" in line for line in lines), 5,
+                 "the demo to say it stops")
+        assert time.monotonic() - t0 < 5
+        assert demo.wait(timeout=90) == 130, "".join(lines)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(timeout=30)
+    wait_for(lambda: _group_gone(demo.pid), 30, "every process the demo started to exit")
+
+
+def _group_gone(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+        return False
+    except ProcessLookupError:
+        return True

@@ -77,6 +77,7 @@ def test_version_and_short_help():
     assert run_cli("--version").stdout.strip() == gpunet.__version__
     result = run_cli("ledger", "merge", "-h")
     assert result.returncode == 0 and "FILE" in result.stdout and "<bool>" not in result.stdout
+    assert "{FILE}" not in result.stdout  # the usage line as people write it, not Typer's braces
 
 
 @pytest.mark.swarm
@@ -181,4 +182,15 @@ def test_a_worker_given_its_own_address_as_initial_peer_says_so(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "is this node itself" in result.stderr and own in result.stderr
     assert "Measuring" not in result.stderr  # said at once, before the speed test
+    _no_traceback(result)
+
+
+def test_a_listen_address_this_machine_lacks_is_said_without_the_daemons_log_prefixes(tmp_path):
+    import re
+
+    result = run_cli("worker", "--host-maddrs", "/ip4/192.0.2.123/tcp/0", "--data-dir", str(tmp_path), timeout=120)
+    assert result.returncode == 1, result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "cannot assign requested address" in error[0], result.stderr
+    assert not re.search(r"\d{4}/\d\d/\d\d \d\d:\d\d|\[ERROR\]", error[0]), error[0]
     _no_traceback(result)

@@ -272,7 +272,7 @@ def test_many_tiny_containers_are_refused_before_they_cost_parsing_time():
     body = msgpack.packb({"t": "ping", "echo": b"", "junk": [[]] * 100_000})
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         protocol.decode(body)
-    assert Door.RUN.max_request < 1 << 20 and Door.PING.max_request <= 8192
+    assert Door.RUN.max_request < 1 << 20 and Door.PING.max_request <= Door.RUN.max_request
 
 
 def test_peer_text_cannot_forge_log_lines_or_drive_the_terminal():

@@ -34,7 +34,7 @@ def test_pause_and_resume_by_hand_send_jobs_elsewhere_meanwhile(swarm, client_fo
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
     paused = run_cli("worker", "pause", "--data-dir", str(mine.data_dir), "--reason", "gaming tonight")
-    assert paused.returncode == 0 and "Paused the worker" in paused.stdout
+    assert paused.returncode == 0 and f"Paused the worker of {mine.data_dir} (pid {mine.pid})" in paused.stdout
     assert wait_state(swarm, mine, "paused") == "its owner paused it: gaming tonight"
     model, job, x = spin_job(8, k=2)
     wait_for(lambda: all(w.record.state.value != "online" for w in client.workers(refresh=True) if w.id == mine.id),

@@ -3,6 +3,7 @@ swarm: what a person would see, the pause buttons, and what a hostile page or sc
 
 import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -97,6 +98,13 @@ def test_the_dashboard_answers_only_its_owner_and_refuses_what_another_site_woul
     assert post("/api/pause", headers={"X-Gpunet-Token": token}, body=b'{"reason": 5}') == 400  # said, not dropped
     assert post("/api/pause", headers={"X-Gpunet-Token": token, "Host": f"evil.example:{port}"}) == 421  # rebinding
     assert wait_state(swarm, worker, "online") is None  # none of them paused it
+    with browser.browser_page() as page:  # the page opened without its key says so, once, and offers no buttons
+        page.goto(base + "/")
+        expect(page.locator("#error")).to_have_text(re.compile(r"^This page shows nothing without its key: open the "
+                                                               r"address the worker logged"), timeout=30_000)
+        expect(page.locator("#error")).not_to_contain_text("((")
+        for control in ("#pause", "#resume", "#pause-reason"):
+            expect(page.locator(control)).to_be_disabled()
     assert post("/api/pause", headers={"X-Gpunet-Token": token}) == 200
     wait_state(swarm, worker, "paused")
 

@@ -63,7 +63,7 @@ from gpunet.ledger.store import Ledger, open_ledger
 from gpunet.ledger import tabs
 from gpunet.ledger.tabs import Tab
 from gpunet.ledger.writer import LedgerWriter
-from gpunet.utils import LRU, sha256_hex
+from gpunet.utils import LRU, plural, sha256_hex
 
 logger = logging.getLogger("gpunet.client")
 
@@ -185,6 +185,7 @@ class ClientCore:
         self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
         self._checks_here: concurrent.futures.ThreadPoolExecutor | None = None  # see _raises_here
         self.closed = False
+        self._room: asyncio.Future | None = None  # resolves when one of our jobs ends (room for a waiting one)
 
     @property
     def program_bytes_sent(self) -> int:
@@ -373,9 +374,22 @@ class ClientCore:
             except NoWorkersAvailable as e:  # busy, or still joining: wait for them within the timeout
                 if e.retry_at is None or e.retry_at >= deadline:
                     raise
-                await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
+                await self._slot_or(e.retry_at)
         self._say_skips()
         return worker
+
+    def _finished(self, worker_id: str) -> None:
+        """One of our jobs left ``worker_id``: jobs waiting for room there (Router.full) may go."""
+        self.router.finished(worker_id)
+        if self._room is not None and not self._room.done():
+            self._room.set_result(None)
+        self._room = None
+
+    async def _slot_or(self, until: float) -> None:
+        """Wait until monotonic time ``until``, or until one of our jobs ends somewhere (making room there)."""
+        if self._room is None:
+            self._room = asyncio.get_running_loop().create_future()
+        await asyncio.wait([self._room], timeout=max(0.0, until - time.monotonic()))
 
     def held_against(self, worker_id: str, outcome: str) -> None:
         """A worker's misdeed seen outside a job's own retries (a session's span): a ban, and its record."""
@@ -473,7 +487,7 @@ class ClientCore:
                 self.reputation.record(worker_id, "failure")
                 raise JobTimeout(f"worker {worker_id[-8:]} took too long with session step {p.job_id[:24]}") from None
             finally:
-                self.router.finished(worker_id)
+                self._finished(worker_id)
             self.router.on_success(worker_id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                    delivery.transfer_seconds, cold=cold, ahead=ahead)
             if check is not None:
@@ -810,8 +824,8 @@ class ClientCore:
                                              within=remaining if req.deadline is not None else None))
                 self._say_skips()
             except NoWorkersAvailable as e:
-                if e.retry_at is not None and e.retry_at < p.deadline:  # only busy or briefly banned: wait for them
-                    await asyncio.sleep(max(0.0, e.retry_at - time.monotonic()))
+                if e.retry_at is not None and e.retry_at < p.deadline:  # busy, full, joining: wait for them
+                    await self._slot_or(e.retry_at)
                     continue
                 if not tried:
                     raise
@@ -938,7 +952,7 @@ class ClientCore:
                 if len(rejections) >= self.config.max_rejections:
                     kind = DeadlineUnreachable if all(isinstance(r, DeadlineUnreachable) for r in rejections) \
                         else JobRejected
-                    raise kind(f"{len(rejections)} workers refused job {job_id[:12]}; last: {e.reason}") from None
+                    raise kind(f"{plural(len(rejections), 'worker')} refused job {job_id[:12]}; last: {e.reason}") from None
                 continue
             except (asyncio.TimeoutError, GpunetError) as e:  # the transport raises only gpunet errors
                 taken.discard(worker.id)
@@ -964,7 +978,7 @@ class ClientCore:
                             worker.id[-8:], job_id[:12], error, ban)
                 continue
             finally:
-                self.router.finished(worker.id)
+                self._finished(worker.id)
             self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
                                   delivery.transfer_seconds, cold=cold, ahead=ahead)
             p.delivered += 1

@@ -44,7 +44,7 @@ from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
 from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE
 from gpunet.speedproof import credit_cap
-from gpunet.utils import LRU, host_of
+from gpunet.utils import LRU, host_of, human_seconds
 
 GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
@@ -52,6 +52,8 @@ EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
 #: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile).
 JOINING_LOOK_AGAIN = 0.5
+#: ...and one that found the workers full of this client's own jobs, at the latest (it wakes when one of them ends).
+FULL_LOOK_AGAIN = 1.0
 
 
 def _check_number(name: str, value, positive: bool = False, why: str = "") -> float:
@@ -300,6 +302,9 @@ class Router:
                 why = "already runs another copy of this job (redundancy needs distinct workers)"
             if why is None and self.reputation is not None and self.reputation.avoided(entry.id):
                 why = "was caught returning wrong results (outvoted, or answers that failed checks)"
+            if why is None and self.full(entry):  # our own jobs fill it: wait here for one to end, not be refused
+                why = "is full (this client's jobs fill its queue)"
+                retry_at = min(retry_at or math.inf, now + FULL_LOOK_AGAIN)
             ban = self.bans.get(entry.id)
             if why is None and ban is not None and ban.until > now:
                 why = "is busy" if ban.busy else "is banned for recent failures"
@@ -312,13 +317,15 @@ class Router:
                 self.skipped.pop(entry.id, None)
             else:
                 reasons[why] += 1
-                if not (entry.id in exclude or entry.id in replicas or why == "is busy"):
+                if not (entry.id in exclude or entry.id in replicas or why == "is busy" or why.startswith("is full")):
                     self.skipped[entry.id] = why
         if not ok:
             if not self.workers:
                 raise NoWorkersAvailable("no workers are online in this network")
             detail = "; ".join(f"{n} {why}" for why, n in reasons.most_common(6))
-            error = NoWorkersAvailable(f"none of the {len(self.workers)} known workers meets the requirements: {detail}")
+            error = NoWorkersAvailable(f"none of the {len(self.workers)} known workers meets the requirements: {detail}"
+                                       if len(self.workers) > 1 else
+                                       f"the one known worker does not meet the requirements: it {detail[2:]}")
             error.retry_at = retry_at
             raise error
         return ok
@@ -421,12 +428,18 @@ class Router:
             candidates = [e for e in candidates if times[e.id] <= within]
             if not candidates:
                 raise DeadlineUnreachable(
-                    f"no worker is expected to finish the job before its deadline, {max(0.0, within):.1f} s away: the "
-                    f"soonest ({soonest.id[-8:]}) would take about {times[soonest.id]:.1f} s")
+                    f"no worker is expected to finish the job before its deadline, {human_seconds(within)} away: the "
+                    f"soonest ({soonest.id[-8:]}) would take about {human_seconds(times[soonest.id])}")
         candidates = [e for e in candidates if e.id not in avoid] or candidates
         return self.rank(candidates, job, req, times)[0]
 
     # --- outcomes --------------------------------------------------------------------------------------------------
+
+    def full(self, entry: WorkerEntry) -> bool:
+        """Whether this client's jobs in flight there fill what the worker holds (running and queued): one more
+        would be answered "busy" and wait out a cooldown, where waiting here for one of ours to end loses nothing."""
+        r = entry.record
+        return r.max_queue is not None and self.inflight[entry.id] >= r.max_concurrent + r.max_queue
 
     def started(self, worker_id: str) -> int:
         """Count a job sent to ``worker_id``; returns how many of this client's jobs were already there ahead of it

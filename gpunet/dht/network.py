@@ -41,6 +41,18 @@ def _not_the_parents_signals() -> None:
 
 os.register_at_fork(after_in_child=_not_the_parents_signals)
 
+
+class _ShutdownNoise(logging.Filter):
+    """The p2p daemon logs its control socket closing under it, when a node stops, as an ERROR ("error accepting
+    connection: accept unix ...: use of closed network connection"): every Ctrl-C printed it. Expected then; dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+# hivemind logs the daemon's output here, in the DHT process (forked from this one after import: it inherits this).
+logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ShutdownNoise())
+
 _NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
@@ -156,11 +168,22 @@ def join(
     except Exception as e:
         where = f"the initial peers {', '.join(peers)}" if peers else "a new network"
         unreachable = peers and any(s in str(e) for s in _NO_PEER_ANSWERED)
-        raise (PeersUnreachable if unreachable else NetworkError)(f"could not join {where}: {e}") from e
+        raise (PeersUnreachable if unreachable else NetworkError)(f"could not join {where}: {_daemon_words(e)}") from e
     _tie_to_this_process(dht)
     if peers:
         dht.run_coroutine(partial(_rejoin_when_alone, initial_peers=peers, period=REJOIN_PERIOD), return_future=True)
     return dht
+
+
+#: What the p2p daemon puts before its words: a timestamp ("2026/12/04 21:12:10", "Dec 04 21:10:19.471") and a level
+#: and source ("[ERROR] [go-libp2p-daemon/daemon.go:198]").
+_DAEMON_PREFIX = re.compile(r"(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? |[A-Z][a-z]{2} \d\d \d\d:\d\d:\d\d(\.\d+)? |"
+                            r"\[(DEBUG|INFO|WARN|ERROR|FATAL)\] (\[[^\]]*\] )?)")
+
+
+def _daemon_words(error: BaseException) -> str:
+    """An error from starting the p2p daemon, without the daemon's log prefixes."""
+    return _DAEMON_PREFIX.sub("", str(error))
 
 
 #: What a public node relays for others (libp2p circuit relay v2, per relayed peer): reservations it holds, circuits

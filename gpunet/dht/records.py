@@ -139,6 +139,9 @@ class WorkerRecord(_WireModel):
     tflops: dict[_text(16), _NonNegFloat] = Field(default_factory=dict, max_length=6)
     price: _NonNegFloat = 0.0  # credits per TFLOP of counted work (format 1: per PFLOP, converted on reading)
     max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
+    #: Jobs it holds waiting per lane beyond those running (--max-queue); more are answered "busy". A client keeps
+    #: no more than max_concurrent + max_queue of its own jobs there at once. None: a worker that predates it.
+    max_queue: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     queue: _NonNegInt = 0
     jobs_done: _NonNegInt = 0
     started_at: _NonNegFloat = 0.0  # unix time the worker came up; uptime = now - started_at
@@ -191,7 +194,8 @@ class WorkerRecord(_WireModel):
             return cls.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
-            raise InvalidRecord(f"worker record field {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+            why = first["msg"].removeprefix("Value error, ")  # pydantic's wording for a validator's own message
+            raise InvalidRecord(f"worker record field {'.'.join(map(str, first['loc']))}: {why}") from None
 
     @classmethod
     def from_wire_bytes(cls, raw: bytes) -> "WorkerRecord":

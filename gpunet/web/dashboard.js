@@ -13,7 +13,9 @@
     g.text("reason", s.pause_reason || "");
     g.text("version", r.version);
     g.text("worker-id", s.id);
+    // (disabled until the worker answers: a page opened without its key can do nothing)
     document.getElementById("pause").disabled = s.paused_by_hand;
+    document.getElementById("pause-reason").disabled = s.paused_by_hand;
     document.getElementById("resume").disabled = !s.paused_by_hand;
     const d = r.device;
     const tflops = Object.entries(r.tflops || {}).map(([k, v]) => `${v.toPrecision(3)} ${k}`).join(", ");

@@ -44,7 +44,12 @@ const gpunet = (() => {
 
   async function getJSON(path) {
     const response = await fetch(path, { cache: "no-store", headers: auth });
-    if (response.status === 403) throw new Error("this page needs the address with its key (see the worker's log)");
+    if (response.status === 403) {
+      const error = new Error("This page shows nothing without its key: open the address the worker logged, " +
+                              "http://127.0.0.1:PORT/#token=…");
+      error.keyMissing = true;
+      throw error;
+    }
     if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
     return response.json();
   }
@@ -157,7 +162,7 @@ const gpunet = (() => {
         await refresh();
         text("error", "");
       } catch (e) {
-        text("error", `Not answering (${e.message}); trying again…`);
+        text("error", e.keyMissing ? e.message : `Not answering: ${e.message}. Trying again…`);
       }
       setTimeout(run, seconds * 1000);
     };

@@ -111,7 +111,7 @@ def check_disk(data_dir: Path) -> Check:
     except GpunetError as e:
         return Check("disk", Outcome.FAIL, str(e), "make the data dir writable, or pass another --data-dir")
     free = shutil.disk_usage(data_dir).free
-    detail = f"{free / GiB:.1f} GiB free in {data_dir}"
+    detail = f"{free / GiB:.1f} GiB of disk free in {data_dir}"
     if free < 1 * GiB:
         return Check("disk", Outcome.FAIL, detail, "the program cache and ledger need space; free some disk")
     if free < 10 * GiB:

@@ -127,6 +127,7 @@ class Worker:
             tflops=self.tflops,
             price=float(self.config.price),
             max_concurrent=self.config.max_concurrent,
+            max_queue=self.config.max_queue,
             queue=admission.queue_length if admission else 0,
             jobs_done=admission.jobs_done if admission else 0,
             started_at=self.started_at,
@@ -169,15 +170,18 @@ class Worker:
             registry.announce_async(self.dht, self.config.network, self.id, self.record(), expiration), timeout))
         if ok:
             self._last_expiration = expiration
-            if self._unpublished:
+            if self._unpublished >= 2:  # (a warning was said)
                 logger.info("This worker's record is published again (after %d failed heartbeat(s))", self._unpublished)
-                self._unpublished = 0
+            self._unpublished = 0
         elif not leaving:
-            # Said once, then at most every few minutes: one missed store is common (a peer busy or gone) and the
-            # record lives three heartbeats; a worker that stays unpublished is what the owner needs to hear about.
+            # Said from the second miss in a row, then at most every few minutes: one missed store is common (a peer
+            # busy or gone, the first store of a start before the DHT has met its peers) and the record lives three
+            # heartbeats; a worker that stays unpublished is what the owner needs to hear about.
             self._unpublished += 1
             now = time.monotonic()
-            if now - self._unpublished_said >= UNPUBLISHED_REPEAT:
+            if self._unpublished < 2:
+                logger.debug("This worker's record was not stored this time; trying again at the next heartbeat")
+            elif now - self._unpublished_said >= UNPUBLISHED_REPEAT:
                 self._unpublished_said = now
                 logger.warning("Could not publish this worker's record (no peer accepted it; %d heartbeat(s) in a row); "
                                "retrying every heartbeat", self._unpublished)

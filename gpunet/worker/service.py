@@ -74,7 +74,7 @@ from gpunet.protocol import (
     UseStream,
 )
 from gpunet.rpc import RPC
-from gpunet.utils import LRU, Debounce, When, sha256_hex, wait_out
+from gpunet.utils import LRU, Debounce, When, human_seconds, sha256_hex, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.admission import Admission, ServiceLimits
 from gpunet.worker.executor import STOP_GRACE, DryRun
@@ -1149,8 +1149,9 @@ class JobService:
         left = submit.deadline - time.time()
         wait = self.lanes.wait_estimate(submit.lane)
         if left <= 0 or wait >= left:
-            raise DeadlineUnreachable(f"this worker cannot start the job before its deadline: about {wait:.1f} s of "
-                                      f"work is ahead of it here, and the deadline is {max(0.0, left):.1f} s away")
+            raise DeadlineUnreachable(f"this worker cannot start the job before its deadline: about "
+                                      f"{human_seconds(wait)} of work is ahead of it here, and the deadline is "
+                                      f"{human_seconds(left)} away")
 
     async def _reply(self, outcome: Outcome, writer, client_id: str, host: str) -> None:
         """The result, within the time its size allows: a client that stops reading does not pin it here for long,
