@@ -473,3 +473,26 @@ def test_redundancy_above_the_workers_there_are_is_refused_before_any_copy_runs(
     with pytest.raises(gpunet.NoWorkersAvailable, match=r"redundancy=3 needs 3 distinct workers, but only 1 of the 1"):
         client.submit(job, torch.randn(8, 16), requirements=Requirements(redundancy=3)).result(timeout=60)
     assert _worker_receipts(worker) == []  # nothing ran, so nothing is left unpaid
+
+
+def test_a_burst_of_submits_waits_on_the_client_for_room_instead_of_bouncing_off_a_default_worker(swarm, tmp_path):
+    """64 submits at once against a worker with default settings (1 running, 8 queued): those beyond what it holds
+    wait on the client for one of its own jobs to end, instead of being answered "busy" and backing off (the burst
+    ran at a sixth of map's rate)."""
+    import re
+    import urllib.request
+
+    from gpunet.testing.localnet import free_port
+
+    port = free_port()
+    swarm.start_worker("--metrics-port", str(port))
+    model, job = mlp_job()
+    x = torch.randn(8, 16)
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=tmp_path / "client") as client:
+        wait_for(lambda: client.workers(refresh=True), 30, "the worker")
+        futures = [client.submit(job, x) for _ in range(64)]
+        assert all(torch.allclose(f.result(timeout=120), model(x), atol=1e-6) for f in futures)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    outcomes = dict(re.findall(r'^gpunet_jobs_total{outcome="(\w+)"} (\S+)$', text, re.M))
+    assert outcomes.get("done") == "64.0" and "busy" not in outcomes, outcomes

@@ -436,10 +436,10 @@ class Router:
     # --- outcomes --------------------------------------------------------------------------------------------------
 
     def full(self, entry: WorkerEntry) -> bool:
-        """Whether this client's jobs in flight there fill what the worker holds (running and queued): one more
+        """Whether this client's jobs in flight there fill its share of the worker (running and queued): one more
         would be answered "busy" and wait out a cooldown, where waiting here for one of ours to end loses nothing."""
-        r = entry.record
-        return r.max_queue is not None and self.inflight[entry.id] >= r.max_concurrent + r.max_queue
+        places = entry.record.client_places
+        return places is not None and self.inflight[entry.id] >= places
 
     def started(self, worker_id: str) -> int:
         """Count a job sent to ``worker_id``; returns how many of this client's jobs were already there ahead of it

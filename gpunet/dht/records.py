@@ -139,9 +139,9 @@ class WorkerRecord(_WireModel):
     tflops: dict[_text(16), _NonNegFloat] = Field(default_factory=dict, max_length=6)
     price: _NonNegFloat = 0.0  # credits per TFLOP of counted work (format 1: per PFLOP, converted on reading)
     max_concurrent: Annotated[int, Field(ge=1, le=4096)] = 1
-    #: Jobs it holds waiting per lane beyond those running (--max-queue); more are answered "busy". A client keeps
-    #: no more than max_concurrent + max_queue of its own jobs there at once. None: a worker that predates it.
-    max_queue: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    #: Jobs one client may have there at once per lane, running or queued (its share: all running slots, half the
+    #: queue); more are answered "busy", so a client keeps the rest waiting on its side. None: it predates this field.
+    client_places: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     queue: _NonNegInt = 0
     jobs_done: _NonNegInt = 0
     started_at: _NonNegFloat = 0.0  # unix time the worker came up; uptime = now - started_at

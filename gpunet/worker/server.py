@@ -127,7 +127,7 @@ class Worker:
             tflops=self.tflops,
             price=float(self.config.price),
             max_concurrent=self.config.max_concurrent,
-            max_queue=self.config.max_queue,
+            client_places=admission.max_jobs_per_client if admission else None,
             queue=admission.queue_length if admission else 0,
             jobs_done=admission.jobs_done if admission else 0,
             started_at=self.started_at,
