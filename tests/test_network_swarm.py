@@ -55,8 +55,12 @@ def test_sigkilled_worker_expires_and_sigterm_leaves_at_once(swarm):
 
 
 def test_networks_with_different_names_never_mix(swarm):
-    a = swarm.start_worker(network="alpha")
-    b = swarm.start_worker(network="beta")
+    """Two networks on one DHT (each entry point joined to the test network's): their records never mix. A worker
+    joins through a node of its own network (one given only other networks' peers stops: test_first_contact)."""
+    entries = {name: swarm.start_bootstrap("--initial-peers", swarm.bootstrap_addr, network=name)
+               for name in ("alpha", "beta")}
+    a = swarm.start_worker(network="alpha", initial_peers=[entries["alpha"]])
+    b = swarm.start_worker(network="beta", initial_peers=[entries["beta"]])
     id_a, id_b = swarm.worker_id(a), swarm.worker_id(b)
     alpha = swarm.wait_for_status(lambda s: s["workers"], "alpha's worker", network="alpha")
     beta = swarm.wait_for_status(lambda s: s["workers"], "beta's worker", network="beta")

@@ -827,11 +827,9 @@ class ClientCore:
                 if e.retry_at is not None and e.retry_at < p.deadline:  # busy, full, joining: wait for them
                     await self._slot_or(e.retry_at)
                     continue
-                if not tried:
-                    raise
                 if not self.router.workers:
-                    # Workers were here a moment ago (this job tried some): their records can all lapse at once
-                    # while they restart. Look again for a while before giving up on the network.
+                    # Workers were here a moment ago (this job saw or tried some): their records can all lapse at
+                    # once while they restart. Look again for a while before giving up on the network.
                     emptied_until = emptied_until or min(p.deadline, time.monotonic() + EMPTY_NETWORK_WAIT)
                     if time.monotonic() < emptied_until:
                         await asyncio.sleep(self.config.refresh_period / 4)
@@ -840,6 +838,8 @@ class ClientCore:
                         except Exception as refresh_error:  # the next look may work; the deadline bounds it
                             logger.debug("Looking for workers again failed: %s", refresh_error)
                         continue
+                if not tried:
+                    raise
                 if rejections and all(isinstance(r, DeadlineUnreachable) for r in rejections):
                     raise DeadlineUnreachable(f"every worker that could take job {job_id[:12]} refused it: "
                                               f"{rejections[-1].reason}") from None

@@ -216,11 +216,12 @@ class LocalNetwork:
         return proc
 
     def start_bootstrap(self, *extra: str, ns: str | None = None, host_maddrs: str = LOOPBACK,
-                        data_dir: Path | None = None) -> str:
+                        data_dir: Path | None = None, network: str | None = None) -> str:
         """Start an entry point; returns the address workers and clients join with. The first one started is the one
-        :meth:`start_worker` joins by default. ``data_dir``: that of an earlier one, to restart it (same identity)."""
-        proc = self._start("bootstrap", ["bootstrap", "--network", self.network, "--host-maddrs", host_maddrs, *extra],
-                           data_dir, ns=ns)
+        :meth:`start_worker` joins by default. ``data_dir``: that of an earlier one, to restart it (same identity);
+        ``network``: another network's entry point (workers of a network join through a node of that network)."""
+        proc = self._start("bootstrap", ["bootstrap", "--network", network or self.network, "--host-maddrs",
+                                         host_maddrs, *extra], data_dir, ns=ns)
         addr = proc.wait_ready("online")["addresses"][0]
         if self.bootstrap is None or self.bootstrap.data_dir == proc.data_dir:
             self.bootstrap, self.bootstrap_addr = proc, addr
