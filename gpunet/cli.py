@@ -312,9 +312,9 @@ def bootstrap(
     host_maddrs: Optional[List[str]] = HostMaddrs,
     announce_maddrs: Optional[List[str]] = AnnounceMaddrs,
     data_dir: Optional[Path] = typer.Option(
-        None, "--data-dir", metavar="DIR", envvar="GPUNET_DATA_DIR",
-        help="Where the node key lives (default: ~/.gpunet/bootstrap, apart from a worker's ~/.gpunet: one node per "
-             "data dir)."),
+        None, "--data-dir", metavar="DIR",
+        help="Where the node key lives (default: bootstrap/ in $GPUNET_DATA_DIR or ~/.gpunet, apart from a worker's: "
+             "one node per data dir)."),
     verbose: int = Verbose,
 ) -> None:
     """Run a DHT-only node: a stable entry point for a network, which also relays for workers behind NAT and dials

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,26 +21,24 @@ def usable_cpus() -> int:
 
 
 DEFAULT_NETWORK = "gpunet"
+#: What a network name may be: it is part of every door's protocol name and of DHT keys, and shown in commands.
+NETWORK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}\Z")
 INITIAL_PEERS_ENV = "GPUNET_INITIAL_PEERS"
 DATA_DIR_ENV = "GPUNET_DATA_DIR"
 DEFAULT_DATA_DIR = "~/.gpunet"
-#: A bootstrap node's default data dir: not the worker's, so both run on one machine with their defaults (one node per
-#: data dir: gpunet.readyfile.hold).
-BOOTSTRAP_DATA_DIR = "~/.gpunet/bootstrap"
 #: Volunteers must be reachable by others, so long-lived nodes listen on every interface unless told otherwise.
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 #: Nodes that only read the network (status, doctor) and local test networks listen on loopback alone.
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None, *, writable: bool = False,
-                     default: str = DEFAULT_DATA_DIR) -> Path:
-    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``default``; created if missing.
+def resolve_data_dir(data_dir: str | os.PathLike | None = None, *, writable: bool = False) -> Path:
+    """The data dir from the argument, else ``GPUNET_DATA_DIR``, else ``~/.gpunet``; created if missing.
 
     ``writable``: a node is about to keep its key, ledger and caches there; ConfigError now, with the reason, rather
     than a traceback from whichever write comes first.
     """
-    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or default
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
     path = Path(raw).expanduser()
     try:
         path.mkdir(parents=True, exist_ok=True, mode=0o700)

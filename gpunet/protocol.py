@@ -36,6 +36,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from gpunet.config import NETWORK_NAME
 from gpunet.errors import (
     GpunetError,
     JobFailed,
@@ -851,8 +852,8 @@ class Greeting(Message):
     @classmethod
     def from_wire(cls, d: dict) -> "Greeting":
         network = _get(d, "network", str)
-        if not 0 < len(network) <= 64 or _CONTROL.search(network):
-            raise ProtocolError("a greeting names a network of 1-64 printable characters")
+        if not NETWORK_NAME.match(network):  # it is shown in a command to type: nothing but a network name
+            raise ProtocolError("a greeting names a network: 1-64 letters, digits, '-' or '_'")
         return cls(network, _text(d, "role", 32), _text(d, "version", 32))
 
 

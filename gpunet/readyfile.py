@@ -37,11 +37,30 @@ class DataDirLock:
 
     def __init__(self, data_dir: Path, file):
         self.data_dir, self._file = data_dir, file
+        _HELD.add(self)
 
     def release(self) -> None:
+        _HELD.discard(self)
         if self._file is not None:
             self._file.close()  # closing the descriptor drops the flock
             self._file = None
+
+
+#: Holds taken by this process. A flock belongs to the open file, which a forked child (hivemind's DHT process)
+#: shares: the child lets go of its copy at once, so a node whose main process died frees its dir at that moment, not
+#: when its orphaned children notice and exit.
+_HELD: set[DataDirLock] = set()
+
+
+def _not_in_children() -> None:
+    for lock in list(_HELD):
+        if lock._file is not None:
+            lock._file.close()  # the child's reference only: the parent still holds the lock
+        lock._file = None
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_not_in_children)
 
 
 def hold(data_dir: str | os.PathLike, role: str) -> DataDirLock:
@@ -55,7 +74,10 @@ def hold(data_dir: str | os.PathLike, role: str) -> DataDirLock:
         raise ConfigError(f"cannot open {path}: {e.strerror}") from None
     try:
         fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as e:
+        if not isinstance(e, BlockingIOError):  # a file system without locks (some NFS mounts)
+            file.close()
+            raise ConfigError(f"cannot lock {path} ({e.strerror}): put the data dir on a local disk") from None
         file.seek(0)
         try:
             other = json.loads(file.read())

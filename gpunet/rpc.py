@@ -204,8 +204,18 @@ class RPC:
 
     async def failure(self, message: str) -> NetworkError:
         """The error for a failed call: the peer's (NetworkError), unless our own daemon is gone (LocalNetworkDown:
-        a Ctrl-C to the process group stops it with us, and no peer may be blamed for that)."""
-        if not await self.daemon_alive(0.5):
+        a Ctrl-C to the process group stops it with us, and no peer may be blamed for that). Gone means its socket
+        is, or refuses us: a slow answer (this loop stalled, the daemon busy) is no proof of that."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.p2p.daemon_listen_maddr["unix"]), 2.0)
+        except (FileNotFoundError, ConnectionRefusedError):
+            gone = True
+        except (OSError, asyncio.TimeoutError, TypeError, ValueError):
+            gone = False
+        else:
+            writer.close()
+            gone = False
+        if gone:
             return LocalNetworkDown("this node's own p2p daemon is gone (stopped with it by a Ctrl-C to the process "
                                     "group?): nothing can be sent")
         return NetworkError(message)

@@ -84,6 +84,9 @@ _K = 7919
 #: exact in each: fp16 keeps every integer up to 2048, bf16 only up to 256. An entry of a product is a sum of n terms
 #: in {-1, 0, 1} (standard deviation sqrt(2n/3)): |c| > 256 is 8.5 standard deviations at n = 2048 (never seen), but
 #: only 6 at n = 4096, where about one proof in 20,000 would hold an entry bf16 rounds and an honest worker would fail.
+#: So a client never asks for bf16 beyond :data:`MAX_EXACT_N` (:func:`terms`): a claim that calls for 4096 is proven
+#: in fp16 where the worker claims it (the devices that fast run both on the same units), else at 2048. A worker
+#: still takes a 4096 bf16 challenge from an older client.
 DTYPES = ("fp32", "fp16", "bf16")
 #: The largest matrix size per dtype at which every product is exact (see DTYPES).
 MAX_EXACT_N = {"bf16": 2048}
@@ -113,9 +116,6 @@ class Challenge:
             raise ValueError(f"a challenge may take at most {MAX_SECONDS:g} s")
         if self.dtype not in DTYPES:
             raise ValueError(f"a challenge's dtype is one of {', '.join(DTYPES)}")
-        if self.n > MAX_EXACT_N.get(self.dtype, self.n):
-            raise ValueError(f"a {self.dtype} challenge is at most {MAX_EXACT_N[self.dtype]} wide (beyond, an honest "
-                             "product can round)")
 
     @property
     def flops_per_product(self) -> int:
@@ -127,7 +127,12 @@ def terms(tflops: dict[str, float]) -> tuple[str, int]:
     that claim calls for (:func:`fits` says what else a worker takes)."""
     known = _claims(tflops)
     dtype = max(known, key=known.get)
-    return dtype, min(SIZES[_size_step(known[dtype])], MAX_EXACT_N.get(dtype, SIZES[-1]))
+    n = SIZES[_size_step(known[dtype])]
+    if n > MAX_EXACT_N.get(dtype, n):  # not exact there (see DTYPES)
+        if "fp16" in known and n in SIZES[: _size_step(known["fp16"]) + 2]:
+            return "fp16", n
+        return dtype, MAX_EXACT_N[dtype]
+    return dtype, n
 
 
 def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
@@ -135,8 +140,7 @@ def fits(tflops: dict[str, float], dtype: str, n: int) -> bool:
     most one size above what that claim calls for (a claim measured again, lower, since the client read it must not
     turn an honest challenge away; a product one size up is 8x the work, a 4096 one on a CPU hundreds)."""
     known = _claims(tflops)
-    return (dtype in known and n in SIZES[: _size_step(known[dtype]) + 2]
-            and n <= MAX_EXACT_N.get(dtype, n))
+    return dtype in known and n in SIZES[: _size_step(known[dtype]) + 2]
 
 
 def _claims(tflops: dict[str, float]) -> dict[str, float]:

@@ -194,3 +194,14 @@ def test_a_listen_address_this_machine_lacks_is_said_without_the_daemons_log_pre
     assert len(error) == 1 and "cannot assign requested address" in error[0], result.stderr
     assert not re.search(r"\d{4}/\d\d/\d\d \d\d:\d\d|\[ERROR\]", error[0]), error[0]
     _no_traceback(result)
+
+
+def test_initial_peers_of_another_network_stop_a_node_only_when_every_one_said_so():
+    from gpunet.dht.hello import mismatch
+    from gpunet.protocol import Greeting
+
+    other, ours = Greeting("gpunet", "bootstrap"), Greeting("mine", "worker")
+    assert "none of the initial peers runs network 'mine'" in mismatch("mine", [("/a", other), ("/b", other)])
+    assert mismatch("mine", [("/a", other), ("/b", None)]) is None  # the silent one may run it: go on, warned
+    assert mismatch("mine", [("/a", other), ("/b", ours)]) is None
+    assert mismatch("mine", [("/a", None)]) is None  # an older gpunet, or no answer: nothing known

@@ -103,10 +103,10 @@ def test_a_second_node_on_a_data_dir_in_use_stops_at_once_naming_the_first(nodes
     assert read_ready(tmp_path / ".gpunet")["pid"] == worker.pid
     assert read_ready(tmp_path / ".gpunet" / "bootstrap")["pid"] == boot.pid
 
-    # a node that is gone, however it went, leaves its dir free: a SIGKILLed one too
-    os.killpg(worker.pid, signal.SIGKILL)
+    # a node that is gone, however it went, leaves its dir free at once: one whose main process alone was killed
+    # too, while its DHT process (which shares the lock's open file) is still there
+    os.kill(worker.pid, signal.SIGKILL)
     worker.popen.wait(timeout=30)
-    worker.cleanup()
     again = nodes.start("worker", tmp_path / ".gpunet", "--initial-peers", address, "--host-maddrs", LOOPBACK,
                         "--device", "cpu")
     assert again.wait_ready("online", timeout=120)["id"] == worker.ready["id"]
@@ -129,3 +129,14 @@ def test_two_workers_given_one_data_dir_by_the_environment_are_refused(tmp_path)
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
+
+
+def test_a_bootstrap_upgraded_from_the_shared_data_dir_keeps_its_peer_id(nodes, tmp_path):
+    """Earlier versions kept a bootstrap's key in ~/.gpunet itself; its address (with the peer id) is what every
+    worker was given, so the key moves into ~/.gpunet/bootstrap rather than a new one being made."""
+    from gpunet.identity import Identity
+
+    old = Identity.load_or_create(tmp_path / ".gpunet").peer_id
+    boot = nodes.start("bootstrap", tmp_path / ".gpunet" / "bootstrap", "--host-maddrs", LOOPBACK)
+    assert boot.wait_ready("online")["id"] == old
+    assert not (tmp_path / ".gpunet" / "identity.key").exists()  # a worker here gets a key of its own

@@ -248,3 +248,19 @@ def test_a_bid_above_any_workers_price_is_that_price_and_numpy_numbers_do():
     assert Requirements(max_price=20000).max_price == 10000  # no worker may charge more (WorkerConfig.price)
     picked = Requirements(max_price=np.float32(1.5), min_memory_gb=np.int64(2), timeout=np.float32(30))
     assert picked.max_price == 1.5 and type(picked.timeout) is float and type(picked.min_memory_gb) is float
+
+
+def test_a_joining_worker_that_fits_is_waited_for_but_not_for_ever():
+    """A record saying "joining" costs nothing to publish: jobs wait for one a while (it is proving its speed,
+    starting executors), then fail as they would without it."""
+    from gpunet.client.routing import JOINING_PATIENCE
+
+    r = router(worker("soon", state="joining"))
+    with pytest.raises(NoWorkersAvailable, match="is joining") as e:
+        r.eligible(Requirements(), now=100.0)
+    assert e.value.retry_at is not None and e.value.retry_at <= 101.0
+    assert r.could_take(Requirements(), now=100.0) == 1
+    assert r.could_take(Requirements(device="gpu"), now=100.0) == 0  # it would not fit once online either
+    with pytest.raises(NoWorkersAvailable) as e:
+        r.eligible(Requirements(), now=100.0 + JOINING_PATIENCE + 1)
+    assert e.value.retry_at is None and r.could_take(Requirements(), now=100.0 + JOINING_PATIENCE + 1) == 0

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import random
 import secrets
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -185,7 +186,7 @@ class ClientCore:
         self._estimates: LRU[tuple, object] = LRU(MAX_ESTIMATES)
         self._checks_here: concurrent.futures.ThreadPoolExecutor | None = None  # see _raises_here
         self.closed = False
-        self._room: asyncio.Future | None = None  # resolves when one of our jobs ends (room for a waiting one)
+        self._waiting: deque[asyncio.Future] = deque()  # jobs waiting for room, oldest first (see _finished)
 
     @property
     def program_bytes_sent(self) -> int:
@@ -379,17 +380,25 @@ class ClientCore:
         return worker
 
     def _finished(self, worker_id: str) -> None:
-        """One of our jobs left ``worker_id``: jobs waiting for room there (Router.full) may go."""
+        """One of our jobs left ``worker_id``: the job that has waited longest for room (Router.full) may go (one
+        at a time, in order: waking every waiter on every end costs each a pass over the workers)."""
         self.router.finished(worker_id)
-        if self._room is not None and not self._room.done():
-            self._room.set_result(None)
-        self._room = None
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
 
     async def _slot_or(self, until: float) -> None:
         """Wait until monotonic time ``until``, or until one of our jobs ends somewhere (making room there)."""
-        if self._room is None:
-            self._room = asyncio.get_running_loop().create_future()
-        await asyncio.wait([self._room], timeout=max(0.0, until - time.monotonic()))
+        if len(self._waiting) > 1024:  # waiters that timed out, left for an end to skip: drop them
+            self._waiting = deque(w for w in self._waiting if not w.done())
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            await asyncio.wait([waiter], timeout=max(0.0, until - time.monotonic()))
+        finally:
+            waiter.cancel()  # (a timed-out waiter stays in the queue until an end skips it)
 
     def held_against(self, worker_id: str, outcome: str) -> None:
         """A worker's misdeed seen outside a job's own retries (a session's span): a ban, and its record."""
@@ -682,14 +691,17 @@ class ClientCore:
 
     async def _enough_for(self, req: Requirements, k: int) -> None:
         """Redundancy ``k`` needs k distinct workers: NoWorkersAvailable, with the count, before any copy is sent (the
-        copies that ran would be wasted work, refused unpaid)."""
-        if self.router.could_take(req) < k:
-            await self.refresh()  # the view may be a moment old: one fresh look before refusing
-        n = self.router.could_take(req)
+        copies that ran would be wasted work, refused unpaid). Workers still appearing are waited for a while, as
+        the first ones are (``discovery_wait``), on the view the background refresh keeps."""
+        deadline = time.monotonic() + min(self.config.discovery_wait, req.timeout)
+        while (n := self.router.could_take(req)) < k and time.monotonic() < deadline:
+            self._fresh.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._fresh.wait(), max(0.0, deadline - time.monotonic()))
         if n < k:
             raise NoWorkersAvailable(
-                f"redundancy={k} needs {k} distinct workers, but only {n} of the {len(self.router.workers)} known "
-                f"worker{'s' if len(self.router.workers) != 1 else ''} in network {self.network!r} could take this "
+                f"redundancy={k} needs {k} distinct workers, but only {n} of the "
+                f"{plural(len(self.router.workers), 'known worker')} in network {self.network!r} could take this "
                 f"job: lower redundancy, or ease the requirements")
 
     async def _check_alone(self, p: "_Prepared", candidates: list, paid: set[int], one_more) -> JobResult:

@@ -155,10 +155,13 @@ class SpeedProofs:
         except (GpunetError, TimeoutError) as e:
             waits = self.config.retry_after
             attempt.next_at = self.clock() + waits[min(attempt.tries - 1, len(waits) - 1)]
-            if committed[0] or attempt.tries > len(waits):
-                self.router.on_proof(entry.id, 0.0)  # see the module docstring: no proof, no credit
+            # See the module docstring: no proof, no credit. A proof asked again (``low``) that does not complete
+            # keeps the one it had (the worker may be rationing challenges, or busy with this client's own jobs);
+            # one that committed and would not open loses it all the same.
+            if committed[0] or (attempt.tries > len(waits) and not attempt.low):
+                self.router.on_proof(entry.id, 0.0)
             logger.info("Speed challenge to worker %s did not complete (%s)%s", entry.id[-8:], str(e) or "timed out",
-                        "; it is credited no speed until it proves one" if entry.id in self.router.proven else
+                        "; it is credited no speed until it proves one" if self.router.proven.get(entry.id) == 0.0 else
                         "; asking again later")
         except Exception:  # a broken worker must not break the client
             logger.exception("Speed challenge to worker %s failed unexpectedly", entry.id[-8:])

@@ -50,8 +50,10 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
-#: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile).
+#: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile), and
+#: how long a worker listed as joining is waited for at all (from when this client first saw it so).
 JOINING_LOOK_AGAIN = 0.5
+JOINING_PATIENCE = 60.0
 #: ...and one that found the workers full of this client's own jobs, at the latest (it wakes when one of them ends).
 FULL_LOOK_AGAIN = 1.0
 
@@ -217,6 +219,7 @@ class Router:
     #: Kept when a worker leaves (bounded), so leaving and coming back does not wipe a poor proof.
     proven: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
     _unproven_ceiling: float | None = None
+    _joining_since: dict[str, float] = field(default_factory=dict)  # when this client first saw each one joining
     #: The interactive price (credits/TFLOP) each worker last advertised: the most it may bill in any lane (a batch
     #: floor never rises above it). Kept when its record lapses (bounded), so a session's last tab, billed by a
     #: worker that has just left, is still checked against what it asked.
@@ -224,6 +227,9 @@ class Router:
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
         self.workers = {e.id: e for e in entries}
+        for worker_id in [w for w in self._joining_since if w not in self.workers
+                          or self.workers[w].record.state is not WorkerState.JOINING]:
+            del self._joining_since[worker_id]
         for entry in self.workers.values():
             self.advertised.put(entry.id, entry.record.price)
         for table in (self._overhead, self._seconds_per_flop, self._measured_at, self.skipped):
@@ -277,13 +283,24 @@ class Router:
 
     # --- filtering -------------------------------------------------------------------------------------------------
 
-    def could_take(self, req: Requirements) -> int:
-        """How many known workers could take a job of ``req`` now or once they are online (busy, briefly banned or
-        joining counts; caught lying does not): what redundancy can count on."""
-        return sum(1 for e in self.workers.values()
-                   if (e.record.state is WorkerState.ONLINE or e.record.state is WorkerState.JOINING)
-                   and req.unfit(e) is None
-                   and not (self.reputation is not None and self.reputation.avoided(e.id)))
+    def could_take(self, req: Requirements, now: float | None = None) -> int:
+        """How many known workers could take a job of ``req`` now or in a moment (busy or briefly banned counts, and
+        joining, for a while): what redundancy can count on."""
+        now = time.monotonic() if now is None else now
+        return sum(self._could_take(e, req, now) for e in self.workers.values())
+
+    def _could_take(self, entry: WorkerEntry, req: Requirements, now: float) -> bool:
+        """``entry`` meets ``req`` once online, and is online or joining since less than JOINING_PATIENCE (a record
+        that says joining costs nothing: one that never comes online must not hold jobs back for long)."""
+        state = entry.record.state
+        if state is WorkerState.JOINING:
+            if now - self._joining_since.setdefault(entry.id, now) > JOINING_PATIENCE:
+                return False
+        elif state is not WorkerState.ONLINE:
+            return False
+        if req.unfit(entry) is not None or (self.reputation is not None and self.reputation.avoided(entry.id)):
+            return False
+        return not req.min_tflops or self.credited_tflops(entry, req.dtype) >= req.min_tflops
 
     def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None,
                  replicas: set[str] = frozenset()) -> list[WorkerEntry]:
@@ -310,7 +327,7 @@ class Router:
                 why = "is busy" if ban.busy else "is banned for recent failures"
                 retry_at = ban.until if retry_at is None else min(retry_at, ban.until)
             if (entry.record.state is WorkerState.JOINING and entry.id not in exclude and entry.id not in replicas
-                    and req.unfit(entry) is None):  # it will be online in a moment (its speed proven, executors up)
+                    and self._could_take(entry, req, now)):  # online in a moment (its speed proven, executors up)
                 retry_at = min(retry_at or math.inf, now + JOINING_LOOK_AGAIN)
             if why is None:
                 ok.append(entry)

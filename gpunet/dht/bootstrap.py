@@ -7,11 +7,12 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 
 from gpunet import readyfile
-from gpunet.config import BOOTSTRAP_DATA_DIR, DEFAULT_NETWORK, resolve_data_dir
+from gpunet.config import DEFAULT_NETWORK, resolve_data_dir
 from gpunet.dht import hello, network
-from gpunet.identity import Identity
+from gpunet.identity import KEY_FILENAME, Identity
 
 logger = logging.getLogger("gpunet.bootstrap")
 
@@ -36,11 +37,11 @@ def run_bootstrap(
     up only once those doors answer, so the first worker's dial-back check never finds them missing."""
     network.check_network_name(network_name)
     network.resolve_initial_peers(initial_peers)
-    data_dir = resolve_data_dir(data_dir, writable=True, default=BOOTSTRAP_DATA_DIR)
+    data_dir = bootstrap_data_dir(data_dir)
     hold = readyfile.hold(data_dir, "bootstrap")  # before the identity and the ready file: one node per data dir
     readyfile.remove_ready(data_dir)  # one left by an earlier run that died must never be read as ours
     identity = Identity.load_or_create(data_dir)
-    network.not_this_node(network.resolve_initial_peers(initial_peers), identity.peer_id)
+    network.not_this_node(network.resolve_initial_peers(initial_peers), identity.peer_id, say=logger.warning)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -96,6 +97,27 @@ def run_bootstrap(
         elif dht is not None:
             dht.shutdown()
         hold.release()
+
+
+def bootstrap_data_dir(data_dir=None) -> Path:
+    """A bootstrap node's data dir: the one given, else ``<GPUNET_DATA_DIR or ~/.gpunet>/bootstrap`` (like a client's
+    ``.../client``): apart from the worker's, so both run on one machine as they are (one node per data dir).
+
+    Earlier versions kept a bootstrap's key in the dir itself. A bootstrap's address is what others pass as
+    ``--initial-peers``, so that key must not change on upgrade: where the dir holds a key and nothing of a worker's
+    (no speed cache, no ledger), the key is moved into ``bootstrap/`` (same peer id), once."""
+    if data_dir is not None:
+        return resolve_data_dir(data_dir, writable=True)
+    base = resolve_data_dir(writable=True)
+    target = base / "bootstrap"
+    old_key, new_key = base / KEY_FILENAME, target / KEY_FILENAME
+    if old_key.exists() and not new_key.exists() and not any(
+            (base / worker_file).exists() for worker_file in ("throughput.json", "ledger.sqlite")):
+        target.mkdir(mode=0o700, exist_ok=True)
+        os.replace(old_key, new_key)
+        logger.info("Moved this bootstrap node's key from %s into %s (the same peer id; a worker on this machine now "
+                    "gets a key of its own in %s)", base, target, base)
+    return resolve_data_dir(target, writable=True)
 
 
 class Doors:

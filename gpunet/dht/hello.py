@@ -57,9 +57,15 @@ async def check_initial_peers(rpc, network: str, peers: Sequence[str]) -> None:
 
 
 def mismatch(network: str, answers: Sequence[tuple[str, Greeting | None]]) -> str | None:
-    """What is wrong with initial peers that answered ``answers``, for a node of ``network``; None: nothing known."""
+    """What is wrong with initial peers that answered ``answers``, for a node of ``network``; None: nothing known.
+    Only when every one answered, and none runs ``network``: one that did not answer may run it (a peer still
+    starting, an older gpunet), and one wrong entry in a list of public peers must not stop a node."""
     said = [(maddr, g) for maddr, g in answers if g is not None]
     if not said or any(g.network == network for _, g in said):
+        return None
+    if len(said) < len(answers):
+        logger.warning("Initial peer(s) %s run another network, not %r; joining through the others",
+                       ", ".join(f"{maddr} ({g.network!r})" for maddr, g in said), network)
         return None
     others = sorted({g.network for _, g in said})
     each = "; ".join(f"{maddr} runs {g.network!r}" + (f" (a {g.role})" if g.role else "") for maddr, g in said)

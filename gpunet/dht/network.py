@@ -18,6 +18,7 @@ from gpunet.config import (
     DEFAULT_NETWORK,
     INITIAL_PEERS_ENV,
     LOOPBACK_MADDR,
+    NETWORK_NAME,
 )
 from gpunet.dht import hardening
 from gpunet.dht.validation import network_validators
@@ -53,11 +54,8 @@ class _ShutdownNoise(logging.Filter):
 # hivemind logs the daemon's output here, in the DHT process (forked from this one after import: it inherits this).
 logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ShutdownNoise())
 
-_NETWORK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-
-
 def check_network_name(network: str) -> str:
-    if not _NETWORK_NAME.match(network):
+    if not NETWORK_NAME.match(network):
         raise ConfigError(f"network name {network!r} must be 1-64 letters, digits, '-' or '_' (no dots)")
     return network
 
@@ -83,9 +81,10 @@ _NO_PEER_ANSWERED = ("failed to connect to bootstrap peers", "none of the initia
 RETRY_FIRST, RETRY_MAX = 1.0, 30.0
 
 
-def not_this_node(peers: Sequence[str], own_id: str) -> list[str]:
+def not_this_node(peers: Sequence[str], own_id: str, say: Callable[..., None] | None = None) -> list[str]:
     """``peers`` less those that are this very node (its own address, passed back to it: a node cannot join through
-    itself, and waited for ever for "an initial peer" to answer); ConfigError if that leaves none."""
+    itself, and waited for ever for "an initial peer" to answer); ConfigError if that leaves none. ``say``: how to
+    tell of those skipped (once, at start)."""
     others = [p for p in peers if not p.endswith(f"/p2p/{own_id}")]
     if peers and not others:
         raise ConfigError(f"the initial peer{'s' if len(peers) > 1 else ''} {', '.join(peers)} "
@@ -93,8 +92,8 @@ def not_this_node(peers: Sequence[str], own_id: str) -> list[str]:
                           "its data dir): give the address of another node of the network, or leave --initial-peers "
                           "out to start a new network")
     for p in peers:
-        if p not in others:
-            logger.warning("Initial peer %s is this node itself: skipped", p)
+        if p not in others and say is not None:
+            say("Initial peer %s is this node itself: skipped", p)
     return others
 
 
@@ -177,12 +176,14 @@ def join(
 
 #: What the p2p daemon puts before its words: a timestamp ("2026/12/04 21:12:10", "Dec 04 21:10:19.471") and a level
 #: and source ("[ERROR] [go-libp2p-daemon/daemon.go:198]").
-_DAEMON_PREFIX = re.compile(r"(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? |[A-Z][a-z]{2} \d\d \d\d:\d\d:\d\d(\.\d+)? |"
-                            r"\[(DEBUG|INFO|WARN|ERROR|FATAL)\] (\[[^\]]*\] )?)")
+_DAEMON_PREFIX = re.compile(r"(?:(?<=^)|(?<=: )|(?<=\n))(?:\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(?:\.\d+)? |"
+                            r"[A-Z][a-z]{2} \d\d \d\d:\d\d:\d\d(?:\.\d+)? )?"
+                            r"(?:\[(?:DEBUG|INFO|WARN|ERROR|FATAL)\] (?:\[[^\]]*\] )?)?")
 
 
 def _daemon_words(error: BaseException) -> str:
-    """An error from starting the p2p daemon, without the daemon's log prefixes."""
+    """An error from starting the p2p daemon, without the daemon's log prefixes (where a line or a quoted daemon
+    message starts: text in brackets elsewhere stays)."""
     return _DAEMON_PREFIX.sub("", str(error))
 
 

@@ -220,8 +220,9 @@ class LocalNetwork:
         """Start an entry point; returns the address workers and clients join with. The first one started is the one
         :meth:`start_worker` joins by default. ``data_dir``: that of an earlier one, to restart it (same identity);
         ``network``: another network's entry point (workers of a network join through a node of that network)."""
+        data_dir = Path(data_dir or self.root / f"bootstrap-{self._count + 1}")  # (its default is a subdir)
         proc = self._start("bootstrap", ["bootstrap", "--network", network or self.network, "--host-maddrs",
-                                         host_maddrs, *extra], data_dir, ns=ns)
+                                         host_maddrs, "--data-dir", str(data_dir), *extra], data_dir, ns=ns)
         addr = proc.wait_ready("online")["addresses"][0]
         if self.bootstrap is None or self.bootstrap.data_dir == proc.data_dir:
             self.bootstrap, self.bootstrap_addr = proc, addr

@@ -69,11 +69,11 @@ class Worker:
         self.config = config
         # Arguments first: a typo must not wait for the first-run speed test to be reported.
         network.check_network_name(config.network)
-        network.resolve_initial_peers(config.initial_peers)
+        peers = network.resolve_initial_peers(config.initial_peers)
         self.data_dir: Path = resolve_data_dir(config.data_dir, writable=True)
         self._hold = readyfile.hold(self.data_dir, "worker")  # before the identity: one node per data dir
         self.identity = Identity.load_or_create(self.data_dir)
-        network.not_this_node(network.resolve_initial_peers(config.initial_peers), self.identity.peer_id)
+        network.not_this_node(peers, self.identity.peer_id, say=logger.warning)
         self._nvml = nvml
         self.hardware = hw.detect(config.device, nvml)
         self.state = WorkerState.JOINING
