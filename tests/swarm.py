@@ -10,6 +10,15 @@ from typing import Callable
 from gpunet.testing import LocalNetwork, Proc, free_port, gpunet_cmd, wait_for  # noqa: F401  (re-exported for tests)
 
 
+def group_gone(pgid: int) -> bool:
+    """Whether no process of process group ``pgid`` is left."""
+    try:
+        os.killpg(pgid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
 def run_cli(*args: str, timeout: float = 90, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``gpunet ARGS`` as a user would, capturing its output."""
     return subprocess.run(

@@ -39,7 +39,7 @@ def test_ctrl_c_in_the_demo_says_at_once_that_it_stops_everything_and_does(tmp_p
     import time
 
     from gpunet.testing.localnet import gpunet_cmd
-    from tests.swarm import wait_for
+    from tests.swarm import group_gone, wait_for
 
     demo = subprocess.Popen(gpunet_cmd("demo", "--workers", "1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "GPUNET_DATA_DIR": str(tmp_path), "COLUMNS": "120"},
@@ -60,14 +60,4 @@ def test_ctrl_c_in_the_demo_says_at_once_that_it_stops_everything_and_does(tmp_p
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait(timeout=30)
-    wait_for(lambda: _group_gone(demo.pid), 30, "every process the demo started to exit")
-
-
-def _group_gone(pgid: int) -> bool:
-    import os
-
-    try:
-        os.killpg(pgid, 0)
-        return False
-    except ProcessLookupError:
-        return True
+    wait_for(lambda: group_gone(demo.pid), 30, "every process the demo started to exit")

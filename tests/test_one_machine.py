@@ -49,6 +49,16 @@ class _Nodes:
         for proc in reversed(self.procs):
             proc.cleanup()
 
+    def readme_flow(self) -> tuple[Proc, str, Proc]:
+        """`gpunet bootstrap`, then `gpunet worker --initial-peers <its address>`, both on their default data dirs
+        (loopback only): the bootstrap, its address and the worker, online."""
+        boot = self.start("bootstrap", self.home / ".gpunet" / "bootstrap", "--host-maddrs", LOOPBACK)
+        address = boot.wait_ready("online")["addresses"][0]
+        worker = self.start("worker", self.home / ".gpunet", "--initial-peers", address, "--host-maddrs", LOOPBACK,
+                            "--device", "cpu")
+        worker.wait_ready("online", timeout=120)
+        return boot, address, worker
+
 
 @pytest.fixture
 def nodes(tmp_path):
@@ -58,11 +68,7 @@ def nodes(tmp_path):
 
 
 def test_the_readme_flow_works_on_one_machine_with_default_data_dirs(nodes, tmp_path):
-    boot = nodes.start("bootstrap", tmp_path / ".gpunet" / "bootstrap", "--host-maddrs", LOOPBACK)
-    address = boot.wait_ready("online")["addresses"][0]
-    worker = nodes.start("worker", tmp_path / ".gpunet", "--initial-peers", address, "--host-maddrs", LOOPBACK,
-                         "--device", "cpu")
-    worker.wait_ready("online", timeout=120)
+    boot, address, worker = nodes.readme_flow()
     assert worker.id != boot.id  # two identities: the bootstrap's default data dir is not the worker's
     assert boot.read_ready() is not None  # the worker's start left the bootstrap's ready file alone
 
@@ -84,11 +90,7 @@ def test_the_readme_flow_works_on_one_machine_with_default_data_dirs(nodes, tmp_
 
 
 def test_a_second_node_on_a_data_dir_in_use_stops_at_once_naming_the_first(nodes, tmp_path):
-    boot = nodes.start("bootstrap", tmp_path / ".gpunet" / "bootstrap", "--host-maddrs", LOOPBACK)
-    address = boot.wait_ready("online")["addresses"][0]
-    worker = nodes.start("worker", tmp_path / ".gpunet", "--initial-peers", address, "--host-maddrs", LOOPBACK,
-                         "--device", "cpu")
-    worker.wait_ready("online", timeout=120)
+    boot, address, worker = nodes.readme_flow()
 
     for args, holder in ((["worker", "--initial-peers", address, "--host-maddrs", LOOPBACK], worker),
                          (["bootstrap", "--host-maddrs", LOOPBACK], boot),

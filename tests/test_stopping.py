@@ -12,24 +12,16 @@ import torch
 
 from gpunet.testing.workloads import Spin
 
-from tests.swarm import wait_for
+from tests.swarm import group_gone, wait_for
 
 pytestmark = pytest.mark.swarm
-
-
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return False
-    except ProcessLookupError:
-        return True
 
 
 def test_bootstrap_leaves_cleanly_on_ctrl_c_to_its_process_group(swarm):
     proc = swarm.bootstrap
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     assert proc.popen.wait(timeout=20) == 0, proc.output
-    wait_for(lambda: _group_gone(proc.pid), 15, "the bootstrap's DHT process and p2p daemon to exit")
+    wait_for(lambda: group_gone(proc.pid), 15, "the bootstrap's DHT process and p2p daemon to exit")
     assert "Traceback" not in proc.output
     assert "the hard way" not in proc.output  # its daemon gone too, it did not wait out a polite DHT shutdown
     assert "[ERROR]" not in proc.output  # the daemon's own "use of closed network connection" as it stops
@@ -45,7 +37,7 @@ def test_killing_status_watch_leaves_no_dht_or_daemon_behind(swarm):
         assert watch.stdout.readline().startswith("{")  # it has joined (DHT process and p2p daemon up) and read once
         watch.send_signal(signal.SIGTERM)  # `kill PID`: the main process alone
         watch.wait(timeout=15)
-        wait_for(lambda: _group_gone(watch.pid), 20, "status's DHT process and p2p daemon to exit after it")
+        wait_for(lambda: group_gone(watch.pid), 20, "status's DHT process and p2p daemon to exit after it")
     finally:
         try:
             os.killpg(watch.pid, signal.SIGKILL)
@@ -84,7 +76,7 @@ def _assert_left_cleanly(worker, timeout: float = 20) -> None:
     except subprocess.TimeoutExpired:
         pytest.fail(f"the worker did not exit within {timeout} s:\n{worker.output}")
     assert code == 0, worker.output
-    wait_for(lambda: _group_gone(worker.pid), 20, "the worker's executors, DHT process and p2p daemon to exit")
+    wait_for(lambda: group_gone(worker.pid), 20, "the worker's executors, DHT process and p2p daemon to exit")
     assert "Traceback" not in worker.output, worker.output
 
 
@@ -242,7 +234,7 @@ def test_ctrl_c_to_a_client_during_a_session_step_blames_no_worker(swarm, tmp_pa
         if script.poll() is None:
             os.killpg(script.pid, signal.SIGKILL)
             script.wait(timeout=30)
-    wait_for(lambda: _group_gone(script.pid), 15, "the script's DHT process and daemon to exit")
+    wait_for(lambda: group_gone(script.pid), 15, "the script's DHT process and daemon to exit")
     assert "KeyboardInterrupt" in err, err[-3000:]
     assert "lost its worker" not in err and "replaying" not in err, err[-3000:]
     # Its close raced the step still running: the tab it closed with is the one it says it received (it refused the
