@@ -15,7 +15,7 @@ import signal
 from collections import Counter, deque
 
 from gpunet.errors import ConfigError
-from gpunet.status import NetworkStatus, StatusReader
+from gpunet.dht.status import NetworkStatus, StatusReader
 from gpunet.web import Site
 
 logger = logging.getLogger("gpunet.explorer")

@@ -2,7 +2,8 @@
 
 * No import cycle between gpunet's modules, counting imports inside functions too (a lazy import only hides a
   cycle); imports under ``if TYPE_CHECKING:`` are for annotations and never run, so they do not count.
-* The worker never imports the client; the job format (``gpunet.job``) never imports the worker, the client or the
+* The worker never imports the client nor the shell (the status table, the CLI, the explorer, the demo: the
+  network reader they share is gpunet.dht.status); the job format (``gpunet.job``) never imports the worker, the client or the
   network; identity and config import no other part of gpunet but errors.
 * Only ``gpunet/rpc.py`` touches hivemind's private p2p internals (``P2P._client``), so a hivemind upgrade changes
   one file.
@@ -93,9 +94,9 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("layer, forbidden", [
-    ("gpunet.worker", ("gpunet.client",)),
+    ("gpunet.worker", ("gpunet.client", "gpunet.status", "gpunet.cli", "gpunet.explorer", "gpunet.demo")),
     ("gpunet.job", ("gpunet.worker", "gpunet.client", "gpunet.dht", "gpunet.ledger", "gpunet.rpc")),
-    ("gpunet.dht", ("gpunet.worker", "gpunet.client", "gpunet.ledger")),
+    ("gpunet.dht", ("gpunet.worker", "gpunet.client", "gpunet.ledger", "gpunet.status")),
     ("gpunet.ledger", ("gpunet.worker", "gpunet.client", "gpunet.dht", "gpunet.job")),
     ("gpunet.identity", ("gpunet.worker", "gpunet.client", "gpunet.dht", "gpunet.ledger", "gpunet.job")),
     ("gpunet.config", ("gpunet.worker", "gpunet.client", "gpunet.dht", "gpunet.ledger", "gpunet.job",

@@ -221,7 +221,7 @@ def _relay_reservation(network: str, peers: Sequence[str], wait: float) -> str |
 def check_network(network: str, initial_peers: Sequence[str] | None, host_maddrs: Sequence[str] | None = None
                   ) -> list[Check]:
     from gpunet.dht import network as net
-    from gpunet.status import StatusReader
+    from gpunet.dht.status import StatusReader
 
     try:
         peers = net.resolve_initial_peers(initial_peers)
