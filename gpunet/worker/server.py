@@ -263,15 +263,8 @@ class Worker:
             if self._stop.is_set():  # as it was listed: unlisted again before any executor starts
                 await self._unlist()
                 return 0
-            # Starting takes seconds (executors, a loaded machine tens of them): the joining record is kept alive
-            # meanwhile, or it lapses and jobs waiting for this worker see nobody.
-            listed = asyncio.create_task(self._keep_listed())
             try:
-                try:
-                    await self.start_services()
-                finally:  # before anything else is published (a tombstone must not race a heartbeat)
-                    listed.cancel()
-                    await asyncio.gather(listed, return_exceptions=True)
+                await self.start_services()
             except Exception as e:
                 if not await self._stopped_meanwhile():
                     raise
@@ -300,12 +293,6 @@ class Worker:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
             await self._stop_dht()
-
-    async def _keep_listed(self) -> None:
-        """Heartbeats while the worker starts (the heartbeat loop begins once it is up)."""
-        while True:
-            await asyncio.sleep(self.config.heartbeat)
-            await self.announce()
 
     async def _unlist(self) -> None:
         """Leave a tombstone over our record, if one was published (best effort, within LEAVE_STEP_TIMEOUT: a Ctrl-C
