@@ -90,7 +90,7 @@ class WorkerConfig:
     remeasure_every: float = 600.0  # seconds between idle speed re-measurements (0: never); see worker.throughput
     memory_budget_gb: float | None = None  # per executor; default: a share of free device memory
     buffer_gb: float | None = None  # job payloads held in the worker at once; default: a quarter of RAM (>= 1 GiB)
-    sandbox: bool = True  # executors lock themselves down (gpunet.worker.sandbox); off only for a kernel that balks
+    sandbox: bool = True  # executors lock themselves down (gpunet.worker.executor.sandbox); off only for a kernel that balks
     metrics_port: int = 0  # 0: no Prometheus endpoint
     announce_maddrs: list[str] = field(default_factory=list)  # addresses to announce (a forwarded port), checked
     relay_service: bool = True  # a directly reachable worker relays for workers behind NAT (within RELAY_LIMITS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 
-from gpunet.worker import sandbox
+from gpunet.worker.executor import sandbox
 
 
 def _attempt(what, fn) -> str:

@@ -181,9 +181,9 @@ ONE_LONG_OP = Job.from_function(_one_long_op, (torch.randn(32, 32),))
 
 
 def test_a_cancelled_job_inside_one_long_op_has_its_executor_killed(ex, monkeypatch):
-    from gpunet.worker import executor
+    from gpunet.worker.executor import slot
 
-    monkeypatch.setattr(executor, "STOP_GRACE", 0.1)  # well inside the op, on any machine
+    monkeypatch.setattr(slot, "STOP_GRACE", 0.1)  # well inside the op, on any machine
 
     async def scenario():
         x = torch.randn(32, 32)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from gpunet import JobRejected
-from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
+from gpunet.worker.executor.cache import DiskCache, MemoryLRU, check_hash
 
 H = [f"{i:064x}" for i in range(6)]
 

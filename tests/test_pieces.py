@@ -13,7 +13,7 @@ from gpunet.errors import NetworkError, ProtocolError
 from gpunet.job.format import ProgramParts
 from gpunet.pieces import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
-from gpunet.worker.cache import DiskCache
+from gpunet.worker.executor.cache import DiskCache
 from gpunet.worker import peers
 from gpunet.worker.peers import Fetcher, PieceServer
 

@@ -1,4 +1,4 @@
-"""The executor's sandbox (gpunet/worker/sandbox.py): code running in an executor process — what a memory-corruption
+"""The executor's sandbox (gpunet/worker/executor/sandbox.py): code running in an executor process — what a memory-corruption
 bug in a kernel could give a crafted job — cannot read the identity key or the home directory, open a socket, run a
 program or start a process, while the executor itself still runs jobs."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpunet import Job
-from gpunet.worker import sandbox
+from gpunet.worker.executor import sandbox
 from gpunet.worker.executor import Executor
 from tests import _sandbox_probe
 

@@ -57,7 +57,7 @@ class PieceServer:
 
     def __init__(self, disk, rate: float | None = None, coming: Callable[[str], bool] = lambda h: False,
                  clock=time.monotonic, corrupt: bool = False):
-        """``disk``: the executor's :class:`~gpunet.worker.cache.DiskCache`; ``rate``: bytes a second in all;
+        """``disk``: the executor's :class:`~gpunet.worker.executor.cache.DiskCache`; ``rate``: bytes a second in all;
         ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
         again, rather than "not cached")."""
         self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock

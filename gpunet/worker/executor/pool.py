@@ -12,44 +12,31 @@ pipe, never pickle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
-import mmap
 import multiprocessing
-import os
 import shutil
-import signal
 import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from multiprocessing import reduction
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import msgpack
 
 from gpunet.errors import (
-    DryRunTooLong, ExecutorDied, ExecutorStartFailed, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout,
-    ProgramNotCached, SessionLost, WorkerDraining,
+    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout, ProgramNotCached,
+    SessionLost, WorkerDraining,
 )
-from gpunet.utils import first_line, wait_out
-from gpunet.worker.cache import DiskCache, MemoryLRU, check_hash
+from gpunet.utils import wait_out
+from gpunet.worker.executor import slot as slots
+from gpunet.worker.executor.cache import DiskCache, check_hash
+from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
+from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, _reap
 from gpunet.worker.hardware import job_threads
-
-_STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
-#: Pipe messages up to this size are written and read on the event loop (the pipe drains at GB/s); bigger ones in a
-#: thread, so a large payload never stalls other jobs' network I/O.
-_INLINE_PIPE_BYTES = 1 << 20
-_IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
-_HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go through the pipe
-#: How long a run asked to stop at its next node (preempted, cancelled, or past its time on an executor holding
-#: sessions' state) may take before it is killed after all: one op cannot be interrupted.
-STOP_GRACE = 2.0
 
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
            "DryRunTooLong": DryRunTooLong, "JobRaised": JobRaised}
+
 
 
 @dataclass(frozen=True)
@@ -77,178 +64,6 @@ class DryRun:
         if self.seconds is not None:
             return self.seconds
         return 0.0 if self.began is None else min(max(0.0, now - self.began), self.cap)
-
-
-#: The shared words a child writes as a run's dry run begins and ends: the run's number (written last), when it
-#: began (time.monotonic(), one clock for all processes), the CPU seconds it took (-1 until it ends), the work it
-#: counted (-1 until it ends well) and when it ended. Read by the parent however the run ended, even if the process was
-#: killed before it could say; the counted work caps the run's time (Executor._work_deadline) with no message sent.
-_DRY_RUN, _DRY_BEGAN, _DRY_SECONDS, _DRY_FLOPS, _DRY_ENDED = range(5)
-
-
-class _Slot:
-    """One executor process and the parent's end of its pipe."""
-
-    def __init__(self, ctx, config: dict):
-        self._ctx, self._config = ctx, config
-        self.hashes: set[str] = set()  # programs this process holds in memory (mirrors the child's LRU, roughly)
-        self.busy = False  # reserved by a caller (the pool is used from one event loop: no lock)
-        self.generation = 0  # which process this is: sessions held by an earlier one are gone
-        self.in_flight = False  # a job has been sent and not answered
-        self.run_id = 0  # the number of the job sent last (a stop names the run it means)
-        self.closed = False
-        self.start()
-
-    stop_asked_at = 0.0  # when the running job was first asked to stop (time.monotonic())
-    sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
-    dry_cap = 0.0  # the longest a dry run may take there, as it reported once ready
-
-    def ask_stop(self) -> float:
-        """Ask the running job to stop at its program's next node (read there through the shared stop word); returns
-        the seconds of STOP_GRACE it has left, counted from the first time it was asked."""
-        if self.stop_word.value != self.run_id:
-            self.stop_word.value, self.stop_asked_at = self.run_id, time.monotonic()
-        return max(0.0, self.stop_asked_at + STOP_GRACE - time.monotonic())
-
-    def take_over(self, spare: "_Slot") -> tuple:
-        """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
-        the old (process, pipe) to reap."""
-        old = (self.proc, self.conn)
-        self.proc, self.conn, self.stop_word, self.dry_word = spare.proc, spare.conn, spare.stop_word, spare.dry_word
-        self.ready, self.killed, self.hashes = False, False, set()
-        self.generation += 1
-        return old
-
-    def start(self) -> None:
-        self.killed = False
-        self.conn, child = self._ctx.Pipe(duplex=True)
-        # A word of shared memory: the parent writes there the number of a run it wants stopped, and the child checks
-        # it between the program's nodes (gpunet.job.interpreter.execute), so the process lives on.
-        self.stop_word = self._ctx.RawValue("q", -1)
-        self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0, -1.0, 0.0])  # see _DRY_RUN
-        self.proc = self._ctx.Process(target=_child_main, args=(child, self._config, self.stop_word, self.dry_word),
-                                      daemon=True, name="gpunet-executor")
-        with _sigint_ignored_by_children():
-            self.proc.start()
-        child.close()
-        self.ready = False
-        self.hashes = set()
-        self.generation += 1
-
-    async def ensure_ready(self) -> None:
-        """Wait (without blocking the loop) for a freshly started process to finish importing torch; a process killed
-        earlier (timeout, crash, cancel) is reaped and replaced here, in a thread."""
-        if self.ready:
-            return
-        if self.killed:
-            await asyncio.to_thread(self.restart)
-        if await self.readable(_STARTUP_TIMEOUT):
-            try:
-                hello = msgpack.unpackb(self.conn.recv_bytes())
-                if isinstance(hello, dict) and hello.get("ready") is True:
-                    self.ready = True
-                    self.sandbox = list(hello.get("sandbox") or [])
-                    self.dry_cap = float(hello.get("max_dry_run_seconds", 0.0))
-                    return
-                if isinstance(hello, dict) and hello.get("error"):
-                    self.kill()
-                    raise ExecutorStartFailed(f"executor process could not start ({hello['error']})")
-            except (EOFError, OSError, ValueError):
-                pass
-        how = await asyncio.to_thread(self.exit_status)
-        self.kill()  # the next job starts a fresh process
-        raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
-
-    async def readable(self, timeout: float) -> bool:
-        """Wait until the pipe has a message or the process has died (True), or ``timeout`` passes (False)."""
-        if self.conn.poll():
-            return True
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def settle(value: bool) -> None:
-            if not done.done():
-                done.set_result(value)
-
-        fds = (self.conn.fileno(), self.proc.sentinel)
-        for fd in fds:
-            loop.add_reader(fd, settle, True)
-        timer = loop.call_later(timeout, settle, False)
-        try:
-            return await done
-        finally:
-            timer.cancel()
-            for fd in fds:
-                loop.remove_reader(fd)
-            # uvloop (libuv) switches a watched descriptor to non-blocking mode; the pipe's reads that follow expect
-            # a blocking one (a reply is read whole once its first bytes are in), so put it back.
-            os.set_blocking(self.conn.fileno(), True)
-
-    def send(self, messages: list[bytes], shared: bytes | None = None) -> None:
-        """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor."""
-        for message in messages:
-            self.conn.send_bytes(message)
-        if shared is not None and hasattr(shared, "fileno"):  # already in a file (a spooled payload): pass it as is
-            reduction.send_handle(self.conn, shared.fileno(), self.proc.pid)
-        elif shared is not None:
-            fd = os.memfd_create("gpunet-inputs", os.MFD_CLOEXEC)
-            try:
-                view = memoryview(shared).cast("B")
-                while view:
-                    view = view[os.write(fd, view):]
-                reduction.send_handle(self.conn, fd, self.proc.pid)
-            finally:
-                os.close(fd)
-
-    async def in_thread(self, fn, *args):
-        """Blocking pipe I/O (a big payload) in a thread. If the caller is cancelled meanwhile, the process is killed
-        first, so the thread's read or write fails at once, and the pipe is closed only after the thread is done with
-        it (a closed descriptor number could be reused by the next pipe)."""
-        io = asyncio.get_running_loop().run_in_executor(None, fn, *args)
-        try:
-            return await asyncio.shield(io)
-        except asyncio.CancelledError:
-            self.kill()
-            await wait_out(io)  # a second cancel must not let the pipe close under the thread either
-            raise
-
-    def exit_status(self) -> str:
-        self.proc.join(5)
-        code = self.proc.exitcode
-        if code is not None and code < 0:
-            return f"killed by signal {signal.Signals(-code).name}"
-        return f"exit code {code}"
-
-    def stop(self, grace: float = 2.0) -> None:
-        """Ask politely, then kill; always reap the process. A stopped slot is never restarted."""
-        self.closed = True
-        if self.proc.is_alive():
-            try:
-                self.conn.send_bytes(msgpack.packb({"op": "exit"}))
-            except (OSError, ValueError):
-                pass
-            self.proc.join(grace)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-    def kill(self) -> None:
-        """Stop the process at once (no waiting: safe on the event loop); ``ensure_ready`` replaces it later."""
-        if self.proc.is_alive():
-            self.proc.kill()
-        if not self.killed:
-            self.generation += 1  # the sessions it held are gone now, not once it is replaced
-        self.ready, self.killed = False, True
-
-    def restart(self) -> None:
-        """Reap the old process and start a new one (blocking: joins and spawns)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
-        if not self.closed:
-            self.start()
 
 
 class Executor:
@@ -294,24 +109,24 @@ class Executor:
             "memory_cache_programs": memory_cache_programs,
             "max_flops": max_flops,
             "threads": job_threads(threads_per_process, processes),
-            "sandbox": sandbox,  # see gpunet.worker.sandbox
+            "sandbox": sandbox,  # see gpunet.worker.executor.sandbox
             "tmp_dir": str(Path(cache_dir).parent / "executor-tmp"),
             "protected": [str(p) for p in protected],
             "max_dry_run_seconds": max_dry_run_seconds,  # None: WorkerLimits' own
         }
         self._ctx, self._config = multiprocessing.get_context("spawn"), config
-        self._slots = [_Slot(self._ctx, config) for _ in range(processes)]
+        self._slots = [Slot(self._ctx, config) for _ in range(processes)]
         # Once an executor has died, a warm spare stands by: the next death (a crash loop is one client's doing) costs
         # the jobs of others no torch import.
-        self._spare: _Slot | None = None
+        self._spare: Slot | None = None
         self._spare_starting = False
         self._spare_lock = threading.Lock()  # the spare is started in a thread; close() may run in another
         self._waiters: deque[asyncio.Future] = deque()  # callers waiting for an idle executor, first come first served
         # Inference sessions (docs/sessions.md): each session's state lives in one executor process, so its steps go
         # to that one (waiting for it, ahead of jobs that could run anywhere). key -> (slot, its generation then).
-        self._pins: dict[str, tuple[_Slot, int]] = {}
-        self._pinned_waiters: dict[_Slot, deque[asyncio.Future]] = {}
-        self._tagged: dict[object, _Slot] = {}  # runs that may be stopped for another job -> the executor running it
+        self._pins: dict[str, tuple[Slot, int]] = {}
+        self._pinned_waiters: dict[Slot, deque[asyncio.Future]] = {}
+        self._tagged: dict[object, Slot] = {}  # runs that may be stopped for another job -> the executor running it
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -398,7 +213,7 @@ class Executor:
             self._spare_starting = True
             asyncio.get_running_loop().run_in_executor(None, self._start_spare)
 
-    def _pinned_slot(self, key: str) -> "_Slot":
+    def _pinned_slot(self, key: str) -> "Slot":
         pin = self._pins.get(key)
         if pin is None or pin[0].generation != pin[1] or pin[0].closed:
             self._pins.pop(key, None)
@@ -413,7 +228,7 @@ class Executor:
     async def drop_sessions(self, keys: list[str]) -> None:
         """Free sessions' state (expired, or their client is gone): each executor holding some is told once it is
         free; one that restarted since holds none of it anyway."""
-        by_slot: dict[_Slot, list[str]] = {}
+        by_slot: dict[Slot, list[str]] = {}
         for key in keys:
             pin = self._pins.pop(key, None)
             if pin is not None and pin[0].generation == pin[1] and not pin[0].closed:
@@ -468,7 +283,7 @@ class Executor:
 
     # --- internals ----------------------------------------------------------------------------------------------------
 
-    async def _acquire(self, program_hash: str, spare_sessions: bool = False) -> _Slot:
+    async def _acquire(self, program_hash: str, spare_sessions: bool = False) -> Slot:
         """An idle executor, preferring one that already holds the program in memory (and, ``spare_sessions``, one
         holding no session's state); else wait in line (FIFO): a released executor is handed straight to the first
         caller waiting, so no newcomer can overtake it."""
@@ -493,7 +308,7 @@ class Executor:
                 self._waiters.remove(waiter)
             raise
 
-    async def _acquire_slot(self, slot: _Slot) -> _Slot:
+    async def _acquire_slot(self, slot: Slot) -> Slot:
         """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
         if self._closed:
             raise _leaving("before")
@@ -512,7 +327,7 @@ class Executor:
                 queue.remove(waiter)
             raise
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         pinned = self._pinned_waiters.get(slot) if self._pinned_waiters else None
         while pinned:
             waiter = pinned.popleft()
@@ -526,7 +341,7 @@ class Executor:
                 return
         slot.busy = False
 
-    async def _revive(self, slot: _Slot) -> None:
+    async def _revive(self, slot: Slot) -> None:
         """A killed executor is replaced by the warm spare if one is ready, and a new spare is started."""
         if not slot.killed or self._closed:
             return
@@ -538,7 +353,7 @@ class Executor:
 
     def _start_spare(self) -> None:
         try:
-            spare = _Slot(self._ctx, self._config)
+            spare = Slot(self._ctx, self._config)
         finally:
             self._spare_starting = False
         with self._spare_lock:
@@ -547,7 +362,7 @@ class Executor:
         if spare is not None:
             spare.stop()
 
-    async def _run_on(self, slot: _Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
+    async def _run_on(self, slot: Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
                       private: bool, session: dict | None, dry: DryRun) -> RunResult:
         if self._closed:  # the worker is leaving: this job runs elsewhere
             raise _leaving("before")
@@ -616,7 +431,7 @@ class Executor:
                 dry.began = word[_DRY_BEGAN]
                 dry.seconds = None if word[_DRY_SECONDS] < 0 else word[_DRY_SECONDS]
 
-    async def _send_and_await(self, slot: _Slot, messages: list[bytes], shared, program_hash: str,
+    async def _send_and_await(self, slot: Slot, messages: list[bytes], shared, program_hash: str,
                               timeout: float) -> RunResult:
         try:
             if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
@@ -627,10 +442,10 @@ class Executor:
             return self._died(slot, "before the job was sent", by_the_job=False)
         return await self._await_reply(slot, program_hash, timeout)
 
-    def _holds_sessions(self, slot: _Slot) -> bool:
+    def _holds_sessions(self, slot: Slot) -> bool:
         return any(s is slot and g == slot.generation for s, g in self._pins.values())
 
-    def _work_deadline(self, slot: _Slot, loop) -> tuple[float, str] | None:
+    def _work_deadline(self, slot: Slot, loop) -> tuple[float, str] | None:
         """When the run in ``slot`` has used the time its counted work pays for (on ``loop``'s clock), and why; None
         until its dry run has counted it."""
         from gpunet.job.cost import seconds_allowed
@@ -645,7 +460,7 @@ class Executor:
                f"({self.speed_tflops:.3g} TFLOPS)")
         return loop.time() + (ended + allowed - time.monotonic()), why
 
-    async def _await_reply(self, slot: _Slot, program_hash: str, timeout: float) -> RunResult:
+    async def _await_reply(self, slot: Slot, program_hash: str, timeout: float) -> RunResult:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         why = f"job did not finish within {timeout:.1f} s"
@@ -680,7 +495,7 @@ class Executor:
                 # A kill would take every session this process holds (any client's) with it: first ask the run to
                 # stop at its program's next node.
                 slot.ask_stop()
-                stopping, deadline = True, loop.time() + STOP_GRACE
+                stopping, deadline = True, loop.time() + slots.STOP_GRACE
                 continue
             slot.kill()
             raise JobTimeout(f"{why}; its executor was killed and replaced")
@@ -707,7 +522,7 @@ class Executor:
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
 
-    def _died(self, slot: _Slot, when: str, by_the_job: bool = True) -> RunResult:
+    def _died(self, slot: Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
         in it; a process that died before the job reached it is no fault of the job's."""
         if self._closed:  # stopped by close(): the worker is leaving, and the job did nothing wrong
@@ -722,281 +537,8 @@ def _leaving(when: str) -> WorkerDraining:
     return WorkerDraining(f"the worker stopped {when} the job ran; run it elsewhere")
 
 
-def _reap(proc, conn) -> None:
-    if proc.is_alive():
-        proc.kill()
-    proc.join(5)
-    conn.close()
-
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
 
-
-# --- the executor process -------------------------------------------------------------------------------------------
-
-
-def _limit_memory(budget: int, device: str) -> None:
-    """Cap this process's address space at what it uses now plus the budget (CPU). On CUDA the budget is the
-    allocator's fraction instead: CUDA reserves huge virtual ranges, so an address-space limit would break it."""
-    import torch
-
-    if device.startswith("cuda"):
-        dev = torch.device(device)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
-        return
-    try:
-        import resource
-
-        with open("/proc/self/status") as f:
-            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-        slack = 1024**3  # thread stacks and allocator arenas that come with running ops
-        limit = vm + budget + slack
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ImportError, OSError, ValueError, StopIteration):
-        pass  # not Linux: the dry-run limit still applies
-
-
-@contextlib.contextmanager
-def _sigint_ignored_by_children():
-    """Start processes with SIGINT ignored: an ignored signal stays ignored across exec, and Python then never
-    installs its KeyboardInterrupt handler, so a Ctrl-C to the process group while an executor boots cannot kill it
-    with a traceback (stopping executors is the worker's call, after it drains). Only the main thread may change
-    signal handlers; a process started from another thread (a respawn) relies on _child_main alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-
-
-def _child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -> None:
-    """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
-    # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
-    # first), so a keypress must not kill one mid-job or mid-import with a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from gpunet.worker import sandbox
-
-    # Files first, while this process has a single thread (Landlock binds the threads started after it); the rest
-    # once torch is imported (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.sandbox.
-    report = ["no sandbox (turned off)"]
-    if config.get("sandbox"):
-        # Some torch code paths want a temporary directory: a private one, the only other place it may write.
-        os.makedirs(config["tmp_dir"], exist_ok=True)
-        os.environ["TMPDIR"] = config["tmp_dir"]
-        report = sandbox.enter_files([config["cache_dir"], config["tmp_dir"]], protected=config.get("protected", []))
-    # OpenMP's threads sleep between parallel regions instead of spinning: jobs come in bursts (a session's step,
-    # then nothing until the next), and spinning threads took the cores from the worker's own I/O, the p2p daemon and
-    # any other process (three workers on two cores computed a step 60% slower). Read when torch loads OpenMP.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-
-    from gpunet.job import tensors
-    from gpunet.job.interpreter import run_program
-    from gpunet.job.validator import load_program
-
-    # The first meta kernel that needs torch's Python registrations imports about 800 modules (sympy, mpmath): 1.2 s
-    # of CPU. Here, before the executor says it is ready, not in a client's first dry run (whose time it is charged).
-    torch.ops.aten.mean.dim(torch.empty(2, 3, device="meta"), [1])
-
-    torch.set_num_threads(config["threads"])
-    device = config["device"]
-    budget = config["memory_budget_bytes"]
-    limits = job_limits(budget, config["max_flops"], config.get("max_dry_run_seconds"))
-    disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
-    programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
-    try:  # the first call that starts the device (CUDA here): a driver or sandbox that refuses it is said, not crashed
-        _limit_memory(budget, device)
-    except Exception as e:
-        conn.send_bytes(msgpack.packb({"ready": False, "error": f"{device}: {type(e).__name__}: {first_line(e, 400)}"}))
-        raise SystemExit(1) from None
-    if config.get("sandbox"):
-        report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
-    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report, "max_dry_run_seconds": limits.max_dry_run_seconds}))
-    sessions: dict[str, list] = {}  # inference sessions' state, between their steps (the parent bounds it)
-    while True:
-        try:
-            req = msgpack.unpackb(conn.recv_bytes(), raw=False)
-            if req.get("op") == "drop":
-                for key in req.get("keys", ()):
-                    sessions.pop(key, None)
-                continue
-            if req.get("op") != "run":
-                return
-            req["program"] = conn.recv_bytes() if req.get("program") else None
-            if "inputs_fd" in req:
-                req["inputs"] = _map_shared(reduction.recv_handle(conn), req["inputs_fd"])
-            elif "inputs" not in req:
-                req["inputs"] = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        run = req.get("run")
-        try:
-            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             dry_word=dry_word,
-                             sessions=sessions,
-                             stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
-        except (JobRejected, JobFailed, JobPreempted) as e:
-            reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
-        except ProgramNotCached as e:
-            reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
-        except MemoryError:
-            reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
-        except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
-            reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
-        if device.startswith("cuda") and not reply["ok"]:
-            # A run stopped or failed between nodes may leave kernels queued: they finish here, before the reply
-            # frees this process for the next job (whose time and errors they are not); an error they raise is this
-            # run's.
-            try:
-                torch.cuda.synchronize(device)
-            except Exception as e:
-                reply["message"] = f"{reply.get('message', '')}; then {type(e).__name__}: {str(e)[:300]}"
-        # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
-        # report the failure, then exit so the pool starts a clean executor.
-        poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
-        reply["restart"] = poisoned
-        outputs = reply.pop("outputs", None)
-        if outputs is not None:
-            reply["outputs_size"] = len(outputs)
-            if len(outputs) <= _IN_HEADER_BYTES:
-                reply["outputs"], outputs = outputs, None
-        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
-        if outputs is not None:
-            conn.send_bytes(outputs)
-        if poisoned:
-            return
-
-
-def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float | None = None):
-    """The limits an executor with a memory ``budget`` checks every job against (gpunet.job.validator.WorkerLimits)."""
-    from gpunet.job.validator import WorkerLimits
-
-    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=max_flops, max_program_bytes=budget,
-                          max_input_bytes=budget)
-    if max_dry_run_seconds is not None:
-        limits = dataclasses.replace(limits, max_dry_run_seconds=max_dry_run_seconds)
-    return limits
-
-
-def _map_shared(fd: int, size: int) -> memoryview:
-    """The parent's memfd, mapped read-only; unmapped when the last tensor viewing it is gone."""
-    try:
-        return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
-    finally:
-        os.close(fd)
-
-
-def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-             sessions: dict | None = None, stop=None, dry_word=None) -> dict:
-    h = check_hash(req["hash"])
-    prog = programs.get(h)
-    if prog is None:
-        data = req.get("program") or disk.get(h)
-        if data is None:
-            raise ProgramNotCached(h)
-        prog = load_program(data, device=device, limits=limits, expected_hash=h)
-        if req.get("program") and not req.get("private"):  # a private program's weights never touch the disk
-            disk.put(h, data)
-        # Charged at least the container's size: weights may be views into it, which keep all of it alive.
-        programs.put(h, prog, max(len(data), sum(w.numel() * w.element_size() for w in prog.weights)))
-    given = tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes)
-    session = req.get("session")
-    if session is not None:
-        given, state_bytes = _with_state(prog, session, given, sessions, device)
-    inputs = prog.inputs_from_dict(given)
-    est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))  # the parent caps the run's time by its count
-    t0 = time.perf_counter()
-    outs = run_program(prog, inputs, stop=stop)
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
-    wall = time.perf_counter() - t0
-    reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
-    new_state = None
-    if session is not None:  # the new state stays here; the step's answer is the rest
-        k = prog.manifest.state
-        new_state = _own_state(prog, outs[len(outs) - k:])
-        outs = outs[:len(outs) - k]
-        reply["state_bytes"] = state_bytes
-    data = tensors.encode({f"output_{i}": o for i, o in enumerate(outs)})
-    if session is not None:  # last of all: a step that failed on the way leaves the state as it was
-        sessions.pop(session["key"], None)
-        if not session.get("close"):
-            sessions[session["key"]] = new_state
-    return {"ok": True, "outputs": data, **reply}
-
-
-def _dry_run(prog, inputs, stop, dry_word, run):
-    """The program's dry run, what it took written to the shared ``dry_word`` as it goes (see _DRY_RUN)."""
-    if dry_word is None or not run:
-        return prog.dry_run(inputs, stop=stop)[0]
-    dry_word[_DRY_BEGAN], dry_word[_DRY_SECONDS], dry_word[_DRY_FLOPS] = time.monotonic(), -1.0, -1.0
-    dry_word[_DRY_RUN] = run  # last: the parent reads this first
-    try:
-        est, seconds = prog.dry_run(inputs, stop=stop)
-    except (JobRejected, JobPreempted) as e:  # refused or stopped by the dry run: what it took
-        dry_word[_DRY_SECONDS] = getattr(e, "dry_seconds", 0.0)
-        raise
-    dry_word[_DRY_ENDED], dry_word[_DRY_SECONDS] = time.monotonic(), seconds
-    dry_word[_DRY_FLOPS] = est.flops  # last: the parent takes it as the sign that the rest is written
-    return est
-
-
-def _own_state(prog, state: list) -> list:
-    """The new state as the manifest declares it, each tensor holding exactly its own memory: a state that is a
-    slice of a big intermediate, or an input passed through, must not keep more alive than the session is charged
-    (and a program whose real state differs from its declared one is refused: its session's size would be a lie)."""
-    import torch
-
-    from gpunet.job import tensors
-
-    manifest = prog.manifest
-    specs = manifest.inputs[len(manifest.inputs) - manifest.state:]
-    owned = []
-    for spec, t in zip(specs, state):
-        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype or tuple(t.shape) != tuple(spec.shape):
-            raise JobRejected(f"the program's new state {spec.name} is {tensors.DTYPE_NAMES.get(t.dtype)} "
-                              f"{list(t.shape)}, its manifest declares {spec.dtype} {list(spec.shape)}")
-        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
-        owned.append(t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format))
-    return owned
-
-
-def _with_state(prog, session: dict, given: dict, sessions: dict, device: str) -> tuple[dict, int]:
-    """A session step's full inputs: what the client sent, then the state (held here since the last step; at step 0
-    sent by the client, or zeros of the declared shapes when ``fresh``)."""
-    import torch
-
-    from gpunet.job import tensors
-
-    manifest = prog.manifest
-    k, n = manifest.state, len(manifest.inputs)
-    if not k:
-        raise JobRejected("this program holds no state (its manifest declares none): run it as a plain job")
-    state_bytes = manifest.state_bytes
-    specs = manifest.inputs[n - k:]
-    if session["step"] == 0:
-        if state_bytes > session.get("room", 0):
-            raise JobRejected(f"the session's state takes {state_bytes} bytes; this worker has "
-                              f"{max(0, session.get('room', 0))} left for sessions now")
-        if session.get("fresh"):
-            state = [torch.zeros(spec.shape, dtype=tensors.DTYPES[spec.dtype], device=device) for spec in specs]
-        else:
-            return given, state_bytes  # the client sent the first state with the inputs
-    else:
-        state = sessions.get(session["key"])
-        if state is None:
-            raise SessionLost("this worker no longer holds the session's state")
-    if len(given) != n - k:
-        raise JobRejected(f"a session step sends {n - k} inputs (the state stays on the worker), got {len(given)}")
-    given = dict(given)
-    for i, t in enumerate(state):
-        given[f"input_{n - k + i}"] = t
-    return given, state_bytes

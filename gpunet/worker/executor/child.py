@@ -1,0 +1,281 @@
+"""What runs in an executor process (spawn-started by :mod:`gpunet.worker.executor.slot`): load, validate, cache and
+run programs under a memory budget and the sandbox, answering over the pipe in msgpack, never pickle.
+
+Nothing here is imported by the worker's network process except the names the parent shares with the child (the
+layout of the dry-run word, :func:`job_limits`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import signal
+import time
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+
+import msgpack
+
+from gpunet.errors import JobFailed, JobPreempted, JobRejected, ProgramNotCached, SessionLost
+from gpunet.utils import first_line
+from gpunet.worker.executor.cache import DiskCache, MemoryLRU, check_hash
+
+_IN_HEADER_BYTES = 64 * 1024  # inputs/outputs this small travel inside the header message
+
+
+#: The shared words a child writes as a run's dry run begins and ends: the run's number (written last), when it
+#: began (time.monotonic(), one clock for all processes), the CPU seconds it took (-1 until it ends), the work it
+#: counted (-1 until it ends well) and when it ended. Read by the parent however the run ended, even if the process was
+#: killed before it could say; the counted work caps the run's time (Executor._work_deadline) with no message sent.
+_DRY_RUN, _DRY_BEGAN, _DRY_SECONDS, _DRY_FLOPS, _DRY_ENDED = range(5)
+
+
+def _limit_memory(budget: int, device: str) -> None:
+    """Cap this process's address space at what it uses now plus the budget (CPU). On CUDA the budget is the
+    allocator's fraction instead: CUDA reserves huge virtual ranges, so an address-space limit would break it."""
+    import torch
+
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)
+        return
+    try:
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        slack = 1024**3  # thread stacks and allocator arenas that come with running ops
+        limit = vm + budget + slack
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    except (ImportError, OSError, ValueError, StopIteration):
+        pass  # not Linux: the dry-run limit still applies
+
+
+
+
+def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -> None:
+    """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
+    # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
+    # first), so a keypress must not kill one mid-job or mid-import with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from gpunet.worker.executor import sandbox
+
+    # Files first, while this process has a single thread (Landlock binds the threads started after it); the rest
+    # once torch is imported (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.executor.sandbox.
+    report = ["no sandbox (turned off)"]
+    if config.get("sandbox"):
+        # Some torch code paths want a temporary directory: a private one, the only other place it may write.
+        os.makedirs(config["tmp_dir"], exist_ok=True)
+        os.environ["TMPDIR"] = config["tmp_dir"]
+        report = sandbox.enter_files([config["cache_dir"], config["tmp_dir"]], protected=config.get("protected", []))
+    # OpenMP's threads sleep between parallel regions instead of spinning: jobs come in bursts (a session's step,
+    # then nothing until the next), and spinning threads took the cores from the worker's own I/O, the p2p daemon and
+    # any other process (three workers on two cores computed a step 60% slower). Read when torch loads OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from gpunet.job import tensors
+    from gpunet.job.interpreter import run_program
+    from gpunet.job.validator import load_program
+
+    # The first meta kernel that needs torch's Python registrations imports about 800 modules (sympy, mpmath): 1.2 s
+    # of CPU. Here, before the executor says it is ready, not in a client's first dry run (whose time it is charged).
+    torch.ops.aten.mean.dim(torch.empty(2, 3, device="meta"), [1])
+
+    torch.set_num_threads(config["threads"])
+    device = config["device"]
+    budget = config["memory_budget_bytes"]
+    limits = job_limits(budget, config["max_flops"], config.get("max_dry_run_seconds"))
+    disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
+    programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
+    try:  # the first call that starts the device (CUDA here): a driver or sandbox that refuses it is said, not crashed
+        _limit_memory(budget, device)
+    except Exception as e:
+        conn.send_bytes(msgpack.packb({"ready": False, "error": f"{device}: {type(e).__name__}: {first_line(e, 400)}"}))
+        raise SystemExit(1) from None
+    if config.get("sandbox"):
+        report += sandbox.enter_syscalls(max_file_bytes=config["disk_cache_bytes"])
+    conn.send_bytes(msgpack.packb({"ready": True, "sandbox": report, "max_dry_run_seconds": limits.max_dry_run_seconds}))
+    sessions: dict[str, list] = {}  # inference sessions' state, between their steps (the parent bounds it)
+    while True:
+        try:
+            req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            if req.get("op") == "drop":
+                for key in req.get("keys", ()):
+                    sessions.pop(key, None)
+                continue
+            if req.get("op") != "run":
+                return
+            req["program"] = conn.recv_bytes() if req.get("program") else None
+            if "inputs_fd" in req:
+                req["inputs"] = _map_shared(reduction.recv_handle(conn), req["inputs_fd"])
+            elif "inputs" not in req:
+                req["inputs"] = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        run = req.get("run")
+        try:
+            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
+                             dry_word=dry_word,
+                             sessions=sessions,
+                             stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
+        except (JobRejected, JobFailed, JobPreempted) as e:
+            reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
+        except ProgramNotCached as e:
+            reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
+        except MemoryError:
+            reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
+        except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
+            reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+        if device.startswith("cuda") and not reply["ok"]:
+            # A run stopped or failed between nodes may leave kernels queued: they finish here, before the reply
+            # frees this process for the next job (whose time and errors they are not); an error they raise is this
+            # run's.
+            try:
+                torch.cuda.synchronize(device)
+            except Exception as e:
+                reply["message"] = f"{reply.get('message', '')}; then {type(e).__name__}: {str(e)[:300]}"
+        # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
+        # report the failure, then exit so the pool starts a clean executor.
+        poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
+        reply["restart"] = poisoned
+        outputs = reply.pop("outputs", None)
+        if outputs is not None:
+            reply["outputs_size"] = len(outputs)
+            if len(outputs) <= _IN_HEADER_BYTES:
+                reply["outputs"], outputs = outputs, None
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+        if outputs is not None:
+            conn.send_bytes(outputs)
+        if poisoned:
+            return
+
+
+def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float | None = None):
+    """The limits an executor with a memory ``budget`` checks every job against (gpunet.job.validator.WorkerLimits)."""
+    from gpunet.job.validator import WorkerLimits
+
+    limits = WorkerLimits(max_peak_memory_bytes=budget, max_flops=max_flops, max_program_bytes=budget,
+                          max_input_bytes=budget)
+    if max_dry_run_seconds is not None:
+        limits = dataclasses.replace(limits, max_dry_run_seconds=max_dry_run_seconds)
+    return limits
+
+
+def _map_shared(fd: int, size: int) -> memoryview:
+    """The parent's memfd, mapped read-only; unmapped when the last tensor viewing it is gone."""
+    try:
+        return memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+    finally:
+        os.close(fd)
+
+
+def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
+             sessions: dict | None = None, stop=None, dry_word=None) -> dict:
+    h = check_hash(req["hash"])
+    prog = programs.get(h)
+    if prog is None:
+        data = req.get("program") or disk.get(h)
+        if data is None:
+            raise ProgramNotCached(h)
+        prog = load_program(data, device=device, limits=limits, expected_hash=h)
+        if req.get("program") and not req.get("private"):  # a private program's weights never touch the disk
+            disk.put(h, data)
+        # Charged at least the container's size: weights may be views into it, which keep all of it alive.
+        programs.put(h, prog, max(len(data), sum(w.numel() * w.element_size() for w in prog.weights)))
+    given = tensors.decode(req["inputs"], max_total_bytes=limits.max_input_bytes)
+    session = req.get("session")
+    if session is not None:
+        given, state_bytes = _with_state(prog, session, given, sessions, device)
+    inputs = prog.inputs_from_dict(given)
+    est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))  # the parent caps the run's time by its count
+    t0 = time.perf_counter()
+    outs = run_program(prog, inputs, stop=stop)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
+    new_state = None
+    if session is not None:  # the new state stays here; the step's answer is the rest
+        k = prog.manifest.state
+        new_state = _own_state(prog, outs[len(outs) - k:])
+        outs = outs[:len(outs) - k]
+        reply["state_bytes"] = state_bytes
+    data = tensors.encode({f"output_{i}": o for i, o in enumerate(outs)})
+    if session is not None:  # last of all: a step that failed on the way leaves the state as it was
+        sessions.pop(session["key"], None)
+        if not session.get("close"):
+            sessions[session["key"]] = new_state
+    return {"ok": True, "outputs": data, **reply}
+
+
+def _dry_run(prog, inputs, stop, dry_word, run):
+    """The program's dry run, what it took written to the shared ``dry_word`` as it goes (see _DRY_RUN)."""
+    if dry_word is None or not run:
+        return prog.dry_run(inputs, stop=stop)[0]
+    dry_word[_DRY_BEGAN], dry_word[_DRY_SECONDS], dry_word[_DRY_FLOPS] = time.monotonic(), -1.0, -1.0
+    dry_word[_DRY_RUN] = run  # last: the parent reads this first
+    try:
+        est, seconds = prog.dry_run(inputs, stop=stop)
+    except (JobRejected, JobPreempted) as e:  # refused or stopped by the dry run: what it took
+        dry_word[_DRY_SECONDS] = getattr(e, "dry_seconds", 0.0)
+        raise
+    dry_word[_DRY_ENDED], dry_word[_DRY_SECONDS] = time.monotonic(), seconds
+    dry_word[_DRY_FLOPS] = est.flops  # last: the parent takes it as the sign that the rest is written
+    return est
+
+
+def _own_state(prog, state: list) -> list:
+    """The new state as the manifest declares it, each tensor holding exactly its own memory: a state that is a
+    slice of a big intermediate, or an input passed through, must not keep more alive than the session is charged
+    (and a program whose real state differs from its declared one is refused: its session's size would be a lie)."""
+    import torch
+
+    from gpunet.job import tensors
+
+    manifest = prog.manifest
+    specs = manifest.inputs[len(manifest.inputs) - manifest.state:]
+    owned = []
+    for spec, t in zip(specs, state):
+        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+            raise JobRejected(f"the program's new state {spec.name} is {tensors.DTYPE_NAMES.get(t.dtype)} "
+                              f"{list(t.shape)}, its manifest declares {spec.dtype} {list(spec.shape)}")
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+        owned.append(t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format))
+    return owned
+
+
+def _with_state(prog, session: dict, given: dict, sessions: dict, device: str) -> tuple[dict, int]:
+    """A session step's full inputs: what the client sent, then the state (held here since the last step; at step 0
+    sent by the client, or zeros of the declared shapes when ``fresh``)."""
+    import torch
+
+    from gpunet.job import tensors
+
+    manifest = prog.manifest
+    k, n = manifest.state, len(manifest.inputs)
+    if not k:
+        raise JobRejected("this program holds no state (its manifest declares none): run it as a plain job")
+    state_bytes = manifest.state_bytes
+    specs = manifest.inputs[n - k:]
+    if session["step"] == 0:
+        if state_bytes > session.get("room", 0):
+            raise JobRejected(f"the session's state takes {state_bytes} bytes; this worker has "
+                              f"{max(0, session.get('room', 0))} left for sessions now")
+        if session.get("fresh"):
+            state = [torch.zeros(spec.shape, dtype=tensors.DTYPES[spec.dtype], device=device) for spec in specs]
+        else:
+            return given, state_bytes  # the client sent the first state with the inputs
+    else:
+        state = sessions.get(session["key"])
+        if state is None:
+            raise SessionLost("this worker no longer holds the session's state")
+    if len(given) != n - k:
+        raise JobRejected(f"a session step sends {n - k} inputs (the state stays on the worker), got {len(given)}")
+    given = dict(given)
+    for i, t in enumerate(state):
+        given[f"input_{n - k + i}"] = t
+    return given, state_bytes
