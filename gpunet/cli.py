@@ -429,7 +429,7 @@ def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
 ) -> None:
     """Check this host before volunteering it: GPU and driver, AVX, RAM, disk, clock, reachability."""
-    from gpunet.worker.doctor import Outcome, render_checks, run_checks
+    from gpunet.worker.doctor import Verdict, render_checks, run_checks
 
     _setup_logging(0)
     checks = run_checks(
@@ -439,7 +439,7 @@ def doctor(
         typer.echo(json.dumps([c.to_json() for c in checks]))
     else:
         Console().print(render_checks(checks))
-    raise typer.Exit(EXIT_FAILURE if any(c.outcome is Outcome.FAIL for c in checks) else 0)
+    raise typer.Exit(EXIT_FAILURE if any(c.outcome is Verdict.FAIL for c in checks) else 0)
 
 
 try:  # typer >= 0.28 carries its own copy of click, whose errors derive from this

@@ -102,7 +102,7 @@ class WorkerConfig:
     #: inputs (a safetensors file: input_0, input_1, ...).
     background_job: Path | None = None
     background_inputs: Path | None = None
-    # The owner comes first (gpunet.worker.availability, docs/volunteer.md).
+    # The owner comes first (gpunet.worker.state.availability, docs/volunteer.md).
     pause_when_busy: bool = False  # pause while other processes use the GPU (or the CPU, on a CPU worker)
     active_hours: str | None = None  # e.g. "22:00-08:00" or "Mon-Fri 18:00-08:00,Sat-Sun 00:00-24:00", local time
     max_temperature: float | None = None  # degrees C, hottest GPU (NVML)

@@ -232,3 +232,12 @@ def wide_console(**kwargs):
     stream = kwargs.get("file") or sys.stdout
     tty = getattr(stream, "isatty", lambda: False)()
     return Console(width=None if tty else 160, **kwargs)
+
+
+async def bounded(awaitable, seconds: float, default=None, result=None):
+    """``await awaitable`` for at most ``seconds``: its value (or ``result`` when given), else ``default``."""
+    try:
+        value = await asyncio.wait_for(awaitable, seconds)
+    except asyncio.TimeoutError:
+        return default
+    return value if result is None else result

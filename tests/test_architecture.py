@@ -140,7 +140,7 @@ def test_only_the_rpc_adapter_touches_hiveminds_p2p_internals():
 
 def test_the_checker_sees_imports():
     """Guards the guard: the graph has the edges we know are there."""
-    assert "gpunet.protocol" in GRAPH["gpunet.worker.service"]
+    assert "gpunet.protocol" in GRAPH["gpunet.worker.doors"]
     assert "gpunet.job.validator" in GRAPH["gpunet.job.job"]  # a lazy or module-level import, either counts
     assert "gpunet.identity" in GRAPH["gpunet.ledger.receipts"]
     assert "gpunet.ledger.store" in _reaches("gpunet.ledger.receipts")  # through gpunet/ledger/__init__.py

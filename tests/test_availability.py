@@ -10,7 +10,7 @@ import pytest
 
 from gpunet.errors import ConfigError
 from gpunet.worker import control
-from gpunet.worker.availability import Availability, OwnerRules, Reading, parse_active_hours
+from gpunet.worker.state.availability import Availability, OwnerRules, Reading, parse_active_hours
 from gpunet.worker.probe import FakeGpuProbe, SystemProbe
 
 

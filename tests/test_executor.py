@@ -15,6 +15,7 @@ from torch.export import Dim
 from gpunet import Job, JobFailed, JobRejected, JobTimeout, ProgramNotCached, WorkerDraining
 from gpunet.job import cost, tensors
 from gpunet.worker.executor import Executor
+from gpunet.worker.state.limits import SessionRun
 
 W = torch.randn(8, 16)
 SMALL = Job.from_function(lambda x: torch.tanh(x @ W.T), (torch.randn(2, 16),), dynamic_shapes=({0: Dim("b", min=1, max=32)},))
@@ -308,7 +309,7 @@ def test_a_run_on_an_executor_holding_sessions_is_stopped_never_killed(tmp_path)
     x = stepper.encode_step_inputs(torch.randn(768, 768))
 
     def session(key, step):
-        return {"key": key, "step": step, "fresh": True, "close": False, "room": 1 << 20}
+        return SessionRun(key, step, fresh=True, room=1 << 20)
 
     def count(result):  # the state's count, as the step saw it
         return tensors.decode(result.outputs)["output_0"].item()
@@ -363,7 +364,7 @@ def test_a_cancelled_session_step_that_ends_anyway_is_taken_as_done(tmp_path):
     x = stepper.encode_step_inputs(torch.randn(4096, 4096))
 
     def session(step):
-        return {"key": "A/s", "step": step, "fresh": True, "close": False, "room": 1 << 20}
+        return SessionRun("A/s", step, fresh=True, room=1 << 20)
 
     def seen(result):
         return tensors.decode(result.outputs)["output_0"].item()

@@ -8,7 +8,7 @@ import pytest
 from gpunet.errors import ConfigError
 from gpunet.worker import hardware as hw
 from gpunet.worker import throughput
-from gpunet.worker.doctor import Outcome, check_gpu, check_reachability, run_checks
+from gpunet.worker.doctor import Verdict, check_gpu, check_reachability, run_checks
 
 
 class FakeNVML:
@@ -123,21 +123,21 @@ def test_a_cache_written_before_remeasurement_is_still_read(tmp_path, monkeypatc
 
 
 def test_doctor_reports_gpu_and_reachability():
-    assert check_gpu("auto", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.WARN
-    assert check_gpu("cuda:0", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Outcome.FAIL
+    assert check_gpu("auto", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Verdict.WARN
+    assert check_gpu("cuda:0", hw.read_nvml(FakeNVML(fail_init=True)))[0].outcome is Verdict.FAIL
     gpu_checks = check_gpu("auto", hw.read_nvml(FakeNVML()))
-    assert gpu_checks[0].outcome is Outcome.PASS and "RTX 4090" in gpu_checks[0].detail
-    assert gpu_checks[1].outcome is Outcome.FAIL  # the CPU build of torch cannot use it: say so
-    assert check_reachability(["/ip4/127.0.0.1/tcp/0"]).outcome is Outcome.FAIL
-    assert check_reachability(["/ip4/192.168.1.5/tcp/0"]).outcome is Outcome.WARN
-    assert check_reachability(["/ip4/8.8.8.8/tcp/31337"]).outcome is Outcome.PASS
+    assert gpu_checks[0].outcome is Verdict.PASS and "RTX 4090" in gpu_checks[0].detail
+    assert gpu_checks[1].outcome is Verdict.FAIL  # the CPU build of torch cannot use it: say so
+    assert check_reachability(["/ip4/127.0.0.1/tcp/0"]).outcome is Verdict.FAIL
+    assert check_reachability(["/ip4/192.168.1.5/tcp/0"]).outcome is Verdict.WARN
+    assert check_reachability(["/ip4/8.8.8.8/tcp/31337"]).outcome is Verdict.PASS
 
 
 def test_doctor_runs_every_check(tmp_path):
     checks = {c.name: c for c in run_checks(data_dir=tmp_path, nvml=FakeNVML(fail_init=True))}
     assert set(checks) == {"gpu", "cpu", "ram", "disk", "reachability", "network", "clock"}
-    assert checks["disk"].outcome in (Outcome.PASS, Outcome.WARN)
-    assert checks["network"].outcome is Outcome.SKIP and checks["network"].advice
+    assert checks["disk"].outcome in (Verdict.PASS, Verdict.WARN)
+    assert checks["network"].outcome is Verdict.SKIP and checks["network"].advice
 
 
 def test_a_dtype_the_device_only_emulates_is_measured_at_a_smaller_size(monkeypatch):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpunet.worker.lanes import BACKGROUND, BATCH, INTERACTIVE, Blame, Lanes, Preempt, Start, Ticket
+from gpunet.worker.state.lanes import BACKGROUND, BATCH, INTERACTIVE, Blame, Lanes, Preempt, Start, Ticket
 
 NANO = 10**9
 

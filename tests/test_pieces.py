@@ -192,8 +192,8 @@ def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_
     """The fallback after a failed fetch: the worker's watch for a hung-up client (a pending read) must be settled
     before it reads the client's answer, or the read is refused (a CI run once cut the upload off with a reset)."""
     from gpunet.protocol import Payload, Pieces, Send, Submit
-    from gpunet.worker.admission import ServiceLimits
-    from gpunet.worker.service import _StreamPayloads
+    from gpunet.worker.state.admission import ServiceLimits
+    from gpunet.worker.payloads import StreamPayloads
 
     data = _program()
     pieces = PieceList.of(data)
@@ -213,7 +213,7 @@ def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_
                 asyncio.get_running_loop().call_soon(lambda: (
                     to_worker.write(protocol.encode_frame(Payload(len(data), None))), to_worker.write(data)))
 
-        payloads = _StreamPayloads(to_worker.reader, Client(), ServiceLimits(), fetcher=NoPeers())
+        payloads = StreamPayloads(to_worker.reader, Client(), ServiceLimits(), fetcher=NoPeers())
         submit = Submit("job-1", H, 0, b"", 30.0)
         return await payloads._from_peers(submit, Pieces(pieces.size, pieces.piece_size, pieces.hashes, ()),
                                           charged.append)

@@ -20,12 +20,22 @@ from gpunet.errors import (
 from gpunet.ledger import Identity, Ledger, Receipt, countersign, sign_as_worker
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.protocol import Cancel, Countersign, Ok, Refuse, Submit
-from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.state.admission import Admission, ServiceLimits
 from gpunet.worker.executor import RunResult
-from gpunet.worker.service import JobService, _UnaryPayloads
-from gpunet.worker.settlement import Settlement
+from gpunet.worker.billing import Countersignatures
+from gpunet.worker.doors import Doors
+from gpunet.worker.jobs import Jobs
+from gpunet.worker.payloads import UnaryPayloads
 
 PROGRAM = "ab" * 32
+
+
+def serve(**kw) -> Doors:
+    """A worker's doors over its job path, with no network (the tests call the handlers and the path directly)."""
+    from gpunet.worker.faults import Faults
+
+    faults = {k: kw.pop(k) for k in ("corrupt_outputs", "corrupt_pieces", "corrupt_pushes", "drop_pushes") if k in kw}
+    return Doors(Jobs(**kw, faults=Faults(**faults)))
 ALICE, BOB, CAROL = (Identity.generate().peer_id for _ in range(3))
 
 
@@ -169,7 +179,7 @@ def test_a_countersignature_pays_off_the_credit_line_through_the_settlement(tmp_
         a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock,
                       limits=ServiceLimits(max_unpaid_jobs=1, countersign_grace=0))
         books = LedgerWriter(ledger, delay=3600)
-        settlement = Settlement(books, on_paid=a.paid)
+        settlement = Countersignatures(books, on_paid=a.paid)
         receipt = _delivered(worker, client, "job-paid")
         a.delivered(client.peer_id, "job-paid")
         settlement.expect(client.peer_id, receipt)
@@ -198,7 +208,7 @@ def test_settlement_files_countersigned_receipts_and_refuses_forged_or_unknown_o
 
     async def scenario(ledger):
         books = LedgerWriter(ledger)
-        s = Settlement(books, max_unsettled=8)  # one client: a quarter of it
+        s = Countersignatures(books, max_unsettled=8)  # one client: a quarter of it
         receipts = [_delivered(worker, client, f"job-{i}") for i in range(3)]
         for r in receipts:
             books.record_unpaid(r)
@@ -228,7 +238,7 @@ def test_a_batch_of_made_up_countersignatures_is_skipped_with_one_log_line(tmp_p
 
     async def scenario(ledger):
         books = LedgerWriter(ledger)
-        s = Settlement(books)
+        s = Countersignatures(books)
         receipt = _delivered(worker, client, "real")
         books.record_unpaid(receipt)
         s.expect(client.peer_id, receipt)
@@ -275,12 +285,12 @@ class HangingExecutor(_NoStops):
 def service(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         admission = Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=ServiceLimits(max_stopped_jobs=2))
-        yield JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger, admission=admission,
+        yield serve(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger, admission=admission,
                          record=lambda: None)
 
 
 def submit(service, client: str, job_id: str) -> asyncio.Future:
-    return asyncio.ensure_future(service._execute(client, job(job_id), _UnaryPayloads(), None))
+    return asyncio.ensure_future(service.jobs.execute(client, job(job_id), UnaryPayloads(), None))
 
 
 async def until(condition, what: str, deadline: float = 5.0) -> None:
@@ -291,7 +301,7 @@ async def until(condition, what: str, deadline: float = 5.0) -> None:
 
 
 async def cancel_by_rpc(service, client: str, job_id: str) -> bool:
-    reply = await service._handle_cancel(protocol.encode(Cancel(job_id)), client)
+    reply = await service.cancel(protocol.encode(Cancel(job_id)), client)
     return protocol.decode(reply, Ok).cancelled
 
 
@@ -303,7 +313,7 @@ def test_cancel_rpc_stops_only_the_callers_own_job(service):
         assert await cancel_by_rpc(service, ALICE, "job-1")
         with pytest.raises(JobFailed, match="stopped before it finished"):
             await job
-        assert service.admission.running == 0 and service.admission.admitted == 0 and not service._jobs
+        assert service.admission.running == 0 and service.admission.admitted == 0 and not service.jobs._jobs
         assert not await cancel_by_rpc(service, ALICE, "job-1")
 
     asyncio.run(scenario())
@@ -365,18 +375,18 @@ class QuickExecutor(HangingExecutor):
 def test_a_job_id_is_run_once_ever_not_again_once_its_result_is_forgotten(tmp_path):
     """A second receipt for one job id would read as fraud by this worker (and be work nobody pays for)."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=QuickExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=QuickExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4), record=lambda: None)
 
         async def scenario():
-            first = await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
-            assert await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None) is first  # a retry: same
-            service.results.pop((ALICE, "job-x"))  # pushed out of the cache by later work
+            first = await service.jobs.execute(ALICE, job("job-x"), UnaryPayloads(), None)
+            assert await service.jobs.execute(ALICE, job("job-x"), UnaryPayloads(), None) is first  # a retry: same
+            service.jobs.results.pop((ALICE, "job-x"))  # pushed out of the cache by later work
             with pytest.raises(JobRejected, match="already run here .* use a fresh job id"):
-                await service._execute(ALICE, job("job-x"), _UnaryPayloads(), None)
-            bobs = await service._execute(BOB, job("job-x"), _UnaryPayloads(), None)  # his own job, by his own id
+                await service.jobs.execute(ALICE, job("job-x"), UnaryPayloads(), None)
+            bobs = await service.jobs.execute(BOB, job("job-x"), UnaryPayloads(), None)  # his own job, by his own id
             assert bobs.receipt.client_id == BOB
-            service.books.flush()
+            service.billing.books.flush()
 
         asyncio.run(scenario())
         assert sorted((r.client_id, r.job_id) for r in ledger.unpaid()) == sorted([(ALICE, "job-x"), (BOB, "job-x")])
@@ -397,7 +407,7 @@ def test_another_clients_job_under_the_same_id_is_a_different_job_in_the_ledger(
 
 def test_the_same_job_id_in_flight_for_two_clients_is_two_jobs(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=HangingExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
 
         async def scenario():
@@ -424,7 +434,7 @@ class CrashingExecutor(HangingExecutor):
 
 def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
                                                  limits=ServiceLimits(max_stopped_jobs=20)), record=lambda: None)
 
@@ -433,11 +443,11 @@ def test_a_client_whose_jobs_crash_executors_is_refused_after_a_few(tmp_path):
 
             for i in range(4):  # each crash counts five times
                 with pytest.raises(JobFailed, match="SIGSEGV"):
-                    await service._execute(ALICE, job(f"crash-{i}"), _UnaryPayloads(), None)
+                    await service.jobs.execute(ALICE, job(f"crash-{i}"), UnaryPayloads(), None)
             with pytest.raises(JobRejected, match="crashed running jobs here 20 times"):
-                await service._execute(ALICE, job("crash-5"), _UnaryPayloads(), None)
+                await service.jobs.execute(ALICE, job("crash-5"), UnaryPayloads(), None)
             with pytest.raises(JobFailed, match="SIGSEGV"):  # another client is still served
-                await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None)
+                await service.jobs.execute(BOB, job("bob-1"), UnaryPayloads(), None)
 
         asyncio.run(scenario())
 
@@ -463,12 +473,12 @@ def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
     """The dry run is paid by no receipt: its CPU seconds count as stops, fractions carried over per client and per
     address, a billed job's first quarter second free, so neither short refusals nor fresh names are free."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=SlowDryRunExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SlowDryRunExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
                                                  limits=ServiceLimits(max_stopped_jobs=10, host_stops_factor=2)),
                              record=lambda: None)
-        run = lambda client, job_id, program=PROGRAM, host="/ip4/10.0.0.1": service._execute(
-            client, replace(job(job_id), program=program), _UnaryPayloads(), None, host)
+        run = lambda client, job_id, program=PROGRAM, host="/ip4/10.0.0.1": service.jobs.execute(
+            client, replace(job(job_id), program=program), UnaryPayloads(), None, host)
 
         async def scenario():
             await run(ALICE, "slow-1")
@@ -498,7 +508,7 @@ def test_dry_runs_count_against_their_client_like_stopped_jobs(tmp_path):
 
 def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=CrashingExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
                                                  limits=ServiceLimits(max_stopped_jobs=5, host_stops_factor=2)),
                              record=lambda: None)
@@ -508,11 +518,11 @@ def test_crashes_from_fresh_identities_at_one_address_are_refused_too(tmp_path):
 
             for i in range(2):  # two sybils, one crash each: 2 x 5 = the address's allowance of 2 x 5
                 with pytest.raises(JobFailed, match="SIGSEGV"):
-                    await service._execute(f"sybil-{i}", job(f"crash-{i}"), _UnaryPayloads(), None, "/ip4/10.6.6.6")
+                    await service.jobs.execute(f"sybil-{i}", job(f"crash-{i}"), UnaryPayloads(), None, "/ip4/10.6.6.6")
             with pytest.raises(JobRejected, match="clients at this address"):
-                await service._execute("sybil-9", job("crash-9"), _UnaryPayloads(), None, "/ip4/10.6.6.6")
+                await service.jobs.execute("sybil-9", job("crash-9"), UnaryPayloads(), None, "/ip4/10.6.6.6")
             with pytest.raises(JobFailed, match="SIGSEGV"):  # elsewhere, still served
-                await service._execute(BOB, job("bob-1"), _UnaryPayloads(), None, "/ip4/10.0.0.2")
+                await service.jobs.execute(BOB, job("bob-1"), UnaryPayloads(), None, "/ip4/10.0.0.2")
 
         asyncio.run(scenario())
 
@@ -545,18 +555,18 @@ class _BringsProgram:
 
     async def fetch(self, submit, need_program, charge):
         from gpunet.utils import sha256_hex
-        from gpunet.worker.service import _Inputs
+        from gpunet.worker.payloads import Inputs
 
-        return _Inputs(self.program if need_program else None, submit.inputs, sha256_hex(submit.inputs))
+        return Inputs(self.program if need_program else None, submit.inputs, sha256_hex(submit.inputs))
 
 
 def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
     """Cached programs were public: a stranger who learnt a hash ran a private model and recovered its weights."""
-    from gpunet.worker.service import _NeedsStream
+    from gpunet.worker.payloads import NeedsStream
 
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         executor = RememberingExecutor()
-        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=executor, ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4), record=lambda: None)
 
         import torch
@@ -570,15 +580,15 @@ def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
             return Submit(job_id, secret.program_hash, 4, b"abcd", 60.0, None, **kw)
 
         async def scenario():
-            await service._execute(ALICE, sub("a-1", private=True), _BringsProgram(weights), None)
-            await service._execute(ALICE, sub("a-2", private=True), _UnaryPayloads(), None)  # hers: held for her
-            with pytest.raises(_NeedsStream):  # anyone else must send the bytes: knowing the hash is not enough
-                await service._execute(BOB, sub("b-1"), _UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, sub("a-1", private=True), _BringsProgram(weights), None)
+            await service.jobs.execute(ALICE, sub("a-2", private=True), UnaryPayloads(), None)  # hers: held for her
+            with pytest.raises(NeedsStream):  # anyone else must send the bytes: knowing the hash is not enough
+                await service.jobs.execute(BOB, sub("b-1"), UnaryPayloads(), None)
             with pytest.raises(JobRejected, match="do not match"):  # and not just any bytes: the program's own
-                await service._execute(BOB, sub("b-2"), _BringsProgram(b"\x84 anything at all"), None)
-            await service._execute(BOB, sub("b-3"), _BringsProgram(weights), None)  # the weights are the capability
-            await service._execute(BOB, sub("b-4"), _UnaryPayloads(), None)
-            service.books.flush()
+                await service.jobs.execute(BOB, sub("b-2"), _BringsProgram(b"\x84 anything at all"), None)
+            await service.jobs.execute(BOB, sub("b-3"), _BringsProgram(weights), None)  # the weights are the capability
+            await service.jobs.execute(BOB, sub("b-4"), UnaryPayloads(), None)
+            service.billing.books.flush()
 
         asyncio.run(scenario())
         assert executor.private_runs == [True, True, True, True]  # never written to the disk cache
@@ -610,14 +620,14 @@ def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_payi
 def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp_path, monkeypatch):
     import torch
 
-    import gpunet.worker.service as service_module
+    from gpunet.worker.state import owners
     from gpunet import Job
-    from gpunet.worker.service import _NeedsStream
+    from gpunet.worker.payloads import NeedsStream
 
-    monkeypatch.setattr(service_module, "MAX_PRIVATE_PROGRAMS", 3)
+    monkeypatch.setattr(owners, "MAX_PRIVATE_PROGRAMS", 3)
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         executor = RememberingExecutor()
-        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=executor, ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=8), record=lambda: None)
         programs = [Job.from_function(lambda x, k=k: x * k, (torch.randn(4),)) for k in range(5)]
 
@@ -626,19 +636,19 @@ def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp
 
         async def scenario():
             secret = programs[0]
-            await service._execute(ALICE, sub(secret, "a-1", private=True), _BringsProgram(secret.program_bytes()), None)
+            await service.jobs.execute(ALICE, sub(secret, "a-1", private=True), _BringsProgram(secret.program_bytes()), None)
             for n in range(20):  # private submits whose bytes do not match: no entry is made for them
                 with pytest.raises(JobRejected):
-                    await service._execute(BOB, Submit(f"junk-{n}", f"{n:064x}", 4, b"abcd", 60.0, None, private=True),
+                    await service.jobs.execute(BOB, Submit(f"junk-{n}", f"{n:064x}", 4, b"abcd", 60.0, None, private=True),
                                            _BringsProgram(b"\x84junk"), None)
             for k, p in enumerate(programs[1:3], 1):  # real private programs fill the table...
-                await service._execute(BOB, sub(p, f"b-{k}", private=True), _BringsProgram(p.program_bytes()), None)
+                await service.jobs.execute(BOB, sub(p, f"b-{k}", private=True), _BringsProgram(p.program_bytes()), None)
             with pytest.raises(JobRejected, match="as many private programs"):  # ...and a full table refuses,
-                await service._execute(BOB, sub(programs[3], "b-3", private=True),
+                await service.jobs.execute(BOB, sub(programs[3], "b-3", private=True),
                                        _BringsProgram(programs[3].program_bytes()), None)
-            with pytest.raises(_NeedsStream):  # never evicting a program still held: Alice's stays hers
-                await service._execute(BOB, sub(secret, "b-4"), _UnaryPayloads(), None)
-            service.books.flush()
+            with pytest.raises(NeedsStream):  # never evicting a program still held: Alice's stays hers
+                await service.jobs.execute(BOB, sub(secret, "b-4"), UnaryPayloads(), None)
+            service.billing.books.flush()
 
         asyncio.run(scenario())
 
@@ -671,36 +681,36 @@ def test_a_session_step_whose_client_hangs_up_runs_to_its_end_and_a_retry_gets_i
     whose client hangs up is stopped, as before."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         executor = GatedExecutor()
-        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=executor, ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
 
         async def scenario():
             step = job("s1.0", session=protocol.SessionStep("s1", 0))
-            first = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), HungUp()))
-            plain = asyncio.ensure_future(service._execute(ALICE, job("plain"), _UnaryPayloads(), HungUp()))
+            first = asyncio.ensure_future(service.jobs.execute(ALICE, step, UnaryPayloads(), HungUp()))
+            plain = asyncio.ensure_future(service.jobs.execute(ALICE, job("plain"), UnaryPayloads(), HungUp()))
             with pytest.raises(JobFailed, match="went away"):
                 await plain
             await until(lambda: executor.runs == 2, "both to have reached the executor")
             assert not first.done()  # the hang-up did not stop the step
-            retry = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            retry = asyncio.ensure_future(service.jobs.execute(ALICE, step, UnaryPayloads(), None))
             executor.gate.set()
             answer = await first
             assert await retry is answer and executor.runs == 2  # joined, not run twice
-            assert await service._execute(ALICE, step, _UnaryPayloads(), None) is answer  # and kept after
-            assert service.sessions.running(ALICE, "s1") is False
+            assert await service.jobs.execute(ALICE, step, UnaryPayloads(), None) is answer  # and kept after
+            assert service.jobs.sessions.sessions.running(ALICE, "s1") is False
 
             # The unary door: the daemon cancels the handler of a call whose caller has gone. The step goes on.
             executor.gate.clear()
             step = job("s1.1", session=protocol.SessionStep("s1", 1))
-            call = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            call = asyncio.ensure_future(service.jobs.execute(ALICE, step, UnaryPayloads(), None))
             await until(lambda: executor.runs == 3, "the step to reach the executor")
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            retry = asyncio.ensure_future(service._execute(ALICE, step, _UnaryPayloads(), None))
+            retry = asyncio.ensure_future(service.jobs.execute(ALICE, step, UnaryPayloads(), None))
             executor.gate.set()
             assert (await retry).outputs == b"out" and executor.runs == 3
-            assert service.sessions.running(ALICE, "s1") is False
+            assert service.jobs.sessions.sessions.running(ALICE, "s1") is False
 
         asyncio.run(scenario())
 
@@ -744,33 +754,33 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
     from dataclasses import replace
 
     from gpunet.utils import sha256_hex
-    from gpunet.worker.service import _as_next_input
+    from gpunet.worker.handoff import as_next_input
 
     before, after = Identity.generate().peer_id, Identity.generate().peer_id
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         executor = SpanExecutor()
-        service = JobService(identity=Identity.generate(), executor=executor, ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=executor, ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
-        service._rpc = rpc = PushesHeard()
+        service.jobs.handoff.rpc = rpc = PushesHeard()
 
         def pushed(step: int) -> Submit:
             return Submit(f"s.{step}p", PROGRAM, 0, b"", session=protocol.SessionStep(
                 "s", step, input_from=before, push_to=protocol.PushTo(after, "t", step)))
 
         async def push(sender: str, client: str, session: str, step: int, data: bytes | None):
-            reply = await service._handle_push(protocol.encode(protocol.Push(client, session, step, data)), sender)
+            reply = await service.push(protocol.encode(protocol.Push(client, session, step, data)), sender)
             return protocol.decode(reply, Ok, protocol.Error)
 
         async def scenario():
-            await service._execute(ALICE, job("s.0", session=protocol.SessionStep("s", 0)), _UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, job("s.0", session=protocol.SessionStep("s", 0)), UnaryPayloads(), None)
             with pytest.raises(SessionLost):  # nobody waits here for a push to a session not held here
-                await service._execute(BOB, pushed(1), _UnaryPayloads(), None)
+                await service.jobs.execute(BOB, pushed(1), UnaryPayloads(), None)
             other = replace(pushed(1), program="cd" * 32)  # nor for a program it lacks (it must come with its input)
             executor.has_program = lambda program_hash: program_hash == PROGRAM
             with pytest.raises(ProgramNotCached):
-                await service._execute(ALICE, other, _UnaryPayloads(), None)
+                await service.jobs.execute(ALICE, other, UnaryPayloads(), None)
             with pytest.raises(ProgramNotCached):  # the stream door too, and no upload is left counted
-                await service._execute(ALICE, other, _BringsProgram(b"x"), None)
+                await service.jobs.execute(ALICE, other, _BringsProgram(b"x"), None)
             assert service.admission.uploads(ALICE) == 0
             # Nobody can park bytes for a session not held here (another client's, a guessed one, a closed one).
             refused = await push(before, BOB, "s", 1, b"x")
@@ -778,25 +788,25 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             # A stranger's push for Alice's open session is held apart: the step takes only its named worker's.
             assert isinstance(await push(CAROL, ALICE, "s", 1, b"forged"), Ok)
             assert isinstance(await push(before, ALICE, "s", 1, b"right"), Ok)
-            outcome = await service._execute(ALICE, pushed(1), _UnaryPayloads(), None)
+            outcome = await service.jobs.execute(ALICE, pushed(1), UnaryPayloads(), None)
             assert executor.inputs[-1] == b"right" and outcome.input_hash == sha256_hex(b"right")
             await until(lambda: rpc.sent, "the output to be pushed on")
             # (Bob's step, for a session not held here, made this worker push nothing anywhere.)
-            assert rpc.sent == [(after, protocol.Push(ALICE, "t", 1, _as_next_input(outcome.outputs)))]
+            assert rpc.sent == [(after, protocol.Push(ALICE, "t", 1, as_next_input(outcome.outputs)))]
 
             # Refused as busy once its input is here (its client asks again): the input waits for the retry.
             assert isinstance(await push(before, ALICE, "s", 2, b"again"), Ok)
             admit, service.admission.admit = service.admission.admit, lambda *args, **kwargs: False
             with pytest.raises(WorkerBusy):
-                await service._execute(ALICE, pushed(2), _UnaryPayloads(), None)
+                await service.jobs.execute(ALICE, pushed(2), UnaryPayloads(), None)
             service.admission.admit = admit
             # The next span's worker was not told "it will not come" (nor is about to be).
-            assert len(rpc.sent) == 1 and not service._pushing
-            assert (await service._execute(ALICE, pushed(2), _UnaryPayloads(), None)).input_hash == sha256_hex(b"again")
+            assert len(rpc.sent) == 1 and not service.jobs.handoff._pushing
+            assert (await service.jobs.execute(ALICE, pushed(2), UnaryPayloads(), None)).input_hash == sha256_hex(b"again")
 
             # The step can come first; its push then goes straight to it.
-            step = asyncio.ensure_future(service._execute(ALICE, pushed(3), _UnaryPayloads(), None))
-            await until(lambda: service.pushes._waiting, "the step to wait for its push")
+            step = asyncio.ensure_future(service.jobs.execute(ALICE, pushed(3), UnaryPayloads(), None))
+            await until(lambda: service.jobs.handoff.pushes._waiting, "the step to wait for its push")
             assert isinstance(await push(before, ALICE, "s", 3, b"later"), Ok)
             assert (await step).input_hash == sha256_hex(b"later")
 
@@ -804,17 +814,17 @@ def test_a_pushed_step_runs_on_the_input_its_named_worker_pushed_and_passes_its_
             # the next span's worker hears the same from this one.
             assert isinstance(await push(before, ALICE, "s", 4, None), Ok)
             with pytest.raises(JobRejected, match="did not come"):
-                await service._execute(ALICE, pushed(4), _UnaryPayloads(), None)
+                await service.jobs.execute(ALICE, pushed(4), UnaryPayloads(), None)
             await until(lambda: len(rpc.sent) == 4, "the refusal to be passed on")
             assert rpc.sent[-1] == (after, protocol.Push(ALICE, "t", 4, None))
             # The client gave up on it (its cancel): the step stops waiting, and the same step sent with its input
             # runs.
-            step = asyncio.ensure_future(service._execute(ALICE, pushed(4), _UnaryPayloads(), None))
-            await until(lambda: service.pushes._waiting, "the step to wait for its push")
+            step = asyncio.ensure_future(service.jobs.execute(ALICE, pushed(4), UnaryPayloads(), None))
+            await until(lambda: service.jobs.handoff.pushes._waiting, "the step to wait for its push")
             assert await cancel_by_rpc(service, ALICE, "s.4p")
             with pytest.raises(JobRejected, match="did not come"):
                 await step
-            await service._execute(ALICE, job("s.4", session=protocol.SessionStep("s", 4)), _UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, job("s.4", session=protocol.SessionStep("s", 4)), UnaryPayloads(), None)
             assert executor.inputs[-1] == b"abcd" and len(executor.inputs) == 5
 
         asyncio.run(scenario())
@@ -827,32 +837,32 @@ def test_a_client_that_closes_saying_it_received_nothing_is_not_billed_but_is_co
     clock = Clock()
     limits = ServiceLimits(max_unpaid_jobs=2, countersign_grace=60, unpaid_window=3600)
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4, clock=clock,
                                                  limits=limits), record=lambda: None)
 
         async def session_closed_unpaid(sid: str, steps: int, received: int):
             for step in range(steps):
-                await service._execute(ALICE, job(f"{sid}.{step}", session=protocol.SessionStep(sid, step)),
-                                       _UnaryPayloads(), None)
-            reply = await service._handle_cancel(protocol.encode(protocol.CloseSession(sid, received)), ALICE)
+                await service.jobs.execute(ALICE, job(f"{sid}.{step}", session=protocol.SessionStep(sid, step)),
+                                       UnaryPayloads(), None)
+            reply = await service.cancel(protocol.encode(protocol.CloseSession(sid, received)), ALICE)
             return protocol.decode(reply, protocol.SessionClosed)
 
         async def scenario():
             closed = await session_closed_unpaid("s1", 5, received=0)
             assert closed.closed and closed.receipt is None  # nothing billed...
-            service.books.flush()
+            service.billing.books.flush()
             (note,) = [u for u in ledger.unbilled() if u.job_id.startswith("s1.")]
             assert note.reason == "disclaimed" and note.flops == 5 * 10**9  # ...but the work is on the books
             closed = await session_closed_unpaid("s2", 4, received=3)
             assert closed.receipt is not None  # the three it received are billed as usual
             assert service.admission.overdue(ALICE) == 0  # not as unpaid receipts (that would shut the unary door)
             with pytest.raises(JobRejected, match="did not receive steps that ran"):  # two disclaims: the limit
-                await service._execute(ALICE, job("s3.0", session=protocol.SessionStep("s3", 0)), _UnaryPayloads(),
+                await service.jobs.execute(ALICE, job("s3.0", session=protocol.SessionStep("s3", 0)), UnaryPayloads(),
                                        None)
-            await service._execute(BOB, job("b.0", session=protocol.SessionStep("b", 0)), _UnaryPayloads(), None)
+            await service.jobs.execute(BOB, job("b.0", session=protocol.SessionStep("b", 0)), UnaryPayloads(), None)
             clock.now += 3601  # an hour on, forgiven
-            await service._execute(ALICE, job("s3.0", session=protocol.SessionStep("s3", 0)), _UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, job("s3.0", session=protocol.SessionStep("s3", 0)), UnaryPayloads(), None)
 
         asyncio.run(scenario())
 
@@ -860,7 +870,7 @@ def test_a_client_that_closes_saying_it_received_nothing_is_not_billed_but_is_co
 def test_one_clients_pushes_to_a_peer_that_never_answers_do_not_take_every_other_clients_place(tmp_path):
     """A client names the peer its step's output is pushed to; one that never answers holds each push for its
     timeout. From a review: 64 such pushes from one client left none for anyone else's session."""
-    from gpunet.worker.service import MAX_PUSHING_PER_SESSION
+    from gpunet.worker.handoff import MAX_PUSHING_PER_SESSION
 
     sink, after = Identity.generate().peer_id, Identity.generate().peer_id
 
@@ -875,15 +885,15 @@ def test_one_clients_pushes_to_a_peer_that_never_answers_do_not_take_every_other
             return Ok()
 
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SpanExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=2, max_queue=4), record=lambda: None)
-        service._rpc = rpc = Rpc()
+        service.jobs.handoff.rpc = rpc = Rpc()
 
         async def step(client: str, session: str, n: int, to: str):
-            await service._execute(client, job(f"{session}.{n}", session=protocol.SessionStep(
-                session, n, push_to=protocol.PushTo(to, "t", n))), _UnaryPayloads(), None)
+            await service.jobs.execute(client, job(f"{session}.{n}", session=protocol.SessionStep(
+                session, n, push_to=protocol.PushTo(to, "t", n))), UnaryPayloads(), None)
 
-        per_client = MAX_PUSHING_PER_SESSION * service.sessions.limits.max_per_client
+        per_client = MAX_PUSHING_PER_SESSION * service.jobs.sessions.sessions.limits.max_per_client
 
         async def scenario():
             for n in range(per_client + 4):
@@ -892,11 +902,11 @@ def test_one_clients_pushes_to_a_peer_that_never_answers_do_not_take_every_other
             await step(BOB, "b", 0, after)
             await until(lambda: rpc.calls[-1] == after, "Bob's push to go out")
             assert rpc.calls.count(sink) == per_client  # the rest of Alice's were never sent
-            held = list(service._pushing)
+            held = list(service.jobs.handoff._pushing)
             for task in held:
                 task.cancel()
             await asyncio.gather(*held, return_exceptions=True)
-            assert not service._pushes_of  # each ended push gave its place back
+            assert not service.jobs.handoff._pushes_of  # each ended push gave its place back
 
         asyncio.run(scenario())
 
@@ -916,12 +926,12 @@ def test_one_clients_big_results_do_not_push_every_other_clients_kept_results_ou
     finished jobs were told to use a fresh job id. A client's results are kept up to its share, its own go first."""
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         limits = ServiceLimits(recent_results_bytes=1000, max_timeout=10**6)  # one client: 500 bytes
-        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
                              record=lambda: None)
 
         async def scenario():
-            run = lambda client, job_id, size: service._execute(client, job(job_id, timeout=size), _UnaryPayloads(),
+            run = lambda client, job_id, size: service.jobs.execute(client, job(job_id, timeout=size), UnaryPayloads(),
                                                                  None)
             bobs = await run(BOB, "bob-1", 300)
             alices = [await run(ALICE, f"alice-{i}", 200) for i in range(2)]
@@ -944,7 +954,7 @@ def test_a_result_its_client_does_not_read_counts_against_its_share_and_its_rece
     client = Identity.generate()
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         limits = ServiceLimits(max_buffered_bytes=2 * size, recent_results_bytes=1, max_timeout=10**9)
-        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
                              record=lambda: None)
 
@@ -953,7 +963,7 @@ def test_a_result_its_client_does_not_read_counts_against_its_share_and_its_rece
             reader, writer = await asyncio.open_connection(sock=ours)
             their_reader, their_writer = await asyncio.open_connection(sock=theirs)
             await protocol.write(their_writer, job("big", timeout=size))
-            serving = asyncio.ensure_future(service._handle_job(client.peer_id, reader, writer, "/ip4/10.0.0.1"))
+            serving = asyncio.ensure_future(service.job(client.peer_id, reader, writer, "/ip4/10.0.0.1"))
             await until(lambda: service.admission.buffered_bytes == size, "the result to be held while written")
             with pytest.raises(WorkerBusy, match="share"):
                 service.admission.charge(1024, client.peer_id)
@@ -963,13 +973,13 @@ def test_a_result_its_client_does_not_read_counts_against_its_share_and_its_rece
             their_writer.close()  # hangs up mid-result
             await asyncio.wait_for(serving, 30)
             assert service.admission.buffered_bytes == 0
-            assert (client.peer_id, "big") not in service.results  # not kept (over the kept bytes)
+            assert (client.peer_id, "big") not in service.jobs.results  # not kept (over the kept bytes)
             return result
 
         result = asyncio.run(scenario())
         receipt = Receipt.from_bytes(result.receipt)
-        service.settlement.settle(client.peer_id, Countersign("big", client.sign(receipt.signing_bytes())))
-        service.books.flush()
+        service.billing.awaiting.settle(client.peer_id, Countersign("big", client.sign(receipt.signing_bytes())))
+        service.billing.books.flush()
         assert ledger.get("big", client.peer_id) is not None
 
 
@@ -977,7 +987,7 @@ def test_retries_of_a_result_being_written_hold_its_bytes_once_and_a_client_at_i
     size = 8 << 20
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         limits = ServiceLimits(max_buffered_bytes=4 * size, recent_results_bytes=4 * size, max_timeout=10**9)
-        service = JobService(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
+        service = serve(identity=Identity.generate(), executor=SizedExecutor(), ledger=ledger,
                              admission=Admission(price_nano=1, max_concurrent=1, max_queue=4, limits=limits),
                              record=lambda: None)
 
@@ -986,7 +996,7 @@ def test_retries_of_a_result_being_written_hold_its_bytes_once_and_a_client_at_i
             reader, writer = await asyncio.open_connection(sock=ours)
             their_reader, their_writer = await asyncio.open_connection(sock=theirs)
             await protocol.write(their_writer, job(job_id, timeout=size))
-            serving = asyncio.ensure_future(service._handle_job(ALICE, reader, writer, "/ip4/10.0.0.1"))
+            serving = asyncio.ensure_future(service.job(ALICE, reader, writer, "/ip4/10.0.0.1"))
             await protocol.read(their_reader, protocol.Result)  # the header, then it stops reading
             return serving, their_writer
 
@@ -995,12 +1005,12 @@ def test_retries_of_a_result_being_written_hold_its_bytes_once_and_a_client_at_i
             assert service.admission.buffered_bytes == size  # one result in memory, held once
             other = await stream("other")  # another unread result: now the client holds its share (2 x size)
             with pytest.raises(WorkerBusy, match="results it has not read"):
-                await service._execute(ALICE, job("next", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.1")
-            await service._execute(BOB, job("bobs", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.2")
+                await service.jobs.execute(ALICE, job("next", timeout=1), UnaryPayloads(), None, "/ip4/10.0.0.1")
+            await service.jobs.execute(BOB, job("bobs", timeout=1), UnaryPayloads(), None, "/ip4/10.0.0.2")
             for serving, their_writer in [*streams, other]:
                 their_writer.close()
             await asyncio.wait_for(asyncio.gather(*(serving for serving, _ in [*streams, other])), 30)
             assert service.admission.buffered_bytes == 0 and not service._writing
-            await service._execute(ALICE, job("next", timeout=1), _UnaryPayloads(), None, "/ip4/10.0.0.1")
+            await service.jobs.execute(ALICE, job("next", timeout=1), UnaryPayloads(), None, "/ip4/10.0.0.1")
 
         asyncio.run(scenario())

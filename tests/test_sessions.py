@@ -16,7 +16,7 @@ from gpunet.job.format import Manifest
 from gpunet.identity import Identity
 from gpunet.models import TinyConfig, generate_locally, tiny_gpt
 from gpunet.ledger.tabs import TAB_FLOPS, TAB_STEPS, Tab, parse, steps_of
-from gpunet.worker.sessions import SessionLimits, Sessions
+from gpunet.worker.state.sessions import SessionLimits, Sessions
 
 
 def test_spans_are_contiguous_and_balanced():
@@ -370,7 +370,7 @@ def test_pushed_steps_parse_strictly():
 
 
 def test_a_pushed_input_reaches_only_the_step_that_names_its_sender_and_what_waits_is_bounded():
-    from gpunet.worker.pushes import Pushes
+    from gpunet.worker.state.pushes import Pushes
 
     async def scenario():
         pushes = Pushes(max_bytes=10, max_held=2, keep=5.0)
@@ -420,18 +420,19 @@ def test_a_pushed_input_reaches_only_the_step_that_names_its_sender_and_what_wai
 def test_a_pushed_output_is_byte_for_byte_the_input_the_client_would_send():
     """Both sides hash the same bytes: the next span's worker bills (and the client checks) the input it ran on."""
     from gpunet.job import tensors
-    from gpunet.worker.service import _as_next_input
+    from gpunet.worker.handoff import as_next_input
 
     for t in (torch.randn(1, 1, 768), torch.randn(1, 7, 3).half(), torch.arange(5), torch.randn(())):
-        assert _as_next_input(tensors.encode({"output_0": t})) == tensors.encode({"input_0": t})
-    assert _as_next_input(tensors.encode({"output_0": torch.ones(2), "output_1": torch.ones(2)})) is None
-    assert _as_next_input(tensors.encode({"output_0": torch.ones(protocol.MAX_PUSH_BYTES // 4)})) is None
-    assert _as_next_input(b"\xff" * 20) is None and _as_next_input(b"") is None
+        assert as_next_input(tensors.encode({"output_0": t})) == tensors.encode({"input_0": t})
+    assert as_next_input(tensors.encode({"output_0": torch.ones(2), "output_1": torch.ones(2)})) is None
+    assert as_next_input(tensors.encode({"output_0": torch.ones(protocol.MAX_PUSH_BYTES // 4)})) is None
+    assert as_next_input(b"\xff" * 20) is None and as_next_input(b"") is None
 
 
 def _session(key, step, **kw):
-    return {"key": key, "step": step, "fresh": kw.get("fresh", True), "close": kw.get("close", False),
-            "room": kw.get("room", 1 << 20)}
+    from gpunet.worker.state.limits import SessionRun
+
+    return SessionRun(key, step, kw.get("fresh", True), kw.get("close", False), kw.get("room", 1 << 20))
 
 
 def test_an_executor_keeps_each_session_apart_and_refuses_a_state_that_lies_about_its_size(tmp_path):

@@ -19,7 +19,7 @@ from gpunet.client.routing import Requirements, Router
 from gpunet.client.trust import Reputation
 from gpunet.errors import JobRejected, NoWorkersAvailable, ProtocolError, SpeedProofFailed, WorkerBusy
 from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
-from gpunet.worker.admission import Admission, ServiceLimits
+from gpunet.worker.state.admission import Admission, ServiceLimits
 from tests.test_routing import HEAVY, worker
 from tests.swarm import wait_for
 
@@ -113,17 +113,18 @@ def test_a_worker_takes_only_the_challenge_its_own_claim_calls_for(tmp_path):
     from gpunet.dht.records import DeviceInfo, WorkerRecord
     from gpunet.identity import Identity
     from gpunet.ledger import Ledger
-    from gpunet.worker.service import JobService
+    from gpunet.worker.doors import Doors
+    from gpunet.worker.jobs import Jobs
 
     record = WorkerRecord(version="t", state="online", device=DeviceInfo(kind="cpu", name="cpu", cores=2),
                           tflops={"fp32": 0.2, "bf16": 0.9})
     assert speedproof.terms(record.tflops) == ("bf16", N)
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
-        service = JobService(identity=Identity.generate(), executor=None, ledger=ledger,
-                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=1), record=lambda: record)
+        service = Doors(Jobs(identity=Identity.generate(), executor=None, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=1), record=lambda: record))
 
         async def ask(n: int, dtype: str):
-            reply = await service._handle_prove(protocol.encode(ProveSpeed(os.urandom(16), n, 0.01, dtype)), "c")
+            reply = await service.prove(protocol.encode(ProveSpeed(os.urandom(16), n, 0.01, dtype)), "c")
             return protocol.decode(reply, SpeedCommitment, protocol.Error)
 
         for n, dtype in ((4096, "fp16"), (N, "fp16"), (2048 * 2, "fp32")):  # a dtype it does not claim; too big

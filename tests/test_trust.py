@@ -237,7 +237,7 @@ def test_a_client_that_never_countersigns_is_cut_off_and_its_debt_is_on_the_work
     from gpunet.client.transport import JobRequest, P2PTransport
     from gpunet.errors import JobRejected
     from gpunet.identity import Identity
-    from gpunet.worker.admission import OUTSTANDING_FACTOR, ServiceLimits
+    from gpunet.worker.state.admission import OUTSTANDING_FACTOR, ServiceLimits
     from tests.swarm import run_cli
 
     proc = swarm.start_worker()

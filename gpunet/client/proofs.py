@@ -56,7 +56,7 @@ class ProofConfig:
     max_workers: int = 256  # new workers challenged per hour at most; the rest stay capped meanwhile
     timeout: float = 30.0  # beyond the challenge's own seconds
     #: After a proof that came out below the claim: when to ask again (past the worker's ration of one challenge per
-    #: client every 300 s, gpunet.worker.admission), at most this many times.
+    #: client every 300 s, gpunet.worker.state.admission), at most this many times.
     reprove_after: tuple[float, ...] = (330.0, 1800.0)
 
 

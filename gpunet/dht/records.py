@@ -169,7 +169,7 @@ class WorkerRecord(_WireModel):
     interactive_load: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = 0.0
     preemptions_per_hour: _NonNegFloat = 0.0  # batch jobs it stopped for interactive work, lately
     batch_queue: _NonNegInt = 0
-    #: Why a ``paused`` worker takes no jobs now (gpunet.worker.availability), in its owner's words or the rule's.
+    #: Why a ``paused`` worker takes no jobs now (gpunet.worker.state.availability), in its owner's words or the rule's.
     pause_reason: _text(MAX_PAUSE_REASON) | None = None
 
     def to_wire(self) -> dict[str, Any]:

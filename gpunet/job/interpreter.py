@@ -136,7 +136,7 @@ def execute(
     Errors raised by an op become JobFailed naming the node (JobRejected in a dry run, where the tracker is set).
     ``meter``: a one-element list the dry run adds each node's counted work to (see :mod:`gpunet.job.cost`).
     ``stop``: asked before each node; True stops the run there with JobPreempted (the worker wants the device for
-    a job of a higher lane, gpunet.worker.lanes).
+    a job of a higher lane, gpunet.worker.state.lanes).
     """
     step = None
     try:

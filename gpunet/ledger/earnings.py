@@ -18,7 +18,7 @@ from gpunet.ledger.receipts import Receipt, format_credits
 from gpunet.ledger.store import Ledger, Unbilled
 
 #: A delivered result whose countersignature has not come within this long is "never countersigned" (the worker's
-#: credit line uses the same grace, gpunet.worker.admission).
+#: credit line uses the same grace, gpunet.worker.state.admission).
 COUNTERSIGN_GRACE_S = 120.0
 
 

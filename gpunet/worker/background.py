@@ -3,7 +3,7 @@
 Vast.ai hosts name a "background job" that runs whenever nobody rents the machine; BOINC runs a project's work when
 the owner is away. Here the owner names a job of their own (a program saved with ``Job.save``, and its inputs as a
 safetensors file ``input_0``, ``input_1``, ...); the worker runs it again and again in the ``background`` lane
-(gpunet.worker.lanes): only while no paying job waits, and any paying job stops it at once (the run is simply
+(gpunet.worker.state.lanes): only while no paying job waits, and any paying job stops it at once (the run is simply
 dropped and started again later). It runs in the same sandboxed executors as any job.
 
 Each finished run leaves its outputs in ``<data dir>/background/`` (the newest :data:`KEEP_OUTPUTS` runs, as
@@ -73,8 +73,8 @@ def load_standing_job(job_path: Path, inputs_path: Path | None, memory_budget: i
 class StandingJob:
     """Runs the owner's job whenever the worker is otherwise idle, until stopped."""
 
-    def __init__(self, service, job, inputs: bytes, worker: Identity, owner: Identity, out_dir: Path):
-        self.service, self.job, self.inputs = service, job, inputs
+    def __init__(self, jobs, job, inputs: bytes, worker: Identity, owner: Identity, out_dir: Path):
+        self.jobs, self.job, self.inputs = jobs, job, inputs
         self.worker, self.owner = worker, owner
         self.out_dir = out_dir
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +89,7 @@ class StandingJob:
         while True:
             started = time.time()
             try:
-                result = await self.service.run_own(self.owner.peer_id, self.job.program_hash, program, self.inputs)
+                result = await self.jobs.turns.run_own(self.owner.peer_id, self.job.program_hash, program, self.inputs)
             except JobPreempted:
                 self.stopped += 1
                 metrics.BACKGROUND_RUNS.labels("stopped").inc()
@@ -121,5 +121,5 @@ class StandingJob:
             program_hash=self.job.program_hash, input_hash=self._input_hash, output_hash=output_hash,
             flops=int(result.flops), wall_time_us=int(result.wall_time * 1e6), price=0, max_price=None,
             started_at_us=int(started * 1e6), ended_at_us=int(time.time() * 1e6), lane=BACKGROUND)
-        self.service.books.append(countersign(receipt, self.owner, output_hash=output_hash, max_price=None,
+        self.jobs.billing.books.append(countersign(receipt, self.owner, output_hash=output_hash, max_price=None,
                                               lane=BACKGROUND))

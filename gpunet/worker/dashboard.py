@@ -58,8 +58,8 @@ class Dashboard:
 
     async def status(self, request) -> dict:
         w = self.worker
-        record = w.record().to_wire()
-        lanes = w.service.lanes
+        record = w.announcer.record().to_wire()
+        lanes = w.jobs.lanes
         return {
             "id": w.id, "record": record, "state": w.state.value, "pause_reason": w.availability.reason,
             "paused_by_hand": control.read_pause(w.data_dir) is not None,
@@ -69,10 +69,10 @@ class Dashboard:
         }
 
     async def jobs(self, request) -> dict:
-        service, now = self.worker.service, time.monotonic()
+        jobs, now = self.worker.jobs, time.monotonic()
         running = [{"job_id": t.job, "client_id": t.client, "lane": t.lane, "seconds": round(now - t.started_at, 2),
-                    "price": t.price} for t in service.lanes.running]
-        return {"running": running, "recent": list(reversed(service.recent))}
+                    "price": t.price} for t in jobs.lanes.running]
+        return {"running": running, "recent": list(reversed(jobs.billing.recent))}
 
     async def earnings(self, request) -> dict:
         try:

@@ -30,7 +30,7 @@ GiB = 2**30
 MAX_CLOCK_OFFSET = 3.0
 
 
-class Outcome(str, enum.Enum):
+class Verdict(str, enum.Enum):
     PASS = "pass"
     WARN = "warn"
     FAIL = "fail"
@@ -40,7 +40,7 @@ class Outcome(str, enum.Enum):
 @dataclass(frozen=True)
 class Check:
     name: str
-    outcome: Outcome
+    outcome: Verdict
     detail: str
     advice: str = ""
 
@@ -50,7 +50,7 @@ class Check:
 
 def check_gpu(device: str, report: hw.NvmlReport | None) -> list[Check]:
     if report is None:
-        outcome = Outcome.FAIL if device.startswith("cuda") else Outcome.WARN
+        outcome = Verdict.FAIL if device.startswith("cuda") else Verdict.WARN
         return [
             Check(
                 "gpu",
@@ -60,16 +60,16 @@ def check_gpu(device: str, report: hw.NvmlReport | None) -> list[Check]:
             )
         ]
     names = ", ".join(f"{g.index}: {g.name} ({g.memory_total / GiB:.0f} GiB)" for g in report.gpus)
-    checks = [Check("gpu", Outcome.PASS, f"{len(report.gpus)} GPU(s): {names}; driver {report.driver}, CUDA {report.cuda}")]
+    checks = [Check("gpu", Verdict.PASS, f"{len(report.gpus)} GPU(s): {names}; driver {report.driver}, CUDA {report.cuda}")]
     import torch
 
     if torch.cuda.is_available():
-        checks.append(Check("torch-cuda", Outcome.PASS, f"torch {torch.__version__} sees {torch.cuda.device_count()} GPU(s)"))
+        checks.append(Check("torch-cuda", Verdict.PASS, f"torch {torch.__version__} sees {torch.cuda.device_count()} GPU(s)"))
     else:
         checks.append(
             Check(
                 "torch-cuda",
-                Outcome.FAIL,
+                Verdict.FAIL,
                 f"torch {torch.__version__} was built without CUDA or cannot load it",
                 "install a CUDA build of torch matching the driver (pip install torch)",
             )
@@ -80,16 +80,16 @@ def check_gpu(device: str, report: hw.NvmlReport | None) -> list[Check]:
 def check_cpu() -> Check:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
-        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} ({machine}); AVX is an x86 requirement")
+        return Check("cpu", Verdict.PASS, f"{hw.cpu_model()} ({machine}); AVX is an x86 requirement")
     flags = hw.cpu_flags()
     if "avx512f" in flags:
         bf16 = " (bf16)" if "avx512_bf16" in flags else ""
-        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} with AVX-512{bf16}")
+        return Check("cpu", Verdict.PASS, f"{hw.cpu_model()} with AVX-512{bf16}")
     if "avx2" in flags:
-        return Check("cpu", Outcome.PASS, f"{hw.cpu_model()} with AVX2")
+        return Check("cpu", Verdict.PASS, f"{hw.cpu_model()} with AVX2")
     if "avx" in flags:
-        return Check("cpu", Outcome.WARN, f"{hw.cpu_model()} has AVX but not AVX2", "CPU-side work will be slow")
-    return Check("cpu", Outcome.FAIL, f"{hw.cpu_model()} lacks AVX", "PyTorch needs AVX on x86; use another host")
+        return Check("cpu", Verdict.WARN, f"{hw.cpu_model()} has AVX but not AVX2", "CPU-side work will be slow")
+    return Check("cpu", Verdict.FAIL, f"{hw.cpu_model()} lacks AVX", "PyTorch needs AVX on x86; use another host")
 
 
 def check_ram(gpu_count: int, gpu_memory: int) -> Check:
@@ -99,24 +99,24 @@ def check_ram(gpu_count: int, gpu_memory: int) -> Check:
         per_gpu = total / gpu_count
         detail += f", {per_gpu / GiB:.1f} GiB per GPU"
         if per_gpu < gpu_memory:
-            return Check("ram", Outcome.WARN, detail, "marketplaces expect at least as much RAM per GPU as GPU memory")
+            return Check("ram", Verdict.WARN, detail, "marketplaces expect at least as much RAM per GPU as GPU memory")
     elif total < 4 * GiB:
-        return Check("ram", Outcome.WARN, detail, "under 4 GiB leaves little room for jobs")
-    return Check("ram", Outcome.PASS, detail)
+        return Check("ram", Verdict.WARN, detail, "under 4 GiB leaves little room for jobs")
+    return Check("ram", Verdict.PASS, detail)
 
 
 def check_disk(data_dir: Path) -> Check:
     try:
         resolve_data_dir(data_dir, writable=True)
     except GpunetError as e:
-        return Check("disk", Outcome.FAIL, str(e), "make the data dir writable, or pass another --data-dir")
+        return Check("disk", Verdict.FAIL, str(e), "make the data dir writable, or pass another --data-dir")
     free = shutil.disk_usage(data_dir).free
     detail = f"{free / GiB:.1f} GiB of disk free in {data_dir}"
     if free < 1 * GiB:
-        return Check("disk", Outcome.FAIL, detail, "the program cache and ledger need space; free some disk")
+        return Check("disk", Verdict.FAIL, detail, "the program cache and ledger need space; free some disk")
     if free < 10 * GiB:
-        return Check("disk", Outcome.WARN, detail, "10 GiB or more lets the worker cache large programs")
-    return Check("disk", Outcome.PASS, detail)
+        return Check("disk", Verdict.WARN, detail, "10 GiB or more lets the worker cache large programs")
+    return Check("disk", Verdict.PASS, detail)
 
 
 def _ipv4_addresses() -> list[str]:
@@ -143,16 +143,16 @@ def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
     public = [ip for ip in parsed if ip.is_global]
     private = [ip for ip in parsed if ip.is_private and not ip.is_loopback]
     if public:
-        return Check("reachability", Outcome.PASS, f"listening on public address(es) {', '.join(map(str, public))}")
+        return Check("reachability", Verdict.PASS, f"listening on public address(es) {', '.join(map(str, public))}")
     if private:
         return Check(
             "reachability",
-            Outcome.WARN,
+            Verdict.WARN,
             f"only private address(es) {', '.join(map(str, private))}",
             "peers outside your LAN reach you only through a port forward (--host-maddrs with a fixed port) or a relay",
         )
     return Check(
-        "reachability", Outcome.FAIL, "listening on loopback only", "others cannot reach this node; use --host-maddrs"
+        "reachability", Verdict.FAIL, "listening on loopback only", "others cannot reach this node; use --host-maddrs"
     )
 
 
@@ -168,7 +168,7 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     try:  # where a worker given the same --host-maddrs would listen (all interfaces by default)
         listener = socket.create_server((ips[0] if ips else "0.0.0.0", ports[0] if ports else 0))
     except OSError as e:
-        return Check("reachability", Outcome.FAIL, f"cannot listen on TCP port {ports[0] if ports else 0}: {e}",
+        return Check("reachability", Verdict.FAIL, f"cannot listen on TCP port {ports[0] if ports else 0}: {e}",
                      "free the port, or pick another in --host-maddrs")
     with listener:
         port = listener.getsockname()[1]
@@ -179,21 +179,21 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
 
         found, result = asyncio.run(ask())
     if found == reachability.UNKNOWN:
-        return Check("reachability", Outcome.WARN,
+        return Check("reachability", Verdict.WARN,
                      f"no initial peer answered a dial-back check in network {network!r} (an older gpunet, or "
                      "another --network?)", "a worker here announces its addresses as they are")
     if found == reachability.DIRECT:
-        return Check("reachability", Outcome.PASS,
+        return Check("reachability", Verdict.PASS,
                      f"directly reachable: a peer connected back to {result.observed or 'this host'}, TCP port {port}")
     relay = _relay_reservation(network, peers, reachability.RELAY_WAIT)
     where = f"{result.observed or 'this host'}, TCP port {port}"
     forward = (f"for direct connections, forward TCP port {port} on your router to this machine and run the worker "
                f"with --host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/<your public IP>/tcp/{port}")
     if relay:
-        return Check("reachability", Outcome.WARN,
+        return Check("reachability", Verdict.WARN,
                      f"not directly reachable (a peer could not connect back to {where}); reachable through relay "
                      f"{relay}: works, slower", forward)
-    return Check("reachability", Outcome.FAIL,
+    return Check("reachability", Verdict.FAIL,
                  f"not directly reachable (a peer could not connect back to {where}), and no initial peer granted a "
                  "relay reservation", forward + "; or join through a bootstrap node that relays (`gpunet bootstrap`)")
 
@@ -226,35 +226,35 @@ def check_network(network: str, initial_peers: Sequence[str] | None, host_maddrs
     try:
         peers = net.resolve_initial_peers(initial_peers)
     except GpunetError as e:
-        return [Check("network", Outcome.FAIL, str(e), "pass the multiaddr printed by `gpunet bootstrap`")]
+        return [Check("network", Verdict.FAIL, str(e), "pass the multiaddr printed by `gpunet bootstrap`")]
     if not peers:
         advice = "pass --initial-peers to check joining and clock offset against a network"
-        return [Check("network", Outcome.SKIP, "no initial peers given", advice),
-                Check("clock", Outcome.SKIP, "no peers to compare with", advice)]
+        return [Check("network", Verdict.SKIP, "no initial peers given", advice),
+                Check("clock", Verdict.SKIP, "no peers to compare with", advice)]
     try:
         reader = StatusReader(network, peers)
     except GpunetError as e:
-        return [Check("network", Outcome.FAIL, str(e), "check the address and that the peer is up and reachable")]
+        return [Check("network", Verdict.FAIL, str(e), "check the address and that the peer is up and reachable")]
     with reader:
         workers = reader.read().workers
         offsets = asyncio.run(_clock_offsets(reader.dht, network, [w.id for w in workers[:5]]))
         inbound = check_inbound(reader.dht, network, peers, host_maddrs)
     if workers:
-        checks = [Check("network", Outcome.PASS, f"joined {network!r}; {len(workers)} worker(s) visible"), inbound]
+        checks = [Check("network", Verdict.PASS, f"joined {network!r}; {len(workers)} worker(s) visible"), inbound]
     else:  # joined, but nobody there: most often another network's name
-        checks = [Check("network", Outcome.WARN, f"joined {network!r}; no workers visible in it",
+        checks = [Check("network", Verdict.WARN, f"joined {network!r}; no workers visible in it",
                         "is --network the name the workers use? (`gpunet demo` runs 'gpunet-demo')"), inbound]
     if not offsets:
-        checks.append(Check("clock", Outcome.SKIP, "no worker answered a ping to compare clocks with"))
+        checks.append(Check("clock", Verdict.SKIP, "no worker answered a ping to compare clocks with"))
         return checks
     # offset = peer's clock minus ours, measured at the midpoint of a round trip (error at most half the RTT)
     worst = max(offsets, key=abs)
     detail = f"clock offset to {len(offsets)} worker(s): up to {worst if abs(worst) >= 0.005 else 0.0:+.2f} s"
     if abs(worst) > MAX_CLOCK_OFFSET:
-        return checks + [Check("clock", Outcome.FAIL, detail, "sync your clock (enable NTP: timedatectl set-ntp true)")]
+        return checks + [Check("clock", Verdict.FAIL, detail, "sync your clock (enable NTP: timedatectl set-ntp true)")]
     if abs(worst) > 1.0:
-        return checks + [Check("clock", Outcome.WARN, detail, "enable NTP: hivemind refuses peers over 3 s apart")]
-    return checks + [Check("clock", Outcome.PASS, detail)]
+        return checks + [Check("clock", Verdict.WARN, detail, "enable NTP: hivemind refuses peers over 3 s apart")]
+    return checks + [Check("clock", Verdict.PASS, detail)]
 
 
 async def _clock_offsets(dht, network: str, worker_ids: list[str]) -> list[float]:
@@ -294,7 +294,7 @@ def run_checks(
     return checks + network_checks
 
 
-_STYLE = {Outcome.PASS: "green", Outcome.WARN: "yellow", Outcome.FAIL: "bold red", Outcome.SKIP: "dim"}
+_STYLE = {Verdict.PASS: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red", Verdict.SKIP: "dim"}
 
 
 def render_checks(checks: list[Check]) -> Table:

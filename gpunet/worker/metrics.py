@@ -20,7 +20,7 @@ QUEUE = Gauge("gpunet_queue_length", "Jobs admitted and waiting for an executor"
 RUNNING = Gauge("gpunet_running_jobs", "Jobs executing now")
 SESSIONS = Gauge("gpunet_sessions", "Inference sessions open (their state held in executors)")
 SESSION_BYTES = Gauge("gpunet_session_state_bytes", "Bytes of inference sessions' state held")
-# The market (gpunet.worker.lanes, docs/market.md)
+# The market (gpunet.worker.state.lanes, docs/market.md)
 BACKGROUND_RUNS = Counter("gpunet_background_runs_total", "Runs of the volunteer's own background job, by outcome "
                           "(done, or stopped for paying work)", ["outcome"])
 TOP_CLIENTS = 10  # clients per lane shown by their share (labels stay bounded however many clients come)

@@ -1,4 +1,4 @@
-"""What the owner is doing with their machine: the readings :mod:`gpunet.worker.availability` decides on.
+"""What the owner is doing with their machine: the readings :mod:`gpunet.worker.state.availability` decides on.
 
 :class:`SystemProbe` reads the machine as it is: the CPU time other processes used (``/proc``, everything but this
 worker and its descendants: executors, DHT process, p2p daemon), and through NVML the processes on the GPUs and their
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpunet.worker.availability import Reading
+from gpunet.worker.state.availability import Reading
 
 logger = logging.getLogger("gpunet.worker")
 

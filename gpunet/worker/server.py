@@ -17,49 +17,33 @@ import threading
 import time
 from pathlib import Path
 
-from hivemind.utils import get_dht_time
-
 from gpunet import readyfile
-from gpunet._version import __version__
 from gpunet.config import WorkerConfig, resolve_data_dir
-from gpunet.dht import hello, network, reachability, registry
-from gpunet.dht.records import (
-    MAX_ADVERTISED_MADDRS,
-    MAX_CACHED_PROGRAMS,
-    MAX_MADDR_CHARS,
-    MAX_PAUSE_REASON,
-    WorkerRecord,
-    WorkerState,
-    printable,
-)
+from gpunet.dht import hello, network, reachability
+from gpunet.dht.records import WorkerState
 from gpunet.errors import ConfigError, ExecutorStartFailed, NetworkError
 from gpunet.identity import Identity
-from gpunet.ledger.receipts import NANO, format_credits, price_to_nano
+from gpunet.ledger.receipts import format_credits, price_to_nano
 from gpunet.ledger.store import open_ledger
-from gpunet.protocol import BATCH, INTERACTIVE
 from gpunet.rpc import quiet_lost_daemon
-from gpunet.utils import first_line, new_event_loop
+from gpunet.utils import bounded, first_line, new_event_loop
 from gpunet.worker import hardware as hw
 from gpunet.worker import control, metrics, throughput
-from gpunet.worker.availability import Availability, OwnerRules, Reading, parse_active_hours
+from gpunet.worker.announcer import LEAVE_STEP_TIMEOUT, Announcer
+from gpunet.worker.state.availability import Availability, OwnerRules, Reading, parse_active_hours
 from gpunet.worker.probe import FakeGpuProbe, SystemProbe
 
 logger = logging.getLogger("gpunet.worker")
 
-#: Seconds between looks at what the owner is doing (gpunet.worker.availability).
+#: Seconds between looks at what the owner is doing (gpunet.worker.state.availability).
 OWNER_EVERY = 1.0
 #: Seconds between the worker's short earnings lines in its log.
 EARNINGS_EVERY = 600.0
 #: Seconds a draining worker waits for countersignatures of results it already delivered.
 UNSETTLED_GRACE = 5.0
-#: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
-#: the p2p daemon (and, on SIGTERM, the DHT process) may be dead already: nothing may wait on them without a bound.
-LEAVE_STEP_TIMEOUT = 3.0
 #: Seconds a group Ctrl-C takes to settle: a part that failed while the worker starts waits this long for the signal
 #: sent with its failure, and the same signal arriving again this soon is not a second Ctrl-C.
 SIGNAL_SETTLE = 0.5
-#: Seconds between repeats of the "could not publish" warning while it lasts.
-UNPUBLISHED_REPEAT = 300.0
 
 
 class Worker:
@@ -78,8 +62,9 @@ class Worker:
         self.hardware = hw.detect(config.device, nvml)
         self.state = WorkerState.JOINING
         self.started_at = time.time()
-        self.service = None
-        # The owner comes first (gpunet.worker.availability): their rules, what the machine looks like, their hand.
+        self.jobs = None  # gpunet.worker.jobs, once the services run
+        self.doors = None
+        # The owner comes first (gpunet.worker.state.availability): their rules, what the machine looks like, their hand.
         self.availability = Availability(OwnerRules(
             pause_when_busy=config.pause_when_busy, resume_after=config.resume_after,
             active_hours=parse_active_hours(config.active_hours) if config.active_hours else (),
@@ -100,12 +85,7 @@ class Worker:
         self.tflops: dict[str, float] = {}
         self.dht = None
         self.rpc = None
-        self.maddrs: list[str] = []
-        self.reachability = reachability.UNKNOWN
-        self._via_relays = False  # joined in relay-client mode (behind NAT): addresses refreshed every heartbeat
-        self._last_expiration = 0.0
-        self._unpublished = 0  # heartbeats in a row whose record no peer accepted
-        self._unpublished_said = -UNPUBLISHED_REPEAT
+        self.announcer = Announcer(self)  # its record, published, and where it can be reached
         self._stop = asyncio.Event()
         self._stop_asked_at, self._stop_signal = 0.0, 0  # when the first stop signal came, and which
         self._stopping = threading.Event()  # the same, for waits in threads (joining while no initial peer answers)
@@ -113,98 +93,6 @@ class Worker:
     @property
     def id(self) -> str:
         return self.identity.peer_id
-
-    # --- the record ------------------------------------------------------------------------------------------------
-
-    def record(self) -> WorkerRecord:
-        admission, ledger = self.service.admission if self.service else None, self.ledger
-        lanes = self.service.lanes if self.service else None
-        head = ledger.head() if ledger is not None else None
-        return WorkerRecord(
-            version=__version__,
-            state=self.state,
-            device=self.hardware.info,
-            tflops=self.tflops,
-            price=float(self.config.price),
-            max_concurrent=self.config.max_concurrent,
-            client_places=admission.max_jobs_per_client if admission else None,
-            queue=admission.queue_length if admission else 0,
-            jobs_done=admission.jobs_done if admission else 0,
-            started_at=self.started_at,
-            updated_at=time.time(),
-            programs=self.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if self.executor else [],
-            name=self.config.public_name,
-            maddrs=[m for m in self.maddrs if len(m) <= MAX_MADDR_CHARS][:MAX_ADVERTISED_MADDRS],
-            reachability=self.reachability,
-            ledger_count=head.count if head else 0,
-            ledger_head=head.head_hash if head else None,
-            credits_earned=ledger.earned(self.id) / NANO if ledger is not None else 0.0,
-            peer_bytes_served=self.service.piece_server.served if self.service and self.service.piece_server else 0,
-            peer_bytes_fetched=self.service.fetcher.fetched if self.service and self.service.fetcher else 0,
-            batch_price=float(self.config.batch_price),
-            batch_floor=lanes.floor / NANO if lanes else float(self.config.batch_price),
-            interactive_load=round(lanes.load(INTERACTIVE), 3) if lanes else 0.0,
-            preemptions_per_hour=round(lanes.preemption_rate(), 2) if lanes else 0.0,
-            batch_queue=lanes.count(BATCH, running=False) if lanes else 0,
-            pause_reason=printable(self.availability.reason, MAX_PAUSE_REASON) if self.state is WorkerState.PAUSED
-            else None,
-        )
-
-    async def announce(self, state: WorkerState | None = None) -> bool:
-        """Publish the current record; an explicit ``state`` change is published at once, not at the next beat."""
-        if state is not None:
-            self.state = state
-        if self.service is not None:
-            metrics.QUEUE.set(self.service.admission.queue_length)
-            metrics.RUNNING.set(self.service.admission.running)
-            metrics.show_lanes(self.service.lanes)
-        if self.state is not WorkerState.OFFLINE:
-            self.hardware = await asyncio.to_thread(hw.refresh, self.hardware, self._nvml)
-        if self._via_relays and self.dht.is_alive() and not self._stop.is_set():
-            await self._refresh_relayed_addresses()
-        # A newer expiration is what makes the DHT replace our previous record (the tombstone included).
-        expiration = max(get_dht_time() + registry.default_ttl(self.config.heartbeat), self._last_expiration + 1e-3)
-        leaving = self.state in (WorkerState.DRAINING, WorkerState.OFFLINE)
-        timeout = LEAVE_STEP_TIMEOUT if leaving else max(10.0, self.config.heartbeat)
-        ok = self.dht.is_alive() and bool(await _bounded(
-            registry.announce_async(self.dht, self.config.network, self.id, self.record(), expiration), timeout))
-        if ok:
-            self._last_expiration = expiration
-            if self._unpublished >= 2:  # (a warning was said)
-                logger.info("This worker's record is published again (after %d failed heartbeat(s))", self._unpublished)
-            self._unpublished = 0
-        elif not leaving:
-            # Said from the second miss in a row, then at most every few minutes: one missed store is common (a peer
-            # busy or gone, the first store of a start before the DHT has met its peers) and the record lives three
-            # heartbeats; a worker that stays unpublished is what the owner needs to hear about.
-            self._unpublished += 1
-            now = time.monotonic()
-            if self._unpublished < 2:
-                logger.debug("This worker's record was not stored this time; trying again at the next heartbeat")
-            elif now - self._unpublished_said >= UNPUBLISHED_REPEAT:
-                self._unpublished_said = now
-                logger.warning("Could not publish this worker's record (no peer accepted it; %d heartbeat(s) in a row); "
-                               "retrying every heartbeat", self._unpublished)
-        if state is not None:  # what deployment tools wait on, instead of reading our output
-            readyfile.write_ready(self.data_dir, role="worker", id=self.id, addresses=self.maddrs,
-                                  network=self.config.network, state=self.state.value)
-        return ok
-
-    async def _refresh_relayed_addresses(self) -> None:
-        """Relay reservations come and go (a relay restarts, another takes over): announce the ones held now. With
-        none, the record says ``unreachable`` and routing sends it nothing, rather than jobs into a black hole."""
-        try:
-            maddrs = await asyncio.wait_for(asyncio.to_thread(network.visible_maddrs, self.dht, True), 5.0)
-        except Exception as e:  # the daemon busy or gone: keep the last known addresses for this beat
-            logger.debug("Could not refresh this worker's addresses: %s", e)
-            return
-        found = reachability.RELAYED if any(reachability.is_relayed(m) for m in maddrs) else reachability.UNREACHABLE
-        if found != self.reachability:
-            (logger.info if found == reachability.RELAYED else logger.warning)(
-                "Reachable through relays again: %s" if found == reachability.RELAYED else
-                "No relay holds a reservation for this worker now (%s); listed as unreachable until one does",
-                ", ".join(maddrs))
-        self.reachability, self.maddrs = found, maddrs
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -249,19 +137,19 @@ class Worker:
         if self.dht is None:  # stopped while waiting for an initial peer
             return 0
         try:
-            self.maddrs = network.visible_maddrs(self.dht)
+            self.announcer.maddrs = network.visible_maddrs(self.dht)
             # Stopped while starting (Ctrl-C, `systemctl stop` right after start): leave from where it got, not after
             # starting the parts still to come (a dial-back check, executors, the dashboard).
             if not self._stop.is_set():
                 await self._check_initial_peers()
             if not self._stop.is_set():
-                await self._find_reachability()
+                await self.announcer.find_reachability()
             if self.dht is None or self._stop.is_set():  # stopped while joining, or rejoining through relays
                 return 0
             self._print_welcome(starting_network)
-            await self.announce(WorkerState.JOINING)
+            await self.announcer.announce(WorkerState.JOINING)
             if self._stop.is_set():  # as it was listed: unlisted again before any executor starts
-                await self._unlist()
+                await self.announcer.unlist()
                 return 0
             try:
                 await self.start_services()
@@ -271,7 +159,7 @@ class Worker:
                 # Ctrl-C reaches the whole group: a part starting under it (the p2p daemon the job doors register
                 # with) may have stopped first. We were leaving anyway.
                 logger.info("Stopped while starting (%s)", first_line(e))
-                await self._unlist()
+                await self.announcer.unlist()
                 return 0
             self._owner_watch = asyncio.create_task(self._watch_owner())
             await self._owner_seen.wait()  # a worker its owner paused comes up paused
@@ -280,28 +168,19 @@ class Worker:
             elif self.availability.paused:
                 await self._set_paused()
             else:
-                await self.announce(WorkerState.ONLINE)
+                await self.announcer.announce(WorkerState.ONLINE)
                 logger.info("Online: taking jobs at %.3g credits/TFLOP (worker id %s)", cfg.price, self.id)
             await self._heartbeat_until_stopped()
             self._owner_watch.cancel()
             await self._drain()
             return 0
         except Exception:
-            await self._unlist()  # listed, and failing
+            await self.announcer.unlist()  # listed, and failing
             raise
         finally:
             readyfile.remove_ready(self.data_dir)
             await self.stop_services()
             await self._stop_dht()
-
-    async def _unlist(self) -> None:
-        """Leave a tombstone over our record, if one was published (best effort, within LEAVE_STEP_TIMEOUT: a Ctrl-C
-        to the process group has stopped the p2p daemon too, and then the record expires by itself)."""
-        if self._last_expiration and self.state is not WorkerState.OFFLINE:
-            try:
-                await self.announce(WorkerState.OFFLINE)
-            except Exception as e:
-                logger.debug("Could not leave a tombstone: %s", e)
 
     async def _join(self, reachability: str | None):
         """Join the DHT. Behind NAT (``"private"``) as a DHT client: peers would reach its DHT node only through a
@@ -336,51 +215,6 @@ class Worker:
             await hello.check_initial_peers(RPC(await self.dht.replicate_p2p(), self.config.network),
                                             self.config.network, peers)
 
-    async def _find_reachability(self) -> None:
-        """Ask an initial peer to dial us back (gpunet.dht.reachability). Not dialable: rejoin through relays."""
-        from gpunet.rpc import RPC
-
-        cfg = self.config
-        peers = self._initial_peers()
-        if not peers:
-            logger.info("Reachability unknown: this worker starts the network, so no peer can dial it back yet")
-            return
-        # Not closed after: hivemind keeps one replica per DHT, which the job doors use next.
-        rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
-        found, result = await reachability.check(rpc, peers, cfg.announce_maddrs or self.maddrs)
-        if found == reachability.DIRECT:
-            self.reachability = found
-            logger.info("Reachability: direct (a peer dialled this worker back at %s, port %s)",
-                        result.observed or "its address", ", ".join(map(str, result.open)))
-            return
-        if found == reachability.UNKNOWN:
-            logger.warning("Reachability unknown: no initial peer answered a dial-back check; announcing %s as it is",
-                           ", ".join(self.maddrs) or "no address")
-            return
-        logger.info("Not directly reachable: a peer could not dial this worker back at %s (ports %s); joining through "
-                    "relays instead", result.observed or "its address", ", ".join(map(str, reachability.tcp_ports(
-                        cfg.announce_maddrs or self.maddrs))))
-        if cfg.announce_maddrs:
-            logger.warning("The announced address(es) %s cannot be dialled from outside: is the port forwarded to this "
-                           "machine?", ", ".join(cfg.announce_maddrs))
-        await self._stop_dht()
-        self.dht = await self._join("private")
-        if self.dht is None:
-            return
-        self._via_relays = True
-        deadline = time.monotonic() + reachability.RELAY_WAIT
-        while time.monotonic() < deadline:
-            self.maddrs = await asyncio.to_thread(network.visible_maddrs, self.dht, True)
-            if any(reachability.is_relayed(m) for m in self.maddrs):
-                self.reachability = reachability.RELAYED
-                logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
-                                                                       if reachability.is_relayed(m)))
-                return
-            await asyncio.sleep(0.5)
-        self.reachability = reachability.UNREACHABLE
-        logger.warning("No relay took a reservation for this worker within %.0f s; listed as unreachable (no jobs are "
-                       "routed to it) while it keeps trying", reachability.RELAY_WAIT)
-
     async def network_alive(self) -> bool:
         """Whether our DHT process and p2p daemon are still there to talk through."""
         return self.dht.is_alive() and (self.rpc is None or await self.rpc.daemon_alive())
@@ -396,7 +230,7 @@ class Worker:
             await asyncio.to_thread(self.dht.shutdown)  # bounded: a grace period, then SIGTERM
 
     def _print_welcome(self, starting_network: bool) -> None:
-        joinable = self.maddrs[0] if self.maddrs else "(no address)"
+        joinable = self.announcer.maddrs[0] if self.announcer.maddrs else "(no address)"
         if starting_network:
             print(f"Started a new gpunet network {self.config.network!r}. Others join it with:", flush=True)
         else:
@@ -442,8 +276,8 @@ class Worker:
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.config.heartbeat)
             except asyncio.TimeoutError:
-                await self.announce()
-                admission = self.service.admission
+                await self.announcer.announce()
+                admission = self.jobs.admission
                 done = admission.jobs_done
                 if done != reported:
                     logger.info("Served %d job(s) since the last heartbeat (%d in all); %d queued, %d running",
@@ -460,7 +294,7 @@ class Worker:
 
     async def _watch_owner(self) -> None:
         """Look at the machine and the owner's hand every OWNER_EVERY seconds (at once on SIGUSR1), and pause or
-        resume the worker as gpunet.worker.availability decides."""
+        resume the worker as gpunet.worker.state.availability decides."""
         try:
             await self._watch_owner_until_stopped()
         finally:  # stopped before its first look, or failed: the start must not wait for a look that never comes
@@ -485,8 +319,8 @@ class Worker:
                 if self.availability.paused:
                     await self._set_paused()
                 else:
-                    self.service.resume()
-                    await self.announce(WorkerState.ONLINE)
+                    self.jobs.turns.resume()
+                    await self.announcer.announce(WorkerState.ONLINE)
                     logger.info("Resumed: taking jobs again")
             try:
                 await asyncio.wait_for(self._owner_poke.wait(), OWNER_EVERY)
@@ -499,15 +333,15 @@ class Worker:
         self._owner_poke.set()
 
     async def _set_paused(self) -> None:
-        self.service.pause(self.availability.reason, self.config.pause_grace)
-        await self.announce(WorkerState.PAUSED)
+        self.jobs.turns.pause(self.availability.reason, self.config.pause_grace)
+        await self.announcer.announce(WorkerState.PAUSED)
         logger.info("Paused: %s. Running jobs get %.0f s to finish; no new ones until it resumes",
                     self.availability.reason, self.config.pause_grace)
 
     def _say_earnings(self, before: int) -> int:
         """A short earnings line now and then (``gpunet earnings`` has the detail); returns the total it said."""
         now = self.ledger.earned(self.id)
-        owed = len(self.service.settlement.unsettled)
+        owed = len(self.jobs.billing.awaiting.unsettled)
         if now != before or owed:
             logger.info("Earnings: %s credits in all (+%s in the last %.0f min)%s; `gpunet earnings` for details",
                         format_credits(now), format_credits(now - before), EARNINGS_EVERY / 60,
@@ -525,7 +359,7 @@ class Worker:
             "Speed measured again while idle: %s", ", ".join(f"{v:.3g} TFLOPS {k}" for k, v in self.tflops.items()))
 
     async def _drain(self) -> None:
-        admission, settlement = self.service.admission, self.service.settlement
+        admission, settlement = self.jobs.admission, self.jobs.billing.awaiting
         admission.drain()
         await self._stop_background()
         if not await self.network_alive():
@@ -533,12 +367,12 @@ class Worker:
             # nobody can reach us or read a goodbye; running jobs cannot deliver either. Leave at once.
             logger.info("The p2p daemon has already stopped; leaving without announcing it (the record expires)")
             return
-        await self.announce(WorkerState.DRAINING)
+        await self.announcer.announce(WorkerState.DRAINING)
         deadline = time.monotonic() + self.config.drain_timeout
         if not await _within(admission.drained(), deadline - time.monotonic()):
             from gpunet.worker.executor import STOP_GRACE
 
-            stopped = self.service.stop_running()
+            stopped = self.jobs.turns.stop_running()
             logger.warning("%d job(s) still running after %.0f s; stopping them (not billed: their clients run them "
                            "elsewhere)", stopped, self.config.drain_timeout)
             # Each stops at its program's next node, or is killed once one op outlasts STOP_GRACE.
@@ -546,8 +380,8 @@ class Worker:
         # Sessions' last steps are billed when their clients close them (a client told that we drain moves its span
         # and closes here): give them a moment, then sign what is left ourselves.
         grace = min(UNSETTLED_GRACE, max(0.0, deadline - time.monotonic()))
-        if not await _within(self.service.sessions_closed(), grace):
-            signed = self.service.end_sessions()
+        if not await _within(self.jobs.sessions.all_billed(), grace):
+            signed = self.jobs.sessions.end_all()
             if signed:
                 logger.warning("%d session(s) were not closed by their clients; their last steps stay in `gpunet "
                                "ledger unpaid`", signed)
@@ -556,7 +390,7 @@ class Worker:
         if not await _within(settlement.all_settled(), grace):
             logger.warning("%d delivered job(s) were never countersigned; they stay in `gpunet ledger unpaid`",
                            len(settlement.unsettled))
-        await self.announce(WorkerState.OFFLINE)
+        await self.announcer.announce(WorkerState.OFFLINE)
         logger.info("Left the network (served %d jobs). Goodbye.", admission.jobs_done)
 
     # --- job services: the RPC handler and executors plug in here ---------------------------------------------------
@@ -591,10 +425,12 @@ class Worker:
     async def start_services(self) -> None:
         """Start the executor pool, open the ledger and register the RPC handlers, then announce ``online``."""
         from gpunet.rpc import RPC
-        from gpunet.worker.admission import Admission, ServiceLimits
-        from gpunet.worker.sessions import SessionLimits
+        from gpunet.worker.state.admission import Admission
+        from gpunet.worker.state.limits import ServiceLimits, SessionLimits
         from gpunet.worker.executor import Executor
-        from gpunet.worker.service import JobService
+        from gpunet.worker.doors import Doors
+        from gpunet.worker.faults import Faults
+        from gpunet.worker.jobs import Jobs
 
         cfg = self.config
         self.executor = Executor(
@@ -618,21 +454,18 @@ class Worker:
             (logger.warning if line.startswith(("WARNING", "no ", "sandbox incomplete")) else logger.info)(
                 "Executor sandbox: %s", line.removeprefix("WARNING: "))
         self.ledger = open_ledger(self.data_dir)
-        self.service = JobService(
+        self.jobs = Jobs(
             identity=self.identity,
             executor=self.executor,
             ledger=self.ledger,
             admission=Admission(price_nano=price_to_nano(cfg.price), max_concurrent=cfg.max_concurrent,
                                 max_queue=cfg.max_queue, batch_price_nano=price_to_nano(cfg.batch_price),
                                 limits=ServiceLimits(max_buffered_bytes=self._buffer_budget())),
-            record=self.record,
-            corrupt_outputs=_fault_injector(cfg.fault_corrupt_fraction) if cfg.fault_corrupt_fraction else None,
+            record=self.announcer.record,
             spool_dir=str(self._spool_dir()),
             device=self.hardware.torch_device,
             peer_rate=cfg.peer_upload_mbps * 1e6 or None,
-            corrupt_pieces=cfg.fault_corrupt_pieces,
-            corrupt_pushes=cfg.fault_corrupt_pushes,
-            drop_pushes=cfg.fault_drop_pushes,
+            faults=Faults.from_config(cfg),
             session_limits=SessionLimits(
                 max_bytes=int(cfg.session_memory_gb * 2**30) if cfg.session_memory_gb is not None
                 else self._memory_budget() // 4,
@@ -640,7 +473,8 @@ class Worker:
                 max_ttl=cfg.session_ttl),
         )
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
-        await self.service.start(self.rpc)
+        self.doors = Doors(self.jobs)
+        await self.doors.start(self.rpc)
         await reachability.ReachService().start(self.rpc)  # other nodes may ask this one to dial them back
         await hello.serve(self.rpc, cfg.network, "worker")  # and which network it runs, when they join through it
         if cfg.metrics_port:
@@ -660,7 +494,7 @@ class Worker:
 
             job, inputs = self._standing
             owner = Identity.load_or_create(self.data_dir / "client")  # the identity gpunet.Client uses here
-            self._background = asyncio.create_task(StandingJob(self.service, job, inputs, self.identity, owner,
+            self._background = asyncio.create_task(StandingJob(self.jobs, job, inputs, self.identity, owner,
                                                                self.data_dir / "background").run_forever())
 
     async def _stop_background(self) -> None:
@@ -674,24 +508,15 @@ class Worker:
         if self._owner_watch is not None:
             self._owner_watch.cancel()
         if self._dashboard is not None:
-            await _bounded(self._dashboard.stop(), LEAVE_STEP_TIMEOUT)
+            await bounded(self._dashboard.stop(), LEAVE_STEP_TIMEOUT)
         await self._stop_background()
-        if self.service is not None:
-            if not await _bounded(self.service.stop(), LEAVE_STEP_TIMEOUT, default=False, result=True):
+        if self.doors is not None:
+            if not await bounded(self.doors.stop(), LEAVE_STEP_TIMEOUT, default=False, result=True):
                 logger.warning("The p2p daemon did not answer while closing the job doors; leaving anyway")
         if self.executor is not None:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:
             self.ledger.close()
-
-
-async def _bounded(awaitable, seconds: float, default=None, result=None):
-    """``await awaitable`` for at most ``seconds``: its value (or ``result`` when given), else ``default``."""
-    try:
-        value = await asyncio.wait_for(awaitable, seconds)
-    except asyncio.TimeoutError:
-        return default
-    return value if result is None else result
 
 
 async def _within(future: asyncio.Future, seconds: float) -> bool:
@@ -701,22 +526,3 @@ async def _within(future: asyncio.Future, seconds: float) -> bool:
         return True
     except asyncio.TimeoutError:
         return False
-
-
-def _fault_injector(fraction: float):
-    """FAULT INJECTION, for testing trust: returns wrong outputs (validly encoded, plausibly shaped) for ``fraction``
-    of jobs, signing them as if they were right — what a volunteer cheating for credits would do."""
-    import random
-
-    from gpunet.job import tensors
-
-    rng = random.Random()
-    logger.warning("FAULT INJECTION: this worker corrupts %.0f%% of its outputs", 100 * fraction)
-
-    def corrupt(outputs: bytes) -> bytes:
-        if rng.random() >= fraction:
-            return outputs
-        decoded = tensors.decode(outputs)
-        return tensors.encode({k: (v * 1.5 + 1) if v.is_floating_point() else v + 1 for k, v in decoded.items()})
-
-    return corrupt

@@ -1,235 +1,157 @@
-"""Inference sessions a worker holds: whose they are, how far they got, what memory they take, when they expire.
-
-A pure state machine (no I/O, time passed in), like :mod:`gpunet.worker.admission`: the service asks it before a
-session step runs and tells it how the step went; the executor pool holds the state itself (docs/sessions.md).
-A session is keyed by its client *and* its id, so no client can reach another's state, whatever id it guesses.
-Its steps are billed by tabs (:mod:`gpunet.ledger.tabs`): the table keeps the open one and hands it out to be signed
-when it is full, or when the session ends (closed, expired).
-"""
+"""Inference sessions on the worker (docs/sessions.md): the I/O around the pure
+:class:`~gpunet.worker.state.sessions.Sessions` — a step begun and what its end bills, the sweeper that expires idle
+sessions, their state freed in the executors, and the closes and leaving that end them."""
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, field
+import asyncio
+import logging
+import time
 
-from gpunet.errors import JobRejected, SessionLost, WorkerBusy
-from gpunet.ledger.tabs import Tab
+from gpunet.errors import GpunetError, SessionLost
+from gpunet.ledger.receipts import Receipt
+from gpunet.protocol import Submit
+from gpunet.utils import When, sha256_hex
+from gpunet.worker import metrics
+from gpunet.worker.billing import Billing
+from gpunet.worker.state.limits import SessionLimits, SessionRun
+from gpunet.worker.state.pushes import Pushes
+from gpunet.worker.state.sessions import Ended, Sessions
 
+logger = logging.getLogger("gpunet.worker")
 
-@dataclass(frozen=True)
-class SessionLimits:
-    """What a volunteer lends to sessions: memory for their state, how many, and for how long idle."""
-
-    max_bytes: int = 1 << 30  # all sessions' state together
-    max_client_share: float = 0.5  # of max_bytes, the most one client's sessions (or one address's) may hold
-    max_sessions: int = 64
-    max_per_client: int = 8
-    #: Identities are free, addresses less so: the sessions (and the share of max_bytes) of all clients at one network
-    #: address together, so that a few identities from one machine cannot hold every session place.
-    max_per_host: int = 16
-    max_ttl: float = 600.0  # a client may ask for less idle time, never more
-
-
-@dataclass
-class _Session:
-    client_id: str
-    program: str
-    next_step: int
-    expires: float
-    ttl: float
-    state_bytes: int
-    running: bool = False
-    lost: bool = False  # its state is gone (its executor restarted): no more steps, but its tab is still owed
-    max_price: int | None = None
-    host: str = ""
-    tab: Tab = field(default_factory=Tab)
-    #: The client asked to close it while a step ran: it ends when that step does. ``received``: the steps the client
-    #: said it got answers to (None: an older client, every step done is billed).
-    closing: bool = False
-    received: int | None = None
+#: How long a close waits for a step of its session still running (its answer may be on its way).
+CLOSE_WAIT = 30.0
 
 
-@dataclass(frozen=True)
-class Ended:
-    """A session that ended, and the tab of its last steps (None when all were billed already). ``disclaimed``: the
-    steps after those its client said it received, which ran here and are not billed (the close counts against the
-    client, Admission.disclaimed: otherwise closing with ``received=0`` would get any open tab's work free)."""
+class SessionHost:
+    def __init__(self, limits: SessionLimits, executor, billing: Billing, pushes: Pushes):
+        """``pushes``: inputs pushed for sessions' steps (gpunet.worker.handoff), which go when their session does."""
+        self.sessions = Sessions(limits)
+        self.executor, self.billing, self.pushes = executor, billing, pushes
+        self._steps: dict[tuple[str, str], asyncio.Future] = {}  # (client, session) -> its running step's answer
+        self._drops: set[asyncio.Future] = set()  # sessions' state being freed in executors
+        self._paid = When(lambda: not self.sessions.owing)
+        self._sweeper: asyncio.Task | None = None
 
-    key: str
-    client_id: str
-    session_id: str
-    program: str
-    tab: Tab | None
-    max_price: int | None
-    host: str = ""
-    disclaimed: Tab | None = None
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._expire())
 
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
 
-class Sessions:
-    """The sessions open on one worker."""
+    # --- a step -----------------------------------------------------------------------------------------------------
 
-    def __init__(self, limits: SessionLimits = SessionLimits()):
-        self.limits = limits
-        self._open: dict[tuple[str, str], _Session] = {}
-        self._bytes = 0
-
-    @staticmethod
-    def key(client_id: str, session_id: str) -> str:
-        """The executor's name for a session's state (client ids are peer ids: no '/' in them)."""
-        return f"{client_id}/{session_id}"
-
-    @property
-    def held_bytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-    @property
-    def owing(self) -> int:
-        """Sessions with steps not billed yet (a leaving worker waits for their clients to close them)."""
-        return sum(1 for s in self._open.values() if s.tab.steps)
-
-    def begin(self, client_id: str, session_id: str, program: str, step: int, ttl: float, now: float,
-              host: str = "", declared: int | None = None) -> int:
-        """Check that this step may run now; returns the bytes a new session's state may take (its ``room``).
-        Raises JobRejected (limits, wrong program, out-of-order step) or SessionLost (not held here).
-
-        An opening reserves its room at once (``declared``, the size its client said its state takes, else all the
-        room it may take), so openings need not wait for each other; the step's end puts the true size in its place."""
-        s = self._open.get((client_id, session_id))
-        if step == 0:
-            if s is not None:
-                raise JobRejected(f"session {session_id[:16]} is already open here; open a new one with a fresh id")
-            mine = sum(1 for (c, _) in self._open if c == client_id)
-            if mine >= self.limits.max_per_client:
-                raise JobRejected(f"this client has {mine} sessions open here, the most this worker allows "
-                                  f"(--max-sessions-per-client {self.limits.max_per_client}); close one first")
-            # A relayed client is seen at its relay's circuit address, shared by every client of that relay: no
-            # per-address session limit for those (a home worker's clients all come that way).
-            by_host = bool(host) and "/p2p-circuit" not in host
-            at_host = sum(1 for o in self._open.values() if o.host == host) if by_host else 0
-            if at_host >= self.limits.max_per_host:
-                raise JobRejected(f"clients at this address have {at_host} sessions open here, the most this worker "
-                                  "allows one address; close one first")
-            if len(self._open) >= self.limits.max_sessions:
-                raise JobRejected(f"this worker holds {len(self._open)} sessions, as many as it takes; try another")
-            cap = int(self.limits.max_bytes * self.limits.max_client_share)
-            scopes = [lambda c, o: True, lambda c, o: c == client_id]
-            if by_host:
-                scopes.append(lambda c, o: o.host == host)
-            # What each scope (the worker, this client, this address) holds, and of that what openings still
-            # running have reserved: they may turn out smaller, or fail.
-            held = [sum(o.state_bytes for (c, _), o in self._open.items() if mine(c, o)) for mine in scopes]
-            pending = [sum(o.state_bytes for (c, _), o in self._open.items() if mine(c, o) and o.running
-                           and o.next_step == 0) for mine in scopes]
-            limits = [self.limits.max_bytes] + [cap] * (len(scopes) - 1)
-            room = max(0, min(limit - h for limit, h in zip(limits, held)))
-            if declared is not None and declared > room:
-                later = declared <= min(limit - h + p for limit, h, p in zip(limits, held, pending))
-                raise (WorkerBusy if later else JobRejected)(
-                    f"the session's state takes {declared} bytes; this worker has {room} left for this client's "
-                    "sessions now" + (" (others are opening)" if later else ""))
-            reserved = room if declared is None else declared
-            self._open[(client_id, session_id)] = _Session(client_id, program, 0, now + self._ttl(ttl),
-                                                           self._ttl(ttl), reserved, running=True, host=host,
-                                                           tab=Tab(secrets.token_hex(4)))
-            self._bytes += reserved
-            return reserved
-        if s is None:
-            raise SessionLost(f"session {session_id[:16]} is not held here (it expired, was closed, or this worker "
-                              "restarted)")
-        if s.lost:
-            raise SessionLost(f"session {session_id[:16]} lost its state here (its executor restarted)")
-        if s.closing:
-            raise SessionLost(f"session {session_id[:16]} is being closed (its client asked to)")
-        if s.program != program:
-            raise JobRejected("a session's steps all run the program that opened it")
-        if s.running:
-            raise JobRejected("a session runs one step at a time: the previous step has not finished")
-        if step != s.next_step:
-            raise JobRejected(f"session {session_id[:16]} is at step {s.next_step}, not {step}")
-        s.running = True
-        s.ttl = self._ttl(ttl)
-        return 0
-
-    def done(self, client_id: str, session_id: str, state_bytes: int, now: float, *, input_hash: str,
-             output_hash: str, flops: int, wall_time_us: int, started_at_us: int, ended_at_us: int,
-             max_price: int | None, close: bool = False) -> Tab | Ended | None:
-        """A step ran: it goes on the session's tab, and the session moves on (or, ``close``, ends). Returns the tab
-        to sign when this step filled it, the session (its tab to sign) when this step ended it, else None."""
-        s = self._open.get((client_id, session_id))
-        if s is None:
+    def begin(self, client_id: str, submit: Submit, host: str, answer: asyncio.Future) -> SessionRun | None:
+        """A session step may run (its client's, in order, within the limits): what the executor is told of it.
+        ``answer``: the step's result to come (a close waits for it)."""
+        step = submit.session
+        if step is None:
             return None
-        s.running = False
-        if s.next_step == 0:  # the true size, in place of what its opening reserved
-            self._bytes += state_bytes - s.state_bytes
-            s.state_bytes = state_bytes
-        s.tab.add(s.next_step, input_hash, output_hash, flops, wall_time_us, started_at_us, ended_at_us)
-        s.max_price = max_price
-        s.next_step += 1
-        s.expires = now + s.ttl
-        if close or s.closing:
-            return self._end(client_id, session_id)
-        if s.tab.full:
-            tab, s.tab = s.tab, s.tab.next()
-            return tab
-        return None
+        room = self.sessions.begin(client_id, step.id, submit.program, step.step, step.ttl, time.monotonic(),
+                                   host, step.state_bytes)
+        self.pushes.call_off(client_id, step.id)  # a step of it still waiting for a push is overtaken
+        self._steps[(client_id, step.id)] = answer
+        return SessionRun(Sessions.key(client_id, step.id), step.step, step.fresh, step.close, room)
 
-    def failed(self, client_id: str, session_id: str, lost: bool) -> Ended | None:
-        """A step did not run. A session that never opened ends; one whose state is gone (``lost``) takes no more
-        steps and frees its memory, but stays until closed or expired: its tab is still owed. One its client asked to
-        close meanwhile ends now: returned, to be billed."""
-        s = self._open.get((client_id, session_id))
-        if s is None:
-            return None
-        s.running = False
-        if s.next_step == 0:
-            self._end(client_id, session_id)
-        elif s.closing:
-            return self._end(client_id, session_id)
-        elif lost and not s.lost:
-            s.lost = True
-            self._bytes -= s.state_bytes
-            s.state_bytes = 0
+    def done(self, client_id: str, submit: Submit, run: SessionRun, outputs: bytes, state_bytes: int,
+             input_hash: str, flops: int, wall_time_us: int, started_at_us: int, ended_at_us: int,
+             host: str) -> Receipt | None:
+        """A step ran: it goes on its session's tab. Returns the receipt of a tab it filled, or of the session it
+        ended, to go with its answer."""
+        step = submit.session
+        billed = self.sessions.done(
+            client_id, step.id, state_bytes, time.monotonic(), input_hash=input_hash,
+            output_hash=sha256_hex(outputs), flops=flops, wall_time_us=wall_time_us, started_at_us=started_at_us,
+            ended_at_us=ended_at_us, max_price=submit.max_price, close=step.close)
+        self.count()
+        receipt = None
+        if isinstance(billed, Ended):
+            receipt = self.billing.ended(billed, await_payment=False)
+        elif billed is not None:
+            receipt = self.billing.tab(client_id, step.id, submit.program, billed, submit.max_price, host)
+        if not step.close and not self.sessions.is_open(client_id, step.id):
+            # Its client closed it while this step ran: the state goes, and the tab (only the steps it said it
+            # received) is awaited from it like a closed session's.
+            self.drop([run.key])
+            if receipt is not None:
+                self.billing.awaiting.expect(client_id, receipt)
+        return receipt
 
-    def running(self, client_id: str, session_id: str) -> bool:
-        s = self._open.get((client_id, session_id))
-        return s is not None and s.running
+    def failed(self, client_id: str, submit: Submit, run: SessionRun, error: BaseException) -> None:
+        """A step did not run: its session may have lost its state, or been closed meanwhile (then billed now)."""
+        step = submit.session
+        lost = isinstance(error, SessionLost) or (step.step > 0 and not self.executor.holds_session(run.key))
+        ended = self.sessions.failed(client_id, step.id, lost=lost)
+        self.count()
+        if ended is not None:  # its client closed it while this step ran: what it received is owed
+            self.billing.ended(ended)
+            self.drop([ended.key])
 
-    def close(self, client_id: str, session_id: str, received: int | None = None) -> Ended | None:
-        """The client is done with it (None if no such session is open, or a step of it is running: it then ends
-        when that step does, billed as the client said here).
-        ``received``: the steps the client says it got answers to, in all; the tab bills no step after those (a step
-        whose answer was lost on the way is this worker's loss, not a debt the client would refuse whole)."""
-        s = self._open.get((client_id, session_id))
-        if s is None:
-            return None
-        s.closing, s.received = True, received
-        if s.running:
-            return None
-        return self._end(client_id, session_id)
+    def finished(self, client_id: str, session_id: str) -> None:
+        self._steps.pop((client_id, session_id), None)
 
     def is_open(self, client_id: str, session_id: str) -> bool:
-        return (client_id, session_id) in self._open
+        return self.sessions.is_open(client_id, session_id)
 
-    def expired(self, now: float) -> list[Ended]:
-        """End every session idle past its time; the executors free their state, the worker signs their tabs."""
-        gone = [k for k, s in self._open.items() if not s.running and s.expires <= now]
-        return [self._end(client_id, session_id) for client_id, session_id in gone]
+    # --- ending -----------------------------------------------------------------------------------------------------
 
-    def end_all(self) -> list[Ended]:
-        """The worker leaves: every session not running a step ends now."""
-        return self.expired(float("inf"))
+    async def close(self, client_id: str, session_id: str, received: int | None) -> tuple[bool, Receipt | None]:
+        """Its client is done with it: whether it was open here, and the receipt of its tab."""
+        self.pushes.forget(client_id, session_id)  # a step waiting for a push stops waiting
+        step = self._steps.get((client_id, session_id))
+        if step is not None:  # a step still running (its answer may be on its way): close once it is done
+            await asyncio.wait([step], timeout=CLOSE_WAIT)
+        ended = self.sessions.close(client_id, session_id, received)
+        if ended is None:
+            return False, None
+        self.count()
+        receipt = self.billing.ended(ended)
+        self.drop([ended.key])
+        return True, receipt
 
-    def _end(self, client_id: str, session_id: str) -> Ended:
-        s = self._open.pop((client_id, session_id))
-        self._bytes -= s.state_bytes
-        tab, disclaimed = s.tab, None
-        if s.closing and s.received is not None:  # however it ends, no step past what its client said it received
-            tab, disclaimed = tab.split(s.received - tab.first)
-        return Ended(self.key(client_id, session_id), client_id, session_id, s.program, tab if tab.steps else None,
-                     s.max_price, s.host, disclaimed if disclaimed is not None and disclaimed.steps else None)
+    async def _expire(self) -> None:
+        """Sessions idle past their time lose their state (checked every second; a step in progress never expires)."""
+        while True:
+            await asyncio.sleep(1.0)
+            gone = self.sessions.expired(time.monotonic())
+            if gone:
+                self.count()
+                for ended in gone:
+                    self.billing.ended(ended)  # work done is owed, whether or not its client comes back to pay
+                logger.info("%d session(s) expired; their state is freed (%d session(s), %d bytes of state held now)",
+                            len(gone), len(self.sessions), self.sessions.held_bytes)
+                self.drop([ended.key for ended in gone])
 
-    def _ttl(self, ttl: float) -> float:
-        return max(1.0, min(ttl, self.limits.max_ttl))
+    def drop(self, keys: list[str]) -> None:
+        """Free sessions' state in the executors holding it, in the background (an executor busy with a long job
+        frees it when that job is done; nothing waits for it meanwhile)."""
+        async def drop() -> None:
+            try:
+                await self.executor.drop_sessions(keys)
+            except GpunetError:  # the pool is closing: the state goes with its processes
+                pass
+
+        task = asyncio.ensure_future(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
+
+    def count(self) -> None:
+        metrics.SESSIONS.set(len(self.sessions))
+        metrics.SESSION_BYTES.set(self.sessions.held_bytes)
+        self._paid.check()
+
+    def all_billed(self) -> asyncio.Future:
+        """Resolves once no session holds steps not billed yet. A client told that this worker drains moves its span
+        and closes the session here, which bills those steps: a leaving worker waits for that."""
+        return self._paid.wait()
+
+    def end_all(self) -> int:
+        """Leaving: end the sessions still open, signing the tabs their clients did not close (owed, not awaited: they
+        stay in `gpunet ledger unpaid` until their clients pay). Returns how many tabs were signed."""
+        ended = self.sessions.end_all()
+        self.count()
+        signed = sum(self.billing.ended(e, await_payment=False) is not None for e in ended)
+        self.drop([e.key for e in ended])
+        return signed

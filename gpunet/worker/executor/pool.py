@@ -33,6 +33,7 @@ from gpunet.worker.executor.cache import DiskCache, check_hash
 from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
 from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, _reap
 from gpunet.worker.hardware import job_threads
+from gpunet.worker.state.limits import SessionRun
 
 _ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
            "DryRunTooLong": DryRunTooLong, "JobRaised": JobRaised}
@@ -53,7 +54,7 @@ class RunResult:
 @dataclass
 class DryRun:
     """What a run's dry run took, for its caller whatever the run's outcome (a result, an error, a cancellation):
-    :meth:`Executor.run` fills it in. The dry run's time is paid by no receipt (gpunet.worker.admission.dry_ran)."""
+    :meth:`Executor.run` fills it in. The dry run's time is paid by no receipt (gpunet.worker.state.admission.dry_ran)."""
 
     began: float | None = None  # when its dry run began (time.monotonic()); None: it never did
     seconds: float | None = None  # the CPU time it took (0: the same shapes answered); None: stopped before it ended
@@ -140,7 +141,7 @@ class Executor:
         return self.disk.hashes()
 
     async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
-                  private: bool = False, session: dict | None = None, tag: object = None,
+                  private: bool = False, session: SessionRun | None = None, tag: object = None,
                   spare_sessions: bool = False, dry: DryRun | None = None) -> RunResult:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout.
 
@@ -162,22 +163,22 @@ class Executor:
             raise ProgramNotCached(program_hash)
         timeout = self.default_timeout if timeout is None else timeout
         pinned = None
-        if session is not None and session["step"] > 0:
-            pinned = self._pinned_slot(session["key"])
+        if session is not None and session.step > 0:
+            pinned = self._pinned_slot(session.key)
         slot = await (self._acquire_slot(pinned) if pinned is not None else self._acquire(program_hash,
                                                                                            spare_sessions))
         if tag is not None:
             self._tagged[tag] = slot
         try:
-            if pinned is not None and self._pins.get(session["key"], (None, -1))[1] != slot.generation:
+            if pinned is not None and self._pins.get(session.key, (None, -1))[1] != slot.generation:
                 raise SessionLost("the session's state was lost while its step waited: its executor restarted")
             result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session,
                                         DryRun() if dry is None else dry)
             if session is not None:
-                if session.get("close"):
-                    self._pins.pop(session["key"], None)
+                if session.close:
+                    self._pins.pop(session.key, None)
                 else:
-                    self._pins[session["key"]] = (slot, slot.generation)
+                    self._pins[session.key] = (slot, slot.generation)
             return result
         finally:
             if tag is not None:
@@ -363,7 +364,7 @@ class Executor:
             spare.stop()
 
     async def _run_on(self, slot: Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
-                      private: bool, session: dict | None, dry: DryRun) -> RunResult:
+                      private: bool, session: SessionRun | None, dry: DryRun) -> RunResult:
         if self._closed:  # the worker is leaving: this job runs elsewhere
             raise _leaving("before")
         await self._revive(slot)
@@ -377,7 +378,7 @@ class Executor:
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None, "private": private,
                   "run": slot.run_id}
         if session is not None:
-            header["session"] = session
+            header["session"] = session.to_wire()
         payloads = [program_bytes] if program_bytes is not None else []
         shared = None
         if hasattr(inputs, "fileno"):  # spooled to a file by the service: the child maps the file itself

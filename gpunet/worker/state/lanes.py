@@ -1,9 +1,9 @@
 """Lanes: which admitted job runs next, what it is charged, and which batch job an interactive one stops.
 
-A pure state machine, like :mod:`gpunet.worker.admission` (dask/distributed's worker state machine is the model):
-the service reports what happened (a job was admitted, ended, gave up waiting) and carries out what it is told
-(:class:`Start` this job, :class:`Preempt` that one). Nothing here reads a socket, sleeps or logs; the clock is
-injected. docs/market.md is the user's view of the same rules.
+A pure state machine, like :mod:`gpunet.worker.state.admission` (dask/distributed's worker state machine is the
+model): the job path (:mod:`gpunet.worker.turns`) reports what happened (a job was admitted, ended, gave up waiting)
+and carries out what it is told (:class:`Start` this job, :class:`Preempt` that one). Nothing here reads a socket,
+sleeps or logs; the clock is injected. docs/market.md is the user's view of the same rules.
 
 Three lanes, highest first:
 

@@ -1,14 +1,14 @@
 """Which jobs a worker takes, and how many it holds: a pure state machine, apart from the I/O that serves jobs.
 
-Like dask/distributed's ``worker_state_machine``, nothing here reads a socket, sleeps or logs; the service
-(:mod:`gpunet.worker.service`) reports what happened (admitted, started, ended, stopped, stream opened and closed) and
+Like dask/distributed's ``worker_state_machine``, nothing here reads a socket, sleeps or logs; the job path
+(:mod:`gpunet.worker.jobs`) reports what happened (admitted, started, ended, stopped, stream opened and closed) and
 asks what to do. The clock is injected, so the stopped-jobs window is tested without waiting.
 
 Rules, in the order a submit meets them:
 
-1. (job ids are each client's own: the service keys jobs and receipts by client and id;)
+1. (job ids are each client's own: the job path keys jobs and receipts by client and id;)
 2. the worker's price in the job's lane (interactive: ``--price``; batch: the lowest its floor goes,
-   ``--batch-price``; see :mod:`gpunet.worker.lanes`) must be within the job's bound; its timeout and inputs within
+   ``--batch-price``; see :mod:`gpunet.worker.state.lanes`) must be within the job's bound; its timeout and inputs within
    this worker's limits;
 3. a client that holds ``max_unpaid_jobs`` results it has not countersigned for longer than ``countersign_grace``
    (refused, or never answered) is refused until it pays or they age out of ``unpaid_window``: the worker's credit
@@ -20,7 +20,7 @@ Rules, in the order a submit meets them:
    ``dry_run_seconds_per_stop``: it is paid by no receipt, see :meth:`Admission.dry_ran`);
 3c. so is one that closed ``max_unpaid_jobs`` inference sessions within ``unpaid_window`` saying it did not receive
    steps that ran (not billed, see :meth:`Admission.disclaimed`); an address, ``host_stops_factor`` times as many;
-4. (the service then answers a retry of a known job id from its result, without admitting it again;)
+4. (the job path then answers a retry of a known job id from its result, without admitting it again;)
 5. a draining worker takes nothing new; a full one (``max_concurrent`` running + ``max_queue`` queued) answers busy,
    and so does one where this client already holds ``max_jobs_per_client`` places. Each lane has places of its own,
    so batch work queued to the brim never makes an interactive job hear busy;
@@ -48,50 +48,12 @@ from gpunet.errors import JobRejected, ProtocolError, WorkerBusy, WorkerDraining
 from gpunet.ledger.receipts import format_credits
 from gpunet.protocol import BATCH, INTERACTIVE, Submit
 from gpunet.utils import LRU, When, human_bytes
+from gpunet.worker.state.limits import ServiceLimits
 
 MAX_TRACKED_CLIENTS = 10_000
 #: Results a client may hold uncountersigned at once, whatever their age, in units of max_unpaid_jobs: an honest
 #: client's countersignatures trail its jobs by a job or a batch delay, never by dozens.
 OUTSTANDING_FACTOR = 4
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    max_program_bytes: int = 2 * 1024**3
-    max_input_bytes: int = 1024**3
-    max_timeout: float = 3600.0
-    # Finished results kept for retries of the same job id (one client's up to buffer_share of it).
-    recent_results_bytes: int = 256 * 1024**2
-    # Stopping a running job costs this worker a fresh executor (a torch import, the program cache): a client that
-    # stops more than this many within the window gets its new jobs refused until older stops age out.
-    max_stopped_jobs: int = 20
-    stopped_jobs_window: float = 600.0
-    # What payloads may hold in this process at once (declared sizes, charged before reading), and how many uploads
-    # one identity and one network address may have in progress.
-    max_buffered_bytes: int = 4 * 1024**3
-    max_uploads_per_client: int = 4
-    max_uploads_per_host: int = 32
-    # Of the buffer, one identity and one address may hold at most this share (declared sizes are charged before the
-    # bytes come, so without it one address could hold it all while sending almost nothing); of the kept results,
-    # one identity.
-    buffer_share: float = 0.5
-    # An address (identities are free) may stop or crash this many times the per-client allowance.
-    host_stops_factor: int = 4
-    # The dry run's time is paid by no receipt (work is counted from shapes and billed by FLOPs): it counts one stop
-    # per this many CPU seconds, fractions carried over (per client and per address) to the next, less
-    # dry_run_free_seconds for a job that is billed. Honest models of up to 1,200 nodes take 15-120 ms, and an
-    # earlier dry run for the same shapes answers at once.
-    dry_run_seconds_per_stop: float = 1.0
-    dry_run_free_seconds: float = 0.25
-    # The credit line: results delivered but not countersigned within the grace (a countersignature rides on the
-    # client's next job or comes in a batch soon after) count against their client for the window; at this many,
-    # its jobs are refused. A refusal counts too: the client got the outputs and did not pay.
-    max_unpaid_jobs: int = 16
-    countersign_grace: float = 120.0
-    unpaid_window: float = 3600.0
-    # Speed challenges: each keeps the device busy for up to speedproof.MAX_SECONDS.
-    proof_interval: float = 300.0
-    max_proofs_per_minute: int = 10
 
 
 @dataclass
@@ -118,7 +80,7 @@ class Admission:
         self.limits = limits
         self.clock = clock
         self.accepting = True
-        self.paused: str | None = None  # why the owner has the machine now (gpunet.worker.availability)
+        self.paused: str | None = None  # why the owner has the machine now (gpunet.worker.state.availability)
         self.admitted = 0  # jobs holding a place: queued or running
         self.running = 0
         # Job streams open, from their submit until the countersignature is read: a result on its way out, or its

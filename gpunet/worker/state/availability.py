@@ -1,6 +1,6 @@
 """Whether a volunteer's machine is the worker's to use right now: the owner comes first.
 
-A pure state machine (time and readings passed in, nothing read or slept here), like :mod:`gpunet.worker.admission`:
+A pure state machine (time and readings passed in, nothing read or slept here), like :mod:`gpunet.worker.state.admission`:
 the worker feeds it what its probe saw (:mod:`gpunet.worker.probe`) and whether its owner paused it by hand, and it
 answers whether the worker takes jobs, and if not, why. Rules (docs/volunteer.md):
 

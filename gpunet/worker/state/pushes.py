@@ -7,7 +7,7 @@ taken only for sessions open here (the caller checks), one per (session, step, s
 byte budget, for ``keep`` seconds; a step's wait for its push ends when its client cancels it or another step of its
 session comes.
 
-No I/O here: the service decodes the Push messages and runs the steps.
+No I/O here: the doors decode the Push messages, gpunet.worker.handoff hands them over, the job path runs the steps.
 """
 
 from __future__ import annotations

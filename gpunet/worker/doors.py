@@ -1,0 +1,277 @@
+"""The worker's doors (:class:`gpunet.protocol.Door`): each handler decodes a request, calls the room that owns the
+work (:mod:`~gpunet.worker.jobs`, :mod:`~gpunet.worker.proofs`, :mod:`~gpunet.worker.handoff`, the billing) and
+encodes the reply; errors become :class:`~gpunet.protocol.Error` messages, never a dropped worker. The messages
+themselves, and the exchange on each door, are defined once in :mod:`gpunet.protocol`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from gpunet import protocol
+from gpunet.errors import GpunetError, JobFailed, ProgramNotCached, ProtocolError
+from gpunet.ledger.receipts import Receipt
+from gpunet.protocol import (
+    FRAME_TIMEOUT,
+    INLINE_BYTES,
+    MAX_PING_BYTES,
+    UNARY_OUTPUT_BYTES,
+    Cancel,
+    CloseSession,
+    Countersign,
+    Door,
+    Error,
+    GetInfo,
+    Info,
+    Ok,
+    OpenProof,
+    Ping,
+    Pong,
+    ProveSpeed,
+    Push,
+    Refuse,
+    Result,
+    SessionClosed,
+    SettleBatch,
+    Submit,
+    UseStream,
+)
+from gpunet.rpc import RPC
+from gpunet.worker import metrics
+from gpunet.worker.jobs import Answer, Jobs
+from gpunet.worker.payloads import NeedsStream, StreamPayloads, UnaryPayloads
+
+logger = logging.getLogger("gpunet.worker")
+
+COUNTERSIGN_TIMEOUT = 30.0
+#: After an error, how long (and how many bytes) a worker reads what the client still sends before it closes the
+#: stream (see _try_send).
+LINGER = 2.0
+LINGER_BYTES = 1 << 20
+
+
+class Doors:
+    """Serves the job, run, settle, cancel, push, ping, info and prove doors of one worker."""
+
+    def __init__(self, jobs: Jobs):
+        self.jobs, self.record = jobs, jobs.prover.record  # the worker's record now (the info door sends it)
+        self.admission, self.billing = jobs.admission, jobs.billing
+        # id(answer) -> [streams writing it now, the client and address its bytes are held against] (held once)
+        self._writing: dict[int, list] = {}
+        self._rpc: RPC | None = None
+
+    async def start(self, rpc: RPC) -> None:
+        self._rpc = rpc
+        await rpc.serve_stream(Door.JOB, self.job)
+        await rpc.serve_stream(Door.INFO, self.info)
+        await rpc.serve_unary(Door.PING, self.ping)
+        await rpc.serve_unary(Door.RUN, self.run)
+        await rpc.serve_unary(Door.SETTLE, self.settle)
+        await rpc.serve_unary(Door.CANCEL, self.cancel)
+        await rpc.serve_unary(Door.PROVE, self.prove)
+        await rpc.serve_unary(Door.PUSH, self.push)
+        await self.jobs.start(rpc)
+
+    async def stop(self) -> None:
+        await self.jobs.stop()
+        if self._rpc is not None:
+            await self._rpc.close()
+        await self.billing.close()
+
+    # --- ping, info, prove ------------------------------------------------------------------------------------------
+
+    async def ping(self, request: bytes, client_id: str) -> bytes:
+        try:
+            echo = protocol.decode(request, Ping).echo[:MAX_PING_BYTES]
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+        return protocol.encode(Pong(time.time(), echo))
+
+    async def info(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   host: str = "") -> None:
+        try:
+            await protocol.read(reader, GetInfo, timeout=FRAME_TIMEOUT)
+            await protocol.write(writer, Info(time.time(), self.record().to_wire()))
+        except GpunetError as e:
+            logger.debug("info request from %s failed: %s", client_id[-8:], e)
+        finally:
+            writer.close()
+
+    async def prove(self, request: bytes, client_id: str) -> bytes:
+        """A speed challenge, or the opening of the products the client picked from its last one."""
+        try:
+            message = protocol.decode(request, ProveSpeed, OpenProof)
+            prover = self.jobs.prover
+            reply = await (prover.prove(client_id, message) if isinstance(message, ProveSpeed)
+                           else prover.open(client_id, message))
+            return protocol.encode(reply)
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+        except Exception as e:  # a device error (out of memory): the challenge fails, the worker goes on
+            logger.warning("Speed challenge from %s failed here: %s", client_id[-8:], e)
+            return protocol.encode(Error.of(JobFailed(f"speed challenge failed on this worker: {type(e).__name__}")))
+
+    # --- jobs: the stream door (any size) --------------------------------------------------------------------------
+
+    async def job(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  host: str = "") -> None:
+        self.admission.stream_opened()
+        self.admission.came_from(client_id, host)
+        try:
+            submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
+            payloads = StreamPayloads(reader, writer, self.jobs.limits, self.jobs.spool_dir, self.jobs.fetcher)
+            answer = await self.jobs.execute(client_id, submit, payloads, reader, host)
+            await self._reply(answer, writer, client_id, host)
+            if answer.receipt is not None:  # a session step billed later has nothing to settle now
+                await self._settle_from_stream(client_id, answer.receipt, reader)
+        except ProtocolError as e:
+            metrics.JOBS.labels("protocol_error").inc()
+            logger.info("Stream from %s dropped (malformed, stalled or broken): %s", client_id[-8:], e)
+            await _try_send(writer, Error.of(e), reader)
+        except GpunetError as e:  # refused, failed or timed out: the client gets the reason
+            await _try_send(writer, Error.of(e, queue=self.admission.queue_length), reader)
+        except Exception as e:  # never let one stream take the worker down
+            logger.exception("Unexpected error while serving %s", client_id[-8:])
+            await _try_send(writer, Error.of(JobFailed(f"worker error: {type(e).__name__}")), reader)
+        finally:
+            writer.close()
+            self.admission.stream_closed()
+
+    async def _settle_from_stream(self, client_id: str, receipt: Receipt, reader) -> None:
+        """Wait briefly for the countersignature on the stream; without it the receipt stays in the unpaid list."""
+        try:
+            message = await protocol.read(reader, Countersign, Refuse, timeout=COUNTERSIGN_TIMEOUT)
+        except ProtocolError:
+            logger.warning("Client %s did not countersign job %s: recorded as unpaid", client_id[-8:], receipt.job_id[:12])
+            # Its countersignature may still come with a later job or batch: awaited with the unary door's, not
+            # looked up among the kept results (they are for retries, and others' results push them out).
+            self.billing.awaiting.expect(client_id, receipt)
+            return
+        try:
+            if message.job_id != receipt.job_id:
+                raise ProtocolError("the settlement names another job than the one delivered on this stream")
+            self.billing.awaiting.settle(client_id, message, receipt)
+            self.billing.books.flush()  # off the job's path already (the answer has gone): make the payment durable
+        except GpunetError as e:
+            logger.warning("Bad settlement from %s for job %s: %s", client_id[-8:], receipt.job_id[:12], e)
+
+    async def _reply(self, answer: Answer, writer, client_id: str, host: str) -> None:
+        """The answer, within the time its size allows: a client that stops reading does not pin it here for long,
+        and while it is written its bytes count against its client's share of the payload buffer (Admission.hold):
+        one that does not read its answers has its next payloads refused, not this process's memory filled."""
+        size = len(answer.outputs)
+        inline = size <= INLINE_BYTES
+        held = self._writing.get(id(answer))  # a retry's stream writes the same bytes: held once
+        if held is None:
+            self.admission.hold(size, client_id, host)
+            held = self._writing[id(answer)] = [0, client_id, host]
+        held[0] += 1
+        try:
+            async with asyncio.timeout(protocol.payload_deadline(size)):
+                await protocol.write(writer, Result(size, _receipt_bytes(answer),
+                                                    answer.outputs if inline else None, answer.input_hash))
+                if not inline:
+                    await protocol.write_payload(writer, answer.outputs)
+        except (TimeoutError, ProtocolError) as e:
+            if answer.receipt is not None:  # it may have got the receipt, and countersign it later
+                self.billing.awaiting.expect(client_id, answer.receipt)
+            if isinstance(e, TimeoutError):
+                raise ProtocolError("the client stopped reading the result") from None
+            raise
+        finally:
+            held[0] -= 1
+            if not held[0]:
+                del self._writing[id(answer)]
+                self.admission.release_bytes(size, held[1], held[2])
+        metrics.BYTES_OUT.inc(size)
+
+    # --- jobs: the unary door (small jobs whose program the worker holds: one round trip) ----------------------------
+
+    async def run(self, request: bytes, client_id: str) -> bytes:
+        try:
+            submit = protocol.decode(request, Submit)
+            if submit.settle_malformed:
+                logger.warning("Ignored %d malformed countersignature(s) from %s (the job itself is served)",
+                               submit.settle_malformed, client_id[-8:])
+            self.billing.awaiting.ride_along(client_id, submit.settle)  # checked and filed after the reply
+            host = self.admission.unary_host(client_id)
+            if host is None:
+                raise NeedsStream()  # the unary door does not see the peer's address: the stream door does
+            answer = await self.jobs.execute(client_id, submit, UnaryPayloads(), None, host)
+            if len(answer.outputs) > UNARY_OUTPUT_BYTES:
+                return protocol.encode(UseStream())  # the answer waits in the recent results for the stream retry
+            if answer.receipt is not None:
+                self.billing.awaiting.expect(client_id, answer.receipt)  # countersigned by a later call
+            return protocol.encode(Result(len(answer.outputs), _receipt_bytes(answer), answer.outputs,
+                                          answer.input_hash))
+        except (NeedsStream, ProgramNotCached):  # the stream door can resend the program
+            return protocol.encode(UseStream())
+        except GpunetError as e:
+            return protocol.encode(Error.of(e, queue=self.admission.queue_length))
+        except Exception as e:
+            logger.exception("Unexpected error while serving %s", client_id[-8:])
+            return protocol.encode(Error.of(JobFailed(f"worker error: {type(e).__name__}")))
+
+    async def settle(self, request: bytes, client_id: str) -> bytes:
+        try:
+            message = protocol.decode(request, Countersign, Refuse, SettleBatch)
+            if isinstance(message, SettleBatch):
+                if message.malformed:
+                    logger.warning("Ignored %d malformed countersignature(s) from %s", message.malformed, client_id[-8:])
+                await self.billing.awaiting.batch(client_id, message.items)
+            else:
+                self.billing.awaiting.settle(client_id, message)
+                self.billing.books.flush()
+            return protocol.encode(Ok())
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+
+    async def cancel(self, request: bytes, client_id: str) -> bytes:
+        """A client stops one of its own jobs, or ends one of its sessions (its state is freed, its tab billed)."""
+        try:
+            message = protocol.decode(request, Cancel, CloseSession)
+            if isinstance(message, CloseSession):
+                closed, receipt = await self.jobs.sessions.close(client_id, message.session_id, message.received)
+                return protocol.encode(SessionClosed(closed, receipt.to_bytes() if receipt else None))
+            return protocol.encode(Ok(cancelled=self.jobs.cancel(client_id, message.job_id)))
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+
+    # --- pushed steps: span to span without the client in between (docs/sessions.md) --------------------------------
+
+    async def push(self, request: bytes, sender_id: str) -> bytes:
+        """Another worker's output for the next step of a session held here."""
+        try:
+            self.jobs.handoff.offer(sender_id, protocol.decode(request, Push))
+            return protocol.encode(Ok())
+        except GpunetError as e:
+            return protocol.encode(Error.of(e))
+
+
+def _receipt_bytes(answer: Answer) -> bytes:
+    """An answer's receipt as sent; empty for a session step its session's tab bills later."""
+    return answer.receipt.to_bytes() if answer.receipt is not None else b""
+
+
+async def _try_send(writer, message: Error, reader=None) -> None:
+    """Tell the peer why, if it is still reading; a peer that stopped reading gets the connection cut instead.
+
+    ``reader``: what the peer sent that was not read (the rest of a refused upload, bytes after a bad frame) is read
+    and dropped until it hangs up (for at most LINGER seconds and bytes): closing a libp2p stream with unread bytes in
+    it resets the stream, and a reset throws away our answer before the peer has read it."""
+    try:
+        async with asyncio.timeout(2.0):
+            await protocol.write(writer, message)
+    except Exception:
+        writer.transport.abort()
+        return
+    if reader is None:
+        return
+    try:
+        async with asyncio.timeout(LINGER):
+            dropped = 0
+            while dropped < LINGER_BYTES and (chunk := await reader.read(64 * 1024)):
+                dropped += len(chunk)
+    except (TimeoutError, ConnectionError, OSError, RuntimeError):  # RuntimeError: a read of ours still pending
+        pass

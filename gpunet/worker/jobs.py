@@ -1,0 +1,501 @@
+"""The job path on a worker: screen, de-duplicate, receive, wait its turn, run, sign. Both job doors
+(:mod:`gpunet.worker.doors`) call :meth:`Jobs.execute`; what to take is decided by the pure
+:mod:`~gpunet.worker.state.admission`, whose turn it is by :mod:`~gpunet.worker.turns`, what a run earns by
+:mod:`~gpunet.worker.billing`, and a session step's bookkeeping by :mod:`~gpunet.worker.sessions`.
+
+Job ids are per client: the same (client, job id) is never run twice; a repeat waits for, or gets, the first run's
+answer and the same receipt, so a retry is never billed twice. Every size is checked before it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+from gpunet.errors import (
+    DeadlineUnreachable,
+    ExecutorDied,
+    GpunetError,
+    JobFailed,
+    JobPreempted,
+    JobRejected,
+    JobTimeout,
+    SessionLost,
+    WorkerBusy,
+    WorkerDraining,
+)
+from gpunet.identity import Identity
+from gpunet.ledger import tabs
+from gpunet.ledger.receipts import Receipt
+from gpunet.ledger.store import Ledger
+from gpunet.protocol import INTERACTIVE, Submit
+from gpunet.rpc import RPC
+from gpunet.utils import LRU, wait_out
+from gpunet.worker import metrics
+from gpunet.worker.billing import Billing
+from gpunet.worker.executor import DryRun
+from gpunet.worker.faults import NONE, Faults
+from gpunet.worker.handoff import Handoff
+from gpunet.worker.payloads import Inputs
+from gpunet.worker.peers import Fetcher, PieceServer
+from gpunet.worker.proofs import Prover
+from gpunet.worker.sessions import SessionHost
+from gpunet.worker.state.admission import Admission
+from gpunet.worker.state.lanes import Ticket
+from gpunet.worker.state.limits import SessionLimits, SessionRun
+from gpunet.worker.state.owners import Owners
+from gpunet.worker.state.pushes import Pushes
+from gpunet.worker.turns import Turns
+from gpunet.worker.uploads import Upload, Uploads, content_hash
+
+logger = logging.getLogger("gpunet.worker")
+
+#: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
+#: accident an honest client makes often, and each one costs the worker a torch import.
+CRASH_WEIGHT = 5
+MAX_RECENT_RESULTS = 4096
+
+
+@dataclass
+class Answer:
+    """What the worker answers a job with: its outputs and receipt (and, for a session step, what it cost, billed
+    later by its session's tab)."""
+
+    outputs: bytes
+    receipt: Receipt | None  # None: a session step its session's tab bills later (gpunet.ledger.tabs)
+    state_bytes: int = 0  # a session step: what the session's state holds on this worker
+    flops: int = 0
+    wall_time_us: int = 0
+    started_at_us: int = 0
+    ended_at_us: int = 0
+    input_hash: str | None = None  # a step whose input was pushed: what it ran on, for its client to compare
+
+
+@dataclass
+class _Job:
+    """An admitted job: its answer to come (a retry of the same id waits for it), once running its task, and the
+    program's bytes if this job brought them (other jobs for that program use this copy meanwhile)."""
+
+    answer: asyncio.Future
+    run: asyncio.Task | None = None
+    ticket: Ticket | None = None  # its place in the lanes, once its bytes are in
+    upload: Upload | None = None
+    got: Inputs | None = None  # its bytes, once here
+    session: SessionRun | None = None  # a session step, once begun
+    charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
+    awaits_push: str | None = None  # the session whose pushed input this step waits for (a cancel calls that off)
+    pushed: bytes | None = None  # the pushed input it took (given back if the step is refused as busy: it is retried)
+
+
+class Jobs:
+    """The jobs of one worker, from admission to receipt, and the rooms they pass through."""
+
+    def __init__(self, *, identity: Identity, executor, ledger: Ledger, admission: Admission,
+                 record: Callable[[], Any], spool_dir: str | None = None, device: str = "cpu",
+                 peer_rate: float | None = None, session_limits: SessionLimits | None = None, faults: Faults = NONE):
+        """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
+        ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap);
+        ``spool_dir``: where big inputs are written as they arrive (None: kept in memory)."""
+        self.identity, self.executor, self.admission, self.limits = identity, executor, admission, admission.limits
+        self.spool_dir, self.faults = spool_dir, faults
+        # Finished answers, kept for retries of the same job id; one client's up to its share of the bytes (its own
+        # oldest go first: one big answer, or many, must not push every other client's out).
+        self.results: LRU[tuple[str, str], Answer] = LRU(
+            MAX_RECENT_RESULTS, self.limits.recent_results_bytes, owner=lambda key: key[0],
+            share=self.limits.buffer_share)
+        self.billing = Billing(identity, ledger, admission, find_receipt=self._recent_receipt)
+        self.turns = Turns(admission, executor)
+        pushes = Pushes()
+        self.sessions = SessionHost(session_limits or SessionLimits(), executor, self.billing, pushes)
+        self.handoff = Handoff(identity.peer_id, self.sessions.sessions, pushes, self.limits, faults)
+        self.prover = Prover(admission, record, device)
+        self.owners = Owners(executor.has_program if executor is not None else lambda h: False)
+        self.uploads = Uploads()
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
+        # programs this worker lacks fetched from them (set up once the network is there).
+        disk = getattr(executor, "disk", None)
+        self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
+                                        corrupt=faults.corrupt_pieces) if disk is not None else None
+        self.fetcher: Fetcher | None = None
+
+    @property
+    def lanes(self):
+        return self.turns.lanes
+
+    async def start(self, rpc: RPC) -> None:
+        self.handoff.rpc = rpc
+        self.sessions.start()
+        if self.piece_server is not None:
+            await self.piece_server.start(rpc)
+            self.fetcher = Fetcher(rpc, self.identity.peer_id)
+
+    async def stop(self) -> None:
+        self.admission.drain()
+        self.sessions.stop()
+        self.handoff.stop()
+
+    def _public_upload_coming(self, program_hash: str) -> bool:
+        upload = self.uploads.coming(program_hash)
+        return upload is not None and not upload.private and program_hash not in self.owners
+
+    def _recent_receipt(self, key: tuple[str, str]) -> Receipt | None:
+        answer = self.results.get(key)
+        return answer.receipt if answer is not None else None
+
+    def busy(self, why: str = "worker queue is full") -> WorkerBusy:
+        metrics.JOBS.labels("busy").inc()
+        return WorkerBusy(why, self.admission.queue_length)
+
+    # --- the path ---------------------------------------------------------------------------------------------------
+
+    async def execute(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Answer:
+        """Admit, de-duplicate and run one job; WorkerBusy when the worker (or this client's share of it) is full.
+        ``payloads`` brings what the job lacks (gpunet.worker.payloads); ``reader``: the stream its client hangs up
+        on (None: the unary door)."""
+        if submit.session is None:
+            return await self._admit_and_run(client_id, submit, payloads, reader, host)
+        # A session step moves its session's state on in the executor: once begun, it is seen through with its
+        # bookkeeping, whatever becomes of the door that carried it (the daemon cancels a unary call whose caller
+        # has gone), and its answer waits in the recent results for the client's retry.
+        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host))
+        step.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
+        return await asyncio.shield(step)
+
+    async def _admit_and_run(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Answer:
+        """A job whose bytes must still arrive takes no queue place while they do (see
+        :mod:`~gpunet.worker.state.admission`): it counts as an upload of its client and address, its payload is
+        charged to the buffer budget before it is read, and it is admitted once the bytes are in."""
+        key = (client_id, submit.job_id)
+        self.admission.screen(client_id, submit, host=host)
+        known = self.results.get(key)
+        if known is not None:  # a retry of a finished job: same answer, same receipt, no second bill
+            return known
+        if key in self._jobs:  # a retry while the first run is still going: wait for it
+            return await asyncio.shield(self._jobs[key].answer)
+        need_program = self._screen_new(client_id, submit, host)
+        if submit.session is not None and submit.session.input_from is not None:  # its input comes from a peer
+            self.handoff.may_wait(client_id, submit, need_program)
+        payloads.precheck(submit, need_program)
+        uploading = need_program or submit.inputs is None
+        if uploading and not self.admission.begin_upload(client_id, host):
+            raise self.busy("this client (or its address) has as many uploads in progress as this worker takes")
+        job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
+        try:
+            answer = await self._bring_and_run(key, job, submit, payloads, reader, host, need_program, uploading)
+        except BaseException as e:
+            self._not_answered(client_id, submit, job, e)
+            raise
+        finally:
+            self._let_go(key, job, submit, host)
+        self.results.put(key, answer, len(answer.outputs))
+        return answer
+
+    def _screen_new(self, client_id: str, submit: Submit, host: str) -> bool:
+        """What a job not seen before must pass before any of its bytes are read; returns whether it must bring its
+        program."""
+        self.admission.check_share(client_id, host)  # (a retry adds nothing: its answer is held already)
+        # One job, one receipt, ever: a second receipt for a client's job id would read as fraud by this worker (and
+        # a run nobody pays for). Job ids are each client's own: another client using the same id (guessed, or seen
+        # while running a replica) is a different job, so it can neither block nor take over this one. (A session
+        # step is billed in its session's tabs, under job ids no step can take: no receipt is kept under its own.)
+        if submit.session is None and self.billing.books.signed(client_id, submit.job_id) is not None:
+            raise JobRejected(f"job id {submit.job_id[:16]} was already run here and its result is no longer kept; "
+                              "use a fresh job id")
+        if tabs.parse(submit.job_id) is not None:
+            raise JobRejected("job ids of the form <session>.<nonce>.<first>-<last> name session tabs; use another")
+        if submit.session is not None and submit.lane != INTERACTIVE:
+            raise JobRejected("session steps are interactive: a step stopped for another job would lose the state")
+        if not self.admission.has_room(client_id, submit.lane):  # busy or draining first: no use switching doors
+            raise self.busy()
+        if submit.deadline is not None:
+            self.turns.check_deadline(submit)
+        return not self._holds_for(client_id, submit.program)
+
+    async def _bring_and_run(self, key: tuple[str, str], job: _Job, submit: Submit, payloads, reader, host: str,
+                             need_program: bool, uploading: bool) -> Answer:
+        client_id = key[0]
+        pushed = submit.session is not None and submit.session.input_from is not None
+        with self._upload_place(client_id, host, uploading):
+            if pushed:
+                submit = await self._pushed_input(client_id, job, submit)
+            job.got = await self._receive(client_id, job, submit, payloads, need_program,
+                                          charge=partial(self._charge, job, client_id, host))
+        # Once its bytes are here: a slow upload must not hold a session place (or its reserved memory).
+        job.session = self.sessions.begin(client_id, submit, host, job.answer)
+        got = job.got
+        metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
+        await self._check_capability(client_id, submit, got)
+        with self._admitted(client_id, submit.lane):
+            answer = await self._run(key, job, submit, reader, host)
+        if pushed:
+            answer.input_hash = got.input_hash
+        if job.session is not None:
+            answer.receipt = self.sessions.done(
+                client_id, submit, job.session, answer.outputs, answer.state_bytes, got.input_hash, answer.flops,
+                answer.wall_time_us, answer.started_at_us, answer.ended_at_us, host)
+        job.answer.set_result(answer)
+        if submit.session is not None and submit.session.push_to is not None:
+            self.handoff.push_on(client_id, submit.session.push_to, answer.outputs)
+        return answer
+
+    async def _check_capability(self, client_id: str, submit: Submit, got: Inputs) -> None:
+        """A private program (or one another client holds as private) runs from bytes only if they are the
+        program's: the bytes are the capability (an executor holding it in memory would otherwise run it whatever
+        was sent). Recorded before it runs: once an executor holds it, the entry is what keeps it from others."""
+        owns = self.owners.owns(submit.program, client_id)
+        marks_private = submit.private and submit.program not in self.executor.disk  # public stays public
+        if got.program is not None and (owns is False or marks_private):
+            if await asyncio.to_thread(content_hash, got.program) != submit.program:
+                raise JobRejected("the program bytes sent do not match the program's hash")
+            self.owners.add(submit.program, client_id)
+
+    def _not_answered(self, client_id: str, submit: Submit, job: _Job, error: BaseException) -> None:
+        """What a job that did not end well leaves behind, in order: a pushed input held again for the retry of a step
+        refused as busy; the next span told to ask the client; the session's bookkeeping; the retries waiting on it."""
+        step = submit.session
+        busy = isinstance(error, WorkerBusy) and not isinstance(error, WorkerDraining)
+        if busy and job.pushed is not None:  # busy for a moment: its client asks again (the step did not run)
+            self.handoff.give_back(client_id, submit, job.pushed)
+        if not busy and step is not None and step.push_to is not None and self.sessions.is_open(client_id, step.id):
+            self.handoff.push_on(client_id, step.push_to, None)  # the next span's worker asks the client
+        if job.session is not None:
+            self.sessions.failed(client_id, submit, job.session, error)
+        job.answer.set_exception(error if isinstance(error, GpunetError)
+                                 else JobFailed(f"job did not finish: {type(error).__name__}"))
+        job.answer.exception()  # retrieved: a waiting retry gets it, an unwatched one does not warn
+
+    def _let_go(self, key: tuple[str, str], job: _Job, submit: Submit, host: str) -> None:
+        """Whatever became of it, the job gives back what it held."""
+        del self._jobs[key]
+        if job.session is not None:
+            self.sessions.finished(key[0], submit.session.id)
+        if job.upload is not None:  # run or not, the program is cached now or will not be from this copy
+            self.uploads.end(job.upload)
+        self.admission.release_bytes(job.charged, key[0], host)
+        if job.got is not None:
+            job.got.release()
+        job.got = job.upload = None
+
+    @contextlib.contextmanager
+    def _upload_place(self, client_id: str, host: str, uploading: bool):
+        try:
+            yield
+        finally:
+            if uploading:
+                self.admission.upload_done(client_id, host)
+
+    @contextlib.contextmanager
+    def _admitted(self, client_id: str, lane: str):
+        if not self.admission.admit(client_id, lane):
+            raise self.busy()
+        try:
+            yield
+        finally:
+            self.admission.released(client_id, lane)
+
+    # --- its bytes --------------------------------------------------------------------------------------------------
+
+    async def _pushed_input(self, client_id: str, job: _Job, submit: Submit) -> Submit:
+        job.awaits_push = submit.session.id
+        try:
+            submit = await self.handoff.input_of(client_id, submit)
+        finally:
+            job.awaits_push = None
+        job.pushed = submit.inputs
+        return submit
+
+    def _holds_for(self, client_id: str, program_hash: str) -> bool:
+        """Whether this client's job may run without sending the program: it is held here, and not private to
+        others."""
+        if self.owners.owns(program_hash, client_id) is False:
+            return False
+        return self.executor.has_program(program_hash)
+
+    def _charge(self, job: _Job, client_id: str, host: str, nbytes: int, dry: bool = False) -> None:
+        self.admission.charge(nbytes, client_id, host, dry=dry)
+        if not dry:
+            job.charged += nbytes
+
+    async def _receive(self, client_id: str, job: _Job, submit: Submit, payloads, need_program: bool,
+                       charge: Callable[[int], None]) -> Inputs:
+        """What the job lacks, each program crossing the link once: a job whose program is already on its way in (or
+        being loaded) for another job uses that copy instead of asking its own client for one more."""
+        tried: set[Upload] = set()
+        while need_program:
+            upload = self.uploads.coming(submit.program)
+            if upload is None or upload in tried:
+                break  # none on its way (or only one we gave up on): this job brings its own
+            if (submit.program in self.owners or upload.private) and upload.client_id != client_id:
+                break  # another client's copy of a private program: holding the weights is what lets one run it
+            tried.add(upload)
+            program = await upload.share()
+            if program is not None:
+                got = await payloads.fetch(submit, need_program=False, charge=charge)
+                got.program = program
+                return got
+            # That copy failed or is too slow. The program may have been loaded meanwhile, or another job may have
+            # taken over bringing it: look again.
+            need_program = not self._holds_for(client_id, submit.program)
+        if not need_program:
+            return await payloads.fetch(submit, need_program=False, charge=charge)
+        job.upload = self.uploads.begin(submit.program, client_id, private=submit.private)
+        got = await payloads.fetch(submit, need_program=True, charge=charge)
+        job.upload.arrived(got.program)
+        return got
+
+    # --- its run ----------------------------------------------------------------------------------------------------
+
+    async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, reader, host: str = "") -> Answer:
+        """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the
+        client hanging up. Either way the run is stopped (see Executor.run), so abandoned work stops using the machine.
+
+        A session step is the exception to the hang-up: it runs to its end (within its time limit). Its client asks
+        for it again (a stream can break on the way without anyone leaving) and gets the answer it missed; cut short,
+        the step would cost the span a move and a replay elsewhere."""
+        job.ticket = Ticket(key[0], submit.lane, submit.max_price, host=host, job=key[1])
+        job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket))
+        self.turns.track(job.ticket, job.run)
+        # The client sends nothing between its payload and our answer, so any byte or EOF here means it is gone.
+        gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
+        tasks = {job.run, gone} if gone is not None else {job.run}
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if job.session is not None and not job.run.done():
+                await asyncio.wait([job.run])
+        finally:
+            for task in tasks:  # the job if still running (a hang-up, a cancel), and always the watch
+                task.cancel()
+            # Let the job give back its slot and executor before we answer; the reader is free again only once the
+            # watch has really ended. A second cancel of ours must not leave either behind.
+            await wait_out(*tasks)
+            self.turns.untrack(job.ticket)
+        stopped = job.run.cancelled() or isinstance(job.run.exception(), JobPreempted)
+        if stopped and job.ticket.preempted and self.turns.leaving:
+            raise self.turns.leaving_error()
+        if stopped and job.ticket.preempted and self.admission.paused is not None:
+            raise self.admission.pause_error()  # the owner took the machine back: run it elsewhere
+        if job.run.cancelled():
+            if job.ticket.preempted:
+                raise JobPreempted("an interactive job needed this worker's slot: the job was stopped, not billed; "
+                                   "run it again elsewhere or later", self.admission.queue_length)
+            raise JobFailed("job stopped before it finished: its client cancelled it or went away")
+        return job.run.result()
+
+    async def _run_now(self, key: tuple[str, str], submit: Submit, got: Inputs, host: str,
+                       session: SessionRun | None, ticket: Ticket) -> Answer:
+        client_id, job_id = key
+        await self.turns.wait(ticket, submit.deadline)
+        timeout = submit.timeout
+        if submit.deadline is not None:  # due by then: it never runs past it
+            timeout = min(timeout, submit.deadline - time.time())
+            if timeout <= 0:
+                self.turns.ended(ticket, 0.0)
+                raise DeadlineUnreachable("the job's deadline passed as it was about to start")
+        if session is not None and session.step > 0:  # its executor must be free: lower lanes' work there stops
+            for other in self.executor.running_where(session.key):
+                if other.lane != INTERACTIVE:
+                    self.turns.stop_run(other)
+        self.admission.started()
+        done = False
+        started, clock = time.time(), time.monotonic()
+        logger.debug("Running job %s for client %s (%s lane)", job_id[:12], client_id[-8:], ticket.lane)
+        dry = DryRun()  # what its dry run took, whatever happens (see _dry_run_cost)
+        try:
+            with metrics.JOB_SECONDS.time():
+                # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
+                # Tagged with its ticket: the pool can stop it (preempted, paused) and say where it runs.
+                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=timeout,
+                                                 private=submit.private or submit.program in self.owners,
+                                                 tag=ticket, spare_sessions=session is None, dry=dry,
+                                                 **({"session": session} if session is not None else {}))
+            done = True
+            self._dry_run_cost(client_id, host, dry, billed=True)
+        except BaseException as e:
+            self._run_failed(key, submit, ticket, host, dry, e)
+            raise
+        finally:
+            self.admission.ended(done)
+            self.turns.ended(ticket, time.monotonic() - clock)
+        ended = max(time.time(), started)  # a clock stepped back mid-job must not make the receipt unsignable
+        outputs = self.faults.outputs(result.outputs)
+        metrics.JOBS.labels("done").inc()
+        if submit.session is not None:  # billed by its session's tab (see SessionHost.done)
+            return Answer(outputs, None, result.state_bytes, int(result.flops), int(result.wall_time * 1e6),
+                          int(started * 1e6), int(ended * 1e6))
+        receipt = self.billing.job(key, submit, ticket, got.input_hash, outputs, result.flops, result.wall_time,
+                                   started, ended)
+        logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
+                     ended - started, result.flops / 1e9)
+        return Answer(outputs, receipt)
+
+    def _run_failed(self, key: tuple[str, str], submit: Submit, ticket: Ticket, host: str, dry: DryRun,
+                    error: BaseException) -> None:
+        """What a run that did not end well counts against its client, and the unbilled work it leaves."""
+        client_id, job_id = key
+        if isinstance(error, (ExecutorDied, JobTimeout)):  # the job cost this worker its executor: counted
+            metrics.JOBS.labels(type(error).__name__).inc()
+            self._dry_run_cost(client_id, host, dry)
+            self.admission.stopped_running(client_id, weight=CRASH_WEIGHT if isinstance(error, ExecutorDied) else 1,
+                                           host=host)
+            if isinstance(error, ExecutorDied):
+                logger.warning("Job %s for client %s killed its executor: %s", job_id[:12], client_id[-8:], error)
+            self.billing.unbilled(key, submit, "timed_out" if isinstance(error, JobTimeout) else "failed", str(error))
+        elif isinstance(error, JobPreempted):  # stopped at a node boundary (the worker's doing): nothing counts
+            self._preempted(key, submit)
+        elif isinstance(error, GpunetError):
+            metrics.JOBS.labels(type(error).__name__).inc()
+            self._dry_run_cost(client_id, host, dry)
+            if isinstance(error, JobFailed) and not isinstance(error, SessionLost):  # it ran, and broke: its own error
+                self.billing.unbilled(key, submit, "failed", str(error))
+                if ticket.victim is not None:  # another client's job was stopped for one that fails: not free
+                    self.admission.stopped_running(client_id, host=host)
+        elif isinstance(error, asyncio.CancelledError):
+            if ticket.preempted:  # the worker's choice, not the client's doing: nothing counts against it
+                self._preempted(key, submit)
+                return
+            metrics.JOBS.labels("cancelled").inc()
+            self._dry_run_cost(client_id, host, dry)
+            self.admission.stopped_running(client_id, host=host)
+            logger.info("Job %s for client %s stopped while running (cancelled, or the client went away)",
+                        job_id[:12], client_id[-8:])
+            self.billing.unbilled(key, submit, "cancelled", "its client cancelled it or went away while it ran")
+
+    def _preempted(self, key: tuple[str, str], submit: Submit) -> None:
+        if self.turns.leaving:
+            metrics.JOBS.labels("drained").inc()
+            self.billing.unbilled(key, submit, "drained", "stopped: this worker left the network before it finished")
+            return
+        if self.admission.paused is not None:
+            metrics.JOBS.labels("paused").inc()
+            self.billing.unbilled(key, submit, "paused", f"stopped: this worker paused ({self.admission.paused})")
+            return
+        metrics.JOBS.labels("preempted").inc()
+        logger.info("Batch job %s for client %s stopped for an interactive job (not billed; its client runs it again)",
+                    key[1][:12], key[0][-8:])
+        self.billing.unbilled(key, submit, "preempted", "stopped for an interactive job; its client runs it again")
+
+    def _dry_run_cost(self, client_id: str, host: str, dry: DryRun, billed: bool = False) -> None:
+        """Count a dry run's time against its client like stopped jobs (Admission.dry_ran); one stopped before it
+        ended (the run timed out or was cancelled) counts what it may have been."""
+        seconds = dry.cost(time.monotonic())
+        if seconds and self.admission.dry_ran(client_id, seconds, billed=billed, host=host):
+            logger.info("A dry run for client %s took %.2f s (%s): counted against it", client_id[-8:], seconds,
+                        "billed" if billed else "not billed")
+
+    # --- a client's call to stop one -------------------------------------------------------------------------------
+
+    def cancel(self, client_id: str, job_id: str) -> bool:
+        """A client stops one of its own jobs (queued or running: see Executor.run for how a run stops); whether it
+        was stopped. A step still waiting for its pushed input stops waiting."""
+        job = self._jobs.get((client_id, job_id))
+        if job is not None and job.awaits_push is not None:
+            self.handoff.pushes.call_off(client_id, job.awaits_push)
+            return True
+        # Only a job still running can be stopped (cancel() is False for one that has just finished).
+        return job is not None and job.run is not None and job.run.cancel()

@@ -1,0 +1,183 @@
+"""What a job lacks, read from where it comes: the stream door asks the client (or the peers it names) for the
+program and inputs and reads them, capped and charged before a byte is read; the unary door has only what came
+inline. Big streamed inputs are spooled to an unlinked file, so they reach the executor as page cache."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+from gpunet import protocol
+from gpunet.errors import ProtocolError
+from gpunet.protocol import FRAME_TIMEOUT, Payload, Pieces, Send, Submit
+from gpunet.utils import sha256_hex
+from gpunet.worker.peers import Fetcher
+from gpunet.worker.state.limits import ServiceLimits
+
+#: Streamed inputs at least this big are written to an unlinked file as they arrive (when the worker has a spool
+#: directory) and reach the executor as that file's descriptor: page cache, not the worker's heap.
+SPOOL_BYTES = 32 * 2**20
+
+
+@dataclass
+class Inputs:
+    """A job's bytes once here: its program (None: the worker holds it), its inputs, and their hash."""
+
+    program: bytes | bytearray | None
+    inputs: "bytes | bytearray | Spooled"
+    input_hash: str
+
+    def release(self) -> None:
+        """Let go of the payload now (a failure's traceback keeps the job's frame, and its future the failure): an
+        abandoned upload's memory is freed now, not whenever the cycle collector runs."""
+        if isinstance(self.inputs, bytearray):
+            try:
+                self.inputs.clear()
+            except BufferError:  # still viewed somewhere (never by us once the job is over): it goes with its view
+                pass
+        elif isinstance(self.inputs, Spooled):
+            self.inputs.close()  # unlinked already: closing gives the disk space back
+
+
+class Spooled:
+    """A payload in an unlinked temporary file: its size, and its descriptor for the executor to map."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size = file, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class NeedsStream(Exception):
+    """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
+
+
+class StreamPayloads:
+    """Asks the client for what the worker lacks (program, inputs) and reads it, capped, from the stream. A program
+    may come from peers instead (``fetcher``): the client then sends who holds it and each piece's digest."""
+
+    def __init__(self, reader, writer, limits: ServiceLimits, spool_dir: str | None = None,
+                 fetcher: "Fetcher | None" = None):
+        self.reader, self.writer, self.limits, self.spool_dir = reader, writer, limits, spool_dir
+        self.fetcher = fetcher
+
+    def precheck(self, submit: Submit, need_program: bool) -> None:
+        pass  # the stream can carry anything
+
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> Inputs:
+        need_inputs = submit.inputs is None
+        if not (need_program or need_inputs):
+            return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
+        from_peers = need_program and self.fetcher is not None and not submit.private
+        await protocol.write(self.writer, Send(need_program, need_inputs, pieces=from_peers))
+        reply = await protocol.read(self.reader, Payload, Pieces, timeout=FRAME_TIMEOUT) if from_peers else \
+            await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        pieces = reply if isinstance(reply, Pieces) else None
+        if pieces is not None:
+            payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+            if payload.program_size is not None:
+                raise ProtocolError("a client that named holders of the program must not send it as well")
+        else:
+            payload = reply
+        if need_inputs and payload.inputs_size != submit.inputs_size:
+            raise ProtocolError("inputs payload size differs from the size the submit declared")
+        # Every declared size is checked against its cap and charged to the worker's buffer before a byte is read.
+        protocol.check_payload_size(submit.inputs_size if need_inputs else 0, self.limits.max_input_bytes, "inputs")
+        program_size = pieces.size if pieces is not None else payload.program_size
+        if need_program:
+            protocol.check_payload_size(program_size, self.limits.max_program_bytes, "program")
+        # A program from peers is charged once its first piece is here (or before the client sends it after all):
+        # holders a client names may never deliver, and waiting for them must not hold the budget.
+        charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program and pieces is None else 0))
+        if pieces is not None:
+            charge(program_size, dry=True)  # one that could never fit, or no room now: said before waiting on peers
+        program = None
+        if need_program and pieces is None:
+            program = await self._read_program(program_size)
+        inputs = await self._read_inputs(submit) if need_inputs else None
+        if pieces is not None:
+            program = await self._from_peers(submit, pieces, charge)
+        if not need_inputs:
+            return Inputs(program, submit.inputs, sha256_hex(submit.inputs))
+        inputs.program = program
+        return inputs
+
+    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None]) -> bytes | bytearray:
+        """The program from the peers the client named (every piece checked; the executor checks the whole against
+        its hash as it loads it, as for any program), else from the client after all. ``charge``: the budget, charged
+        the program's size once, when its bytes start to come (from a peer, or from the client)."""
+        charged = False
+
+        def first_piece() -> None:
+            nonlocal charged
+            charge(pieces.size)
+            charged = True
+
+        # At most half the job's time (the client then still has the rest to send it), and no longer than the client
+        # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
+        fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders,
+                                                         submit.timeout / 2, coming=pieces.coming,
+                                                         on_first=first_piece))
+        gone = asyncio.ensure_future(self.reader.read(1))
+        try:
+            await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+            gone.cancel()
+            # Both settled before the stream is read again: a read still pending would refuse the next one, or
+            # take the first byte of the client's next frame.
+            await asyncio.gather(fetch, gone, return_exceptions=True)
+        if not gone.cancelled():  # EOF, or a byte the client had no business sending yet
+            raise ProtocolError("the client hung up while the program was being fetched from peers")
+        fetched = fetch.result()
+        if fetched is not None:
+            return fetched  # a bytearray, not copied: the executor takes any bytes-like program
+        if not charged:
+            charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
+        await protocol.write(self.writer, Send(True, False))
+        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        if payload.program_size != pieces.size or payload.inputs_size is not None:
+            raise ProtocolError("the program sent differs in size from the one the piece list describes")
+        return await self._read_program(payload.program_size)
+
+    async def _read_program(self, size: int) -> bytes:
+        return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
+                                                 timeout=protocol.payload_deadline(size if size is not None else 0)))
+
+    async def _read_inputs(self, submit: Submit) -> Inputs:
+        hasher = hashlib.sha256()
+        deadline = protocol.payload_deadline(submit.inputs_size)
+        if self.spool_dir is not None and submit.inputs_size >= SPOOL_BYTES:
+            spooled = Spooled(tempfile.TemporaryFile(dir=self.spool_dir), submit.inputs_size)
+            try:
+                await protocol.read_payload(self.reader, submit.inputs_size, self.limits.max_input_bytes, "inputs",
+                                            hasher, timeout=deadline, into=spooled.file)
+            except BaseException:
+                spooled.close()
+                raise
+            return Inputs(None, spooled, hasher.hexdigest())
+        inputs = await protocol.read_payload(self.reader, submit.inputs_size, self.limits.max_input_bytes, "inputs",
+                                             hasher, timeout=deadline)
+        return Inputs(None, inputs, hasher.hexdigest())  # a bytearray: no second copy of a large input
+
+
+class UnaryPayloads:
+    """The unary door has only what came inline: anything missing sends the client to the stream door."""
+
+    def precheck(self, submit: Submit, need_program: bool) -> None:
+        if need_program or submit.inputs is None:
+            raise NeedsStream()
+
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> Inputs:
+        return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
