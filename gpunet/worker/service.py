@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable
 
-from gpunet import protocol, speedproof, tensorframe
+from gpunet import protocol, speedproof
+from gpunet.protocol import tensorframe
 from gpunet.errors import (
     DeadlineUnreachable,
     ExecutorDied,
