@@ -39,7 +39,8 @@ from gpunet.errors import (
 from gpunet.identity import Identity
 from gpunet.ledger import tabs
 from gpunet.ledger.receipts import Receipt, sign_as_worker
-from gpunet.ledger.store import Ledger, Unbilled
+from gpunet.ledger.entries import Unbilled
+from gpunet.ledger.store import Ledger
 from gpunet.ledger.writer import LedgerWriter
 from gpunet.protocol import (
     BACKGROUND,

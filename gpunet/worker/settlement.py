@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 from gpunet.errors import GpunetError, JobRejected
 from gpunet.ledger.receipts import Receipt, attach_countersignature
-from gpunet.ledger.store import Unbilled
+from gpunet.ledger.entries import Unbilled
 from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures
 from gpunet.protocol import Countersign, Refuse
 from gpunet.utils import LRU, Debounce, When
