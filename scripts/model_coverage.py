@@ -30,27 +30,27 @@ def main() -> None:
     args = parser.parse_args()
     everything = models()
     zoo = [m for m in everything if not args.only or m.name in args.only]
-    outcomes = []
+    trials = []
     print(f"{'model':32} {'from':12} {'kind':7} {'result':9} {'seconds':>8}  detail")
     for model in zoo:
         o = try_model(model)
-        outcomes.append(o)
+        trials.append(o)
         print(f"{o.name:32} {o.source:12} {o.kind:7} {o.stage:9} {o.seconds:8.1f}  {o.detail[:100]}", flush=True)
-    ok = sum(o.ok for o in outcomes)
+    ok = sum(o.ok for o in trials)
 
     def tally(attr: str) -> str:
-        count = Counter((getattr(o, attr), o.ok) for o in outcomes)
-        keys = sorted({getattr(o, attr) for o in outcomes})
+        count = Counter((getattr(o, attr), o.ok) for o in trials)
+        keys = sorted({getattr(o, attr) for o in trials})
         return ", ".join(f"{k} {count[(k, True)]}/{count[(k, True)] + count[(k, False)]}" for k in keys)
 
     missing = [lib for lib in ("transformers", "torchvision", "timm") if not any(m.source == lib for m in everything)]
     if missing:
         print(f"\n(left out, not installed here: {', '.join(missing)}; torchvision and timm live in .venv-zoo, "
               "see scripts/zoo_venv.sh)")
-    print(f"\n{ok} of {len(outcomes)} convert and match eager (by kind: {tally('kind')}; by library: {tally('source')})")
+    print(f"\n{ok} of {len(trials)} convert and match eager (by kind: {tally('kind')}; by library: {tally('source')})")
     if args.json:
-        print(json.dumps({"benchmark": "model_coverage", "ok": ok, "total": len(outcomes),
-                          "models": [asdict(o) for o in outcomes]}))
+        print(json.dumps({"benchmark": "model_coverage", "ok": ok, "total": len(trials),
+                          "models": [asdict(o) for o in trials]}))
 
 
 if __name__ == "__main__":

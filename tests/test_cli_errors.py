@@ -1,5 +1,5 @@
 """Every command ends on an error the same way, seen through the real CLI: one ``error: ...`` line on stderr, no
-traceback, and the documented exit code (gpunet.cli_errors): 2 for unusable input, 1 for a runtime failure."""
+traceback, and the documented exit code (gpunet.cli.exits): 2 for unusable input, 1 for a runtime failure."""
 
 import pytest
 

@@ -11,7 +11,7 @@ import pytest
 from gpunet.errors import ConfigError
 from gpunet.ledger import Identity, open_ledger
 from gpunet.ledger.earnings import earnings, parse_since
-from gpunet.ledger.store import Unbilled
+from gpunet.ledger.entries import Unbilled
 from tests._ledger_util import T0_US, full_receipt, worker_signed
 from tests.swarm import run_cli
 

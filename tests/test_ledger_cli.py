@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpunet.ledger import Identity, Receipt, open_ledger
-from gpunet.ledger.cli import app
+from gpunet.cli.ledger import app
 from tests._ledger_util import full_receipt, worker_signed
 
 runner = CliRunner()

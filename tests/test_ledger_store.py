@@ -517,7 +517,7 @@ def test_a_schema_1_ledger_is_read_as_it_is_and_migrated_when_opened_for_writing
 
 def test_unbilled_work_is_noted_with_its_reason_bounded_and_a_schema_2_file_gains_the_table(tmp_path, monkeypatch):
     import gpunet.ledger.store as store
-    from gpunet.ledger.store import Unbilled
+    from gpunet.ledger.entries import Unbilled
 
     with Ledger(tmp_path / "a.sqlite") as ledger:
         ledger.record_unbilled(Unbilled(C1.peer_id, "job-1", "refused", "outvoted by 2 other workers", 10**9))

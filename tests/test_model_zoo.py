@@ -17,13 +17,13 @@ KNOWN_FAILING: dict[str, str] = {}
 @pytest.mark.filterwarnings("ignore:The tensor attributes .* were assigned during export")  # timm's LeViT caches
 @pytest.mark.parametrize("model", ZOO, ids=[m.name for m in ZOO])
 def test_model_converts_and_matches_eager(model):
-    outcome = try_model(model)
+    trial = try_model(model)
     if model.name in KNOWN_FAILING:
-        assert not outcome.ok and outcome.stage == KNOWN_FAILING[model.name], (
-            f"{model.name} now gives {outcome.stage}: take it off KNOWN_FAILING")
-        assert "three steps" in outcome.detail or "second of three" in outcome.detail  # the error names its step
+        assert not trial.ok and trial.stage == KNOWN_FAILING[model.name], (
+            f"{model.name} now gives {trial.stage}: take it off KNOWN_FAILING")
+        assert "three steps" in trial.detail or "second of three" in trial.detail  # the error names its step
         return
-    assert outcome.ok, f"{model.name}: {outcome.stage}: {outcome.detail}"
+    assert trial.ok, f"{model.name}: {trial.stage}: {trial.detail}"
 
 
 def test_the_zoo_spans_text_vision_audio_and_plain_torch():

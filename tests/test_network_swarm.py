@@ -95,7 +95,7 @@ def test_status_fails_clearly_when_it_cannot_join(tmp_path):
         "status", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWHHKkHSs5uRdrtHQN4Tv49RXqFtjreW5sExtt3bSfh3Zz",
         "--json", env={"GPUNET_DATA_DIR": str(tmp_path)},
     )
-    assert result.returncode == 1  # a runtime failure (gpunet.cli_errors)
+    assert result.returncode == 1  # a runtime failure (gpunet.cli.exits)
     assert "error: could not join" in result.stderr
     bad = run_cli("status", "--initial-peers", "not-an-address", env={"GPUNET_DATA_DIR": str(tmp_path)})
     assert bad.returncode == 2 and "not a multiaddr" in bad.stderr  # unusable input

@@ -11,7 +11,7 @@ import pytest
 from gpunet import protocol
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.job.format import ProgramParts
-from gpunet.pieces import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
+from gpunet.protocol.peers import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.worker.executor.cache import DiskCache
 from gpunet.worker import peers

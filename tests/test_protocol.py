@@ -9,6 +9,9 @@ import pytest
 from gpunet import protocol
 from gpunet.speedproof import Opening
 from gpunet.errors import (
+    DeadlineUnreachable,
+    DryRunTooLong,
+    ExecutorDied,
     JobPreempted,
     JobFailed,
     JobRaised,
@@ -16,6 +19,8 @@ from gpunet.errors import (
     JobTimeout,
     ProgramNotCached,
     ProtocolError,
+    SessionLost,
+    UsageError,
     WorkerBusy,
     WorkerDraining,
 )
@@ -53,6 +58,7 @@ from gpunet.protocol import (
     Submit,
     UseStream,
     encode_frame,
+    error_named,
     read,
     read_payload,
     SessionClosed,
@@ -149,6 +155,28 @@ def test_errors_cross_the_wire_as_the_same_family(error):
         assert back.program_hash == error.program_hash
     if isinstance(error, WorkerBusy):
         assert back.queue_length == 3
+
+
+@pytest.mark.parametrize("error, family", [(SessionLost("gone"), SessionLost), (DryRunTooLong("slow"), JobRejected),
+                                           (DeadlineUnreachable("late"), JobRejected), (ExecutorDied("oom"), JobFailed),
+                                           (UsageError("what"), JobFailed)])
+def test_an_error_without_a_code_of_its_own_crosses_as_its_family(error, family):
+    back = protocol.decode(protocol.encode(Error.of(error)), Error).exception()
+    assert type(back) is family and str(back) == str(error)
+
+
+def test_an_unknown_error_code_reads_as_a_failure():
+    assert type(Error("melted", "it melted").exception()) is JobFailed
+
+
+@pytest.mark.parametrize("name, kind", [("JobRejected", JobRejected), ("JobFailed", JobFailed),
+                                        ("SessionLost", SessionLost), ("JobPreempted", JobPreempted),
+                                        ("DryRunTooLong", DryRunTooLong), ("JobRaised", JobRaised),
+                                        ("DeadlineUnreachable", JobFailed), ("ExecutorDied", JobFailed),
+                                        ("NoSuchError", JobFailed), (None, JobFailed), (["JobRejected"], JobFailed)])
+def test_an_error_named_by_its_class_is_that_class_or_a_failure(name, kind):
+    error = error_named(name, "it said so")
+    assert type(error) is kind and str(error) == "it said so"
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -5,10 +5,11 @@ import time
 
 from rich.console import Console
 
+from gpunet.cli.status import render_table
 from gpunet.dht.records import DeviceInfo, WorkerRecord
 from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.status import NetworkStatus
 from gpunet.identity import Identity
-from gpunet.status import NetworkStatus, render_table
 
 
 def test_figures_are_whole_at_80_columns():

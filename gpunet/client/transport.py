@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
 from gpunet import protocol
 from gpunet.errors import GpunetError, NetworkError, ProtocolError
 from gpunet.ledger.receipts import Receipt
-from gpunet.pieces import PieceList
+from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
     UNARY_OUTPUT_BYTES,

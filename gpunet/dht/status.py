@@ -1,6 +1,6 @@
 """The network as any node reads it from the DHT (``gpunet status``, ``gpunet doctor``, the explorer): the workers'
 records, the totals, and the reading client's ratings of them if it has any. How it is shown is the shell's
-(gpunet.status renders the table, gpunet.explorer the page)."""
+(gpunet.cli.status renders the table, gpunet.cli.explorer the page)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Mapping, NamedTuple
 import torch
 
 from gpunet.errors import JobRejected
-from gpunet.tensorframe import ALIGN, frame_header  # noqa: F401 (ALIGN: tensors.ALIGN to its users)
+from gpunet.protocol.tensorframe import ALIGN, frame_header  # noqa: F401 (ALIGN: tensors.ALIGN to its users)
 
 # Closed list: safetensors dtype name <-> torch dtype. Anything else is rejected.
 DTYPES: dict[str, torch.dtype] = {

@@ -10,6 +10,7 @@ Public API::
 from gpunet.config import resolve_data_dir
 from gpunet.identity import Identity
 from gpunet.ledger.balances import Balance, balances
+from gpunet.ledger.entries import Conflict, Entry, LedgerHead, MergeReport, Unbilled
 from gpunet.ledger.receipts import (
     FORMAT_VERSION,
     Receipt,
@@ -20,14 +21,7 @@ from gpunet.ledger.receipts import (
     price_to_nano,
     sign_as_worker,
 )
-from gpunet.ledger.store import (
-    Conflict,
-    Entry,
-    Ledger,
-    LedgerHead,
-    MergeReport,
-    open_ledger,
-)
+from gpunet.ledger.store import Ledger, open_ledger
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,6 +33,7 @@ __all__ = [
     "LedgerHead",
     "MergeReport",
     "Receipt",
+    "Unbilled",
     "attach_countersignature",
     "balances",
     "compute_amount",

@@ -15,7 +15,8 @@ from typing import Iterable, Literal
 
 from gpunet.errors import ConfigError
 from gpunet.ledger.receipts import Receipt, format_credits
-from gpunet.ledger.store import Ledger, Unbilled
+from gpunet.ledger.entries import Unbilled
+from gpunet.ledger.store import Ledger
 
 #: A delivered result whose countersignature has not come within this long is "never countersigned" (the worker's
 #: credit line uses the same grace, gpunet.worker.state.admission).

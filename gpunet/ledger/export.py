@@ -13,13 +13,11 @@ import csv
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from gpunet.errors import LedgerError
+from gpunet.ledger.entries import Entry, LedgerHead
 from gpunet.ledger.receipts import Receipt, format_credits
-
-if TYPE_CHECKING:
-    from gpunet.ledger.store import Entry, LedgerHead
 
 EXPORT_FORMAT = "gpunet-ledger-export"
 EXPORT_VERSION = 2  # 2: prices per TFLOP, amounts in nano-credits (receipt format 2); version 1 exports still merge
@@ -40,7 +38,7 @@ def export_row(seq: int, receipt: Receipt) -> dict[str, Any]:
     return row
 
 
-def write_csv(entries: Iterable["Entry"], out: TextIO) -> int:
+def write_csv(entries: Iterable[Entry], out: TextIO) -> int:
     """Write one CSV row per entry; returns how many."""
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -51,7 +49,7 @@ def write_csv(entries: Iterable["Entry"], out: TextIO) -> int:
     return count
 
 
-def write_json(entries: Iterable["Entry"], head: "LedgerHead", out: TextIO) -> int:
+def write_json(entries: Iterable[Entry], head: LedgerHead, out: TextIO) -> int:
     """Write a JSON document ``{format, version, head, receipts: [...]}``, streamed row by row; returns how many."""
     out.write(json.dumps({"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "head": head._asdict()})[:-1])
     out.write(', "receipts": [')

@@ -34,13 +34,12 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, NamedTuple
 
 from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
 from gpunet.ledger.balances import Balance, BalanceSheet, balances
+from gpunet.ledger.entries import Conflict, Entry, LedgerHead, MergeReport, Unbilled
 from gpunet.ledger.export import read_json_export
 from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
 
@@ -108,89 +107,9 @@ def entry_hash(seq: int, prev_hash: bytes, receipt_bytes: bytes) -> bytes:
     return hashlib.sha256(_ENTRY_DOMAIN + seq.to_bytes(8, "big") + prev_hash + receipt_bytes).digest()
 
 
-class LedgerHead(NamedTuple):
-    """What a worker publishes in its DHT record: how many entries, and the hash of the last (hex)."""
+class _Filed(enum.Enum):
+    """What filing one receipt did."""
 
-    count: int
-    head_hash: str
-
-
-@dataclass(frozen=True)
-class Entry:
-    seq: int
-    receipt: Receipt
-    entry_hash: bytes
-
-
-@dataclass(frozen=True)
-class Unbilled:
-    """Work a worker started and was not paid for, and why (``reason``: refused, cancelled, timed_out, preempted,
-    failed, paused, drained (stopped when the worker's drain ran out of time), disclaimed (session steps a closing client said it did not receive); ``detail``: the words of
-    whoever decided)."""
-
-    client_id: str
-    job_id: str
-    reason: str
-    detail: str = ""
-    flops: int = 0  # counted work, where it was known
-    program_hash: str = ""
-    lane: str = "interactive"
-    recorded_at_us: int = 0
-
-
-@dataclass(frozen=True)
-class Conflict:
-    """A receipt that disagrees with the one already stored for its job id; both are kept as evidence."""
-
-    job_id: str
-    existing: Receipt
-    other: Receipt
-    source: str
-    detected_at_us: int
-
-
-@dataclass
-class MergeReport:
-    """What ``merge`` did with each receipt of the source."""
-
-    source: str
-    added: int = 0
-    duplicates: int = 0
-    refused: list[tuple[str, str]] = field(default_factory=list)  # (which receipt, why): the first MAX_LISTED
-    conflicts: list[str] = field(default_factory=list)  # job ids: the first MAX_LISTED
-    refused_count: int = 0  # all of them (a hostile file of millions of bad rows must not fill memory with reasons)
-    conflicts_count: int = 0
-
-    #: Refusals and conflicts listed one by one; beyond this they are only counted.
-    MAX_LISTED: ClassVar[int] = 1000
-
-    def refuse(self, where: str, why: str) -> None:
-        self.refused_count += 1
-        if len(self.refused) < self.MAX_LISTED:
-            self.refused.append((where, why))
-
-    def conflict(self, job_id: str) -> None:
-        self.conflicts_count += 1
-        if len(self.conflicts) < self.MAX_LISTED:
-            self.conflicts.append(job_id)
-
-    @property
-    def clean(self) -> bool:
-        return not self.refused_count and not self.conflicts_count
-
-    def to_dict(self) -> dict:
-        return {
-            "source": self.source,
-            "added": self.added,
-            "duplicates": self.duplicates,
-            "refused": [{"receipt": where, "reason": reason} for where, reason in self.refused],
-            "conflicts": self.conflicts,
-            "refused_count": self.refused_count,
-            "conflicts_count": self.conflicts_count,
-        }
-
-
-class _Outcome(enum.Enum):
     ADDED = "added"
     DUPLICATE = "duplicate"
     CONFLICT = "conflict"
@@ -312,7 +231,7 @@ class Ledger:
         receipt.verify()
         with self._transaction():
             outcome, seq, _ = self._insert(receipt, "append")
-        if outcome is _Outcome.CONFLICT:
+        if outcome is _Filed.CONFLICT:
             raise ReceiptConflict(f"job {receipt.job_id} already has a different receipt (entry {seq}); both kept")
         return self._entry(seq)
 
@@ -369,9 +288,9 @@ class Ledger:
             last = None
             for receipt in good_complete:
                 outcome, seq, digest = self._insert(receipt, "append", last)
-                if outcome is _Outcome.ADDED:
+                if outcome is _Filed.ADDED:
                     last = (seq, digest)
-                if outcome is _Outcome.CONFLICT:
+                if outcome is _Filed.CONFLICT:
                     problems.append((receipt, ReceiptConflict(
                         f"job {receipt.job_id} already has a different receipt (entry {seq}); both kept")))
         return problems
@@ -412,9 +331,9 @@ class Ledger:
                             report.refuse(f"job {receipt.job_id}", failures[position])
                             continue
                         outcome, _, _ = self._insert(receipt, str(source))
-                        if outcome is _Outcome.ADDED:
+                        if outcome is _Filed.ADDED:
                             report.added += 1
-                        elif outcome is _Outcome.DUPLICATE:
+                        elif outcome is _Filed.DUPLICATE:
                             report.duplicates += 1
                         else:
                             report.conflict(receipt.job_id)
@@ -422,7 +341,7 @@ class Ledger:
 
     def _insert(
         self, receipt: Receipt, source: str, last: tuple[int, bytes] | None = None
-    ) -> tuple[_Outcome, int, bytes | None]:
+    ) -> tuple[_Filed, int, bytes | None]:
         """Inside a write transaction: chain a verified receipt, or say why not. Returns the outcome, the job's entry
         seq and, when added, the new entry's hash.
 
@@ -437,13 +356,13 @@ class Ledger:
             except InvalidReceipt as e:
                 raise LedgerCorrupted(f"entry {seq}: {e}", entry=seq) from None
             if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
-                return _Outcome.DUPLICATE, seq, None
+                return _Filed.DUPLICATE, seq, None
             self._db.execute(
                 "INSERT OR IGNORE INTO conflicts (client_id, job_id, receipt, source, detected_at_us) "
                 "VALUES (?, ?, ?, ?, ?)",
                 (receipt.client_id, receipt.job_id, receipt.to_bytes(), source, _now_us()),
             )
-            return _Outcome.CONFLICT, seq, None
+            return _Filed.CONFLICT, seq, None
         if last is None:
             last = self._db.execute("SELECT seq, entry_hash FROM entries ORDER BY seq DESC LIMIT 1").fetchone()
         seq, prev = (last[0] + 1, last[1]) if last else (1, GENESIS_HASH)
@@ -455,7 +374,7 @@ class Ledger:
         )
         self._db.execute("DELETE FROM unpaid WHERE client_id = ? AND job_id = ? AND worker_id = ?",
                          (receipt.client_id, receipt.job_id, receipt.worker_id))
-        return _Outcome.ADDED, seq, digest
+        return _Filed.ADDED, seq, digest
 
     def _transaction(self) -> "_Transaction":
         return _Transaction(self._db)

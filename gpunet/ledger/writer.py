@@ -22,7 +22,8 @@ from typing import Callable
 
 from gpunet.errors import InvalidReceipt
 from gpunet.ledger.receipts import Receipt
-from gpunet.ledger.store import Ledger, Unbilled
+from gpunet.ledger.entries import Unbilled
+from gpunet.ledger.store import Ledger
 from gpunet.utils import Debounce
 
 logger = logging.getLogger("gpunet.ledger")

@@ -27,7 +27,9 @@ class Model:
 
 
 @dataclass
-class Outcome:
+class ModelTrial:
+    """How far one zoo model got on its way to a gpunet job whose outputs match eager PyTorch's (:func:`try_model`)."""
+
     name: str
     kind: str
     source: str
@@ -324,14 +326,14 @@ def _leaves(x: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def try_model(model: Model, atol: float = 1e-4) -> Outcome:
+def try_model(model: Model, atol: float = 1e-4) -> ModelTrial:
     """Trace ``model`` into a job, run it through the worker's interpreter, compare with eager."""
     from gpunet import GpunetError, Job
 
     t0 = time.perf_counter()
 
-    def out(ok: bool, stage: str, detail: str = "", diff: float = 0.0) -> Outcome:
-        return Outcome(model.name, model.kind, model.source, ok, stage, detail[:300], time.perf_counter() - t0, diff)
+    def out(ok: bool, stage: str, detail: str = "", diff: float = 0.0) -> ModelTrial:
+        return ModelTrial(model.name, model.kind, model.source, ok, stage, detail[:300], time.perf_counter() - t0, diff)
 
     try:
         module, args, kwargs = model.build()

@@ -1,6 +1,6 @@
 """The two web pages gpunet serves, and what they share: a worker's local dashboard (``gpunet worker
 --dashboard-port``, :mod:`gpunet.worker.dashboard`) and the network explorer (``gpunet status --serve``,
-:mod:`gpunet.explorer`).
+:mod:`gpunet.cli.explorer`).
 
 Both are static HTML/CSS/JS shipped in this package (no CDN: charts are inline SVG drawn by ``ui.js``) fed by a JSON
 API (docs/volunteer.md). Served on loopback by aiohttp with a Host check (another site cannot reach them through DNS

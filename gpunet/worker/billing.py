@@ -23,7 +23,8 @@ from typing import Callable, Iterable
 from gpunet.errors import GpunetError, JobRejected
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import Receipt, attach_countersignature, sign_as_worker
-from gpunet.ledger.store import Ledger, Unbilled
+from gpunet.ledger.entries import Unbilled
+from gpunet.ledger.store import Ledger
 from gpunet.ledger.writer import FLUSH_DELAY, LedgerWriter, prewarm_signatures
 from gpunet.protocol import INTERACTIVE, Countersign, Refuse, Submit
 from gpunet.utils import LRU, Debounce, When, sha256_hex

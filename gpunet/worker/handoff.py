@@ -12,9 +12,9 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from gpunet import protocol, tensorframe
+from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, SessionLost, WorkerBusy
-from gpunet.protocol import Door, Error, Ok, Push, PushTo, Submit
+from gpunet.protocol import Door, Error, Ok, Push, PushTo, Submit, tensorframe
 from gpunet.rpc import RPC
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.state.limits import ServiceLimits

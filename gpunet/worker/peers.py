@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, NetworkError, ProgramNotCached, WorkerBusy
-from gpunet.pieces import PieceList, piece_size_for
+from gpunet.protocol.peers import PieceList, piece_size_for
 from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.utils import LRU
 from gpunet.worker import metrics

@@ -23,10 +23,8 @@ from pathlib import Path
 
 import msgpack
 
-from gpunet.errors import (
-    DryRunTooLong, ExecutorDied, JobFailed, JobPreempted, JobRaised, JobRejected, JobTimeout, ProgramNotCached,
-    SessionLost, WorkerDraining,
-)
+from gpunet.errors import ExecutorDied, JobFailed, JobTimeout, ProgramNotCached, SessionLost, WorkerDraining
+from gpunet.protocol.errors import error_named
 from gpunet.utils import wait_out
 from gpunet.worker.executor import slot as slots
 from gpunet.worker.executor.cache import DiskCache, check_hash
@@ -35,8 +33,6 @@ from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, _
 from gpunet.worker.hardware import job_threads
 from gpunet.worker.state.limits import SessionRun
 
-_ERRORS = {"JobRejected": JobRejected, "JobFailed": JobFailed, "SessionLost": SessionLost, "JobPreempted": JobPreempted,
-           "DryRunTooLong": DryRunTooLong, "JobRaised": JobRaised}
 
 
 
@@ -521,7 +517,7 @@ class Executor:
             raise ProgramNotCached(program_hash)
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
-        raise _ERRORS.get(reply.get("error"), JobFailed)(reply.get("message", "executor error"))
+        raise error_named(reply.get("error"), reply.get("message", "executor error"))
 
     def _died(self, slot: Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running

@@ -8,7 +8,8 @@ Exit codes (``gpunet`` and ``gpunet ledger`` alike):
   that is not a usable ledger (:class:`LedgerError`: a ledger command was pointed at something it cannot read).
 - 130: interrupted (Ctrl-C).
 
-Kept apart from ``gpunet.cli`` so the ``ledger`` sub-app, which ``gpunet.cli`` imports, can use it too.
+Kept apart from the root app (gpunet.cli.app) so the sub-apps it imports (gpunet.cli.worker, gpunet.cli.ledger) can
+use it too.
 """
 
 from __future__ import annotations

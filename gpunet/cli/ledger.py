@@ -1,6 +1,6 @@
 """``gpunet ledger …``: read, check, export and merge this node's ledger. A thin shell over :mod:`gpunet.ledger`.
 
-Exit codes, as for every ``gpunet`` command (gpunet.cli_errors): 0 success; 1 the ledger failed verification, a merge
+Exit codes, as for every ``gpunet`` command (gpunet.cli.exits): 0 success; 1 the ledger failed verification, a merge
 refused receipts or found conflicts, or a job was not found; 2 unusable input (no such file, not a ledger, bad option).
 """
 
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpunet.cli_errors import handle_errors
+from gpunet.cli.exits import handle_errors
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from gpunet.errors import ConfigError, GpunetError, LedgerCorrupted, LedgerError
 from gpunet.identity import KEY_FILENAME, Identity, short_id
@@ -50,7 +50,7 @@ _err = Console(stderr=True)
 
 
 def _command(func: Callable) -> Callable:
-    """Register a subcommand that ends on an error as every gpunet command does (gpunet.cli_errors)."""
+    """Register a subcommand that ends on an error as every gpunet command does (gpunet.cli.exits)."""
     return app.command()(handle_errors(func))
 
 

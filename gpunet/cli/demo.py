@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 import gpunet
+from gpunet.cli.status import render_table
+from gpunet.dht.status import NetworkStatus
 from gpunet.identity import short_id
 from gpunet.ledger import format_credits, open_ledger
 from gpunet.ledger.tabs import steps_of
-from gpunet.status import NetworkStatus, render_table
 from gpunet.utils import plural, wide_console
 from gpunet.worker.throughput import CACHE_FILENAME
 from gpunet.testing import LocalNetwork, wait_for

@@ -1,13 +1,12 @@
-"""What ``gpunet status`` shows: the network read from the DHT (gpunet.dht.status), as a table for people; the
-reader and its ``--json`` form are re-exported here for the scripts that import them from this module."""
+"""What ``gpunet status`` shows: the network read from the DHT (gpunet.dht.status, which also gives its ``--json``
+form), as a table for people."""
 
 from __future__ import annotations
 
 from rich.table import Table
 from rich.text import Text
 
-from gpunet.dht.records import WorkerState
-from gpunet.dht.status import NetworkStatus, StatusReader  # noqa: F401  (re-exported)
+from gpunet.dht.status import NetworkStatus
 from gpunet.identity import short_id
 from gpunet.ledger.receipts import NANO, format_credits
 from gpunet.utils import plural

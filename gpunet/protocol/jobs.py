@@ -1,0 +1,278 @@
+"""The messages of a job's path (the ``job`` stream, the ``run``, ``settle`` and ``cancel`` unary doors)::
+
+      client -> Submit{job, program, inputs_size, [inputs], timeout, max_price}
+      worker -> Error{busy | rejected | ...}            at once: admission, before any payload moves
+      worker -> Send{program, inputs}                   only when it lacks the program or the inputs were not inline
+      client -> Payload{program_size, inputs_size} + raw program + raw inputs
+                (or Pieces: fetch the program from peers, gpunet.protocol.peers)
+      worker -> Result{outputs_size, [outputs], receipt} + raw outputs   | Error{code, message}
+      client -> Countersign{job, signature} | Refuse{job, reason}         (or nothing: the work stays unpaid)
+
+``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
+Error; ``settle``: Countersign | Refuse | SettleBatch -> Ok; ``cancel``: Cancel -> Ok. Also the market's lanes a job
+asks for, and the sizes that decide whether bytes ride inside a message or follow it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gpunet.errors import ProtocolError
+from gpunet.protocol.fields import (
+    JOB_ID_RE,
+    PROGRAM_HASH_RE,
+    Message,
+    job_id_field,
+    program_hash_field,
+    size_field,
+    text_field,
+    time_field,
+    typed_field,
+)
+from gpunet.protocol.sessions import SessionStep
+
+#: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
+INLINE_BYTES = 32 * 1024
+#: Unary replies ride hivemind's persistent daemon connection, whose messages are capped at 4 MiB.
+UNARY_OUTPUT_BYTES = 1 << 20
+#: Countersignatures one message may carry.
+MAX_SETTLE_ITEMS = 1024
+#: The market's lanes (docs/market.md), highest priority first; a client asks for one of CLIENT_LANES.
+INTERACTIVE, BATCH, BACKGROUND = "interactive", "batch", "background"
+LANES = (INTERACTIVE, BATCH, BACKGROUND)
+CLIENT_LANES = (INTERACTIVE, BATCH)
+
+
+def settle_items(raw: Any) -> tuple[tuple[tuple[str, bytes], ...], int]:
+    """Countersignatures ``[[job id, signature], ...]``: the well-formed ones, and how many were not."""
+    if raw is None:
+        return (), 0
+    if not isinstance(raw, list) or len(raw) > MAX_SETTLE_ITEMS:
+        return (), 1
+    good = tuple((i[0], i[1]) for i in raw if isinstance(i, list) and len(i) == 2 and isinstance(i[0], str)
+                 and JOB_ID_RE.match(i[0]) and isinstance(i[1], bytes))
+    return good, len(raw) - len(good)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """A job: which program, the inputs (inline when small), how long it may take and the most it may cost."""
+
+    T: ClassVar[str] = "submit"
+    job_id: str
+    program: str
+    inputs_size: int
+    inputs: bytes | None = None
+    timeout: float = 60.0
+    max_price: int | None = None
+    settle: tuple[tuple[str, bytes], ...] = ()  # unary door: countersignatures owed to this worker, riding along
+    settle_malformed: int = 0  # parsed but unusable settle items (logged by the worker; never fatal to the job)
+    private: bool = False  # only clients that sent the program's bytes may run it; never advertised or kept on disk
+    session: SessionStep | None = None  # a step of an inference session, its state kept on the worker
+    lane: str = INTERACTIVE  # batch: runs when no interactive job waits, at the worker's floor, preemptible
+    deadline: float | None = None  # unix time by which it must be done: a worker that cannot start it by then refuses
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "job": self.job_id, "program": self.program, "inputs_size": self.inputs_size,
+             "timeout": float(self.timeout), "max_price": self.max_price}
+        if self.lane != INTERACTIVE:  # absent means interactive: what workers that predate lanes sell
+            d["lane"] = self.lane
+        if self.deadline is not None:
+            d["deadline"] = float(self.deadline)
+        if self.inputs is not None:
+            d["inputs"] = self.inputs
+        if self.private:
+            d["private"] = True
+        if self.session is not None:
+            d["session"] = self.session.to_wire()
+        if self.settle:
+            d["settle"] = [list(i) for i in self.settle]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Submit":
+        program = program_hash_field(d)
+        inputs_size = size_field(d, "inputs_size")
+        inputs = typed_field(d, "inputs", bytes, optional=True)
+        if inputs is not None and len(inputs) != inputs_size:
+            raise ProtocolError("inline inputs do not match the declared inputs size")
+        timeout = float(typed_field(d, "timeout", (int, float), optional=True) or 60.0)
+        if not timeout > 0:  # also refuses NaN
+            raise ProtocolError("timeout must be a positive number of seconds")
+        settle, malformed = settle_items(d.get("settle"))
+        session = SessionStep.from_wire(d["session"]) if d.get("session") is not None else None
+        lane = typed_field(d, "lane", str, optional=True) or INTERACTIVE
+        if lane not in CLIENT_LANES:
+            raise ProtocolError(f"unknown lane {lane[:16]!r} (this worker sells {' and '.join(CLIENT_LANES)})")
+        deadline = time_field(d, "deadline") if d.get("deadline") is not None else None
+        if deadline is not None and deadline <= 0:
+            raise ProtocolError("deadline must be a unix time")
+        if session is not None and session.input_from is not None and inputs != b"":
+            raise ProtocolError("a step whose input is pushed to the worker carries no inputs of its own")
+        job_id, max_price = job_id_field(d), typed_field(d, "max_price", int, optional=True)
+        return cls(job_id, program, inputs_size, inputs, timeout, max_price,
+                   settle, malformed, bool(typed_field(d, "private", bool, optional=True)), session, lane, deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Message):
+    """The worker asks for what it lacks."""
+
+    T: ClassVar[str] = "send"
+    program: bool
+    inputs: bool
+    #: Lacking the program, the worker can fetch it from peers: the client may answer with :class:`Pieces` (who
+    #: holds it, and each piece's digest) instead of the program's bytes.
+    pieces: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "program": self.program, "inputs": self.inputs}
+        if self.pieces:
+            d["pieces"] = True
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Send":
+        return cls(typed_field(d, "program", bool), typed_field(d, "inputs", bool),
+                   bool(typed_field(d, "pieces", bool, optional=True)))
+
+
+@dataclass(frozen=True, slots=True)
+class Payload(Message):
+    """Announces the raw bytes that follow on the stream: the program, then the inputs (either may be absent)."""
+
+    T: ClassVar[str] = "payload"
+    program_size: int | None
+    inputs_size: int | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "program_size": self.program_size, "inputs_size": self.inputs_size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Payload":
+        return cls(size_field(d, "program_size", optional=True), size_field(d, "inputs_size", optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Message):
+    """The outputs (inline when small, else raw bytes after this frame) and the worker-signed receipt (empty for a
+    session step that its session's tab bills later, gpunet.ledger.tabs)."""
+
+    T: ClassVar[str] = "result"
+    outputs_size: int
+    receipt: bytes
+    outputs: bytes | None = None
+    input_hash: str | None = None  # a step whose input was pushed: the sha256 of the input it ran on
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {"t": self.T, "outputs_size": self.outputs_size, "receipt": self.receipt}
+        if self.outputs is not None:
+            d["outputs"] = self.outputs
+        if self.input_hash is not None:
+            d["input_hash"] = self.input_hash
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Result":
+        size = size_field(d, "outputs_size")
+        outputs = typed_field(d, "outputs", bytes, optional=True)
+        if outputs is not None and len(outputs) != size:
+            raise ProtocolError("inline outputs do not match their declared size")
+        input_hash = typed_field(d, "input_hash", str, optional=True)
+        if input_hash is not None and not PROGRAM_HASH_RE.match(input_hash):
+            raise ProtocolError("input_hash must be 64 lowercase hex characters")
+        return cls(size, typed_field(d, "receipt", bytes), outputs, input_hash)
+
+
+@dataclass(frozen=True, slots=True)
+class Countersign(Message):
+    """The client accepts a result: its signature over the receipt."""
+
+    T: ClassVar[str] = "countersign"
+    job_id: str
+    signature: bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id, "signature": self.signature}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Countersign":
+        return cls(job_id_field(d), typed_field(d, "signature", bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse(Message):
+    """The client rejects a result (wrong hash, outvoted, bad terms): it is not paid."""
+
+    T: ClassVar[str] = "refuse"
+    job_id: str
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id, "reason": self.reason[:500]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Refuse":
+        return cls(job_id_field(d), text_field(d, "reason", 500))
+
+
+@dataclass(frozen=True, slots=True)
+class SettleBatch(Message):
+    """Countersignatures of several unary-door results to one worker, in one call."""
+
+    T: ClassVar[str] = "countersign_batch"
+    items: tuple[tuple[str, bytes], ...]
+    malformed: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "items": [list(i) for i in self.items]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "SettleBatch":
+        items, malformed = settle_items(d.get("items"))
+        return cls(items, malformed)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Stop a job this client submitted (queued or running). A stream job is cancelled by closing its stream."""
+
+    T: ClassVar[str] = "cancel"
+    job_id: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "job": self.job_id}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Cancel":
+        return cls(job_id_field(d))
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(Message):
+    """A unary call was taken; ``cancelled`` answers a Cancel (whether the job was still queued or running)."""
+
+    T: ClassVar[str] = "ok"
+    cancelled: bool | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "cancelled": self.cancelled}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Ok":
+        return cls(typed_field(d, "cancelled", bool, optional=True))
+
+
+@dataclass(frozen=True, slots=True)
+class UseStream(Message):
+    """The unary door cannot take this job (the worker lacks the program, or the outputs are large): use the stream."""
+
+    T: ClassVar[str] = "use_stream"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "UseStream":
+        return cls()

@@ -1,0 +1,162 @@
+"""A program fetched from peers: its bytes cut into pieces, each with its own hash, so a worker can fetch it from
+peers and catch a peer that serves one wrong byte at that piece (BitTorrent's idea; the client that sends the job
+vouches for the list).
+
+The pieces are of the container bytes (what ``program_hash`` is computed from): piece ``i`` is
+``data[i * piece_size:(i + 1) * piece_size]``, its hash the sha256 of those bytes. ``piece_size`` is a power of two
+from :data:`MIN_PIECE_BYTES`, chosen so a program has at most :data:`MAX_PIECES` (its hash list then fits in one
+protocol frame).
+
+The messages: the client's :class:`Pieces` (who holds the program and every piece's digest, answering a worker's
+``Send(pieces=True)``), then on the ``piece`` door, from worker to holder, :class:`GetPiece` -> :class:`PieceData` +
+the piece's bytes, repeated (gpunet.worker.peers serves and fetches; docs/weights.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gpunet.errors import ProtocolError
+from gpunet.protocol.fields import PEER_ID_RE, Message, program_hash_field, size_field, typed_field
+
+MIN_PIECE_BYTES = 4 << 20
+MAX_PIECES = 1024
+DIGEST = 32
+
+
+def piece_size_for(size: int) -> int:
+    """The piece size of a program of ``size`` bytes."""
+    piece = MIN_PIECE_BYTES
+    while size > piece * MAX_PIECES:
+        piece *= 2
+    return piece
+
+
+def count(size: int, piece_size: int) -> int:
+    return max(1, math.ceil(size / piece_size))
+
+
+def digests(data: bytes | memoryview, piece_size: int | None = None) -> bytes:
+    """The concatenated sha256 digests of ``data``'s pieces."""
+    view = memoryview(data).cast("B")
+    piece_size = piece_size or piece_size_for(view.nbytes)
+    return b"".join(hashlib.sha256(view[i:i + piece_size]).digest()
+                    for i in range(0, max(view.nbytes, 1), piece_size))
+
+
+@dataclass(frozen=True)
+class PieceList:
+    """What a fetcher checks each piece against: the program's size, the piece size and every piece's digest."""
+
+    size: int
+    piece_size: int
+    hashes: bytes
+
+    def __post_init__(self):
+        if self.piece_size != piece_size_for(self.size):
+            raise ValueError(f"a {self.size}-byte program has pieces of {piece_size_for(self.size)} bytes, "
+                             f"not {self.piece_size}")
+        if len(self.hashes) != DIGEST * count(self.size, self.piece_size):
+            raise ValueError("the piece list does not have one digest per piece")
+
+    @classmethod
+    def of(cls, data: bytes | memoryview) -> "PieceList":
+        size = memoryview(data).nbytes
+        return cls(size, piece_size_for(size), digests(data))
+
+    def __len__(self) -> int:
+        return len(self.hashes) // DIGEST
+
+    def span(self, index: int) -> tuple[int, int]:
+        """Start and length of piece ``index``."""
+        start = index * self.piece_size
+        return start, min(self.piece_size, self.size - start)
+
+    def matches(self, index: int, data: bytes | memoryview) -> bool:
+        return hashlib.sha256(data).digest() == self.hashes[index * DIGEST:(index + 1) * DIGEST]
+
+
+#: Peers one Pieces message may name, and addresses per peer.
+MAX_HOLDERS = 8
+MAX_HOLDER_MADDRS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces(Message):
+    """The client's answer to ``Send(pieces=True)``: fetch the program from these peers (id and addresses), checking
+    each piece against these digests (:class:`PieceList`); a :class:`Payload` with the inputs, if asked for, follows.
+    The client vouches for the list: it is the one whose job runs on the bytes."""
+
+    T: ClassVar[str] = "pieces"
+    size: int
+    piece_size: int
+    hashes: bytes
+    holders: tuple[tuple[str, tuple[str, ...]], ...]
+    #: Those of the holders the client vouches for (it is sending them the program right now, or they ran it for
+    #: this client): worth waiting for while they say "busy".
+    coming: frozenset[str] = frozenset()
+
+    def piece_list(self) -> PieceList:
+        return PieceList(self.size, self.piece_size, self.hashes)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "size": self.size, "piece_size": self.piece_size, "hashes": self.hashes,
+                "holders": [[peer, list(maddrs)] for peer, maddrs in self.holders],
+                "coming": sorted(self.coming)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Pieces":
+        raw = typed_field(d, "holders", list)
+        ok = len(raw) <= MAX_HOLDERS and all(
+            isinstance(h, list) and len(h) == 2 and isinstance(h[0], str) and PEER_ID_RE.match(h[0])
+            and isinstance(h[1], list) and len(h[1]) <= MAX_HOLDER_MADDRS
+            and all(isinstance(m, str) and 0 < len(m) <= 256 for m in h[1]) for h in raw)
+        if not ok:
+            raise ProtocolError(f"pieces: holders must be at most {MAX_HOLDERS} [peer id, [multiaddr, ...]] pairs")
+        holders = tuple((h[0], tuple(h[1])) for h in raw)
+        coming = d.get("coming") or []
+        if not isinstance(coming, list) or not all(isinstance(c, str) for c in coming):
+            raise ProtocolError("pieces: coming must list holders' peer ids")
+        message = cls(size_field(d, "size"), size_field(d, "piece_size"), typed_field(d, "hashes", bytes), holders,
+                      frozenset(coming) & {peer for peer, _ in holders})
+        try:
+            message.piece_list()
+        except ValueError as e:
+            raise ProtocolError(f"pieces: {e}") from None
+        return message
+
+
+@dataclass(frozen=True, slots=True)
+class GetPiece(Message):
+    """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes)."""
+
+    T: ClassVar[str] = "get_piece"
+    program: str
+    index: int
+    piece_size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "GetPiece":
+        program = program_hash_field(d)
+        return cls(program, size_field(d, "index"), size_field(d, "piece_size"))
+
+
+@dataclass(frozen=True, slots=True)
+class PieceData(Message):
+    """Announces the piece's raw bytes, which follow on the stream."""
+
+    T: ClassVar[str] = "piece_data"
+    size: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "size": self.size}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "PieceData":
+        return cls(size_field(d, "size"))
