@@ -155,7 +155,7 @@ class SessionCore:
         self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
         req = seq.requirements
         self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
-        #: verify="adaptive" | "local-sample": live steps checked against a replay of the span (gpunet.client.audit)
+        #: verify="adaptive" | "local-sample": live steps checked against a replay of the span (sessions.audit)
         self.checks = (SessionChecks(seq.core, seq.spans, req.verify, seq.requirements_for, ttl, self.receipts.append)
                        if req.verify != "none" else None)
 
