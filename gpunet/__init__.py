@@ -21,8 +21,8 @@ _LAZY = {
     "AsyncClient": "gpunet.client.api",
     "JobFuture": "gpunet.client.api",
     "Requirements": "gpunet.client.routing",
-    "RemoteSequential": "gpunet.client.sequential",
-    "Session": "gpunet.client.sequential",
+    "RemoteSequential": "gpunet.client.sessions",
+    "Session": "gpunet.client.sessions",
 }
 
 __all__ = ["__version__", *_LAZY, *_errors_all]

@@ -9,6 +9,10 @@ from __future__ import annotations
 class GpunetError(Exception):
     """Base class of every error raised by gpunet."""
 
+    #: The workers a job went to, in order, before it failed with this error (``JobFuture.attempts``); set by the
+    #: client as the error leaves a job's tries.
+    attempts: tuple[str, ...] | list[str] = ()
+
 
 # --- configuration and local state -------------------------------------------------------------------------------
 
@@ -99,6 +103,9 @@ class JobRaised(JobFailed):
     """An op of the job's own program raised on the job's values as it ran (an index out of range, offsets a guard
     refused): the same inputs raise the same way on any worker. A client does not take one worker's word for it (saying
     so gets rid of a job): it runs a small job itself, or asks a second worker drawn at random (docs/trust.md)."""
+
+    #: The client ran the job itself and it raised the same: any result a worker gave for it was made up.
+    confirmed_here: bool = False
 
 
 class ExecutorDied(JobFailed):

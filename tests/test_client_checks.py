@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import gpunet
-from gpunet.client.core import ClientCore, _Prepared
+from gpunet.client.core import ClientCore
+from gpunet.client.jobs import Delivery, Prepared
+from gpunet.client.payment import Payment
 from gpunet.client.routing import JobShape, Requirements
 from gpunet.client.settlement import Settlement
-from gpunet.client.transport import Delivery
 from gpunet.errors import InvalidReceipt, ProtocolError
 from gpunet.job import tensors
 from gpunet.ledger import Identity, sign_as_worker
@@ -24,14 +25,15 @@ X = torch.randn(4, 8)
 @pytest.fixture
 def core(tmp_path):
     core = ClientCore(initial_peers=[], network="gpunet-test", data_dir=tmp_path / "client")
-    core.settlement = Settlement(transport=None)  # refusals go through each delivery's own way back
+    # Refusals go through each delivery's own way back: no transport needed.
+    core.payment = Payment(core.identity, core.router, core.reputation, Settlement(transport=None), books=None)
     return core
 
 
-def prepared(core) -> _Prepared:
+def prepared(core) -> Prepared:
     encoded = JOB.encode_inputs(X)
     est = JOB.estimate(X)
-    return _Prepared(
+    return Prepared(
         job=JOB, req=Requirements(), job_id="job-1", encoded=encoded, input_hash=hashlib.sha256(encoded).hexdigest(),
         flops=est.flops, program=JOB.program_bytes(), deadline=0.0,
         shape=JobShape(est.flops, JOB.program_hash, len(encoded), 0), max_price=None, outputs=est.outputs,
@@ -39,7 +41,7 @@ def prepared(core) -> _Prepared:
     )
 
 
-def answer(core, p: _Prepared, outputs: bytes, *, worker=None, signer=None, claimed_by=None) -> Delivery:
+def answer(core, p: Prepared, outputs: bytes, *, worker=None, signer=None, claimed_by=None) -> Delivery:
     worker = worker or Identity.generate()
     receipt = sign_as_worker(
         signer or worker, job_id=p.job_id, client_id=core.id, program_hash=JOB.program_hash, input_hash=p.input_hash,
@@ -61,7 +63,7 @@ def answer(core, p: _Prepared, outputs: bytes, *, worker=None, signer=None, clai
 def check(core, p, delivery):
     async def run():
         try:
-            return core._check(p, delivery)
+            return core.payment.check(p, delivery)
         finally:
             await asyncio.sleep(0)  # let the refusal go out
     return asyncio.run(run())

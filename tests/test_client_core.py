@@ -1,155 +1,36 @@
 """The client's retry, ban, busy, resend and verification logic over an in-process fake transport: no go-libp2p,
 no sockets, milliseconds a test. (The same paths over the real network are in test_jobs_swarm.py and test_trust.py.)
 
-FakeTransport runs each job for real (the job's own validator and interpreter, on this CPU) and signs a real receipt
-with each fake worker's own key, so the client's checks, countersignatures and ledger see what they would see from a
-network; only the bytes never leave the process.
+The fake (gpunet.testing.transport) runs each job for real (the job's own validator and interpreter, on this CPU) and
+signs a real receipt with each fake worker's own key, so the client's checks, countersignatures and ledger see what
+they would see from a network; only the bytes never leave the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 
 import pytest
 import torch
 
 import gpunet
-from gpunet.client import core as core_module
+from gpunet.client import local, view
 from gpunet.client.core import ClientCore
-from gpunet.client.transport import Delivery, JobRequest
-from gpunet.dht.records import DeviceInfo, WorkerRecord
-from gpunet.dht.registry import WorkerEntry
 from gpunet.errors import (
     DeadlineUnreachable,
-    JobFailed,
-    JobPreempted,
     JobRaised,
     JobRejected,
     JobTimeout,
-    NetworkError,
     NoWorkersAvailable,
-    ProgramNotCached,
     ProtocolError,
-    WorkerBusy,
 )
-from gpunet.job import tensors
 from gpunet.ledger import Identity, price_to_nano, sign_as_worker
-from gpunet.protocol import Countersign, Refuse
+from gpunet.protocol import Refuse
+from gpunet.testing.transport import FakeTransport, FakeWorker
 
 JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
 X = torch.randn(4, 8)
-
-
-class FakeWorker:
-    """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
-    ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject,
-    preempt (a batch job stopped for interactive work), late (refused for its deadline), break (the stream cut),
-    raise (says the job raised when it did not; one that does raise, raises here for real)."""
-
-    def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
-        self.name, self.script, self.price = name, list(script), price
-        self.identity = Identity.generate()
-        self.id = self.identity.peer_id
-        self.jobs: list[str] = []
-        self.verdicts: list[Countersign | Refuse] = []
-        self.states: dict[str, tuple[torch.Tensor, ...]] = {}  # session id -> its state, as a worker keeps it
-        self.answered: dict[str, Delivery] = {}  # session step job id -> its answer (a worker's results cache)
-        self.entry = WorkerEntry(self.id, WorkerRecord(
-            version="test", state="online", price=price, tflops={"fp32": tflops},
-            device=DeviceInfo(kind="cpu", name=name, memory_total=16 * 2**30, memory_free=8 * 2**30)), 1e12)
-
-
-class FakeTransport:
-    def __init__(self, client_id: str, *workers: FakeWorker):
-        self.client_id = client_id
-        self.workers = {w.id: w for w in workers}
-        self.settled: dict[str, list[str]] = {}
-        self.forgotten: list[str] = []  # workers the client said never to name as holders
-        self.closed = False
-
-    async def discover(self) -> list[WorkerEntry]:
-        return [w.entry for w in self.workers.values()]
-
-    def forget(self, worker_id: str) -> None:
-        self.forgotten.append(worker_id)
-
-    async def submit(self, worker: WorkerEntry, request: JobRequest, *, cached: bool, settlement) -> Delivery:
-        w = self.workers[worker.id]
-        w.jobs.append(request.job_id)
-        act = w.script.pop(0) if w.script else "ok"
-        if act == "busy":
-            raise WorkerBusy("worker queue is full", 3)
-        if act == "break":
-            raise ProtocolError("peer closed the stream mid-message")
-        if act == "preempt":
-            raise JobPreempted("an interactive job needed this worker's slot", 1)
-        if act == "late":
-            raise DeadlineUnreachable("this worker cannot start the job before its deadline")
-        if act == "fail":
-            raise JobFailed("executor crashed")
-        if act == "vanish":
-            raise NetworkError(f"worker {worker.id[-8:]} did not answer")
-        if act == "reject":
-            raise JobRejected("this worker's limit is lower")
-        if act == "lost":
-            raise ProgramNotCached(request.program_hash)
-        if act == "hang":
-            await asyncio.Event().wait()
-        if act == "raise":
-            raise JobRaised("node 'x' (aten.add.Tensor) raised RuntimeError: made up")
-        if request.session is not None:
-            return self._step(w, request, act)
-        job = gpunet.Job.from_bytes(request.program)
-        inputs = tensors.decode(request.inputs)
-        x = [inputs[f"input_{i}"] for i in range(len(inputs))]
-        out = job.run_locally(*x)
-        if act == "lie":
-            out = out * 1.5 + 1
-        outputs = tensors.encode({"output_0": out})
-        signed_outputs = b"not what was sent" if act == "garble" else outputs  # a receipt for other outputs
-        receipt = sign_as_worker(
-            w.identity, job_id=request.job_id, client_id=self.client_id, program_hash=request.program_hash,
-            input_hash=hashlib.sha256(request.inputs).hexdigest(), output_hash=hashlib.sha256(signed_outputs).hexdigest(),
-            flops=job.estimate(*x).flops, wall_time_us=10, price=price_to_nano(w.price),
-            max_price=request.max_price, started_at_us=1, ended_at_us=2, lane=request.lane)
-
-        async def finish(verdict):
-            w.verdicts.append(verdict)
-
-        sent = len(request.inputs) + (0 if cached else len(request.program))
-        return Delivery(worker.id, outputs, receipt, sent, 0.0, via_unary=cached, finish=finish)
-
-    def _step(self, w: FakeWorker, request: JobRequest, act: str) -> Delivery:
-        """A session step: the state stays here between steps; a step asked again is answered from memory.
-        ``act`` "cut": the step runs, and its answer is lost on the way back."""
-        if request.job_id in w.answered:
-            return w.answered[request.job_id]
-        job = gpunet.Job.from_bytes(request.program)
-        inputs = tensors.decode(request.inputs)
-        x = [inputs[f"input_{i}"] for i in range(len(inputs))]
-        if request.session.step > 0:
-            x += w.states[request.session.id]
-        out, *state = job.run_locally(*x)
-        w.states[request.session.id] = tuple(state)
-        w.answered[request.job_id] = delivery = Delivery(
-            w.id, tensors.encode({"output_0": out}), None, len(request.inputs), 0.0, via_unary=True)
-        if act == "cut":
-            raise ProtocolError("peer closed the stream mid-message")
-        return delivery
-
-    async def close_session(self, worker_id: str, session_id: str, received) -> None:
-        self.workers[worker_id].states.pop(session_id, None)  # its steps stay unbilled: these fakes sign no tabs
-
-    async def settle(self, worker_id: str, items) -> None:
-        self.settled.setdefault(worker_id, []).extend(job_id for job_id, _ in items)
-
-    async def cancel(self, worker_id: str, job_id: str) -> bool:
-        return False
-
-    async def close(self) -> None:
-        self.closed = True
 
 
 def run(tmp_path, workers, scenario, with_transport=False):
@@ -219,7 +100,7 @@ def test_a_redundant_job_that_raises_bans_no_worker(tmp_path):
 
 
 def test_a_job_too_big_to_run_here_raises_once_a_second_worker_drawn_at_random_says_the_same(tmp_path, monkeypatch):
-    monkeypatch.setattr(core_module, "LOCAL_CONFIRM_FLOPS", 0)
+    monkeypatch.setattr(local, "LOCAL_CONFIRM_FLOPS", 0)
     workers = [FakeWorker("a"), FakeWorker("b"), FakeWorker("c")]
 
     async def scenario(core):
@@ -258,7 +139,7 @@ def test_a_checker_that_says_the_job_raised_is_a_failure_not_the_jobs_error(tmp_
 
 
 def test_a_job_that_raises_on_the_only_worker_and_is_too_big_to_run_here_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(core_module, "LOCAL_CONFIRM_FLOPS", 0)
+    monkeypatch.setattr(local, "LOCAL_CONFIRM_FLOPS", 0)
     alone = FakeWorker("alone")
 
     async def scenario(core):
@@ -290,10 +171,10 @@ def test_the_worker_list_is_refreshed_less_often_when_listing_it_takes_long():
     """A big network takes seconds to list (every record's signature checked): refreshed every 2 s regardless, a
     client that only waits would keep a core busy. Small networks stay at the configured period; a listing slowed
     by a peer that does not answer puts off the next one by half a minute at most."""
-    assert core_module.refresh_pause(2.0, 0.05) == 2.0
-    assert core_module.refresh_pause(2.0, 2.5) == 25.0
-    assert core_module.refresh_pause(2.0, 28.0) == core_module.MAX_REFRESH_PAUSE
-    assert core_module.refresh_pause(90.0, 28.0) == 90.0  # never sooner than the configured period
+    assert view.refresh_pause(2.0, 0.05) == 2.0
+    assert view.refresh_pause(2.0, 2.5) == 25.0
+    assert view.refresh_pause(2.0, 28.0) == view.MAX_REFRESH_PAUSE
+    assert view.refresh_pause(90.0, 28.0) == 90.0  # never sooner than the configured period
 
 
 def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp_path):
@@ -543,7 +424,7 @@ def test_a_session_step_whose_answer_is_lost_is_asked_again_of_the_worker_holdin
 def test_a_session_tab_billed_above_the_workers_advertised_price_is_refused(tmp_path):
     """A tab receipt is checked like a job's: its price is at most what the worker advertises (whatever bound the
     client's requirements left open), and a worker whose price the client never saw gets nothing countersigned."""
-    from gpunet.client.transport import Delivery
+    from gpunet.client.jobs import Delivery
     from gpunet.errors import InvalidReceipt
     from gpunet.ledger.tabs import Tab
 
@@ -565,13 +446,13 @@ def test_a_session_tab_billed_above_the_workers_advertised_price_is_refused(tmp_
         await core.refresh()
         tab, delivery = tab_and_receipt(greedy, core.identity.peer_id, 18e9)
         with pytest.raises(InvalidReceipt, match="above the 1 this worker advertises"):
-            core._pay_tab(delivery, "s1", tab, None)
+            core.payment.pay_tab(delivery, "s1", tab, None)
         tab, delivery = tab_and_receipt(stranger, core.identity.peer_id, 1.0)
         with pytest.raises(InvalidReceipt, match="never saw"):
-            core._pay_tab(delivery, "s1", tab, None)
+            core.payment.pay_tab(delivery, "s1", tab, None)
         tab, delivery = tab_and_receipt(honest, core.identity.peer_id, 1.0)
         core.router.update([greedy.entry])  # the honest worker's record lapsed (it left): its last tab is still paid
-        return core._pay_tab(delivery, "s1", tab, None)
+        return core.payment.pay_tab(delivery, "s1", tab, None)
 
     paid = run(tmp_path, [honest, greedy], scenario)
     assert paid.flops == 8 * 10**11 and paid.client_signature
@@ -581,7 +462,7 @@ def test_a_session_tab_billed_above_the_workers_advertised_price_is_refused(tmp_
 def test_a_checkers_last_tab_is_closed_under_the_price_bound_its_steps_were_sent_with():
     """The worker signs a tab under the bound its steps carried; a close without it would fail the countersignature
     and mark an honest checker as lying."""
-    from gpunet.client.audit import CheckerReplay
+    from gpunet.client.sessions.audit import CheckerReplay
     from gpunet.client.routing import Requirements
     from gpunet.ledger.tabs import Tab
 
@@ -617,7 +498,7 @@ def test_a_session_step_that_raises_or_is_refused_leaves_the_session_usable(tmp_
     """A token out of the vocabulary raises on the worker (and on a second one, after a move): the step's own
     error. A wrong dtype is refused before anything is sent. Neither step was taken by any span, so the session goes
     on, and its sums count only the steps that ran."""
-    from gpunet.client.sequential import SessionCore, build
+    from gpunet.client.sessions import SessionCore, build
 
     torch.manual_seed(0)
     block = EmbedSum()

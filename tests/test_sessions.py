@@ -9,7 +9,7 @@ import torch
 from torch.export import Dim
 
 from gpunet import protocol
-from gpunet.client.sequential import _SpanModule, plan_spans, spans_needed, trace_spans
+from gpunet.client.sessions.spans import _SpanModule, plan_spans, spans_needed, trace_spans
 from gpunet.errors import JobRejected, ProtocolError, SessionLost, UnsupportedProgram, UsageError, WorkerBusy
 from gpunet.job import Job
 from gpunet.job.format import Manifest
@@ -499,7 +499,7 @@ def test_a_position_counter_can_advance_by_a_symbolic_size():
                                                      module(x, torch.full((1,), 2.0))))
 
 
-# --- checked steps (gpunet.client.audit), the rulings alone --------------------------------------------------------
+# --- checked steps (gpunet.client.sessions.audit), the rulings alone -----------------------------------------------
 
 
 class _DoublingJob:
@@ -524,7 +524,7 @@ class _FakeCore:
 
 
 def _checks(mode):
-    from gpunet.client.audit import SessionChecks
+    from gpunet.client.sessions.audit import SessionChecks
 
     return SessionChecks(_FakeCore(), [_FakeSpan()], mode, lambda span: None, 60.0, lambda receipt: None)
 
@@ -536,7 +536,7 @@ def _done(value):
 
 
 def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_clients_own():
-    from gpunet.client.audit import Caught
+    from gpunet.client.sessions.audit import Caught
     from gpunet.errors import VerificationFailed
 
     history = [torch.full((2,), float(k)) for k in range(6)]  # the span doubles: the right output at step k is 2k
@@ -548,16 +548,16 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
         # with step 1, before anything is paid.
         await checks.settle(0, "0-1", "honest", 0, right[0], checks.replay(0, 0, history, "honest"), history, False)
         await checks.settle(0, "0-1", "honest", 1, right[1], None, history, False)
-        assert checks.tally.checked == 1 and len(checks.spans[0].pending) == 1
+        assert checks.report.checked == 1 and len(checks.spans[0].pending) == 1
         await checks.settle(0, "0-1", "honest", 2, right[2], None, history, True)
-        assert checks.tally.checked == 3 and not checks.spans[0].pending
+        assert checks.report.checked == 3 and not checks.spans[0].pending
         assert checks.reputation.streak("honest") == 3
         # A wrong output caught at its own step: the replay's output stands in for it.
         with pytest.raises(Caught) as caught:
             await checks.settle(0, "0-1", "liar", 3, torch.zeros(2), checks.replay(0, 3, history, "liar"), history,
                                 False)
         assert torch.equal(caught.value.truth, right[3])
-        assert checks.tally.caught == ["liar"] and "liar" in checks.banned and checks.reputation.avoided("liar")
+        assert checks.report.caught == ["liar"] and "liar" in checks.banned and checks.reputation.avoided("liar")
         # A wrong output that went out unchecked, found at the next check: it cannot be taken back.
         await checks.settle(0, "0-1", "sly", 4, torch.zeros(2), None, history, False)
         with pytest.raises(VerificationFailed, match="already returned"):
@@ -569,7 +569,7 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
         checks.spans[0].checker.worker_id = "checker"
         checks.spans[0].checker.drop = lambda pay: None
         await checks.settle(0, "0-1", "worker", 1, right[1], _done([torch.full((2,), 7.0)]), history, False)
-        assert checks.tally.caught == ["checker"] and checks.reputation.avoided("checker")
+        assert checks.report.caught == ["checker"] and checks.reputation.avoided("checker")
         assert not checks.reputation.avoided("worker")
         # This machine cannot replay: one worker's word against another's brands nobody, and the step fails.
         checks = _checks("adaptive")
@@ -584,6 +584,6 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
         checks._own = cannot
         with pytest.raises(VerificationFailed, match="could not replay"):
             await checks.settle(0, "0-1", "worker", 1, right[1], _done([torch.full((2,), 7.0)]), history, False)
-        assert not checks.tally.caught and not checks.reputation.avoided("worker")
+        assert not checks.report.caught and not checks.reputation.avoided("worker")
 
     asyncio.run(main())

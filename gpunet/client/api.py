@@ -16,9 +16,10 @@ from functools import partial
 from pathlib import Path
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-from gpunet.client import sequential
-from gpunet.client.core import ClientConfig, ClientCore, JobResult, check_call
-from gpunet.client.sequential import AsyncRemoteSequential, RemoteSequential
+from gpunet.client import sessions
+from gpunet.client.core import ClientConfig, ClientCore
+from gpunet.client.jobs import JobResult, check_call
+from gpunet.client.sessions import AsyncRemoteSequential, RemoteSequential
 from gpunet.client.routing import Requirements
 from gpunet.config import DEFAULT_NETWORK
 from gpunet.dht.registry import WorkerEntry
@@ -54,7 +55,7 @@ class JobFuture(concurrent.futures.Future):
             return
         error = outcome.exception()
         if error is not None:
-            self.attempts = list(getattr(error, "attempts", []))
+            self.attempts = list(error.attempts) if isinstance(error, GpunetError) else []
             self.set_exception(error)
             return
         result: JobResult = outcome.result()
@@ -176,7 +177,7 @@ class AsyncClient:
                    initial_state=None, requirements: Requirements | None = None) -> AsyncRemoteSequential:
         """Like :meth:`Client.sequential`, awaited: ``await remote(x)``, ``async with remote.session() as s``."""
         self._core.check_open()
-        return AsyncRemoteSequential(sequential.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
+        return AsyncRemoteSequential(sessions.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
                                                       initial_state, requirements))
 
     @property
@@ -356,7 +357,7 @@ class Client:
         with ``initial_state()``, or ``initial_state=[...]`` per block) on its worker between steps."""
         if self._closed:
             raise GpunetError("client is closed")
-        return RemoteSequential(sequential.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
+        return RemoteSequential(sessions.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
                                                  initial_state, requirements), self._call)
 
     def workers(self, refresh: bool = False) -> list[WorkerEntry]:

@@ -36,6 +36,7 @@ from gpunet.protocol import OpenProof, ProveSpeed
 
 if TYPE_CHECKING:
     from gpunet.client.routing import Router
+    from gpunet.client.transport import BaseTransport
     from gpunet.client.trust import Reputation
     from gpunet.dht.registry import WorkerEntry
 
@@ -83,7 +84,7 @@ class _Attempts:
 
 @dataclass
 class SpeedProofs:
-    transport: object  # with prove() and open_proof(): see gpunet.client.transport
+    transport: "BaseTransport"  # one that proves (BaseTransport.proves)
     router: "Router"
     reputation: "Reputation"
     config: ProofConfig = field(default_factory=ProofConfig)

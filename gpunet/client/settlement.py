@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Awaitable
+from typing import Awaitable, Protocol, Sequence
 
+from gpunet.client.jobs import Delivery
 from gpunet.protocol import Countersign, Refuse
 from gpunet.utils import Debounce
-
-if TYPE_CHECKING:
-    from gpunet.client.transport import Delivery, Transport
 
 logger = logging.getLogger("gpunet.client")
 
@@ -31,22 +29,29 @@ SETTLE_TRIES = 4
 RETRY_DELAY = 1.0
 
 
+class Settles(Protocol):
+    """What settlement needs of a transport (``BaseTransport`` has it), declared here so that the transport, which
+    takes a :class:`Settlement` for the countersignatures riding along, is the one importing the other."""
+
+    async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None: ...
+
+
 class Settlement:
-    def __init__(self, transport: "Transport"):
+    def __init__(self, transport: Settles):
         self.transport = transport
         self._owed: dict[str, list[tuple[str, bytes]]] = {}  # worker id -> (job id, signature) not yet sent
         self._timer = Debounce(SETTLE_DELAY, self.flush)
         self._sending: set[asyncio.Future] = set()
         self._failed: dict[str, int] = {}  # job id -> batch sends that did not get through
 
-    def countersign(self, delivery: "Delivery", signature: bytes) -> None:
+    def countersign(self, delivery: Delivery, signature: bytes) -> None:
         if delivery.via_unary:
             self._owed.setdefault(delivery.worker_id, []).append((delivery.receipt.job_id, signature))
             self._timer.poke()
         else:
             self.track(delivery.finish(Countersign(delivery.receipt.job_id, signature)))
 
-    def refuse(self, delivery: "Delivery", reason: str) -> None:
+    def refuse(self, delivery: Delivery, reason: str) -> None:
         self.track(delivery.finish(Refuse(delivery.receipt.job_id, reason[:500])))
 
     def take(self, worker_id: str) -> list[tuple[str, bytes]]:

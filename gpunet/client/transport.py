@@ -1,23 +1,25 @@
 """How a job reaches a worker: the client's side of the doors in :mod:`gpunet.protocol`. Moves bytes, decides nothing.
 
-Routing (:mod:`gpunet.client.routing`) decides *who*; a :class:`Transport` decides *how*: the unary door (one round
+Routing (:mod:`gpunet.client.routing`) decides *who*; a transport decides *how*: the unary door (one round
 trip, countersignatures owed to that worker riding along) for a small job whose program the worker should hold, the
 stream door (any size, the program sent if asked) otherwise or when the worker says so. Everything the network can
 throw (the daemon's errors, ``ConnectionError``, ``OSError``) leaves a transport as a :class:`~gpunet.GpunetError`.
 
-:class:`P2PTransport` is the real one over hivemind; ``ClientCore(transport=...)`` takes any object with the same
-methods (tests use an in-process fake, so retries, bans and verification are checked without go-libp2p).
+:class:`BaseTransport` declares all the client asks of one. :class:`P2PTransport` is the real one over hivemind;
+``ClientCore(transport=...)`` takes any other (:class:`gpunet.testing.transport.FakeTransport` runs workers
+in-process, so retries, bans and verification are checked without go-libp2p).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, Sequence
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Sequence
 
 from gpunet import protocol
-from gpunet.errors import GpunetError, NetworkError, ProtocolError
+from gpunet.client.jobs import MAX_OUTPUT_BYTES, Delivery, JobRequest, Verdict
+from gpunet.errors import GpunetError, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
@@ -25,7 +27,6 @@ from gpunet.protocol import (
     UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
-    Countersign,
     SessionClosed,
     Door,
     Error,
@@ -35,7 +36,6 @@ from gpunet.protocol import (
     Pieces,
     ProofOpening,
     ProveSpeed,
-    Refuse,
     Result,
     Send,
     SettleBatch,
@@ -51,68 +51,52 @@ if TYPE_CHECKING:
     from gpunet.identity import Identity
     from gpunet.rpc import RPC
 
-MAX_OUTPUT_BYTES = 4 * 1024**3
-Verdict = Countersign | Refuse
 
+class BaseTransport(ABC):
+    """Everything the client asks of a way to reach workers. :class:`P2PTransport` is the real one;
+    :class:`gpunet.testing.transport.FakeTransport` runs workers in-process. Raises only GpunetErrors."""
 
-@dataclass(frozen=True)
-class JobRequest:
-    """One job as it goes to one worker."""
+    #: Workers pass a session step's output on to the next span's worker (``SessionStep.push_to``).
+    pushes: bool = False
+    #: It sends speed challenges (:meth:`prove`, :meth:`open_proof`); without, routing takes claimed speeds as they are.
+    proves: bool = False
+    #: Program bytes uploaded to workers, in all: what workers fetching programs from each other spare this link.
+    program_bytes_sent: int = 0
 
-    job_id: str
-    program_hash: str
-    program: bytes  # the container; sent only when the worker asks for it
-    inputs: bytes
-    timeout: float
-    max_price: int | None  # nano-credits per TFLOP
-    max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
-    private: bool = False  # Requirements.private: see gpunet.protocol.Submit
-    #: Other workers that hold the program (id, addresses): a worker lacking it may fetch it from them instead.
-    holders: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    session: protocol.SessionStep | None = None  # a step of an inference session (docs/sessions.md)
-    lane: str = protocol.INTERACTIVE  # Requirements.priority (docs/market.md)
-    deadline: float | None = None  # unix time: Requirements.deadline
+    @abstractmethod
+    async def discover(self) -> list["WorkerEntry"]:
+        """The workers whose records are live now."""
 
-
-async def _nothing(verdict: Verdict) -> None:
-    pass
-
-
-@dataclass
-class Delivery:
-    """A worker's answer: outputs and receipt, with the way back to that worker for the client's verdict."""
-
-    worker_id: str  # the peer that answered, as the libp2p channel authenticated it
-    outputs: bytes
-    receipt: Receipt | None  # None only for a session step its session's tab bills later (gpunet.ledger.tabs)
-    bytes_sent: int
-    transfer_seconds: float
-    via_unary: bool = False  # countersignatures for unary answers can ride on the next job to the worker
-    finish: Callable[[Verdict], Awaitable[None]] = _nothing  # send the verdict (and close the stream, if any)
-    close: Callable[[], None] = lambda: None  # hang up without a verdict: the work stays unpaid
-    input_hash: str | None = None  # a session step whose input was pushed to the worker: the input it says it ran on
-
-
-class Transport(Protocol):
-    async def discover(self) -> list["WorkerEntry"]: ...
-
+    @abstractmethod
     async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
                      settlement: "Settlement") -> Delivery:
         """Run ``request`` on ``worker``; ``cached``: the worker should hold the program. Raises WorkerBusy,
         JobRejected, JobFailed, JobTimeout, ProgramNotCached, ProtocolError or NetworkError."""
 
-    async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None: ...
+    @abstractmethod
+    async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
+        """Countersignatures for results received through the unary door, in one call."""
 
-    async def cancel(self, worker_id: str, job_id: str) -> bool: ...
+    @abstractmethod
+    async def cancel(self, worker_id: str, job_id: str) -> bool:
+        """Ask a worker to stop a job; True if it was still queued or running."""
 
+    @abstractmethod
+    async def close_session(self, worker_id: str, session_id: str, received: int | None = None) -> Delivery | None:
+        """End one of our sessions on a worker: the receipt of its steps not billed yet (None when there are none)."""
+
+    @abstractmethod
     async def close(self) -> None: ...
 
-    # Optional: a worker that failed or left is not named to others as a program's holder.
-    # def forget(self, worker_id: str) -> None: ...
+    def forget(self, worker_id: str) -> None:
+        """A worker that failed or left is named to no other as a program's holder (none are, by default)."""
 
-    # Optional (a transport without them: the client routes on claimed speed): speed challenges.
-    # async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]: ...
-    # async def open_proof(self, worker_id: str, request: OpenProof) -> ProofOpening: ...
+    async def prove(self, worker_id: str, challenge: ProveSpeed) -> tuple[SpeedCommitment, float]:
+        """A speed challenge (only where :attr:`proves`): the worker's commitment and the seconds it took."""
+        raise NotImplementedError
+
+    async def open_proof(self, worker_id: str, request: OpenProof) -> ProofOpening:
+        raise NotImplementedError
 
 
 def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
@@ -126,11 +110,11 @@ def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
 UNHELPFUL_SECONDS = 300.0
 
 
-class P2PTransport:
+class P2PTransport(BaseTransport):
     """Jobs over hivemind's p2p daemon, as this client's own DHT node (a client: it serves no records)."""
 
-    #: Workers pass a session step's output on to the next span's worker (``SessionStep.push_to``).
     pushes = True
+    proves = True
 
     def __init__(self, dht, rpc: "RPC"):
         self.dht, self.rpc = dht, rpc
@@ -399,7 +383,6 @@ class P2PTransport:
             ran.pop(worker_id, None)
 
     async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
-        """Countersignatures for results received through the unary door, in one call."""
         await self.rpc.call(worker_id, Door.SETTLE, SettleBatch(tuple(items)), Ok, Error)
 
     async def cancel(self, worker_id: str, job_id: str) -> bool:

@@ -41,7 +41,7 @@ from gpunet.ledger.tabs import Tab
 
 if TYPE_CHECKING:
     from gpunet.client.routing import Requirements
-    from gpunet.client.sequential import Span
+    from gpunet.client.sessions.spans import Span
 
 logger = logging.getLogger("gpunet.client")
 
@@ -88,7 +88,7 @@ class CheckerReplay:
     """A shadow session of one span on a checker worker: the same inputs, step after step; dropped (and replayed from
     the first step on another checker) when it fails, or when the client finds it lying. One call at a time."""
 
-    core: Any  # gpunet.client.core.ClientCore
+    core: Any  # gpunet.client.core.ClientCore (above this package: not imported)
     span: "Span"
     requirements: "Requirements"
     ttl: float
@@ -177,7 +177,7 @@ class SpanChecks:
 
 
 @dataclass
-class Tally:
+class CheckReport:
     """What the checks of a session found (``Session.checks``)."""
 
     checked: int = 0  # span steps whose output was compared with a replay, and found right
@@ -196,7 +196,7 @@ class SessionChecks:
     def __init__(self, core: Any, spans: Sequence["Span"], mode: str, requirements_for, ttl: float,
                  on_receipt: Callable[[Any], None]):
         self.reputation = core.reputation
-        self.tally = Tally()
+        self.report = CheckReport()
         self.banned: set[str] = set()  # caught in this session: never used again by it, for any span or check
         self.spans = [
             SpanChecks(LocalReplay(span),
@@ -264,7 +264,7 @@ class SessionChecks:
         for k, out, w in checks.pending:
             if (k, w) not in wrong:
                 self.reputation.record(w, "valid", checked=True)
-                self.tally.checked += 1
+                self.report.checked += 1
         checks.pending.clear()
         if not wrong:
             return
@@ -287,7 +287,7 @@ class SessionChecks:
         logger.warning("The %s, %s, returned a wrong output; it is recorded as rejected and not used again by this "
                        "session", role, worker_id[-8:])
         self.reputation.record(worker_id, "rejected")
-        self.tally.caught.append(worker_id)
+        self.report.caught.append(worker_id)
         self.banned.add(worker_id)
 
     async def _own(self, checks: SpanChecks, first: int, last: int,
@@ -303,7 +303,7 @@ class SessionChecks:
     def _unchecked(self, checks: SpanChecks, why: str) -> None:
         """No replay could run: the outputs waiting are let go uncompared (and a receipt for them is paid)."""
         logger.warning("%d session output(s) returned unchecked: %s", len(checks.pending), why)
-        self.tally.unchecked += len(checks.pending)
+        self.report.unchecked += len(checks.pending)
         checks.pending.clear()
 
     async def flush(self, i: int, span_name: str, history: Sequence[torch.Tensor]) -> None:
@@ -321,7 +321,7 @@ class SessionChecks:
     async def close(self) -> None:
         for checks in self.spans:
             if checks is not None:
-                self.tally.unchecked += len(checks.pending)
+                self.report.unchecked += len(checks.pending)
                 checks.pending.clear()
                 if checks.checker is not None:
                     await checks.checker.close()

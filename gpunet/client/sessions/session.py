@@ -7,8 +7,9 @@ pins each span to one worker, which keeps the span's state (KV caches) between s
 loses the state, the span moves to another worker, which replays the span's past inputs (kept here) to rebuild the
 state exactly, and the session goes on. See docs/sessions.md.
 
-The engine (:class:`SequentialCore`, :class:`SessionCore`) is async and shared: :class:`RemoteSequential` and
-:class:`Session` run it on a :class:`~gpunet.Client`'s loop, the ``Async*`` twins on the caller's.
+This is the engine (:class:`SequentialCore`, :class:`SessionCore`), async and shared: the handles
+(:mod:`gpunet.client.sessions.handles`) run it on a :class:`~gpunet.Client`'s loop, or the caller's. Spans are cut
+and traced in :mod:`~gpunet.client.sessions.spans`; checked steps are :mod:`~gpunet.client.sessions.audit`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any, Sequence
 import torch
 
 from gpunet import protocol
-from gpunet.client.audit import Caught, SessionChecks, Tally
-from gpunet.client.core import PushedInputDiffers
+from gpunet.client.delivery import PushedInputDiffers
 from gpunet.client.routing import Requirements
+from gpunet.client.sessions.audit import Caught, SessionChecks
+from gpunet.client.sessions.spans import MEMORY_HEADROOM, Span, block_bytes, block_state, plan_spans, spans_needed, \
+    trace_spans, x_meta
 from gpunet.errors import (
     GpunetError,
     InvalidReceipt,
@@ -36,7 +39,6 @@ from gpunet.errors import (
     NetworkError,
     NoWorkersAvailable,
     SessionLost,
-    UnsupportedProgram,
     UsageError,
     VerificationFailed,
     WorkerDraining,
@@ -58,169 +60,6 @@ PUSH_GRACE_SPANS = 4
 #: After a pushed step falls back (a push lost, a worker gone), steps go by way of the client for this many steps,
 #: doubled at each further fallback: a path where pushes never get through costs a grace wait ever more rarely.
 PUSH_RETRY_STEPS = 16
-#: What a span's worker needs besides the span's weights and state, as a share of them (activations, the program's
-#: container while it loads).
-MEMORY_HEADROOM = 1.5
-
-
-class _SpanModule(torch.nn.Module):
-    """Consecutive blocks as one module: ``forward(x, *state) -> (y, *new_state)`` (just ``y`` with no state)."""
-
-    def __init__(self, blocks: Sequence[torch.nn.Module], n_state: Sequence[int]):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(blocks)
-        self.n_state = list(n_state)
-
-    def forward(self, x, *state):
-        new: list[torch.Tensor] = []
-        at = 0
-        for block, k in zip(self.blocks, self.n_state):
-            if k:
-                x, *out = block(x, *state[at:at + k])
-                if len(out) != k:
-                    raise UsageError(f"a stateful block takes {k} state tensors and must return as many new ones "
-                                     f"after its output, returned {len(out)}")
-                new += out
-                at += k
-            else:
-                x = _passed_on(block, block(x))
-        return (x, *new) if new else x
-
-
-def _passed_on(block: torch.nn.Module, out: Any) -> torch.Tensor:
-    """A stateless block's output as the next block's input: one tensor (or a 1-tuple of one, as older Hugging Face
-    blocks return ``(hidden_states,)``)."""
-    if isinstance(out, (tuple, list)) and len(out) == 1:
-        out = out[0]
-    if not isinstance(out, torch.Tensor):
-        raise UsageError(f"a block ({type(block).__name__}) returned a {type(out).__name__}: in a sequence each block "
-                         "passes one tensor to the next. Wrap a block that returns more so that it returns the hidden "
-                         "state only; a stateful block is forward(x, *state) -> (y, *new_state), with initial_state "
-                         "given (docs/sessions.md)")
-    return out
-
-
-@dataclass
-class Span:
-    """Blocks ``start`` to ``stop - 1`` as one traced job, with the first state its session starts from."""
-
-    start: int
-    stop: int
-    job: Any  # gpunet.Job
-    state: tuple[torch.Tensor, ...]  # the first state (empty: a stateless span)
-    fresh: bool  # that state is all zeros: workers allocate it themselves instead of receiving it
-    weight_bytes: int
-
-    @property
-    def stateful(self) -> bool:
-        return bool(self.state)
-
-    @property
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state)
-
-    def meta_state(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(t.shape, dtype=t.dtype, device="meta") for t in self.state)
-
-
-def block_bytes(block: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*block.parameters(), *block.buffers()))
-
-
-def plan_spans(sizes: Sequence[int], n_spans: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` ranges, ``n_spans`` of them, making the biggest span as small as it can be
-    (exact: a binary search on the bound, each checked greedily)."""
-    n = len(sizes)
-    if not 1 <= n_spans <= n:
-        raise UsageError(f"spans must be between 1 and the number of blocks ({n}), not {n_spans}")
-
-    def cut(bound: int) -> list[tuple[int, int]] | None:
-        ranges, start, total = [], 0, 0
-        for i, size in enumerate(sizes):
-            if size > bound:
-                return None
-            if total + size > bound or n - i < n_spans - len(ranges):  # must leave a block for every span to come
-                ranges.append((start, i))
-                start, total = i, 0
-            total += size
-        ranges.append((start, n))
-        return ranges if len(ranges) <= n_spans else None
-
-    lo, hi = max(sizes, default=0), sum(sizes)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if cut(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    ranges = cut(lo) or [(0, n)]
-    while len(ranges) < n_spans:  # fewer were needed: split the longest (by blocks) to use the workers asked for
-        i = max(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][0])
-        a, b = ranges[i]
-        m = (a + b) // 2
-        ranges[i:i + 1] = [(a, m), (m, b)]
-    return ranges
-
-
-def _initial_state(block: torch.nn.Module, given: Any) -> tuple[torch.Tensor, ...]:
-    if given is not None:
-        state = tuple(given)
-    else:
-        make = getattr(block, "initial_state", None)
-        state = tuple(make()) if make is not None else ()
-    if not all(isinstance(t, torch.Tensor) for t in state):
-        raise UsageError("a block's state is a tuple of tensors (its initial_state(), or initial_state=[...])")
-    return state
-
-
-def _dims_of(job, output: int = 0) -> dict[int, Any] | None:
-    """The dynamic dims of a traced job's output, as torch.export Dims: the next span's input has the same."""
-    from torch.export import Dim
-
-    spec = job.manifest.outputs[output]
-    dims = {}
-    for axis, d in enumerate(spec.shape):
-        if isinstance(d, str):
-            r = job.manifest.dims[d]
-            dims[axis] = Dim(d, min=r.min, max=r.max) if r.max is not None else Dim(d, min=r.min)
-    return dims or None
-
-
-def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any,
-                ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None) -> list[Span]:
-    """Trace each range of blocks into a job, feeding each the previous span's output on the example input."""
-    from gpunet.job import Job
-
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    if len(example_inputs) != 1:
-        raise UsageError("a sequence of blocks passes one tensor from block to block: give one example input")
-    if initial_state is not None and len(initial_state) != len(blocks):
-        raise UsageError(f"initial_state has {len(initial_state)} entries for {len(blocks)} blocks (None for a "
-                         "stateless block)")
-    states = [_initial_state(b, initial_state[i] if initial_state is not None else None) for i, b in enumerate(blocks)]
-    x = example_inputs[0]
-    x_dims = dynamic_shapes[0] if isinstance(dynamic_shapes, (tuple, list)) else dynamic_shapes
-    spans = []
-    for start, stop in ranges:
-        module = _SpanModule(blocks[start:stop], [len(s) for s in states[start:stop]]).eval()
-        state = tuple(t for s in states[start:stop] for t in s)
-        # forward(x, *state): torch.export takes the varargs' shapes as one tuple
-        shapes = None if x_dims is None else (x_dims, (None,) * len(state)) if state else (x_dims,)
-        try:  # eagerly first (on copies of the state): a block that does not fit the convention says so itself
-            with torch.no_grad():
-                out = module(x, *(t.clone() for t in state))
-        except GpunetError:
-            raise
-        except Exception as e:
-            raise UnsupportedProgram(f"blocks {start}-{stop - 1} fail on the example input: {type(e).__name__}: "
-                                     f"{str(e)[:500]}") from e
-        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
-        x = out[0] if state else out
-        x_dims = _dims_of(job)
-        spans.append(Span(start, stop, job, state, all(not t.any() for t in state),
-                          sum(block_bytes(b) for b in blocks[start:stop])))
-    return spans
 
 
 def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shapes=None, spans: int | None = None,
@@ -237,26 +76,13 @@ def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shape
                          "(each checked step against a replay of the span), not with redundancy: give redundancy=1 "
                          "(docs/sessions.md, checked steps)")
     sizes = [block_bytes(b) + sum(t.numel() * t.element_size()
-                                  for t in _initial_state(b, initial_state[i] if initial_state else None))
+                                  for t in block_state(b, initial_state[i] if initial_state else None))
              for i, b in enumerate(blocks)]
     if spans is None:
         spans = spans_needed(sizes, [w.record.device.memory_free for w in core.workers()])
     ranges = plan_spans(sizes, spans)
     return SequentialCore(core, trace_spans(blocks, example_inputs, dynamic_shapes, ranges, initial_state),
                           requirements)
-
-
-def spans_needed(sizes: Sequence[int], free_memory: Sequence[int]) -> int:
-    """The fewest spans whose biggest fits (with headroom) in the smallest free memory among the workers known:
-    fewer spans, fewer round trips per step; a model no one worker can hold is spread."""
-    room = min((m for m in free_memory if m > 0), default=0) / MEMORY_HEADROOM
-    if room <= 0:
-        return 1
-    for n in range(1, len(sizes) + 1):
-        if max(sum(sizes[a:b]) for a, b in plan_spans(sizes, n)) <= room:
-            return n
-    raise UsageError(f"a block of {max(sizes) / 2**20:.0f} MiB does not fit in the memory of the workers known "
-                     f"({room * MEMORY_HEADROOM / 2**20:.0f} MiB free on the smallest)")
 
 
 class SequentialCore:
@@ -329,7 +155,7 @@ class SessionCore:
         self._handoffs: set[asyncio.Future] = set()  # sessions being closed on workers a span left
         req = seq.requirements
         self.max_price = price_to_nano(req.max_price) if req.max_price is not None else None
-        #: verify="adaptive" | "local-sample": live steps checked against a replay of the span (gpunet.client.audit)
+        #: verify="adaptive" | "local-sample": live steps checked against a replay of the span (sessions.audit)
         self.checks = (SessionChecks(seq.core, seq.spans, req.verify, seq.requirements_for, ttl, self.receipts.append)
                        if req.verify != "none" else None)
 
@@ -417,7 +243,7 @@ class SessionCore:
         """Whether this step can go span to span (Petals' server-to-server hops): every span open on a worker that
         stays, and no checks (a checked step's output is compared before the next span may use it)."""
         return (self._push and self.steps >= self._push_from and self.checks is None and len(self.seq.spans) > 1
-                and getattr(self.seq.core.transport, "pushes", False)
+                and self.seq.core.transport.pushes
                 and all(span.stateful for span in self.seq.spans)
                 and all(p.worker_id is not None and p.step > 0 and not p.closed and not self._draining(p.worker_id)
                         for p in self.placed))
@@ -498,7 +324,7 @@ class SessionCore:
 
         shapes = [torch.empty(x.shape, dtype=x.dtype, device="meta")]
         for span in self.seq.spans[:-1]:
-            estimate = await self.seq.core._estimate(span.job, (shapes[-1], *span.meta_state()))
+            estimate = await self.seq.core.estimate(span.job, (shapes[-1], *span.meta_state()))
             dtype, shape = estimate.outputs[0]
             shapes.append(torch.empty(shape, dtype=tensors.DTYPES[dtype], device="meta"))
         return shapes
@@ -620,120 +446,3 @@ class SessionCore:
             await self.checks.close()
         if failed is not None:
             raise failed
-
-
-def x_meta(span: Span) -> torch.Tensor:
-    """A meta tensor shaped like the span's first input at its smallest (routing needs only the shape)."""
-    spec = span.job.manifest.inputs[0]
-    from gpunet.job import tensors
-
-    shape = [d if isinstance(d, int) else span.job.manifest.dims[d].min for d in spec.shape]
-    return torch.empty(shape, dtype=tensors.DTYPES[spec.dtype], device="meta")
-
-
-# --- the user's handles: sync over a Client's loop, async on the caller's --------------------------------------------
-
-
-class AsyncRemoteSequential:
-    """A model spread over workers (``await remote(x)``, ``async with remote.session() as s: await s.step(x)``)."""
-
-    def __init__(self, core: SequentialCore):
-        self._core = core
-
-    @property
-    def spans(self) -> list[Span]:
-        return self._core.spans
-
-    async def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return await self._core.forward(x)
-
-    def session(self, ttl: float = 300.0, push: bool = True) -> "AsyncSession":
-        return AsyncSession(self._core.session(ttl, push))
-
-
-class _SessionView:
-    """What a session shows, sync or async alike."""
-
-    _core: SessionCore
-
-    @property
-    def placement(self) -> list[tuple[int, int, str | None]]:
-        """(first block, last block + 1, worker id) per span, where each runs now."""
-        return self._core.placement
-
-    @property
-    def receipts(self) -> list[Receipt]:
-        """Every step's receipt, countersigned (replays after a move included: that work was done)."""
-        return list(self._core.receipts)
-
-    @property
-    def moves(self) -> int:
-        """Times a span moved to another worker (its state rebuilt by replaying its past inputs)."""
-        return self._core.moves
-
-    @property
-    def pushed(self) -> int:
-        """Span steps whose input went straight from the previous span's worker to this span's (docs/sessions.md)."""
-        return self._core.pushed
-
-    @property
-    def checks(self) -> Tally | None:
-        """With verify='adaptive' or 'local-sample': span steps checked against a replay, returned unchecked, and
-        the workers caught returning a wrong one (docs/sessions.md); None without verify."""
-        return self._core.checks.tally if self._core.checks is not None else None
-
-
-class AsyncSession(_SessionView):
-    def __init__(self, core: SessionCore):
-        self._core = core
-
-    async def __aenter__(self) -> "AsyncSession":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def step(self, x: torch.Tensor) -> torch.Tensor:
-        return await self._core.step(x)
-
-    async def close(self) -> None:
-        await self._core.close()
-
-
-class RemoteSequential:
-    """A model spread over workers: ``y = remote(x)``; ``with remote.session() as s: y = s.step(x)``."""
-
-    def __init__(self, core: SequentialCore, call):
-        self._core, self._call = core, call
-
-    @property
-    def spans(self) -> list[Span]:
-        """The spans: blocks ``start``..``stop - 1`` each, as one traced job."""
-        return self._core.spans
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._call(self._core.forward(x))
-
-    def session(self, ttl: float = 300.0, push: bool = True) -> "Session":
-        """An inference session: each span's state (KV caches) stays on its worker between steps; idle past
-        ``ttl`` seconds, workers free it."""
-        return Session(self._core.session(ttl, push), self._call)
-
-
-class Session(_SessionView):
-    """``with remote.session() as s: y = s.step(x)``: steps in order, state on the workers, moved if one is lost."""
-
-    def __init__(self, core: SessionCore, call):
-        self._core, self._call = core, call
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def step(self, x: torch.Tensor) -> torch.Tensor:
-        return self._call(self._core.step(x))
-
-    def close(self) -> None:
-        self._call(self._core.close())
