@@ -120,7 +120,7 @@ class ExecutorStartFailed(JobFailed):
 
 class SessionLost(JobFailed):
     """A session's state is no longer on the worker (it expired, was closed, or the worker or its executor restarted);
-    the client rebuilds it elsewhere by replaying the session's past inputs (gpunet.client.sequential)."""
+    the client rebuilds it elsewhere by replaying the session's past inputs (gpunet.client.sessions)."""
 
 
 class JobTimeout(JobError):

@@ -25,7 +25,7 @@ from gpunet.client.attempts import (
 )
 from gpunet.client.routing import JobShape, Requirements, Router
 from gpunet.dht.records import DeviceInfo, WorkerRecord
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import (
     DeadlineUnreachable,
     InvalidReceipt,

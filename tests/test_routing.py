@@ -6,7 +6,7 @@ import pytest
 
 from gpunet.client.routing import GiB, JobShape, Requirements, Router
 from gpunet.dht.records import DeviceInfo, WorkerRecord
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
 
 PROGRAM = "ab" * 32
@@ -180,7 +180,8 @@ def test_checkers_are_drawn_at_random_not_by_price_or_claimed_speed():
     """Two sybils advertising the lowest price and the highest speed got both replicas and confirmed each other."""
     import random
 
-    from gpunet.client.trust import ESTABLISHED_AFTER, Reputation
+    from gpunet.client.reputation import Reputation
+    from gpunet.client.trust import ESTABLISHED_AFTER
 
     def at(name, ip, **kw):
         entry = worker(name, **kw)

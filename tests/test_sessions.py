@@ -518,7 +518,7 @@ class _FakeSpan:
 
 class _FakeCore:
     def __init__(self):
-        from gpunet.client.trust import Reputation
+        from gpunet.client.reputation import Reputation
 
         self.reputation = Reputation()
 

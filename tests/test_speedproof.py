@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gpunet import protocol, speedproof
 from gpunet.client.proofs import ProofConfig, SpeedProofs
 from gpunet.client.routing import Requirements, Router
-from gpunet.client.trust import Reputation
+from gpunet.client.reputation import Reputation
 from gpunet.errors import JobRejected, NoWorkersAvailable, ProtocolError, SpeedProofFailed, WorkerBusy
 from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
 from gpunet.worker.state.admission import Admission, ServiceLimits

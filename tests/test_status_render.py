@@ -7,7 +7,7 @@ from rich.console import Console
 
 from gpunet.cli.status import render_table
 from gpunet.dht.records import DeviceInfo, WorkerRecord
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.dht.status import NetworkStatus
 from gpunet.identity import Identity
 

@@ -219,7 +219,7 @@ with gpunet.Client(initial_peers=[sys.argv[1]], network=sys.argv[2], data_dir=sy
 def test_ctrl_c_to_a_client_during_a_session_step_blames_no_worker(swarm, tmp_path):
     """The script's own p2p daemon dies with the Ctrl-C, under the step still running: that is no lost worker (it
     logged "Span ... lost its worker ... moving it and replaying" and counted a failure against the worker)."""
-    from gpunet.client.trust import Reputation
+    from gpunet.client.reputation import Reputation
 
     worker = swarm.start_worker()
     client_dir = tmp_path / "client"

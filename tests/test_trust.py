@@ -7,9 +7,9 @@ import torch
 
 import gpunet
 from gpunet import Requirements
+from gpunet.client.reputation import Reputation
 from gpunet.client.trust import (
     ALWAYS_CHECK_UNTIL,
-    Reputation,
     agree,
     majority,
     max_difference,

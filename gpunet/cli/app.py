@@ -122,7 +122,7 @@ def status(
 ) -> None:
     """Show every live worker of a network, the network's totals, and how your client rates each worker."""
     from gpunet.client.core import client_data_dir
-    from gpunet.client.trust import Reputation
+    from gpunet.client.reputation import Reputation
     from gpunet.cli.status import render_table
     from gpunet.dht.status import StatusReader
     from gpunet.utils import wide_console

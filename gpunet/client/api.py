@@ -22,7 +22,7 @@ from gpunet.client.jobs import JobResult, check_call
 from gpunet.client.sessions import AsyncRemoteSequential, RemoteSequential
 from gpunet.client.routing import Requirements
 from gpunet.config import DEFAULT_NETWORK
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import GpunetError
 from gpunet.ledger.receipts import Receipt
 from gpunet.ledger.store import Ledger, open_ledger

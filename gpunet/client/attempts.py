@@ -48,7 +48,7 @@ from gpunet.errors import (
 
 if TYPE_CHECKING:
     from gpunet.client.routing import JobShape, Requirements, Router
-    from gpunet.dht.registry import WorkerEntry
+    from gpunet.dht.records import WorkerEntry
 
 #: Seconds a busy worker's job waits before routing is asked again (routing skips that worker meanwhile).
 BUSY_PAUSE = 0.01

@@ -26,7 +26,7 @@ from gpunet.client.proofs import ProofConfig, SpeedProofs
 from gpunet.client.routing import Requirements, Router, RoutingConfig
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import BaseTransport, P2PTransport
-from gpunet.client.trust import Reputation
+from gpunet.client.reputation import Reputation
 from gpunet.client.verify import Verifier
 from gpunet.client.view import WorkerView
 from gpunet.config import (
@@ -36,7 +36,7 @@ from gpunet.config import (
     resolve_data_dir,
 )
 from gpunet.dht import network as net
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import GpunetError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import Receipt

@@ -26,7 +26,7 @@ from gpunet.client.routing import Requirements
 from gpunet.client.settlement import Settlement
 from gpunet.client.transport import BaseTransport
 from gpunet.client.view import WorkerView
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import (
     GpunetError,
     JobFailed,

@@ -12,7 +12,7 @@ from gpunet import protocol
 from gpunet.client.jobs import CheckedDelivery, Delivery, JobResult, Prepared
 from gpunet.client.routing import Router
 from gpunet.client.settlement import Settlement
-from gpunet.client.trust import Reputation
+from gpunet.client.reputation import Reputation
 from gpunet.errors import GpunetError, InvalidReceipt, ProtocolError
 from gpunet.identity import Identity
 from gpunet.ledger import tabs

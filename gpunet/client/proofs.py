@@ -37,8 +37,8 @@ from gpunet.protocol import OpenProof, ProveSpeed
 if TYPE_CHECKING:
     from gpunet.client.routing import Router
     from gpunet.client.transport import BaseTransport
-    from gpunet.client.trust import Reputation
-    from gpunet.dht.registry import WorkerEntry
+    from gpunet.client.reputation import Reputation
+    from gpunet.dht.records import WorkerEntry
 
 logger = logging.getLogger("gpunet.client")
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Iterable, Literal
 
-from gpunet.client.trust import Reputation
+from gpunet.client.reputation import Reputation
 from gpunet.config import MAX_PRICE
 from gpunet.dht.records import WorkerState
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
 from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE
 from gpunet.speedproof import credit_cap

@@ -47,7 +47,7 @@ from gpunet.utils import LRU
 
 if TYPE_CHECKING:
     from gpunet.client.settlement import Settlement
-    from gpunet.dht.registry import WorkerEntry
+    from gpunet.dht.records import WorkerEntry
     from gpunet.identity import Identity
     from gpunet.rpc import RPC
 

@@ -19,7 +19,8 @@ from gpunet.client.delivery import Deliverer
 from gpunet.client.jobs import CheckedDelivery, JobResult, Prepared
 from gpunet.client.local import LocalRuns
 from gpunet.client.payment import Payment
-from gpunet.client.trust import Reputation, agree, describe, majority, quorum
+from gpunet.client.reputation import Reputation
+from gpunet.client.trust import agree, describe, majority, quorum
 from gpunet.client.view import WorkerView
 from gpunet.errors import GpunetError, JobRaised, NoWorkersAvailable, VerificationFailed
 from gpunet.utils import plural

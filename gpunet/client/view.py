@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from hivemind.utils import get_dht_time
 
 from gpunet.client.routing import JobShape, Requirements, Router
-from gpunet.client.trust import Reputation
-from gpunet.dht.registry import WorkerEntry
+from gpunet.client.reputation import Reputation
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import NoWorkersAvailable
 
 if TYPE_CHECKING:

@@ -11,6 +11,7 @@ import enum
 import hashlib
 import re
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgpack
@@ -229,3 +230,16 @@ def worker_key(network: str, bucket: int) -> str:
 
 def worker_keys(network: str) -> list[str]:
     return [worker_key(network, b) for b in range(WORKER_BUCKETS)]
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """A worker as discovery sees it: its id (a peer id), its record, and when the record expires."""
+
+    id: str
+    record: WorkerRecord
+    expiration_time: float
+
+    @property
+    def state(self) -> WorkerState:
+        return self.record.state

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from functools import partial
 
 import hivemind
 from hivemind.utils import get_dht_time
 
-from gpunet.dht.records import (
+from gpunet.dht.records import (  # WorkerEntry: re-exported, discovery's result
+    WorkerEntry,
     WorkerRecord,
     WorkerState,
     worker_bucket,
@@ -23,19 +23,6 @@ from gpunet.errors import GpunetError, NetworkError
 #: a slow honest bucket still comes back when it would have, and a client's listing (which has no limit of its own)
 #: never waits for ever on one.
 BUCKET_TIMEOUT = 28.0
-
-
-@dataclass(frozen=True)
-class WorkerEntry:
-    """A worker as discovery sees it: its id (a peer id), its record, and when the record expires."""
-
-    id: str
-    record: WorkerRecord
-    expiration_time: float
-
-    @property
-    def state(self) -> WorkerState:
-        return self.record.state
 
 
 def announce(

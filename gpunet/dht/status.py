@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol, Sequence
 from gpunet.dht import network as net
 from gpunet.dht import registry
 from gpunet.dht.records import WorkerState
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 
 
 class Ratings(Protocol):

@@ -17,7 +17,7 @@ import gpunet
 from gpunet.client.jobs import Delivery, JobRequest
 from gpunet.client.transport import BaseTransport
 from gpunet.dht.records import DeviceInfo, WorkerRecord
-from gpunet.dht.registry import WorkerEntry
+from gpunet.dht.records import WorkerEntry
 from gpunet.errors import (
     DeadlineUnreachable,
     JobFailed,
