@@ -58,6 +58,10 @@ def _interrupter(console: Console):
     the client and the nodes takes seconds, which were silent)."""
 
     def interrupt(*_) -> None:
+        # Once: the stopping itself must not be cut short by the same Ctrl-C coming back (a process forked from this
+        # one relays it) or by an impatient second one, which would leave the demo's processes running.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: console.print("Still stopping…"))
         console.print("\nStopping the client and every process the demo started (a few seconds)…")
         raise KeyboardInterrupt
 
