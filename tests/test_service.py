@@ -594,6 +594,30 @@ def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
         assert executor.private_runs == [True, True, True, True]  # never written to the disk cache
 
 
+def test_a_client_paying_as_it_goes_is_not_refused_for_countersignatures_still_being_filed(tmp_path):
+    """Seen in bench_network_jobs: 32 tiny jobs in flight through the unary door outran the batch that files the
+    countersignatures riding on them, and the client was refused as owing 64 results it had paid for."""
+    async def scenario(ledger):
+        client = Identity.generate()
+        service = serve(identity=Identity.generate(), executor=QuickExecutor(), ledger=ledger,
+                        admission=Admission(price_nano=1, max_concurrent=1, max_queue=4,
+                                            limits=ServiceLimits(max_unpaid_jobs=2)), record=lambda: None)
+        answers = [await service.jobs.execute(client.peer_id, job(f"job-{i}"), UnaryPayloads(), None)
+                   for i in range(8)]  # 8 = 4 x 2: the most a client may hold uncountersigned
+        for answer in answers:
+            service.billing.awaiting.expect(client.peer_id, answer.receipt)
+        with pytest.raises(JobRejected, match="not yet countersigned"):
+            await service.jobs.execute(client.peer_id, job("job-8"), UnaryPayloads(), None)
+        paid = tuple((a.receipt.job_id, client.sign(a.receipt.signing_bytes())) for a in answers[:2])
+        service.billing.awaiting.ride_along(client.peer_id, paid)  # as the run door takes them, before the job
+        assert (await service.jobs.execute(client.peer_id, job("job-8"), UnaryPayloads(), None)).outputs == b"out"
+        service.billing.books.flush()
+        assert [e.receipt.job_id for e in ledger.entries()] == ["job-0", "job-1"]
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        asyncio.run(scenario(ledger))
+
+
 def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_paying_history():
     """From a review: a client could take any number of results inside the grace, and the unary door (which does not
     see the peer's address) let free identities each take their own allowance."""

@@ -163,6 +163,10 @@ class Countersignatures:
             self._queued.append((client_id, items))
             self._timer.poke()
 
+    def queued_from(self, client_id: str) -> bool:
+        """Whether countersignatures of this client wait to be checked and filed (they came riding on a job)."""
+        return any(queued == client_id for queued, _ in self._queued)
+
     async def batch(self, client_id: str, items: Iterable[tuple[str, bytes]]) -> None:
         """Countersignatures sent in a call of their own: checked in a thread, then filed now."""
         await self._check_then_file([(client_id, tuple(items))])

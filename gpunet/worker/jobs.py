@@ -172,7 +172,15 @@ class Jobs:
         :mod:`~gpunet.worker.state.admission`): it counts as an upload of its client and address, its payload is
         charged to the buffer budget before it is read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
-        self.admission.screen(client_id, submit, host=host)
+        try:
+            self.admission.screen(client_id, submit, host=host)
+        except JobRejected:
+            if not self.billing.awaiting.queued_from(client_id):
+                raise
+            # Its countersignatures came riding on this very call (or one just before) and wait a moment to be
+            # filed in a batch: filed now, so that a client paying as it goes is never refused as owing them.
+            self.billing.awaiting.flush()
+            self.admission.screen(client_id, submit, host=host)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same answer, same receipt, no second bill
             return known
