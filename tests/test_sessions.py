@@ -198,6 +198,36 @@ def test_a_lost_session_takes_no_steps_but_its_tab_is_still_owed():
     assert ended.tab.steps == 1 and len(t) == 0
 
 
+def test_a_step_that_did_not_end_well_says_what_is_left_to_do_in_order():
+    """One event in, actions out (the lanes' form): the job path carries them out, the table decides them."""
+    from gpunet.protocol import PushTo, SessionStep
+    from gpunet.worker.state.sessions import Bill, Drop, PushOn, Reoffer
+
+    t = Sessions(SessionLimits(max_bytes=1000))
+    to = PushTo("12D3KooWNext", "t", 1)
+    t.begin("A", "s", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "s", 300)
+    step = SessionStep("s", 1, input_from="12D3KooWBefore", push_to=to)
+
+    # Refused as busy before it began: the pushed input is held again for the client's retry; nothing else.
+    assert t.step_failed("A", step, begun=False, busy=True, lost=False, pushed=b"x") == [Reoffer(b"x")]
+    # Failed before it began (its push never came): the next span asks the client; the session is as it was.
+    assert t.step_failed("A", step, begun=False, busy=False, lost=False, pushed=None) == [PushOn(to)]
+    assert t.is_open("A", "s") and t.held_bytes == 300
+    # Failed while running, its state lost: the next span asks the client, the session takes no more steps.
+    t.begin("A", "s", "p", 1, ttl=10, now=0)
+    assert t.step_failed("A", step, begun=True, busy=False, lost=True, pushed=b"x") == [PushOn(to)]
+    assert t.held_bytes == 0 and t.is_open("A", "s")
+    # Closed by its client while a step ran, then the step failed: the session ends, billed and freed.
+    t.begin("A", "u", "p", 0, ttl=10, now=0)
+    step_done(t, "A", "u", 100)
+    t.begin("A", "u", "p", 1, ttl=10, now=0)
+    assert t.close("A", "u", received=1) is None
+    actions = t.step_failed("A", SessionStep("u", 1), begun=True, busy=False, lost=False, pushed=None)
+    assert [type(a) for a in actions] == [Bill, Drop] and actions[0].ended.tab.steps == 1
+    assert actions[1].key == actions[0].ended.key and not t.is_open("A", "u")
+
+
 def test_a_leaving_worker_knows_which_sessions_still_owe_steps_and_ends_them_all():
     t = Sessions()
     t.begin("A", "s", "p", 0, ttl=10, now=0)

@@ -27,7 +27,6 @@ from gpunet.errors import (
     JobTimeout,
     SessionLost,
     WorkerBusy,
-    WorkerDraining,
 )
 from gpunet.identity import Identity
 from gpunet.ledger import tabs
@@ -50,6 +49,7 @@ from gpunet.worker.state.lanes import Ticket
 from gpunet.worker.state.limits import SessionLimits, SessionRun
 from gpunet.worker.state.owners import Owners
 from gpunet.worker.state.pushes import Pushes
+from gpunet.worker.state.sessions import PushOn, Reoffer
 from gpunet.worker.turns import Turns
 from gpunet.worker.uploads import Upload, Uploads, content_hash
 
@@ -264,16 +264,15 @@ class Jobs:
             self.owners.add(submit.program, client_id)
 
     def _not_answered(self, client_id: str, submit: Submit, job: _Job, error: BaseException) -> None:
-        """What a job that did not end well leaves behind, in order: a pushed input held again for the retry of a step
-        refused as busy; the next span told to ask the client; the session's bookkeeping; the retries waiting on it."""
-        step = submit.session
-        busy = isinstance(error, WorkerBusy) and not isinstance(error, WorkerDraining)
-        if busy and job.pushed is not None:  # busy for a moment: its client asks again (the step did not run)
-            self.handoff.give_back(client_id, submit, job.pushed)
-        if not busy and step is not None and step.push_to is not None and self.sessions.is_open(client_id, step.id):
-            self.handoff.push_on(client_id, step.push_to, None)  # the next span's worker asks the client
-        if job.session is not None:
-            self.sessions.failed(client_id, submit, job.session, error)
+        """What a job that did not end well leaves behind: for a session step, what its session decides (a pushed
+        input held again for the retry of a step refused as busy, the next span told to ask the client, a tab billed,
+        state freed); for any job, the retries waiting on its answer get the error."""
+        if submit.session is not None:
+            for action in self.sessions.failed(client_id, submit, job.session, error, job.pushed):
+                if isinstance(action, Reoffer):
+                    self.handoff.give_back(client_id, submit, action.data)
+                elif isinstance(action, PushOn):
+                    self.handoff.push_on(client_id, action.to, None)  # the next span's worker asks the client
         job.answer.set_exception(error if isinstance(error, GpunetError)
                                  else JobFailed(f"job did not finish: {type(error).__name__}"))
         job.answer.exception()  # retrieved: a waiting retry gets it, an unwatched one does not warn

@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 
-from gpunet.errors import GpunetError, SessionLost
+from gpunet.errors import GpunetError, SessionLost, WorkerBusy, WorkerDraining
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol import Submit
 from gpunet.utils import When, sha256_hex
@@ -16,7 +16,7 @@ from gpunet.worker import metrics
 from gpunet.worker.billing import Billing
 from gpunet.worker.state.limits import SessionLimits, SessionRun
 from gpunet.worker.state.pushes import Pushes
-from gpunet.worker.state.sessions import Ended, Sessions
+from gpunet.worker.state.sessions import Action, Bill, Drop, Ended, PushOn, Reoffer, Sessions
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -79,15 +79,25 @@ class SessionHost:
                 self.billing.awaiting.expect(client_id, receipt)
         return receipt
 
-    def failed(self, client_id: str, submit: Submit, run: SessionRun, error: BaseException) -> None:
-        """A step did not run: its session may have lost its state, or been closed meanwhile (then billed now)."""
+    def failed(self, client_id: str, submit: Submit, run: SessionRun | None, error: BaseException,
+               pushed: bytes | None) -> list[Action]:
+        """A step did not end well (``run``: None if it never began): what is left to do
+        (:meth:`Sessions.step_failed`); the session's own bookkeeping (a tab to bill, state to free) is done here, the
+        pushes are left to the caller."""
         step = submit.session
-        lost = isinstance(error, SessionLost) or (step.step > 0 and not self.executor.holds_session(run.key))
-        ended = self.sessions.failed(client_id, step.id, lost=lost)
-        self.count()
-        if ended is not None:  # its client closed it while this step ran: what it received is owed
-            self.billing.ended(ended)
-            self.drop([ended.key])
+        busy = isinstance(error, WorkerBusy) and not isinstance(error, WorkerDraining)
+        lost = isinstance(error, SessionLost) or (
+            run is not None and step.step > 0 and not self.executor.holds_session(run.key))
+        actions = self.sessions.step_failed(client_id, step, begun=run is not None, busy=busy, lost=lost,
+                                            pushed=pushed)
+        if run is not None:
+            self.count()
+        for action in actions:
+            if isinstance(action, Bill):
+                self.billing.ended(action.ended)
+            elif isinstance(action, Drop):
+                self.drop([action.key])
+        return [a for a in actions if isinstance(a, (Reoffer, PushOn))]
 
     def finished(self, client_id: str, session_id: str) -> None:
         self._steps.pop((client_id, session_id), None)

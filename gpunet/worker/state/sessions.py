@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gpunet.errors import JobRejected, SessionLost, WorkerBusy
 from gpunet.ledger.tabs import Tab
+from gpunet.protocol import PushTo, SessionStep
 from gpunet.worker.state.limits import SessionLimits
 
 
@@ -50,6 +51,40 @@ class Ended:
     max_price: int | None
     host: str = ""
     disclaimed: Tab | None = None
+
+
+# --- what a step that did not end well leaves to do (Sessions.step_failed; the job path carries them out) -----------
+
+
+@dataclass(frozen=True)
+class Reoffer:
+    """Hold the input the step took from its push again: the step was refused as busy, and its client retries it."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class PushOn:
+    """Tell the next span's worker that no output comes from here: its step asks the client for its input."""
+
+    to: PushTo
+
+
+@dataclass(frozen=True)
+class Bill:
+    """Sign the tab of a session that ended (its client closed it while the step ran: what it received is owed)."""
+
+    ended: Ended
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Free a session's state in the executor holding it."""
+
+    key: str
+
+
+Action = Reoffer | PushOn | Bill | Drop
 
 
 class Sessions:
@@ -179,6 +214,22 @@ class Sessions:
             s.lost = True
             self._bytes -= s.state_bytes
             s.state_bytes = 0
+
+    def step_failed(self, client_id: str, step: SessionStep, *, begun: bool, busy: bool, lost: bool,
+                    pushed: bytes | None) -> list[Action]:
+        """A step that did not end well (``begun``: it had passed :meth:`begin`; ``busy``: refused for a moment, its
+        client retries it; ``lost``: the session's state is gone; ``pushed``: the input it took from its push), and
+        what that leaves to do, in order."""
+        actions: list[Action] = []
+        if busy and pushed is not None:
+            actions.append(Reoffer(pushed))
+        if not busy and step.push_to is not None and self.is_open(client_id, step.id):
+            actions.append(PushOn(step.push_to))
+        if begun:
+            ended = self.failed(client_id, step.id, lost=lost)
+            if ended is not None:
+                actions += [Bill(ended), Drop(ended.key)]
+        return actions
 
     def running(self, client_id: str, session_id: str) -> bool:
         s = self._open.get((client_id, session_id))
