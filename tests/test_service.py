@@ -610,9 +610,17 @@ def test_a_client_paying_as_it_goes_is_not_refused_for_countersignatures_still_b
             await service.jobs.execute(client.peer_id, job("job-8"), UnaryPayloads(), None)
         paid = tuple((a.receipt.job_id, client.sign(a.receipt.signing_bytes())) for a in answers[:2])
         service.billing.awaiting.ride_along(client.peer_id, paid)  # as the run door takes them, before the job
-        assert (await service.jobs.execute(client.peer_id, job("job-8"), UnaryPayloads(), None)).outputs == b"out"
+        answers.append(await service.jobs.execute(client.peer_id, job("job-8"), UnaryPayloads(), None))
+        answers.append(await service.jobs.execute(client.peer_id, job("job-9"), UnaryPayloads(), None))
+        for answer in answers[-2:]:
+            service.billing.awaiting.expect(client.peer_id, answer.receipt)
+        # At the line again; two more paid, their batch already being checked in a thread when the next job comes.
+        paid = tuple((a.receipt.job_id, client.sign(a.receipt.signing_bytes())) for a in answers[2:4])
+        service.billing.awaiting.ride_along(client.peer_id, paid)
+        service.billing.awaiting._check_soon()  # (what the 20 ms batch timer does)
+        assert (await service.jobs.execute(client.peer_id, job("job-10"), UnaryPayloads(), None)).outputs == b"out"
         service.billing.books.flush()
-        assert [e.receipt.job_id for e in ledger.entries()] == ["job-0", "job-1"]
+        assert sorted(e.receipt.job_id for e in ledger.entries()) == ["job-0", "job-1", "job-2", "job-3"]
 
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         asyncio.run(scenario(ledger))

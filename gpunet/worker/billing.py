@@ -149,7 +149,7 @@ class Countersignatures:
         self._find_receipt = find_receipt
         self._queued: list[tuple[str, tuple[tuple[str, bytes], ...]]] = []  # ride-along, not yet checked
         self._timer = Debounce(FLUSH_DELAY, self._check_soon)
-        self._checking: set[asyncio.Task] = set()
+        self._checking: dict[asyncio.Task, set[str]] = {}  # checks running in a thread -> the clients in them
         self._all_settled = When(lambda: not len(self.unsettled))
 
     def expect(self, client_id: str, receipt: Receipt) -> None:
@@ -163,9 +163,20 @@ class Countersignatures:
             self._queued.append((client_id, items))
             self._timer.poke()
 
-    def queued_from(self, client_id: str) -> bool:
-        """Whether countersignatures of this client wait to be checked and filed (they came riding on a job)."""
-        return any(queued == client_id for queued, _ in self._queued)
+    def arriving_from(self, client_id: str) -> bool:
+        """Whether countersignatures of this client came riding on a job and are not filed yet (queued for the next
+        batch, or being checked)."""
+        return (any(queued == client_id for queued, _ in self._queued)
+                or any(client_id in clients for clients in self._checking.values()))
+
+    async def file_arriving(self, client_id: str) -> None:
+        """File this client's countersignatures that came riding along now, instead of a moment later: those queued
+        (filed here, with every other queued one) and those being checked (awaited)."""
+        if any(queued == client_id for queued, _ in self._queued):
+            self.flush()
+        checking = [task for task, clients in self._checking.items() if client_id in clients]
+        if checking:
+            await asyncio.wait(checking, timeout=10)
 
     async def batch(self, client_id: str, items: Iterable[tuple[str, bytes]]) -> None:
         """Countersignatures sent in a call of their own: checked in a thread, then filed now."""
@@ -216,8 +227,8 @@ class Countersignatures:
     def _check_soon(self) -> None:
         queued, self._queued = self._queued, []
         task = asyncio.get_running_loop().create_task(self._check_then_file(queued))
-        self._checking.add(task)
-        task.add_done_callback(self._checking.discard)
+        self._checking[task] = {client_id for client_id, _ in queued}
+        task.add_done_callback(lambda done: self._checking.pop(done, None))
 
     async def _check_then_file(self, batches: list[tuple[str, tuple[tuple[str, bytes], ...]]]) -> None:
         """Check countersignatures in a thread first (off the loop that serves jobs), then file them durably."""

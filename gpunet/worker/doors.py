@@ -63,6 +63,7 @@ class Doors:
 
     async def start(self, rpc: RPC) -> None:
         self._rpc = rpc
+        await self.jobs.start(rpc)  # first: a step served by a door pushes its output on through it
         await rpc.serve_stream(Door.JOB, self.job)
         await rpc.serve_stream(Door.INFO, self.info)
         await rpc.serve_unary(Door.PING, self.ping)
@@ -71,7 +72,6 @@ class Doors:
         await rpc.serve_unary(Door.CANCEL, self.cancel)
         await rpc.serve_unary(Door.PROVE, self.prove)
         await rpc.serve_unary(Door.PUSH, self.push)
-        await self.jobs.start(rpc)
 
     async def stop(self) -> None:
         await self.jobs.stop()

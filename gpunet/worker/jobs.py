@@ -49,7 +49,7 @@ from gpunet.worker.state.lanes import Ticket
 from gpunet.worker.state.limits import SessionLimits, SessionRun
 from gpunet.worker.state.owners import Owners
 from gpunet.worker.state.pushes import Pushes
-from gpunet.worker.state.sessions import PushOn, Reoffer
+from gpunet.worker.state.sessions import Bill, PushOn, Reoffer
 from gpunet.worker.turns import Turns
 from gpunet.worker.uploads import Upload, Uploads, content_hash
 
@@ -114,7 +114,7 @@ class Jobs:
         self.sessions = SessionHost(session_limits or SessionLimits(), executor, self.billing, pushes)
         self.handoff = Handoff(identity.peer_id, self.sessions.sessions, pushes, self.limits, faults)
         self.prover = Prover(admission, record, device)
-        self.owners = Owners(executor.has_program if executor is not None else lambda h: False)
+        self.owners = Owners(lambda program_hash: executor is not None and executor.has_program(program_hash))
         self.uploads = Uploads()
         self._jobs: dict[tuple[str, str], _Job] = {}
         # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
@@ -175,11 +175,11 @@ class Jobs:
         try:
             self.admission.screen(client_id, submit, host=host)
         except JobRejected:
-            if not self.billing.awaiting.queued_from(client_id):
+            if not self.billing.awaiting.arriving_from(client_id):
                 raise
             # Its countersignatures came riding on this very call (or one just before) and wait a moment to be
             # filed in a batch: filed now, so that a client paying as it goes is never refused as owing them.
-            self.billing.awaiting.flush()
+            await self.billing.awaiting.file_arriving(client_id)
             self.admission.screen(client_id, submit, host=host)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same answer, same receipt, no second bill
@@ -273,6 +273,10 @@ class Jobs:
                     self.handoff.give_back(client_id, submit, action.data)
                 elif isinstance(action, PushOn):
                     self.handoff.push_on(client_id, action.to, None)  # the next span's worker asks the client
+                elif isinstance(action, Bill):
+                    self.billing.ended(action.ended)
+                else:
+                    self.sessions.drop([action.key])
         job.answer.set_exception(error if isinstance(error, GpunetError)
                                  else JobFailed(f"job did not finish: {type(error).__name__}"))
         job.answer.exception()  # retrieved: a waiting retry gets it, an unwatched one does not warn
@@ -431,12 +435,13 @@ class Jobs:
             self.turns.ended(ticket, time.monotonic() - clock)
         ended = max(time.time(), started)  # a clock stepped back mid-job must not make the receipt unsignable
         outputs = self.faults.outputs(result.outputs)
-        metrics.JOBS.labels("done").inc()
         if submit.session is not None:  # billed by its session's tab (see SessionHost.done)
+            metrics.JOBS.labels("done").inc()
             return Answer(outputs, None, result.state_bytes, int(result.flops), int(result.wall_time * 1e6),
                           int(started * 1e6), int(ended * 1e6))
         receipt = self.billing.job(key, submit, ticket, got.input_hash, outputs, result.flops, result.wall_time,
                                    started, ended)
+        metrics.JOBS.labels("done").inc()
         logger.debug("Job %s for client %s done in %.2f s (%.3g GFLOP)", job_id[:12], client_id[-8:],
                      ended - started, result.flops / 1e9)
         return Answer(outputs, receipt)

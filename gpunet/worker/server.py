@@ -513,6 +513,9 @@ class Worker:
         if self.doors is not None:
             if not await bounded(self.doors.stop(), LEAVE_STEP_TIMEOUT, default=False, result=True):
                 logger.warning("The p2p daemon did not answer while closing the job doors; leaving anyway")
+        elif self.jobs is not None:  # its start failed before the doors opened: what the job path holds still goes
+            await self.jobs.stop()
+            await self.jobs.billing.close()
         if self.executor is not None:
             await asyncio.to_thread(self.executor.close)
         if self.ledger is not None:

@@ -16,7 +16,7 @@ from gpunet.worker import metrics
 from gpunet.worker.billing import Billing
 from gpunet.worker.state.limits import SessionLimits, SessionRun
 from gpunet.worker.state.pushes import Pushes
-from gpunet.worker.state.sessions import Action, Bill, Drop, Ended, PushOn, Reoffer, Sessions
+from gpunet.worker.state.sessions import Action, Ended, Sessions
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -81,9 +81,8 @@ class SessionHost:
 
     def failed(self, client_id: str, submit: Submit, run: SessionRun | None, error: BaseException,
                pushed: bytes | None) -> list[Action]:
-        """A step did not end well (``run``: None if it never began): what is left to do
-        (:meth:`Sessions.step_failed`); the session's own bookkeeping (a tab to bill, state to free) is done here, the
-        pushes are left to the caller."""
+        """A step did not end well (``run``: None if it never began): what is left to do, in order
+        (:meth:`Sessions.step_failed`; the job path carries it out)."""
         step = submit.session
         busy = isinstance(error, WorkerBusy) and not isinstance(error, WorkerDraining)
         lost = isinstance(error, SessionLost) or (
@@ -92,12 +91,7 @@ class SessionHost:
                                             pushed=pushed)
         if run is not None:
             self.count()
-        for action in actions:
-            if isinstance(action, Bill):
-                self.billing.ended(action.ended)
-            elif isinstance(action, Drop):
-                self.drop([action.key])
-        return [a for a in actions if isinstance(a, (Reoffer, PushOn))]
+        return actions
 
     def finished(self, client_id: str, session_id: str) -> None:
         self._steps.pop((client_id, session_id), None)
