@@ -1,4 +1,6 @@
 import fcntl
+import signal
+import warnings
 
 import pytest
 
@@ -11,6 +13,20 @@ def pytest_runtest_makereport(item, call):
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_a_terminal_gives_it():
+    """Every test starts with SIGINT as Python sets it, and hands the same on: the processes a test starts inherit an
+    ignored SIGINT across exec, and a "Ctrl-C" the test sends them then does nothing (a full run once saw a session
+    script step on to its end through one). A test that leaves it otherwise is named."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        warnings.warn(f"this test left SIGINT as {left!r}; restored")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -84,6 +84,9 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
 def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Console | None = None,
              generate: bool = False) -> DemoReport:
     console = console or wide_console()
+    # The client's modules now, not on first use once the network is up: a Ctrl-C that lands in the middle of an
+    # import leaves half-imported modules behind, and the demo then died of the signal instead of stopping.
+    from gpunet.client.api import Client  # noqa: F401
     # SIGTERM ends the demo like Ctrl-C does: through the context managers, which stop every process.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupter(console))
