@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpunet.worker.state.lanes import BACKGROUND, BATCH, INTERACTIVE, Blame, Lanes, Preempt, Start, Ticket
+from gpunet.worker.state.lanes import BACKGROUND, BATCH, INTERACTIVE, Blame, Lanes, Preempt, Start, Ticket, Wake
 
 NANO = 10**9
 
@@ -230,19 +230,59 @@ def test_fair_share_goes_to_addresses_first_so_sybils_of_one_address_share_one_s
     assert order[:20].count("alone") >= 9  # ten identities at one address get one share, as the one client gets
 
 
-def test_a_batch_job_about_to_end_is_left_to_end_rather_than_stopped():
-    m, clock = lanes(slots=1)
-    first = Ticket("b", BATCH)
-    m.enqueue(first)
+def test_a_batch_job_whose_counted_work_ends_within_the_grace_is_left_to_end_once():
+    ends = {}
+    m, clock = lanes(slots=1, expected_end=lambda t: ends.get(t))
+    job = Ticket("b", BATCH)
+    m.enqueue(job)
     clock.now += 5
-    m.ended(first, 5.0)  # this client's batch jobs take 5 s
-    late = Ticket("b", BATCH)
-    m.enqueue(late)
-    clock.now += 4.9
-    assert preempted(m.enqueue(Ticket("i"))) == []  # a tenth of a second left: the interactive job waits for it
-    early = Ticket("b", BATCH)
+    ends[job] = clock.now + 0.1  # its dry run's count at this worker's speed: a tenth of a second left
+    actions = m.enqueue(Ticket("i"))
+    assert preempted(actions) == []  # the interactive job waits for it...
+    assert [a.at for a in actions if isinstance(a, Wake)] == [ends[job]]  # ...no longer than its expected end
+    clock.now += 0.1
+    assert preempted(m.recheck()) == [job]  # overrun: stopped at the next look
+    # The grace is given once: had it been cut short, a second waiter would not buy it a second one.
+    m2, clock2 = lanes(slots=1, expected_end=lambda t: ends.get(t))
+    other = Ticket("b", BATCH)
+    m2.enqueue(other)
+    clock2.now += 5
+    ends[other] = clock2.now + 0.15
+    assert preempted(m2.enqueue(Ticket("i1"))) == []
+    clock2.now += 0.15
+    ends[other] = clock2.now + 0.15  # a later count (or a lie) saying "nearly done" again changes nothing
+    assert preempted(m2.enqueue(Ticket("i2"))) == [other]
+
+
+def test_nearly_done_comes_from_the_jobs_own_work_not_its_clients_history():
+    """A client whose five tiny batch jobs made its typical time tiny could run a long batch job past it, and that job
+    counted as nearly done for ever: it held the slot against interactive work for its whole run at the batch price."""
+    ends = {}
+    m, clock = lanes(slots=1, expected_end=lambda t: ends.get(t))
+    for _ in range(5):
+        tiny = Ticket("b", BATCH)
+        m.enqueue(tiny)
+        clock.now += 0.01
+        m.ended(tiny, 0.01)
+    long = Ticket("b", BATCH)
+    m.enqueue(long)
+    clock.now += 3
+    ends[long] = clock.now + 60  # its count says a minute more
+    assert preempted(m.enqueue(Ticket("i"))) == [long]
+    unknown = Ticket("b", BATCH)  # not counted yet (its dry run still going): nothing says it is nearly done
     m2, clock2 = lanes(slots=1)
-    m2._typical["b"] = 5.0
-    m2.enqueue(early)
-    clock2.now += 2
-    assert preempted(m2.enqueue(Ticket("i"))) == [early]  # three seconds left: stopped
+    m2.enqueue(unknown)
+    clock2.now += 3
+    assert preempted(m2.enqueue(Ticket("i"))) == [unknown]
+    overrun = Ticket("b", BATCH)
+    m3, clock3 = lanes(slots=1, expected_end=lambda t: ends.get(t))
+    m3.enqueue(overrun)
+    clock3.now += 3
+    ends[overrun] = clock3.now - 1  # past its expected end
+    assert preempted(m3.enqueue(Ticket("i"))) == [overrun]
+    fresh = Ticket("b", BATCH)  # one that has run less than its remaining grace is not spared either
+    m4, clock4 = lanes(slots=1, expected_end=lambda t: ends.get(t))
+    m4.enqueue(fresh)
+    clock4.now += 0.05
+    ends[fresh] = clock4.now + 0.1
+    assert preempted(m4.enqueue(Ticket("i"))) == [fresh]

@@ -68,6 +68,32 @@ def test_an_interactive_job_preempts_batch_work_which_completes_elsewhere_paid_o
     assert "stopped for an interactive job" in cheap.output
 
 
+def test_a_long_batch_job_after_tiny_ones_is_still_preempted(swarm, client_for):
+    """Attack: five tiny batch jobs made the client's typical time tiny, and its long batch job, running past that,
+    counted as nearly done for ever: it held the worker against interactive work for its whole run at the batch
+    price. Nearly done now comes from the job's own counted work."""
+    port = free_port()
+    worker = swarm.start_worker("--max-concurrent", "1", "--price", "2", "--batch-price", "1",
+                                "--metrics-port", str(port))
+    attacker, victim = client_for(swarm), client_for(swarm, "victim")
+    wait_for(lambda: len(attacker.workers(refresh=True)) == 1, 30, "the worker")
+    batch = Requirements(priority="batch", max_price=2, timeout=300)
+    _, tiny, y = spin_job(8, k=2)
+    for _ in range(5):
+        attacker.submit(tiny, y, requirements=batch).result(timeout=120)
+    _, long_job, x = spin_job(4096)
+    hold = attacker.submit(long_job, x, requirements=batch)
+    wait_for(lambda: lane_jobs(port, "batch", "running") == 1, 120, "the long batch job to run")
+    small_model, small, z = spin_job(8, k=2)
+    urgent = victim.submit(small, z, requirements=Requirements(max_price=2, timeout=120))
+    with torch.no_grad():
+        assert torch.equal(urgent.result(timeout=120), small_model(z))
+    wait_for(lambda: "stopped for an interactive job" in worker.output, 30, "the worker's log of the stop")
+    hold.result(timeout=300)  # run again once the slot was free, and paid once: for the run that ended
+    assert hold.receipt.started_at_us >= urgent.receipt.ended_at_us
+    assert hold.receipt.lane == "batch"
+
+
 def test_batch_work_below_the_floor_waits_until_the_floor_drops_and_pays_the_floor(swarm, client_for):
     port = free_port()
     worker = swarm.start_worker("--max-concurrent", "2", "--price", "3", "--batch-price", "1",

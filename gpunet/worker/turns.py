@@ -14,7 +14,7 @@ from gpunet.utils import Debounce, human_seconds
 from gpunet.worker import metrics
 from gpunet.worker.executor import STOP_GRACE
 from gpunet.worker.state.admission import Admission
-from gpunet.worker.state.lanes import Action, Blame, Lanes, Start, Ticket
+from gpunet.worker.state.lanes import Action, Blame, Lanes, Start, Ticket, Wake
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -26,13 +26,15 @@ class Turns:
         self.admission, self.executor = admission, executor
         # Which admitted job runs next, at what price, and which batch job an interactive one stops (pure; see
         # gpunet.worker.state.lanes): a job waits for its turn here, and a Preempt stops the run of the job named.
-        self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano)
+        self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano,
+                           expected_end=executor.expected_end)
         # The lanes' gauges, published a moment after a change rather than at every job's start and end (a dozen
         # gauge writes a job; a scrape comes every few seconds at most).
         self._count_lanes = Debounce(LANE_GAUGES_DELAY, lambda: metrics.count_lanes(self.lanes))
         self._turns: dict[Ticket, asyncio.Future] = {}  # waiting for a Start
         self._runs: dict[Ticket, asyncio.Task] = {}  # runs that may be stopped (preempted, paused, leaving)
         self._pause_timer: asyncio.TimerHandle | None = None
+        self._wake: tuple[float, asyncio.TimerHandle] | None = None  # the lanes' next recheck (Wake), if one is due
         self.leaving = False  # the drain ran out of time: running jobs are being stopped (stop_running)
 
     async def wait(self, ticket: Ticket, deadline: float | None) -> None:
@@ -72,10 +74,25 @@ class Turns:
                     turn.set_result(None)
             elif isinstance(action, Blame):  # it had another job stopped, then left: as costly as a cancel
                 self.admission.stopped_running(action.ticket.client, host=action.ticket.host)
+            elif isinstance(action, Wake):
+                self._wake_at(action.at)
             else:
                 self.stop_run(action.ticket)
         if actions:
             self._count_lanes.poke()
+
+    def _wake_at(self, at: float) -> None:
+        """Recheck the lanes at ``at`` (time.monotonic, the lanes' clock): one timer, the earliest asked for."""
+        if self._wake is not None:
+            if self._wake[0] <= at:
+                return
+            self._wake[1].cancel()
+
+        def due() -> None:
+            self._wake = None
+            self.apply(self.lanes.recheck())
+
+        self._wake = (at, asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), due))
 
     def track(self, ticket: Ticket, run: asyncio.Task) -> None:
         """``run`` may be stopped by ticket from now on (until :meth:`untrack`)."""

@@ -204,6 +204,18 @@ class Executor:
         slot = self._tagged.get(tag)
         return slot is not None and self._holds_sessions(slot)
 
+    def expected_end(self, tag: object) -> float | None:
+        """When the run tagged ``tag`` should end (time.monotonic) if it ran at this worker's measured speed: the end of
+        its dry run plus its counted work at that speed. None until the dry run has counted it, or with no measured
+        speed. An optimistic bound (a run is rarely faster), which is what lets the lanes spare a job about to end
+        without a client being able to stretch the grace."""
+        slot = self._tagged.get(tag)
+        counted = _counted(slot) if slot is not None and self.speed_tflops and not slot.killed else None
+        if counted is None:
+            return None
+        flops, ended = counted
+        return ended + flops / (self.speed_tflops * 1e12)
+
     def warm_spare(self) -> None:
         """Start a spare executor now if none stands by, so the next one killed is replaced without a torch import."""
         if self._spare is None and not self._spare_starting and not self._closed:
@@ -447,11 +459,10 @@ class Executor:
         until its dry run has counted it."""
         from gpunet.job.cost import seconds_allowed
 
-        word = slot.dry_word
-        run = word[_DRY_RUN]
-        flops, ended = word[_DRY_FLOPS], word[_DRY_ENDED]
-        if run != slot.run_id or word[_DRY_RUN] != run or flops < 0:  # another run's words, or rewritten meanwhile
+        counted = _counted(slot)
+        if counted is None:
             return None
+        flops, ended = counted
         allowed = seconds_allowed(int(flops), self.speed_tflops)
         why = (f"job ran past the {allowed:.0f} s its counted work ({flops:.3g} FLOPs) allows on this worker "
                f"({self.speed_tflops:.3g} TFLOPS)")
@@ -527,6 +538,17 @@ class Executor:
         how = slot.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
+
+
+def _counted(slot: Slot) -> tuple[float, float] | None:
+    """The work the run now in ``slot`` counted in its dry run and when that ended (time.monotonic), from the shared
+    words (see child._DRY_RUN); None until it has, or when the words are another run's or being rewritten."""
+    word = slot.dry_word
+    run = word[_DRY_RUN]
+    flops, ended = word[_DRY_FLOPS], word[_DRY_ENDED]
+    if run != slot.run_id or word[_DRY_RUN] != run or flops < 0:
+        return None
+    return flops, ended
 
 
 def _leaving(when: str) -> WorkerDraining:

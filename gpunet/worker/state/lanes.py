@@ -12,8 +12,9 @@ Three lanes, highest first:
 ``batch``
     at most the client's bid (``max_price``) and at least the *batch floor*; runs only while no interactive job
     waits; when every slot is taken and an interactive job arrives, the batch job that started last is stopped
-    (preempted: not billed, its client runs it again elsewhere or later), unless it is expected to end within
-    PREEMPT_GRACE (its client's recent jobs say how long they take): then the interactive job waits for it.
+    (preempted: not billed, its client runs it again elsewhere or later), unless its own counted work says it ends
+    within PREEMPT_GRACE: then the interactive job waits for it, once, and no longer than that (see
+    :meth:`Lanes._spared`).
 ``background``
     the volunteer's own standing job (``--background-job``): free, runs only when nothing else waits, stopped by any
     paying job.
@@ -55,7 +56,8 @@ from gpunet.protocol import BACKGROUND, BATCH, INTERACTIVE, LANES  # highest pri
 LOAD_HALF_LIFE = 30.0
 #: The same for the rate of preemptions a worker publishes (stops are rare: a longer memory).
 RATE_HALF_LIFE = 600.0
-#: Seconds a waiting job of a higher lane waits for a batch job expected to end by then, rather than stopping it.
+#: Seconds a waiting job of a higher lane waits for a batch job whose counted work says it ends by then, rather than
+#: stopping it (given once per job).
 PREEMPT_GRACE = 0.2
 #: A job's time is estimated from the client's recent jobs, this weight on the newest.
 EMA = 0.3
@@ -76,6 +78,7 @@ class Ticket:
     estimate: float = 0.0  # seconds charged to its client's share when it started
     preempted: bool = False
     victim: "Ticket | None" = None  # a running job stopped so that this one could start
+    spared_until: float | None = None  # left running for a waiting job until then (the grace, given once)
 
     @property
     def running(self) -> bool:
@@ -107,7 +110,14 @@ class Blame:
     ticket: Ticket
 
 
-Action = Start | Preempt | Blame
+@dataclass(frozen=True)
+class Wake:
+    """Call :meth:`Lanes.recheck` at ``at`` (the lanes' clock): a job left running for its grace may then be stopped."""
+
+    at: float
+
+
+Action = Start | Preempt | Blame | Wake
 
 
 @dataclass
@@ -149,6 +159,9 @@ class Lanes:
     clock: Callable[[], float] = time.monotonic
     #: Whether a running job may be stopped at all (a test can say no; the worker stops any).
     can_preempt: Callable[[Ticket], bool] = lambda ticket: True
+    #: When a running job's own counted work says it ends (the lanes' clock), None while unknown: its dry run has not
+    #: counted it yet (the worker asks its executor, which knows the count and the device's measured speed).
+    expected_end: Callable[[Ticket], float | None] = lambda ticket: None
     running: set[Ticket] = field(default_factory=set)
     preemptions: int = 0  # clients' jobs stopped for a higher lane, in all (not the volunteer's background job)
     _lanes: dict[str, _Lane] = field(default_factory=lambda: {lane: _Lane() for lane in LANES})
@@ -273,6 +286,10 @@ class Lanes:
         self._forget_idle(ticket.lane, ticket.address, ticket.client)
         return self._dispatch()
 
+    def recheck(self) -> list[Action]:
+        """Time passed (a :class:`Wake` is due): a job left running for its grace that has not ended is stopped now."""
+        return self._dispatch()
+
     # --- internals ---------------------------------------------------------------------------------------------------
 
     def _dispatch(self) -> list[Action]:
@@ -284,6 +301,10 @@ class Lanes:
             self._start(ticket)
             actions.append(Start(ticket))
         actions.extend(Preempt(t) for t in self._victims())
+        now = self.clock()
+        graces = [t.spared_until for t in self.running if t.spared_until is not None and t.spared_until > now]
+        if graces and any(self._lanes[lane].waiting for lane in (INTERACTIVE, BATCH)):
+            actions.append(Wake(min(graces)))
         return actions
 
     def _startable(self, lane: str, floor: int):
@@ -323,7 +344,7 @@ class Lanes:
         """Running jobs to stop so that waiting jobs of a higher lane get slots: one for each waiting job that has
         none being stopped for it (a stop already under way whose job left serves the next one); background first,
         then batch, the last started first (the least work lost). Each is attributed to the job it is stopped for."""
-        floor = self.floor
+        floor, now = self.floor, self.clock()
         waiters = {INTERACTIVE: sorted(self._lanes[INTERACTIVE].tickets(), key=lambda t: t.seq),
                    BATCH: sorted((t for _, _, t in self._startable(BATCH, floor)), key=lambda t: t.seq)}
         claimed = {t.victim for ts in waiters.values() for t in ts if t.victim in self._stopping}
@@ -339,13 +360,12 @@ class Lanes:
                     waiter.victim = reusable
                     continue
                 candidates = sorted((t for t in self.running if t.lane in below and t not in self._stopping
-                                     and t not in victims and self.can_preempt(t) and not self._nearly_done(t)),
+                                     and t not in victims and self.can_preempt(t) and not self._spared(t, now)),
                                     key=lambda t: (LANES.index(t.lane) != 2, -t.started_at, -t.seq))
                 if not candidates:
                     break
                 waiter.victim = candidates[0]
                 victims.append(candidates[0])
-        now = self.clock()
         for ticket in victims:
             ticket.preempted = True
             self._stopping.add(ticket)
@@ -354,14 +374,21 @@ class Lanes:
                 self._stops.add(1.0, now)
         return victims
 
-    def _nearly_done(self, ticket: Ticket) -> bool:
-        """A batch job its client's recent jobs say will end within PREEMPT_GRACE (and within the time it has already
-        run) is left to end: stopping it would throw its work away to save the waiting job less than that. Background
-        work is always stopped."""
-        if ticket.lane == BACKGROUND or ticket.client not in self._typical:
+    def _spared(self, ticket: Ticket, now: float) -> bool:
+        """Whether a running job is left to end rather than stopped: its own counted work (not its client's history,
+        which a client shapes with a few tiny jobs) says it ends within PREEMPT_GRACE, and within the time it has
+        already run. The grace is given once, up to that expected end: a job past it (overrun: the count was
+        optimistic, or the job is slower than it claimed) is stopped at the next look. Background work is always
+        stopped."""
+        if ticket.lane == BACKGROUND:
             return False
-        elapsed = self.clock() - ticket.started_at
-        return self._typical[ticket.client] - elapsed <= min(PREEMPT_GRACE, elapsed)
+        if ticket.spared_until is not None:
+            return now < ticket.spared_until
+        end = self.expected_end(ticket)
+        if end is None or end < now or end - now > min(PREEMPT_GRACE, now - ticket.started_at):
+            return False
+        ticket.spared_until = end
+        return True
 
     def _account(self, now: float) -> None:
         """Integrate each lane's busy slots over the time since the last event (for :meth:`load`)."""
