@@ -42,6 +42,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("gpunet.client")
 
+class NotBound(GpunetError):
+    """A worker answered a bound challenge in the unbound form (it predates binding): nothing is proven, nothing is
+    held against it; it is asked again on the retry schedule, as a worker that did not take the challenge."""
+
+
 #: ProofConfig.max_workers new challenges per this many seconds.
 BUDGET_WINDOW = 3600.0
 
@@ -193,11 +198,18 @@ class SpeedProofs:
                if again is not None else ""))
 
     async def prove(self, entry: "WorkerEntry", committed_flag: list[bool] | None = None) -> "Proof":
-        """One challenge to ``entry``: what it proved; SpeedProofFailed if its answer does not check out.
-        ``committed_flag[0]`` becomes True once the worker has committed (what fails after that is held against it)."""
-        ch = speedproof.Challenge.for_claim(entry.record.tflops, self.config.seconds)
+        """One challenge to ``entry``, bound to its peer id: what it proved; SpeedProofFailed if its answer does not
+        check out (a commitment signed by another identity, or rows of another id's matrices: a relayed answer).
+        ``committed_flag[0]`` becomes True once the worker has committed (what fails after that is held against it).
+        An unsigned commitment is the unbound form of a worker that predates binding: NotBound, it proves nothing."""
+        ch = speedproof.Challenge.for_claim(entry.record.tflops, self.config.seconds, prover=entry.id)
         async with asyncio.timeout(ch.seconds + self.config.timeout):
-            committed, seconds = await self.transport.prove(entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds, ch.dtype))
+            committed, seconds = await self.transport.prove(
+                entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds, ch.dtype, bind=True))
+            if not committed.signature:
+                raise NotBound("it answered with an unsigned commitment (a worker older than bound challenges): "
+                               "unproven")
+            speedproof.check_signature(ch, committed.commitments, committed.signature)
             if committed_flag is not None:
                 committed_flag[0] = True
             picks = speedproof.pick(len(committed.commitments), ch.n)
