@@ -7,8 +7,11 @@ worker once, and routes on the lower of the claim and what the worker proved (se
 The challenge (both ends run this module; nothing big travels):
 
 1. The client sends a random ``seed``, a matrix size ``n`` and a time budget. Both ends can generate a pool of
-   ``n x n`` matrices with entries in {-1, 0, 1} from the seed (:func:`matrix`, integer arithmetic that gives the same
-   numbers on any CPU or GPU). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
+   ``n x n`` matrices with entries in {-1, 0, 1} from the seed and the prover's peer id (:attr:`Challenge.key`,
+   :func:`matrix`, integer arithmetic that gives the same numbers on any CPU or GPU): the prover takes its own id,
+   never one the request names, and signs its commitment with the key behind that id, so an identity with no device
+   that relays its challenges to a real one gets products of the other identity's matrices, which check out for
+   nobody else (issue 38). An older client sends the unbound form (the seed alone, nothing signed). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
    products, so generating them is cheap next to multiplying).
 2. The worker multiplies, in the dtype of its best claim, as many products as it can within the budget and answers, per product, a 16-byte
    hash of that product's *row digests* (:func:`row_digests`: a sum over the row of a non-linear function of each

@@ -368,6 +368,16 @@ def test_speed_delivered_on_checked_paid_jobs_outweighs_a_proof():
     newcomer = worker("newcomer", tflops=1000.0)
     r.update([boaster, modest, newcomer])
     assert r.credited_tflops(newcomer) <= 100.0  # unproven: at most the median measured worker
+    # Unchecked paid jobs (a wrong answer can come fast) only ever lower a credit.
+    r.on_proof("unchecked", 10.0)
+    unchecked = worker("unchecked", tflops=100.0)
+    r.update([boaster, modest, newcomer, unchecked])
+    r.on_delivered("unchecked", 500e12, 1.0, checked=False)
+    assert r.credited_tflops(unchecked) == speedproof.credit_cap(10.0)
+    r.on_delivered("unchecked", 1e12, 1.0, checked=False)
+    assert r.credited_tflops(unchecked) < speedproof.credit_cap(10.0)
+    r.on_delivered("newcomer", 1e12, 1.0, checked=False)
+    assert r.credited_tflops(newcomer) < 100.0
 
 
 # --- the client's policy, over a fake transport ----------------------------------------------------------------------

@@ -6,10 +6,13 @@ challenge goes to the fastest claim waiting (the fastest claims attract jobs fir
 checking first), the rest to a worker drawn at random, so a flood of top claims cannot keep the others unchecked. Until a worker's proof
 is in, routing credits it at most the fastest proof seen (see :meth:`Router.speed_factor`).
 
+* Every challenge is bound to the worker's peer id (its matrices come from the seed and that id, its commitment is
+  signed by that id's key): a worker answering with what another identity computed (a relay) fails it.
 * A proof that checks out gives ``Router.on_proof(worker, tflops)``.
 * A proof that does not (the worker committed to products it did not compute) gives 0 TFLOPS and an *invalid*
   outcome in the client's reputation: the worker lied about work.
-* A worker that is busy, refuses or does not answer before it has committed is asked again later (``retry_after``),
+* A worker that answers unsigned (it predates bound challenges: :class:`NotBound`), is busy, refuses or does not
+  answer before it has committed is asked again later (``retry_after``),
   its claim capped meanwhile as for any unproven worker. Once those tries are used up it is credited no speed: a
   worker that never takes a challenge must not keep the benefit of the doubt.
 * A worker that committed and then does not open its proof (it saw the picks land on products it skipped) is

@@ -27,7 +27,8 @@ checked worker, and one that refuses challenges is in the end credited nothing. 
 proven once: once a worker has run paid jobs whose results were checked, big enough for their FLOPs to dominate
 (``on_delivered``), its credit is ``SLACK`` times what it delivered (counted FLOPs over the compute time this client
 measured), whatever it proved: a worker that proves a fast device and then runs jobs slowly is scored by what it
-delivered, and one that proved little at a busy moment but delivers more is credited that.
+delivered, and one that proved little at a busy moment but delivers more is credited that. Paid jobs nobody checked
+only ever lower the credit.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ class Router:
     #: TFLOPS each worker delivered on this client's paid, checked jobs (an average of the recent ones; see
     #: on_delivered); where known it sets the worker's credit instead of its proof. Kept when a worker leaves.
     delivered: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
+    _unchecked: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))  # the same, of unchecked paid jobs
     _unproven_ceiling: float | None = None
     _joining_since: dict[str, float] = field(default_factory=dict)  # when this client first saw each one joining
     #: The interactive price (credits/TFLOP) each worker last advertised: the most it may bill in any lane (a batch
@@ -255,28 +257,38 @@ class Router:
         self.proven.put(worker_id, max(tflops, earlier) if tflops > 0 else 0.0)
         self._set_ceiling()
 
-    def on_delivered(self, worker_id: str, flops: float, seconds: float) -> None:
-        """A paid job whose result was checked (against another worker's or this client's own) counted ``flops`` and
-        took ``seconds`` of compute at ``worker_id`` (this client's clock, less the transfer and its place in our
-        queue there): speed the worker delivered, which no relay or borrowed proof can fake. Short jobs teach
-        nothing (see DELIVERED_MIN_SECONDS)."""
+    def on_delivered(self, worker_id: str, flops: float, seconds: float, checked: bool = True) -> None:
+        """A paid job counted ``flops`` and took ``seconds`` of compute at ``worker_id`` (this client's clock, less the
+        transfer and its place in our queue there): speed the worker delivered, which no relayed or borrowed proof can
+        fake. ``checked``: its result was checked (against another worker's or this client's own), so the speed is
+        real work and sets the worker's credit; an unchecked one only ever lowers it (a wrong answer can come fast,
+        a slow one is slow whatever it holds). Short jobs teach nothing (see DELIVERED_MIN_SECONDS)."""
         if flops < DELIVERED_MIN_FLOPS or seconds < DELIVERED_MIN_SECONDS:
             return
-        tflops = flops / seconds / 1e12
-        old = self.delivered.get(worker_id)
-        a = self.config.ema
-        self.delivered.put(worker_id, tflops if old is None else (1 - a) * old + a * tflops)
+        table = self.delivered if checked else self._unchecked
+        old = table.get(worker_id)
+        tflops, a = flops / seconds / 1e12, self.config.ema
+        if not checked and (proven := self.proven.get(worker_id)) is not None:
+            tflops = min(tflops, proven)  # fast unchecked answers must not average a slow one away
+        table.put(worker_id, tflops if old is None else (1 - a) * old + a * tflops)
         self._set_ceiling()
 
     def _known_limit(self, worker_id: str) -> float | None:
         """What this client knows of a worker's speed, as the most it credits: ``credit_cap`` of what it delivered on
-        paid, checked jobs where there is such a figure (it outweighs a one-time proof), else of its proof; None: no
-        figure of its own."""
+        paid, checked jobs where there is such a figure (it outweighs a one-time proof), else of its proof (lowered to
+        what its unchecked paid jobs delivered); None: no figure of its own."""
         delivered = self.delivered.get(worker_id)
         if delivered is not None:
             return credit_cap(delivered)
         proven = self.proven.get(worker_id)
-        return credit_cap(proven) if proven is not None else None
+        return None if proven is None else self._lowered(worker_id, credit_cap(proven))
+
+    def _lowered(self, worker_id: str, limit: float | None) -> float | None:
+        """``limit``, or less where this worker's unchecked paid jobs delivered less (see on_delivered)."""
+        unchecked = self.delivered.get(worker_id) is None and self._unchecked.get(worker_id)
+        if not unchecked:
+            return limit
+        return credit_cap(unchecked) if limit is None else min(limit, credit_cap(unchecked))
 
     def _set_ceiling(self) -> None:
         """What a worker not proven yet is credited at most: the median credited speed of the proven (or measured)
@@ -296,7 +308,7 @@ class Router:
         """The most TFLOPS routing credits this worker's best dtype: ``credit_cap`` of what it delivered, else of its
         proof; neither yet, the median proven worker's credit; None: no limit (nobody proven yet)."""
         known = self._known_limit(entry.id)
-        return known if known is not None else self._unproven_ceiling
+        return known if known is not None else self._lowered(entry.id, self._unproven_ceiling)
 
     def speed_factor(self, entry: WorkerEntry) -> float:
         """The share of its claimed throughput routing credits a worker: min(1, limit / claimed best)."""
