@@ -737,4 +737,4 @@ def test_a_relayed_speed_proof_credits_the_relay_nothing(swarm, client_for, tmp_
             entry = next(e for e in client.workers() if e.id == relay_id)
             assert router.credited_tflops(entry) == 0.0, mode
             assert client._core.reputation.honesty(relay_id) < 1.0  # an answer that did not check out
-    assert router.proven.get(honest_id) == honest_proof > 0  # the honest worker keeps its proof
+    assert router.proven.get(honest_id) >= honest_proof > 0  # the honest worker keeps its proof (or a better one)
