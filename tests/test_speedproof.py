@@ -355,6 +355,8 @@ def test_speed_delivered_on_checked_paid_jobs_outweighs_a_proof():
     r.on_proof("modest", 5.0)
     assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "boaster"  # proofs alone: 80 vs 10 TFLOPS
     r.on_delivered("boaster", 2e12, 0.01)  # a short job: its fixed costs would say nothing of the device
+    r._overhead["boaster"] = 0.5  # a far worker: each job costs it half a second of round trips
+    r.on_delivered("boaster", 2e12, 1.5)  # under 4 overheads: the round trips could be most of it
     assert r.credited_tflops(boaster) == speedproof.credit_cap(40.0)
     r.on_delivered("boaster", 2e12, 2.0)  # 1 TFLOPS delivered on a checked, paid job
     assert r.credited_tflops(boaster) == speedproof.credit_cap(1.0)

@@ -55,9 +55,12 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
-#: A paid, checked job teaches a worker's delivered speed only when it took this long (compute, as this client measured
-#: it) and counted this much work: shorter, its fixed costs (a round trip, loading inputs) would understate the device.
-DELIVERED_MIN_SECONDS = 0.2
+#: A paid job teaches a worker's delivered speed only when it counted this much work and took this long (compute, as
+#: this client measured it), and at least DELIVERED_OVERHEADS times the worker's learned per-job overhead: shorter, its
+#: fixed costs (a round trip, loading inputs) would understate the device (an honest worker then shows at least 3/4
+#: of its speed, well within SLACK).
+DELIVERED_MIN_SECONDS = 1.0
+DELIVERED_OVERHEADS = 4
 DELIVERED_MIN_FLOPS = 1e9
 #: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile), and
 #: how long a worker listed as joining is waited for at all (from when this client first saw it so).
@@ -263,7 +266,8 @@ class Router:
         fake. ``checked``: its result was checked (against another worker's or this client's own), so the speed is
         real work and sets the worker's credit; an unchecked one only ever lowers it (a wrong answer can come fast,
         a slow one is slow whatever it holds). Short jobs teach nothing (see DELIVERED_MIN_SECONDS)."""
-        if flops < DELIVERED_MIN_FLOPS or seconds < DELIVERED_MIN_SECONDS:
+        if flops < DELIVERED_MIN_FLOPS or seconds < max(DELIVERED_MIN_SECONDS,
+                                                        DELIVERED_OVERHEADS * self._overhead.get(worker_id, 0.0)):
             return
         table = self.delivered if checked else self._unchecked
         old = table.get(worker_id)
