@@ -7,8 +7,11 @@ worker once, and routes on the lower of the claim and what the worker proved (se
 The challenge (both ends run this module; nothing big travels):
 
 1. The client sends a random ``seed``, a matrix size ``n`` and a time budget. Both ends can generate a pool of
-   ``n x n`` matrices with entries in {-1, 0, 1} from the seed (:func:`matrix`, integer arithmetic that gives the same
-   numbers on any CPU or GPU). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
+   ``n x n`` matrices with entries in {-1, 0, 1} from the seed and the prover's peer id (:attr:`Challenge.key`,
+   :func:`matrix`, integer arithmetic that gives the same numbers on any CPU or GPU): the prover takes its own id,
+   never one the request names, and signs its commitment with the key behind that id, so an identity with no device
+   that relays its challenges to a real one gets products of the other identity's matrices, which check out for
+   nobody else (issue 38). An older client sends the unbound form (the seed alone, nothing signed). Product ``j`` multiplies two of them (:func:`pair`; a pool of m matrices gives m**2
    products, so generating them is cheap next to multiplying).
 2. The worker multiplies, in the dtype of its best claim, as many products as it can within the budget and answers, per product, a 16-byte
    hash of that product's *row digests* (:func:`row_digests`: a sum over the row of a non-linear function of each
@@ -75,6 +78,7 @@ def credit_cap(proven_tflops: float) -> float:
 
 SEED_BYTES = 16
 COMMIT_BYTES = 16
+_BIND = b"gpunet-speedprf1"  # blake2b's personalisation (16 bytes): a bound challenge's key and signed statement
 
 _MASK = (1 << 31) - 1
 _K = 7919
@@ -92,19 +96,43 @@ DTYPES = ("fp32", "fp16", "bf16")
 MAX_EXACT_N = {"bf16": 2048}
 
 
+#: The longest prover id a challenge may be bound to (a libp2p peer id is 52 characters for an Ed25519 key).
+MAX_PROVER_CHARS = 128
+
+
 @dataclass(frozen=True)
 class Challenge:
+    """``prover``: the peer id the challenge is bound to ("": the unbound form older clients send). Its matrices come
+    from :attr:`key`, a hash of the seed *and* the prover's id, so an answer computed by (or for) another identity
+    checks out for nobody else: a relay that forwards a challenge to a real device gets products of that device's
+    matrices, not its own. The prover sets ``prover`` to its own id, never to one a requester names."""
+
     seed: bytes
     n: int
     seconds: float = DEFAULT_SECONDS
     dtype: str = "fp32"
+    prover: str = ""
 
     @classmethod
-    def for_claim(cls, tflops: dict[str, float], seconds: float = DEFAULT_SECONDS) -> "Challenge":
+    def for_claim(cls, tflops: dict[str, float], seconds: float = DEFAULT_SECONDS, prover: str = "") -> "Challenge":
         """A challenge for a worker claiming ``tflops`` per dtype: in the dtype of its best claim (so the proof bounds
-        the highest figure it advertises), at the matrix size that claim calls for."""
+        the highest figure it advertises), at the matrix size that claim calls for; bound to ``prover``."""
         dtype, n = terms(tflops)
-        return cls(os.urandom(SEED_BYTES), n, seconds, dtype)
+        return cls(os.urandom(SEED_BYTES), n, seconds, dtype, prover)
+
+    @property
+    def key(self) -> bytes:
+        """What the matrices and row weights are generated from: the seed itself (unbound), else a hash of the seed
+        and the prover's id (the seed has a fixed length, so no two (seed, id) pairs hash the same bytes)."""
+        if not self.prover:
+            return self.seed
+        return hashlib.blake2b(self.seed + self.prover.encode(), digest_size=SEED_BYTES, person=_BIND).digest()
+
+    def statement(self, commitments: Sequence[bytes]) -> bytes:
+        """What a bound prover signs with its identity key: the challenge, its own id and a hash of its commitments."""
+        digest = hashlib.blake2b(b"".join(commitments), digest_size=32).digest()
+        return b"\0".join([_BIND, self.seed, str(self.n).encode(), self.dtype.encode(), repr(float(self.seconds)).encode(),
+                           self.prover.encode(), digest])
 
     def check(self) -> None:
         """Raise ValueError unless this is a challenge a worker should take."""
@@ -116,6 +144,8 @@ class Challenge:
             raise ValueError(f"a challenge may take at most {MAX_SECONDS:g} s")
         if self.dtype not in DTYPES:
             raise ValueError(f"a challenge's dtype is one of {', '.join(DTYPES)}")
+        if len(self.prover) > MAX_PROVER_CHARS or not self.prover.isascii():
+            raise ValueError("a challenge is bound to a peer id")
 
     @property
     def flops_per_product(self) -> int:
@@ -237,13 +267,13 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
 
     ch.check()
     deadline = clock() + ch.seconds
-    n = ch.n
+    n, key = ch.n, ch.key
     index = torch.arange(n * n, dtype=torch.int64, device=device).view(n, n)
     scratch, spare = torch.empty_like(index), torch.empty_like(index)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[ch.dtype]
     product = torch.empty(n, n, dtype=dtype, device=device)
     c, d = (torch.empty(n, n, dtype=torch.int32, device=device) for _ in range(2))
-    weights = _weights(ch.seed, n, device)
+    weights = _weights(ch.key, n, device)
     pool: list[torch.Tensor] = []
     digests = []
     with torch.no_grad():
@@ -251,8 +281,8 @@ def prove(ch: Challenge, device="cpu", max_products: int = MAX_PRODUCTS, clock=t
             a, b = pair(j)
             while len(pool) <= max(a, b):
                 i = len(pool)
-                torch.mul(index, _key(ch.seed, f"a{i}") | 1, out=scratch)
-                _mix_(scratch.add_(_key(ch.seed, f"b{i}")).bitwise_and_(_MASK), spare)
+                torch.mul(index, _key(key, f"a{i}") | 1, out=scratch)
+                _mix_(scratch.add_(_key(key, f"b{i}")).bitwise_and_(_MASK), spare)
                 pool.append(scratch.remainder_(3).sub_(1).to(dtype))
             torch.matmul(pool[a], pool[b], out=product)
             c.copy_(product).add_(n)
@@ -300,7 +330,7 @@ def open_products(ch: Challenge, picks: dict[int, list[int]], digests: Sequence[
     with torch.no_grad():
         for j, rows in sorted(picks.items()):
             a, b = pair(j)
-            picked = matrix(ch.seed, a, ch.n, device, rows=rows) @ matrix(ch.seed, b, ch.n, device)
+            picked = matrix(ch.key, a, ch.n, device, rows=rows) @ matrix(ch.key, b, ch.n, device)
             out.append(Opening(j, digests[j], {i: _le_bytes(picked[k].to(torch.int32), "<i4")
                                                for k, i in enumerate(rows)}))
     return out
@@ -326,7 +356,8 @@ def verify(ch: Challenge, commitments: Sequence[bytes], picks: dict[int, list[in
     got = {o.product: o for o in openings}
     if set(got) != set(picks) or len(openings) != len(got):
         raise SpeedProofFailed("the worker did not open exactly the products asked for")
-    weights = _weights(ch.seed, ch.n, "cpu")
+    key = ch.key
+    weights = _weights(key, ch.n, "cpu")
     pool: dict[int, torch.Tensor] = {}
     for j, rows in picks.items():
         o = got[j]
@@ -337,8 +368,8 @@ def verify(ch: Challenge, commitments: Sequence[bytes], picks: dict[int, list[in
         digests = np.frombuffer(o.digests, dtype="<i8")
         a, b = pair(j)
         if b not in pool:
-            pool[b] = matrix(ch.seed, b, ch.n).double()
-        expected = matrix(ch.seed, a, ch.n, rows=rows).double() @ pool[b]  # exact: integers far below 2**53
+            pool[b] = matrix(key, b, ch.n).double()
+        expected = matrix(key, a, ch.n, rows=rows).double() @ pool[b]  # exact: integers far below 2**53
         for k, i in enumerate(rows):
             raw = o.rows.get(i)
             if raw is None or len(raw) != 4 * ch.n:
@@ -348,6 +379,16 @@ def verify(ch: Challenge, commitments: Sequence[bytes], picks: dict[int, list[in
                 raise SpeedProofFailed(f"product {j}: row {i} is wrong")
             if int(row_digests(row[None, :], weights)[0]) != int(digests[i]):
                 raise SpeedProofFailed(f"product {j}: row {i} does not match its committed digest")
+
+
+def check_signature(ch: Challenge, commitments: Sequence[bytes], signature: bytes) -> None:
+    """Raise SpeedProofFailed unless ``signature`` is the bound prover's, by the key behind its peer id, over this
+    challenge, that id and these commitments (an answer signed by another identity was computed for another id)."""
+    from gpunet.identity import verify as verify_signature
+
+    if not ch.prover or not verify_signature(ch.prover, signature, ch.statement(commitments)):
+        raise SpeedProofFailed(f"the commitment is not signed by {ch.prover[-8:] or 'the prover'} for this challenge "
+                               "(an answer from another identity, relayed?)")
 
 
 def proven_tflops(ch: Challenge, products: int, seconds: float) -> float:

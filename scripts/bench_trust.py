@@ -14,7 +14,12 @@ same wrong answer for every job (so they confirm each other) and undercut everyo
 client (no worker established with it yet), plus ``verify="local-sample"`` (the client's own computation is the
 check).
 
-    python scripts/bench_trust.py [--jobs 200] [--collusion] [--json]
+Beside either, the relayed-proof case (issue 38): identities with no device advertise a big one and pass every speed
+challenge they get on to an honest worker (:class:`gpunet.testing.attacks.ProofRelay`: as they came, re-signed with
+their own key, or asked in the unbound form); printed is how many of them the client credits any speed
+(``--relayed-proof-only`` runs just that).
+
+    python scripts/bench_trust.py [--jobs 200] [--collusion] [--relayed-proof-only] [--json]
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch  # noqa: E402
 import gpunet  # noqa: E402
 from gpunet import Requirements  # noqa: E402
 from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
+from gpunet.testing.attacks import CLAIM_TFLOPS, ProofRelay  # noqa: E402
 
 # Price-sensitive users (prefer="cheapest") are the liar's best customers: the adversarial case.
 POLICIES = {
@@ -87,14 +93,51 @@ def run_policy(net: LocalNetwork, bootstrap: str, liar_ids: set[str], name: str,
             "liar_jobs": liar_jobs, "liar_caught_after": caught_after, "liars_paid": len(paid_liars)}
 
 
+def run_relayed_proof(timeout: float = 300) -> dict:
+    """One honest worker, three relays of its speed proofs (one per way to relay), one fresh client: which relays the
+    client credits any speed once it has challenged them all."""
+    with LocalNetwork(network="bench-trust-relay", heartbeat=2.0) as net:
+        bootstrap = net.start_bootstrap()
+        honest_id = net.worker_id(net.start_worker())
+        with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client-relay") as client:
+            router = client._core.router
+            honest_proof = wait_for(lambda: router.proven.get(honest_id), 120, "the honest worker's proof")
+            target = next(e for e in client.workers(refresh=True) if e.id == honest_id)
+            with ProofRelay(net.root / "relays", net.network, [bootstrap], honest_id, dict(target.record.tflops),
+                            heartbeat=net.heartbeat) as relay:
+                wait_for(lambda: all(i in router.proven for i in relay.ids.values()), timeout,
+                         "the client to challenge every relay")
+                entries = {e.id: e for e in client.workers(refresh=True)}
+                credited = {m: router.credited_tflops(entries[i]) if i in entries else router.proven.get(i)
+                            for m, i in relay.ids.items()}
+                relayed = dict(relay.relayed)
+    return {"scenario": "relayed-proof", "relays": len(credited), "relays_credited": sum(v > 0 for v in credited.values()),
+            "credited_tflops": credited, "challenges_relayed": relayed, "relay_claim_tflops": CLAIM_TFLOPS,
+            "honest_proven_tflops": honest_proof}
+
+
+def print_relayed(row: dict) -> None:
+    modes = ", ".join(f"{m} {v:.3g}" for m, v in row["credited_tflops"].items())
+    print(f"{row['relays']} relayed proofs  | relays credited any speed: {row['relays_credited']} of {row['relays']} "
+          f"(credited TFLOPS: {modes}; each claims {row['relay_claim_tflops']:g}, the honest worker they relay to "
+          f"proved {row['honest_proven_tflops']:.3g})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--rates", type=float, nargs="*", default=[0.0, 0.01, 0.1, 0.5])
     parser.add_argument("--collusion", action="store_true", help="two colluding liars instead of one")
+    parser.add_argument("--relayed-proof-only", action="store_true", help="only the relayed speed proof case")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
+    if args.relayed_proof_only:
+        rows.append(run_relayed_proof())
+        print_relayed(rows[-1])
+        if args.json:
+            print(json.dumps({"benchmark": "trust", "rows": rows}))
+        return
     if args.collusion:
         with LocalNetwork(network="bench-trust", heartbeat=2.0) as net:
             bootstrap = net.start_bootstrap()
@@ -107,6 +150,8 @@ def main() -> None:
                 print(f"2 colluding liars | {name:<15} | bad answers accepted {row['bad_answers']:6.1%} | "
                       f"extra compute {row['extra_compute']:6.1%} (second half {row['extra_compute_second_half']:6.1%}) "
                       f"| liars ran {row['liar_jobs']} jobs, {row['liars_paid']} of them ever paid", flush=True)
+        rows.append(run_relayed_proof())
+        print_relayed(rows[-1])
         if args.json:
             print(json.dumps({"benchmark": "trust", "rows": rows}))
         return
@@ -124,6 +169,8 @@ def main() -> None:
                 print(f"liar rate {rate:>4.0%} | {name:<15} | bad answers delivered {row['bad_answers']:6.1%} | "
                       f"extra compute {row['extra_compute']:6.1%} (second half {row['extra_compute_second_half']:6.1%}) | "
                       f"liar ran {row['liar_jobs']} jobs{caught}", flush=True)
+    rows.append(run_relayed_proof())
+    print_relayed(rows[-1])
     if args.json:
         print(json.dumps({"benchmark": "trust", "rows": rows}))
 

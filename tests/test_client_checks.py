@@ -147,3 +147,27 @@ def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(
     asyncio.run(rides_on_a_job())
     # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
     assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)
+
+
+def test_a_paid_job_teaches_the_speed_its_worker_delivered(core):
+    """Issue 38: what a worker delivered on paid jobs (counted FLOPs over the compute time the client measured) is
+    what routing credits it, checked jobs setting it and unchecked ones only lowering it."""
+    from dataclasses import replace
+
+    from gpunet.client.jobs import CheckedDelivery
+    from gpunet.client.settlement import Settlement as _Settlement
+
+    class _Quiet(_Settlement):
+        def countersign(self, delivery, signature):
+            pass
+
+    core.payment.settlement, core.payment.books = _Quiet(transport=None), []
+    p = replace(prepared(core), flops=4 * 10**12)  # as if the job counted 4 TFLOP
+    for checked, seconds in ((True, 2.0), (False, 8.0)):
+        delivery = answer(core, p, tensors.encode({"output_0": JOB.run_locally(X)}))
+        core.router.on_proof(delivery.worker_id, 50.0)
+        c = CheckedDelivery(delivery, None, [delivery.worker_id], compute_seconds=seconds)
+        asyncio.run(core.payment.pay(p, c, [], checked=checked))
+        expected = core.router.delivered.get(delivery.worker_id) if checked else None
+        assert expected == (2.0 if checked else None)  # 4 TFLOP in 2 s
+        assert core.router._known_limit(delivery.worker_id) == (4.0 if checked else 1.0)  # SLACK x delivered

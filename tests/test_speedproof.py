@@ -17,6 +17,7 @@ from gpunet import protocol, speedproof
 from gpunet.client.proofs import ProofConfig, SpeedProofs
 from gpunet.client.routing import Requirements, Router
 from gpunet.client.reputation import Reputation
+from gpunet.identity import Identity
 from gpunet.errors import JobRejected, NoWorkersAvailable, ProtocolError, SpeedProofFailed, WorkerBusy
 from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
 from gpunet.worker.state.admission import Admission, ServiceLimits
@@ -24,6 +25,19 @@ from tests.test_routing import HEAVY, worker
 from tests.swarm import wait_for
 
 N = speedproof.SIZES[0]
+
+
+class _Keys(dict):
+    """A fresh identity per worker name, made on first use (bound challenges need a real key behind each id)."""
+
+    def __missing__(self, name: str) -> Identity:
+        self[name] = Identity.generate()
+        return self[name]
+
+
+_NAMED = _Keys()
+ID = {n: _NAMED[n].peer_id for n in ("slow", "fast", "mid", "liar", "w", "dodger", "refuser")}
+KEYS = {identity.peer_id: identity for identity in _NAMED.values()}
 
 
 def _challenge(seconds: float = 0.05) -> speedproof.Challenge:
@@ -137,6 +151,97 @@ def test_a_worker_takes_only_the_challenge_its_own_claim_calls_for(tmp_path):
         assert isinstance(asyncio.run(ask(N, "fp32")), SpeedCommitment)  # its other claim: a claim read earlier
 
 
+def test_an_answer_computed_for_another_identity_checks_out_for_nobody_else():
+    """Issue 38: a bound challenge's matrices come from the seed and the prover's id. What an honest worker computed
+    for its own id fails for a relay that passes it on, whether the relay sends the honest signature or its own."""
+    honest, relay = Identity.generate(), Identity.generate()
+    seed = os.urandom(speedproof.SEED_BYTES)
+    asked = speedproof.Challenge(seed, N, 0.05, "fp32", relay.peer_id)  # what the client checks against
+    computed = speedproof.Challenge(seed, N, 0.05, "fp32", honest.peer_id)  # what the honest worker computes
+    assert asked.key != computed.key != seed
+    digests = speedproof.prove(computed, max_products=3)
+    commitments = speedproof.commit(digests)
+    with pytest.raises(SpeedProofFailed, match="not signed"):  # the honest worker's own signature
+        speedproof.check_signature(asked, commitments, honest.sign(computed.statement(commitments)))
+    speedproof.check_signature(asked, commitments, relay.sign(asked.statement(commitments)))  # re-signed: passes...
+    picks = speedproof.pick(len(commitments), N)
+    with pytest.raises(SpeedProofFailed, match="wrong"):  # ...but the rows are another id's matrices
+        speedproof.verify(asked, commitments, picks, speedproof.open_products(computed, picks, digests))
+    unbound = speedproof.Challenge(seed, N, 0.05, "fp32")  # the unbound form of the same seed: no better
+    digests = speedproof.prove(unbound, max_products=3)
+    commitments = speedproof.commit(digests)
+    with pytest.raises(SpeedProofFailed, match="wrong"):
+        speedproof.verify(asked, commitments, picks := speedproof.pick(len(commitments), N),
+                          speedproof.open_products(unbound, picks, digests))
+    # and the honest worker's own proof checks out for it
+    digests = speedproof.prove(computed, max_products=3)
+    commitments = speedproof.commit(digests)
+    speedproof.check_signature(computed, commitments, honest.sign(computed.statement(commitments)))
+    picks = speedproof.pick(len(commitments), N)
+    speedproof.verify(computed, commitments, picks, speedproof.open_products(computed, picks, digests))
+
+
+def test_a_worker_binds_a_challenge_to_its_own_id_and_signs_it(tmp_path):
+    """The id a bound challenge is computed for is the worker's own, never one named by whoever asks (a relay cannot
+    have an honest worker compute for the relay's id); an old client's unbound challenge is answered as before."""
+    from gpunet.dht.records import DeviceInfo, WorkerRecord
+    from gpunet.ledger import Ledger
+    from gpunet.worker.doors import Doors
+    from gpunet.worker.jobs import Jobs
+
+    me, relay = Identity.generate(), Identity.generate()
+    record = WorkerRecord(version="t", state="online", device=DeviceInfo(kind="cpu", name="cpu", cores=2),
+                          tflops={"fp32": 0.2})
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        service = Doors(Jobs(identity=me, executor=None, ledger=ledger,
+                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=1), record=lambda: record))
+
+        async def exchange(client: str, wire: dict):
+            reply = protocol.decode(await service.prove(_encode(wire), client),
+                                    SpeedCommitment, protocol.Error)
+            assert isinstance(reply, SpeedCommitment), reply
+            picks = speedproof.pick(len(reply.commitments), N)
+            opened = protocol.decode(await service.prove(protocol.encode(OpenProof(wire["seed"], N, picks)), client),
+                                     ProofOpening)
+            return reply, picks, opened.openings
+
+        seed = os.urandom(16)
+        # a request naming another id (a field no version defines) changes nothing: the worker's own id is used
+        bound = {"t": "prove_speed", "seed": seed, "n": N, "seconds": 0.05, "dtype": "fp32", "bind": True,
+                 "prover": relay.peer_id}
+        reply, picks, openings = asyncio.run(exchange("c1", bound))
+        mine = speedproof.Challenge(seed, N, 0.05, "fp32", me.peer_id)
+        speedproof.check_signature(mine, reply.commitments, reply.signature)
+        speedproof.verify(mine, reply.commitments, picks, openings)
+        theirs = speedproof.Challenge(seed, N, 0.05, "fp32", relay.peer_id)
+        with pytest.raises(SpeedProofFailed):
+            speedproof.check_signature(theirs, reply.commitments, reply.signature)
+        old = {"t": "prove_speed", "seed": seed, "n": N, "seconds": 0.05, "dtype": "fp32"}
+        reply, picks, openings = asyncio.run(exchange("c2", old))
+        assert reply.signature == b""
+        speedproof.verify(speedproof.Challenge(seed, N, 0.05), reply.commitments, picks, openings)
+
+
+def _encode(wire: dict) -> bytes:
+    import msgpack
+
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def test_bound_challenges_and_signed_commitments_on_the_wire():
+    bound = ProveSpeed(os.urandom(16), N, 0.5, "fp32", bind=True)
+    assert protocol.decode(protocol.encode(bound), ProveSpeed) == bound
+    old = ProveSpeed(os.urandom(16), N, 0.5)
+    assert "bind" not in old.to_wire() and protocol.decode(protocol.encode(old), ProveSpeed).bind is False
+    signed = SpeedCommitment((b"c" * 16,), b"s" * 64)
+    assert protocol.decode(protocol.encode(signed), SpeedCommitment) == signed
+    assert protocol.decode(protocol.encode(SpeedCommitment((b"c" * 16,))), SpeedCommitment).signature == b""
+    with pytest.raises(ProtocolError, match="signature"):
+        protocol.decode(protocol.encode(SpeedCommitment((b"c" * 16,), b"s" * 65)), SpeedCommitment)
+    with pytest.raises(ValueError, match="peer id"):
+        speedproof.Challenge(os.urandom(16), N, 0.5, "fp32", "x" * 1000).check()
+
+
 # --- the worker's rationing ------------------------------------------------------------------------------------------
 
 
@@ -239,6 +344,44 @@ def test_an_unproven_worker_never_outranks_the_typical_proven_one():
     assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "p2"
 
 
+def test_speed_delivered_on_checked_paid_jobs_outweighs_a_proof():
+    """Issue 38: a worker that proved a fast device (once, or by borrowing another's) and then runs jobs slowly is
+    credited what it delivered; one that proved little at a busy moment and delivers more is credited that; jobs too
+    short for their FLOPs to dominate teach nothing."""
+    r = Router()
+    boaster, modest = worker("boaster", tflops=100.0), worker("modest", tflops=100.0)
+    r.update([boaster, modest])
+    r.on_proof("boaster", 40.0)
+    r.on_proof("modest", 5.0)
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "boaster"  # proofs alone: 80 vs 10 TFLOPS
+    r.on_delivered("boaster", 2e12, 0.01)  # a short job: its fixed costs would say nothing of the device
+    r._overhead["boaster"] = 0.5  # a far worker: each job costs it half a second of round trips
+    r.on_delivered("boaster", 2e12, 1.5)  # under 4 overheads: the round trips could be most of it
+    assert r.credited_tflops(boaster) == speedproof.credit_cap(40.0)
+    r.on_delivered("boaster", 2e12, 2.0)  # 1 TFLOPS delivered on a checked, paid job
+    assert r.credited_tflops(boaster) == speedproof.credit_cap(1.0)
+    assert r.choose(Requirements(prefer="fastest"), HEAVY).id == "modest"  # scored by what it delivered
+    with pytest.raises(NoWorkersAvailable, match="proved only 2 TFLOPS"):
+        r.eligible(Requirements(min_tflops=5.0, dtype="fp32"), exclude={"modest"})
+    r.on_delivered("modest", 60e12, 1.0)  # proved 5 at a busy moment, delivers 60
+    assert r.credited_tflops(modest) == 100.0  # up to its claim, never beyond
+    r.on_proof("modest", 0.0)  # even a later failed proof does not erase speed it delivered
+    assert r.credited_tflops(modest) == 100.0
+    newcomer = worker("newcomer", tflops=1000.0)
+    r.update([boaster, modest, newcomer])
+    assert r.credited_tflops(newcomer) <= 100.0  # unproven: at most the median measured worker
+    # Unchecked paid jobs (a wrong answer can come fast) only ever lower a credit.
+    r.on_proof("unchecked", 10.0)
+    unchecked = worker("unchecked", tflops=100.0)
+    r.update([boaster, modest, newcomer, unchecked])
+    r.on_delivered("unchecked", 500e12, 1.0, checked=False)
+    assert r.credited_tflops(unchecked) == speedproof.credit_cap(10.0)
+    r.on_delivered("unchecked", 1e12, 1.0, checked=False)
+    assert r.credited_tflops(unchecked) < speedproof.credit_cap(10.0)
+    r.on_delivered("newcomer", 1e12, 1.0, checked=False)
+    assert r.credited_tflops(newcomer) < 100.0
+
+
 # --- the client's policy, over a fake transport ----------------------------------------------------------------------
 
 
@@ -249,28 +392,35 @@ class _FakeProver:
         self.skip, self.busy, self.challenges, self.digests = skip, busy, [], {}
         self.seconds = list(seconds)  # what the client's clock reads for each proof in turn (the last one repeats)
         self.tflops = []  # what each proof shows
+        self.bound = {}  # worker -> its last challenge, as computed
 
     async def prove(self, worker_id, message: ProveSpeed):
         if self.busy:
             self.busy -= 1
             raise WorkerBusy("busy")
-        ch = speedproof.Challenge(message.seed, message.n, message.seconds)
+        # As an honest worker does: bound to its own id when asked, and signed with its own key.
+        ch = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype,
+                                  worker_id if message.bind else "")
         self.challenges.append(worker_id)
+        self.bound[worker_id] = ch
         done = speedproof.prove(ch, max_products=4)
         fake = [os.urandom(8 * ch.n) for _ in range(len(done) * (self.skip - 1))]  # digests of nothing computed
         self.digests[worker_id] = done + fake
         seconds = self.seconds.pop(0) if len(self.seconds) > 1 else self.seconds[0]
         self.tflops.append(speedproof.proven_tflops(ch, len(done + fake), seconds))
-        return SpeedCommitment(tuple(speedproof.commit(done + fake))), seconds
+        commitments = tuple(speedproof.commit(done + fake))
+        signature = KEYS[worker_id].sign(ch.statement(commitments)) if ch.prover else b""
+        return SpeedCommitment(commitments, signature), seconds
 
     async def open_proof(self, worker_id, request: OpenProof):
-        ch = speedproof.Challenge(request.seed, request.n)
+        ch = self.bound[worker_id]
         return ProofOpening(tuple(speedproof.open_products(ch, request.picks, self.digests[worker_id])))
 
 
 def _proofs(transport, *entries, **config) -> SpeedProofs:
     r = Router()
     r.update(entries)
+    config.setdefault("timeout", 300.0)  # a claim of 1000 TFLOPS is proven at n = 4096: slow on a loaded CPU
     return SpeedProofs(transport, r, Reputation(), ProofConfig(seconds=0.05, **config))
 
 
@@ -282,13 +432,13 @@ async def _settle(p: SpeedProofs) -> None:
 def test_honest_workers_are_proven_and_the_fastest_claims_go_first():
     async def main():
         prover = _FakeProver()
-        p = _proofs(prover, worker("slow", tflops=0.1), worker("fast", tflops=5.0), worker("mid", tflops=1.0),
+        p = _proofs(prover, worker(ID["slow"], tflops=0.1), worker(ID["fast"], tflops=5.0), worker(ID["mid"], tflops=1.0),
                     concurrent=1)
-        assert [e.id for e in p.due(p.router.workers.values())] == ["fast"]
+        assert [e.id for e in p.due(p.router.workers.values())] == [ID["fast"]]
         for _ in range(3):
             p.schedule(p.router.workers.values())
             await _settle(p)
-        assert prover.challenges[0] == "fast" and sorted(prover.challenges[1:]) == ["mid", "slow"]
+        assert prover.challenges[0] == ID["fast"] and sorted(prover.challenges[1:]) == sorted([ID["mid"], ID["slow"]])
         assert all(t > 0 for t in p.router.proven.values()) and len(p.router.proven) == 3
         p.schedule(p.router.workers.values())
         assert not p._tasks  # each worker once
@@ -323,11 +473,11 @@ def test_a_flood_of_records_claiming_the_top_speeds_does_not_keep_the_others_unc
 
 def test_a_worker_that_fakes_its_proof_is_credited_nothing_and_recorded_as_lying():
     async def main():
-        p = _proofs(_FakeProver(skip=10), worker("liar", tflops=1000.0))
+        p = _proofs(_FakeProver(skip=10), worker(ID["liar"], tflops=1000.0))
         p.schedule(p.router.workers.values())
         await _settle(p)
-        assert p.router.proven.get("liar") == 0.0
-        assert p.reputation.honesty("liar") < 1.0
+        assert p.router.proven.get(ID["liar"]) == 0.0
+        assert p.reputation.honesty(ID["liar"]) < 1.0
 
     asyncio.run(main())
 
@@ -335,17 +485,17 @@ def test_a_worker_that_fakes_its_proof_is_credited_nothing_and_recorded_as_lying
 def test_a_busy_worker_is_asked_again_later_and_capped_meanwhile():
     async def main():
         clock = _Clock()
-        p = _proofs(_FakeProver(busy=1), worker("w", tflops=1.0), retry_after=(30.0,))
+        p = _proofs(_FakeProver(busy=1), worker(ID["w"], tflops=1.0), retry_after=(30.0,))
         p.clock = clock
         p.schedule(p.router.workers.values())
         await _settle(p)
-        assert "w" not in p.router.proven
+        assert ID["w"] not in p.router.proven
         p.schedule(p.router.workers.values())
         assert not p._tasks  # not before its retry time
         clock.now += 31
         p.schedule(p.router.workers.values())
         await _settle(p)
-        assert p.router.proven.get("w") > 0
+        assert p.router.proven.get(ID["w"]) > 0
 
     asyncio.run(main())
 
@@ -357,14 +507,14 @@ def test_a_proof_far_below_its_claim_is_asked_again_and_the_best_proof_counts(ca
         clock = _Clock()
         # a few products of 1024 x 1024 (8.6 GFLOP, under 0.05 TFLOPS in 0.5 s), then in 0.1 s, then in 1 s
         prover = _FakeProver(seconds=(0.5, 0.1, 1.0))
-        p = _proofs(prover, worker("w", tflops=0.5), reprove_after=(330.0, 1800.0))
+        p = _proofs(prover, worker(ID["w"], tflops=0.5), reprove_after=(330.0, 1800.0))
         p.clock = clock
         for step, wait in enumerate((0, 330, 1800)):
             clock.now += wait
             p.schedule(p.router.workers.values())
             assert p._tasks, f"proof {step + 1} asked"
             await _settle(p)
-            assert p.router.proven.get("w") == max(prover.tflops)
+            assert p.router.proven.get(ID["w"]) == max(prover.tflops)
             p.schedule(p.router.workers.values())
             assert not p._tasks  # not again before its time
         assert prover.tflops[1] > prover.tflops[2]  # the best counted, not the last
@@ -386,18 +536,18 @@ def test_a_proof_asked_again_that_does_not_complete_keeps_the_one_before():
     async def main():
         clock = _Clock()
         prover = _FakeProver()
-        p = _proofs(prover, worker("w", tflops=0.5), reprove_after=(330.0,), retry_after=(1.0, 1.0))
+        p = _proofs(prover, worker(ID["w"], tflops=0.5), reprove_after=(330.0,), retry_after=(1.0, 1.0))
         p.clock = clock
         p.schedule(p.router.workers.values())
         await _settle(p)
-        first = p.router.proven.get("w")
+        first = p.router.proven.get(ID["w"])
         assert 0 < first < 0.25  # below the claim: asked again later
         prover.busy = 100
         for _ in range(6):
             clock.now += 331
             p.schedule(p.router.workers.values())
             await _settle(p)
-        assert p.router.proven.get("w") == first
+        assert p.router.proven.get(ID["w"]) == first
 
     asyncio.run(main())
 
@@ -411,10 +561,10 @@ class _Dodger(_FakeProver):
 
 def test_a_worker_that_commits_and_then_will_not_open_is_credited_nothing():
     async def main():
-        p = _proofs(_Dodger(skip=2), worker("dodger", tflops=100.0))
+        p = _proofs(_Dodger(skip=2), worker(ID["dodger"], tflops=100.0))
         p.schedule(p.router.workers.values())
         await _settle(p)
-        assert p.router.proven.get("dodger") == 0.0
+        assert p.router.proven.get(ID["dodger"]) == 0.0
 
     asyncio.run(main())
 
@@ -422,14 +572,70 @@ def test_a_worker_that_commits_and_then_will_not_open_is_credited_nothing():
 def test_a_worker_that_never_takes_a_challenge_ends_up_credited_nothing():
     async def main():
         clock = _Clock()
-        p = _proofs(_FakeProver(busy=100), worker("refuser", tflops=100.0), retry_after=(1.0, 1.0))
+        p = _proofs(_FakeProver(busy=100), worker(ID["refuser"], tflops=100.0), retry_after=(1.0, 1.0))
         p.clock = clock
         for _ in range(5):
             p.schedule(p.router.workers.values())
             await _settle(p)
             clock.now += 2
-        assert p.router.proven.get("refuser") == 0.0
-        assert len(p.router.proven) == 1 and p._attempts["refuser"].tries == 3
+        assert p.router.proven.get(ID["refuser"]) == 0.0
+        assert len(p.router.proven) == 1 and p._attempts[ID["refuser"]].tries == 3
+
+    asyncio.run(main())
+
+
+class _OldProver(_FakeProver):
+    """A worker that predates bound challenges: it ignores ``bind`` and answers unsigned, for the bare seed."""
+
+    async def prove(self, worker_id, message: ProveSpeed):
+        return await super().prove(worker_id, ProveSpeed(message.seed, message.n, message.seconds, message.dtype))
+
+
+class _Relay(_FakeProver):
+    """Passes each challenge to another identity's honest worker and answers with what it answered."""
+
+    def __init__(self, honest_id: str, resign: bool = False):
+        super().__init__()
+        self.honest_id, self.resign = honest_id, resign
+
+    async def prove(self, worker_id, message: ProveSpeed):
+        committed, seconds = await super().prove(self.honest_id, message)
+        if self.resign:  # signed again, as its own
+            ch = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype, worker_id)
+            committed = SpeedCommitment(committed.commitments, KEYS[worker_id].sign(ch.statement(committed.commitments)))
+        return committed, seconds
+
+    async def open_proof(self, worker_id, request: OpenProof):
+        return await super().open_proof(self.honest_id, request)
+
+
+def test_a_relayed_proof_is_credited_nothing_and_recorded_as_a_false_answer():
+    async def main():
+        for resign in (False, True):
+            p = _proofs(_Relay(ID["mid"], resign), worker(ID["liar"], tflops=1.0))
+            p.schedule(p.router.workers.values())
+            await _settle(p)
+            assert p.router.proven.get(ID["liar"]) == 0.0, resign
+            assert p.reputation.honesty(ID["liar"]) < 1.0
+
+    asyncio.run(main())
+
+
+def test_a_worker_older_than_bound_challenges_is_simply_unproven():
+    """Its unsigned answer proves nothing, and is held against nobody: it is asked again on the retry schedule and,
+    like a worker that never takes a challenge, credited nothing once the tries are spent."""
+    async def main():
+        clock = _Clock()
+        p = _proofs(_OldProver(), worker(ID["w"], tflops=1.0), retry_after=(1.0, 1.0))
+        p.clock = clock
+        p.schedule(p.router.workers.values())
+        await _settle(p)
+        assert ID["w"] not in p.router.proven and p.reputation.honesty(ID["w"]) == 1.0
+        for _ in range(4):
+            clock.now += 2
+            p.schedule(p.router.workers.values())
+            await _settle(p)
+        assert p.router.proven.get(ID["w"]) == 0.0 and p.reputation.honesty(ID["w"]) == 1.0
 
     asyncio.run(main())
 
@@ -491,6 +697,12 @@ def test_a_worker_claiming_a_thousand_times_its_speed_is_routed_on_what_it_prove
     assert client.submit(*_tiny_job()).result(timeout=60) is not None  # and it still gets work
 
 
+def _settled(router, worker_id: str, what: str) -> float:
+    """What the client's challenge of ``worker_id`` came to (0.0 included), once there is an outcome."""
+    wait_for(lambda: worker_id in router.proven, 240, what)
+    return router.proven.get(worker_id)
+
+
 def _tiny_job():
     import torch
 
@@ -498,3 +710,33 @@ def _tiny_job():
 
     job = gpunet.Job.from_module(torch.nn.Linear(4, 4).eval(), example_inputs=(torch.randn(2, 4),))
     return job, torch.randn(2, 4)
+
+
+@pytest.mark.swarm
+def test_a_relayed_speed_proof_credits_the_relay_nothing(swarm, client_for, tmp_path):
+    """Issue 38: identities with no device advertise an H200 and pass every speed challenge on to an honest worker,
+    answering with its answers (as they came, re-signed with their own key, or asked of it in the unbound form). On
+    main the client credited the relay the honest worker's speed; now a challenge's matrices come from the seed and
+    the prover's own id, so what the honest worker computed checks out for it alone."""
+    from gpunet.testing.attacks import MODES, ProofRelay
+
+    honest = swarm.start_worker("--remeasure-every", "0")
+    honest_id = swarm.worker_id(honest)
+    client = client_for(swarm)
+    router = client._core.router
+    target = next(e for e in client.workers() if e.id == honest_id)
+    honest_proof = wait_for(lambda: router.proven.get(honest_id), 120, "the client to check the honest worker")
+    with ProofRelay(tmp_path / "relays", swarm.network, [swarm.bootstrap_addr], honest_id, dict(target.record.tflops),
+                    heartbeat=swarm.heartbeat) as relay:
+        wait_for(lambda: set(relay.ids.values()) <= {e.id for e in client.workers(refresh=True)}, 60,
+                 "the client to see the relays")
+        for mode in MODES:  # as each relay's challenge is settled
+            relay_id = relay.ids[mode]
+            credited = _settled(router, relay_id, f"the client to challenge the {mode} relay")
+            assert credited == 0.0, (f"the {mode} relay is credited a proof of {credited:.3g} TFLOPS (the honest "
+                                     f"worker it relays to proved {honest_proof:.3g})")
+            assert relay.relayed[mode] >= 1  # it did pass its challenge on
+            entry = next(e for e in client.workers() if e.id == relay_id)
+            assert router.credited_tflops(entry) == 0.0, mode
+            assert client._core.reputation.honesty(relay_id) < 1.0  # an answer that did not check out
+    assert router.proven.get(honest_id) >= honest_proof > 0  # the honest worker keeps its proof (or a better one)

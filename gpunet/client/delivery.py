@@ -132,9 +132,9 @@ class Deliverer:
                 return tries.WrongAnswer(e), None
         finally:
             self.view.finished(worker.id)
-        self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
-                               delivery.transfer_seconds, cold=cold, ahead=ahead)
-        return tries.Answered(), CheckedDelivery(delivery, outputs, list(attempts.tried))
+        compute = self.router.on_success(worker.id, p.shape, time.perf_counter() - t0, delivery.bytes_sent,
+                                         delivery.transfer_seconds, cold=cold, ahead=ahead)
+        return tries.Answered(), CheckedDelivery(delivery, outputs, list(attempts.tried), compute)
 
     async def _carry_out(self, action: tries.Action, p: Prepared) -> None:
         if isinstance(action, tries.Strike):

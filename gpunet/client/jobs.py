@@ -82,6 +82,7 @@ class CheckedDelivery:
     delivery: Delivery
     outputs: object  # the decoded tensor(s)
     attempts: list[str]  # the workers this copy of the job went to, in order, the last one delivered
+    compute_seconds: float | None = None  # its compute time as this client measured it (Router.on_success)
 
     @property
     def worker_id(self) -> str:

@@ -96,6 +96,8 @@ class Payment:
         # Only a check this client can trust (its own computation, or agreement with an established worker) builds the
         # streak that makes a worker established: agreement among newcomers is what colluding identities can farm.
         self.reputation.record(c.worker_id, "valid", checked=trusted)
+        if c.compute_seconds is not None:  # speed delivered on a paid job (Router.on_delivered)
+            self.router.on_delivered(c.worker_id, p.flops, c.compute_seconds, checked=checked)
         # The result is ours and paid for; the worker gets its countersignature off the caller's critical path:
         # on its stream, or (unary door) riding on our next job to that worker, or in a batch shortly after.
         self.settlement.countersign(c.delivery, signed.client_signature)

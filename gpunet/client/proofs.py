@@ -6,10 +6,13 @@ challenge goes to the fastest claim waiting (the fastest claims attract jobs fir
 checking first), the rest to a worker drawn at random, so a flood of top claims cannot keep the others unchecked. Until a worker's proof
 is in, routing credits it at most the fastest proof seen (see :meth:`Router.speed_factor`).
 
+* Every challenge is bound to the worker's peer id (its matrices come from the seed and that id, its commitment is
+  signed by that id's key): a worker answering with what another identity computed (a relay) fails it.
 * A proof that checks out gives ``Router.on_proof(worker, tflops)``.
 * A proof that does not (the worker committed to products it did not compute) gives 0 TFLOPS and an *invalid*
   outcome in the client's reputation: the worker lied about work.
-* A worker that is busy, refuses or does not answer before it has committed is asked again later (``retry_after``),
+* A worker that answers unsigned (it predates bound challenges: :class:`NotBound`), is busy, refuses or does not
+  answer before it has committed is asked again later (``retry_after``),
   its claim capped meanwhile as for any unproven worker. Once those tries are used up it is credited no speed: a
   worker that never takes a challenge must not keep the benefit of the doubt.
 * A worker that committed and then does not open its proof (it saw the picks land on products it skipped) is
@@ -41,6 +44,11 @@ if TYPE_CHECKING:
     from gpunet.dht.records import WorkerEntry
 
 logger = logging.getLogger("gpunet.client")
+
+class NotBound(GpunetError):
+    """A worker answered a bound challenge in the unbound form (it predates binding): nothing is proven, nothing is
+    held against it; it is asked again on the retry schedule, as a worker that did not take the challenge."""
+
 
 #: ProofConfig.max_workers new challenges per this many seconds.
 BUDGET_WINDOW = 3600.0
@@ -193,11 +201,18 @@ class SpeedProofs:
                if again is not None else ""))
 
     async def prove(self, entry: "WorkerEntry", committed_flag: list[bool] | None = None) -> "Proof":
-        """One challenge to ``entry``: what it proved; SpeedProofFailed if its answer does not check out.
-        ``committed_flag[0]`` becomes True once the worker has committed (what fails after that is held against it)."""
-        ch = speedproof.Challenge.for_claim(entry.record.tflops, self.config.seconds)
+        """One challenge to ``entry``, bound to its peer id: what it proved; SpeedProofFailed if its answer does not
+        check out (a commitment signed by another identity, or rows of another id's matrices: a relayed answer).
+        ``committed_flag[0]`` becomes True once the worker has committed (what fails after that is held against it).
+        An unsigned commitment is the unbound form of a worker that predates binding: NotBound, it proves nothing."""
+        ch = speedproof.Challenge.for_claim(entry.record.tflops, self.config.seconds, prover=entry.id)
         async with asyncio.timeout(ch.seconds + self.config.timeout):
-            committed, seconds = await self.transport.prove(entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds, ch.dtype))
+            committed, seconds = await self.transport.prove(
+                entry.id, ProveSpeed(ch.seed, ch.n, ch.seconds, ch.dtype, bind=True))
+            if not committed.signature:
+                raise NotBound("it answered with an unsigned commitment (a worker older than bound challenges): "
+                               "unproven")
+            speedproof.check_signature(ch, committed.commitments, committed.signature)
             if committed_flag is not None:
                 committed_flag[0] = True
             picks = speedproof.pick(len(committed.commitments), ch.n)

@@ -23,7 +23,12 @@ Failing workers are banned with exponential backoff; a busy one is only skipped 
 A worker's claimed throughput is credited only as far as it has proven it (:mod:`gpunet.speedproof`, challenged by
 :mod:`gpunet.client.proofs`): at most ``SLACK`` times the proven speed, and, until its own proof is in, at most the
 median proven worker's credited speed. A free identity claiming a huge speed therefore never outranks the typical
-checked worker, and one that refuses challenges is in the end credited nothing.
+checked worker, and one that refuses challenges is in the end credited nothing. Speed *delivered* counts above speed
+proven once: once a worker has run paid jobs whose results were checked, big enough for their FLOPs to dominate
+(``on_delivered``), its credit is ``SLACK`` times what it delivered (counted FLOPs over the compute time this client
+measured), whatever it proved: a worker that proves a fast device and then runs jobs slowly is scored by what it
+delivered, and one that proved little at a busy moment but delivers more is credited that. Paid jobs nobody checked
+only ever lower the credit.
 """
 
 from __future__ import annotations
@@ -50,6 +55,13 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
+#: A paid job teaches a worker's delivered speed only when it counted this much work and took this long (compute, as
+#: this client measured it), and at least DELIVERED_OVERHEADS times the worker's learned per-job overhead: shorter, its
+#: fixed costs (a round trip, loading inputs) would understate the device (an honest worker then shows at least 3/4
+#: of its speed, well within SLACK).
+DELIVERED_MIN_SECONDS = 1.0
+DELIVERED_OVERHEADS = 4
+DELIVERED_MIN_FLOPS = 1e9
 #: Seconds after which a job that found only joining workers that fit looks again (the view refreshes meanwhile), and
 #: how long a worker listed as joining is waited for at all (from when this client first saw it so).
 JOINING_LOOK_AGAIN = 0.5
@@ -218,6 +230,10 @@ class Router:
     #: TFLOPS each worker proved to this client (gpunet.client.proofs); 0.0: it failed, or would not take a proof.
     #: Kept when a worker leaves (bounded), so leaving and coming back does not wipe a poor proof.
     proven: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
+    #: TFLOPS each worker delivered on this client's paid, checked jobs (an average of the recent ones; see
+    #: on_delivered); where known it sets the worker's credit instead of its proof. Kept when a worker leaves.
+    delivered: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
+    _unchecked: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))  # the same, of unchecked paid jobs
     _unproven_ceiling: float | None = None
     _joining_since: dict[str, float] = field(default_factory=dict)  # when this client first saw each one joining
     #: The interactive price (credits/TFLOP) each worker last advertised: the most it may bill in any lane (a batch
@@ -244,11 +260,46 @@ class Router:
         self.proven.put(worker_id, max(tflops, earlier) if tflops > 0 else 0.0)
         self._set_ceiling()
 
+    def on_delivered(self, worker_id: str, flops: float, seconds: float, checked: bool = True) -> None:
+        """A paid job counted ``flops`` and took ``seconds`` of compute at ``worker_id`` (this client's clock, less the
+        transfer and its place in our queue there): speed the worker delivered, which no relayed or borrowed proof can
+        fake. ``checked``: its result was checked (against another worker's or this client's own), so the speed is
+        real work and sets the worker's credit; an unchecked one only ever lowers it (a wrong answer can come fast,
+        a slow one is slow whatever it holds). Short jobs teach nothing (see DELIVERED_MIN_SECONDS)."""
+        if flops < DELIVERED_MIN_FLOPS or seconds < max(DELIVERED_MIN_SECONDS,
+                                                        DELIVERED_OVERHEADS * self._overhead.get(worker_id, 0.0)):
+            return
+        table = self.delivered if checked else self._unchecked
+        old = table.get(worker_id)
+        tflops, a = flops / seconds / 1e12, self.config.ema
+        if not checked and (proven := self.proven.get(worker_id)) is not None:
+            tflops = min(tflops, proven)  # fast unchecked answers must not average a slow one away
+        table.put(worker_id, tflops if old is None else (1 - a) * old + a * tflops)
+        self._set_ceiling()
+
+    def _known_limit(self, worker_id: str) -> float | None:
+        """What this client knows of a worker's speed, as the most it credits: ``credit_cap`` of what it delivered on
+        paid, checked jobs where there is such a figure (it outweighs a one-time proof), else of its proof (lowered to
+        what its unchecked paid jobs delivered); None: no figure of its own."""
+        delivered = self.delivered.get(worker_id)
+        if delivered is not None:
+            return credit_cap(delivered)
+        proven = self.proven.get(worker_id)
+        return None if proven is None else self._lowered(worker_id, credit_cap(proven))
+
+    def _lowered(self, worker_id: str, limit: float | None) -> float | None:
+        """``limit``, or less where this worker's unchecked paid jobs delivered less (see on_delivered)."""
+        unchecked = self.delivered.get(worker_id) is None and self._unchecked.get(worker_id)
+        if not unchecked:
+            return limit
+        return credit_cap(unchecked) if limit is None else min(limit, credit_cap(unchecked))
+
     def _set_ceiling(self) -> None:
-        """What a worker not proven yet is credited at most: the median credited speed of the proven workers in view,
-        so a claim alone never outranks the typical checked worker (and refusing challenges gains nothing)."""
-        credited = sorted(min(e.record.best_tflops, credit_cap(p)) for e in self.workers.values()
-                          if (p := self.proven.get(e.id)) is not None and p > 0)
+        """What a worker not proven yet is credited at most: the median credited speed of the proven (or measured)
+        workers in view, so a claim alone never outranks the typical checked worker (and refusing challenges gains
+        nothing)."""
+        credited = sorted(min(e.record.best_tflops, limit) for e in self.workers.values()
+                          if (limit := self._known_limit(e.id)) is not None and limit > 0)
         self._unproven_ceiling = credited[(len(credited) - 1) // 2] if credited else None
 
     def _stale(self, worker_id: str, now: float | None = None) -> bool:
@@ -258,10 +309,10 @@ class Router:
         return at is not None and now - at > self.config.remeasure_after and not self.inflight[worker_id]
 
     def credit_limit(self, entry: WorkerEntry) -> float | None:
-        """The most TFLOPS routing credits this worker's best dtype: ``credit_cap`` of its proof; not proven yet, the
-        median proven worker's credit; None: no limit (nobody proven yet)."""
-        proven = self.proven.get(entry.id)
-        return credit_cap(proven) if proven is not None else self._unproven_ceiling
+        """The most TFLOPS routing credits this worker's best dtype: ``credit_cap`` of what it delivered, else of its
+        proof; neither yet, the median proven worker's credit; None: no limit (nobody proven yet)."""
+        known = self._known_limit(entry.id)
+        return known if known is not None else self._lowered(entry.id, self._unproven_ceiling)
 
     def speed_factor(self, entry: WorkerEntry) -> float:
         """The share of its claimed throughput routing credits a worker: min(1, limit / claimed best)."""
@@ -471,7 +522,7 @@ class Router:
             del self.inflight[worker_id]
 
     def on_success(self, worker_id: str, job: JobShape, seconds: float, bytes_sent: int, transfer_seconds: float,
-                  cold: bool = False, ahead: int = 0) -> None:
+                  cold: bool = False, ahead: int = 0) -> float | None:
         """Learn from a finished job. ``cold``: the worker had to receive and load the program first; that one-time
         cost says nothing about its next jobs, so only bandwidth is learned from it (else one cold start would rank
         a worker last for dozens of jobs, and load would pile onto whichever worker happened to warm up first).
@@ -479,7 +530,10 @@ class Router:
         ``ahead``: this client's jobs that were at the worker before this one (from :meth:`started`). The time
         measured includes waiting behind them, which :meth:`expected_seconds` already counts as ``wait``; learning
         it as the job's own cost too would count the queue twice, so a worker that had been kept busy looked slow
-        and got starved (one demo run split 200 jobs 150/43/7). The sample is the time per place in that queue."""
+        and got starved (one demo run split 200 jobs 150/43/7). The sample is the time per place in that queue.
+
+        Returns that sample (the job's compute seconds; None for a cold job): what :meth:`on_delivered` learns from
+        once the result is checked and paid."""
         self.bans.pop(worker_id, None)  # a success wipes the strikes
         self.known_programs.setdefault(worker_id, set()).add(job.program_hash)
         a = self.config.ema
@@ -488,7 +542,7 @@ class Router:
             self.bandwidth = measured if not self.bandwidth else (1 - a) * self.bandwidth + a * measured
             _ema(self._bandwidth, worker_id, measured, a)  # a relayed or far worker's own, slower, link
         if cold:
-            return
+            return None
         entry = self.workers.get(worker_id)
         places = 1 + ahead / max(1, entry.record.max_concurrent if entry is not None else 1)
         compute = (seconds - transfer_seconds) / places
@@ -502,6 +556,7 @@ class Router:
             _ema(self._seconds_per_flop, worker_id, compute / job.flops, a)
         else:
             _ema(self._overhead, worker_id, max(0.0, compute), a)
+        return compute
 
     def _failing(self, worker_id: str, now: float) -> bool:
         """Banned for a failure (not for being busy): not named to other workers as a holder meanwhile."""

@@ -23,6 +23,8 @@ from gpunet.speedproof import (
     Opening,
 )
 
+#: An Ed25519 signature.
+SIGNATURE_BYTES = 64
 #: The most a ping echoes: a session step's hidden state (d_model 16,384 in fp32), so a raw round trip can stand beside
 #: a step of the same size (scripts/bench_pipeline.py's baseline).
 MAX_PING_BYTES = 64 * 1024
@@ -87,16 +89,23 @@ class Info(Message):
 
 @dataclass(frozen=True, slots=True)
 class ProveSpeed(Message):
-    """A speed challenge (:mod:`gpunet.speedproof`): multiply the seed's products for up to ``seconds``, then commit."""
+    """A speed challenge (:mod:`gpunet.speedproof`): multiply the seed's products for up to ``seconds``, then commit.
+    ``bind``: compute the matrices for the prover's own peer id and sign the commitment (the form that cannot be
+    relayed); without it, the unbound form older clients send. The message never names the id: the worker uses its
+    own."""
 
     T: ClassVar[str] = "prove_speed"
     seed: bytes
     n: int
     seconds: float
     dtype: str = "fp32"
+    bind: bool = False
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "seed": self.seed, "n": self.n, "seconds": float(self.seconds), "dtype": self.dtype}
+        d = {"t": self.T, "seed": self.seed, "n": self.n, "seconds": float(self.seconds), "dtype": self.dtype}
+        if self.bind:
+            d["bind"] = True
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "ProveSpeed":
@@ -106,25 +115,35 @@ class ProveSpeed(Message):
             challenge.check()
         except ValueError as e:
             raise ProtocolError(f"speed challenge: {e}") from None
-        return cls(challenge.seed, challenge.n, challenge.seconds, challenge.dtype)
+        bind = typed_field(d, "bind", bool, optional=True) or False
+        return cls(challenge.seed, challenge.n, challenge.seconds, challenge.dtype, bind)
 
 
 @dataclass(frozen=True, slots=True)
 class SpeedCommitment(Message):
-    """The products done within the challenge's time, as one commitment each (in order, concatenated)."""
+    """The products done within the challenge's time, as one commitment each (in order, concatenated); for a bound
+    challenge, the prover's Ed25519 signature over the challenge, its id and the commitments
+    (:meth:`gpunet.speedproof.Challenge.statement`)."""
 
     T: ClassVar[str] = "speed_commitment"
     commitments: tuple[bytes, ...]
+    signature: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "commitments": b"".join(self.commitments)}
+        d = {"t": self.T, "commitments": b"".join(self.commitments)}
+        if self.signature:
+            d["signature"] = self.signature
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "SpeedCommitment":
         raw = typed_field(d, "commitments", bytes)
         if not raw or len(raw) % COMMIT_BYTES or len(raw) > MAX_PRODUCTS * COMMIT_BYTES:
             raise ProtocolError(f"a speed commitment is 1 to {MAX_PRODUCTS} hashes of {COMMIT_BYTES} bytes")
-        return cls(tuple(raw[i:i + COMMIT_BYTES] for i in range(0, len(raw), COMMIT_BYTES)))
+        signature = typed_field(d, "signature", bytes, optional=True) or b""
+        if len(signature) > SIGNATURE_BYTES:
+            raise ProtocolError(f"a speed commitment's signature is {SIGNATURE_BYTES} bytes")
+        return cls(tuple(raw[i:i + COMMIT_BYTES] for i in range(0, len(raw), COMMIT_BYTES)), signature)
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,7 +113,7 @@ class Jobs:
         pushes = Pushes()
         self.sessions = SessionHost(session_limits or SessionLimits(), executor, self.billing, pushes)
         self.handoff = Handoff(identity.peer_id, self.sessions.sessions, pushes, self.limits, faults)
-        self.prover = Prover(admission, record, device)
+        self.prover = Prover(admission, record, identity, device)
         self.owners = Owners(lambda program_hash: executor is not None and executor.has_program(program_hash))
         self.uploads = Uploads()
         self._jobs: dict[tuple[str, str], _Job] = {}

@@ -1,5 +1,9 @@
 """Speed challenges on the worker's side (:mod:`gpunet.speedproof`): multiply for the time asked and commit, or open
-the products the client picked; rationed by admission, run in a thread on the executors' device."""
+the products the client picked; rationed by admission, run in a thread on the executors' device.
+
+A challenge that asks to be bound is computed for this worker's own peer id and its commitment signed with this
+worker's identity key: the id comes from here, never from the request, so a relay that forwards its challenges here
+gets an answer for this worker's id, which checks out for nobody else (:class:`gpunet.speedproof.Challenge`)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any, Callable
 
 from gpunet import speedproof
 from gpunet.errors import JobRejected
+from gpunet.identity import Identity
 from gpunet.protocol import OpenProof, ProofOpening, ProveSpeed, SpeedCommitment
 from gpunet.utils import LRU
 from gpunet.worker.state.admission import Admission
@@ -22,14 +27,17 @@ MAX_OPEN_PROOFS = 16
 
 
 class Prover:
-    def __init__(self, admission: Admission, record: Callable[[], Any], device: str = "cpu"):
+    def __init__(self, admission: Admission, record: Callable[[], Any], identity: Identity, device: str = "cpu"):
         """``device``: where challenges run (the executors' device: the speed a worker proves is theirs);
-        ``record``: the worker's record now (the speeds it claims decide which challenges it takes)."""
-        self.admission, self.record, self.device = admission, record, device
-        self._digests: LRU[str, list[bytes]] = LRU(MAX_OPEN_PROOFS)  # client -> its last proof's row digests
+        ``record``: the worker's record now (the speeds it claims decide which challenges it takes);
+        ``identity``: this worker's key, whose peer id bound challenges are computed for and which signs them."""
+        self.admission, self.record, self.identity, self.device = admission, record, identity, device
+        #: client -> its last challenge (as computed here) and that proof's row digests
+        self._digests: LRU[str, tuple[speedproof.Challenge, list[bytes]]] = LRU(MAX_OPEN_PROOFS)
 
     async def prove(self, client_id: str, message: ProveSpeed) -> SpeedCommitment:
-        challenge = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype)
+        challenge = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype,
+                                         self.identity.peer_id if message.bind else "")
         record = self.record()
         claims = record.tflops if record is not None else {}
         if not speedproof.fits(claims, challenge.dtype, challenge.n):
@@ -42,17 +50,19 @@ class Prover:
         digests = await self._device_work(client_id, speedproof.prove, challenge, self.device, commits=True)
         logger.debug("Speed challenge from %s: %d products of %s %dx%d in %.3f s", client_id[-8:],
                      len(digests), challenge.dtype, challenge.n, challenge.n, time.perf_counter() - started)
-        self._digests.put(client_id, digests)
-        return SpeedCommitment(tuple(speedproof.commit(digests)))
+        self._digests.put(client_id, (challenge, digests))
+        commitments = tuple(speedproof.commit(digests))
+        signature = self.identity.sign(challenge.statement(commitments)) if challenge.prover else b""
+        return SpeedCommitment(commitments, signature)
 
     async def open(self, client_id: str, message: OpenProof) -> ProofOpening:
         self.admission.screen_opening(client_id, message.seed, message.n, message.picks)
-        digests = self._digests.pop(client_id)  # opened once, whatever happens next
-        if digests is None:
+        held = self._digests.pop(client_id)  # opened once, whatever happens next
+        if held is None or (held[0].seed, held[0].n) != (message.seed, message.n):
             raise JobRejected("that speed challenge is no longer held here (too many others since); ask again later")
+        challenge, digests = held
         self.admission.opening_started(client_id)
-        openings = await self._device_work(client_id, speedproof.open_products,
-                                           speedproof.Challenge(message.seed, message.n), message.picks, digests,
+        openings = await self._device_work(client_id, speedproof.open_products, challenge, message.picks, digests,
                                            self.device)
         return ProofOpening(tuple(openings))
 
