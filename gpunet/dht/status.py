@@ -81,8 +81,7 @@ class NetworkStatus:
                     "maddrs": list(r.maddrs),
                     "reachability": r.reachability,
                     "peer_bytes": {"served": r.peer_bytes_served, "fetched": r.peer_bytes_fetched},
-                    "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned,
-                               "credits_unvouched": r.credits_unvouched},
+                    "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned},
                     "expires_in": round(w.expiration_time - self.read_at, 1),
                     "rating": self._rating(w.id),
                 }

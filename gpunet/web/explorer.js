@@ -31,8 +31,6 @@
       ["queue", w => `${w.queue}/${w.max_concurrent}`],
       ["jobs", w => w.jobs_done],
       ["earned", w => w.ledger.credits_earned.toFixed(6)],
-      // what merged receipts say it earned, which it does not vouch for: shown apart, never counted
-      ["merged, not vouched", w => w.ledger.credits_unvouched ? w.ledger.credits_unvouched.toFixed(6) : ""],
     ], n.workers, "no workers seen yet");
     g.fill("programs", [["program", p => p.hash], ["held by", p => `${p.holders} worker(s)`]], n.programs,
       "no program is held yet");
