@@ -89,3 +89,17 @@ def test_the_trust_list_file(tmp_path):
         save_trusted(tmp_path, add=["12D3KooWxyz"])
     (tmp_path / "trusted-peers").write_text("oops\n")
     assert watch.current() == {MALLORY_C.peer_id}  # a broken list keeps the last good one
+
+
+def test_merging_reads_nothing_of_the_other_file_but_its_entries(tmp_path):
+    """Another node's file is hostile: a `provenance` or `merged` that never ends must not stall a merge."""
+    with Ledger(tmp_path / "theirs.sqlite") as theirs:
+        theirs.append(full_receipt(MALLORY_W, MALLORY_C, "x"))
+    db = sqlite3.connect(tmp_path / "theirs.sqlite")
+    endless = "WITH RECURSIVE n(since_seq) AS (SELECT 1 UNION ALL SELECT since_seq + 1 FROM n) SELECT since_seq FROM n"
+    db.executescript(f"DROP TABLE provenance; CREATE VIEW provenance AS {endless}; DROP TABLE merged; "
+                     f"CREATE VIEW merged AS SELECT since_seq AS seq, '' AS source, 0 AS merged_at_us FROM ({endless});")
+    db.close()
+    with Ledger(tmp_path / "me.sqlite") as ledger:
+        assert ledger.merge(tmp_path / "theirs.sqlite").added == 1
+        assert ledger.balances(me=ME.peer_id)[MALLORY_W.peer_id].jobs_unvouched == 1

@@ -139,7 +139,9 @@ class Ledger:
             raise LedgerError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = Path(path)
         self._sheet, self._sheet_seq, self._sheet_view = BalanceSheet(), 0, (frozenset(), None)
-        self._schema, self._known_from = 0, None  # read from the file by _setup
+        self._schema = 0  # read from the file by _setup
+        self._known_from: int | None = None  # the first entry of known origin; read when first needed (never from a
+        # file being merged: nothing but its entries is read from another node's file)
         if not create and not self.path.exists():
             raise LedgerError(f"no ledger at {self.path}")
         try:
@@ -172,9 +174,6 @@ class Ledger:
             self._db.executescript(f"BEGIN IMMEDIATE; {_UNBILLED} {_PROVENANCE} PRAGMA user_version = {SCHEMA_VERSION}; "
                                    "COMMIT;")
         self._schema = self._db.execute("PRAGMA user_version").fetchone()[0]
-        # Entries before this one were filed before the ledger kept their origin (read-only, an older file: all).
-        self._known_from = (self._db.execute("SELECT MIN(since_seq) FROM provenance").fetchone()[0]
-                            if self._schema >= 4 else None)
         if not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute(f"PRAGMA synchronous = {synchronous}")
@@ -465,11 +464,13 @@ class Ledger:
 
     def filed_after(self, seq: int) -> Iterator[tuple[int, Receipt, Origin]]:
         """(entry seq, receipt, how it came here) of the entries after ``seq``, in order (see :meth:`receipts_after`)."""
-        known_from = self._known_from if self._known_from is not None else float("inf")
         if self._schema < 4:
             for n, receipt in self.receipts_after(seq):
                 yield n, receipt, Origin.UNKNOWN
             return
+        if self._known_from is None:
+            self._known_from = self._db.execute("SELECT MIN(since_seq) FROM provenance").fetchone()[0] or 2**62
+        known_from = self._known_from
         page = ("SELECT e.seq, e.receipt, m.seq IS NOT NULL FROM entries e LEFT JOIN merged m ON m.seq = e.seq "
                 "WHERE e.seq > ? ORDER BY e.seq LIMIT 1000")
         while rows := self._db.execute(page, (seq,)).fetchall():
