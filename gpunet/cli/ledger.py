@@ -122,9 +122,12 @@ def _balance(data_dir: DataDir = None, trust: TrustFile = None, as_json: AsJson 
         return
     shown = [b for b in totals if b.vouched]
     title = "Balances (credits)" + (f", receipts with the {len(trusted)} trusted peers counted too" if trusted else "")
-    _out.print(_balance_table(title, me, shown, ("jobs worked", "earned", "jobs bought", "spent", "net"),
-                              lambda b: (str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
-                                         format_credits(b.spent), format_credits(b.net))))
+    if apart and not shown:
+        _out.print("No receipts this node vouches for (its own jobs', or with a peer it trusts).")
+    elif shown:
+        _out.print(_balance_table(title, me, shown, ("jobs worked", "earned", "jobs bought", "spent", "net"),
+                                  lambda b: (str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
+                                             format_credits(b.spent), format_credits(b.net))))
     if apart:
         _out.print(_balance_table(
             "Merged, not vouched for (counted in no figure above: signed by peers this node never dealt with; "
@@ -148,10 +151,8 @@ app.command("balances", hidden=True)(handle_errors(_balance))  # the plural peop
 
 
 def _balance_table(title: str, me: str | None, rows: list[Balance], columns: tuple[str, ...],
-                   cells: Callable[[Balance], tuple[str, ...]]) -> Table | str:
+                   cells: Callable[[Balance], tuple[str, ...]]) -> Table:
     """One row per identity; on a narrow terminal an identity folds onto more lines, figures stay whole."""
-    if not rows:
-        return Text(f"{title}: none.")
     table = Table(title=Text(title), title_justify="left")
     lines = [(b.identity + (" (this node)" if b.identity == me else ""), *cells(b)) for b in rows]
     table.add_column("identity", overflow="fold", min_width=12)
