@@ -111,29 +111,62 @@ def test_merge_exit_codes(node, tmp_path):
     assert missing.exit_code == 2 and "cannot read" in missing.output
 
 
-def test_credit_two_free_identities_minted_for_each_other_is_shown_apart_from_trusted_payments(tmp_path):
+def test_credit_two_free_identities_minted_for_each_other_is_shown_apart_unless_a_party_is_trusted(tmp_path):
     """Self-dealing: Mallory's worker and Mallory's client sign receipts for work that never ran; they merge cleanly
-    (both signatures are real). Counting only clients the reader trusts shows that credit for what it is."""
+    (both signatures are real). This node never dealt with either: their credit is shown apart and counted nowhere,
+    until the node trusts one of them (for good with `ledger trust add`, or for one command with --trust FILE)."""
     worker, honest_client, mallory_w, mallory_c = (Identity.generate() for _ in range(4))
     with open_ledger(tmp_path / "mallory") as theirs:
         for i in range(3):
             theirs.append(full_receipt(mallory_w, mallory_c, f"fake-{i}", flops=10**15, price=10**9, max_price=None))  # 1,000 credits
     with open_ledger(tmp_path / "node") as mine:
         mine.append(full_receipt(worker, honest_client, "real", flops=10**12, price=10**9, max_price=None))  # 1 credit
-        assert mine.merge(tmp_path / "mallory" / "ledger.sqlite").added == 3
-    (tmp_path / "trusted.txt").write_text(f"# clients with a funding record\n{honest_client.peer_id}\n")
+    merged = run("merge", str(tmp_path / "mallory" / "ledger.sqlite"), data_dir=tmp_path / "node")
+    assert merged.exit_code == 0 and "3 added" in merged.stdout
     plain = json.loads(run("balance", "--json", data_dir=tmp_path / "node").stdout)
-    earned = {b["identity"]: b["earned"] for b in plain["balances"]}
-    assert earned[mallory_w.peer_id] == 3000 * 10**9  # minted, and indistinguishable without a trust list
-    result = run("balance", "--trust", str(tmp_path / "trusted.txt"), "--json", data_dir=tmp_path / "node")
-    assert result.exit_code == 0, result.output
-    rows = {b["identity"]: b for b in json.loads(result.stdout)["balances"]}
-    assert rows[mallory_w.peer_id]["earned"] == 0 and rows[mallory_w.peer_id]["earned_untrusted"] == 3000 * 10**9
-    assert rows[worker.peer_id]["earned"] == 10**9 and rows[worker.peer_id]["earned_untrusted"] == 0
-    table = run("balance", "--trust", str(tmp_path / "trusted.txt"), data_dir=tmp_path / "node").stdout
-    assert "untrusted" in table and "3000.00" in table
-    (tmp_path / "bad.txt").write_text("not-a-peer-id\n")
-    assert run("balance", "--trust", str(tmp_path / "bad.txt"), data_dir=tmp_path / "node").exit_code == 2
+    rows = {b["identity"]: b for b in plain["balances"]}
+    assert (rows[mallory_w.peer_id]["earned"], rows[mallory_w.peer_id]["earned_unvouched"]) == (0, 3000 * 10**9)
+    assert (rows[mallory_c.peer_id]["spent"], rows[mallory_c.peer_id]["spent_unvouched"]) == (0, 3000 * 10**9)
+    assert rows[mallory_w.peer_id]["earned_untrusted"] == 3000 * 10**9  # the figure's name before, kept
+    assert (rows[worker.peer_id]["earned"], plain["earned_unvouched"]) == (10**9, 3000 * 10**9)
+    table = run("balances", data_dir=tmp_path / "node").stdout  # the plural works too
+    counted, apart = table.split("Merged, not vouched for")
+    assert mallory_w.peer_id not in counted and mallory_w.peer_id in apart and "3000.00" in apart
+
+    (tmp_path / "trusted.txt").write_text(f"# for this command only\n{mallory_c.peer_id}\n")
+    once = json.loads(run("balance", "--trust", str(tmp_path / "trusted.txt"), "--json", data_dir=tmp_path / "node").stdout)
+    rows = {b["identity"]: b for b in once["balances"]}
+    assert (rows[mallory_w.peer_id]["earned"], rows[mallory_w.peer_id]["earned_unvouched"]) == (3000 * 10**9, 0)
+    assert rows[worker.peer_id]["earned"] == 10**9  # what this node filed itself counts whoever it trusts
+    again = json.loads(run("balance", "--json", data_dir=tmp_path / "node").stdout)
+    assert again["trusted"] == [] and again["earned_unvouched"] == 3000 * 10**9  # --trust was for that command
+
+    added = run("trust", "add", mallory_w.peer_id, data_dir=tmp_path / "node")
+    assert added.exit_code == 0 and "1 trusted peer(s)" in added.stdout
+    assert json.loads(run("trust", "list", "--json", data_dir=tmp_path / "node").stdout) == [mallory_w.peer_id]
+    kept = json.loads(run("balance", "--json", data_dir=tmp_path / "node").stdout)
+    assert kept["trusted"] == [mallory_w.peer_id] and kept["earned_unvouched"] == 0
+    assert run("trust", "remove", mallory_w.peer_id, data_dir=tmp_path / "node").exit_code == 0
+    assert json.loads(run("balance", "--json", data_dir=tmp_path / "node").stdout)["earned_unvouched"] == 3000 * 10**9
+
+
+def test_a_trust_list_is_checked_and_a_bad_one_loses_nothing(tmp_path):
+    node = tmp_path / "node"
+    Identity.load_or_create(node)
+    peer = Identity.generate().peer_id
+    assert run("trust", "add", peer, data_dir=node).exit_code == 0
+    bad = run("trust", "add", "12D3KooWnot-a-key", data_dir=node)
+    assert bad.exit_code == 2 and "is not a peer id" in bad.output and "Traceback" not in bad.output
+    assert json.loads(run("trust", "list", "--json", data_dir=node).stdout) == [peer]  # the list as it was
+    (tmp_path / "bad.txt").write_text(f"{peer}\nnot-a-peer-id\n")
+    with open_ledger(node):
+        pass
+    refused = run("balance", "--trust", str(tmp_path / "bad.txt"), data_dir=node)
+    assert refused.exit_code == 2 and "bad.txt, line 2" in refused.output
+    (node / "trusted-peers").write_text("garbage\n")  # edited by hand, wrongly: said, never taken as empty
+    broken = run("balance", data_dir=node)
+    assert broken.exit_code == 2 and "trusted-peers, line 1" in broken.output
+    assert run("trust", "list", data_dir=tmp_path / "nowhere").exit_code == 2
 
 
 def test_a_merged_receipt_with_markup_for_a_job_id_and_a_time_no_calendar_holds_is_shown_as_it_is(tmp_path):

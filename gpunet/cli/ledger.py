@@ -23,10 +23,11 @@ from gpunet.cli.exits import handle_errors
 from gpunet.config import DATA_DIR_ENV, DEFAULT_DATA_DIR
 from gpunet.errors import ConfigError, GpunetError, LedgerCorrupted, LedgerError
 from gpunet.identity import KEY_FILENAME, Identity, short_id
-from gpunet.ledger.balances import balances
+from gpunet.ledger.balances import Balance, balances
 from gpunet.ledger.export import write_csv, write_json
 from gpunet.ledger.receipts import Receipt, format_credits
 from gpunet.ledger.store import LEDGER_FILENAME, Ledger, open_ledger
+from gpunet.ledger.vouching import load_trusted, read_trust_file, save_trusted, trust_path
 from gpunet.utils import wide_console
 
 app = typer.Typer(
@@ -87,79 +88,81 @@ def _time(us: int) -> str:
         return f"{us} µs"
 
 
-def _trust_list(path: Path) -> frozenset[str]:
-    """Client peer ids, one per line (``#`` starts a comment)."""
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise LedgerError(f"cannot read the trust list {path}: {e}") from None
-    ids = {line.split("#", 1)[0].strip() for line in lines} - {""}
-    bad = sorted(i for i in ids if not i.startswith("12D3Koo"))
-    if bad:
-        raise LedgerError(f"{path}: {bad[0]!r} is not a peer id (one client id per line, as `gpunet ledger show` "
-                          "prints them)")
-    return frozenset(ids)
+def _trusted(directory: Path, extra: Optional[Path]) -> frozenset[str]:
+    """The node's trust list (``gpunet ledger trust``) and, for this command only, the peer ids listed in ``extra``."""
+    return load_trusted(directory) | (read_trust_file(extra) if extra is not None else frozenset())
 
 
-@_command
-def balance(
-    data_dir: DataDir = None,
-    trust: Annotated[Optional[Path], typer.Option(
-        "--trust", metavar="FILE", help="Count as earned only payments from the client ids listed in FILE (one per "
-        "line); the rest is shown apart, as credit nobody you trust paid.")] = None,
-    as_json: AsJson = False,
-) -> None:
-    """Earned, spent and net credits per identity in this ledger, and work still awaiting a countersignature."""
-    trusted = _trust_list(trust) if trust is not None else None
+TrustFile = Annotated[Optional[Path], typer.Option(
+    "--trust", metavar="FILE", help="Also count receipts with a party among the peer ids in FILE (one per line), for "
+    "this command only; `gpunet ledger trust add` keeps a peer for good.")]
+
+
+def _balance(data_dir: DataDir = None, trust: TrustFile = None, as_json: AsJson = False) -> None:
+    """Earned, spent and net credits per identity in this ledger (receipts this node vouches for: its own, or with a
+    party it trusts), merged credit it does not vouch for apart, and work still awaiting a countersignature."""
     with _read_ledger(data_dir) as ledger:
         directory = ledger.path.parent
         me = _own_id(directory)
-        totals = sorted(ledger.balances(trusted).values(), key=lambda b: (-b.net, b.identity))
+        trusted = _trusted(directory, trust)
+        totals = sorted(ledger.balances(trusted, me=me).values(), key=lambda b: (-b.net, b.identity))
         owed = balances(ledger.unpaid())
+    apart = sorted((b for b in totals if b.jobs_unvouched), key=lambda b: (-b.earned_unvouched, b.identity))
     if as_json:
         _print_json(
             {
                 "identity": me,
+                "trusted": sorted(trusted),
                 "balances": [b.to_dict() for b in totals],
+                "earned_unvouched": sum(b.earned_unvouched for b in totals),  # all identities': counted nowhere
                 "unpaid": [{"client_id": b.identity, "amount": b.spent, "jobs": b.jobs_bought}
                            for b in owed.values() if b.jobs_bought],
             }
         )  # fmt: skip
         return
-    table = Table(title="Balances (credits)" + (f", payments counted from the {len(trusted)} trusted clients"
-                                                if trusted is not None else ""), title_justify="left")
-    columns = ["identity", "jobs worked", "earned", "jobs bought", "spent", "net"]
-    if trusted is not None:
-        columns.insert(3, "earned from untrusted")
-    rows = []
-    for b in totals:
-        name = b.identity + (" (this node)" if b.identity == me else "")
-        cells = [name, str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought), format_credits(b.spent),
-                 format_credits(b.net)]
-        if trusted is not None:
-            cells.insert(3, format_credits(b.earned_untrusted))
-        rows.append(cells)
-    for i, column in enumerate(columns):  # on a narrow terminal an identity folds onto more lines; figures stay whole
-        if column == "identity":
-            table.add_column(column, overflow="fold", min_width=12)
+    shown = [b for b in totals if b.vouched]
+    title = "Balances (credits)" + (f", receipts with the {len(trusted)} trusted peers counted too" if trusted else "")
+    if apart and not shown:
+        _out.print("No receipts this node vouches for (its own jobs', or with a peer it trusts).")
+    elif shown:
+        _out.print(_balance_table(title, me, shown, ("jobs worked", "earned", "jobs bought", "spent", "net"),
+                                  lambda b: (str(b.jobs_worked), format_credits(b.earned), str(b.jobs_bought),
+                                             format_credits(b.spent), format_credits(b.net))))
+    if apart:
+        _out.print(_balance_table(
+            "Merged, not vouched for (counted in no figure above: signed by peers this node never dealt with; "
+            "`gpunet ledger trust add PEER` counts a peer's receipts)", me, apart, ("jobs", "earned", "spent"),
+            lambda b: (str(b.jobs_unvouched), format_credits(b.earned_unvouched), format_credits(b.spent_unvouched))))
+    if not shown and not apart:
+        if data_dir is None and (directory / "client" / LEDGER_FILENAME).exists():
+            _out.print(f"No receipts yet in {directory}. Jobs you submitted from Python are in the client's ledger: "
+                       f"gpunet ledger balance --data-dir {directory / 'client'}")
         else:
-            header = column.replace(" ", "\n", 1) if column.startswith("jobs") else column  # narrower: two lines
-            table.add_column(header, justify="right", no_wrap=True,
-                             min_width=max([*map(len, header.split("\n")), *(len(row[i]) for row in rows)]))
-    for cells in rows:
-        table.add_row(*cells)
-    if totals:
-        _out.print(table)
-    elif data_dir is None and (directory / "client" / LEDGER_FILENAME).exists():
-        _out.print(f"No receipts yet in {directory}. Jobs you submitted from Python are in the client's ledger: "
-                   f"gpunet ledger balance --data-dir {directory / 'client'}")
-    else:
-        _out.print("No receipts yet.")
+            _out.print("No receipts yet.")
     unpaid = [b for b in owed.values() if b.jobs_bought]
     if unpaid:
         total = sum(b.spent for b in unpaid)
         jobs = sum(b.jobs_bought for b in unpaid)
         _out.print(f"Not countersigned: {jobs} job(s), {format_credits(total)} credits (see `gpunet ledger unpaid`).")
+
+
+app.command("balance")(handle_errors(_balance))
+app.command("balances", hidden=True)(handle_errors(_balance))  # the plural people type too
+
+
+def _balance_table(title: str, me: str | None, rows: list[Balance], columns: tuple[str, ...],
+                   cells: Callable[[Balance], tuple[str, ...]]) -> Table:
+    """One row per identity; on a narrow terminal an identity folds onto more lines, figures stay whole."""
+    table = Table(title=Text(title), title_justify="left")
+    lines = [(b.identity + (" (this node)" if b.identity == me else ""), *cells(b)) for b in rows]
+    table.add_column("identity", overflow="fold", min_width=12)
+    for i, column in enumerate(columns, 1):
+        header = column.replace(" ", "\n", 1) if column.startswith("jobs ") else column  # narrower: two lines
+        table.add_column(header, justify="right", no_wrap=True,
+                         min_width=max([*map(len, header.split("\n")), *(len(line[i]) for line in lines)]))
+    for line in lines:
+        table.add_row(*line)
+    return table
 
 
 def _flops(n: int) -> str:
@@ -333,6 +336,7 @@ def earnings_command(
         "--since", metavar="WHEN", help="From a date (2026-12-01), a date and time, or a span back (36h, 7d, 2w).")] = None,
     by: Annotated[str, typer.Option("--by", metavar="day|client", help="Group paid work by local day or by client.")]
     = "day",
+    trust: TrustFile = None,
     as_json: AsJson = False,
 ) -> None:
     """What this worker earned (from its own ledger): jobs, counted work and credits, and every job not paid, with the
@@ -345,7 +349,7 @@ def earnings_command(
         me = _own_id(ledger.path.parent)
         if me is None:
             raise LedgerError(f"no worker identity in {ledger.path.parent}: earnings are a worker's (its data dir)")
-        report = earnings(ledger, me, start, by)
+        report = earnings(ledger, me, start, by, trusted=_trusted(ledger.path.parent, trust))
     if as_json:
         _print_json(report.to_json())
         return
@@ -360,6 +364,11 @@ def earnings_command(
     table.add_row("total", str(report.total.jobs), f"{report.total.flops / 1e12:.4g}", format_credits(report.total.nano),
                   style="bold")
     out.print(table)
+    if report.unvouched.jobs:
+        out.print(f"Merged, not vouched for: {report.unvouched.jobs} receipt(s) naming this worker, "
+                  f"{format_credits(report.unvouched.nano)} credits, counted in no figure above (they came by `gpunet "
+                  "ledger merge`, not from this worker's own jobs; `gpunet ledger trust add PEER` counts a peer's)",
+                  highlight=False)
     if len(report.lanes) > 1 or report.background_runs:
         lanes = ", ".join(f"{lane} {t.jobs} jobs / {format_credits(t.nano)} credits" for lane, t in report.lanes.items())
         own = f"; your own background job ran {report.background_runs} times (free)" if report.background_runs else ""
@@ -380,5 +389,57 @@ def earnings_command(
             lost.add_row(_time(n.recorded_at_us), Text(n.job_id), short_id(n.client_id), Text(n.lane),
                          Text(n.reason.replace("_", " ")), Text(n.detail))
         out.print(lost)
-    if not report.total.jobs and not report.unpaid and not report.unbilled:
+    if not report.total.jobs and not report.unpaid and not report.unbilled and not report.unvouched.jobs:
         out.print("No jobs yet" + (" in that time." if start else "."))
+
+
+trust_app = typer.Typer(
+    help="Peers whose receipts this node counts as credit even when they came by `merge` (docs/ledger.md).",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(trust_app, name="trust")
+Peers = Annotated[list[str], typer.Argument(metavar="PEER...", help="Peer ids (12D3KooW…).")]
+
+
+def _node_dir(data_dir: Path | None) -> Path:
+    """The node's data dir, as given or by default (not created: a trust list is written into an existing node)."""
+    raw = data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR
+    path = Path(raw).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"no node data dir at {path}: is --data-dir right?")
+    return path
+
+
+@trust_app.command("add")
+@handle_errors
+def trust_add(peers: Peers, data_dir: DataDir = None) -> None:
+    """Count receipts with this peer as a party (worker or client) as credit, merged ones too: trust that its
+    signature means real work."""
+    directory = _node_dir(data_dir)
+    trusted = save_trusted(directory, add=peers)
+    _out.print(Text(f"{trust_path(directory)}: {len(trusted)} trusted peer(s)"), highlight=False)
+
+
+@trust_app.command("remove")
+@handle_errors
+def trust_remove(peers: Peers, data_dir: DataDir = None) -> None:
+    """Stop counting merged receipts of these peers (receipts this node filed itself always count)."""
+    directory = _node_dir(data_dir)
+    unknown = sorted(set(p.strip() for p in peers) - load_trusted(directory))
+    trusted = save_trusted(directory, remove=peers)
+    if unknown:
+        _err.print(Text(f"not in the trust list: {', '.join(unknown)}"), highlight=False)
+    _out.print(Text(f"{trust_path(directory)}: {len(trusted)} trusted peer(s)"), highlight=False)
+
+
+@trust_app.command("list")
+@handle_errors
+def trust_list(data_dir: DataDir = None, as_json: AsJson = False) -> None:
+    """The peers whose receipts this node counts as credit besides its own."""
+    trusted = sorted(load_trusted(_node_dir(data_dir)))
+    if as_json:
+        _print_json(trusted)
+    else:
+        _out.print("\n".join(trusted) if trusted else "None: only receipts this node filed itself count.",
+                   highlight=False)

@@ -154,6 +154,8 @@ class WorkerRecord(_WireModel):
                                                                            max_length=MAX_ADVERTISED_MADDRS)
     ledger_count: _NonNegInt = 0
     ledger_head: _text(64) | None = None
+    #: Credits earned by receipts the worker vouches for (its own job path, or a party it trusts; never merged ones of
+    #: peers it never dealt with: docs/ledger.md). Its own word, like every field.
     credits_earned: _NonNegFloat = 0.0
     #: How peers reach it (gpunet.dht.reachability): "direct", "relayed" (through the relays in its maddrs) or
     #: "unknown". Any other short word (a later version's) is read as it is.

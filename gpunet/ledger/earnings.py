@@ -2,7 +2,9 @@
 
 Everything is a pure function of the ledger (receipts this worker signed and its clients countersigned; receipts
 still unpaid; notes of work never billed, with the reason), so the figures match ``gpunet ledger export`` to the
-nano-credit: the same receipts, summed. Days are local days (the volunteer's calendar).
+nano-credit: the same receipts, summed. Days are local days (the volunteer's calendar). Only receipts the worker
+vouches for (gpunet.ledger.vouching: filed by its own job path, or with a party in its trust list) are earnings;
+receipts naming it that came in by ``merge`` otherwise are summed apart, as ``unvouched``, and in no day or total.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from gpunet.errors import ConfigError
 from gpunet.ledger.receipts import Receipt, format_credits
 from gpunet.ledger.entries import Unbilled
 from gpunet.ledger.store import Ledger
+from gpunet.ledger.vouching import vouched
 
 #: A delivered result whose countersignature has not come within this long is "never countersigned" (the worker's
 #: credit line uses the same grace, gpunet.worker.state.admission).
@@ -65,6 +68,7 @@ class Earnings:
     background_runs: int = 0  # the volunteer's own job (free; gpunet.worker.background)
     unpaid: list[Owed] = field(default_factory=list)
     unbilled: list[Unbilled] = field(default_factory=list)
+    unvouched: Tally = field(default_factory=Tally)  # merged, not vouched for: in no row and not in total
 
     def to_json(self) -> dict:
         """The ``gpunet earnings --json`` contract (and the dashboard's ``/api/earnings``)."""
@@ -78,6 +82,7 @@ class Earnings:
             "background_runs": self.background_runs,
             "unpaid": [{**asdict(o), "credits": format_credits(o.nano)} for o in self.unpaid],
             "unbilled": [{**asdict(n), "at": n.recorded_at_us / 1e6} for n in self.unbilled],
+            "unvouched": self.unvouched.to_dict(),
         }
 
 
@@ -87,13 +92,19 @@ def check_grouping(by: str) -> None:
 
 
 def earnings(ledger: Ledger, worker_id: str, since: float | None = None, by: Literal["day", "client"] = "day",
-             now: float | None = None) -> Earnings:
-    """This worker's earnings in ``ledger`` since ``since`` (unix time; None: all), grouped ``by`` day or client."""
+             now: float | None = None, trusted: frozenset[str] = frozenset()) -> Earnings:
+    """This worker's earnings in ``ledger`` since ``since`` (unix time; None: all), grouped ``by`` day or client;
+    ``trusted``: its trust list (merged receipts with a party in it count)."""
     check_grouping(by)
     now = time.time() if now is None else now
     since_us = int(since * 1e6) if since is not None else 0
     out = Earnings(worker_id, by, since)
-    for receipt in _mine(ledger.receipts(), worker_id, since_us):
+    for _, receipt, origin in ledger.filed_after(0):
+        if receipt.worker_id != worker_id or receipt.ended_at_us < since_us:
+            continue
+        if not vouched(receipt, origin, trusted, worker_id):
+            out.unvouched.add(receipt)
+            continue
         if receipt.lane == "background":
             out.background_runs += 1
             continue
@@ -112,16 +123,27 @@ class EarningsBook:
 
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
+        self._reset(frozenset())
+
+    def _reset(self, trusted: frozenset[str]) -> None:
+        self.trusted = trusted
         self.days: dict[str, Tally] = {}
         self.lanes: dict[str, Tally] = {}
         self.total = Tally()
+        self.unvouched = Tally()
         self.background_runs = 0
         self._seq = 0
 
-    def update(self, ledger: Ledger) -> None:
-        for seq, receipt in ledger.receipts_after(self._seq):
+    def update(self, ledger: Ledger, trusted: frozenset[str] = frozenset()) -> None:
+        """Read the receipts added since the last look (all of them again when the trust list changed)."""
+        if trusted != self.trusted:
+            self._reset(trusted)
+        for seq, receipt, origin in ledger.filed_after(self._seq):
             self._seq = seq
             if receipt.worker_id != self.worker_id:
+                continue
+            if not vouched(receipt, origin, trusted, self.worker_id):
+                self.unvouched.add(receipt)
                 continue
             if receipt.lane == "background":
                 self.background_runs += 1
@@ -130,10 +152,12 @@ class EarningsBook:
             self.lanes.setdefault(receipt.lane, Tally()).add(receipt)
             self.total.add(receipt)
 
-    def report(self, ledger: Ledger, days: int, now: float | None = None, newest: int = 50) -> dict:
+    def report(self, ledger: Ledger, days: int, now: float | None = None, newest: int = 50,
+               trusted: frozenset[str] = frozenset()) -> dict:
         """The dashboard's ``/api/earnings``: totals of all time, each of the last ``days`` days (those without jobs
-        too), and the newest ``newest`` unpaid and unbilled jobs with how many there are in all."""
-        self.update(ledger)
+        too), and the newest ``newest`` unpaid and unbilled jobs with how many there are in all; ``unvouched``: what
+        merged receipts name this worker for, apart (in no total and no day)."""
+        self.update(ledger, trusted)
         now = time.time() if now is None else now
         unpaid = [o for o in earnings_unpaid(ledger, self.worker_id, 0, now)]
         return {
@@ -146,6 +170,7 @@ class EarningsBook:
             "unpaid_count": len(unpaid),
             "unbilled": [{**asdict(n), "at": n.recorded_at_us / 1e6} for n in ledger.unbilled(newest=newest)[::-1]],
             "unbilled_count": ledger.count_unbilled(),
+            "unvouched": self.unvouched.to_dict(),
         }
 
 

@@ -20,7 +20,9 @@ client never countersigned: unpaid work stays visible to the worker), ``conflict
 for a job id already in the ledger: evidence of fraud, recorded and never chosen over the first) and, since schema 3,
 ``unbilled`` (work a worker started and was never paid for, with the reason: the client refused the receipt, the job
 was cancelled, timed out, was preempted or failed; see ``gpunet earnings``). It keeps the newest
-:data:`MAX_UNBILLED` notes.
+:data:`MAX_UNBILLED` notes. Since schema 4, ``merged`` names the entries that came in by ``merge`` rather than from
+this node's own job path, which decides what the node vouches for (gpunet.ledger.vouching); ``provenance`` holds the
+first entry whose origin is known (entries filed before a ledger kept it are of unknown origin).
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ from pathlib import Path
 
 from gpunet.config import resolve_data_dir
 from gpunet.errors import InvalidReceipt, LedgerCorrupted, LedgerError, ReceiptConflict
-from gpunet.ledger.balances import Balance, BalanceSheet, balances
+from gpunet.ledger.balances import Balance, BalanceSheet
 from gpunet.ledger.entries import Conflict, Entry, LedgerHead, MergeReport, Unbilled
 from gpunet.ledger.export import read_json_export
 from gpunet.ledger.receipts import MAX_RECEIPT_BYTES, Receipt
+from gpunet.ledger.vouching import Origin, vouched
 
 LEDGER_FILENAME = "ledger.sqlite"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Notes of unbilled work kept (the oldest go first): a client that cancels in a loop cannot grow the file forever.
 MAX_UNBILLED = 100_000
 GENESIS_HASH = bytes(32)
@@ -93,13 +96,22 @@ CREATE TABLE IF NOT EXISTS unbilled (
     recorded_at_us INTEGER NOT NULL
 );
 """
+_PROVENANCE = """
+CREATE TABLE IF NOT EXISTS merged (
+    seq          INTEGER PRIMARY KEY,
+    source       TEXT    NOT NULL,
+    merged_at_us INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS provenance (since_seq INTEGER NOT NULL);
+INSERT INTO provenance SELECT COALESCE(MAX(seq), 0) + 1 FROM entries WHERE NOT EXISTS (SELECT 1 FROM provenance);
+"""
 _TRIGGERS = """
 CREATE TRIGGER entries_no_update BEFORE UPDATE ON entries
     BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
 CREATE TRIGGER entries_no_delete BEFORE DELETE ON entries
     BEGIN SELECT RAISE(ABORT, 'ledger entries are append-only'); END;
 """
-_SCHEMA = _TABLES + _UNBILLED + _TRIGGERS
+_SCHEMA = _TABLES + _UNBILLED + _PROVENANCE + _TRIGGERS
 
 
 def entry_hash(seq: int, prev_hash: bytes, receipt_bytes: bytes) -> bytes:
@@ -126,7 +138,10 @@ class Ledger:
         if synchronous not in ("NORMAL", "FULL"):
             raise LedgerError(f"synchronous must be NORMAL or FULL, not {synchronous!r}")
         self.path = Path(path)
-        self._sheet, self._sheet_seq = BalanceSheet(), 0
+        self._sheet, self._sheet_seq, self._sheet_view = BalanceSheet(), 0, (frozenset(), None)
+        self._schema = 0  # read from the file by _setup
+        self._known_from: int | None = None  # the first entry of known origin; read when first needed (never from a
+        # file being merged: nothing but its entries is read from another node's file)
         if not create and not self.path.exists():
             raise LedgerError(f"no ledger at {self.path}")
         try:
@@ -151,12 +166,13 @@ class Ledger:
         if version == 0 and not tables and not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
-        elif version not in (1, 2, SCHEMA_VERSION) or "entries" not in tables:
+        elif version not in (1, 2, 3, SCHEMA_VERSION) or "entries" not in tables:
             raise LedgerError(f"{self.path} is not a gpunet ledger of schema version 1 to {SCHEMA_VERSION}")
         elif version < SCHEMA_VERSION and not readonly:
             if version == 1:
                 self._migrate_from_1()
-            self._db.executescript(f"BEGIN IMMEDIATE; {_UNBILLED} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+            self._db.executescript(f"BEGIN IMMEDIATE; {_UNBILLED} {_PROVENANCE} PRAGMA user_version = {SCHEMA_VERSION}; "
+                                   "COMMIT;")
         self._schema = self._db.execute("PRAGMA user_version").fetchone()[0]
         if not readonly:
             self._db.execute("PRAGMA journal_mode = WAL")
@@ -308,7 +324,9 @@ class Ledger:
         """Import another node's receipts (its ledger file or a JSON export): union by job id.
 
         Each receipt is checked on its own (the source's chain is not trusted); invalid ones are refused with the
-        reason, a different receipt for a job id already held is recorded as a conflict and not chosen.
+        reason, a different receipt for a job id already held is recorded as a conflict and not chosen. What is added
+        is noted as merged: this node vouches for it only through its trust list (gpunet.ledger.vouching), unless it
+        settles a result this node delivered as a worker and was still owed for.
         """
         source = Path(source)
         report = MergeReport(source=str(source))
@@ -330,7 +348,7 @@ class Ledger:
                         if position in failures:
                             report.refuse(f"job {receipt.job_id}", failures[position])
                             continue
-                        outcome, _, _ = self._insert(receipt, str(source))
+                        outcome, _, _ = self._insert(receipt, str(source), merged=True)
                         if outcome is _Filed.ADDED:
                             report.added += 1
                         elif outcome is _Filed.DUPLICATE:
@@ -340,12 +358,13 @@ class Ledger:
         return report
 
     def _insert(
-        self, receipt: Receipt, source: str, last: tuple[int, bytes] | None = None
+        self, receipt: Receipt, source: str, last: tuple[int, bytes] | None = None, merged: bool = False
     ) -> tuple[_Filed, int, bytes | None]:
         """Inside a write transaction: chain a verified receipt, or say why not. Returns the outcome, the job's entry
         seq and, when added, the new entry's hash.
 
         ``last``: the head (seq, entry hash) when the caller has just written it in this transaction; read otherwise.
+        ``merged``: it came from another node's file (noted, unless it settles this node's own unpaid result).
         """
         row = self._db.execute("SELECT seq, receipt FROM entries WHERE client_id = ? AND job_id = ?",
                                (receipt.client_id, receipt.job_id)).fetchone()
@@ -356,6 +375,8 @@ class Ledger:
             except InvalidReceipt as e:
                 raise LedgerCorrupted(f"entry {seq}: {e}", entry=seq) from None
             if held.body == receipt.body:  # same terms; signatures may differ only if a signer is non-deterministic
+                if not merged and self._schema >= 4:  # this node's job path filed it too: it dealt with the job
+                    self._db.execute("DELETE FROM merged WHERE seq = ?", (seq,))
                 return _Filed.DUPLICATE, seq, None
             self._db.execute(
                 "INSERT OR IGNORE INTO conflicts (client_id, job_id, receipt, source, detected_at_us) "
@@ -372,9 +393,22 @@ class Ledger:
             "INSERT INTO entries (seq, client_id, job_id, receipt, prev_hash, entry_hash) VALUES (?, ?, ?, ?, ?, ?)",
             (seq, receipt.client_id, receipt.job_id, data, prev, digest),
         )
+        if merged and self._schema >= 4 and not self._settles_unpaid(receipt):
+            self._db.execute("INSERT INTO merged (seq, source, merged_at_us) VALUES (?, ?, ?)", (seq, source[:1000],
+                                                                                                _now_us()))
         self._db.execute("DELETE FROM unpaid WHERE client_id = ? AND job_id = ? AND worker_id = ?",
                          (receipt.client_id, receipt.job_id, receipt.worker_id))
         return _Filed.ADDED, seq, digest
+
+    def _settles_unpaid(self, receipt: Receipt) -> bool:
+        """Whether this node's worker delivered exactly this job and is owed for it: its countersignature came by
+        file (a restore after a crash) rather than on the wire."""
+        row = self._db.execute("SELECT receipt FROM unpaid WHERE client_id = ? AND job_id = ? AND worker_id = ?",
+                               (receipt.client_id, receipt.job_id, receipt.worker_id)).fetchone()
+        try:
+            return row is not None and Receipt.from_bytes(row[0]).body == receipt.body
+        except InvalidReceipt:
+            return False
 
     def _transaction(self) -> "_Transaction":
         return _Transaction(self._db)
@@ -428,20 +462,40 @@ class Ledger:
             seq = rows[-1][0]
             yield from ((n, Receipt.from_bytes(data)) for n, data in rows)
 
-    def balances(self, trusted: Iterable[str] | None = None) -> dict[str, Balance]:
-        """``balances(self.receipts())``, kept up to date incrementally: entries are append-only, so only the ones
-        added since the last call are read (a worker asks on every heartbeat). ``trusted``: count only these clients'
-        payments as earned (see :mod:`gpunet.ledger.balances`); computed afresh."""
-        if trusted is not None:
-            return balances(self.receipts(), trusted)
-        for seq, receipt in self.receipts_after(self._sheet_seq):
-            self._sheet.add(receipt)
+    def filed_after(self, seq: int) -> Iterator[tuple[int, Receipt, Origin]]:
+        """(entry seq, receipt, how it came here) of the entries after ``seq``, in order (see :meth:`receipts_after`)."""
+        if self._schema < 4:
+            for n, receipt in self.receipts_after(seq):
+                yield n, receipt, Origin.UNKNOWN
+            return
+        if self._known_from is None:
+            self._known_from = self._db.execute("SELECT MIN(since_seq) FROM provenance").fetchone()[0] or 2**62
+        known_from = self._known_from
+        page = ("SELECT e.seq, e.receipt, m.seq IS NOT NULL FROM entries e LEFT JOIN merged m ON m.seq = e.seq "
+                "WHERE e.seq > ? ORDER BY e.seq LIMIT 1000")
+        while rows := self._db.execute(page, (seq,)).fetchall():
+            seq = rows[-1][0]
+            for n, data, merged in rows:
+                origin = Origin.MERGED if merged else Origin.HERE if n >= known_from else Origin.UNKNOWN
+                yield n, Receipt.from_bytes(data), origin
+
+    def balances(self, trusted: Iterable[str] = (), me: str | None = None) -> dict[str, Balance]:
+        """Per-identity totals as the node ``me`` with the trust list ``trusted`` reads this ledger: what it vouches
+        for (filed by its own job path, or with a trusted party; gpunet.ledger.vouching) in earned / spent / net,
+        merged receipts it does not vouch for apart. Kept up to date incrementally for the same reader: entries are
+        append-only, so only those added since the last call are read (a worker asks on every heartbeat)."""
+        view = (frozenset(trusted or ()), me)
+        if view != self._sheet_view:
+            self._sheet, self._sheet_seq, self._sheet_view = BalanceSheet(), 0, view
+        for seq, receipt, origin in self.filed_after(self._sheet_seq):
+            self._sheet.add(receipt, vouched(receipt, origin, view[0], me))
             self._sheet_seq = seq
         return self._sheet.snapshot()
 
-    def earned(self, peer_id: str) -> int:
-        """Nano-credits ``peer_id`` earned as a worker in this ledger (the figure a worker announces)."""
-        balance = self.balances().get(peer_id)
+    def earned(self, peer_id: str, trusted: Iterable[str] = ()) -> int:
+        """Nano-credits ``peer_id`` earned as a worker in this ledger, vouched for as ``peer_id`` reads it (the figure
+        a worker announces)."""
+        balance = self.balances(trusted, me=peer_id).get(peer_id)
         return balance.earned if balance else 0
 
     def unpaid(self) -> list[Receipt]:

@@ -61,6 +61,9 @@
       ["counted work", `${e.total.tflop} TFLOP`],
       ["not paid yet", e.unpaid_count],
       ["own background runs", e.background_runs],
+      // merged receipts naming this worker that it does not vouch for: never in the figures above (docs/ledger.md)
+      ...(e.unvouched && e.unvouched.jobs ? [["merged, not vouched for",
+        `${e.unvouched.credits} credits, ${e.unvouched.jobs} jobs (not counted)`]] : []),
     ]);
     const best = e.days.reduce((a, d) => (d.nano > a.nano ? d : a), e.days[0]);
     g.bars("chart", e.days.map(d => ({

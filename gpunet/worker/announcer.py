@@ -74,7 +74,7 @@ class Announcer:
             reachability=self.reachability,
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
-            credits_earned=ledger.earned(w.id) / NANO if ledger is not None else 0.0,
+            credits_earned=w.credit().earned / NANO if ledger is not None else 0.0,  # vouched (docs/ledger.md)
             peer_bytes_served=w.jobs.piece_server.served if w.jobs and w.jobs.piece_server else 0,
             peer_bytes_fetched=w.jobs.fetcher.fetched if w.jobs and w.jobs.fetcher else 0,
             batch_price=float(w.config.batch_price),

@@ -9,7 +9,8 @@ owner opens it). The JSON API, the page's and any script's, takes the key in the
 ``GET /api/status``    the worker's live record (gpunet status's fields), its pause reason and lane figures
 ``GET /api/jobs``      jobs running now and the latest that ended here, with how each ended
 ``GET /api/earnings``  ``?days=N`` (default 14): totals of all time and by lane, each of the last N days (days
-                       without jobs too), the newest 50 unpaid and unbilled jobs and how many there are
+                       without jobs too), the newest 50 unpaid and unbilled jobs and how many there are, and apart
+                       (``unvouched``) merged receipts naming this worker that it does not vouch for (docs/ledger.md)
 ``POST /api/pause``    ``{"reason": "..."}``, and ``POST /api/resume`` ``{}``: as ``gpunet worker pause|resume``
 """
 
@@ -84,7 +85,7 @@ class Dashboard:
 
     def _report(self, days: int) -> dict:
         with open_ledger(self.worker.data_dir) as ledger:  # its own connection: this runs in a thread
-            return self._book.report(ledger, days)
+            return self._book.report(ledger, days, trusted=self.worker.trust.current())
 
     async def pause(self, body: dict) -> dict:
         reason = body.get("reason", "")

@@ -24,7 +24,9 @@ from gpunet.dht.records import WorkerState
 from gpunet.errors import ConfigError, ExecutorStartFailed, NetworkError
 from gpunet.identity import Identity
 from gpunet.ledger.receipts import format_credits, price_to_nano
+from gpunet.ledger.balances import Balance
 from gpunet.ledger.store import open_ledger
+from gpunet.ledger.vouching import TrustWatch
 from gpunet.rpc import quiet_lost_daemon
 from gpunet.utils import bounded, first_line, new_event_loop
 from gpunet.worker import hardware as hw
@@ -82,6 +84,7 @@ class Worker:
         self._background: asyncio.Task | None = None
         self.executor = None
         self.ledger = None
+        self.trust = TrustWatch(self.data_dir)  # whose merged receipts count as credit (gpunet ledger trust)
         self.tflops: dict[str, float] = {}
         self.dht = None
         self.rpc = None
@@ -93,6 +96,11 @@ class Worker:
     @property
     def id(self) -> str:
         return self.identity.peer_id
+
+    def credit(self) -> Balance:
+        """This worker's totals in its own ledger as it vouches for them (gpunet.ledger.vouching): what it announces,
+        logs and shows. Merged receipts naming it that it does not vouch for are in the ``*_unvouched`` figures."""
+        return self.ledger.balances(self.trust.current(), me=self.id).get(self.id) or Balance(self.id)
 
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
@@ -266,7 +274,7 @@ class Worker:
         reported = 0
         every = self.config.remeasure_every
         speed_due = time.monotonic() + every
-        earnings_due, earned = time.monotonic() + EARNINGS_EVERY, self.ledger.earned(self.id)
+        earnings_due, earned = time.monotonic() + EARNINGS_EVERY, self.credit().earned
         while not self._stop.is_set():
             if not self.dht.is_alive():
                 await asyncio.sleep(0.1)  # a signal to the whole group kills it too: let our own handler run first
@@ -340,7 +348,7 @@ class Worker:
 
     def _say_earnings(self, before: int) -> int:
         """A short earnings line now and then (``gpunet earnings`` has the detail); returns the total it said."""
-        now = self.ledger.earned(self.id)
+        now = self.credit().earned
         owed = len(self.jobs.billing.awaiting.unsettled)
         if now != before or owed:
             logger.info("Earnings: %s credits in all (+%s in the last %.0f min)%s; `gpunet earnings` for details",
