@@ -274,6 +274,25 @@ def test_an_ipv6_worker_is_dialled_back_at_its_own_address(tmp_path):
             worker.output[-2000:]
 
 
+def test_the_daemon_flags_of_a_worker_that_relays_and_of_one_that_does_not():
+    """Without --relay-service the daemon keeps the relay transport (it still dials peers behind NAT through their
+    relays) but runs no configured relay service; with it, the worker's --relay-* values reach the daemon."""
+    from hivemind.p2p import P2P
+
+    from gpunet.dht import network
+
+    quiet = network._reachability_options("no-relay", [])
+    assert "use_relay" not in quiet and P2P.FORCE_REACHABILITY_MAPPING[quiet["force_reachability"]] == {
+        "relayService": 0}
+    limits = network.relay_limits(circuit_mb=1.5, circuit_minutes=10, circuits=8, reservations=32)
+    assert limits == {"relayMaxReservations": 32, "relayMaxCircuits": 8, "relayDataLimit": 3 * 2**19,
+                      "relayTimeLimit": "600s"}
+    relaying = network._reachability_options(None, [], limits)
+    assert P2P.FORCE_REACHABILITY_MAPPING[relaying["force_reachability"]] == limits
+    public = network._reachability_options("public", [])
+    assert P2P.FORCE_REACHABILITY_MAPPING[public["force_reachability"]]["relayDataLimit"] == 4 * 2**30  # bootstrap
+
+
 @pytest.mark.swarm
 def test_a_stranger_gets_no_free_transit_through_a_public_worker(lab, tmp_path):
     """Attack: one stranger, two plain libp2p peers (no gpunet identity) in two homes behind NAT, asks a public
