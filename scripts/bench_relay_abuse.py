@@ -76,7 +76,7 @@ def main() -> None:
     print(f"relay: the {args.relay}'s, worker flags {' '.join(args.worker_flags) or '(defaults)'}")
     for name, row in (("relayed", relayed), ("direct", direct)):
         if "reservation" in row:
-            print(f"{name:<8} refused: {row['reservation'][:120]}")
+            print(f"{name:<8} {row['reservation'][:140]}")
             continue
         print(f"{name:<8} {row['MBps']:8.1f} MB/s = {row['GB_per_hour']:7.1f} GB/hour | {row['circuits']} circuits, "
               f"largest {row['largest_circuit_bytes'] / 2**20:.1f} MiB, {row['resets']} reset, "
