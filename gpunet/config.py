@@ -93,7 +93,13 @@ class WorkerConfig:
     sandbox: bool = True  # executors lock themselves down (gpunet.worker.executor.sandbox); off only for a kernel that balks
     metrics_port: int = 0  # 0: no Prometheus endpoint
     announce_maddrs: list[str] = field(default_factory=list)  # addresses to announce (a forwarded port), checked
-    relay_service: bool = True  # a directly reachable worker relays for workers behind NAT (within RELAY_LIMITS)
+    # A directly reachable worker relays for workers behind NAT only when asked to (--relay-service): a relay carries
+    # anyone's traffic, and nothing in the p2p daemon bounds how often a circuit is opened again (docs/reachability.md).
+    relay_service: bool = False
+    relay_circuit_mb: float = 1024.0  # bytes each way one relayed connection carries before the relay resets it
+    relay_circuit_minutes: float = 10.0  # how long one relayed connection lives
+    relay_circuits: int = 8  # relayed connections open at once per peer
+    relay_reservations: int = 32  # peers it holds relay slots for (the daemon: in all, and per peer and per address)
     peer_upload_mbps: float = 0.0  # MB/s it serves programs to other workers at, in all (0: no cap)
     session_memory_gb: float | None = None  # inference sessions' state, all together; default: a quarter of the budget
     max_sessions_per_client: int = 8

@@ -30,6 +30,9 @@ UnaryHandler = Callable[[bytes, str], Awaitable[bytes]]  # (request body, caller
 StreamHandler = Callable[[str, asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 
 
+#: The circuit relay v2 protocol peers reserve slots and open circuits on (go-libp2p's relay service serves it).
+HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
+
 #: Seconds a request waits for the first request to the same peer to connect before it dials anyway.
 FIRST_CONTACT_WAIT = 10.0
 
@@ -131,6 +134,20 @@ class RPC:
 
         await self.p2p.add_binary_stream_handler(door.protocol(self.network), adapted)
         self._served.append(door)
+
+    async def refuse_relaying(self) -> None:
+        """Stop this node's p2p daemon relaying for anyone: every reservation and circuit asked of it is refused.
+
+        hivemind's p2pd always starts libp2p's relay service (128 KiB and 2 minutes per circuit, but nothing bounds
+        how often a circuit is opened again: one stranger pushed 1.9 MB/s per stream through a worker that way) and
+        has no flag to leave it out. A handler registered through the daemon replaces the relay's own on its protocol,
+        so every ask reaches this one, which closes it unanswered. Dialling others through their relays is
+        untouched (that is the relay's other protocol, on the relaying node)."""
+
+        async def refuse(_info, _reader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        await self.p2p.add_binary_stream_handler(HOP_PROTOCOL, refuse)
 
     async def daemon_alive(self, timeout: float = 1.0) -> bool:
         """Whether the p2p daemon still accepts control connections. A signal to the whole process group (Ctrl-C in a

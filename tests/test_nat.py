@@ -272,3 +272,63 @@ def test_an_ipv6_worker_is_dialled_back_at_its_own_address(tmp_path):
         worker = net.start_worker(host_maddrs="/ip6/::1/tcp/0")
         assert "Reachability: direct (a peer dialled this worker back at /ip6/::1," in worker.output, \
             worker.output[-2000:]
+
+
+def test_the_daemon_flags_of_a_worker_that_relays_and_of_one_that_does_not():
+    """Without --relay-service the daemon keeps the relay transport (it still dials peers behind NAT through their
+    relays) but runs no configured relay service; with it, the worker's --relay-* values reach the daemon."""
+    from hivemind.p2p import P2P
+
+    from gpunet.dht import network
+
+    quiet = network._reachability_options("no-relay", [])
+    assert "use_relay" not in quiet and P2P.FORCE_REACHABILITY_MAPPING[quiet["force_reachability"]] == {
+        "relayService": 0}
+    limits = network.relay_limits(circuit_mb=1.5, circuit_minutes=10, circuits=8, reservations=32)
+    assert limits == {"relayMaxReservations": 32, "relayMaxCircuits": 8, "relayDataLimit": 3 * 2**19,
+                      "relayTimeLimit": "600s"}
+    relaying = network._reachability_options(None, [], limits)
+    assert P2P.FORCE_REACHABILITY_MAPPING[relaying["force_reachability"]] == limits
+    public = network._reachability_options("public", [])
+    assert P2P.FORCE_REACHABILITY_MAPPING[public["force_reachability"]]["relayDataLimit"] == 4 * 2**30  # bootstrap
+
+
+@pytest.mark.swarm
+def test_a_stranger_gets_no_free_transit_through_a_public_worker(lab, tmp_path):
+    """Attack: one stranger, two plain libp2p peers (no gpunet identity) in two homes behind NAT, asks a public
+    worker's relay for a reservation and pushes bytes through it as fast as it can, dialling again whenever a circuit
+    is reset (on main: 1.9 MB/s per stream through libp2p's always-on relay, 128 KiB a circuit, reopened at will).
+    A worker relays only with --relay-service: by default the reservation is refused and nothing crosses (the same
+    stranger gets one from the bootstrap node, so the refusal is the worker's). With --relay-service, no circuit
+    carries more than --relay-circuit-mb."""
+    from gpunet.testing.relay_stranger import NoReservation, run_pusher, start_holder
+
+    public = f"/ip4/{lab.public_addr}/tcp/0"
+    with LocalNetwork(tmp_path, network="nat-test", heartbeat=1.0) as net:
+        boot = net.start_bootstrap(ns=lab.public, host_maddrs=public)
+        worker = net.start_worker(ns=lab.public, host_maddrs=public)
+        relay = next(a for a in worker.wait_ready("online")["addresses"] if lab.public_addr in a)
+        with pytest.raises(NoReservation):
+            holder = start_holder(lab, lab.homes[0].ns, relay=relay, wait=20.0)
+            try:  # granted (the attack works): what it carries, for the failure message
+                pushed = run_pusher(lab, lab.homes[1].ns, holder, 3.0)
+                wait_for(lambda: holder.circuits, 15, "the holder's count")
+            finally:
+                holder.stop()
+            raise AssertionError(f"a public worker without --relay-service relayed for a stranger: "
+                                 f"{sum(holder.circuits)} bytes crossed in {pushed['seconds']:.1f} s")
+        control = start_holder(lab, lab.homes[1].ns, relay=boot)  # a relay that does relay: the stranger works
+        control.stop()
+
+        limit_mb = 1
+        opted = net.start_worker("--relay-service", "--relay-circuit-mb", str(limit_mb), ns=lab.public,
+                                 host_maddrs=public)
+        relay = next(a for a in opted.wait_ready("online")["addresses"] if lab.public_addr in a)
+        holder = start_holder(lab, lab.homes[0].ns, relay=relay)
+        try:
+            pushed = run_pusher(lab, lab.homes[1].ns, holder, 5.0)
+            wait_for(lambda: holder.circuits, 15, "the holder to count a circuit")
+        finally:
+            holder.stop()
+        assert holder.circuits and sum(holder.circuits) > 0, pushed  # it relays...
+        assert max(holder.circuits) <= limit_mb * 2**20, (holder.circuits, pushed)  # ...within the circuit limit

@@ -84,8 +84,21 @@ def worker(
     announce_maddrs: Optional[List[str]] = AnnounceMaddrs,
     relay_service: bool = typer.Option(
         _WORKER.relay_service, "--relay-service/--no-relay-service",
-        help="When directly reachable, relay for workers behind NAT (circuit relay v2, within its limits; see the "
-             "README)."),
+        help="When directly reachable, relay for workers behind NAT (circuit relay v2). Off by default: a relay "
+             "carries anyone's traffic, a stranger's too, as fast as your uplink allows (docs/reachability.md). "
+             "Bootstrap nodes relay for the network."),
+    relay_circuit_mb: float = typer.Option(
+        _WORKER.relay_circuit_mb, "--relay-circuit-mb", metavar="MIB", min=0.0625,
+        help="With --relay-service: bytes each way one relayed connection carries before it is reset."),
+    relay_circuit_minutes: float = typer.Option(
+        _WORKER.relay_circuit_minutes, "--relay-circuit-minutes", metavar="MIN", min=0.1,
+        help="With --relay-service: how long one relayed connection lives."),
+    relay_circuits: int = typer.Option(
+        _WORKER.relay_circuits, "--relay-circuits", metavar="N", min=1,
+        help="With --relay-service: relayed connections open at once, per peer."),
+    relay_reservations: int = typer.Option(
+        _WORKER.relay_reservations, "--relay-reservations", metavar="N", min=1,
+        help="With --relay-service: peers behind NAT it holds a relay slot for (in all, and per peer and address)."),
     peer_upload_mbps: float = typer.Option(
         _WORKER.peer_upload_mbps, "--peer-upload-mbps", metavar="MB/S", min=0.0,
         help="Serve programs to other workers (so a client uploads each once) at most this fast, in all; 0: no cap."),
@@ -172,6 +185,10 @@ def worker(
         metrics_port=metrics_port,
         announce_maddrs=list(announce_maddrs or []),
         relay_service=relay_service,
+        relay_circuit_mb=relay_circuit_mb,
+        relay_circuit_minutes=relay_circuit_minutes,
+        relay_circuits=relay_circuits,
+        relay_reservations=relay_reservations,
         peer_upload_mbps=peer_upload_mbps,
         session_memory_gb=session_memory_gb,
         max_sessions_per_client=max_sessions_per_client,

@@ -125,6 +125,7 @@ def join(
     start_new: bool = False,
     reachability: str | None = None,
     announce_maddrs: Sequence[str] | None = None,
+    relay_limits: dict | None = None,
 ) -> hivemind.DHT:
     """Start this node's DHT and join ``network``; raises NetworkError if the initial peers cannot be reached.
 
@@ -134,7 +135,9 @@ def join(
     ``reachability`` configures the p2p daemon for what :mod:`gpunet.dht.reachability` found: ``"public"`` (a node
     others dial directly: it also relays for nodes that cannot be dialled, within :data:`RELAY_LIMITS`), ``"private"``
     (behind NAT: it keeps circuit-relay reservations on its initial peers and announces the relayed addresses), or
-    None (the daemon's own AutoNAT decides, which needs several peers to answer before it says anything).
+    None (the daemon's own AutoNAT decides, which needs several peers to answer before it says anything), or
+    ``"no-relay"`` (as None, but relaying for nobody: see :meth:`gpunet.rpc.RPC.refuse_relaying`). ``relay_limits``: the relay flags
+    of a node that relays (:func:`relay_limits`; default :data:`RELAY_LIMITS` for a public node).
     """
     check_network_name(network)
     peers = resolve_initial_peers(initial_peers)
@@ -145,7 +148,7 @@ def join(
     _check_ports_free(host_maddrs or DEFAULT_HOST_MADDRS)
     hardening.install()  # before the DHT process forks: it inherits the entry-by-entry validation and bucket caps
     identities = [*([identity] if identity else []), *signing_identities]
-    kwargs = _reachability_options(reachability, peers)
+    kwargs = _reachability_options(reachability, peers, relay_limits)
     if announce_maddrs:
         kwargs["announce_maddrs"] = list(announce_maddrs)
     if identity is not None:
@@ -189,23 +192,38 @@ def _daemon_words(error: BaseException) -> str:
 
 #: What a public node relays for others (libp2p circuit relay v2, per relayed peer): reservations it holds, circuits
 #: open at once, bytes each way and minutes per circuit before it is reset (a job's payload is bounded like any other;
-#: a client whose circuit is reset reconnects).
+#: a client whose circuit is reset reconnects). A bootstrap node's; a worker's come from its --relay-* flags.
 RELAY_LIMITS = {"relayMaxReservations": 128, "relayMaxCircuits": 16, "relayDataLimit": 4 * 2**30,
                 "relayTimeLimit": "30m0s"}
 
+def relay_limits(circuit_mb: float, circuit_minutes: float, circuits: int, reservations: int) -> dict:
+    """The p2p daemon's relay flags for a node that relays (see :data:`RELAY_LIMITS`): bytes each way and minutes per
+    circuit, circuits open at once per peer, reservations (the daemon applies that one in all, per peer and per IP)."""
+    return {"relayMaxReservations": int(reservations), "relayMaxCircuits": int(circuits),
+            "relayDataLimit": int(circuit_mb * 2**20), "relayTimeLimit": f"{max(1, round(circuit_minutes * 60))}s"}
 
-def _reachability_options(reachability: str | None, peers: Sequence[str]) -> dict:
+
+def _reachability_options(reachability: str | None, peers: Sequence[str], limits: dict | None = None) -> dict:
     """hivemind's ``P2P.create`` passes ``force_reachability`` on as daemon flags from a class table; gpunet's entries
-    there carry the relay flags hivemind has no parameter for (static relays, relay limits)."""
+    there carry the relay flags hivemind has no parameter for (static relays, relay limits). ``limits``: the relay
+    flags of a node that relays (default :data:`RELAY_LIMITS`)."""
     from hivemind.p2p import P2P
 
     if reachability is None:
-        return {}
+        if not limits:
+            return {}
+        P2P.FORCE_REACHABILITY_MAPPING["gpunet-relaying"] = dict(limits)  # AutoNAT decides; if public, these limits
+        return {"force_reachability": "gpunet-relaying"}
     if reachability == "public":
-        P2P.FORCE_REACHABILITY_MAPPING["gpunet-public"] = {"forceReachabilityPublic": 1, **RELAY_LIMITS}
+        P2P.FORCE_REACHABILITY_MAPPING["gpunet-public"] = {"forceReachabilityPublic": 1, **(limits or RELAY_LIMITS)}
         return {"force_reachability": "gpunet-public"}
-    if reachability == "no-relay":  # a worker that will not relay for others (--no-relay-service)
-        return {"use_relay": False}
+    if reachability == "no-relay":
+        # A node that does not relay for others (a worker without --relay-service) but still dials peers behind NAT
+        # through their relays (sessions push to the next span's worker, programs come from holders): the relay
+        # transport stays, the configured relay service is off, and the daemon's own always-on relay (libp2p's
+        # defaults) is shut out by RPC.refuse_relaying once the node is up.
+        P2P.FORCE_REACHABILITY_MAPPING["gpunet-no-relay"] = {"relayService": 0}
+        return {"force_reachability": "gpunet-no-relay"}
     if reachability == "private":
         if not peers:
             raise ConfigError("a node behind NAT needs initial peers to relay for it")

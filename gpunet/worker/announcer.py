@@ -198,4 +198,5 @@ class Announcer:
             await asyncio.sleep(0.5)
         self.reachability = reachability.UNREACHABLE
         logger.warning("No relay took a reservation for this worker within %.0f s; listed as unreachable (no jobs are "
-                       "routed to it) while it keeps trying", reachability.RELAY_WAIT)
+                       "routed to it) while it keeps trying. Its relays are its initial peers: give it a bootstrap node "
+                       "(workers relay only with --relay-service)", reachability.RELAY_WAIT)

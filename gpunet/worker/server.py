@@ -27,7 +27,7 @@ from gpunet.ledger.receipts import format_credits, price_to_nano
 from gpunet.ledger.balances import Balance
 from gpunet.ledger.store import open_ledger
 from gpunet.ledger.vouching import TrustWatch
-from gpunet.rpc import quiet_lost_daemon
+from gpunet.rpc import RPC, quiet_lost_daemon
 from gpunet.utils import bounded, first_line, new_event_loop
 from gpunet.worker import hardware as hw
 from gpunet.worker import control, metrics, throughput
@@ -194,13 +194,21 @@ class Worker:
         """Join the DHT. Behind NAT (``"private"``) as a DHT client: peers would reach its DHT node only through a
         relay, whose per-connection budget the jobs need; it still stores and refreshes its own record."""
         cfg = self.config
+        limits = None
         if reachability is None and not cfg.relay_service:
             reachability = "no-relay"
+        elif reachability is None:
+            limits = network.relay_limits(cfg.relay_circuit_mb, cfg.relay_circuit_minutes, cfg.relay_circuits,
+                                          cfg.relay_reservations)
         try:
-            return await asyncio.to_thread(
+            dht = await asyncio.to_thread(
                 network.join_retrying, cfg.network, cfg.initial_peers, stop=self._stopping.wait, say=logger.warning,
                 identity=self.identity, host_maddrs=cfg.host_maddrs, start_new=True, reachability=reachability,
-                announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private")
+                announce_maddrs=cfg.announce_maddrs or None, client_mode=reachability == "private",
+                relay_limits=limits)
+            if dht is not None and reachability == "no-relay":
+                await RPC(await dht.replicate_p2p(), cfg.network).refuse_relaying()
+            return dht
         except Exception as e:
             if not await self._stopped_meanwhile():
                 raise
@@ -215,8 +223,6 @@ class Worker:
     async def _check_initial_peers(self) -> None:
         """Stop here, before being listed, if the initial peers that answer all run another network (gpunet.dht.hello:
         such a worker went "online" and never got a job)."""
-        from gpunet.rpc import RPC
-
         peers = self._initial_peers()
         if peers:
             # Not closed after: hivemind keeps one replica per DHT, which the next steps use too.
