@@ -147,3 +147,53 @@ def test_countersignatures_that_do_not_get_through_are_owed_again_and_delivered(
     asyncio.run(rides_on_a_job())
     # A worker that never answers: given up after SETTLE_TRIES sends (the job stays unpaid), nothing loops.
     assert asyncio.run(main(100)) == ([], settlement_module.SETTLE_TRIES)
+
+
+def test_a_client_paying_as_it_goes_holds_its_next_job_under_the_workers_credit_line():
+    """Issue 38: a client whose countersignatures trailed its results was refused at a worker's credit line. What the
+    worker may count against it (each job in flight, or the countersignatures riding on it if more; verdicts on their
+    way) keeps its next job waiting instead, and what lands lets it go."""
+    class _Held:
+        def __init__(self):
+            self.gate = asyncio.Event()
+
+        async def settle(self, worker_id, items):
+            await self.gate.wait()
+
+    async def main():
+        transport = _Held()
+        s = Settlement(transport, credit_line=4)
+        entered = []
+
+        async def job(name: str, release: asyncio.Event, ride: int = 0, worker: str = "w"):
+            async with s.paced(worker) as slot:
+                entered.append(name)
+                if ride:
+                    s._owed["w"] = [(f"{name}-{i}", b"sig") for i in range(ride)]
+                    assert len(s.take("w", slot)) == ride
+                await release.wait()
+
+        first, second = asyncio.Event(), asyncio.Event()
+        a = asyncio.ensure_future(job("a", first, ride=2))  # counts 2: what rides on it, more than the job
+        b = asyncio.ensure_future(job("b", second))
+        s._owed["w"] = [("paid-1", b"sig")]
+        s.flush()  # one countersignature on its way in a batch
+        await asyncio.sleep(0)
+        assert entered == ["a", "b"] and s.in_use("w") == 4
+        c = asyncio.ensure_future(job("c", second))
+        other = asyncio.ensure_future(job("x", second, worker="v"))  # another worker's line is its own
+        await asyncio.wait_for(_until(lambda: "x" in entered), 5)
+        assert "c" not in entered and s.in_use("w") == 4
+        transport.gate.set()  # the batch lands: room for one job
+        await asyncio.wait_for(_until(lambda: "c" in entered), 5)
+        assert s.in_use("w") == 4
+        first.set()
+        second.set()
+        await asyncio.gather(a, b, c, other)
+        assert s.in_use("w") == 0 and s._slots == {} and s._transit == {}
+
+    async def _until(condition):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())

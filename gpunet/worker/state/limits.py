@@ -42,6 +42,10 @@ class ServiceLimits:
     max_unpaid_jobs: int = 16
     countersign_grace: float = 120.0
     unpaid_window: float = 3600.0
+    # Every client of one address together may hold this many times one client's results uncountersigned at once
+    # (4 x 64 = 256 by default: four clients at full speed, 64 jobs in flight each, or dozens paying as they go, whose
+    # countersignatures trail their results by a round trip), so fresh identities add no free answers.
+    host_credit_factor: int = 4
     # Speed challenges: each keeps the device busy for up to speedproof.MAX_SECONDS.
     proof_interval: float = 300.0
     max_proofs_per_minute: int = 10
