@@ -197,3 +197,36 @@ def test_a_client_paying_as_it_goes_holds_its_next_job_under_the_workers_credit_
             await asyncio.sleep(0.01)
 
     asyncio.run(main())
+
+
+def test_pay_first_lowers_the_pace_for_that_worker_and_jobs_ending_there_raise_it_again():
+    """Clients behind one address share its line: "pay first" while this client itself is under its own line means
+    others at its address hold the rest, so it holds more of its jobs back there (a quarter less, once per burst),
+    and wins the room back one job per line's worth of jobs ended."""
+    async def main():
+        s = Settlement(transport=None, credit_line=8)
+        held = []
+        for _ in range(6):
+            slot = s.paced("w")
+            await slot.__aenter__()
+            held.append(slot)
+        await s.pay_up("w", timeout=0)
+        assert s.line("w") == 5 and s.line("v") == 8  # 7 x 3/4: the job refused and the six in flight
+        await s.pay_up("w", timeout=0)
+        assert s.line("w") == 5  # the same burst: lowered once
+        held.append(s.paced("w"))
+        waiting = asyncio.ensure_future(held[-1].__aenter__())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 6 in flight, over the lowered line: held back here, not sent to be refused
+        for slot in held[:2]:
+            await slot.__aexit__(None, None, None)
+        await asyncio.wait_for(waiting, 5)
+        assert s.in_use("w") == 5 and s.line("w") == 5
+        for slot in held[2:]:
+            await slot.__aexit__(None, None, None)
+        for _ in range(40):  # jobs ending there win the room back
+            async with s.paced("w"):
+                pass
+        assert s.line("w") == 8 and "w" not in s._lines and s.in_use("w") == 0
+
+    asyncio.run(main())

@@ -150,6 +150,8 @@ class Deliverer:
         elif isinstance(action, tries.ProgramLost):
             self.router.on_program_lost(action.worker_id, p.job.program_hash)
         elif isinstance(action, tries.PayUp):
+            logger.debug("Worker %s holds this client (or its address) at its credit line; paying up, then asking "
+                         "it again", action.worker_id[-8:])
             await self.settlement.pay_up(action.worker_id, timeout=max(0.0, min(PAY_UP_WAIT,
                                                                                  p.deadline - time.monotonic())))
         elif isinstance(action, tries.Say):

@@ -12,7 +12,11 @@ its next job beyond it. A client that pays for everything holds its next job ins
 while what the worker may count against it could reach the line: each job in flight to it (its result may be on the
 way back unpaid) or the countersignatures riding on it (a job that has reached the worker brings them, and the worker
 files them before it refuses anyone), whichever is more, and every countersignature on its way in a batch or on a
-stream. What is still owed rides on the job being let through, so it does not count against it.
+stream. What is still owed rides on the job being let through, so it does not count against it. Clients sharing an
+address share that address's line too: a worker that says "pay first" all the same lowers this client's line for it
+by a quarter (once per ``SQUEEZE_INTERVAL``), and each job that ends there raises it again by 1/line, up to
+``CREDIT_LINE`` (additive increase, multiplicative decrease: clients at full speed behind one NAT converge on
+shares of it, held back on the client rather than refused).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ MAX_BATCH = 256
 #: Batch sends one countersignature gets before it is given up, and the pause before the next (doubling).
 SETTLE_TRIES = 4
 RETRY_DELAY = 1.0
+#: A worker's "pay first" lowers this client's pace for it at most once in this many seconds (a burst of refusals
+#: is one signal), never below MIN_PACE jobs.
+SQUEEZE_INTERVAL = 0.25
+MIN_PACE = 4
 
 
 class Settles(Protocol):
@@ -59,6 +67,8 @@ class Settlement:
         self._transit: dict[str, int] = {}
         self._numbers = itertools.count()
         self._landed: asyncio.Event | None = None  # set (and replaced) whenever something lands or a job ends
+        self._lines: dict[str, float] = {}  # per worker, where lowered below credit_line: this client's pace there
+        self._squeezed: dict[str, float] = {}  # per worker: when its pace was last lowered (loop time)
 
     # --- pacing ----------------------------------------------------------------------------------------------------
 
@@ -67,11 +77,15 @@ class Settlement:
         slots = self._slots.get(worker_id) or {}
         return sum(max(1, riding) for riding in slots.values()) + self._transit.get(worker_id, 0)
 
+    def line(self, worker_id: str) -> int:
+        """The most this client lets ``worker_id`` count against it: its credit line, or less after "pay first"."""
+        return int(self._lines.get(worker_id, self.credit_line))
+
     @asynccontextmanager
     async def paced(self, worker_id: str) -> AsyncIterator[int]:
         """Hold a job to ``worker_id`` until it fits under the worker's credit line, and count it in flight while
         inside (the slot it yields takes the countersignatures riding on it: :meth:`take`)."""
-        while self.in_use(worker_id) + 1 > self.credit_line:
+        while self.in_use(worker_id) + 1 > self.line(worker_id):
             if self._landed is None:
                 self._landed = asyncio.Event()
             await self._landed.wait()
@@ -84,6 +98,12 @@ class Settlement:
             del slots[slot]
             if not slots:
                 del self._slots[worker_id]
+            lowered = self._lines.get(worker_id)
+            if lowered is not None:  # additive increase: about one job more per line's worth of jobs ended
+                if lowered + 1 / lowered >= self.credit_line:
+                    del self._lines[worker_id]
+                else:
+                    self._lines[worker_id] = lowered + 1 / lowered
             self._moved()
 
     def _moved(self) -> None:
@@ -110,12 +130,16 @@ class Settlement:
             self._sent(worker_id, -1)
 
     async def pay_up(self, worker_id: str, timeout: float) -> None:
-        """The worker says this client is at its credit line: send what is owed to it now, and wait (at most
-        ``timeout`` seconds) until nothing is on its way to it any more."""
+        """The worker says this client (or its address) is at its credit line: pace it lower there (see the module's
+        doc), send what is owed to it now, and wait (at most ``timeout`` seconds) until nothing is on its way to it
+        any more."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._squeezed.get(worker_id, -SQUEEZE_INTERVAL) >= SQUEEZE_INTERVAL:
+            self._squeezed[worker_id] = loop.time()
+            self._lines[worker_id] = max(float(MIN_PACE), min(self.line(worker_id), self.in_use(worker_id) + 1) * 0.75)
         items = self._owed.pop(worker_id, [])
         for lo in range(0, len(items), MAX_BATCH):
             self.track(self._send(worker_id, items[lo : lo + MAX_BATCH]))
-        loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self._transit.get(worker_id) and loop.time() < deadline:
             if self._landed is None:

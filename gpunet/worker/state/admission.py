@@ -197,7 +197,7 @@ class Admission:
             raise PayFirst(f"this client holds {outstanding} results from this worker not yet countersigned; it "
                            "takes no more of its jobs until they are")
         held = len(by_host or ()) + self._coming_by_host.get(address, 0)  # (aged-out entries dropped above)
-        if address and held >= line * self.limits.host_credit_factor:
+        if address and held >= int(line * self.limits.host_credit_factor):
             raise PayFirst(f"clients at this address hold {held} results from this worker not yet countersigned; it "
                            "takes no more of their jobs until they are")
 

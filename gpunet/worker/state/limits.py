@@ -43,9 +43,11 @@ class ServiceLimits:
     countersign_grace: float = 120.0
     unpaid_window: float = 3600.0
     # Every client of one address together may hold this many times one client's results uncountersigned at once
-    # (4 x 64 = 256 by default: four clients at full speed, 64 jobs in flight each, or dozens paying as they go, whose
-    # countersignatures trail their results by a round trip), so fresh identities add no free answers.
-    host_credit_factor: int = 4
+    # (1.5 x 64 = 96 by default), so fresh identities add few free answers: one identity that never pays takes 64,
+    # all the others at its address 32 more. Honest clients sharing an address (an office's NAT) pay as they go and
+    # hold a result uncountersigned for about a round trip: dozens fit, and clients at full speed on one worker pace
+    # themselves to share the line (gpunet.client.settlement) instead of being refused.
+    host_credit_factor: float = 1.5
     # Speed challenges: each keeps the device busy for up to speedproof.MAX_SECONDS.
     proof_interval: float = 300.0
     max_proofs_per_minute: int = 10
