@@ -74,6 +74,7 @@ def test_fresh_identities_from_one_address_get_no_more_free_answers_than_the_add
 
     results = asyncio.run(attack())
     total = sum(served for served, _ in results)
+    print(f"free answers to 127.0.0.1: {[served for served, _ in results]}")
     assert total <= address_line, f"{total} free answers to one address (its line: {address_line}): {results}"
     assert results[0] == (line, results[0][1]) and "not yet countersigned" in results[0][1], results
     assert all("clients at this address" in reason for _, reason in results[1:]), results
