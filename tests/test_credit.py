@@ -80,9 +80,11 @@ def test_fresh_identities_from_one_address_get_no_more_free_answers_than_the_add
     assert all("clients at this address" in reason for _, reason in results[1:]), results
     assert int(ServiceLimits().host_credit_factor * line) == address_line
     # The debt is on the worker's books, every answer of it.
-    unpaid = wait_for(lambda: (lambda r: json.loads(r.stdout) if r.returncode == 0 and len(json.loads(r.stdout)) >= total
-                               else None)(run_cli("ledger", "unpaid", "--json", "--data-dir", str(proc.data_dir))),
-                      60, "the worker's books to show the unpaid work")
+    def listed():
+        shown = run_cli("ledger", "unpaid", "--json", "--data-dir", str(proc.data_dir))
+        return json.loads(shown.stdout) if shown.returncode == 0 and len(json.loads(shown.stdout)) >= total else None
+
+    unpaid = wait_for(listed, 60, "the worker's books to show the unpaid work")
     assert len(unpaid) == total
 
 
@@ -92,7 +94,7 @@ def jobs_to_map(request) -> int:
 
 
 def test_a_client_at_full_speed_paces_itself_under_the_credit_line_and_pays_for_everything(swarm, tmp_path,
-                                                                                           jobs_to_map):
+                                                                                           jobs_to_map, caplog):
     """bench_network_jobs failed on an idle machine: an honest client whose countersignatures trailed its results at
     ~600 jobs/s was refused at the worker's credit line ("holds 68 results not yet countersigned"), and its job failed.
     Tiny jobs, 64 in flight to one worker (room for all of them there): none fails, and the worker holds every
@@ -100,6 +102,7 @@ def test_a_client_at_full_speed_paces_itself_under_the_credit_line_and_pays_for_
     worker = swarm.start_worker("--max-concurrent", "2", "--max-queue", "128")
     job = gpunet.Job.from_function(lambda x: x * 2 + 1, (torch.randn(16),))
     x = torch.randn(16)
+    caplog.set_level(logging.DEBUG, logger="gpunet.client")
     with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
                        data_dir=tmp_path / "honest") as client:
         wait_for(lambda: client.workers(refresh=True), 30, "the client to see the worker")
@@ -123,6 +126,8 @@ def test_a_client_at_full_speed_paces_itself_under_the_credit_line_and_pays_for_
         assert not failures, f"{len(failures)} of {jobs_to_map} jobs failed; first: {failures[0]!r}"
         assert done == jobs_to_map
         client_id = client.id
+    told = sum("at its credit line; paying up" in r.getMessage() for r in caplog.records)
+    print(f"'pay first' heard {told} times in {jobs_to_map} jobs at 64 in flight")
     # The client has left, having delivered every countersignature it owed: the worker holds none unpaid.
 
     def countersigned():

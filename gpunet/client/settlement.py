@@ -73,7 +73,8 @@ class Settlement:
     # --- pacing ----------------------------------------------------------------------------------------------------
 
     def in_use(self, worker_id: str) -> int:
-        """What ``worker_id`` may count against this client's credit line now, what is owed and not sent aside."""
+        """What ``worker_id`` may count against this client's credit line now (what is owed and not yet sent aside:
+        it rides on the next job)."""
         slots = self._slots.get(worker_id) or {}
         return sum(max(1, riding) for riding in slots.values()) + self._transit.get(worker_id, 0)
 
