@@ -229,6 +229,7 @@ def test_clients_behind_a_relay_share_the_relays_address_line():
     relay2 = host_of("/ip4/10.0.0.5/udp/4001/quic-v1/p2p/QmRelayTwo/p2p-circuit")
     assert credit_address(relay1) == credit_address(relay2) == "/ip4/10.0.0.5"
     assert credit_address("/p2p/QmRelayOne/p2p-circuit") == "/p2p/QmRelayOne"  # no address known: the relay
+    assert credit_address("/p2p-circuit") == "/p2p-circuit"  # nor the relay: still a line of its own
     assert credit_address(host_of("/ip6/2001:db8::1/tcp/1")) == credit_address(host_of("/ip6/2001:db8::ff/tcp/2"))
     a = Admission(price_nano=1, max_concurrent=1, max_queue=0,
                   limits=ServiceLimits(max_unpaid_jobs=1, host_credit_factor=2))

@@ -65,11 +65,11 @@ def credit_address(host: str) -> str:
     client behind a relay (``.../p2p/<relay>/p2p-circuit``) counts against its relay's network address: the relay
     vouches for no client address, and relays are free identities too, so one per relay would be one line per
     identity again; an attacker's own relays sit on its own address. Where the relay's address is not known, the
-    relay itself (its peer id) is the key."""
+    relay itself (its peer id) is the key, or else the whole circuit address (never none: that would be no line)."""
     if "/p2p-circuit" not in host:
         return host
     relay = host[:host.index("/p2p-circuit")]
-    return host_of(relay) if relay.startswith(("/ip4/", "/ip6/")) else relay
+    return host_of(relay) if relay.startswith(("/ip4/", "/ip6/")) else relay or host
 
 
 @dataclass
