@@ -73,6 +73,12 @@ class JobRejected(JobError):
         self.reason = reason
 
 
+class PayFirst(JobRejected):
+    """A worker holds this client (or its address) at its credit line: results delivered and not yet countersigned.
+    A client that pays for what it receives waits for its countersignatures to land and asks the same worker again;
+    to an older client it reads as a refusal like any other."""
+
+
 class DryRunTooLong(JobRejected):
     """The dry run that counts a job's work (from shapes, before anything runs) took longer than the worker allows
     (``WorkerLimits.max_dry_run_seconds``): the program has too many nodes, or nodes too slow to count, for one job."""

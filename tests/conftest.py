@@ -7,6 +7,12 @@ import pytest
 from tests.swarm import Swarm, wait_for
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run long tests at their full size (CI runs a bounded version of each): the honest client "
+                          "mapping at full speed in tests/test_credit.py maps 10,000 jobs instead of 1,000")
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item, so a fixture can tell whether its test failed."""

@@ -12,6 +12,7 @@ from gpunet.client.attempts import (
     Busy,
     GiveUp,
     Look,
+    PayUp,
     ProgramLost,
     Raise,
     Raised,
@@ -37,6 +38,7 @@ from gpunet.errors import (
     LocalNetworkDown,
     NetworkError,
     NoWorkersAvailable,
+    PayFirst,
     ProgramNotCached,
     ProtocolError,
     WorkerBusy,
@@ -176,6 +178,21 @@ def test_a_refusal_sends_the_job_elsewhere_until_enough_refusals_make_it_final()
     [final] = tried(a, router(A, B, C), JobRejected("its price is higher"))
     assert isinstance(final, Raise) and type(final.error) is JobRejected
     assert str(final.error) == "2 workers refused job job-1; last: its price is higher"
+
+
+def test_pay_first_pays_up_and_asks_the_same_worker_again_until_the_line_does_not_clear():
+    """A worker holding this client at its credit line: the countersignatures of a client paying as it goes are on
+    their way, so the same worker is asked again (whatever routing would rank first), not struck, not left."""
+    a, r = attempts(max_pay_waits=2, max_rejections=1), router(A, B, C)
+    assert tried(a, r, PayFirst("holds 64 results not yet countersigned")) == [PayUp("a"), Retry(0.02)]
+    r.on_busy("a")  # (even where routing would now skip it)
+    step = a.next(r, NOW)
+    assert isinstance(step, Try) and step.worker.id == "a" and not a.failed
+    assert a.on(step.worker, PayFirst("still"), NOW) == [PayUp("a"), Retry(0.04)]
+    step = a.next(r, NOW)
+    assert step.worker.id == "a" and a.tried == ["a", "a", "a"]
+    [final] = a.on(step.worker, PayFirst("the line does not clear"), NOW)  # then it is a refusal like any other
+    assert isinstance(final, Raise) and isinstance(final.error, JobRejected) and "a" in a.failed
 
 
 def test_refusals_all_for_the_deadline_end_in_deadline_unreachable():

@@ -171,3 +171,86 @@ def test_a_paid_job_teaches_the_speed_its_worker_delivered(core):
         expected = core.router.delivered.get(delivery.worker_id) if checked else None
         assert expected == (2.0 if checked else None)  # 4 TFLOP in 2 s
         assert core.router._known_limit(delivery.worker_id) == (4.0 if checked else 1.0)  # SLACK x delivered
+
+
+def test_a_client_paying_as_it_goes_holds_its_next_job_under_the_workers_credit_line():
+    """Issue 38: a client whose countersignatures trailed its results was refused at a worker's credit line. What the
+    worker may count against it (each job in flight, or the countersignatures riding on it if more; verdicts on their
+    way) keeps its next job waiting instead, and what lands lets it go."""
+    class _Held:
+        def __init__(self):
+            self.gate = asyncio.Event()
+
+        async def settle(self, worker_id, items):
+            await self.gate.wait()
+
+    async def main():
+        transport = _Held()
+        s = Settlement(transport, credit_line=4)
+        entered = []
+
+        async def job(name: str, release: asyncio.Event, ride: int = 0, worker: str = "w"):
+            async with s.paced(worker) as slot:
+                entered.append(name)
+                if ride:
+                    s._owed["w"] = [(f"{name}-{i}", b"sig") for i in range(ride)]
+                    assert len(s.take("w", slot)) == ride
+                await release.wait()
+
+        first, second = asyncio.Event(), asyncio.Event()
+        a = asyncio.ensure_future(job("a", first, ride=2))  # counts 2: what rides on it, more than the job
+        b = asyncio.ensure_future(job("b", second))
+        s._owed["w"] = [("paid-1", b"sig")]
+        s.flush()  # one countersignature on its way in a batch
+        await asyncio.sleep(0)
+        assert entered == ["a", "b"] and s.in_use("w") == 4
+        c = asyncio.ensure_future(job("c", second))
+        other = asyncio.ensure_future(job("x", second, worker="v"))  # another worker's line is its own
+        await asyncio.wait_for(_until(lambda: "x" in entered), 5)
+        assert "c" not in entered and s.in_use("w") == 4
+        transport.gate.set()  # the batch lands: room for one job
+        await asyncio.wait_for(_until(lambda: "c" in entered), 5)
+        assert s.in_use("w") == 4
+        first.set()
+        second.set()
+        await asyncio.gather(a, b, c, other)
+        assert s.in_use("w") == 0 and s._slots == {} and s._transit == {}
+
+    async def _until(condition):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+
+
+def test_pay_first_lowers_the_pace_for_that_worker_and_jobs_ending_there_raise_it_again():
+    """Clients behind one address share its line: "pay first" while this client itself is under its own line means
+    others at its address hold the rest, so it holds more of its jobs back there (a quarter less, once per burst),
+    and wins the room back one job per line's worth of jobs ended."""
+    async def main():
+        s = Settlement(transport=None, credit_line=8)
+        held = []
+        for _ in range(6):
+            slot = s.paced("w")
+            await slot.__aenter__()
+            held.append(slot)
+        await s.pay_up("w", timeout=0)
+        assert s.line("w") == 5 and s.line("v") == 8  # 7 x 3/4: the job refused and the six in flight
+        await s.pay_up("w", timeout=0)
+        assert s.line("w") == 5  # the same burst: lowered once
+        held.append(s.paced("w"))
+        waiting = asyncio.ensure_future(held[-1].__aenter__())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()  # 6 in flight, over the lowered line: held back here, not sent to be refused
+        for slot in held[:2]:
+            await slot.__aexit__(None, None, None)
+        await asyncio.wait_for(waiting, 5)
+        assert s.in_use("w") == 5 and s.line("w") == 5
+        for slot in held[2:]:
+            await slot.__aexit__(None, None, None)
+        for _ in range(40):  # jobs ending there win the room back
+            async with s.paced("w"):
+                pass
+        assert s.line("w") == 8 and "w" not in s._lines and s.in_use("w") == 0
+
+    asyncio.run(main())

@@ -17,6 +17,7 @@ from gpunet.errors import (
     JobRaised,
     JobRejected,
     JobTimeout,
+    PayFirst,
     ProgramNotCached,
     ProtocolError,
     SessionLost,
@@ -147,7 +148,8 @@ def test_a_greeting_without_a_printable_network_is_refused(wire):
 @pytest.mark.parametrize("error", [WorkerBusy("full", 3), JobRejected("op aten.from_file"), JobFailed("boom"),
                                    JobTimeout("slow"), ProtocolError("bad"), ProgramNotCached(H),
                                    WorkerDraining("leaving", 3), JobPreempted("an interactive job took its slot", 3),
-                                   JobRaised("node 'x' (aten.embedding.default) raised IndexError")])
+                                   JobRaised("node 'x' (aten.embedding.default) raised IndexError"),
+                                   PayFirst("this client holds 64 results not yet countersigned")])
 def test_errors_cross_the_wire_as_the_same_family(error):
     back = protocol.decode(protocol.encode(Error.of(error, queue=3)), Error).exception()
     assert type(back) is type(error)
@@ -163,6 +165,14 @@ def test_errors_cross_the_wire_as_the_same_family(error):
 def test_an_error_without_a_code_of_its_own_crosses_as_its_family(error, family):
     back = protocol.decode(protocol.encode(Error.of(error)), Error).exception()
     assert type(back) is family and str(back) == str(error)
+
+
+def test_pay_first_reads_as_a_refusal_to_a_peer_that_does_not_know_it():
+    wire = msgpack.unpackb(protocol.encode(Error.of(PayFirst("holds 64 results not yet countersigned"))))
+    assert wire["code"] == "rejected" and wire["pay_first"] is True  # an older client: a plain refusal
+    del wire["pay_first"]
+    back = protocol.decode(msgpack.packb(wire), Error).exception()
+    assert type(back) is JobRejected and back.reason == "holds 64 results not yet countersigned"
 
 
 def test_an_unknown_error_code_reads_as_a_failure():

@@ -172,6 +172,74 @@ def test_a_client_that_does_not_pay_is_refused_past_its_credit_line():
         a.screen("sybil-new", job(), host="10.0.0.9")
 
 
+def test_an_address_has_one_credit_line_for_all_its_identities_counting_every_unpaid_result_at_once():
+    """Issue 38: fresh identities from one address each took a client's whole line, since the address counted only
+    results unpaid past the grace. Every result not yet countersigned counts against the address at once."""
+    from gpunet.errors import PayFirst
+
+    clock = Clock()
+    limits = ServiceLimits(max_unpaid_jobs=2, host_credit_factor=3, countersign_grace=60, unpaid_window=3600)
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0, clock=clock, limits=limits)
+    assert a.credit_line == 8  # one client: 4 x 2 at once
+    for n in range(3):  # three fresh identities, 8 results each, all within the grace: the address holds 24
+        for i in range(8):
+            a.screen(f"sybil-{n}", job(), host="/ip4/10.0.0.9")
+            a.delivered(f"sybil-{n}", f"job-{i}", host="/ip4/10.0.0.9")
+    with pytest.raises(PayFirst, match="clients at this address hold 24 results"):
+        a.screen("sybil-new", job(), host="/ip4/10.0.0.9")
+    with pytest.raises(PayFirst, match="this client holds 8 results"):  # its own line, a PayFirst too
+        a.screen("sybil-0", job(), host="/ip4/10.0.0.7")
+    a.screen("sybil-new", job(), host="/ip4/10.0.0.8")  # another address is unaffected
+    a.paid("sybil-1", "job-0")  # one countersignature lands: room for one more result at the address
+    a.screen("sybil-new", job(), host="/ip4/10.0.0.9")
+    clock.now += 3601  # an hour on, debts are forgiven
+    a.screen("sybil-new", job(), host="/ip4/10.0.0.9")
+    assert a.owed_by_address("/ip4/10.0.0.9") == 0
+
+
+def test_jobs_screened_at_once_count_against_the_line_before_their_results_go_out():
+    """Screening happens before a job runs: jobs let through together (a client's whole queue share, or several
+    identities at once) must not each find the line still open."""
+    from gpunet.errors import PayFirst
+
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0,
+                  limits=ServiceLimits(max_unpaid_jobs=1, host_credit_factor=2))
+    for i in range(4):
+        a.screen(ALICE, job(), host="/ip4/10.0.0.9")
+        a.coming(ALICE, f"job-{i}", host="/ip4/10.0.0.9")
+    with pytest.raises(PayFirst, match="this client holds 4"):
+        a.screen(ALICE, job(), host="/ip4/10.0.0.9")
+    a.not_coming(ALICE, "job-0")  # it failed: nothing went out
+    a.delivered(ALICE, "job-1", host="/ip4/10.0.0.9")  # owed now, counted once
+    a.screen(ALICE, job(), host="/ip4/10.0.0.9")
+    for i in range(5):
+        a.coming(BOB, f"job-{i}", host="/ip4/10.0.0.9")
+    with pytest.raises(PayFirst, match="clients at this address hold 8"):
+        a.screen(CAROL, job(), host="/ip4/10.0.0.9")
+
+
+def test_clients_behind_a_relay_share_the_relays_address_line():
+    """A relay vouches for no client address, and relays are free identities too: relayed clients count against the
+    relay's network address (an attacker's own relays on its own address add no line); an IPv6 address by its /64."""
+    from gpunet.errors import PayFirst
+    from gpunet.utils import host_of
+    from gpunet.worker.state.admission import credit_address
+
+    relay1 = host_of("/ip4/10.0.0.5/tcp/4001/p2p/QmRelayOne/p2p-circuit")
+    relay2 = host_of("/ip4/10.0.0.5/udp/4001/quic-v1/p2p/QmRelayTwo/p2p-circuit")
+    assert credit_address(relay1) == credit_address(relay2) == "/ip4/10.0.0.5"
+    assert credit_address("/p2p/QmRelayOne/p2p-circuit") == "/p2p/QmRelayOne"  # no address known: the relay
+    assert credit_address("/p2p-circuit") == "/p2p-circuit"  # nor the relay: still a line of its own
+    assert credit_address(host_of("/ip6/2001:db8::1/tcp/1")) == credit_address(host_of("/ip6/2001:db8::ff/tcp/2"))
+    a = Admission(price_nano=1, max_concurrent=1, max_queue=0,
+                  limits=ServiceLimits(max_unpaid_jobs=1, host_credit_factor=2))
+    for n, via in enumerate((relay1, relay2, "/ip4/10.0.0.5", relay1, relay2, relay1, relay2, relay1)):
+        a.delivered(f"sybil-{n}", "job", host=via)
+    with pytest.raises(PayFirst, match="clients at this address hold 8"):
+        a.screen("sybil-new", job(), host=relay2)
+    a.screen("sybil-new", job(), host=host_of("/ip4/10.0.0.6/tcp/1/p2p/QmRelayThree/p2p-circuit"))
+
+
 def test_a_countersignature_pays_off_the_credit_line_through_the_settlement(tmp_path):
     async def scenario(ledger):
         worker, client = Identity.generate(), Identity.generate()

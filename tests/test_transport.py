@@ -218,8 +218,9 @@ def test_a_job_whose_answer_may_not_fit_the_unary_door_goes_by_stream_at_once():
             calls.append(("stream", request.job_id))
             return "answer"
 
-    settlement = SimpleNamespace(take=lambda worker_id: (), delivered=lambda owed: None,
-                                 give_back=lambda worker_id, owed: None)
+    from gpunet.client.settlement import Settlement
+
+    settlement = Settlement(transport=None)  # nothing owed: nothing rides along
     worker = SimpleNamespace(id="w", record=SimpleNamespace(maddrs=()))
     small = dataclasses.replace(_request("small"), max_output_bytes=protocol.UNARY_OUTPUT_BYTES)
     big = dataclasses.replace(_request("big"), max_output_bytes=protocol.UNARY_OUTPUT_BYTES + 1)

@@ -4,8 +4,8 @@ No I/O and no clock of its own (``now`` is handed in, monotonic seconds), so eve
 network (tests/test_attempts.py). :class:`gpunet.client.delivery.Deliverer` runs the loop, Petals'
 ``sequential_forward``-style: ask :meth:`Attempts.next` (:class:`Try` a worker, :class:`Wait` for room,
 :class:`Look` again at an emptied network, or :class:`GiveUp`), try it, tell :meth:`Attempts.on` the outcome and carry
-out the actions it returns (:class:`Strike`, :class:`Busy`, :class:`ProgramLost`, :class:`Say`, then :class:`Retry`,
-:class:`Raise` or :class:`Accept`).
+out the actions it returns (:class:`Strike`, :class:`Busy`, :class:`ProgramLost`, :class:`PayUp`, :class:`Say`, then
+:class:`Retry`, :class:`Raise` or :class:`Accept`).
 
 What each outcome means:
 
@@ -18,6 +18,9 @@ What each outcome means:
 * "the job raised": believed only when this client's own run raises too, or (too big to run here, and no result in
   hand) when a second worker drawn at random names the same node and exception; a worker whose claim this client's
   run contradicts, or who said it with no time left to check, is struck.
+* at its credit line ("pay first": this client, or its address, holds results it has not countersigned yet): this
+  client pays as it goes, so its countersignatures are on their way. Owed ones are sent at once (:class:`PayUp`) and
+  the same worker asked again, up to ``max_pay_waits`` times (backing off), before it counts as a refusal.
 * refused (its limits, its price): another worker, until ``max_rejections`` refusals make it final.
 * a stream broken on the way (a relay resetting, the daemon closing one under a burst): the same worker once more.
 * timed out or failed otherwise: struck (*timeout* or *failure*), another worker.
@@ -41,6 +44,7 @@ from gpunet.errors import (
     LocalNetworkDown,
     NetworkError,
     NoWorkersAvailable,
+    PayFirst,
     ProgramNotCached,
     ProtocolError,
     WorkerBusy,
@@ -54,6 +58,9 @@ if TYPE_CHECKING:
 BUSY_PAUSE = 0.01
 #: A claim that the job raised, made with this little time left, cannot be checked here: held as a timeout.
 LATE_SECONDS = 0.1
+#: Seconds before a job refused at a worker's credit line is asked there again (doubling each time), and how often.
+PAY_PAUSE = 0.02
+MAX_PAY_WAITS = 6
 
 
 # --- outcomes: what one try came to -----------------------------------------------------------------------------------
@@ -142,6 +149,13 @@ class ProgramLost:
 
 
 @dataclass(frozen=True)
+class PayUp:
+    """The worker holds this client at its credit line: send it what is owed now, and let it land (bounded)."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True)
 class Say:
     message: str
     level: int = logging.INFO
@@ -164,7 +178,7 @@ class Accept:
     """The answer is this copy's result."""
 
 
-Action = Union[Strike, Busy, ProgramLost, Say, Retry, Raise, Accept]
+Action = Union[Strike, Busy, ProgramLost, PayUp, Say, Retry, Raise, Accept]
 
 
 @dataclass
@@ -182,14 +196,15 @@ class Attempts:
 
     def __init__(self, job_id: str, req: "Requirements", shape: "JobShape", deadline: float, *,
                  replicas: Replicas | None = None, checker: bool = False, runs_here: bool = False,
-                 max_rejections: int = 3, max_resends: int = 2, empty_wait: float = 20.0, look_pause: float = 0.5):
+                 max_rejections: int = 3, max_resends: int = 2, max_pay_waits: int = MAX_PAY_WAITS,
+                 empty_wait: float = 20.0, look_pause: float = 0.5):
         """``deadline``: monotonic; ``checker``: a second opinion, drawn at random rather than ranked; ``runs_here``:
         the job is small enough for this client to run it to check a worker that says it raised; ``empty_wait``:
         how long a job that tried workers looks for them again once the network looks empty."""
         self.job_id, self.req, self.shape, self.deadline = job_id, req, shape, deadline
         self.replicas = replicas if replicas is not None else Replicas()
         self.checker, self.runs_here = checker, runs_here
-        self.max_rejections, self.max_resends = max_rejections, max_resends
+        self.max_rejections, self.max_resends, self.max_pay_waits = max_rejections, max_resends, max_pay_waits
         self.empty_wait, self.look_pause = empty_wait, look_pause
         self.tried: list[str] = []  # in order, a worker again each time it is tried again
         self.failed: set[str] = set()  # not tried again by this copy
@@ -201,6 +216,8 @@ class Attempts:
         self.raised_error: JobRaised | None = None
         self.last_error: GpunetError | None = None
         self.emptied_until: float | None = None  # the network emptied under this job: looked for again until then
+        self.pay_waits: Counter[str] = Counter()  # times each worker said "pay first" to this copy
+        self.again: "WorkerEntry | None" = None  # the worker to ask again next, whatever routing would choose
 
     # --- which worker next ---------------------------------------------------------------------------------------
 
@@ -210,6 +227,11 @@ class Attempts:
             return GiveUp(JobTimeout(f"job {self.job_id[:12]} did not finish within {self.req.timeout:g} s; tried "
                                      f"{_names(self.tried)}"
                                      + (f" (last error: {self.last_error})" if self.last_error else "")))
+        if self.again is not None:  # "pay first": asked again there, not elsewhere
+            worker, self.again = self.again, None
+            self.replicas.taken.add(worker.id)
+            self.tried.append(worker.id)
+            return Try(worker, left)
         try:
             if self.checker or self.raised:
                 # A second opinion on "the job raised" comes from a worker drawn at random, like a checker: the next
@@ -286,6 +308,13 @@ class Attempts:
             if self.resends > self.max_resends:  # a worker that keeps losing it is failing after all
                 self.failed.add(w)
             return [ProgramLost(w), Retry()]
+        if isinstance(outcome, PayFirst) and self.pay_waits[w] < self.max_pay_waits:
+            # Paying as this client goes, its countersignatures are on their way (or what its address owes is):
+            # pay up, then the same worker again. Only a line that does not clear is a refusal.
+            self.pay_waits[w] += 1
+            self.last_error = outcome
+            self.again = worker
+            return [PayUp(w), Retry(PAY_PAUSE * 2 ** (self.pay_waits[w] - 1))]
         if isinstance(outcome, JobRejected):  # worker-specific (its limits, its price): another may take it
             self.rejections.append(outcome)
             self.failed.add(w)

@@ -34,6 +34,7 @@ from gpunet.errors import (
     JobTimeout,
     LocalNetworkDown,
     NetworkError,
+    PayFirst,
     ProgramNotCached,
     ProtocolError,
     SessionLost,
@@ -48,6 +49,8 @@ logger = logging.getLogger("gpunet.client")
 #: Seconds a job that already tried workers waits for them to reappear when the network looks empty (their records
 #: lapse together while they restart) before it fails with NoWorkersAvailable.
 EMPTY_NETWORK_WAIT = 20.0
+#: The longest a job refused at a worker's credit line waits for this client's countersignatures to land there.
+PAY_UP_WAIT = 2.0
 
 
 class PushedInputDiffers(JobFailed):
@@ -146,6 +149,11 @@ class Deliverer:
             self.router.on_busy(action.worker_id)
         elif isinstance(action, tries.ProgramLost):
             self.router.on_program_lost(action.worker_id, p.job.program_hash)
+        elif isinstance(action, tries.PayUp):
+            logger.debug("Worker %s holds this client (or its address) at its credit line; paying up, then asking "
+                         "it again", action.worker_id[-8:])
+            await self.settlement.pay_up(action.worker_id, timeout=max(0.0, min(PAY_UP_WAIT,
+                                                                                 p.deadline - time.monotonic())))
         elif isinstance(action, tries.Say):
             logger.log(action.level, "%s", action.message)
         elif isinstance(action, tries.Retry):
@@ -175,7 +183,7 @@ class Deliverer:
         output); the worker says which it ran on, and PushedInputDiffers is raised when the two differ. Such a step
         has a job id of its own, so the same step sent afterwards with its input never gets this answer."""
         p, session = await prepare_step(job, inputs, session, state, req, self.estimates)
-        resends = busy = 0
+        resends = busy = pay_waits = 0
         redialled = False
         while True:
             worker = self.router.workers.get(worker_id)
@@ -216,6 +224,14 @@ class Deliverer:
             except WorkerBusy:  # its queue is full for a moment: the state is there, wait for it (backing off)
                 busy += 1
                 await asyncio.sleep(min(0.5, 0.01 * 2 ** min(busy, 6)) * (0.5 + random.random()))
+                continue
+            except PayFirst:  # at its credit line: pay up and ask again (see attempts), not move the span
+                pay_waits += 1
+                if pay_waits > tries.MAX_PAY_WAITS:
+                    raise
+                await self.settlement.pay_up(worker_id,
+                                             timeout=max(0.0, min(PAY_UP_WAIT, p.deadline - time.monotonic())))
+                await asyncio.sleep(tries.PAY_PAUSE * 2 ** (pay_waits - 1))
                 continue
             except ProgramNotCached:
                 self.router.on_program_lost(worker_id, job.program_hash)

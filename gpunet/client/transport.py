@@ -163,12 +163,18 @@ class P2PTransport(BaseTransport):
 
     async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
                      settlement: "Settlement") -> Delivery:
+        # Held until it fits under the worker's credit line (paying as it goes, this client is never refused there).
+        async with settlement.paced(worker.id) as slot:
+            return await self._submit(worker, request, cached, settlement, slot)
+
+    async def _submit(self, worker: "WorkerEntry", request: JobRequest, cached: bool, settlement: "Settlement",
+                      slot: int) -> Delivery:
         try:
             # The unary door answers in one round trip, but carries at most UNARY_OUTPUT_BYTES back: a job known to
             # answer more goes by stream at once (a worker that kept such a result for a stream retry could not keep
             # one over its client's share of kept results).
             if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
-                owed = settlement.take(worker.id)
+                owed = settlement.take(worker.id, slot)
                 try:
                     delivery = await self.run_unary(worker.id, request, settle=owed)
                 except _UseStream:

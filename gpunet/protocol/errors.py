@@ -28,6 +28,7 @@ from gpunet.errors import (
     JobRaised,
     JobRejected,
     JobTimeout,
+    PayFirst,
     ProgramNotCached,
     ProtocolError,
     SessionLost,
@@ -54,6 +55,7 @@ CROSSING: tuple[Crossing, ...] = (
     Crossing(WorkerDraining, "busy", "draining"),  # a code of its own would read as a failure to older clients
     Crossing(JobPreempted, "busy", "preempted"),  # likewise: older clients retry it as busy
     Crossing(WorkerBusy, "busy"),
+    Crossing(PayFirst, "rejected", "pay_first"),  # older clients: a refusal; newer ones pay and ask again
     Crossing(JobRejected, "rejected"),
     Crossing(JobRaised, "failed", "raised"),  # the job's own error (older clients: a failure)
     Crossing(JobFailed, "failed"),
@@ -94,6 +96,7 @@ class Error(Message):
     draining: bool = False  # busy because it is leaving
     preempted: bool = False  # busy because a higher lane took its slot
     raised: bool = False  # failed because an op of the job raised
+    pay_first: bool = False  # rejected at the credit line: taken again once this client's countersignatures land
 
     @classmethod
     def of(cls, error: GpunetError, queue: int = 0) -> "Error":
@@ -119,6 +122,8 @@ class Error(Message):
             d["preempted"] = True
         if self.raised:
             d["raised"] = True
+        if self.pay_first:
+            d["pay_first"] = True
         return d
 
     @classmethod
@@ -128,4 +133,5 @@ class Error(Message):
         return cls(text_field(d, "code", 32) or "failed", text_field(d, "message", 2000),
                    queue if type(queue) is int and 0 <= queue < 2**31 else 0,
                    program if isinstance(program, str) and PROGRAM_HASH_RE.match(program) else None,
-                   d.get("draining") is True, d.get("preempted") is True, d.get("raised") is True)
+                   d.get("draining") is True, d.get("preempted") is True, d.get("raised") is True,
+                   d.get("pay_first") is True)

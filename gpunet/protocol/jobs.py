@@ -38,6 +38,10 @@ INLINE_BYTES = 32 * 1024
 UNARY_OUTPUT_BYTES = 1 << 20
 #: Countersignatures one message may carry.
 MAX_SETTLE_ITEMS = 1024
+#: Results a worker lets one client hold uncountersigned at once (its credit line; gpunet.worker.state.admission):
+#: a client keeps what it has received and not yet paid for, plus its jobs in flight to that worker, under it
+#: (gpunet.client.settlement), so paying as it goes it is never refused there.
+CREDIT_LINE = 64
 #: The market's lanes (docs/market.md), highest priority first; a client asks for one of CLIENT_LANES.
 INTERACTIVE, BATCH, BACKGROUND = "interactive", "batch", "background"
 LANES = (INTERACTIVE, BATCH, BACKGROUND)

@@ -194,6 +194,7 @@ class Jobs:
         if uploading and not self.admission.begin_upload(client_id, host):
             raise self.busy("this client (or its address) has as many uploads in progress as this worker takes")
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
+        self.admission.coming(client_id, submit.job_id, host)  # (no await since screen: counted as screened)
         try:
             answer = await self._bring_and_run(key, job, submit, payloads, reader, host, need_program, uploading)
         except BaseException as e:
@@ -284,6 +285,7 @@ class Jobs:
     def _let_go(self, key: tuple[str, str], job: _Job, submit: Submit, host: str) -> None:
         """Whatever became of it, the job gives back what it held."""
         del self._jobs[key]
+        self.admission.not_coming(*key)
         if job.session is not None:
             self.sessions.finished(key[0], submit.session.id)
         if job.upload is not None:  # run or not, the program is cached now or will not be from this copy

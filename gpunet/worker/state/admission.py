@@ -10,10 +10,14 @@ Rules, in the order a submit meets them:
 2. the worker's price in the job's lane (interactive: ``--price``; batch: the lowest its floor goes,
    ``--batch-price``; see :mod:`gpunet.worker.state.lanes`) must be within the job's bound; its timeout and inputs within
    this worker's limits;
-3. a client that holds ``max_unpaid_jobs`` results it has not countersigned for longer than ``countersign_grace``
-   (refused, or never answered) is refused until it pays or they age out of ``unpaid_window``: the worker's credit
-   line, since outputs go out before their payment (the client must be able to compare them first); an address
-   holds ``host_stops_factor`` times as many;
+3. the worker's credit line, since outputs go out before their payment (the client must be able to compare them
+   first): a client holding ``OUTSTANDING_FACTOR * max_unpaid_jobs`` results not yet countersigned, whatever their
+   age, hears :class:`~gpunet.errors.PayFirst` (a paying client waits for its countersignatures to land and asks
+   again), and so do all clients of an address once they hold ``host_credit_factor`` times that together (identities
+   are free: a fresh one from the same address adds nothing; see :func:`credit_address`). A client that holds
+   ``max_unpaid_jobs`` results it has not countersigned for longer than ``countersign_grace`` (refused, or never
+   answered) is refused outright until it pays or they age out of ``unpaid_window``; an address holds
+   ``host_stops_factor`` times as many;
 3b. a client that stopped ``max_stopped_jobs`` running jobs within ``stopped_jobs_window`` seconds is refused until
    the oldest stop ages out (each stop costs the worker a fresh executor; a job that crashes its executor or runs
    past its timeout counts as a stop too, a crash several times over, and so does a dry run's time, once per
@@ -44,16 +48,28 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from gpunet.errors import JobRejected, ProtocolError, WorkerBusy, WorkerDraining
+from gpunet.errors import JobRejected, PayFirst, ProtocolError, WorkerBusy, WorkerDraining
 from gpunet.ledger.receipts import format_credits
 from gpunet.protocol import BATCH, INTERACTIVE, Submit
-from gpunet.utils import LRU, When, human_bytes
+from gpunet.utils import LRU, When, host_of, human_bytes
 from gpunet.worker.state.limits import ServiceLimits
 
 MAX_TRACKED_CLIENTS = 10_000
 #: Results a client may hold uncountersigned at once, whatever their age, in units of max_unpaid_jobs: an honest
 #: client's countersignatures trail its jobs by a job or a batch delay, never by dozens.
 OUTSTANDING_FACTOR = 4
+
+
+def credit_address(host: str) -> str:
+    """The address whose credit line a client's results count against (``host``: as :func:`host_of` gives it). A
+    client behind a relay (``.../p2p/<relay>/p2p-circuit``) counts against its relay's network address: the relay
+    vouches for no client address, and relays are free identities too, so one per relay would be one line per
+    identity again; an attacker's own relays sit on its own address. Where the relay's address is not known, the
+    relay itself (its peer id) is the key, or else the whole circuit address (never none: that would be no line)."""
+    if "/p2p-circuit" not in host:
+        return host
+    relay = host[:host.index("/p2p-circuit")]
+    return host_of(relay) if relay.startswith(("/ip4/", "/ip6/")) else relay or host
 
 
 @dataclass
@@ -105,6 +121,11 @@ class Admission:
         # Delivered, not yet paid, as (delivered at, address): per client by job id, per address by (client, job id).
         self._owed: LRU[str, dict[str, tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
         self._owed_by_host: LRU[str, dict[tuple[str, str], tuple[float, str]]] = LRU(MAX_TRACKED_CLIENTS)
+        # Jobs past the credit lines and not yet delivered (client, job id) -> address: counted against both lines,
+        # so that jobs screened at once cannot together take more than the line allows.
+        self._coming: dict[tuple[str, str], str] = {}
+        self._coming_by_client: dict[str, int] = {}
+        self._coming_by_host: dict[str, int] = {}
         self._paid_clients: LRU[str, bool] = LRU(MAX_TRACKED_CLIENTS)  # clients that have countersigned here
         self._hosts: LRU[str, str] = LRU(MAX_TRACKED_CLIENTS)  # the address each client's last stream came from
         self._proofs: LRU[str, _Proof] = LRU(MAX_TRACKED_CLIENTS)  # each client's last speed challenge
@@ -137,19 +158,7 @@ class Admission:
         if submit.inputs_size > self.limits.max_input_bytes:
             raise JobRejected(f"inputs of {human_bytes(submit.inputs_size)} exceed this worker's limit of "
                               f"{human_bytes(self.limits.max_input_bytes)}")
-        overdue = self.overdue(client_id)
-        outstanding = len(self._owed.get(client_id) or ())
-        if outstanding >= OUTSTANDING_FACTOR * self.limits.max_unpaid_jobs:
-            raise JobRejected(f"this client holds {outstanding} results from this worker not yet countersigned; it "
-                              "takes no more of its jobs until they are")
-        if overdue >= self.limits.max_unpaid_jobs:
-            raise JobRejected(f"this client has not paid for {overdue} results this worker delivered (no "
-                              f"countersignature within {self.limits.countersign_grace:.0f} s, or refused); it takes "
-                              "no more of its jobs until they are countersigned or an hour has passed")
-        if host and self._overdue(self._owed_by_host.get(host)) >= self.limits.max_unpaid_jobs * \
-                self.limits.host_stops_factor:
-            raise JobRejected("clients at this address have not paid for too many results from this worker; no more "
-                              "of their jobs for now")
+        self._screen_credit(client_id, credit_address(host))
         stopped = self.recent_stops(client_id)
         if stopped >= self.limits.max_stopped_jobs:
             raise JobRejected(f"this client stopped, timed out or crashed running jobs here {stopped} times in the last "
@@ -168,6 +177,40 @@ class Admission:
                 self.limits.host_stops_factor:
             raise JobRejected("clients at this address disclaimed too many session steps that ran here; no more of "
                               "their jobs for now")
+
+    def _screen_credit(self, client_id: str, address: str) -> None:
+        """The credit lines: results owed long past the grace are refused outright; results owed at once, by the
+        client or by every client of its address together, are :class:`PayFirst` (a paying client's countersignatures
+        are on their way)."""
+        overdue = self.overdue(client_id)
+        if overdue >= self.limits.max_unpaid_jobs:
+            raise JobRejected(f"this client has not paid for {overdue} results this worker delivered (no "
+                              f"countersignature within {self.limits.countersign_grace:.0f} s, or refused); it takes "
+                              "no more of its jobs until they are countersigned or an hour has passed")
+        by_host = self._owed_by_host.get(address) if address else None
+        if by_host and self._overdue(by_host) >= self.limits.max_unpaid_jobs * self.limits.host_stops_factor:
+            raise JobRejected("clients at this address have not paid for too many results from this worker; no more "
+                              "of their jobs for now")
+        line = self.credit_line
+        outstanding = len(self._owed.get(client_id) or ()) + self._coming_by_client.get(client_id, 0)
+        if outstanding >= line:
+            raise PayFirst(f"this client holds {outstanding} results from this worker not yet countersigned; it "
+                           "takes no more of its jobs until they are")
+        held = len(by_host or ()) + self._coming_by_host.get(address, 0)  # (aged-out entries dropped above)
+        if address and held >= int(line * self.limits.host_credit_factor):
+            raise PayFirst(f"clients at this address hold {held} results from this worker not yet countersigned; it "
+                           "takes no more of their jobs until they are")
+
+    @property
+    def credit_line(self) -> int:
+        """Results one client may hold uncountersigned at once (``protocol.CREDIT_LINE`` with the default limits)."""
+        return OUTSTANDING_FACTOR * self.limits.max_unpaid_jobs
+
+    def owed_by_address(self, host: str) -> int:
+        """Results delivered to the clients of ``host``'s address and not yet countersigned (within the window)."""
+        owed = self._owed_by_host.get(credit_address(host))
+        self._overdue(owed)
+        return len(owed or ())
 
     @property
     def max_jobs_per_client(self) -> int:
@@ -396,8 +439,27 @@ class Admission:
             events.extend([self.clock()] * weight)
             table.put(key, events)  # the least recently seen is forgotten beyond the bound
 
+    def coming(self, client_id: str, job_id: str, host: str = "") -> None:
+        """A job passed :meth:`screen` and goes on: its result counts against the credit lines from now (until
+        :meth:`delivered` makes it owed, or :meth:`not_coming`)."""
+        address = credit_address(host)
+        if (client_id, job_id) not in self._coming:
+            self._coming[(client_id, job_id)] = address
+            _count(self._coming_by_client, client_id, +1)
+            _count(self._coming_by_host, address, +1)
+
+    def not_coming(self, client_id: str, job_id: str) -> None:
+        """The job ended without a result going out (or it went already)."""
+        address = self._coming.pop((client_id, job_id), None)
+        if address is not None:
+            _count(self._coming_by_client, client_id, -1)
+            _count(self._coming_by_host, address, -1)
+
     def delivered(self, client_id: str, job_id: str, host: str = "") -> None:
-        """A result (with its receipt) is going out to ``client_id``: owed until :meth:`paid`."""
+        """A result (with its receipt) is going out to ``client_id``: owed until :meth:`paid`, by the client and by
+        its address (:func:`credit_address`)."""
+        self.not_coming(client_id, job_id)
+        host = credit_address(host)
         entry = (self.clock(), host)
         for table, key, item in ((self._owed, client_id, job_id), (self._owed_by_host, host, (client_id, job_id))):
             if not key:

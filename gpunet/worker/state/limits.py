@@ -42,6 +42,12 @@ class ServiceLimits:
     max_unpaid_jobs: int = 16
     countersign_grace: float = 120.0
     unpaid_window: float = 3600.0
+    # Every client of one address together may hold this many times one client's results uncountersigned at once
+    # (1.5 x 64 = 96 by default), so fresh identities add few free answers: one identity that never pays takes 64,
+    # all the others at its address 32 more. Honest clients sharing an address (an office's NAT) pay as they go and
+    # hold a result uncountersigned for about a round trip: dozens fit, and clients at full speed on one worker pace
+    # themselves to share the line (gpunet.client.settlement) instead of being refused.
+    host_credit_factor: float = 1.5
     # Speed challenges: each keeps the device busy for up to speedproof.MAX_SECONDS.
     proof_interval: float = 300.0
     max_proofs_per_minute: int = 10
