@@ -96,6 +96,9 @@ def test_a_program_runs_only_for_clients_holding_its_bytes_unless_its_owner_shar
     y = owner.submit(job, x, requirements=gpunet.Requirements(redundancy=2, timeout=120)).result(timeout=120)
     with torch.no_grad():
         torch.testing.assert_close(y, secret(x))
+    # The stranger is a paying client of both workers (its own job, countersigned): their unary door takes its jobs.
+    own = gpunet.Job.from_module(_secret_layer(3), example_inputs=(x,))
+    stranger.submit(own, x, requirements=gpunet.Requirements(redundancy=2, timeout=120)).result(timeout=120)
     workers = [w.id for w in stranger.workers(refresh=True)]
     wait_for(lambda: all(job.program_hash in w.record.programs for w in stranger.workers(refresh=True)), 30,
              "both workers' records to list the secret program (its hash is published)")
@@ -115,7 +118,7 @@ def test_a_program_runs_only_for_clients_holding_its_bytes_unless_its_owner_shar
             for n, data in enumerate((inputs, wrong)):
                 unary = _on(stranger, rpc.call(target, Door.RUN, sub(f"u-{t}-{a}-{n}", data, **kw),
                                                Result, UseStream, Error))
-                assert isinstance(unary, UseStream), (name, unary)  # "send it by stream": nothing ran
+                assert isinstance(unary, UseStream), (name, unary)  # "send it by stream": nothing ran, nothing said
                 first, _ = _on(stranger, _stream(rpc, target, sub(f"s-{t}-{a}-{n}", data, **kw)))
                 assert isinstance(first, Send) and first.program, (name, first)  # asked for the bytes it lacks
 
@@ -141,11 +144,12 @@ def test_a_program_runs_only_for_clients_holding_its_bytes_unless_its_owner_shar
     shared = gpunet.Job.from_module(public, example_inputs=(x,))
     owner.submit(shared, x, requirements=gpunet.Requirements(redundancy=2, shared=True, timeout=120)).result(120)
     data = shared.encode_inputs(x)
-    reply = _on(stranger, rpc.call(workers[0], Door.RUN, Submit("shared-1", shared.program_hash, data),
-                                   Result, UseStream, Error))
-    if isinstance(reply, UseStream):  # (the unary door wants a paying history first: the stream takes it)
-        reply, _ = _on(stranger, _stream(rpc, workers[0], Submit("shared-2", shared.program_hash, data)))
-    assert isinstance(reply, Result), reply
+    for n, target in enumerate(workers):
+        reply = _on(stranger, rpc.call(target, Door.RUN, Submit(f"shared-{n}", shared.program_hash, data),
+                                       Result, UseStream, Error))
+        assert isinstance(reply, Result), reply
+        reply, _ = _on(stranger, _stream(rpc, target, Submit(f"shared-s-{n}", shared.program_hash, data)))
+        assert isinstance(reply, Result), reply
 
 
 class _Listener:

@@ -178,7 +178,9 @@ class P2PTransport(BaseTransport):
             # one over its client's share of kept results).
             # A worker holding the program runs it for this client if it sent it there, or on this proof that it
             # holds the bytes (gpunet.protocol.holding): the hash alone is no capability.
-            holds = await self.holds(worker.id, request) if cached else None
+            # (Believed cold, it goes along if its key is known already: records can be stale, and a proof is cheaper
+            # than an upload.)
+            holds = await self.holds(worker.id, request) if cached else self._holds_known(worker.id, request)
             if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
                 owed = settlement.take(worker.id)
                 try:
@@ -195,7 +197,7 @@ class P2PTransport(BaseTransport):
                     return delivery
             if cached:
                 return await self.run_stream(worker.id, list(worker.record.maddrs), request, holds=holds)
-            return await self._run_stream_once_per_program(worker, request)
+            return await self._run_stream_once_per_program(worker, request, holds)
         except GpunetError:
             raise
         except (ConnectionError, OSError) as e:  # the worker's connection, unless our own daemon went
@@ -230,7 +232,8 @@ class P2PTransport(BaseTransport):
         return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish,
                         input_hash=reply.input_hash)
 
-    async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest) -> Delivery:
+    async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,
+                                           holds: bytes | None = None) -> Delivery:
         """A job for a program the worker may lack: the first such job to that worker goes at once (and carries the
         program if asked); the others wait until the program has crossed, so this client never sends a second copy
         of a program to a worker it is already sending it to. Should the first fail, they go anyway."""
@@ -238,10 +241,11 @@ class P2PTransport(BaseTransport):
         first = self._first_with_program.get(key)
         if first is not None:
             await asyncio.shield(first)
-            return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request, holds=holds)
         crossed = self._first_with_program[key] = asyncio.get_running_loop().create_future()
         try:
-            return await self.run_stream(worker.id, list(worker.record.maddrs), request, program_crossed=crossed)
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request, program_crossed=crossed,
+                                         holds=holds)
         finally:
             if not crossed.done():
                 crossed.set_result(None)
@@ -371,6 +375,18 @@ class P2PTransport(BaseTransport):
         if request.private or self.peer_id is None:
             return None
         return proof(await self._holding_key(request), RUN, worker_id, self.peer_id)
+
+    def _holds_known(self, worker_id: str, request: JobRequest) -> bytes | None:
+        """:meth:`holds` if the program's key is computed already or cheap to (None otherwise: a big program is not
+        hashed for a worker that is not known to hold it)."""
+        if request.private or self.peer_id is None:
+            return None
+        if len(request.program) < KEY_IN_THREAD_BYTES:
+            self._holding_key(request)  # computed at once
+        found = self._keys.get(request.program_hash)
+        if found is None or not found.done() or found.cancelled() or found.exception() is not None:
+            return None
+        return proof(found.result(), RUN, worker_id, self.peer_id)
 
     def _holding_key(self, request: JobRequest) -> asyncio.Future:
         """The program's holding key, computed once (a pass over the program; in a thread when it is big)."""
