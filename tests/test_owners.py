@@ -17,7 +17,7 @@ import gpunet
 from gpunet import protocol
 from gpunet.identity import Identity
 from gpunet.job import tensors
-from gpunet.protocol import Door, Error, Payload, PieceList, Result, Send, UseStream
+from gpunet.protocol import Door, Error, Payload, PieceData, PieceList, Result, Send, UseStream, piece_size_for
 from tests.swarm import wait_for
 
 
@@ -85,8 +85,8 @@ def _says_nothing_of(message: str, layer: torch.nn.Module) -> None:
 def test_a_program_runs_only_for_clients_holding_its_bytes_unless_its_owner_shared_it(swarm, client_for):
     """Client A runs a private layer (default settings) on two workers; B, another identity, names its published
     hash: it gets no answer and no word of the layer's shapes, on either door, with no proof, a made-up one, or A's
-    proofs replayed (made for this worker or for the other). A client that does hold the bytes proves it and runs
-    without uploading; a program its owner shared runs for B."""
+    proofs replayed (made for this worker or for the other), nor its weights from the piece door. A client that does
+    hold the bytes proves it and runs without uploading; a program its owner shared runs for B."""
     swarm.start_workers(2)
     owner, stranger, other_holder = client_for(swarm, "a"), client_for(swarm, "b"), client_for(swarm, "c")
     wait_for(lambda: len(owner.workers(refresh=True)) == 2, 30, "both workers known to the owner")
@@ -121,6 +121,20 @@ def test_a_program_runs_only_for_clients_holding_its_bytes_unless_its_owner_shar
                 assert isinstance(unary, UseStream), (name, unary)  # "send it by stream": nothing ran, nothing said
                 first, _ = _on(stranger, _stream(rpc, target, sub(f"s-{t}-{a}-{n}", data, **kw)))
                 assert isinstance(first, Send) and first.program, (name, first)  # asked for the bytes it lacks
+
+    async def ask_piece(target: str):  # as a worker fetching the program would (knowing its hash, as anyone does)
+        reader, writer = await rpc.open(target, Door.PIECE)
+        try:
+            await protocol.write(writer, _Wire(t="get_piece", program=job.program_hash, index=0,
+                                               piece_size=piece_size_for(len(job.program_bytes()))))
+            return await protocol.read(reader, PieceData, Error)
+        finally:
+            writer.close()
+
+    for target in workers:  # nor are its weights handed out piece by piece
+        refused = _on(stranger, ask_piece(target))
+        assert isinstance(refused, Error), refused
+        _says_nothing_of(refused.message, secret)
 
     async def garbage(ask: Send, writer) -> None:  # not the program: bytes that cannot pass for it
         await protocol.write(writer, Payload(64, None))
