@@ -12,7 +12,7 @@ from gpunet import protocol
 from gpunet.errors import NetworkError, ProtocolError
 from gpunet.job.format import ProgramParts
 from gpunet.protocol.peers import MAX_PIECES, MIN_PIECE_BYTES, PieceList, piece_size_for
-from gpunet.protocol import Door, Error, GetPiece, PieceData
+from gpunet.protocol import Door, Error, GetPiece, PieceData, holding_key
 from gpunet.worker.executor.cache import DiskCache
 from gpunet.worker import peers
 from gpunet.worker.peers import Fetcher, PieceServer
@@ -132,12 +132,12 @@ def test_a_fetch_catches_the_liar_at_its_piece_bans_it_and_completes_from_the_ho
     async def main():
         net = _Network(servers)
         fetcher = Fetcher(net, own_id="me")
-        got = await fetcher.fetch(H, pieces, [("liar", []), ("honest", []), ("gone", [])], timeout=30)
+        got = await fetcher.fetch(H, pieces, ["liar", "honest", "gone"], timeout=30)
         await asyncio.gather(*net.tasks)
         return fetcher, got
 
     fetcher, got = asyncio.run(main())
-    assert bytes(got) == data and fetcher.fetched == len(data)
+    assert bytes(got[0]) == data and got[1] == holding_key(data) and fetcher.fetched == len(data)
     assert fetcher.bans.banned("liar") and not fetcher.bans.banned("honest")
 
 
@@ -150,7 +150,7 @@ def test_a_fetch_bans_nobody_when_every_peer_disagrees_with_the_clients_list(tmp
 
     async def main():
         fetcher = Fetcher(_Network(servers), own_id="me")
-        return fetcher, await fetcher.fetch(H, wrong, [("a", []), ("b", [])], timeout=30)
+        return fetcher, await fetcher.fetch(H, wrong, ["a", "b"], timeout=30)
 
     fetcher, got = asyncio.run(main())
     assert got is None
@@ -166,7 +166,7 @@ def test_an_accomplice_of_a_lying_client_cannot_get_honest_holders_banned(tmp_pa
 
     async def main():
         fetcher = Fetcher(_Network(servers), own_id="me")
-        return fetcher, await fetcher.fetch(H, PieceList.of(fake), [("honest", []), ("accomplice", [])], timeout=30)
+        return fetcher, await fetcher.fetch(H, PieceList.of(fake), ["honest", "accomplice"], timeout=30)
 
     fetcher, got = asyncio.run(main())
     assert got is None
@@ -219,7 +219,8 @@ def test_when_peers_fail_the_worker_asks_its_client_for_the_program_on_the_same_
                                           charged.append)
 
     charged = []
-    assert bytes(asyncio.run(main())) == data
+    program, key = asyncio.run(main())
+    assert bytes(program) == data and key is None  # the client's own bytes: no proof to check against
     assert charged == [pieces.size]  # charged once, before the client sent it
 
 
@@ -235,7 +236,7 @@ def test_a_coming_holder_that_never_delivers_holds_no_budget_and_one_without_roo
 
     async def main(holder: PieceServer, on_first, timeout: float):
         net = _Network({"holder": holder})
-        got = await Fetcher(net, own_id="me").fetch(H, pieces, [("holder", [])], timeout=timeout,
+        got = await Fetcher(net, own_id="me").fetch(H, pieces, ["holder"], timeout=timeout,
                                                    coming=frozenset({"holder"}), on_first=on_first)
         for task in net.tasks:
             task.cancel()
@@ -252,7 +253,7 @@ def test_a_coming_holder_that_never_delivers_holds_no_budget_and_one_without_roo
 
     assert asyncio.run(main(_holder(tmp_path, "has", data), no_room, timeout=30)) is None
     assert asked == ["charge"]  # asked once, and nothing was taken after the refusal
-    assert bytes(asyncio.run(main(_holder(tmp_path, "has2", data), lambda: asked.append("ok"), timeout=30))) == data
+    assert bytes(asyncio.run(main(_holder(tmp_path, "has2", data), lambda: asked.append("ok"), timeout=30))[0]) == data
     assert asked == ["charge", "ok"]
 
 
@@ -275,11 +276,11 @@ def test_a_holder_whose_first_streams_cannot_be_opened_is_tried_again(tmp_path):
 
     async def main(failures: int):
         net = Flaky({"holder": _holder(tmp_path, f"h{failures}", data)}, failures)
-        got = await Fetcher(net, own_id="me").fetch(H, pieces, [("holder", [])], timeout=30)
+        got = await Fetcher(net, own_id="me").fetch(H, pieces, ["holder"], timeout=30)
         await asyncio.gather(*net.tasks)
         return got
 
-    assert bytes(asyncio.run(main(failures=2))) == data  # one per stream: each is tried again once
+    assert bytes(asyncio.run(main(failures=2))[0]) == data  # one per stream: each is tried again once
     assert asyncio.run(main(failures=100)) is None
 
 
@@ -310,10 +311,10 @@ def test_a_busy_holder_is_not_given_up_on_for_stream_failures_spread_over_a_long
 
     async def main():
         net = EveryOtherOpenFails({"holder": PieceServer(disk, coming=coming)})
-        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), [("holder", [])], timeout=30)
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["holder"], timeout=30)
         await asyncio.gather(*net.tasks)
         return got, net.opens
 
     got, opens = asyncio.run(main())
-    assert got is not None and bytes(got) == data
+    assert got is not None and bytes(got[0]) == data
     assert opens > 2 * (peers.OPEN_RETRIES + 1)  # more failed opens in all than OPEN_RETRIES in a row

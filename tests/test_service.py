@@ -35,7 +35,12 @@ def serve(**kw) -> Doors:
     from gpunet.worker.faults import Faults
 
     faults = {k: kw.pop(k) for k in ("corrupt_outputs", "corrupt_pieces", "corrupt_pushes", "drop_pushes") if k in kw}
-    return Doors(Jobs(**kw, faults=Faults(**faults)))
+    doors = Doors(Jobs(**kw, faults=Faults(**faults)))
+    # PROGRAM (and the others) stand for programs their owner shared (anyone may name them): these tests are about
+    # other things than who may run a program (tests/test_owners.py is).
+    for program in (PROGRAM, "ee" * 32, "ff" * 32, "cc" * 32, "cd" * 32):
+        doors.jobs.owners.add(program, "its-owner", shared=True)
+    return doors
 ALICE, BOB, CAROL = (Identity.generate().peer_id for _ in range(3))
 
 
@@ -626,9 +631,10 @@ class _BringsProgram:
 
     async def fetch(self, submit, need_program, charge):
         from gpunet.utils import sha256_hex
-        from gpunet.worker.payloads import Inputs
+        from gpunet.worker.payloads import FROM_CLIENT, Inputs
 
-        return Inputs(self.program if need_program else None, submit.inputs, sha256_hex(submit.inputs))
+        return Inputs(self.program if need_program else None, submit.inputs, sha256_hex(submit.inputs),
+                      FROM_CLIENT if need_program else None)
 
 
 def test_a_private_program_runs_only_for_clients_that_sent_its_bytes(tmp_path):
@@ -720,18 +726,20 @@ def test_the_credit_line_also_bounds_fresh_debts_and_the_unary_door_needs_a_payi
     a.screen(ALICE, job())
 
 
-def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp_path, monkeypatch):
+def test_a_flood_of_programs_cannot_make_someone_elses_program_runnable_by_others(tmp_path, monkeypatch):
+    """The table of who may run what is bounded; forgetting fails closed: a program whose entry a flood pushed out is
+    runnable by nobody without its bytes (its owner included, who sends them again), never by everybody."""
     import torch
 
     from gpunet.worker.state import owners
     from gpunet import Job
     from gpunet.worker.payloads import NeedsStream
 
-    monkeypatch.setattr(owners, "MAX_PRIVATE_PROGRAMS", 3)
+    monkeypatch.setattr(owners, "MAX_PROGRAMS", 3)
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         executor = RememberingExecutor()
         service = serve(identity=Identity.generate(), executor=executor, ledger=ledger,
-                             admission=Admission(price_nano=1, max_concurrent=1, max_queue=8), record=lambda: None)
+                        admission=Admission(price_nano=1, max_concurrent=1, max_queue=8), record=lambda: None)
         programs = [Job.from_function(lambda x, k=k: x * k, (torch.randn(4),)) for k in range(5)]
 
         def sub(program, job_id, **kw):
@@ -739,18 +747,18 @@ def test_a_flood_of_private_submits_cannot_make_someone_elses_program_public(tmp
 
         async def scenario():
             secret = programs[0]
-            await service.jobs.execute(ALICE, sub(secret, "a-1", private=True), _BringsProgram(secret.program_bytes()), None)
-            for n in range(20):  # private submits whose bytes do not match: no entry is made for them
-                with pytest.raises(JobRejected):
-                    await service.jobs.execute(BOB, Submit(f"junk-{n}", f"{n:064x}", 4, b"abcd", 60.0, None, private=True),
-                                           _BringsProgram(b"\x84junk"), None)
-            for k, p in enumerate(programs[1:3], 1):  # real private programs fill the table...
-                await service.jobs.execute(BOB, sub(p, f"b-{k}", private=True), _BringsProgram(p.program_bytes()), None)
-            with pytest.raises(JobRejected, match="as many private programs"):  # ...and a full table refuses,
-                await service.jobs.execute(BOB, sub(programs[3], "b-3", private=True),
-                                       _BringsProgram(programs[3].program_bytes()), None)
-            with pytest.raises(NeedsStream):  # never evicting a program still held: Alice's stays hers
-                await service.jobs.execute(BOB, sub(secret, "b-4"), UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, sub(secret, "a-1", private=True), _BringsProgram(secret.program_bytes()),
+                                       None)
+            for k, p in enumerate(programs[1:], 1):  # more programs than the table keeps: the secret's entry goes
+                await service.jobs.execute(BOB, sub(p, f"b-{k}"), _BringsProgram(p.program_bytes()), None)
+            assert len(service.jobs.owners) == 3
+            with pytest.raises(NeedsStream):  # still held by an executor, and still not Bob's to run
+                await service.jobs.execute(BOB, sub(secret, "b-5"), UnaryPayloads(), None)
+            with pytest.raises(NeedsStream):  # nor, now, Alice's without its bytes: she sends them again
+                await service.jobs.execute(ALICE, sub(secret, "a-2", private=True), UnaryPayloads(), None)
+            await service.jobs.execute(ALICE, sub(secret, "a-3", private=True), _BringsProgram(secret.program_bytes()),
+                                       None)
+            await service.jobs.execute(ALICE, sub(secret, "a-4", private=True), UnaryPayloads(), None)
             service.billing.books.flush()
 
         asyncio.run(scenario())

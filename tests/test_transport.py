@@ -208,13 +208,13 @@ def test_a_job_whose_answer_may_not_fit_the_unary_door_goes_by_stream_at_once():
 
     class Doors(P2PTransport):
         def __init__(self):  # no network: only the choice of door is under test
-            pass
+            self.peer_id = None  # (proves nothing)
 
-        async def run_unary(self, worker_id, request, settle=()):
+        async def run_unary(self, worker_id, request, settle=(), holds=None):
             calls.append(("unary", request.job_id))
             return "answer"
 
-        async def run_stream(self, worker_id, maddrs, request):
+        async def run_stream(self, worker_id, maddrs, request, holds=None):
             calls.append(("stream", request.job_id))
             return "answer"
 

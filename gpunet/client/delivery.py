@@ -116,8 +116,8 @@ class Deliverer:
             (h.id, tuple(h.record.maddrs[:protocol.MAX_HOLDER_MADDRS]))
             for h in self.router.holders(p.job.program_hash, exclude=worker.id)[:protocol.MAX_HOLDERS])
         request = JobRequest(attempts.job_id, p.job.program_hash, p.program, p.encoded, max(0.1, seconds),
-                             p.max_price, p.max_output_bytes, private=req.private, holders=holders,
-                             lane=req.priority, deadline=req.deadline)
+                             p.max_price, p.max_output_bytes, private=req.private, shared=req.shared,
+                             holders=holders, lane=req.priority, deadline=req.deadline)
         try:
             try:
                 async with asyncio.timeout(seconds):  # no extra task per job, unlike wait_for
@@ -195,7 +195,7 @@ class Deliverer:
                 raise JobTimeout(f"session step {p.job_id[:24]} did not finish within {req.timeout:g} s")
             cold = not self.router.holds_program(worker, job.program_hash)
             request = JobRequest(p.job_id, job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
-                                 p.max_output_bytes, private=req.private, session=session)
+                                 p.max_output_bytes, private=req.private, shared=req.shared, session=session)
             ahead = self.view.started(worker_id)
             t0 = time.perf_counter()
             delivery = None

@@ -49,6 +49,7 @@ class JobRequest:
     max_price: int | None  # nano-credits per TFLOP
     max_output_bytes: int = MAX_OUTPUT_BYTES  # the most the answer may declare (known from the dry run)
     private: bool = False  # Requirements.private: see gpunet.protocol.Submit
+    shared: bool = False  # Requirements.shared: see gpunet.protocol.Submit
     #: Other workers that hold the program (id, addresses): a worker lacking it may fetch it from them instead.
     holders: tuple[tuple[str, tuple[str, ...]], ...] = ()
     session: protocol.SessionStep | None = None  # a step of an inference session (docs/sessions.md)

@@ -100,6 +100,11 @@ class Requirements:
     #: The program (its weights) is this client's: workers do not advertise it, do not keep it on disk, and run it
     #: only for clients that sent them its bytes (holding the weights is the capability to use them).
     private: bool = False
+    #: Publish the program for anyone who names its hash (public checkpoints, a shared model's spans): workers run
+    #: their copy for any client, and serve its pieces to any peer. By default (False) a worker runs a program it
+    #: holds only for clients that sent it the bytes or prove they hold them (this client does, by itself): program
+    #: hashes are published, and a hash alone is no capability.
+    shared: bool = False
     #: The market lane (docs/market.md): "interactive", or "batch": cheaper, run only while no interactive job waits,
     #: stopped when one needs the slot and then run again (elsewhere or later) and paid once. For batch, ``max_price``
     #: is the bid: the job runs where the worker's batch floor is at or below it, and pays that floor.
@@ -126,6 +131,9 @@ class Requirements:
         if self.verify == "local-sample" and self.redundancy > 1:
             raise ConfigError("Requirements.verify='local-sample' checks one worker against this machine's own result; "
                               "it does not combine with redundancy > 1")
+        if self.private and self.shared:
+            raise ConfigError("Requirements.private and Requirements.shared exclude each other: a private program is "
+                              "never published, a shared one is published for anyone")
         if self.priority not in CLIENT_LANES:
             raise ConfigError(f"Requirements.priority must be 'interactive' or 'batch', not {self.priority!r}")
         if isinstance(self.deadline, datetime):

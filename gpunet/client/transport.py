@@ -24,6 +24,8 @@ from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
+    PIECE,
+    RUN,
     UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
@@ -42,6 +44,8 @@ from gpunet.protocol import (
     SpeedCommitment,
     Submit,
     UseStream,
+    holding_key,
+    proof,
 )
 from gpunet.utils import LRU
 
@@ -108,6 +112,8 @@ def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
 
 #: How long holders a worker could not fetch a program from, named only by their records, are not named again.
 UNHELPFUL_SECONDS = 300.0
+#: Programs at least this big have their holding key computed in a thread (one pass over the program, once).
+KEY_IN_THREAD_BYTES = 1 << 20
 
 
 class P2PTransport(BaseTransport):
@@ -116,8 +122,10 @@ class P2PTransport(BaseTransport):
     pushes = True
     proves = True
 
-    def __init__(self, dht, rpc: "RPC"):
-        self.dht, self.rpc = dht, rpc
+    def __init__(self, dht, rpc: "RPC", peer_id: str | None = None):
+        """``peer_id``: this client's own (what its proofs of holding name as the prover; None: it proves nothing,
+        and sends a program whenever a worker asks for it)."""
+        self.dht, self.rpc, self.peer_id = dht, rpc, peer_id
         # (worker, program) -> resolves once the job that went first with that program to that worker no longer
         # needs the link for it (the worker had it, or the upload is written, or that job failed)
         self._first_with_program: dict[tuple[str, str], asyncio.Future] = {}
@@ -129,6 +137,7 @@ class P2PTransport(BaseTransport):
         # from a peer instead of taking a second copy over this client's link
         self._ran: LRU[str, dict[str, tuple[str, ...]]] = LRU(64)
         self._piece_lists: LRU[str, asyncio.Future] = LRU(32)  # program -> its PieceList, being hashed or done
+        self._keys: LRU[str, asyncio.Future] = LRU(32)  # program -> its holding key, being hashed or done
         # program -> holders only records vouched for, which a worker told of them then asked us for the program
         # after all: not named again for UNHELPFUL_SECONDS (records claiming a popular program, answering "busy",
         # cost every fetch its patience)
@@ -142,7 +151,7 @@ class P2PTransport(BaseTransport):
 
         dht = await asyncio.to_thread(net.join_as_client, network, initial_peers, identity)
         try:
-            return cls(dht, RPC(await dht.replicate_p2p(), network))
+            return cls(dht, RPC(await dht.replicate_p2p(), network), identity.peer_id)
         except BaseException:
             dht.shutdown()
             raise
@@ -173,10 +182,15 @@ class P2PTransport(BaseTransport):
             # The unary door answers in one round trip, but carries at most UNARY_OUTPUT_BYTES back: a job known to
             # answer more goes by stream at once (a worker that kept such a result for a stream retry could not keep
             # one over its client's share of kept results).
+            # A worker holding the program runs it for this client if it sent it there, or on this proof that it
+            # holds the bytes (gpunet.protocol.holding): the hash alone is no capability.
+            # (Believed cold, it goes along if its key is known already: records can be stale, and a proof is cheaper
+            # than an upload.)
+            holds = await self.holds(worker.id, request) if cached else self._holds_known(worker.id, request)
             if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
                 owed = settlement.take(worker.id, slot)
                 try:
-                    delivery = await self.run_unary(worker.id, request, settle=owed)
+                    delivery = await self.run_unary(worker.id, request, settle=owed, holds=holds)
                 except _UseStream:
                     settlement.delivered(owed)  # they rode along; the worker took them before answering
                 except BaseException as e:
@@ -188,8 +202,8 @@ class P2PTransport(BaseTransport):
                     settlement.delivered(owed)
                     return delivery
             if cached:
-                return await self.run_stream(worker.id, list(worker.record.maddrs), request)
-            return await self._run_stream_once_per_program(worker, request)
+                return await self.run_stream(worker.id, list(worker.record.maddrs), request, holds=holds)
+            return await self._run_stream_once_per_program(worker, request, holds)
         except GpunetError:
             raise
         except (ConnectionError, OSError) as e:  # the worker's connection, unless our own daemon went
@@ -198,16 +212,17 @@ class P2PTransport(BaseTransport):
             raise ProtocolError(f"worker {worker.id[-8:]} sent an answer that cannot be read ({type(e).__name__})"
                                 ) from None
 
-    async def run_unary(self, worker_id: str, request: JobRequest, settle: Sequence[tuple[str, bytes]] = ()
-                        ) -> Delivery:
+    async def run_unary(self, worker_id: str, request: JobRequest, settle: Sequence[tuple[str, bytes]] = (),
+                        holds: bytes | None = None) -> Delivery:
         """One round trip over the daemon's persistent connection, for a small job whose program the worker holds.
 
         ``settle`` carries countersignatures still owed to this worker, so steady traffic needs no separate settle
-        calls. Raises _UseStream when the worker wants the stream door instead.
+        calls. Raises _UseStream when the worker wants the stream door instead. ``holds``: this client's proof that
+        it holds the program (:meth:`holds`), for a worker that may hold a copy this client did not send it.
         """
         submit = Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
-                        request.max_price, tuple(settle), private=request.private, session=request.session,
-                        lane=request.lane, deadline=request.deadline)
+                        request.max_price, tuple(settle), private=request.private, shared=request.shared,
+                        holds=holds, session=request.session, lane=request.lane, deadline=request.deadline)
         reply = await self.rpc.call(worker_id, Door.RUN, submit, Result, UseStream, Error)
         if isinstance(reply, UseStream):
             raise _UseStream()
@@ -223,7 +238,8 @@ class P2PTransport(BaseTransport):
         return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish,
                         input_hash=reply.input_hash)
 
-    async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest) -> Delivery:
+    async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,
+                                           holds: bytes | None = None) -> Delivery:
         """A job for a program the worker may lack: the first such job to that worker goes at once (and carries the
         program if asked); the others wait until the program has crossed, so this client never sends a second copy
         of a program to a worker it is already sending it to. Should the first fail, they go anyway."""
@@ -231,19 +247,21 @@ class P2PTransport(BaseTransport):
         first = self._first_with_program.get(key)
         if first is not None:
             await asyncio.shield(first)
-            return await self.run_stream(worker.id, list(worker.record.maddrs), request)
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request, holds=holds)
         crossed = self._first_with_program[key] = asyncio.get_running_loop().create_future()
         try:
-            return await self.run_stream(worker.id, list(worker.record.maddrs), request, program_crossed=crossed)
+            return await self.run_stream(worker.id, list(worker.record.maddrs), request, program_crossed=crossed,
+                                         holds=holds)
         finally:
             if not crossed.done():
                 crossed.set_result(None)
             del self._first_with_program[key]
 
     async def run_stream(self, worker_id: str, maddrs: Sequence[str], request: JobRequest,
-                         program_crossed: asyncio.Future | None = None) -> Delivery:
+                         program_crossed: asyncio.Future | None = None, holds: bytes | None = None) -> Delivery:
         """The stream door: any size; sends the program when the worker asks for it. ``program_crossed`` resolves
-        once the worker holds the program or has been sent it (before the job's own result comes)."""
+        once the worker holds the program or has been sent it (before the job's own result comes); ``holds``: as
+        for :meth:`run_unary`."""
         reader, writer = await self.rpc.open(worker_id, Door.JOB, maddrs)
         ran = False  # it answered with a result: it holds the program now
         try:
@@ -251,8 +269,8 @@ class P2PTransport(BaseTransport):
             await protocol.write(writer, Submit(request.job_id, request.program_hash, len(request.inputs),
                                                 request.inputs if inline else None, request.timeout,
                                                 request.max_price, private=request.private,
-                                                session=request.session, lane=request.lane,
-                                                deadline=request.deadline))
+                                                shared=request.shared, holds=holds, session=request.session,
+                                                lane=request.lane, deadline=request.deadline))
             sent = len(request.inputs) if inline else 0
             reply = await protocol.read(reader, Send, Result, Error)
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
@@ -323,7 +341,14 @@ class P2PTransport(BaseTransport):
             coming = frozenset(vouched & {peer for peer, _ in holders})
             if named is not None:
                 named.extend(peer for peer, _ in holders if peer not in vouched)
-            await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming))
+            # The holders serve a program that is not shared only to a worker that presents this client's grant (made
+            # from the bytes, naming that holder and this worker); the worker runs what it fetched for this client
+            # only on its proof that it holds the bytes.
+            key = await self._holding_key(request) if self.peer_id is not None else None
+            grants = () if key is None else tuple((peer, proof(key, PIECE, peer, worker_id)) for peer, _ in holders)
+            holds = None if key is None else proof(key, RUN, worker_id, self.peer_id)
+            await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming,
+                                                grants, holds))
             await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
         else:
             if ask.program and named:  # the peers it was told of did not deliver
@@ -349,6 +374,38 @@ class P2PTransport(BaseTransport):
             await protocol.write_payload(writer, request.inputs)
             sent += len(request.inputs)
         return sent
+
+    async def holds(self, worker_id: str, request: JobRequest) -> bytes | None:
+        """This client's proof, for ``worker_id``, that it holds the program's bytes (None for a private program,
+        which no worker keeps a copy of to check it against)."""
+        if request.private or self.peer_id is None:
+            return None
+        return proof(await self._holding_key(request), RUN, worker_id, self.peer_id)
+
+    def _holds_known(self, worker_id: str, request: JobRequest) -> bytes | None:
+        """:meth:`holds` if the program's key is computed already or cheap to (None otherwise: a big program is not
+        hashed for a worker that is not known to hold it)."""
+        if request.private or self.peer_id is None:
+            return None
+        if len(request.program) < KEY_IN_THREAD_BYTES:
+            self._holding_key(request)  # computed at once
+        found = self._keys.get(request.program_hash)
+        if found is None or not found.done() or found.cancelled() or found.exception() is not None:
+            return None
+        return proof(found.result(), RUN, worker_id, self.peer_id)
+
+    def _holding_key(self, request: JobRequest) -> asyncio.Future:
+        """The program's holding key, computed once (a pass over the program; in a thread when it is big)."""
+        found = self._keys.get(request.program_hash)
+        if found is None:
+            if len(request.program) >= KEY_IN_THREAD_BYTES:
+                found = asyncio.ensure_future(asyncio.to_thread(holding_key, request.program))
+                found.add_done_callback(lambda f: f.cancelled() or f.exception())
+            else:
+                found = asyncio.get_running_loop().create_future()
+                found.set_result(holding_key(request.program))
+            self._keys.put(request.program_hash, found)
+        return asyncio.shield(found)
 
     def _piece_list(self, request: JobRequest) -> asyncio.Future:
         """The program's piece list, hashed once in a thread (a second of work per GB)."""

@@ -9,6 +9,7 @@ thing lives:
   Cancel, Ok, UseStream, and the market's lanes;
 * :mod:`~gpunet.protocol.sessions` -- inference sessions: SessionStep, PushTo, Push, CloseSession, SessionClosed;
 * :mod:`~gpunet.protocol.peers` -- a program fetched from peers: the piece list, Pieces, GetPiece, PieceData;
+* :mod:`~gpunet.protocol.holding` -- the proof that a client holds a program's bytes (both ends compute it);
 * :mod:`~gpunet.protocol.probes` -- asking a node about itself: Ping, GetInfo, ProveSpeed, OpenProof, Hello,
   CheckReach and their answers;
 * :mod:`~gpunet.protocol.errors` -- :class:`Error` and the one table between gpunet's errors and their wire codes;
@@ -88,6 +89,14 @@ from gpunet.protocol.framing import (
     read_payload,
     write,
     write_payload,
+)
+from gpunet.protocol.holding import (
+    PIECE,
+    PROOF_BYTES,
+    RUN,
+    holding_key,
+    proof,
+    verifies,
 )
 from gpunet.protocol.jobs import (
     BACKGROUND,
@@ -186,6 +195,12 @@ __all__ = [
     "read_payload",
     "write",
     "write_payload",
+    "PIECE",
+    "PROOF_BYTES",
+    "RUN",
+    "holding_key",
+    "proof",
+    "verifies",
     "BACKGROUND",
     "BATCH",
     "CLIENT_LANES",

@@ -30,6 +30,7 @@ from gpunet.protocol.fields import (
     time_field,
     typed_field,
 )
+from gpunet.protocol.holding import PROOF_BYTES
 from gpunet.protocol.sessions import SessionStep
 
 #: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
@@ -73,6 +74,12 @@ class Submit(Message):
     settle: tuple[tuple[str, bytes], ...] = ()  # unary door: countersignatures owed to this worker, riding along
     settle_malformed: int = 0  # parsed but unusable settle items (logged by the worker; never fatal to the job)
     private: bool = False  # only clients that sent the program's bytes may run it; never advertised or kept on disk
+    #: The owner publishes the program for anyone who names its hash (public checkpoints); taken only from a client
+    #: that sent the bytes or proved it holds them, and never undone (gpunet.worker.state.owners).
+    shared: bool = False
+    #: Proof that this client holds the program's bytes (gpunet.protocol.holding, purpose RUN, verifier the worker):
+    #: without it (or the bytes), a program the client did not send this worker is asked for, not run.
+    holds: bytes | None = None
     session: SessionStep | None = None  # a step of an inference session, its state kept on the worker
     lane: str = INTERACTIVE  # batch: runs when no interactive job waits, at the worker's floor, preemptible
     deadline: float | None = None  # unix time by which it must be done: a worker that cannot start it by then refuses
@@ -88,6 +95,10 @@ class Submit(Message):
             d["inputs"] = self.inputs
         if self.private:
             d["private"] = True
+        if self.shared:
+            d["shared"] = True
+        if self.holds is not None:
+            d["holds"] = self.holds
         if self.session is not None:
             d["session"] = self.session.to_wire()
         if self.settle:
@@ -115,8 +126,12 @@ class Submit(Message):
         if session is not None and session.input_from is not None and inputs != b"":
             raise ProtocolError("a step whose input is pushed to the worker carries no inputs of its own")
         job_id, max_price = job_id_field(d), typed_field(d, "max_price", int, optional=True)
+        holds = typed_field(d, "holds", bytes, optional=True)
+        if holds is not None and len(holds) != PROOF_BYTES:
+            raise ProtocolError(f"holds must be a {PROOF_BYTES}-byte proof")
         return cls(job_id, program, inputs_size, inputs, timeout, max_price,
-                   settle, malformed, bool(typed_field(d, "private", bool, optional=True)), session, lane, deadline)
+                   settle, malformed, bool(typed_field(d, "private", bool, optional=True)),
+                   bool(typed_field(d, "shared", bool, optional=True)), holds, session, lane, deadline)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from gpunet.errors import ProtocolError
 from gpunet.protocol.fields import PEER_ID_RE, Message, program_hash_field, size_field, typed_field
+from gpunet.protocol.holding import PROOF_BYTES
 
 MIN_PIECE_BYTES = 4 << 20
 MAX_PIECES = 1024
@@ -86,9 +87,17 @@ MAX_HOLDER_MADDRS = 4
 
 @dataclass(frozen=True, slots=True)
 class Pieces(Message):
-    """The client's answer to ``Send(pieces=True)``: fetch the program from these peers (id and addresses), checking
-    each piece against these digests (:class:`PieceList`); a :class:`Payload` with the inputs, if asked for, follows.
-    The client vouches for the list: it is the one whose job runs on the bytes."""
+    """The client's answer to ``Send(pieces=True)``: fetch the program from these peers, checking each piece against
+    these digests (:class:`PieceList`); a :class:`Payload` with the inputs, if asked for, follows. The client vouches
+    for the list: it is the one whose job runs on the bytes.
+
+    Holders are named by peer id; the addresses beside them are what older workers dialled and are never dialled now
+    (a client could name any address, the worker's own loopback or its owner's LAN among them): a worker reaches a
+    holder through the p2p layer, by its id. ``grants``: per holder, the client's proof that it holds the program
+    (gpunet.protocol.holding, purpose PIECE, that holder the verifier, this worker the prover), which the worker
+    presents to it: a holder serves a program that is not shared only to a fetcher some holder of its bytes sent.
+    ``holds``: the client's own proof for this worker (purpose RUN), checked against the fetched bytes before they run
+    for it (without it, or wrong, the worker asks the client for the program after all)."""
 
     T: ClassVar[str] = "pieces"
     size: int
@@ -98,6 +107,12 @@ class Pieces(Message):
     #: Those of the holders the client vouches for (it is sending them the program right now, or they ran it for
     #: this client): worth waiting for while they say "busy".
     coming: frozenset[str] = frozenset()
+    grants: tuple[tuple[str, bytes], ...] = ()
+    holds: bytes | None = None
+
+    @property
+    def holder_ids(self) -> tuple[str, ...]:
+        return tuple(peer for peer, _ in self.holders)
 
     def piece_list(self) -> PieceList:
         return PieceList(self.size, self.piece_size, self.hashes)
@@ -105,7 +120,8 @@ class Pieces(Message):
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.T, "size": self.size, "piece_size": self.piece_size, "hashes": self.hashes,
                 "holders": [[peer, list(maddrs)] for peer, maddrs in self.holders],
-                "coming": sorted(self.coming)}
+                "coming": sorted(self.coming), "grants": [[peer, grant] for peer, grant in self.grants],
+                **({"holds": self.holds} if self.holds is not None else {})}
 
     @classmethod
     def from_wire(cls, d: dict) -> "Pieces":
@@ -120,8 +136,17 @@ class Pieces(Message):
         coming = d.get("coming") or []
         if not isinstance(coming, list) or not all(isinstance(c, str) for c in coming):
             raise ProtocolError("pieces: coming must list holders' peer ids")
+        grants = d.get("grants") or []
+        named = {peer for peer, _ in holders}
+        if not (isinstance(grants, list) and len(grants) <= MAX_HOLDERS and all(
+                isinstance(g, list) and len(g) == 2 and g[0] in named and isinstance(g[1], bytes)
+                and len(g[1]) == PROOF_BYTES for g in grants)):
+            raise ProtocolError(f"pieces: grants must be [holder's peer id, {PROOF_BYTES}-byte proof] pairs")
+        holds = typed_field(d, "holds", bytes, optional=True)
+        if holds is not None and len(holds) != PROOF_BYTES:
+            raise ProtocolError(f"pieces: holds must be a {PROOF_BYTES}-byte proof")
         message = cls(size_field(d, "size"), size_field(d, "piece_size"), typed_field(d, "hashes", bytes), holders,
-                      frozenset(coming) & {peer for peer, _ in holders})
+                      frozenset(coming) & named, tuple((g[0], g[1]) for g in grants), holds)
         try:
             message.piece_list()
         except ValueError as e:
@@ -131,20 +156,28 @@ class Pieces(Message):
 
 @dataclass(frozen=True, slots=True)
 class GetPiece(Message):
-    """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes)."""
+    """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes). ``grant``: the proof the
+    job's client gave for this holder (:class:`Pieces`), needed unless the program is shared."""
 
     T: ClassVar[str] = "get_piece"
     program: str
     index: int
     piece_size: int
+    grant: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
+        d = {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
+        if self.grant is not None:
+            d["grant"] = self.grant
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "GetPiece":
         program = program_hash_field(d)
-        return cls(program, size_field(d, "index"), size_field(d, "piece_size"))
+        grant = typed_field(d, "grant", bytes, optional=True)
+        if grant is not None and len(grant) != PROOF_BYTES:
+            raise ProtocolError(f"get_piece: grant must be a {PROOF_BYTES}-byte proof")
+        return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobFailed, ProgramNotCached, ProtocolError
@@ -16,6 +17,7 @@ from gpunet.protocol import (
     FRAME_TIMEOUT,
     INLINE_BYTES,
     MAX_PING_BYTES,
+    RUN,
     UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
@@ -36,6 +38,7 @@ from gpunet.protocol import (
     SettleBatch,
     Submit,
     UseStream,
+    verifies,
 )
 from gpunet.rpc import RPC
 from gpunet.worker import metrics
@@ -120,7 +123,9 @@ class Doors:
         self.admission.came_from(client_id, host)
         try:
             submit = await protocol.read(reader, Submit, timeout=FRAME_TIMEOUT)
-            payloads = StreamPayloads(reader, writer, self.jobs.limits, self.jobs.spool_dir, self.jobs.fetcher)
+            payloads = StreamPayloads(reader, writer, self.jobs.limits, self.jobs.spool_dir, self.jobs.fetcher,
+                                      proves=partial(verifies, purpose=RUN, verifier=self.jobs.identity.peer_id,
+                                                     prover=client_id))
             answer = await self.jobs.execute(client_id, submit, payloads, reader, host)
             await self._reply(answer, writer, client_id, host)
             if answer.receipt is not None:  # a session step billed later has nothing to settle now

@@ -32,7 +32,7 @@ from gpunet.identity import Identity
 from gpunet.ledger import tabs
 from gpunet.ledger.receipts import Receipt
 from gpunet.ledger.store import Ledger
-from gpunet.protocol import INTERACTIVE, Submit
+from gpunet.protocol import INTERACTIVE, PIECE, RUN, Submit
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics
@@ -40,7 +40,8 @@ from gpunet.worker.billing import Billing
 from gpunet.worker.executor import DryRun
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.handoff import Handoff
-from gpunet.worker.payloads import Inputs
+from gpunet.worker.holdings import HoldingKeys
+from gpunet.worker.payloads import FROM_CLIENT, FROM_COPY, FROM_PEERS, Inputs
 from gpunet.worker.peers import Fetcher, PieceServer
 from gpunet.worker.proofs import Prover
 from gpunet.worker.sessions import SessionHost
@@ -114,14 +115,18 @@ class Jobs:
         self.sessions = SessionHost(session_limits or SessionLimits(), executor, self.billing, pushes)
         self.handoff = Handoff(identity.peer_id, self.sessions.sessions, pushes, self.limits, faults)
         self.prover = Prover(admission, record, identity, device)
-        self.owners = Owners(lambda program_hash: executor is not None and executor.has_program(program_hash))
+        # Who may run what is held here without sending it (a hash is no capability), and the keys that check the
+        # proofs of holding clients and fetching peers present (gpunet.protocol.holding).
+        self.owners = Owners()
+        disk = getattr(executor, "disk", None)
+        self.keys = HoldingKeys(disk)
         self.uploads = Uploads()
         self._jobs: dict[tuple[str, str], _Job] = {}
         # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
         # programs this worker lacks fetched from them (set up once the network is there).
-        disk = getattr(executor, "disk", None)
         self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
-                                        corrupt=faults.corrupt_pieces) if disk is not None else None
+                                        corrupt=faults.corrupt_pieces, may_serve=self._may_serve
+                                        ) if disk is not None else None
         self.fetcher: Fetcher | None = None
 
     @property
@@ -142,7 +147,13 @@ class Jobs:
 
     def _public_upload_coming(self, program_hash: str) -> bool:
         upload = self.uploads.coming(program_hash)
-        return upload is not None and not upload.private and program_hash not in self.owners
+        return upload is not None and not upload.private and not self.owners.is_private(program_hash)
+
+    async def _may_serve(self, program_hash: str, peer_id: str, grant: bytes | None) -> bool:
+        """Whether a peer may fetch a cached program's pieces: it is shared, or the peer presents a grant from a
+        client that holds it (made for this holder and that peer: gpunet.protocol.holding)."""
+        return self.owners.is_shared(program_hash) or await self.keys.verifies(
+            program_hash, grant, PIECE, self.identity.peer_id, peer_id)
 
     def _recent_receipt(self, key: tuple[str, str]) -> Receipt | None:
         answer = self.results.get(key)
@@ -181,6 +192,7 @@ class Jobs:
             # filed in a batch: filed now, so that a client paying as it goes is never refused as owing them.
             await self.billing.awaiting.file_arriving(client_id)
             self.admission.screen(client_id, submit, host=host)
+        await self._proven(client_id, submit)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same answer, same receipt, no second bill
             return known
@@ -239,9 +251,11 @@ class Jobs:
         job.session = self.sessions.begin(client_id, submit, host, job.answer)
         got = job.got
         metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
-        await self._check_capability(client_id, submit, got)
+        await self._check_program(client_id, submit, got)
         with self._admitted(client_id, submit.lane):
             answer = await self._run(key, job, submit, reader, host)
+        if got.origin == FROM_CLIENT:  # its own bytes, checked against the hash as they loaded: it holds them
+            self._holder(client_id, submit)
         if pushed:
             answer.input_hash = got.input_hash
         if job.session is not None:
@@ -253,16 +267,33 @@ class Jobs:
             self.handoff.push_on(client_id, submit.session.push_to, answer.outputs)
         return answer
 
-    async def _check_capability(self, client_id: str, submit: Submit, got: Inputs) -> None:
-        """A private program (or one another client holds as private) runs from bytes only if they are the
-        program's: the bytes are the capability (an executor holding it in memory would otherwise run it whatever
-        was sent). Recorded before it runs: once an executor holds it, the entry is what keeps it from others."""
-        owns = self.owners.owns(submit.program, client_id)
-        marks_private = submit.private and submit.program not in self.executor.disk  # public stays public
-        if got.program is not None and (owns is False or marks_private):
+    # --- who may run what is held here (gpunet.worker.state.owners) ------------------------------------------------
+
+    async def _proven(self, client_id: str, submit: Submit) -> None:
+        """A client naming a program held here that it did not send here becomes one of its holders if its proof of
+        holding (``Submit.holds``) checks against this worker's copy. Without one it is asked for the bytes, as if
+        the program were not here: nothing of the program (not even its input shapes) is told to it."""
+        if (submit.holds is None or submit.private or self.owners.may_run(submit.program, client_id)
+                or self.owners.is_private(submit.program) or not self.executor.has_program(submit.program)):
+            return
+        if await self.keys.verifies(submit.program, submit.holds, RUN, self.identity.peer_id, client_id):
+            self.owners.add(submit.program, client_id, shared=submit.shared)
+
+    async def _check_program(self, client_id: str, submit: Submit, got: Inputs) -> None:
+        """A program that came with a job runs for its client only if it is the program's: bytes the client sent must
+        hash to it (checked here when a copy is held already, else by the executor as they load). One fetched from
+        the peers it named came here only if its proof of holding checked against the bytes (gpunet.worker.payloads):
+        it holds them."""
+        if got.origin == FROM_CLIENT and self.executor.has_program(submit.program) and not self._holds_for(
+                client_id, submit.program):
             if await asyncio.to_thread(content_hash, got.program) != submit.program:
                 raise JobRejected("the program bytes sent do not match the program's hash")
-            self.owners.add(submit.program, client_id)
+        if got.origin == FROM_PEERS:
+            self._holder(client_id, submit)
+
+    def _holder(self, client_id: str, submit: Submit) -> None:
+        marks_private = submit.private and submit.program not in self.executor.disk  # public stays public
+        self.owners.add(submit.program, client_id, private=marks_private, shared=submit.shared)
 
     def _not_answered(self, client_id: str, submit: Submit, job: _Job, error: BaseException) -> None:
         """What a job that did not end well leaves behind: for a session step, what its session decides (a pushed
@@ -324,11 +355,9 @@ class Jobs:
         return submit
 
     def _holds_for(self, client_id: str, program_hash: str) -> bool:
-        """Whether this client's job may run without sending the program: it is held here, and not private to
-        others."""
-        if self.owners.owns(program_hash, client_id) is False:
-            return False
-        return self.executor.has_program(program_hash)
+        """Whether this client's job may run without sending the program: it is held here, and this client sent or
+        proved it, or it is shared."""
+        return self.owners.may_run(program_hash, client_id) and self.executor.has_program(program_hash)
 
     def _charge(self, job: _Job, client_id: str, host: str, nbytes: int, dry: bool = False) -> None:
         self.admission.charge(nbytes, client_id, host, dry=dry)
@@ -344,13 +373,13 @@ class Jobs:
             upload = self.uploads.coming(submit.program)
             if upload is None or upload in tried:
                 break  # none on its way (or only one we gave up on): this job brings its own
-            if (submit.program in self.owners or upload.private) and upload.client_id != client_id:
-                break  # another client's copy of a private program: holding the weights is what lets one run it
+            if upload.client_id != client_id and (upload.private or not self.owners.may_run(submit.program, client_id)):
+                break  # another client's copy of a program this one never sent or proved: it brings its own
             tried.add(upload)
             program = await upload.share()
             if program is not None:
                 got = await payloads.fetch(submit, need_program=False, charge=charge)
-                got.program = program
+                got.program, got.origin = program, FROM_COPY
                 return got
             # That copy failed or is too slow. The program may have been loaded meanwhile, or another job may have
             # taken over bringing it: look again.
@@ -423,9 +452,12 @@ class Jobs:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
                 # Tagged with its ticket: the pool can stop it (preempted, paused) and say where it runs.
+                # A client's own bytes run as they are (fresh), checked against the hash as they load, even where a
+                # copy is loaded already (one it may not run: it became a holder only by sending these).
                 result = await self.executor.run(submit.program, got.program, got.inputs, timeout=timeout,
-                                                 private=submit.private or submit.program in self.owners,
+                                                 private=submit.private or self.owners.is_private(submit.program),
                                                  tag=ticket, spare_sessions=session is None, dry=dry,
+                                                 **({"fresh": True} if got.origin == FROM_CLIENT else {}),
                                                  **({"session": session} if session is not None else {}))
             done = True
             self._dry_run_cost(client_id, host, dry, billed=True)

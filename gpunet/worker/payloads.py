@@ -22,6 +22,11 @@ from gpunet.worker.state.limits import ServiceLimits
 SPOOL_BYTES = 32 * 2**20
 
 
+#: Where a job's program came from (``Inputs.origin``): its client's own bytes, peers the client named (the
+#: client's proof of holding then checked against them), or another job's copy on its way in.
+FROM_CLIENT, FROM_PEERS, FROM_COPY = "client", "peers", "copy"
+
+
 @dataclass
 class Inputs:
     """A job's bytes once here: its program (None: the worker holds it), its inputs, and their hash."""
@@ -29,6 +34,8 @@ class Inputs:
     program: bytes | bytearray | None
     inputs: "bytes | bytearray | Spooled"
     input_hash: str
+    origin: str | None = None  # where the program came from (FROM_*), when it came with the job
+    key: bytes | None = None  # FROM_PEERS: the program's holding key (gpunet.protocol.holding), from the bytes
 
     def release(self) -> None:
         """Let go of the payload now (a failure's traceback keeps the job's frame, and its future the failure): an
@@ -67,9 +74,11 @@ class StreamPayloads:
     may come from peers instead (``fetcher``): the client then sends who holds it and each piece's digest."""
 
     def __init__(self, reader, writer, limits: ServiceLimits, spool_dir: str | None = None,
-                 fetcher: "Fetcher | None" = None):
+                 fetcher: "Fetcher | None" = None, proves: Callable[[bytes, bytes | None], bool] | None = None):
+        """``proves(key, proof)``: whether a proof of holding is this client's for this worker (a program fetched from
+        peers runs for it only then; None: fetch from no peer)."""
         self.reader, self.writer, self.limits, self.spool_dir = reader, writer, limits, spool_dir
-        self.fetcher = fetcher
+        self.fetcher, self.proves = fetcher, proves
 
     def precheck(self, submit: Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
@@ -78,7 +87,7 @@ class StreamPayloads:
         need_inputs = submit.inputs is None
         if not (need_program or need_inputs):
             return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
-        from_peers = need_program and self.fetcher is not None and not submit.private
+        from_peers = need_program and self.fetcher is not None and self.proves is not None and not submit.private
         await protocol.write(self.writer, Send(need_program, need_inputs, pieces=from_peers))
         reply = await protocol.read(self.reader, Payload, Pieces, timeout=FRAME_TIMEOUT) if from_peers else \
             await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
@@ -101,21 +110,25 @@ class StreamPayloads:
         charge((submit.inputs_size if need_inputs else 0) + (program_size if need_program and pieces is None else 0))
         if pieces is not None:
             charge(program_size, dry=True)  # one that could never fit, or no room now: said before waiting on peers
-        program = None
+        program = key = None
         if need_program and pieces is None:
             program = await self._read_program(program_size)
         inputs = await self._read_inputs(submit) if need_inputs else None
+        origin = FROM_CLIENT if need_program else None
         if pieces is not None:
-            program = await self._from_peers(submit, pieces, charge)
+            program, key = await self._from_peers(submit, pieces, charge)
+            origin = FROM_PEERS if key is not None else FROM_CLIENT
         if not need_inputs:
-            return Inputs(program, submit.inputs, sha256_hex(submit.inputs))
-        inputs.program = program
+            inputs = Inputs(None, submit.inputs, sha256_hex(submit.inputs))
+        inputs.program, inputs.origin, inputs.key = program, origin, key
         return inputs
 
-    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None]) -> bytes | bytearray:
-        """The program from the peers the client named (every piece checked; the executor checks the whole against
-        its hash as it loads it, as for any program), else from the client after all. ``charge``: the budget, charged
-        the program's size once, when its bytes start to come (from a peer, or from the client)."""
+    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None]
+                          ) -> tuple[bytes | bytearray, bytes | None]:
+        """The program from the peers the client named (every piece checked, then the whole against its hash) with
+        its holding key, else from the client after all (and no key). Holders are reached by their peer id, never at
+        an address the client gave. ``charge``: the budget, charged the program's size once, when its bytes start to
+        come (from a peer, or from the client)."""
         charged = False
 
         def first_piece() -> None:
@@ -125,9 +138,9 @@ class StreamPayloads:
 
         # At most half the job's time (the client then still has the rest to send it), and no longer than the client
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
-        fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holders,
+        fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holder_ids,
                                                          submit.timeout / 2, coming=pieces.coming,
-                                                         on_first=first_piece))
+                                                         on_first=first_piece, grants=dict(pieces.grants)))
         gone = asyncio.ensure_future(self.reader.read(1))
         try:
             await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -141,15 +154,18 @@ class StreamPayloads:
         if not gone.cancelled():  # EOF, or a byte the client had no business sending yet
             raise ProtocolError("the client hung up while the program was being fetched from peers")
         fetched = fetch.result()
-        if fetched is not None:
+        # The bytes run for this client only if it proves it holds them (older holders serve anyone who knows a hash
+        # and its piece list); otherwise, as when the peers fail, it sends them itself (an older client does).
+        if fetched is not None and self.proves(fetched[1], pieces.holds or submit.holds):
             return fetched  # a bytearray, not copied: the executor takes any bytes-like program
+        fetch = fetched = None  # (charged already, on its first piece)
         if not charged:
             charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
         await protocol.write(self.writer, Send(True, False))
         payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
         if payload.program_size != pieces.size or payload.inputs_size is not None:
             raise ProtocolError("the program sent differs in size from the one the piece list describes")
-        return await self._read_program(payload.program_size)
+        return await self._read_program(payload.program_size), None
 
     async def _read_program(self, size: int) -> bytes:
         return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",

@@ -2,15 +2,19 @@
 peers that hold it, so a program's weights cross the client's uplink once, not once per worker.
 
 Serving is bounded: only programs in this worker's disk cache (which holds only public programs it received, checked
-against their hash and loaded; a private program's bytes never reach the disk), whole pieces at the piece size the
-program's size implies, :data:`SERVE_AT_ONCE` streams at once (:data:`SERVE_PER_PEER` per peer), optionally at most
-``rate`` bytes a second in all. Nothing else on the machine can be named: a request is a program hash and a piece
+against their hash and loaded; a private program's bytes never reach the disk), and of those only shared ones or to a
+fetcher that presents its client's grant (a proof, made from the program's bytes, naming this holder and that
+fetcher: :mod:`gpunet.protocol.holding`), since a hash is published and no capability; whole pieces at the piece size
+the program's size implies, :data:`SERVE_AT_ONCE` streams at once (:data:`SERVE_PER_PEER` per peer), optionally at
+most ``rate`` bytes a second in all. Nothing else on the machine can be named: a request is a program hash and a piece
 index.
 
 Fetching checks every piece against the digest the job's client gave (:class:`gpunet.protocol.Pieces`): a peer that
 serves a wrong byte is caught at that piece, which is fetched from another peer; once another peer's copy of that
 piece matches (so the client's digest was right), the first is banned. The assembled program is checked against its
-hash like any program. Whatever does not arrive in time is asked of the client after all.
+hash like any program. Whatever does not arrive in time is asked of the client after all. Holders are reached by peer
+id through the p2p layer (which knows their addresses), never at an address a client gave: a client could name any,
+the worker's own loopback or its owner's LAN among them.
 """
 
 from __future__ import annotations
@@ -19,12 +23,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Callable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, NetworkError, ProgramNotCached, WorkerBusy
+from gpunet.protocol import Door, Error, GetPiece, PieceData, holding_key
 from gpunet.protocol.peers import PieceList, piece_size_for
-from gpunet.protocol import Door, Error, GetPiece, PieceData
 from gpunet.utils import LRU
 from gpunet.worker import metrics
 from gpunet.worker.uploads import content_hash
@@ -56,11 +60,14 @@ class PieceServer:
     """The ``piece`` door."""
 
     def __init__(self, disk, rate: float | None = None, coming: Callable[[str], bool] = lambda h: False,
-                 clock=time.monotonic, corrupt: bool = False):
+                 clock=time.monotonic, corrupt: bool = False,
+                 may_serve: Callable[[str, str, bytes | None], Awaitable[bool]] | None = None):
         """``disk``: the executor's :class:`~gpunet.worker.executor.cache.DiskCache`; ``rate``: bytes a second in all;
         ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
-        again, rather than "not cached")."""
+        again, rather than "not cached"); ``may_serve(hash, fetcher's peer id, grant)``: whether that fetcher may
+        have the program's pieces (None: any fetcher, as tests of serving alone use)."""
         self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock
+        self.may_serve = may_serve
         self.corrupt = corrupt  # FAULT INJECTION (tests): one byte of every piece served is wrong
         self.served = 0  # bytes, since start
         self._running = 0
@@ -85,7 +92,7 @@ class PieceServer:
                             request = await protocol.read(reader, GetPiece, timeout=STREAM_IDLE)
                         except GpunetError:
                             return  # the fetcher is done (EOF), stalled, or sent something else: goodbye
-                        if not await self._serve(request, writer):
+                        if not await self._serve(request, writer, peer_id):
                             return  # after a refusal the stream ends: a slot is for fetching, not for asking
             finally:
                 self._running -= 1
@@ -98,13 +105,16 @@ class PieceServer:
         finally:
             writer.close()
 
-    async def _serve(self, request: GetPiece, writer) -> bool:
+    async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
         """Serve one piece; False (after saying why) when it cannot."""
         size = await asyncio.to_thread(self.disk.size, request.program)
         refusal = None
         if size is None:
             refusal = (WorkerBusy("this program is on its way here; ask again") if self.coming(request.program) else
                        ProgramNotCached(request.program))
+        elif self.may_serve is not None and not await self.may_serve(request.program, peer_id, request.grant):
+            refusal = JobRejected("this program is not shared: its pieces go only to a worker whose client holds it "
+                                  "(its grant is missing or does not match)")
         elif request.piece_size != piece_size_for(size) or request.index * request.piece_size >= size:
             refusal = JobRejected("no such piece of this program")  # says nothing of its size
         data = None if refusal else await asyncio.to_thread(self.disk.read_range, request.program,
@@ -160,27 +170,29 @@ class Fetcher:
         self.bans = bans or PeerBans()
         self.fetched = 0  # bytes, since start
 
-    async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[tuple[str, Sequence[str]]],
-                    timeout: float, coming: frozenset[str] = frozenset(),
-                    on_first: Callable[[], None] | None = None) -> bytearray | None:
-        """The program's bytes, every piece and then the whole checked against ``program_hash``; None if the peers
-        could not deliver them within ``timeout``. ``coming``: holders that are still receiving it from the client,
-        waited for while they say so. Peers caught serving a wrong piece are banned only once the whole program is
-        proven right (so neither a client's wrong list nor an accomplice of it can get honest holders banned).
+    async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[str], timeout: float,
+                    coming: frozenset[str] = frozenset(), on_first: Callable[[], None] | None = None,
+                    grants: dict[str, bytes] | None = None) -> tuple[bytearray, bytes] | None:
+        """The program's bytes, every piece and then the whole checked against ``program_hash``, with its holding key
+        (:mod:`gpunet.protocol.holding`, computed in the same pass); None if the peers could not deliver them within
+        ``timeout``. ``holders``: peer ids, dialled through the p2p layer only. ``grants``: per holder, the client's
+        proof to present to it (a program that is not shared is served only against one). ``coming``: holders that
+        are still receiving it from the client, waited for while they say so. Peers caught serving a wrong piece are
+        banned only once the whole program is proven right (so neither a client's wrong list nor an accomplice of it
+        can get honest holders banned).
 
         ``on_first``: called once the first right piece is here, before the program's memory is taken (the worker
         charges its buffer budget then, not while a holder that may never deliver keeps it waiting); what it raises
         ends the fetch (None)."""
-        peers = [(p, list(m)) for p, m in dict(holders).items() if p != self.own_id and not self.bans.banned(p)]
+        peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
         if not peers:
             return None
-        run = _Fetch(self, program_hash, pieces, coming, on_first)
+        run = _Fetch(self, program_hash, pieces, coming, on_first, grants or {})
         deadline = time.monotonic() + timeout
         for _ in range(VOUCHED_ROUNDS):
             # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
             # overlap the other's transfer.
-            tasks = [asyncio.ensure_future(run.from_peer(peer, maddrs)) for peer, maddrs in peers
-                     for _ in range(SERVE_PER_PEER)]
+            tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(SERVE_PER_PEER)]
             try:
                 await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
             finally:
@@ -190,7 +202,7 @@ class Fetcher:
             # Every stream ended early: holders the client vouches for are asked again (a stream reset, a holder
             # still settling in); the others said what they had to say.
             suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
-            peers = [(p, m) for p, m in peers if p in coming and p not in suspects]
+            peers = [p for p in peers if p in coming and p not in suspects]
             if (run.refused is not None or not run.missing or not peers
                     or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
                 break
@@ -202,7 +214,8 @@ class Fetcher:
             logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
             return None
-        if await asyncio.to_thread(content_hash, run.buffer) != program_hash:
+        found, key = await asyncio.to_thread(_hash_and_key, run.buffer)
+        if found != program_hash:
             logger.warning("Program %s assembled from peers does not match its hash (the client's piece list and "
                            "the peers agree on other bytes); asking the client for it", program_hash[:12])
             return None
@@ -215,7 +228,11 @@ class Fetcher:
                     pieces.size, len(run.sources), seconds, pieces.size / max(seconds, 1e-9) / 1e6)
         self.fetched += pieces.size
         metrics.PEER_BYTES_FETCHED.inc(pieces.size)
-        return run.buffer
+        return run.buffer, key
+
+
+def _hash_and_key(data: bytearray) -> tuple[str | None, bytes]:
+    return content_hash(data), holding_key(data)
 
 
 class _Busy(Exception):
@@ -226,8 +243,9 @@ class _Fetch:
     """One program's fetch: which pieces are still missing, and who tried to pass off a wrong one."""
 
     def __init__(self, fetcher: Fetcher, program_hash: str, pieces: PieceList, coming: frozenset[str],
-                 on_first: Callable[[], None] | None = None):
+                 on_first: Callable[[], None] | None = None, grants: dict[str, bytes] | None = None):
         self.fetcher, self.program_hash, self.pieces, self.coming = fetcher, program_hash, pieces, coming
+        self.grants = grants or {}
         self.started = time.monotonic()
         self.on_first = on_first
         self.refused: Exception | None = None  # what on_first raised: the fetch is over
@@ -256,7 +274,7 @@ class _Fetch:
         self.todo.append(index)
         self.changed.set()
 
-    async def from_peer(self, peer: str, maddrs: list[str]) -> None:
+    async def from_peer(self, peer: str) -> None:
         """Fetch pieces from ``peer`` until none is missing or it fails; a busy peer is asked again later (a stream
         it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for."""
         index = writer = None
@@ -264,7 +282,7 @@ class _Fetch:
         try:
             while self.missing and self.refused is None:
                 try:
-                    reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE, maddrs)
+                    reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE)  # by id: no address of the client's
                 except NetworkError:
                     failed_opens += 1
                     if failed_opens > OPEN_RETRIES:
@@ -293,7 +311,7 @@ class _Fetch:
                     await asyncio.sleep(NOT_YET_RETRY)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # whatever a broken peer (or a bad address a client named) makes us trip on
+        except Exception as e:  # whatever a broken peer (or a peer id nobody answers for) makes us trip on
             logger.info("Fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], e)
         finally:
             if index is not None:
@@ -304,7 +322,7 @@ class _Fetch:
     async def _one(self, peer: str, reader, writer, index: int) -> bool:
         """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more."""
         start, length = self.pieces.span(index)
-        await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size))
+        await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size, self.grants.get(peer)))
         reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
         if isinstance(reply, Error):
             error = reply.exception()

@@ -96,6 +96,17 @@ class DiskCache:
         except (FileNotFoundError, JobRejected):
             return None
 
+    def digest(self, program_hash: str, hasher, chunk: int = 1 << 20):
+        """Feed a cached program's bytes to ``hasher`` a chunk at a time (never the whole program in memory);
+        the hasher, or None when the program is not cached."""
+        try:
+            with open(self._path(program_hash), "rb") as f:
+                while block := f.read(chunk):
+                    hasher.update(block)
+            return hasher
+        except (FileNotFoundError, JobRejected):
+            return None
+
     def hashes(self) -> list[str]:
         """Cached program hashes, least recently used first."""
         return [Path(path).name[: -len(self.SUFFIX)] for _, _, path in self._entries()]

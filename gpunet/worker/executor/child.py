@@ -174,7 +174,8 @@ def _map_shared(fd: int, size: int) -> memoryview:
 def _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
              sessions: dict | None = None, stop=None, dry_word=None) -> dict:
     h = check_hash(req["hash"])
-    prog = programs.get(h)
+    # "fresh": the bytes sent are what this job may run (its client may not run a copy loaded here): load, check them.
+    prog = None if req.get("fresh") and req.get("program") else programs.get(h)
     if prog is None:
         data = req.get("program") or disk.get(h)
         if data is None:

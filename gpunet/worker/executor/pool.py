@@ -138,7 +138,7 @@ class Executor:
 
     async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
                   private: bool = False, session: SessionRun | None = None, tag: object = None,
-                  spare_sessions: bool = False, dry: DryRun | None = None) -> RunResult:
+                  spare_sessions: bool = False, dry: DryRun | None = None, fresh: bool = False) -> RunResult:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout.
 
         ``session``: the job is a step of an inference session, ``{"key", "step", "fresh", "close", "room"}``; its
@@ -146,7 +146,8 @@ class Executor:
         a new session's state may take. ``tag``: a name for this run, to :meth:`stop` it by while it runs.
         ``spare_sessions``: take an executor holding no session's state if one is idle (work that may be stopped keeps
         out of the way of the sessions' steps, which must run there). ``dry``: filled in with what the job's dry run
-        took, whatever the outcome.
+        took, whatever the outcome. ``fresh``: run the program from ``program_bytes`` (checked against its hash as they
+        load) even where a copy is loaded already: the bytes are what a client that may not run that copy brought.
 
         Cancelling a run stops it at its program's next node, the process serving on; one op that outlasts
         STOP_GRACE has its process killed, unless the process holds sessions' state: a kill would lose every session
@@ -169,7 +170,7 @@ class Executor:
             if pinned is not None and self._pins.get(session.key, (None, -1))[1] != slot.generation:
                 raise SessionLost("the session's state was lost while its step waited: its executor restarted")
             result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session,
-                                        DryRun() if dry is None else dry)
+                                        DryRun() if dry is None else dry, fresh)
             if session is not None:
                 if session.close:
                     self._pins.pop(session.key, None)
@@ -372,7 +373,7 @@ class Executor:
             spare.stop()
 
     async def _run_on(self, slot: Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
-                      private: bool, session: SessionRun | None, dry: DryRun) -> RunResult:
+                      private: bool, session: SessionRun | None, dry: DryRun, fresh: bool = False) -> RunResult:
         if self._closed:  # the worker is leaving: this job runs elsewhere
             raise _leaving("before")
         await self._revive(slot)
@@ -385,6 +386,8 @@ class Executor:
         slot.run_id += 1
         header = {"op": "run", "hash": program_hash, "program": program_bytes is not None, "private": private,
                   "run": slot.run_id}
+        if fresh and program_bytes is not None:
+            header["fresh"] = True
         if session is not None:
             header["session"] = session.to_wire()
         payloads = [program_bytes] if program_bytes is not None else []

@@ -6,6 +6,6 @@ the clock passed in — tested without a network (dask/distributed's ``worker_st
 * :mod:`.sessions` — the inference sessions held here and their tabs;
 * :mod:`.pushes` — session inputs pushed by the span before, and the steps waiting for them;
 * :mod:`.availability` — when the owner's machine is theirs again;
-* :mod:`.owners` — who may run a private program; :mod:`.limits` — the typed limits, and a session step as the
-  executor runs it.
+* :mod:`.owners` — who may run a program held here without sending it; :mod:`.limits` — the typed limits, and a
+  session step as the executor runs it.
 """

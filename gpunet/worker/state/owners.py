@@ -1,40 +1,70 @@
-"""Private programs (``Submit.private``): which clients sent a program's bytes. Only they may run it from this
-worker's memory; it is never advertised nor written to disk, and anyone else must send the bytes (the bytes are the
-capability). Pure: whether an executor still holds a program is asked through ``held``."""
+"""Who may run a program this worker holds without sending its bytes.
+
+Program hashes are published (worker records list what they cache), so a hash is no capability: a stranger who named
+one ran another client's model on the cached weights, and recovered a private layer's weights exactly. Here:
+
+* a client that sent the program's bytes to this worker (checked against its hash), or proved that it holds them
+  (:mod:`gpunet.protocol.holding`), is one of its **holders** here: its jobs run on the copy held here;
+* a program a holder published as **shared** (``Submit.shared``: public checkpoints) runs for anyone who names its
+  hash, and its pieces are served to any peer. Only a holder can share it (whoever holds the bytes could publish them
+  anyway), and a shared program stays shared;
+* a **private** program (``Submit.private``) is never written to disk, served or advertised; only clients that sent
+  its bytes run it (the worker keeps no copy outside its executors to check a proof against).
+
+Forgetting fails closed: a program or holder dropped from the bounded table must send its bytes or prove again (a
+client sends its proof with every job, so that costs it nothing); it never makes a program runnable by anyone else.
+Pure: no I/O.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
 
-from gpunet.errors import JobRejected
+MAX_PROGRAMS = 4096  # programs whose holders are tracked (least recently used forgotten first)
+MAX_HOLDERS = 256  # holders tracked per program (least recently seen forgotten first)
 
-MAX_PRIVATE_PROGRAMS = 4096  # private programs whose owners are tracked
+
+@dataclass
+class _Program:
+    holders: dict[str, None] = field(default_factory=dict)  # insertion-ordered: the least recently seen first
+    private: bool = False
+    shared: bool = False
 
 
 class Owners:
-    def __init__(self, held: Callable[[str], bool], max_programs: int | None = None):
-        """``held(hash)``: whether an executor may still hold that program."""
-        self._held, self.max_programs = held, max_programs or MAX_PRIVATE_PROGRAMS
-        self._owners: dict[str, set[str]] = {}  # bounded by add (never evicts a program still held)
+    def __init__(self, max_programs: int | None = None, max_holders: int | None = None):
+        self.max_programs, self.max_holders = max_programs or MAX_PROGRAMS, max_holders or MAX_HOLDERS
+        self._programs: dict[str, _Program] = {}  # insertion-ordered: the least recently used first
 
-    def __contains__(self, program_hash: str) -> bool:
-        return program_hash in self._owners
+    def __len__(self) -> int:
+        return len(self._programs)
 
-    def owns(self, program_hash: str, client_id: str) -> bool | None:
-        """Whether ``client_id`` sent that private program's bytes (None: the program is not private here)."""
-        owners = self._owners.get(program_hash)
-        return None if owners is None else client_id in owners
+    def may_run(self, program_hash: str, client_id: str) -> bool:
+        """Whether ``client_id``'s job may run on the copy held here without sending the bytes or a proof."""
+        program = self._programs.get(program_hash)
+        return program is not None and (program.shared or client_id in program.holders)
 
-    def add(self, program_hash: str, client_id: str) -> None:
-        """Record that ``client_id`` holds a private program's bytes. Entries are never evicted while an executor
-        may still hold the program (an evicted one would make it public); when the table is full, entries of
-        programs no longer held are dropped, and if none is, the job is refused."""
-        owners = self._owners.get(program_hash)
-        if owners is None:
-            if len(self._owners) >= self.max_programs:
-                for gone in [h for h in self._owners if not self._held(h)]:
-                    del self._owners[gone]
-            if len(self._owners) >= self.max_programs:
-                raise JobRejected("this worker holds as many private programs as it keeps track of; try another")
-            owners = self._owners[program_hash] = set()
-        owners.add(client_id)
+    def is_private(self, program_hash: str) -> bool:
+        program = self._programs.get(program_hash)
+        return program is not None and program.private
+
+    def is_shared(self, program_hash: str) -> bool:
+        program = self._programs.get(program_hash)
+        return program is not None and program.shared
+
+    def add(self, program_hash: str, client_id: str, private: bool = False, shared: bool = False) -> None:
+        """``client_id`` holds the program's bytes (it sent them, checked, or proved it). ``private``: its copy here
+        is private (nobody else's job runs on it); ``shared``: it publishes the program for anyone. A shared program
+        is never made private, and a private one never shared."""
+        program = self._programs.pop(program_hash, None)
+        if program is None:
+            program = _Program(private=private)
+            while len(self._programs) >= self.max_programs:
+                del self._programs[next(iter(self._programs))]
+        self._programs[program_hash] = program
+        program.holders.pop(client_id, None)
+        program.holders[client_id] = None
+        while len(program.holders) > self.max_holders:
+            del program.holders[next(iter(program.holders))]
+        if shared and not program.private:
+            program.shared = True
