@@ -52,6 +52,8 @@ class _Vote:
 #: What ends the search for one more result, leaving the results in hand to be settled: out of time, nobody left,
 #: everyone left refused it.
 _NO_MORE = (JobTimeout, NoWorkersAvailable, JobRejected)
+#: Further workers asked at once when no result agrees with the client's own computation.
+FURTHER_AT_ONCE = 2
 
 
 class Verifier:
@@ -257,22 +259,49 @@ class Verifier:
                            e or f"not within {check_seconds(p.req):g} s")
             return None
         good = [i for i, c in enumerate(results) if agree(c.outputs, mine)]
-        while not good:
-            logger.warning("No result of job %s agrees with this client's own computation; asking another worker",
+        if not good:
+            logger.warning("No result of job %s agrees with this client's own computation; asking other workers",
                            p.job_id[:12])
-            try:
-                await self._one_more(vote, until=until)
-            except _NO_MORE as e:
-                for i in range(len(results)):
-                    if i not in vote.settled:
-                        self._reject(vote, i, "result differs from the client's own computation of the job",
-                                     brand=True)
-                self.reputation.save()
-                raise VerificationFailed(
-                    f"job {p.job_id[:12]}: none of its {len(results)} results agrees with this client's own "
-                    f"computation of it, and no further worker could be had ({e}); nobody is paid") from None
-            if agree(results[-1].outputs, mine):
-                good = [len(results) - 1]
+            good = await self._further(vote, mine, until)
+        return good
+
+    async def _further(self, vote: _Vote, mine, until: float) -> list[int]:
+        """The results of further workers, drawn at random and asked ``FURTHER_AT_ONCE`` at a time by ``until``,
+        that agree with this client's own computation ``mine``: asked until one does. Several at once, so that a liar
+        that stalls until the end of the check holds up only its own ask. None agreeing: VerificationFailed, every
+        result refused and its worker recorded as lying (the client's own run proved each wrong)."""
+        results, start = vote.results, len(vote.results)
+        asking: set[asyncio.Future] = set()
+        short = None  # why no further worker could be asked
+        try:
+            while True:
+                while short is None and len(asking) < FURTHER_AT_ONCE:
+                    asking.add(asyncio.ensure_future(self._one_more(vote, until=until)))
+                if not asking:
+                    break
+                done, asking = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    error = task.exception()
+                    if isinstance(error, _NO_MORE):
+                        short = short or error
+                    elif error is not None:
+                        raise error
+                if any(agree(c.outputs, mine) for c in results[start:]):
+                    break
+        finally:
+            for task in asking:
+                task.cancel()
+            if asking:
+                await asyncio.wait(asking)  # a result that came meanwhile is in ``results``: judged below
+        good = [i for i in range(start, len(results)) if agree(results[i].outputs, mine)]
+        if not good:
+            for i in range(len(results)):
+                if i not in vote.settled:
+                    self._reject(vote, i, "result differs from the client's own computation of the job", brand=True)
+            self.reputation.save()
+            raise VerificationFailed(
+                f"job {vote.p.job_id[:12]}: none of its {len(results)} results agrees with this client's own "
+                f"computation of it, and no further worker could be had ({short}); nobody is paid")
         return good
 
     async def _check_locally(self, vote: _Vote) -> JobResult:
@@ -295,16 +324,22 @@ class Verifier:
                            p.job_id[:12], e)
             vote.settled.add(0)
             return await self.payment.pay(p, results[0], [], checked=False)
-        while True:
-            c = results[-1]
-            vote.settled.add(len(results) - 1)
-            if agree(c.outputs, mine):
-                result = await self.payment.pay(p, c, [x.worker_id for x in results], checked=True, trusted=True)
-                self.reputation.save()
-                return result
-            self.reputation.record(c.worker_id, "rejected")
-            self.payment.settlement.refuse(c.delivery, "result differs from the client's own computation of the job")
+        if agree(results[0].outputs, mine):
+            good = [0]
+        else:
+            self._reject(vote, 0, "result differs from the client's own computation of the job", brand=True)
             logger.warning("Worker %s returned a result that differs from this client's own computation (job %s); "
-                           "it is not paid, and the job goes to another worker", c.worker_id[-8:], p.job_id[:12])
-            results.append(await self.deliverer.deliver(p, f"{p.job_id}.{secrets.token_hex(8)}", vote.replicas,
-                                                        deadline=until))
+                           "it is not paid, and the job goes to other workers", results[0].worker_id[-8:],
+                           p.job_id[:12])
+            good = await self._further(vote, mine, until)
+        for i in range(len(results)):
+            if i not in good and i not in vote.settled:
+                self._reject(vote, i, "result differs from the client's own computation of the job", brand=True)
+        result = None
+        for i in good:
+            vote.settled.add(i)
+            outcome = await self.payment.pay(p, results[i], [x.worker_id for x in results], checked=True,
+                                             trusted=True)
+            result = result or outcome
+        self.reputation.save()
+        return result
