@@ -301,6 +301,21 @@ def test_colluders_who_answer_just_before_the_timeout_leave_the_check_its_own_ti
     assert all([type(v) for v in w.verdicts] == [Refuse] for w in liars)
 
 
+def test_a_worker_that_holds_its_answer_through_the_check_holds_up_only_its_own_ask(tmp_path):
+    """The client's own run proved the first answer wrong; the further workers are asked two at a time, so one that
+    never answers (a colluder stalling through the check's time) cannot use up that time before an honest one is
+    asked."""
+    liar, hung, honest = FakeWorker("liar", "lie", price=0.5, tflops=100.0), FakeWorker("hung", "hang"), \
+        FakeWorker("honest")
+
+    async def scenario(core):
+        return await core.run(JOB, [X], gpunet.Requirements(verify="local-sample", prefer="cheapest", timeout=0.5))
+
+    result = run(tmp_path, [liar, hung, honest], scenario)
+    assert result.worker_id == honest.id and result.checked and torch.allclose(result.outputs, JOB.run_locally(X))
+    assert [type(v) for v in liar.verdicts] == [Refuse]
+
+
 def _cannot(*inputs):
     raise JobFailed("this machine lacks what the job needs")
 

@@ -139,11 +139,15 @@ class Verifier:
             # compute the job itself: returned as an unchecked job is (a redundant request never gets here)
             logger.warning("Job %s: the agreeing results come from workers this client has not come to trust, and it "
                            "could not compute the job itself; returned marked unchecked", p.job_id[:12])
-        attempts = [c.worker_id for c in results]
+        return await self._pay(vote, group, checked=checked and trusted, trusted=trusted)
+
+    async def _pay(self, vote: _Vote, paid: list[int], checked: bool, trusted: bool) -> JobResult:
+        """Pay every result in ``paid`` (they agree, and each did the work); the first is the answer."""
+        attempts = [c.worker_id for c in vote.results]
         result = None
-        for i in group:
+        for i in paid:
             vote.settled.add(i)
-            outcome = await self.payment.pay(p, results[i], attempts, checked=checked and trusted, trusted=trusted)
+            outcome = await self.payment.pay(vote.p, vote.results[i], attempts, checked=checked, trusted=trusted)
             result = result or outcome
         self.reputation.save()
         return result
@@ -226,8 +230,9 @@ class Verifier:
                 f"take this job: lower redundancy, or ease the requirements")
 
     async def _check_alone(self, vote: _Vote) -> JobResult:
-        """An adaptive spot check with no second worker to ask: the client's own computation is the check. If this
-        machine cannot run the job, the result is returned marked unchecked (never silently taken as checked)."""
+        """An adaptive spot check with no second worker to ask (or none in the job's time): the client's own
+        computation is the check, in its own time. If this machine cannot run the job, the result is returned marked
+        unchecked (never silently taken as checked)."""
         p, results = vote.p, vote.results
         own = await self._own_verdict(vote) if p.inputs is not None else None
         if own is None:
@@ -238,11 +243,7 @@ class Verifier:
         for i in range(len(results)):
             if i not in own and i not in vote.settled:
                 self._reject(vote, i, "result differs from the client's own computation of the job", brand=True)
-        vote.settled.add(own[0])
-        result = await self.payment.pay(p, results[own[0]], [c.worker_id for c in results], checked=True,
-                                        trusted=True)
-        self.reputation.save()
-        return result
+        return await self._pay(vote, own, checked=True, trusted=True)
 
     async def _own_verdict(self, vote: _Vote) -> list[int] | None:
         """The results that agree with this client's own computation of the job, asking further (randomly drawn)
@@ -335,11 +336,4 @@ class Verifier:
         for i in range(len(results)):
             if i not in good and i not in vote.settled:
                 self._reject(vote, i, "result differs from the client's own computation of the job", brand=True)
-        result = None
-        for i in good:
-            vote.settled.add(i)
-            outcome = await self.payment.pay(p, results[i], [x.worker_id for x in results], checked=True,
-                                             trusted=True)
-            result = result or outcome
-        self.reputation.save()
-        return result
+        return await self._pay(vote, good, checked=True, trusted=True)
