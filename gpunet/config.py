@@ -120,6 +120,8 @@ class WorkerConfig:
     fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
     fault_corrupt_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker a wrong input
     fault_drop_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker nothing (a lost push)
+    fault_answer_late: float = 0.0  # FAULT INJECTION for tests: hold each answer until this many seconds before the
+    # client's timeout (a stall meant to leave the client no time to check it)
 
     def __post_init__(self):
         if self.threads is not None and not (type(self.threads) is int and 1 <= self.threads <= usable_cpus()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from gpunet.client import local, view
 from gpunet.client.core import ClientCore
 from gpunet.errors import (
     DeadlineUnreachable,
+    JobFailed,
     JobRaised,
     JobRejected,
     JobTimeout,
@@ -26,7 +28,7 @@ from gpunet.errors import (
     ProtocolError,
 )
 from gpunet.ledger import Identity, price_to_nano, sign_as_worker
-from gpunet.protocol import Refuse
+from gpunet.protocol import Countersign, Refuse
 from gpunet.testing.transport import FakeTransport, FakeWorker
 
 JOB = gpunet.Job.from_function(lambda x: torch.tanh(x) * 2, (torch.randn(4, 8),))
@@ -266,6 +268,84 @@ def test_redundancy_outvotes_a_liar_who_is_then_not_paid(tmp_path):
     assert torch.allclose(result.outputs, JOB.run_locally(X))
     assert liar.id not in paid and paid == {a.id, b.id}
     assert [type(v) for v in liar.verdicts] == [Refuse]
+
+
+def _computed_here(run_locally):
+    """JOB as this client computes it (``run_locally``: how); the workers' copies run the program's bytes, as ever."""
+    job = gpunet.Job.from_bytes(JOB.program_bytes())
+    job.run_locally = run_locally
+    return job
+
+
+def _slowly(*inputs):  # a job that takes this client a while (0.4 s) to compute itself
+    time.sleep(0.4)
+    return JOB.run_locally(*inputs)
+
+
+def test_colluders_who_answer_just_before_the_timeout_leave_the_check_its_own_time(tmp_path):
+    """Stall then lie: two strangers agree on a lie, answering 0.1 s before the job's 1 s timeout, and this client
+    takes 0.4 s to compute the job itself. That check used to get what the liars left of the job's time: their
+    answer came back (marked unchecked) and they were paid. It has time of its own now."""
+    liars = [FakeWorker(f"liar-{i}", "stall", price=0.5) for i in range(2)]
+    honest = FakeWorker("honest")
+
+    async def scenario(core):
+        result = await core.run(_computed_here(_slowly), [X], gpunet.Requirements(redundancy=3, timeout=1.0))
+        await core.flush_ledger()
+        return result, {r.worker_id for r in core.ledger.receipts()}, core.reputation
+
+    result, paid, reputation = run(tmp_path, [*liars, honest], scenario)
+    assert torch.allclose(result.outputs, JOB.run_locally(X)) and result.checked and result.worker_id == honest.id
+    assert paid == {honest.id}
+    assert all(reputation.avoided(w.id) for w in liars)  # the client's own run proved them wrong
+    assert all([type(v) for v in w.verdicts] == [Refuse] for w in liars)
+
+
+def test_a_worker_that_holds_its_answer_through_the_check_holds_up_only_its_own_ask(tmp_path):
+    """The client's own run proved the first answer wrong; the further workers are asked two at a time, so one that
+    never answers (a colluder stalling through the check's time) cannot use up that time before an honest one is
+    asked."""
+    liar, hung, honest = FakeWorker("liar", "lie", price=0.5, tflops=100.0), FakeWorker("hung", "hang"), \
+        FakeWorker("honest")
+
+    async def scenario(core):
+        return await core.run(JOB, [X], gpunet.Requirements(verify="local-sample", prefer="cheapest", timeout=0.5))
+
+    result = run(tmp_path, [liar, hung, honest], scenario)
+    assert result.worker_id == honest.id and result.checked and torch.allclose(result.outputs, JOB.run_locally(X))
+    assert [type(v) for v in liar.verdicts] == [Refuse]
+
+
+def _cannot(*inputs):
+    raise JobFailed("this machine lacks what the job needs")
+
+
+def test_a_redundant_vote_nothing_settles_is_not_returned_and_pays_nobody(tmp_path):
+    """Two strangers agree (on a lie) and this client cannot compute the job itself: that vote used to be returned
+    marked unchecked, and both were paid. A redundant request fails closed: VerificationFailed, both refused."""
+    liars = [FakeWorker(f"liar-{i}", "lie") for i in range(2)]
+
+    async def scenario(core):
+        with pytest.raises(gpunet.VerificationFailed, match="could not compute the job itself .* nobody is paid"):
+            await core.run(_computed_here(_cannot), [X], gpunet.Requirements(redundancy=2))
+        await core.flush_ledger()
+        assert list(core.ledger.receipts()) == []
+        assert not any(core.reputation.avoided(w.id) for w in liars)  # nothing proved them wrong
+
+    run(tmp_path, liars, scenario)
+    assert all([type(v) for v in w.verdicts] == [Refuse] for w in liars)
+
+
+def test_a_copy_out_of_time_leaves_the_results_in_hand_to_the_check(tmp_path):
+    """A replica that never answers used to fail the whole job (JobTimeout) and leave the other worker unpaid; the
+    result in hand is checked (here: by this client's own run) and paid."""
+    honest, hung = FakeWorker("honest"), FakeWorker("hung", "hang")
+
+    async def scenario(core):
+        return await core.run(JOB, [X], gpunet.Requirements(redundancy=2, timeout=0.5))
+
+    result = run(tmp_path, [honest, hung], scenario)
+    assert result.worker_id == honest.id and result.checked and [type(v) for v in honest.verdicts] == [Countersign]
 
 
 def test_unary_countersignatures_are_delivered_before_the_client_closes(tmp_path):

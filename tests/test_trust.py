@@ -278,3 +278,48 @@ def test_a_client_that_never_countersigns_is_cut_off_and_its_debt_is_on_the_work
     assert len(unpaid) == line
     honest = client_for(swarm)
     assert honest.submit(job, torch.randn(1, 4)).result(timeout=60).shape == (1, 4)
+
+
+def _sum_of_products(x):
+    """About 54 GFLOP from a 4 MiB input (about a second on this CPU), a 4 KiB answer: a job that a client cannot
+    compute in a moment, whose answer is quick to send."""
+    y = x @ x
+    for i in range(24):
+        y = y + (x * (i + 2)) @ x
+    return y.sum(0)
+
+
+@pytest.mark.swarm
+def test_colluders_answering_just_before_the_timeout_get_no_wrong_answer_accepted_and_are_not_paid(swarm, client_for):
+    """Stall then lie: two colluding identities return the same wrong answer, each held until 0.5 s before the
+    client's timeout (the client says how long it has left), so that no time is left for the client to compute the
+    job itself and settle a vote among workers it does not trust yet. Their answer used to be returned (marked only
+    ``checked=False``, in a log line) and they were paid. The check has its own time now, whenever the answers came:
+    a redundant job returns the right answer, checked, or raises VerificationFailed; neither liar is countersigned,
+    in the client's ledger or in their own."""
+    liars = swarm.start_workers(2, "--price", "0.5", "--fault-corrupt-fraction", "1.0", "--fault-answer-late", "0.5")
+    honest = swarm.start_worker("--price", "2")
+    liar_ids, honest_id = {swarm.worker_id(w) for w in liars}, swarm.worker_id(honest)
+    job = gpunet.Job.from_function(_sum_of_products, (torch.randn(1024, 1024),))
+    torch.manual_seed(38)
+    paid = set()
+    for k in (3, 2):  # 3: all three workers vote, the liars are the majority; 2: the cheapest (a liar) and one drawn
+        client = client_for(swarm, f"redundancy-{k}")  # fresh: no worker is established with it
+        wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "three workers")
+        xs = [torch.randn(1024, 1024) / 32 for _ in range(3)]
+        req = Requirements(redundancy=k, timeout=20, prefer="cheapest")
+        futures = [client.submit(job, x, requirements=req) for x in xs]
+        for x, f in zip(xs, futures):
+            try:
+                got = f.result(timeout=120)
+            except gpunet.VerificationFailed:
+                continue  # fail closed: allowed, never a wrong answer
+            assert torch.allclose(got, _sum_of_products(x), rtol=1e-4, atol=1e-3), "the colluders' answer was accepted"
+            assert f.checked and f.worker_id == honest_id
+        client._call(client._core.flush_ledger())
+        paid |= {r.worker_id for r in client.ledger.receipts()}
+    assert not paid & liar_ids, "a liar's receipt was countersigned"
+    for liar in liars:
+        assert liar.terminate() == 0
+        with gpunet.ledger.open_ledger(liar.data_dir) as ledger:
+            assert list(ledger.receipts()) == []  # nothing countersigned on the liars' own books either

@@ -155,6 +155,9 @@ def worker(
     fault_drop_pushes: bool = typer.Option(
         _WORKER.fault_drop_pushes, "--fault-drop-pushes", hidden=True,
         help="FAULT INJECTION for tests: never push a session step's output to the next span's worker."),
+    fault_answer_late: float = typer.Option(
+        _WORKER.fault_answer_late, "--fault-answer-late", metavar="SECONDS", min=0.0, hidden=True,
+        help="FAULT INJECTION for tests: hold each job's answer until SECONDS before the client's timeout."),
     verbose: int = Verbose,
 ) -> None:
     """Join a network (or start one) and serve jobs on this machine's GPU or CPU; `gpunet worker pause` / `resume`
@@ -206,6 +209,7 @@ def worker(
         fault_corrupt_pieces=fault_corrupt_pieces,
         fault_corrupt_pushes=fault_corrupt_pushes,
         fault_drop_pushes=fault_drop_pushes,
+        fault_answer_late=fault_answer_late,
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)

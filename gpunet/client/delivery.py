@@ -72,11 +72,13 @@ class Deliverer:
 
     # --- a job, to whichever worker can take it -------------------------------------------------------------------
 
-    async def deliver(self, p: Prepared, job_id: str, replicas: Replicas, checker: bool = False) -> CheckedDelivery:
+    async def deliver(self, p: Prepared, job_id: str, replicas: Replicas, checker: bool = False,
+                      deadline: float | None = None) -> CheckedDelivery:
         """One checked result from one worker not running another copy (``replicas``), retrying elsewhere on
-        failure; an error says in ``attempts`` which workers it went to (``JobFuture.attempts``)."""
-        attempts = Attempts(job_id, p.req, p.shape, p.deadline, replicas=replicas, checker=checker,
-                            runs_here=small_enough(p), max_rejections=self.max_rejections,
+        failure, by ``deadline`` (monotonic; the job's by default, a check's own for a checker drawn to settle a
+        vote); an error says in ``attempts`` which workers it went to (``JobFuture.attempts``)."""
+        attempts = Attempts(job_id, p.req, p.shape, p.deadline if deadline is None else deadline, replicas=replicas,
+                            checker=checker, runs_here=small_enough(p), max_rejections=self.max_rejections,
                             max_resends=self.max_resends, empty_wait=EMPTY_NETWORK_WAIT,
                             look_pause=self.refresh_period / 4)
         try:
@@ -126,7 +128,7 @@ class Deliverer:
                     if p.input_hash is None:
                         p.input_hash = await p.hashing
             except JobRaised as e:
-                return tries.Raised(e, await self.local.raises_here(p)), None
+                return tries.Raised(e, await self.local.raises_here(p, attempts.deadline)), None
             except (TimeoutError, GpunetError) as e:  # the transport raises only gpunet errors
                 return e, None
             try:

@@ -220,6 +220,16 @@ def seconds_left(req: Requirements) -> float:
     return min(req.timeout, left)
 
 
+def check_seconds(req: Requirements) -> float:
+    """How long a check of a job's answers may take, from when it begins (the client's own run of the job, the
+    checkers drawn to settle a vote): the job's timeout again, cut to its deadline (0 once that has passed). Never
+    what the workers left of the job's time: a worker that answers at the last moment must not shorten its own
+    check (docs/trust.md, "Late answers")."""
+    if req.deadline is None:
+        return req.timeout
+    return max(0.0, min(req.timeout, req.deadline - time.time()))
+
+
 async def _off_loop_if_large(encode, inputs):
     """Copying big inputs takes a while; do it in a thread so other jobs' I/O keeps moving."""
     if sum(t.numel() * t.element_size() for t in inputs) >= LARGE_BYTES:

@@ -32,9 +32,10 @@ class LocalRuns:
     def __init__(self):
         self._checks: concurrent.futures.ThreadPoolExecutor | None = None  # see raises_here
 
-    async def raises_here(self, p: Prepared) -> bool | None:
+    async def raises_here(self, p: Prepared, until: float | None = None) -> bool | None:
         """Whether the job raises on this machine too (True), runs (False), or was not tried here (None: too big to
-        run on a client, or this machine cannot). Decides a worker's "the job raised" without trusting anyone. Run
+        run on a client, or this machine cannot), waiting at most until ``until`` (monotonic; the job's deadline
+        by default). Decides a worker's "the job raised" without trusting anyone. Run
         once per job, and one job at a time on a thread of its own: lying workers cannot make the client run a job
         again and again, nor fill its threads (a run past its time finishes there, holding up only later checks)."""
         if p.flops > LOCAL_CONFIRM_FLOPS or p.peak_memory > LOCAL_CONFIRM_BYTES:
@@ -44,17 +45,19 @@ class LocalRuns:
                 self._checks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpunet-check")
             p.raises_here = asyncio.get_running_loop().run_in_executor(self._checks, _raises, p)
         try:
-            async with asyncio.timeout(max(0.1, min(LOCAL_CONFIRM_SECONDS, p.deadline - time.monotonic()))):
+            left = (p.deadline if until is None else until) - time.monotonic()
+            async with asyncio.timeout(max(0.1, min(LOCAL_CONFIRM_SECONDS, left))):
                 return await asyncio.shield(p.raises_here)
         except TimeoutError:
             logger.info("Could not run job %s here in time to check that it raises", p.job_id[:12])
             return None
 
-    async def compute(self, p: Prepared):
-        """The job computed on this machine, within what is left of its timeout (TimeoutError past it); a JobRaised
-        from it is confirmed here (``confirmed_here``): results in hand for it were made up, not checked ones."""
+    async def compute(self, p: Prepared, until: float):
+        """The job computed on this machine, by ``until`` (monotonic; TimeoutError past it: the check's own time,
+        not what the workers left of the job's); a JobRaised from it is confirmed here (``confirmed_here``): results
+        in hand for it were made up, not checked ones."""
         try:
-            async with asyncio.timeout(max(0.1, p.deadline - time.monotonic())):
+            async with asyncio.timeout(max(0.1, until - time.monotonic())):
                 return await asyncio.to_thread(p.job.run_locally, *p.inputs)
         except JobRaised as e:
             e.confirmed_here = True

@@ -35,12 +35,16 @@ from gpunet.protocol import Countersign, Refuse
 
 __all__ = ["FakeTransport", "FakeWorker"]
 
+#: Seconds before the client's timeout a "stall" worker answers.
+STALL_MARGIN = 0.1
+
 
 class FakeWorker:
     """A worker in-process. ``script``: what it does with each job it gets, in turn ("ok" once the script runs out):
     ok, lie, garble (a receipt for other outputs), busy, fail, vanish, hang, lost (program evicted), reject,
     preempt (a batch job stopped for interactive work), late (refused for its deadline), break (the stream cut),
-    raise (says the job raised when it did not; one that does raise, raises here for real)."""
+    raise (says the job raised when it did not; one that does raise, raises here for real), stall (holds its answer
+    until 0.1 s before the client's time runs out, then lies, as colluders leaving no time to check it would)."""
 
     def __init__(self, name: str, *script: str, price: float = 1.0, tflops: float = 1.0):
         self.name, self.script, self.price = name, list(script), price
@@ -95,13 +99,15 @@ class FakeTransport(BaseTransport):
             await asyncio.Event().wait()
         if act == "raise":
             raise JobRaised("node 'x' (aten.add.Tensor) raised RuntimeError: made up")
+        if act == "stall":
+            await asyncio.sleep(max(0.0, request.timeout - STALL_MARGIN))
         if request.session is not None:
             return self._step(w, request, act)
         job = gpunet.Job.from_bytes(request.program)
         inputs = tensors.decode(request.inputs)
         x = [inputs[f"input_{i}"] for i in range(len(inputs))]
         out = job.run_locally(*x)
-        if act == "lie":
+        if act in ("lie", "stall"):
             out = out * 1.5 + 1
         outputs = tensors.encode({"output_0": out})
         signed_outputs = b"not what was sent" if act == "garble" else outputs  # a receipt for other outputs

@@ -170,7 +170,10 @@ class Jobs:
         ``payloads`` brings what the job lacks (gpunet.worker.payloads); ``reader``: the stream its client hangs up
         on (None: the unary door)."""
         if submit.session is None:
-            return await self._admit_and_run(client_id, submit, payloads, reader, host)
+            arrived = time.monotonic()
+            answer = await self._admit_and_run(client_id, submit, payloads, reader, host)
+            await self.faults.hold(arrived, submit.timeout)
+            return answer
         # A session step moves its session's state on in the executor: once begun, it is seen through with its
         # bookkeeping, whatever becomes of the door that carried it (the daemon cancels a unary call whose caller
         # has gone), and its answer waits in the recent results for the client's retry.
