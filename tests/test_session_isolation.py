@@ -10,7 +10,6 @@ from torch.export import Dim
 
 import gpunet
 from gpunet.models import TinyConfig, generate_locally, tiny_gpt
-from tests.swarm import wait_for
 
 pytestmark = pytest.mark.swarm
 

@@ -271,7 +271,7 @@ def seconds_allowed(cost: int, tflops: float) -> float:
 #: busy machine can be low, and an honest job must never be stopped for a speed the device does reach.
 PEAK_SLACK = 2.0
 #: Seconds any node may take on top of what its counted work allows at ``MIN_EFFICIENCY`` (a loaded machine).
-NODE_FLOOR_SECONDS = 2.0
+NODE_FLOOR_SECONDS = 5.0
 
 
 def least_seconds(cost: int, tflops: float) -> float:

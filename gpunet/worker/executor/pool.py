@@ -5,8 +5,9 @@ caches and runs programs under a memory budget. The parent waits on the reply *o
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
 worker keeps serving. A job whose caller gives up (cancel, client gone) is stopped at its program's next node, and
 its executor serves on; one still running :data:`STOP_GRACE` later is stopped as a hung one is, except in a process
-holding inference sessions' state (a kill would lose every session there). Parent and child exchange msgpack over a
-pipe, never pickle.
+holding inference sessions' state (a kill would lose every session there). With ``session_processes``, sessions'
+state lives in processes of its own that plain jobs never reach, so no stranger's job that must be killed can take
+it along. Parent and child exchange msgpack over a pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ class Executor:
         Cancelling a run stops it at its program's next node, the process serving on; one op that outlasts
         STOP_GRACE has its process killed, unless the process holds sessions' state: a kill would lose every session
         there (any client's), so a run there is only ever stopped, and so is a run past its time there (killed only
-        if one op outlasts STOP_GRACE)."""
+        if one op outlasts what its counted work allows and STOP_GRACE: ExecutorDied, a crash of its client).
+        With ``session_processes``, a session's step 0 goes to a sessions' process and plain jobs never do."""
         if self._closed:  # the worker is leaving: the job runs elsewhere
             raise _leaving("before")
         check_hash(program_hash)
