@@ -451,14 +451,18 @@ def test_a_kill_of_a_process_holding_sessions_is_a_crash_of_the_client_that_caus
     from gpunet.worker.executor import slot
 
     monkeypatch.setattr(slot, "STOP_GRACE", 0.1)
-    stepper = Job.from_module(LastOpSlow(), (torch.randn(3000, 3000), torch.zeros(1, 1)), state=1)
-    x = stepper.encode_step_inputs(torch.randn(3000, 3000))
+    n = Dim("n", min=8, max=6000)
+    stepper = Job.from_module(LastOpSlow(), (torch.randn(8, 8), torch.zeros(1, 1)),
+                              dynamic_shapes=({0: n, 1: n}, None), state=1)
+    small, big = (stepper.encode_step_inputs(torch.randn(n, n)) for n in (8, 6000))  # 4.3e11 FLOPs: seconds
 
     async def scenario(ex):
-        await ex.run(stepper.program_hash, stepper.to_bytes(), x, 60, session=SessionRun("B/s", 0, fresh=True,
-                                                                                          room=1 << 20))
+        await ex.run(stepper.program_hash, stepper.to_bytes(), small, 60, session=SessionRun("B/s", 0, fresh=True,
+                                                                                              room=1 << 20))
+        # Its dry run first (a run with time enough), so the step below reaches its long op at once.
+        await ex.run(stepper.program_hash, None, big, 600, session=SessionRun("M/s", 0, fresh=True, room=1 << 20))
         with pytest.raises(ExecutorDied, match="held inference sessions' state"):
-            await ex.run(stepper.program_hash, None, x, 0.3, session=SessionRun("M/s", 0, fresh=True, room=1 << 20))
+            await ex.run(stepper.program_hash, None, big, 1.5, session=SessionRun("M/s", 1, room=1 << 20))
         assert not ex.holds_session("B/s")
 
     with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False,
