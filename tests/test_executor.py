@@ -391,3 +391,129 @@ def test_a_device_that_cannot_start_is_said_with_its_error(tmp_path):
     with Executor(processes=1, device="cuda:99", cache_dir=tmp_path / "programs") as bad:
         with pytest.raises(ExecutorStartFailed, match=r"could not start \(cuda:99: \w+"):
             asyncio.run(bad.sandbox_report())
+
+
+class OneLongOp(torch.nn.Module):
+    """A plain job that is one long op (seconds on a CPU): it can be stopped only before the op, or killed in it."""
+
+    def forward(self, x):
+        return torch.mm(x, x)[:1, :1]
+
+
+def test_plain_jobs_never_reach_the_sessions_process_so_killing_them_loses_no_session(tmp_path, monkeypatch):
+    """Issue 38, item 5: sessions' state lives in a process of its own. A stranger's plain job that runs past its time
+    inside one op (killed after STOP_GRACE), or that crashes its executor, takes only a plain executor with it."""
+    from gpunet.errors import ExecutorDied
+    from gpunet.worker.executor import slot
+
+    monkeypatch.setattr(slot, "STOP_GRACE", 0.1)
+    stepper = Job.from_module(SlowCounter(), (torch.randn(64, 64), torch.zeros(1, 1)), state=1)
+    x = stepper.encode_step_inputs(torch.randn(64, 64))
+    long_op = Job.from_module(OneLongOp(), (torch.randn(3000, 3000),))
+    big = long_op.encode_inputs(torch.randn(3000, 3000))
+
+    def count(result):
+        return tensors.decode(result.outputs)["output_0"].item()
+
+    def session(step):
+        return SessionRun("A/s", step, fresh=True, room=1 << 20)
+
+    async def scenario(ex):
+        assert ex.session_pids() == []  # started with the first session, not before
+        assert count(await ex.run(stepper.program_hash, stepper.to_bytes(), x, 60, session=session(0))) == 0
+        (holder,) = ex.session_pids()
+        assert holder not in ex.pids()
+        # One long op past its time: its executor is killed (no session there), the sessions' process is not.
+        with pytest.raises(JobTimeout, match="killed"):
+            await ex.run(long_op.program_hash, long_op.to_bytes(), big, 0.3)
+        # A job whose executor crashes under it (the OOM killer, a kernel fault): the same.
+        task = asyncio.ensure_future(ex.run(long_op.program_hash, long_op.to_bytes(), big, 60))
+        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids() and ex.busy_pids() == ex.pids(), 60, "the run")
+        (plain,) = ex.pids()  # a fresh one: the first was killed
+        start = _cpu_seconds(plain)
+        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(plain) - start > 0.2, 60, "the op to compute")
+        os.kill(plain, signal.SIGKILL)
+        with pytest.raises(ExecutorDied):
+            await task
+        assert ex.session_pids() == [holder] and _alive(holder) and ex.holds_session("A/s")
+        assert count(await ex.run(stepper.program_hash, None, x, 60, session=session(1))) == 1
+
+    with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False,
+                  session_processes=1) as ex:
+        asyncio.run(scenario(ex))
+
+
+def test_a_kill_of_a_process_holding_sessions_is_a_crash_of_the_client_that_caused_it(tmp_path, monkeypatch):
+    """A session step whose one op outlasts its time and STOP_GRACE (with no measured speed to bound it) has the
+    sessions' process killed: every session there is lost, so the run fails as a crash (ExecutorDied, counted five
+    stops against its client by the job path), not as a mere timeout."""
+    from gpunet.errors import ExecutorDied
+    from gpunet.worker.executor import slot
+
+    monkeypatch.setattr(slot, "STOP_GRACE", 0.1)
+    n = Dim("n", min=8, max=6000)
+    stepper = Job.from_module(LastOpSlow(), (torch.randn(8, 8), torch.zeros(1, 1)),
+                              dynamic_shapes=({0: n, 1: n}, None), state=1)
+    small, big = (stepper.encode_step_inputs(torch.randn(n, n)) for n in (8, 6000))  # 4.3e11 FLOPs: seconds
+
+    async def scenario(ex):
+        await ex.run(stepper.program_hash, stepper.to_bytes(), small, 60, session=SessionRun("B/s", 0, fresh=True,
+                                                                                              room=1 << 20))
+        # Its dry run first (a run with time enough), so the step below reaches its long op at once.
+        await ex.run(stepper.program_hash, None, big, 600, session=SessionRun("M/s", 0, fresh=True, room=1 << 20))
+        with pytest.raises(ExecutorDied, match="held inference sessions' state"):
+            await ex.run(stepper.program_hash, None, big, 1.5, session=SessionRun("M/s", 1, room=1 << 20))
+        assert not ex.holds_session("B/s")
+
+    with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False,
+                  session_processes=1) as ex:
+        asyncio.run(scenario(ex))
+
+
+def test_an_op_whose_counted_work_cannot_end_in_time_is_not_started(tmp_path):
+    """Each node's time is bounded by its counted work: on a device measured at 0.001 TFLOPS a 3000² matmul (5.4e10
+    FLOPs) needs at least 27 s, more than the job's 5 s, so the run stops before it, the process serving on."""
+    long_op = Job.from_module(OneLongOp(), (torch.randn(3000, 3000),))
+    big = long_op.encode_inputs(torch.randn(3000, 3000))
+
+    async def scenario(ex):
+        (pid,) = ex.pids()
+        with pytest.raises(JobTimeout, match=r"node 'mm' .* needs at least .* stopped before it ran"):
+            await ex.run(long_op.program_hash, long_op.to_bytes(), big, 5)
+        assert ex.pids() == [pid] and _alive(pid)
+        ex.speed_tflops = 1.0  # a faster device: the same job runs
+        await ex.run(long_op.program_hash, None, big, 60)
+
+    with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False,
+                  speed_tflops=1e-3) as ex:
+        asyncio.run(scenario(ex))
+
+
+def test_the_pacer_stops_a_run_before_a_node_that_cannot_end_in_time_and_after_one_that_overran(monkeypatch):
+    """The pure part of the bound, on a clock the test turns: a node is not started when even at twice the measured
+    peak it would end past the job's deadline; a node that took longer than its counted work allows (at
+    MIN_EFFICIENCY, plus a floor) stops the run at the next node."""
+    from types import SimpleNamespace
+
+    from gpunet.worker.executor import child
+
+    now = [100.0]
+    monkeypatch.setattr(child, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    steps = [SimpleNamespace(name=n, op="aten.mm.default") for n in ("a", "b", "c")]
+    tflops = 1.0  # 2e12 FLOPs/s at best, 5e8 at MIN_EFFICIENCY
+    pacer = child.Pacer(steps, [10**9, 10**9, 10**13], tflops, deadline=102.0 + cost.NODE_FLOOR_SECONDS)
+    pacer(0)  # 0.5 ms at best: started
+    now[0] += 0.5 + cost.NODE_FLOOR_SECONDS  # within the floor + 1e9 / 5e8 s
+    pacer(1)
+    now[0] += 0.1
+    with pytest.raises(JobTimeout, match=r"node 'c' .* needs at least 5 s .* stopped before it ran"):
+        pacer(2)  # 1e13 FLOPs need 5 s at best; 1.4 s are left
+    pacer = child.Pacer(steps, [10**9, 10**9, 10], tflops, deadline=1000.0)
+    pacer(0)
+    now[0] += cost.NODE_FLOOR_SECONDS + 2.1  # past the floor + 1e9 / 5e8 s
+    with pytest.raises(JobTimeout, match=r"node 'a' .* ran [0-9.]+ s; its counted work .* allows [0-9.]+ s"):
+        pacer(1)
+    pacer = child.Pacer(steps, [10**9, 10**9, 10], tflops, deadline=1000.0, overrun=False)  # a GPU: queued kernels
+    pacer(0)
+    now[0] += 100
+    pacer(1)

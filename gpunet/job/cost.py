@@ -265,3 +265,22 @@ def seconds_allowed(cost: int, tflops: float) -> float:
     it is paid for, at ``MIN_EFFICIENCY`` of that speed, plus ``GRACE_SECONDS``."""
     rate = max(tflops, 1e-3) * 1e12 * MIN_EFFICIENCY
     return GRACE_SECONDS + cost / rate
+
+
+#: No node runs faster than this many times the device's measured peak (matmul, best dtype): a figure measured on a
+#: busy machine can be low, and an honest job must never be stopped for a speed the device does reach.
+PEAK_SLACK = 2.0
+#: Seconds any node may take on top of what its counted work allows at ``MIN_EFFICIENCY`` (a loaded machine).
+NODE_FLOOR_SECONDS = 5.0
+
+
+def least_seconds(cost: int, tflops: float) -> float:
+    """The least time one node of ``cost`` counted work can take on a device measured at ``tflops``: a node that
+    cannot end before its job's time is up is not started (stopped before it runs, not killed inside it)."""
+    return cost / (max(tflops, 1e-3) * 1e12 * PEAK_SLACK)
+
+
+def node_seconds_allowed(cost: int, tflops: float) -> float:
+    """The longest one node of ``cost`` counted work may take (as ``seconds_allowed`` for a job, per node): a node
+    past it stops its run at the next node, whatever time the job has left."""
+    return NODE_FLOOR_SECONDS + cost / (max(tflops, 1e-3) * 1e12 * MIN_EFFICIENCY)

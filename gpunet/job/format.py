@@ -37,6 +37,8 @@ class Estimate:
     flops: int
     peak_memory_bytes: int
     outputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: Each node's counted work, in program order: what bounds its time in a real run (gpunet.job.cost.least_seconds).
+    node_flops: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def output_bytes(self) -> int:

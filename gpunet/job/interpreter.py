@@ -130,27 +130,35 @@ def _fill(template: Any, refs: list, lists: list, env: list) -> Any:
 def execute(
     steps: Sequence[Step], env: list, outputs: Sequence[int], tracker: MemoryTracker | None = None,
     meter: list[int] | None = None, stop: Callable[[], bool] | None = None,
+    per_node: list[int] | None = None, pace: Callable[[int], None] | None = None,
 ) -> list:
     """Run ``steps`` over ``env`` (device, inputs, weights, then one slot per node) and return the output values.
 
     Errors raised by an op become JobFailed naming the node (JobRejected in a dry run, where the tracker is set).
     ``meter``: a one-element list the dry run adds each node's counted work to (see :mod:`gpunet.job.cost`).
     ``stop``: asked before each node; True stops the run there with JobPreempted (the worker wants the device for
-    a job of a higher lane, gpunet.worker.state.lanes).
+    a job of a higher lane, gpunet.worker.state.lanes). ``per_node``: a list the dry run appends each node's
+    counted work to. ``pace``: called with each node's index before it runs; it raises (JobTimeout) to stop the run
+    there (the worker bounds each node's time by its counted work: gpunet.worker.executor.child).
     """
     step = None
     try:
-        for step in steps:
+        for i, step in enumerate(steps):
             if stop is not None and stop():
                 raise JobPreempted("stopped for a job of a higher lane (not billed: run it again elsewhere or later)")
+            if pace is not None:
+                pace(i)
             args = _fill(step.args, step.arg_refs, step.arg_lists, env) if step.arg_refs or step.arg_lists else step.args
             kwargs = _fill(step.kwargs, step.kw_refs, step.kw_lists, env) if step.kw_refs or step.kw_lists else step.kwargs
             if step.guard is not None and tracker is None:  # values exist only in a real run
                 step.guard(args, kwargs)
             out = step.fn(*args, **kwargs)
             env[step.slot] = out
-            if meter is not None and step.cost is not None:
-                meter[0] += step.cost(args, kwargs, out)
+            if meter is not None:
+                counted = step.cost(args, kwargs, out) if step.cost is not None else 0
+                meter[0] += counted
+                if per_node is not None:
+                    per_node.append(counted)
             if tracker is not None:
                 tracker.produced(step, out, step.workspace(args, kwargs, out) if step.workspace is not None else 0)
                 for s in step.free_after:
@@ -187,17 +195,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.clone() if t.data_ptr() % ALIGN else t
 
 
-def run_program(program: Any, inputs: Sequence[torch.Tensor] | dict,
-                stop: Callable[[], bool] | None = None) -> list[torch.Tensor]:
+def run_program(program: Any, inputs: Sequence[torch.Tensor] | dict, stop: Callable[[], bool] | None = None,
+                pace: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Check ``inputs`` against the program's manifest and limits (dry run), then run it on the program's device.
 
-    ``inputs`` is a list of tensors or the dict decoded from input bytes (``input_0``, ``input_1``, ...); ``stop``:
-    see :func:`execute`.
+    ``inputs`` is a list of tensors or the dict decoded from input bytes (``input_0``, ``input_1``, ...); ``stop``
+    and ``pace``: see :func:`execute`.
     """
     if isinstance(inputs, dict):
         inputs = program.inputs_from_dict(inputs)
     program.estimate(inputs)  # validates shapes and enforces the memory/FLOP limits before anything is allocated
     with torch.inference_mode():
         env = program.new_env([to_device(t, program.device) for t in inputs])
-        outs = execute(program.steps, env, program.output_slots, stop=stop)
+        outs = execute(program.steps, env, program.output_slots, stop=stop, pace=pace)
         return [o.contiguous() for o in outs]

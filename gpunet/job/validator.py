@@ -203,9 +203,9 @@ class Program:
         env = self.new_env(meta_inputs, self._meta_weights)
         for slot in range(1, 1 + len(meta_inputs) + len(self.weights)):
             tracker.pin(slot, env[slot])
-        meter = [0]
+        meter, per_node = [0], []
         with torch.inference_mode():
-            outs = execute(self.steps, env, self.output_slots, tracker, meter, stop=stop)
+            outs = execute(self.steps, env, self.output_slots, tracker, meter, stop=stop, per_node=per_node)
         try:
             outputs = tuple((tensors.dtype_name(o.dtype), tuple(o.shape)) for o in outs)
         except (AttributeError, JobRejected) as e:
@@ -215,7 +215,7 @@ class Program:
             raise JobRejected(f"job needs {flops:.3g} FLOPs, over the limit of {flop_limit:.3g} (counted work: "
                               "matmuls and convolutions by their FLOPs, every other op by a documented equivalent)")
         tracker.materialise_outputs(outs)
-        est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs)
+        est = Estimate(flops=flops, peak_memory_bytes=int(tracker.peak), outputs=outputs, node_flops=tuple(per_node))
         with self._lock:
             self._estimates.put(key, est)
         return est

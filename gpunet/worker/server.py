@@ -413,12 +413,19 @@ class Worker:
         """CPU threads per job: --threads, or the CPUs shared among the executors."""
         return hw.job_threads(self.config.threads, self.config.max_concurrent)
 
+    def _session_processes(self) -> int:
+        """Executor processes kept for inference sessions' state alone (docs/sessions.md): one, unless sessions are
+        turned off (``--session-memory-gb 0``)."""
+        return 0 if self.config.session_memory_gb == 0 else 1
+
     def _memory_budget(self) -> int:
-        """Bytes one executor may use: a share of free device memory, leaving headroom for the system."""
+        """Bytes one executor may use: a share of free device memory, leaving headroom for the system, split evenly
+        among the plain executors and the sessions' own process."""
         if self.config.memory_budget_gb:
             return int(self.config.memory_budget_gb * 2**30)
         share = 0.8 if self.hardware.is_gpu else 0.5
-        return max(256 * 2**20, int(self.hardware.info.memory_free * share / self.config.max_concurrent))
+        processes = self.config.max_concurrent + self._session_processes()
+        return max(256 * 2**20, int(self.hardware.info.memory_free * share / processes))
 
     def _spool_dir(self) -> Path:
         """Where big job inputs are written as they arrive (unlinked files: nothing is left after a crash)."""
@@ -457,6 +464,7 @@ class Worker:
             protected=[str(self.data_dir), str(Path.home())],
             sandbox=cfg.sandbox,
             speed_tflops=max(self.tflops.values(), default=None),
+            session_processes=self._session_processes(),
         )
         try:
             report = await self.executor.sandbox_report()  # before any job: the executors lock themselves down

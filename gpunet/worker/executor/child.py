@@ -16,7 +16,7 @@ from multiprocessing.connection import Connection
 
 import msgpack
 
-from gpunet.errors import JobFailed, JobPreempted, JobRejected, ProgramNotCached, SessionLost
+from gpunet.errors import JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
 from gpunet.utils import first_line
 from gpunet.worker.executor.cache import DiskCache, MemoryLRU, check_hash
 
@@ -120,7 +120,7 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
                              dry_word=dry_word,
                              sessions=sessions,
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
-        except (JobRejected, JobFailed, JobPreempted) as e:
+        except (JobRejected, JobFailed, JobPreempted, JobTimeout) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
         except ProgramNotCached as e:
             reply = {"ok": False, "error": "ProgramNotCached", "message": str(e)}
@@ -191,8 +191,12 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         given, state_bytes = _with_state(prog, session, given, sessions, device)
     inputs = prog.inputs_from_dict(given)
     est = _dry_run(prog, inputs, stop, dry_word, req.get("run"))  # the parent caps the run's time by its count
+    pace = None
+    if req.get("tflops") and req.get("deadline") and len(est.node_flops) == len(prog.steps):
+        pace = Pacer(prog.steps, est.node_flops, float(req["tflops"]), float(req["deadline"]),
+                     overrun=not device.startswith("cuda"))
     t0 = time.perf_counter()
-    outs = run_program(prog, inputs, stop=stop)
+    outs = run_program(prog, inputs, stop=stop, pace=pace)
     if device.startswith("cuda"):
         import torch
 
@@ -227,6 +231,39 @@ def _dry_run(prog, inputs, stop, dry_word, run):
     dry_word[_DRY_ENDED], dry_word[_DRY_SECONDS] = time.monotonic(), seconds
     dry_word[_DRY_FLOPS] = est.flops  # last: the parent takes it as the sign that the rest is written
     return est
+
+
+class Pacer:
+    """Bounds each node's time by its counted work (gpunet.job.cost), so that a run is stopped between nodes (its
+    process, with the programs it caches and the sessions it holds, serving on) rather than killed inside one: a node
+    that cannot end before the job's ``deadline`` (time.monotonic()) at the device's measured speed is not started,
+    and (``overrun``; on a CPU, where a node's time is its own) one that ran far past what its work allows stops the
+    run at the next node. Either raises JobTimeout, which counts against the client as a run past its time."""
+
+    def __init__(self, steps, costs, tflops: float, deadline: float, overrun: bool = True):
+        self.steps, self.costs, self.tflops, self.deadline, self.overrun = steps, costs, tflops, deadline, overrun
+        self.began: float | None = None
+
+    def __call__(self, i: int) -> None:
+        from gpunet.job.cost import least_seconds, node_seconds_allowed
+
+        now = time.monotonic()
+        if self.overrun and self.began is not None and i > 0:
+            took, allowed = now - self.began, node_seconds_allowed(self.costs[i - 1], self.tflops)
+            if took > allowed:
+                raise JobTimeout(f"{self._node(i - 1)} ran {took:.1f} s; its counted work ({self.costs[i - 1]:.3g} "
+                                 f"FLOPs) allows {allowed:.1f} s on this worker ({self.tflops:.3g} TFLOPS): the job "
+                                 "was stopped after it (not billed)")
+        least = least_seconds(self.costs[i], self.tflops)
+        if now + least > self.deadline:
+            raise JobTimeout(f"{self._node(i)} needs at least {least:.2g} s for its counted work "
+                             f"({self.costs[i]:.3g} FLOPs) on this worker ({self.tflops:.3g} TFLOPS), more than the "
+                             f"{max(0.0, self.deadline - now):.2g} s left of the job's time: stopped before it ran "
+                             "(not billed)")
+        self.began = now
+
+    def _node(self, i: int) -> str:
+        return f"node {self.steps[i].name!r} ({self.steps[i].op})"
 
 
 def _own_state(prog, state: list) -> list:

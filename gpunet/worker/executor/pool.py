@@ -5,8 +5,9 @@ caches and runs programs under a memory budget. The parent waits on the reply *o
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
 worker keeps serving. A job whose caller gives up (cancel, client gone) is stopped at its program's next node, and
 its executor serves on; one still running :data:`STOP_GRACE` later is stopped as a hung one is, except in a process
-holding inference sessions' state (a kill would lose every session there). Parent and child exchange msgpack over a
-pipe, never pickle.
+holding inference sessions' state (a kill would lose every session there). With ``session_processes``, sessions'
+state lives in processes of its own that plain jobs never reach, so no stranger's job that must be killed can take
+it along. Parent and child exchange msgpack over a pipe, never pickle.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Executor:
         protected: list[str] = (),
         speed_tflops: float | None = None,
         max_dry_run_seconds: float | None = None,
+        session_processes: int = 0,
+        session_memory_budget_bytes: int | None = None,
     ):
         self.default_timeout = default_timeout
         #: The device's measured speed (best dtype): a job runs no longer than its counted work allows at a small share
@@ -113,6 +116,14 @@ class Executor:
         }
         self._ctx, self._config = multiprocessing.get_context("spawn"), config
         self._slots = [Slot(self._ctx, config) for _ in range(processes)]
+        # Inference sessions' own processes (docs/sessions.md): plain jobs never run there, so a stranger's job that
+        # must be killed cannot take any session's state with it. Started at the first session (a torch import,
+        # about 325 MB), with their own memory budget. 0: sessions share the plain executors.
+        self._session_config = {**config, "memory_budget_bytes": session_memory_budget_bytes or memory_budget_bytes}
+        self._session_processes = session_processes
+        self._session_slots: list[Slot] = []
+        self._session_waiters: deque[asyncio.Future] = deque()
+        self._session_starting = 0
         # Once an executor has died, a warm spare stands by: the next death (a crash loop is one client's doing) costs
         # the jobs of others no torch import.
         self._spare: Slot | None = None
@@ -130,7 +141,10 @@ class Executor:
 
     def has_program(self, program_hash: str) -> bool:
         """Whether a job can be sent without its program bytes."""
-        return any(program_hash in s.hashes for s in self._slots) or program_hash in self.disk
+        return any(program_hash in s.hashes for s in self._all_slots()) or program_hash in self.disk
+
+    def _all_slots(self) -> list[Slot]:
+        return self._slots + self._session_slots
 
     def cached_programs(self) -> list[str]:
         """Hashes this worker can run without a transfer (for the worker record)."""
@@ -152,7 +166,8 @@ class Executor:
         Cancelling a run stops it at its program's next node, the process serving on; one op that outlasts
         STOP_GRACE has its process killed, unless the process holds sessions' state: a kill would lose every session
         there (any client's), so a run there is only ever stopped, and so is a run past its time there (killed only
-        if one op outlasts STOP_GRACE)."""
+        if one op outlasts what its counted work allows and STOP_GRACE: ExecutorDied, a crash of its client).
+        With ``session_processes``, a session's step 0 goes to a sessions' process and plain jobs never do."""
         if self._closed:  # the worker is leaving: the job runs elsewhere
             raise _leaving("before")
         check_hash(program_hash)
@@ -162,8 +177,12 @@ class Executor:
         pinned = None
         if session is not None and session.step > 0:
             pinned = self._pinned_slot(session.key)
-        slot = await (self._acquire_slot(pinned) if pinned is not None else self._acquire(program_hash,
-                                                                                           spare_sessions))
+        if pinned is not None:
+            slot = await self._acquire_slot(pinned)
+        elif session is not None and self._session_processes:
+            slot = await self._acquire_session(program_hash)
+        else:
+            slot = await self._acquire(program_hash, spare_sessions)
         if tag is not None:
             self._tagged[tag] = slot
         try:
@@ -262,10 +281,14 @@ class Executor:
 
     def busy_pids(self) -> list[int]:
         """Process ids of executors with a job in flight (for monitoring, and for tests that kill one)."""
-        return [s.proc.pid for s in self._slots if s.in_flight]
+        return [s.proc.pid for s in self._all_slots() if s.in_flight]
 
     def pids(self) -> list[int]:
+        """Process ids of the plain executors (those of sessions' own processes: :meth:`session_pids`)."""
         return [s.proc.pid for s in self._slots]
+
+    def session_pids(self) -> list[int]:
+        return [s.proc.pid for s in self._session_slots]
 
     def close(self) -> None:
         """Stop every executor process this pool started, and remove a temporary cache directory."""
@@ -273,10 +296,10 @@ class Executor:
             return
         with self._spare_lock:
             self._closed = True
-        for waiter in list(self._waiters):  # may run in another thread (the worker closes the pool in one)
-            if not waiter.done():
+        for waiter in [*self._waiters, *self._session_waiters]:  # may run in another thread (the worker closes
+            if not waiter.done():                                  # the pool in one)
                 waiter.get_loop().call_soon_threadsafe(_fail, waiter, _leaving("before"))
-        for s in self._slots:
+        for s in self._all_slots():
             s.stop()
         with self._spare_lock:
             spare, self._spare = self._spare, None
@@ -318,6 +341,41 @@ class Executor:
                 self._waiters.remove(waiter)
             raise
 
+    async def _acquire_session(self, program_hash: str) -> Slot:
+        """A sessions' process for a session's first step: an idle one (preferring one holding the program, then
+        the one holding the fewest sessions), a new one while fewer than ``session_processes`` run, else wait in
+        line (FIFO) for the first one free."""
+        if self._closed:
+            raise _leaving("before")
+        idle = [s for s in self._session_slots if not s.busy]
+        if idle and not self._session_waiters:
+            held = [s for s, generation in self._pins.values() if s.generation == generation]
+            slot = min(idle, key=lambda s: (program_hash not in s.hashes, held.count(s)))
+            slot.busy = True
+            return slot
+        if len(self._session_slots) + self._session_starting < self._session_processes:
+            self._session_starting += 1
+            try:
+                slot = await asyncio.to_thread(Slot, self._ctx, self._session_config)  # spawning blocks a moment
+            finally:
+                self._session_starting -= 1
+            if self._closed:
+                slot.stop()
+                raise _leaving("before")
+            slot.busy = slot.for_sessions = True
+            self._session_slots.append(slot)
+            return slot
+        waiter = asyncio.get_running_loop().create_future()
+        self._session_waiters.append(waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release(waiter.result())
+            elif waiter in self._session_waiters:
+                self._session_waiters.remove(waiter)
+            raise
+
     async def _acquire_slot(self, slot: Slot) -> Slot:
         """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
         if self._closed:
@@ -344,8 +402,9 @@ class Executor:
             if not waiter.done():
                 waiter.set_result(slot)
                 return
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        waiters = self._session_waiters if getattr(slot, "for_sessions", False) else self._waiters
+        while waiters:
+            waiter = waiters.popleft()
             if not waiter.done():
                 waiter.set_result(slot)  # stays busy: it changes hands
                 return
@@ -354,6 +413,8 @@ class Executor:
     async def _revive(self, slot: Slot) -> None:
         """A killed executor is replaced by the warm spare if one is ready, and a new spare is started."""
         if not slot.killed or self._closed:
+            return
+        if slot.for_sessions:  # started with its own budget: a plain spare will not do
             return
         if self._spare is not None:
             spare, self._spare = self._spare, None
@@ -388,6 +449,9 @@ class Executor:
                   "run": slot.run_id}
         if fresh and program_bytes is not None:
             header["fresh"] = True
+        if self.speed_tflops:  # each node's time is bounded by its counted work (child.Pacer): one that cannot end
+            header["tflops"] = self.speed_tflops  # within the job's time is never started
+            header["deadline"] = time.monotonic() + timeout
         if session is not None:
             header["session"] = session.to_wire()
         payloads = [program_bytes] if program_bytes is not None else []
@@ -504,11 +568,19 @@ class Executor:
                     continue
             if not stopping and self._holds_sessions(slot):
                 # A kill would take every session this process holds (any client's) with it: first ask the run to
-                # stop at its program's next node.
+                # stop at its program's next node, and let one op run on while its counted work says it may (the
+                # interpreter never starts one that cannot end within the job's time at this device's speed).
                 slot.ask_stop()
                 stopping, deadline = True, loop.time() + slots.STOP_GRACE
+                cap = self._work_deadline(slot, loop) if self.speed_tflops else None
+                if cap is not None:
+                    deadline = max(deadline, cap[0] + slots.STOP_GRACE)
                 continue
+            held = self._holds_sessions(slot)
             slot.kill()
+            if held:  # every session there is lost: as costly as a crash, and counted against the client as one
+                raise ExecutorDied(f"{why}, and one op outlasted what its counted work allows; its executor, which "
+                                   "held inference sessions' state, was killed")
             raise JobTimeout(f"{why}; its executor was killed and replaced")
         try:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)

@@ -41,6 +41,7 @@ class Slot:
         self.closed = False
         self.start()
 
+    for_sessions = False  # one of the pool's processes for inference sessions' state alone (no plain job runs there)
     stop_asked_at = 0.0  # when the running job was first asked to stop (time.monotonic())
     sandbox: list[str] = []  # what the process's sandbox enforces, as it reported once ready
     dry_cap = 0.0  # the longest a dry run may take there, as it reported once ready
