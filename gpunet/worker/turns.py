@@ -26,8 +26,9 @@ class Turns:
         self.admission, self.executor = admission, executor
         # Which admitted job runs next, at what price, and which batch job an interactive one stops (pure; see
         # gpunet.worker.state.lanes): a job waits for its turn here, and a Preempt stops the run of the job named.
-        self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano,
-                           expected_end=executor.expected_end)
+        self.lanes = Lanes(admission.max_concurrent, admission.price_nano, admission.batch_price_nano)
+        if executor is not None:  # (a service that only proves its speed has none)
+            self.lanes.expected_end = executor.expected_end
         # The lanes' gauges, published a moment after a change rather than at every job's start and end (a dozen
         # gauge writes a job; a scrape comes every few seconds at most).
         self._count_lanes = Debounce(LANE_GAUGES_DELAY, lambda: metrics.count_lanes(self.lanes))
