@@ -77,6 +77,8 @@ def credit_cap(proven_tflops: float) -> float:
 
 
 SEED_BYTES = 16
+#: A bound challenge's key (:attr:`Challenge.key`): never the length of a seed.
+BOUND_KEY_BYTES = 32
 COMMIT_BYTES = 16
 _BIND = b"gpunet-speedprf1"  # blake2b's personalisation (16 bytes): a bound challenge's key and signed statement
 
@@ -123,10 +125,12 @@ class Challenge:
     @property
     def key(self) -> bytes:
         """What the matrices and row weights are generated from: the seed itself (unbound), else a hash of the seed
-        and the prover's id (the seed has a fixed length, so no two (seed, id) pairs hash the same bytes)."""
+        and the prover's id (the seed has a fixed length, so no two (seed, id) pairs hash the same bytes). A bound key
+        is longer than any seed: a relay asking an honest worker for the unbound form with the relay's own bound key
+        as the seed would otherwise have the relay's matrices computed for it (an unbound seed is SEED_BYTES long)."""
         if not self.prover:
             return self.seed
-        return hashlib.blake2b(self.seed + self.prover.encode(), digest_size=SEED_BYTES, person=_BIND).digest()
+        return hashlib.blake2b(self.seed + self.prover.encode(), digest_size=BOUND_KEY_BYTES, person=_BIND).digest()
 
     def statement(self, commitments: Sequence[bytes]) -> bytes:
         """What a bound prover signs with its identity key: the challenge, its own id and a hash of its commitments."""

@@ -195,6 +195,17 @@ def test_pay_first_pays_up_and_asks_the_same_worker_again_until_the_line_does_no
     assert isinstance(final, Raise) and isinstance(final.error, JobRejected) and "a" in a.failed
 
 
+def test_a_worker_saying_pay_first_stays_this_copys_so_no_other_copy_of_a_vote_picks_it():
+    """Otherwise a worker answering "pay first" at will could be drawn by the vote's other copy meanwhile and supply
+    both of its votes."""
+    replicas = Replicas()
+    first, second = attempts(Requirements(redundancy=2), replicas=replicas), attempts(Requirements(redundancy=2),
+                                                                                      replicas=replicas)
+    assert tried(first, router(A, B), PayFirst("holds 64 results not yet countersigned")) == [PayUp("a"),
+                                                                                                Retry(0.02)]
+    assert second.next(router(A, B), NOW).worker == B
+
+
 def test_refusals_all_for_the_deadline_end_in_deadline_unreachable():
     a = attempts(max_rejections=1)
     [final] = tried(a, router(A), DeadlineUnreachable("cannot start it in time"))

@@ -254,3 +254,45 @@ def test_pay_first_lowers_the_pace_for_that_worker_and_jobs_ending_there_raise_i
         assert s.line("w") == 8 and "w" not in s._lines and s.in_use("w") == 0
 
     asyncio.run(main())
+
+
+def test_a_countersignature_for_a_result_held_long_by_its_check_goes_by_batch_not_on_the_stale_stream():
+    """A worker waits 30 s for the verdict on a result's stream, then at its settle door: a result held longer (its
+    check ran long) used to be countersigned on the dead stream only, and the honest worker went unpaid. So did one
+    whose stream broke as the verdict was written."""
+    import time as _time
+    from types import SimpleNamespace
+
+    class _Batches:
+        def __init__(self):
+            self.delivered = []
+
+        async def settle(self, worker_id, items):
+            self.delivered += [(worker_id, job_id) for job_id, _ in items]
+
+    async def main():
+        transport = _Batches()
+        s = Settlement(transport)
+        written, closed = [], []
+
+        async def finish(verdict):
+            written.append(verdict.job_id)
+
+        async def broken(verdict):
+            raise ConnectionResetError("stream closed")
+
+        receipt = SimpleNamespace(job_id="held")
+        late = Delivery("w", b"", receipt, 0, 0.0, finish=finish, close=lambda: closed.append("held"),
+                        arrived=_time.monotonic() - 25)
+        fresh = Delivery("w", b"", SimpleNamespace(job_id="fresh"), 0, 0.0, finish=finish)
+        cut = Delivery("w", b"", SimpleNamespace(job_id="cut"), 0, 0.0, finish=broken)
+        for d in (late, fresh, cut):
+            s.countersign(d, b"sig")
+        await asyncio.gather(*s._sending)
+        s.flush()
+        await asyncio.gather(*s._sending)
+        return written, closed, sorted(transport.delivered)
+
+    written, closed, batched = asyncio.run(main())
+    assert written == ["fresh"] and closed == ["held"]
+    assert batched == [("w", "cut"), ("w", "held")]

@@ -621,6 +621,18 @@ def test_a_relayed_proof_is_credited_nothing_and_recorded_as_a_false_answer():
     asyncio.run(main())
 
 
+def test_a_bound_challenges_key_can_never_be_asked_as_an_unbound_seed():
+    """A relay used to ask an honest worker for the unbound form with the relay's own bound key as the seed: the
+    honest worker then computed exactly the relay's matrices (a bound key was a seed's length), and the relay signed
+    the answer as its own. A bound key is longer than any seed, so no challenge, nor the wire, takes it as one."""
+    bound = speedproof.Challenge(os.urandom(speedproof.SEED_BYTES), N, 0.5, prover=ID["liar"])
+    assert len(bound.key) != speedproof.SEED_BYTES
+    with pytest.raises(ValueError):
+        speedproof.Challenge(bound.key, N, 0.5).check()
+    with pytest.raises(ProtocolError):
+        protocol.decode(protocol.encode(ProveSpeed(bound.key, N, 0.5)), ProveSpeed)
+
+
 def test_a_worker_older_than_bound_challenges_is_simply_unproven():
     """Its unsigned answer proves nothing, and is held against nobody: it is asked again on the retry schedule and,
     like a worker that never takes a challenge, credited nothing once the tries are spent."""

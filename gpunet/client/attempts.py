@@ -314,6 +314,7 @@ class Attempts:
             self.pay_waits[w] += 1
             self.last_error = outcome
             self.again = worker
+            self.replicas.taken.add(w)  # still this copy's: another copy of a vote must not pick it meanwhile
             return [PayUp(w), Retry(PAY_PAUSE * 2 ** (self.pay_waits[w] - 1))]
         if isinstance(outcome, JobRejected):  # worker-specific (its limits, its price): another may take it
             self.rejections.append(outcome)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable, Sequence
 
 import torch
@@ -74,6 +74,7 @@ class Delivery:
     finish: Callable[[Verdict], Awaitable[None]] = _nothing  # send the verdict (and close the stream, if any)
     close: Callable[[], None] = lambda: None  # hang up without a verdict: the work stays unpaid
     input_hash: str | None = None  # a session step whose input was pushed to the worker: the input it says it ran on
+    arrived: float = field(default_factory=time.monotonic)  # when it came (a late verdict goes by batch, not stream)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Protocol, Sequence
 
@@ -40,6 +41,9 @@ MAX_BATCH = 256
 #: Batch sends one countersignature gets before it is given up, and the pause before the next (doubling).
 SETTLE_TRIES = 4
 RETRY_DELAY = 1.0
+#: A countersignature for a result that came on a stream is written there only this soon after it came: the worker
+#: waits for it on the stream for 30 s (worker.doors.COUNTERSIGN_TIMEOUT), then at its settle door.
+STREAM_VERDICT_SECONDS = 20.0
 #: A worker's "pay first" lowers this client's pace for it at most once in this many seconds (a burst of refusals
 #: is one signal), never below MIN_PACE jobs.
 SQUEEZE_INTERVAL = 0.25
@@ -153,12 +157,25 @@ class Settlement:
     # --- verdicts --------------------------------------------------------------------------------------------------
 
     def countersign(self, delivery: Delivery, signature: bytes) -> None:
-        if delivery.via_unary:
-            self._owed.setdefault(delivery.worker_id, []).append((delivery.receipt.job_id, signature))
-            self._timer.poke()
+        if delivery.via_unary or time.monotonic() - delivery.arrived > STREAM_VERDICT_SECONDS:
+            # Unary, or held on its stream longer than the worker waits there (a check that ran long): the worker
+            # awaits it at its settle door, so it goes in a batch (or rides on the next job).
+            if not delivery.via_unary:
+                delivery.close()
+            self._owe(delivery.worker_id, delivery.receipt.job_id, signature)
         else:
-            self.track(self._verdict(delivery.worker_id,
-                                     delivery.finish(Countersign(delivery.receipt.job_id, signature))))
+            self.track(self._on_stream(delivery, signature))
+
+    async def _on_stream(self, delivery: Delivery, signature: bytes) -> None:
+        try:
+            await self._verdict(delivery.worker_id, delivery.finish(Countersign(delivery.receipt.job_id, signature)))
+        except Exception:  # the stream broke under it: the worker awaits it at its settle door
+            self._owe(delivery.worker_id, delivery.receipt.job_id, signature)
+            raise
+
+    def _owe(self, worker_id: str, job_id: str, signature: bytes) -> None:
+        self._owed.setdefault(worker_id, []).append((job_id, signature))
+        self._timer.poke()
 
     def refuse(self, delivery: Delivery, reason: str) -> None:
         self.track(self._verdict(delivery.worker_id, delivery.finish(Refuse(delivery.receipt.job_id, reason[:500]))))

@@ -181,9 +181,9 @@ class Verifier:
         check's own time (``_Vote.until``), however late the answers came."""
         results = vote.results
 
-        def vouched(g: list[int] | None) -> bool:
-            return g is not None and len(g) >= need and any(self.reputation.established(results[i].worker_id)
-                                                            for i in g)
+        def vouched(g: list[int] | None) -> bool:  # a quorum of distinct workers: one may not be two votes
+            return g is not None and len({results[i].worker_id for i in g}) >= need and any(
+                self.reputation.established(results[i].worker_id) for i in g)
 
         if vouched(group):
             return group, "vouched"

@@ -2,13 +2,15 @@
 real local network (:mod:`gpunet.testing.localnet`). Nothing here is part of a worker.
 
 :class:`ProofRelay` is the relayed speed proof (issue 38): identities with no device that advertise a big one and
-pass every speed challenge they get on to an honest worker, answering with what it answered. Three ways to relay:
+pass every speed challenge they get on to an honest worker, answering with what it answered. Four ways to relay:
 
 * ``"forward"``: the challenge's bytes as they came, the answer's as they came back;
 * ``"resign"``: the same, with the commitment signed again by the relay's own key (so a signature alone proves
   nothing: the matrices must be its own);
 * ``"unbind"``: the challenge sent on as the unbound form (``bind`` dropped: the honest worker computes from the bare
-  seed, not for its own id) and re-signed.
+  seed, not for its own id) and re-signed;
+* ``"derive"``: the unbound form again, its seed the relay's own bound key (the matrices a bound challenge to the relay
+  is made of), re-signed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from gpunet.protocol import OpenProof, ProveSpeed, SpeedCommitment
 from gpunet.protocol.doors import Door
 from gpunet.rpc import RPC
 
-MODES = ("forward", "resign", "unbind")
+MODES = ("forward", "resign", "unbind", "derive")
 #: What a relay claims, in the target's best dtype: just under the figure from which a challenge is 4096 x 4096, so the
 #: challenge it gets (2048) is one the honest worker takes (speedproof.fits) and the relay is not refused outright.
 CLAIM_TFLOPS = 49.0
@@ -105,6 +107,10 @@ class ProofRelay:
                 self.relayed[mode] += 1
                 if mode == "unbind":
                     request = protocol.encode(ProveSpeed(message.seed, message.n, message.seconds, message.dtype))
+                elif mode == "derive":  # the relay's own bound key, asked of the honest worker as an unbound seed
+                    key = speedproof.Challenge(message.seed, message.n, message.seconds, message.dtype,
+                                               identity.peer_id).key
+                    request = protocol.encode(ProveSpeed(key, message.n, message.seconds, message.dtype))
             async with self._lock:  # one at a time: the honest worker takes one challenge at a time
                 reply = await rpc.call_raw(self.target, Door.PROVE, request)
             if mode != "forward" and isinstance(message, ProveSpeed):

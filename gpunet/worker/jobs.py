@@ -186,6 +186,9 @@ class Jobs:
         :mod:`~gpunet.worker.state.admission`): it counts as an upload of its client and address, its payload is
         charged to the buffer budget before it is read, and it is admitted once the bytes are in."""
         key = (client_id, submit.job_id)
+        # Before the screen: from the screen to counting the job as coming (admission.coming) nothing may await, or
+        # jobs screened together would each find the credit line open.
+        await self._proven(client_id, submit)
         try:
             self.admission.screen(client_id, submit, host=host)
         except JobRejected:
@@ -195,7 +198,6 @@ class Jobs:
             # filed in a batch: filed now, so that a client paying as it goes is never refused as owing them.
             await self.billing.awaiting.file_arriving(client_id)
             self.admission.screen(client_id, submit, host=host)
-        await self._proven(client_id, submit)
         known = self.results.get(key)
         if known is not None:  # a retry of a finished job: same answer, same receipt, no second bill
             return known
@@ -209,7 +211,7 @@ class Jobs:
         if uploading and not self.admission.begin_upload(client_id, host):
             raise self.busy("this client (or its address) has as many uploads in progress as this worker takes")
         job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
-        self.admission.coming(client_id, submit.job_id, host)  # (no await since screen: counted as screened)
+        self.admission.coming(client_id, submit.job_id, host)  # (no await since the screen: counted as screened)
         try:
             answer = await self._bring_and_run(key, job, submit, payloads, reader, host, need_program, uploading)
         except BaseException as e:

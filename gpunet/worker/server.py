@@ -88,6 +88,7 @@ class Worker:
         self.tflops: dict[str, float] = {}
         self.dht = None
         self.rpc = None
+        self._refuse_relay = False  # this node relays for nobody (no --relay-service): RPC.refuse_relaying
         self.announcer = Announcer(self)  # its record, published, and where it can be reached
         self._stop = asyncio.Event()
         self._stop_asked_at, self._stop_signal = 0.0, 0  # when the first stop signal came, and which
@@ -208,6 +209,7 @@ class Worker:
                 relay_limits=limits)
             if dht is not None and reachability == "no-relay":
                 await RPC(await dht.replicate_p2p(), cfg.network).refuse_relaying()
+                self._refuse_relay = True  # again at every heartbeat (see _heartbeat_until_stopped)
             return dht
         except Exception as e:
             if not await self._stopped_meanwhile():
@@ -291,6 +293,13 @@ class Worker:
                 await asyncio.wait_for(self._stop.wait(), timeout=self.config.heartbeat)
             except asyncio.TimeoutError:
                 await self.announcer.announce()
+                if self._refuse_relay and self.rpc is not None:
+                    # libp2p's own relay starts (taking the relay protocol back) when AutoNAT first finds this node
+                    # public, which can come after the join: the refusal is put back in its place.
+                    try:
+                        await self.rpc.refuse_relaying()
+                    except Exception as e:  # the daemon going: the next look at it says so
+                        logger.debug("Could not refuse relaying again: %s", e)
                 admission = self.jobs.admission
                 done = admission.jobs_done
                 if done != reported:
