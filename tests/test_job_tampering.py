@@ -29,9 +29,9 @@ def nothing_runs_for_real(monkeypatch):
     """Fail the test if the interpreter runs a single step on a real device (the dry run, on meta, is allowed)."""
     real = interpreter.execute
 
-    def guarded(steps, env, outputs, tracker=None, meter=None, stop=None):
+    def guarded(steps, env, outputs, tracker=None, meter=None, stop=None, **kw):
         assert tracker is not None, "a tampered program reached the real interpreter"
-        return real(steps, env, outputs, tracker, meter, stop)
+        return real(steps, env, outputs, tracker, meter, stop, **kw)
 
     monkeypatch.setattr(interpreter, "execute", guarded)
     import gpunet.job.validator as v
