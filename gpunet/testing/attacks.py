@@ -10,7 +10,7 @@ pass every speed challenge they get on to an honest worker, answering with what 
 * ``"unbind"``: the challenge sent on as the unbound form (``bind`` dropped: the honest worker computes from the bare
   seed, not for its own id) and re-signed;
 * ``"derive"``: the unbound form again, its seed the relay's own bound key (the matrices a bound challenge to the relay
-  is made of), re-signed.
+  is made of), re-signed; refused that (a bound key is longer than a seed), the bare seed as ``"unbind"``.
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ class ProofRelay:
                     request = protocol.encode(ProveSpeed(key, message.n, message.seconds, message.dtype))
             async with self._lock:  # one at a time: the honest worker takes one challenge at a time
                 reply = await rpc.call_raw(self.target, Door.PROVE, request)
+                if mode == "derive" and isinstance(message, ProveSpeed) and isinstance(
+                        protocol.decode(reply, SpeedCommitment, protocol.Error), protocol.Error):
+                    # Refused (a bound key is no seed): the bare seed then, as "unbind" does, to have an answer at all.
+                    reply = await rpc.call_raw(self.target, Door.PROVE, protocol.encode(
+                        ProveSpeed(message.seed, message.n, message.seconds, message.dtype)))
             if mode != "forward" and isinstance(message, ProveSpeed):
                 answer = protocol.decode(reply, SpeedCommitment, protocol.Error)
                 if isinstance(answer, SpeedCommitment):  # signed as if it had computed them itself
