@@ -24,6 +24,10 @@ NETWORK = "stranger"
 CHUNK = 1 << 16
 
 
+#: How long a stranger's p2p daemon may take to start (hivemind's default, 15 s, was not enough on a loaded CI machine).
+STARTUP_SECONDS = 60.0
+
+
 async def hold(relay: str | None, direct: str | None, wait: float = 60.0) -> None:
     """Hold a reservation on ``relay`` (or listen on ``direct``) and count what arrives, per stream (each stream the
     pusher opens rides one circuit: it reopens a stream only when its circuit was reset)."""
@@ -35,9 +39,9 @@ async def hold(relay: str | None, direct: str | None, wait: float = 60.0) -> Non
     from gpunet.rpc import RPC
 
     if direct:
-        p2p = await P2P.create(host_maddrs=[direct])
+        p2p = await P2P.create(host_maddrs=[direct], startup_timeout=STARTUP_SECONDS)
     else:
-        p2p = await P2P.create(initial_peers=[relay], no_listen=True,
+        p2p = await P2P.create(initial_peers=[relay], no_listen=True, startup_timeout=STARTUP_SECONDS,
                                **network._reachability_options("private", [relay]))
 
     async def sink(_peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _host: str = "") -> None:
@@ -82,7 +86,7 @@ async def push(peer_id: str, maddr: str, seconds: float, streams: int) -> dict:
     # Through a relay: join at the relay, whose routing knows the holder's relayed address (the daemon's own DHT
     # finds it, as it finds a relayed gpunet worker). Direct: join at the holder.
     via = maddr.split("/p2p-circuit")[0] if "/p2p-circuit" in maddr else maddr
-    p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=[via])
+    p2p = await P2P.create(host_maddrs=["/ip4/0.0.0.0/tcp/0"], initial_peers=[via], startup_timeout=STARTUP_SECONDS)
     rpc = RPC(p2p, NETWORK)
     deadline = time.monotonic() + seconds
     written, resets, refused, opened = 0, 0, 0, 0
