@@ -330,15 +330,19 @@ class Executor:
             slot = next((s for s in idle if program_hash in s.hashes), idle[0])
             slot.busy = True
             return slot
+        return await self._wait_in_line(self._waiters)
+
+    async def _wait_in_line(self, waiters: list) -> Slot:
+        """Wait (FIFO, in ``waiters``) until :meth:`_release` hands this caller a slot."""
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        waiters.append(waiter)
         try:
             return await waiter
         except BaseException:
             if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._release(waiter.result())  # handed a slot, then cancelled before using it: pass it on
-            elif waiter in self._waiters:
-                self._waiters.remove(waiter)
+            elif waiter in waiters:
+                waiters.remove(waiter)
             raise
 
     async def _acquire_session(self, program_hash: str) -> Slot:
@@ -365,16 +369,7 @@ class Executor:
             slot.busy = slot.for_sessions = True
             self._session_slots.append(slot)
             return slot
-        waiter = asyncio.get_running_loop().create_future()
-        self._session_waiters.append(waiter)
-        try:
-            return await waiter
-        except BaseException:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self._release(waiter.result())
-            elif waiter in self._session_waiters:
-                self._session_waiters.remove(waiter)
-            raise
+        return await self._wait_in_line(self._session_waiters)
 
     async def _acquire_slot(self, slot: Slot) -> Slot:
         """This very executor (it holds a session's state), once it is free; callers waiting for it come first."""
