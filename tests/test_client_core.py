@@ -208,6 +208,29 @@ def test_a_job_waits_for_workers_whose_records_all_lapsed_while_they_restart(tmp
     assert result.worker_id == other.id and result.attempts == [w.id, other.id]
 
 
+def test_a_session_placing_a_span_while_every_record_lapsed_waits_for_the_next_look(tmp_path):
+    """Heartbeats late under load can let every record lapse together: placing a session's span then waits for the
+    refresher's next look that finds workers (as for the first ones), not NoWorkersAvailable at once."""
+    w = FakeWorker("late")
+
+    async def scenario(core):
+        transport, listed = core.transport, core.transport.discover
+        gone = asyncio.Event()
+
+        async def discover():
+            return [] if gone.is_set() else await listed()
+
+        transport.discover = discover
+        gone.set()
+        core.router.update([dataclasses.replace(w.entry, expiration_time=0.0)])  # every record lapsed
+        await core.refresh()
+        assert not core.router.workers
+        asyncio.get_running_loop().call_later(1.0, gone.clear)  # the heartbeats arrive
+        return await core.place(JOB, [X])
+
+    assert run(tmp_path, [w], scenario).id == w.id
+
+
 def test_a_busy_worker_is_skipped_for_a_moment_not_banned(tmp_path):
     busy = FakeWorker("busy", "busy", tflops=100.0)
 

@@ -65,6 +65,8 @@ class WorkerView:
         else:  # a look that finds nobody (a DHT search lost under load) keeps the workers whose records still hold
             now = get_dht_time()
             self.router.update([e for e in self.router.workers.values() if e.expiration_time > now])
+            if not self.router.workers:  # every record lapsed at once (heartbeats late under load, a partition):
+                self._fresh.clear()  # jobs wait for the next look that finds workers, as for the first ones
         if self.proofs is not None:
             self.proofs.schedule(entries)
         return entries
