@@ -2,7 +2,7 @@
 
 * Imports only go down the layers (docs/architecture.md): kernel (errors, config, identity, utils, readyfile, web) <
   wire (protocol, rpc, speedproof) < data (job, ledger, dht, which never import each other) < sides (worker,
-  client, which never import each other) < shell (cli, testing). Every import counts: inside functions (a lazy
+  client, which never import each other) < apps (llm) < shell (cli, testing). Every import counts: inside functions (a lazy
   import only hides a dependency) and under ``if TYPE_CHECKING:`` (an annotation is a dependency too).
 * No import cycle between gpunet's modules, counted the same way.
 * The pure parts do no I/O: the worker's state machines (``gpunet/worker/state/``) and the client's routing, trust
@@ -63,6 +63,7 @@ LAYERS = {
     "wire": ("protocol", "rpc", "speedproof"),
     "data": ("job", "ledger", "dht"),
     "sides": ("worker", "client"),
+    "apps": ("llm",),  # what is built on a side: the OpenAI-compatible gateway over the client
     "shell": ("cli", "testing", "__main__"),
 }
 #: Layers whose packages stand side by side and never import each other.

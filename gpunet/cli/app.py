@@ -178,6 +178,47 @@ def status(
 
 @app.command()
 @handle_errors
+def gateway(
+    model: Path = typer.Option(..., "--model", metavar="DIR",
+                               help="A checkpoint folder in Hugging Face layout (config.json, safetensors, tokenizer "
+                                    "files). Nothing is downloaded."),
+    initial_peers: Optional[List[str]] = InitialPeers,
+    network: str = Network,
+    host: str = typer.Option("127.0.0.1", "--host", metavar="HOST", help="Address to listen on (0.0.0.0: every interface; set "
+                                                          "--api-key then)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, metavar="PORT", help="Port to listen on (0: any free one)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="GPUNET_API_KEY", metavar="KEY",
+                                          help="Answer only requests bearing this key (Authorization: Bearer KEY)."),
+    name: Optional[str] = typer.Option(None, "--name", metavar="NAME", help="The model's id in the API (default: the folder's name)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", min=2, metavar="TOKENS",
+                                             help="Prompt plus completion tokens per request (each session's cache)."),
+    spans: Optional[int] = typer.Option(None, "--spans", min=1, metavar="N",
+                                        help="Spans to cut the decoder layers into (default: as few as the workers' "
+                                             "memory allows)."),
+    data_dir: Optional[Path] = typer.Option(None, "--data-dir", metavar="DIR",
+                                            help="The client's data dir (identity, ledger; default ~/.gpunet/client)."),
+    verbose: int = Verbose,
+) -> None:
+    """Serve a language model over the network with an OpenAI-compatible API (/v1/models, /v1/completions,
+    /v1/chat/completions, streaming): point any OpenAI client at http://HOST:PORT/v1."""
+    import asyncio
+
+    from gpunet.llm.gateway import run_gateway
+
+    setup_logging(verbose)
+    if not (model / "config.json").is_file():
+        print_error(f"--model {model}: not a checkpoint folder (no config.json there)")
+        raise typer.Exit(EXIT_USAGE)
+
+    def ready(url: str) -> None:
+        print(f"Serving {name or model.resolve().name} at {url} (OpenAI-compatible; Ctrl-C stops)", flush=True)
+
+    asyncio.run(run_gateway(str(model), list(initial_peers or []), network, host, port, api_key=api_key,
+                            max_length=max_length, spans=spans, data_dir=data_dir, name=name, ready=ready))
+
+
+@app.command()
+@handle_errors
 def demo(
     workers: int = typer.Option(3, "--workers", metavar="N", min=1, max=16, help="Worker processes to start."),
     jobs: int = typer.Option(200, "--jobs", metavar="N", min=1, help="Transformer batches to send through the network."),

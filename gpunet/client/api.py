@@ -180,6 +180,20 @@ class AsyncClient:
         return AsyncRemoteSequential(sessions.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
                                                       initial_state, requirements))
 
+    async def causal_lm(self, model_or_path, *, tokenizer=None, max_length: int | None = None,
+                        spans: int | None = None, dtype=None, requirements: Requirements | None = None):
+        """Like :meth:`Client.causal_lm`, awaited: ``await lm.generate(...)``, ``async for t in lm.stream(...)``."""
+        from gpunet.client.llm import AsyncRemoteCausalLM, CausalLMCore
+        from gpunet.client.llm.engine import open_model
+
+        self._core.check_open()
+
+        def make():
+            model, tok = open_model(model_or_path, tokenizer, dtype)
+            return CausalLMCore(self._core, model, tok, max_length=max_length, spans=spans, requirements=requirements)
+
+        return AsyncRemoteCausalLM(await asyncio.to_thread(make))  # loading and tracing take seconds
+
     @property
     def program_bytes_sent(self) -> int:
         """Program bytes uploaded to workers so far: about one copy per program, as workers fetch from each other."""
@@ -359,6 +373,22 @@ class Client:
             raise GpunetError("client is closed")
         return RemoteSequential(sessions.build(self._core, blocks, example_inputs, dynamic_shapes, spans,
                                                  initial_state, requirements), self._call)
+
+    def causal_lm(self, model_or_path, *, tokenizer=None, max_length: int | None = None, spans: int | None = None,
+                  dtype=None, requirements: Requirements | None = None):
+        """A language model served by the network (docs/llm.md): a transformers causal LM, or the path of a
+        checkpoint folder in Hugging Face layout (config.json, safetensors, tokenizer files; nothing is fetched).
+        Embeddings and head run here; the decoder layers, HF's own, run in ``spans`` on workers, each keeping a
+        static KV cache of ``max_length`` tokens per session. ``lm.generate(ids, max_new_tokens=...)`` returns what
+        HF's ``generate`` returns; ``lm.stream(...)`` yields tokens as they come; ``lm(ids).logits``."""
+        from gpunet.client.llm import CausalLMCore, RemoteCausalLM
+        from gpunet.client.llm.engine import open_model
+
+        if self._closed:
+            raise GpunetError("client is closed")
+        model, tok = open_model(model_or_path, tokenizer, dtype)
+        core = CausalLMCore(self._core, model, tok, max_length=max_length, spans=spans, requirements=requirements)
+        return RemoteCausalLM(core, self._call)
 
     def workers(self, refresh: bool = False) -> list[WorkerEntry]:
         """The workers discovery sees now (refreshed in the background every couple of seconds)."""

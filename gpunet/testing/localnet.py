@@ -59,7 +59,7 @@ class Proc:
     its log)."""
 
     name: str
-    role: str  # "bootstrap" or "worker"
+    role: str  # "bootstrap", "worker" or "gateway"
     popen: subprocess.Popen
     data_dir: Path
     lines: list[str] = field(default_factory=list)
@@ -251,6 +251,15 @@ class LocalNetwork:
         for proc in procs:
             self.wait_online(proc)
         return procs
+
+    def start_gateway(self, model_dir: str | Path, *extra: str, timeout: float = 180) -> tuple[Proc, str]:
+        """``gpunet gateway`` for the checkpoint folder ``model_dir``, on a free port: the process and its base URL
+        (``http://127.0.0.1:PORT/v1``), once it serves."""
+        if not self.bootstrap_addr:
+            raise RuntimeError("start_bootstrap() first")
+        proc = self._start("gateway", ["gateway", "--model", str(model_dir), "--network", self.network,
+                                       "--initial-peers", self.bootstrap_addr, "--port", "0", *extra])
+        return proc, proc.wait_for_line(r"Serving .* at (http://\S+) ", timeout=timeout).group(1)
 
     @property
     def workers(self) -> list[Proc]:

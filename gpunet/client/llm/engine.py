@@ -1,0 +1,199 @@
+"""The engine behind a remote causal LM: the client's ends, the decoder layers as spans on workers, and generation
+over sessions (one per row). The sync and async handles (:mod:`gpunet.client.llm.handles`) and the gateway drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import torch
+
+from gpunet.client.routing import Requirements
+from gpunet.client.sessions.session import SequentialCore, SessionCore, build
+from gpunet.errors import UsageError
+from gpunet.ledger.receipts import Receipt
+from gpunet.client.llm import adapter, generation
+
+logger = logging.getLogger("gpunet.llm")
+
+#: A session's cache holds this many tokens when causal_lm is not told (nor the model's own limit is smaller).
+DEFAULT_MAX_LENGTH = 2048
+#: Idle seconds before workers free a generation's sessions (a request holds them only while it runs).
+SESSION_TTL = 120.0
+
+
+@dataclass
+class Usage:
+    """What one request did: tokens in and out (per row), who served which span, and the receipts it paid."""
+
+    prompt_tokens: list[int] = field(default_factory=list)
+    completion_tokens: list[int] = field(default_factory=list)
+    placement: list[list[tuple[int, int, str | None]]] = field(default_factory=list)
+    receipts: list[Receipt] = field(default_factory=list)
+
+    @property
+    def cost(self) -> float:
+        """Credits paid for the request (every span step's receipt)."""
+        from gpunet.ledger.receipts import NANO
+
+        return sum(r.amount for r in self.receipts) / NANO
+
+
+def load(path: str | Path, dtype: torch.dtype | None = None):
+    """A checkpoint folder in HF layout (config.json, safetensors, tokenizer files): the model and its tokenizer,
+    nothing fetched from any hub and no code from the folder run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{path} is not a checkpoint folder (no config.json there)")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                 dtype=dtype if dtype is not None else "auto")
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    return model, tokenizer
+
+
+def open_model(model_or_path, tokenizer=None, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a model object or a checkpoint folder, in ``dtype`` (a copy: the caller's model is
+    left as it was)."""
+    import copy
+
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("serving a language model needs transformers: pip install 'gpunet[llm]'")
+    if isinstance(model_or_path, (str, Path)):
+        model, found = load(model_or_path, dtype)
+        return model, tokenizer if tokenizer is not None else found
+    model = model_or_path
+    if dtype is not None and next(model.parameters()).dtype != dtype:
+        model = copy.deepcopy(model).to(dtype)
+    return model, tokenizer
+
+
+class CausalLMCore:
+    """A causal LM served by the swarm: embeddings and head here, decoder layers in spans on workers."""
+
+    def __init__(self, core, model, tokenizer=None, *, max_length: int | None = None, spans: int | None = None,
+                 requirements: Requirements | None = None, name: str | None = None):
+        from torch.export import Dim
+
+        if not hasattr(model, "config") or not hasattr(model, "generation_config"):
+            raise UsageError("causal_lm takes a transformers causal LM (PreTrainedModel with a LM head) or the path "
+                             f"of a checkpoint folder, got {type(model).__name__}")
+        config = adapter.text_config(model.config)
+        limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        self.max_length = int(max_length or min(limit, DEFAULT_MAX_LENGTH))
+        if self.max_length < 2:
+            raise UsageError(f"max_length must be at least 2, got {self.max_length}")
+        self.model, self.tokenizer, self.config = adapter.prepare(model), tokenizer, model.config
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.ends = adapter.Ends(self.model)
+        blocks = adapter.blocks_of(self.model, self.max_length)
+        dtype = next(self.model.parameters()).dtype
+        example = torch.zeros(1, 2, config.hidden_size, dtype=dtype)
+        self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
+                                         spans, None, requirements)
+
+    @property
+    def spans(self):
+        return self.seq.spans
+
+    def steps_eos(self) -> tuple[int, ...]:
+        """The tokens that end a generation by default (the model's generation config, else its tokenizer's)."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+    # --- one forward pass ------------------------------------------------------------------------------------------
+
+    async def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] as HF's forward gives them (each row on its own; padded positions get zeros)."""
+        rows = generation.rows_of(input_ids, attention_mask, None, ())
+        self._check_length(max(len(r) for r in rows))
+        outs = await asyncio.gather(*(self._forward_row(r) for r in rows))
+        logits = torch.zeros(*input_ids.shape, outs[0].shape[-1], dtype=outs[0].dtype)
+        for i, (row, out) in enumerate(zip(rows, outs)):
+            logits[i, input_ids.shape[1] - len(row):] = out[0]
+        return logits
+
+    async def _forward_row(self, row: list[int]) -> torch.Tensor:
+        ids = torch.tensor([row])
+        h = self.ends.embed(ids, torch.arange(len(row))[None])
+        return self.ends.head(await self.seq.forward(h))
+
+    # --- generation ------------------------------------------------------------------------------------------------
+
+    async def steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                    usage: Usage | None = None, **kwargs) -> AsyncIterator[torch.Tensor]:
+        """Each step's next tokens [B], as HF's ``generate`` picks them; the last yielded completes the output
+        (``generation.Picker.ids``, kept on ``usage``'s request). One session per row, all rows stepping together."""
+        usage = usage if usage is not None else Usage()
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        s = generation.settings(self.model.generation_config, input_ids.shape[1], self.max_length, **kwargs)
+        rows = generation.rows_of(input_ids, attention_mask, s.pad_token_id, s.eos_token_id)
+        self._check_length(max(len(r) for r in rows) + s.max_new_tokens, s.max_new_tokens)
+        picker = generation.Picker(s, input_ids, self.tokenizer)
+        usage.prompt_tokens = [len(r) for r in rows]
+        sessions = [self.seq.session(ttl=SESSION_TTL) for _ in rows]
+        seen = [len(r) for r in rows]
+        try:
+            logits = list(await asyncio.gather(*(self._step(s_, row, 0) for s_, row in zip(sessions, rows))))
+            while True:
+                nxt = picker.pick(torch.stack(logits))
+                usage.completion_tokens = list(picker.produced)
+                yield nxt
+                if picker.done:
+                    break
+                live = [i for i in range(len(rows)) if picker.unfinished[i]]
+                outs = await asyncio.gather(*(self._step(sessions[i], [int(nxt[i])], seen[i]) for i in live))
+                for i, out in zip(live, outs):
+                    logits[i] = out
+                    seen[i] += 1
+        finally:
+            usage.placement = [s_.placement for s_ in sessions]
+            await asyncio.gather(*(s_.close() for s_ in sessions), return_exceptions=True)
+            usage.receipts = [r for s_ in sessions for r in s_.receipts]
+            usage.output = picker.ids  # type: ignore[attr-defined]
+
+    async def _step(self, session: SessionCore, tokens: list[int], seen: int) -> torch.Tensor:
+        """One session step for one row: its new tokens in, the next token's logits [vocab] out."""
+        ids = torch.tensor([tokens])
+        h = self.ends.embed(ids, torch.arange(seen, seen + len(tokens))[None])
+        out = await session.step(h)
+        return self.ends.head(out[:, -1:])[0, -1]
+
+    def _check_length(self, n: int, new: int = 0) -> None:
+        if n > self.max_length:
+            raise UsageError(f"{n - new} prompt tokens{f' plus {new} new ones' if new else ''} are more than this "
+                             f"model's max_length ({self.max_length}: causal_lm(max_length=...) sets it)")
+
+    async def generate(self, input_ids, attention_mask=None, streamer=None, usage: Usage | None = None,
+                       **kwargs) -> torch.Tensor:
+        """HF's ``generate`` output: the prompt as given, then the new tokens (pad after a row finished)."""
+        usage = usage if usage is not None else Usage()
+        if streamer is not None:
+            first = torch.as_tensor(input_ids)
+            streamer.put(first.cpu())
+        try:
+            async for nxt in self.steps(input_ids, attention_mask, usage=usage, **kwargs):
+                if streamer is not None:
+                    streamer.put(nxt.cpu())
+        finally:
+            if streamer is not None:
+                streamer.end()
+        return usage.output  # type: ignore[attr-defined]
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "max_length": self.max_length,
+                "spans": [(s.start, s.stop) for s in self.seq.spans]}

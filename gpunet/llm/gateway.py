@@ -1,0 +1,384 @@
+"""``gpunet gateway``: an OpenAI-compatible HTTP server over the swarm (aiohttp), so every ``openai`` client, chat UI
+and agent framework can use a model the network serves.
+
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template);
+``stream: true`` as server-sent events the way OpenAI sends them (``data: {chunk}`` lines, then ``data: [DONE]``);
+errors in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``) with its status codes. Each request
+gets its own sessions (one per prompt); a client that disconnects mid-stream ends them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import torch
+from aiohttp import web
+
+from gpunet.errors import GpunetError, NoWorkersAvailable, UsageError
+from gpunet.client.llm.engine import CausalLMCore, Usage
+
+logger = logging.getLogger("gpunet.gateway")
+
+#: OpenAI's defaults where a request says nothing.
+DEFAULT_MAX_TOKENS = 16
+MAX_BODY_BYTES = 4 << 20
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Request:
+    """One completion request, checked: the prompt's token ids and the generation arguments."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    kwargs: dict
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(400, f"'{name}' must be a {'integer' if kind is int else 'number'}", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    return kind(value)
+
+
+class Gateway:
+    def __init__(self, lm: CausalLMCore, model_name: str, api_key: str | None = None):
+        if lm.tokenizer is None:
+            raise UsageError("the gateway needs the model's tokenizer (tokenizer files in the checkpoint folder)")
+        self.lm, self.model_name, self.api_key = lm, model_name, api_key
+        self.created = int(time.time())
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model}", self.model)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+        self.requests = 0
+
+    # --- plumbing --------------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            if self.api_key is not None:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status == 404:
+                return web.json_response(ApiError(404, f"Unknown path {request.path}", code="not_found").body(),
+                                         status=404)
+            raise
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist (this gateway serves '{self.model_name}')",
+                           param="model", code="model_not_found")
+        return body
+
+    def _model_obj(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "gpunet"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_obj()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != self.model_name:
+            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_obj())
+
+    # --- requests ----------------------------------------------------------------------------------------------------
+
+    def _request(self, body: dict, prompt_ids: list[int]) -> Request:
+        for name in ("n", "best_of"):
+            if body.get(name, 1) not in (1, None):
+                raise ApiError(400, f"'{name}' must be 1 (one completion per request)", param=name)
+        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+            if body.get(name) not in (None, False, {}, []):
+                raise ApiError(400, f"'{name}' is not supported by this gateway", param=name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if _number(body, name, 0.0, -2.0, 2.0):
+                raise ApiError(400, f"'{name}' is not supported (only 0); use 'repetition_penalty'", param=name)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        room = self.lm.max_length - len(prompt_ids)
+        if room < 1:
+            raise ApiError(400, f"This model's maximum context length is {self.lm.max_length} tokens. However, "
+                           f"your prompt has {len(prompt_ids)} tokens.", param="messages", code="context_length_exceeded")
+        max_tokens = room if limit is None and "messages" in body else DEFAULT_MAX_TOKENS if limit is None else \
+            _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", None, 1,
+                    1 << 30, int)
+        if max_tokens > room:
+            raise ApiError(400, f"This model's maximum context length is {self.lm.max_length} tokens. However, you "
+                           f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                           f"{max_tokens} for the completion).", param="max_tokens", code="context_length_exceeded")
+        temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+        kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "top_k": 0}
+        if temperature == 0.0:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+        seed = body.get("seed")
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise ApiError(400, "'seed' must be an integer", param="seed")
+            kwargs["seed"] = seed
+        penalty = _number(body, "repetition_penalty", 1.0, 0.01, 10.0)
+        if penalty != 1.0:
+            kwargs["repetition_penalty"] = penalty
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise ApiError(400, "'stop' is a string or a list of up to 4 non-empty strings", param="stop")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+        return Request(prompt_ids, max_tokens, kwargs, stop, bool(body.get("stream")),
+                       bool(options.get("include_usage")))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.lm.tokenizer(prompt, add_special_tokens=True).input_ids
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = prompt
+            vocab = self.lm.model.get_input_embeddings().num_embeddings
+            if not all(0 <= t < vocab for t in ids):
+                raise ApiError(400, f"token ids in 'prompt' must be in [0, {vocab})", param="prompt")
+        else:
+            raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
+                           param="prompt")
+        if not ids:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        return await self._answer(request, self._request(body, list(ids)), chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects with text content",
+                           param="messages")
+        if getattr(self.lm.tokenizer, "chat_template", None) is None:
+            raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
+        ids = self.lm.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return await self._answer(request, self._request(body, list(ids)), chat=True)
+
+    # --- answering ---------------------------------------------------------------------------------------------------
+
+    async def _texts(self, req: Request, usage: Usage) -> AsyncIterator[tuple[str, str | None]]:
+        """The completion as text pieces, then its finish reason ("stop": the end token or a stop string, not
+        included; "length": max_tokens). Text that could still become a stop string is held back until it cannot."""
+        tok = self.lm.tokenizer
+        ids = torch.tensor([req.prompt_ids])
+        new: list[int] = []
+        sent = 0  # characters of the decoded completion already given out
+        eos = set(self.lm.steps_eos())
+        steps = self.lm.steps(ids, None, usage=usage, **req.kwargs)
+        async with contextlib.aclosing(steps):
+            async for nxt in steps:
+                token = int(nxt[0])
+                if token in eos:
+                    yield "", "stop"
+                    return
+                new.append(token)
+                text = tok.decode(new, skip_special_tokens=True)
+                if text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest of its bytes
+                    continue
+                for stop in req.stop:
+                    at = text.find(stop)
+                    if at >= 0:
+                        if at > sent:
+                            yield text[sent:at], None
+                        yield "", "stop"
+                        return
+                safe = len(text) - max((_overlap(text, s) for s in req.stop), default=0)
+                if safe > sent:
+                    yield text[sent:safe], None
+                    sent = safe
+        text = tok.decode(new, skip_special_tokens=True)
+        if len(text) > sent:
+            yield text[sent:], None
+        yield "", "length"
+
+    async def _answer(self, request: web.Request, req: Request, chat: bool) -> web.StreamResponse:
+        self.requests += 1
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        usage = Usage()
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": self.model_name}
+        if not req.stream:
+            parts, finish = [], "length"
+            try:
+                async for text, reason in self._texts(req, usage):
+                    parts.append(text)
+                    finish = reason or finish
+            except GpunetError as e:
+                raise _api_error(e) from None
+            text = "".join(parts)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": finish} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            return web.json_response({**base, "object": "chat.completion" if chat else "text_completion",
+                                      "choices": [choice], "usage": _usage(usage), **_gpunet(usage)})
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started = False
+
+        async def send(obj) -> None:
+            nonlocal started
+            if not started:
+                await response.prepare(request)
+                started = True
+            await response.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
+
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {} if delta_text is None else \
+                    {"content": delta_text}
+                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            return {**base, "choices": [{"index": 0, "text": delta_text or "", "logprobs": None,
+                                         "finish_reason": finish}]}
+
+        try:
+            texts = self._texts(req, usage)
+            async with contextlib.aclosing(texts):
+                first = await texts.__anext__()  # the first token (or the error) before the stream starts
+                if chat:
+                    await send(chunk(None, None, first=True))
+                pending = [first]
+                while pending:
+                    text, finish = pending.pop()
+                    if finish is not None:
+                        await send({**chunk(None if chat else "", finish), "usage": _usage(usage)})
+                        break
+                    if text:
+                        await send(chunk(text, None))
+                    pending.append(await texts.__anext__())
+            if req.include_usage:
+                await send({**base, "choices": [], "usage": _usage(usage)})
+            await send(b"[DONE]")
+        except GpunetError as e:
+            if not started:
+                raise _api_error(e) from None
+            logger.warning("Request %s failed mid-stream: %s", rid, e)
+            await send({"error": _api_error(e).body()["error"]})
+        except (ConnectionResetError, asyncio.CancelledError):
+            logger.info("Request %s: the client went away; its sessions are closed", rid)
+            raise
+        await response.write_eof()
+        return response
+
+
+def _overlap(text: str, stop: str) -> int:
+    """How many characters at the end of ``text`` could begin ``stop``."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if stop.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _usage(usage: Usage) -> dict:
+    prompt, completion = sum(usage.prompt_tokens), sum(usage.completion_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _gpunet(usage: Usage) -> dict:
+    """What gpunet adds to a full answer: the cost and who served which span (other clients ignore it)."""
+    return {"gpunet": {"cost_credits": usage.cost, "receipts": len(usage.receipts),
+                       "workers": sorted({w for row in usage.placement for _, _, w in row if w})}}
+
+
+def _api_error(e: GpunetError) -> ApiError:
+    if isinstance(e, NoWorkersAvailable):
+        return ApiError(503, f"No workers can serve this model now: {e}", "server_error", code="no_workers")
+    if isinstance(e, UsageError):
+        return ApiError(400, str(e))
+    return ApiError(502, f"The network failed to serve the request: {type(e).__name__}: {e}", "server_error",
+                    code="network_error")
+
+
+async def serve(gateway: Gateway, host: str, port: int, ready=None, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM); ``ready(url)`` once it listens."""
+    runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    try:
+        if ready is not None:
+            bound = runner.addresses[0] if runner.addresses else (host, port)
+            ready(f"http://{bound[0]}:{bound[1]}/v1")
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await runner.cleanup()
+
+
+async def run_gateway(model: str, initial_peers, network: str, host: str, port: int, *, api_key: str | None = None,
+                      max_length: int | None = None, spans: int | None = None, data_dir=None, name: str | None = None,
+                      ready=None, workers_wait: float = 30.0) -> None:
+    """``gpunet gateway``: a client of the network serving the checkpoint folder ``model`` until SIGINT/SIGTERM."""
+    import signal
+    from pathlib import Path
+
+    from gpunet.client.api import AsyncClient
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with AsyncClient(initial_peers, network, data_dir) as client:
+        deadline = time.monotonic() + workers_wait  # spans are cut to the memory of the workers seen
+        while not await client.workers(refresh=True) and time.monotonic() < deadline and not stop.is_set():
+            await asyncio.sleep(0.5)
+        lm = await client.causal_lm(model, max_length=max_length, spans=spans)
+        gateway = Gateway(lm._core, name or Path(model).resolve().name, api_key)
+        logger.info("Model %s: %d decoder layers in %d spans, max_length %d", gateway.model_name,
+                    lm.spans[-1][1], len(lm.spans), lm.max_length)
+        if not stop.is_set():
+            await serve(gateway, host, port, ready, stop)

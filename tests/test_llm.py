@@ -1,0 +1,125 @@
+"""Language models from a checkpoint with no glue (issue 39): HF's own decoder layers of every family as gpunet
+blocks, generation as HF's ``generate`` does it, over a real swarm through ``client.causal_lm``."""
+
+import pytest
+import torch
+from torch.export import Dim
+
+from gpunet.client.sessions.spans import trace_spans
+from gpunet.errors import UsageError
+from gpunet.client.llm import adapter
+from gpunet.llm import load
+from gpunet.testing.llm import FAMILIES, save_checkpoint, tiny_causal_lm
+from tests.swarm import wait_for
+
+MAX = 48
+
+
+def _generate_through_programs(model, prompt: torch.Tensor, new: int) -> list[int]:
+    """Greedy tokens with the decoder layers run as the workers run them: traced into two spans, each step through
+    gpunet's validator and interpreter (``Job.run_locally``), the ends on the client's side."""
+    blocks = adapter.blocks_of(adapter.prepare(model), MAX)
+    ends = adapter.Ends(model)
+    hidden = adapter.text_config(model.config).hidden_size
+    spans = trace_spans(blocks, (torch.zeros(1, 2, hidden),), ({1: Dim("T", min=1, max=MAX)},),
+                        [(0, 2), (2, len(blocks))])
+    states = [span.state for span in spans]
+    x, seen, out = prompt, 0, []
+    for _ in range(new):
+        h = ends.embed(x, torch.arange(seen, seen + x.shape[1])[None])
+        seen += x.shape[1]
+        for i, span in enumerate(spans):
+            h, *state = span.job.run_locally(h, *states[i])
+            states[i] = tuple(state)
+        out.append(int(ends.head(h[:, -1:])[0, -1].argmax()))
+        x = torch.tensor([[out[-1]]])
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_generates_what_hf_generates_through_the_programs_workers_run(family):
+    """Each family's own layers (sliding windows, ALiBi, rotary, MoE, soft-capping) traced with gpunet's static cache:
+    a 12-token prompt and 20 greedy tokens equal HF's ``generate`` on the same weights."""
+    model = tiny_causal_lm(family, seed=3)
+    prompt = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, 12:].tolist()
+    assert len(want) == 20 or want[-1] == model.generation_config.eos_token_id  # HF stops at the end token
+    assert _generate_through_programs(model, prompt, 20)[:len(want)] == want
+
+
+def test_a_model_that_is_no_decoder_is_refused_saying_what_is_missing():
+    from transformers import BertConfig, BertModel
+
+    bert = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=32))
+    with pytest.raises(adapter.UnsupportedModel, match="BertModel is not a decoder-only causal language model"):
+        adapter.prepare(bert)
+
+
+
+@pytest.mark.swarm
+def test_a_checkpoint_folder_served_by_three_workers_generates_as_hf_does(swarm, client_for, tmp_path):
+    """The whole way a user goes: a folder (config, safetensors, tokenizer), three workers, no glue. A batch of two
+    prompts of different lengths (left padding), greedy and sampled with a seed, equals HF's ``generate``; the
+    stream yields the same tokens; every request leaves receipts naming who served which span."""
+    folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=5)
+    swarm.start_workers(3)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    lm = client.causal_lm(folder, max_length=MAX, spans=3)
+    assert lm.spans == [(0, 2), (2, 3), (3, 4)]
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    batch = tok(["hello network", "the quick brown fox jumps over"], return_tensors="pt", padding=True,
+                padding_side="left")
+    with torch.no_grad():
+        want = reference.generate(**batch, max_new_tokens=12, do_sample=False)
+    got = lm.generate(batch.input_ids, batch.attention_mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, want)
+    usage = lm.last
+    assert usage.prompt_tokens == [int(m.sum()) for m in batch.attention_mask]
+    assert usage.completion_tokens == [12, 12]
+    ids = {w for row in usage.placement for _, _, w in row}
+    assert len(ids) == 3 and all(r.is_countersigned for r in usage.receipts) and usage.cost > 0
+    assert {r.worker_id for r in usage.receipts} == ids
+
+    streamed = torch.stack(list(lm.stream(batch.input_ids, batch.attention_mask, max_new_tokens=12)), dim=1)
+    assert torch.equal(streamed, want[:, batch.input_ids.shape[1]:])
+
+    torch.manual_seed(11)
+    with torch.no_grad():
+        sampled = reference.generate(**batch, max_new_tokens=8, do_sample=True, temperature=0.7, top_k=40,
+                                     top_p=0.9, repetition_penalty=1.3)
+    assert torch.equal(lm.generate(batch.input_ids, batch.attention_mask, max_new_tokens=8, do_sample=True,
+                                   temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.3, seed=11), sampled)
+
+    one = batch.input_ids[1:]
+    with torch.no_grad():
+        logits = reference(one).logits
+    assert torch.allclose(lm(one).logits, logits, atol=1e-4)
+
+    with pytest.raises(UsageError, match="max_length"):
+        lm.generate(one, max_new_tokens=MAX)
+    with pytest.raises(UsageError, match="num_beams"):
+        lm.generate(one, max_new_tokens=4, num_beams=2)
+
+
+@pytest.mark.swarm
+@pytest.mark.parametrize("family", ["gpt2", "bloom", "mixtral"])
+def test_other_families_over_the_swarm_with_eos_and_stop_strings(swarm, client_for, family):
+    """Absolute positions (GPT-2), ALiBi (BLOOM) and experts (Mixtral) through real workers; a row that reaches the
+    end-of-sequence token is padded after it, as HF pads it."""
+    model = tiny_causal_lm(family, seed=2)
+    swarm.start_workers(2)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
+    lm = client.causal_lm(model, max_length=MAX, spans=2)
+    prompt = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        free = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    eos = int(free[0, 9])  # row 0's 4th new token (or an earlier one, if the same) ends it
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(lm.generate(prompt, max_new_tokens=10, eos_token_id=eos, pad_token_id=0), want)
+    assert lm.last.completion_tokens[0] == free[0, 6:].tolist().index(eos) + 1
