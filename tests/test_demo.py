@@ -31,6 +31,19 @@ def test_demo_generate_spreads_a_model_and_generates_what_local_generation_does(
     assert "every process it started has stopped" in out
 
 
+def test_demo_chat_serves_a_checkpoint_through_the_gateway_as_local_generation_does(tmp_path):
+    result = run_cli("demo", "--chat", timeout=600, env={"GPUNET_DATA_DIR": str(tmp_path), "COLUMNS": "140"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "(OpenAI-compatible) serves tiny-chat" in out and "in 3 spans" in out
+    assert out.count("identical to local generation") == 3 and "DIFFERENT" not in out
+    earned = out.split("what each worker earned")[1].split("ledgers")[0]
+    assert all(name in earned for name in ("volunteer-1", "volunteer-2", "volunteer-3"))
+    assert out.count("│ ok") == 4  # three workers' ledgers and the gateway's (the demo's client), each verified
+    assert "Loading weights" not in out + result.stderr  # no progress bars from transformers
+    assert "every process it started has stopped" in out
+
+
 def test_ctrl_c_in_the_demo_says_at_once_that_it_stops_everything_and_does(tmp_path):
     """Closing the client and the nodes takes seconds: 12 of them were silent after a Ctrl-C."""
     import os

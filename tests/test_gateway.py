@@ -1,5 +1,6 @@
 """``gpunet gateway``: a checkpoint folder served over a real swarm to the real ``openai`` client (issue 39)."""
 
+import concurrent.futures
 import json
 import http.client
 import re
@@ -7,11 +8,10 @@ import urllib.parse
 import urllib.request
 
 import pytest
-import torch
 
 from gpunet.llm import load
 from gpunet.testing.localnet import free_port
-from gpunet.testing.llm import save_checkpoint
+from gpunet.testing.llm import greedy_text, save_checkpoint, stream_chat
 from tests.swarm import wait_for
 
 openai = pytest.importorskip("openai")
@@ -25,16 +25,6 @@ def sessions_open(port: int) -> float:
     """What a worker's Prometheus endpoint says of its open sessions."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return float(re.search(r"^gpunet_sessions (\S+)$", text, re.M).group(1))
-
-
-def greedy_text(reference, tok, ids: list[int], new: int) -> str:
-    """HF's greedy completion of ``ids`` as text, cut at the end token as the gateway cuts it."""
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):].tolist()
-    eos = reference.generation_config.eos_token_id
-    if eos in out:
-        out = out[:out.index(eos)]
-    return tok.decode(out, skip_special_tokens=True)
 
 
 def sse_events(url: str, body: dict, key: str) -> list[str]:
@@ -91,6 +81,17 @@ def test_a_checkpoint_served_to_the_openai_client_streams_what_hf_generates(swar
     assert "".join(p["choices"][0]["delta"].get("content", "") for p in parsed) == want
     assert "usage" in parsed[-1] and parsed[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
+    # Concurrent requests each get their own sessions, and their own tokens.
+    asks = ["hello", "the lazy dog", "volunteers run workers"]
+    wants = [greedy_text(reference, tok, list(tok.apply_chat_template([{"role": "user", "content": a}],
+                                                                     add_generation_prompt=True, tokenize=True,
+                                                                     return_dict=False)), 16) for a in asks]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda a: stream_chat(url, {"model": "tiny-llama", "max_tokens": 16, "temperature": 0,
+                                                            "messages": [{"role": "user", "content": a}]},
+                                                      "sekrit")[0], asks))
+    assert answers == wants
+
     # A stop string ends the text before it, as OpenAI's does.
     if len(want) > 6:
         stop = want[3:6]
@@ -130,4 +131,64 @@ def test_a_checkpoint_served_to_the_openai_client_streams_what_hf_generates(swar
             break
     stream.close()
     wait_for(lambda: all(sessions_open(p) == 0 for p in alive), 30, "the workers to free the sessions")
+    assert gateway.popen.poll() is None
+
+
+def _post(url: str, path: str, body: bytes, headers: dict) -> tuple[int, dict]:
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.request("POST", u.path + path, body, headers)
+    response = conn.getresponse()
+    status, data = response.status, response.read()
+    conn.close()
+    return status, json.loads(data)
+
+
+def test_the_gateway_refuses_what_a_hostile_page_or_client_sends_in_openais_shape(swarm, tmp_path):
+    """Without a key it answers only requests a web page cannot forge; bad input of every kind gets a 4xx in
+    OpenAI's error shape and the gateway goes on serving; a user's literal "<pad>" is text, not padding."""
+    folder = save_checkpoint(tmp_path / "tiny", "llama", seed=8)
+    swarm.start_workers(1)
+    gateway, url = swarm.start_gateway(folder, "--max-length", "64", "--max-concurrent", "1")
+    ok = {"Content-Type": "application/json"}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+    def error(status: int, path: str, body, headers=ok) -> dict:
+        got, answer = _post(url, path, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
+        assert got == status, answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        return answer["error"]
+
+    error(415, "/chat/completions", json.dumps(chat).encode(), {"Content-Type": "text/plain"})  # a page's form
+    error(403, "/chat/completions", chat, {**ok, "Host": "attacker.example"})  # DNS rebinding
+    error(400, "/chat/completions", b"[" * 50000)
+    error(400, "/chat/completions", b"{not json")
+    error(400, "/chat/completions", {**chat, "max_tokens": "4"})
+    error(400, "/chat/completions", {**chat, "max_tokens": True})
+    error(400, "/chat/completions", {**chat, "seed": 2**70})
+    error(400, "/chat/completions", {**chat, "messages": [{"role": "user", "content": ["x"]}]})
+    error(400, "/chat/completions", {**chat, "stop": ["x" * 10000]})
+    error(400, "/chat/completions", {**chat, "n": 3})
+    error(400, "/chat/completions", {**chat, "response_format": {"type": "json_object"}})
+    error(400, "/completions", {"model": "tiny", "prompt": [10**30], "max_tokens": 2})
+    assert error(400, "/completions", {"model": "tiny", "prompt": "x" * 70, "max_tokens": 2})["code"] == \
+        "context_length_exceeded"
+
+    status, answer = _post(url, "/completions", json.dumps(
+        {"model": "tiny", "prompt": "hello <pad> world", "max_tokens": 3, "temperature": 1e-9}).encode(), ok)
+    assert status == 200 and answer["usage"]["prompt_tokens"] == len(load(folder)[1]("hello <pad> world").input_ids)
+    status, answer = _post(url, "/completions", json.dumps({"model": "tiny", "prompt": [5], "max_tokens": 2}).encode(),
+                           ok)
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 1
+
+    # One completion at a time here: of two sent together, one is told to come back (429), the other is unharmed.
+    def outcome(_):
+        try:
+            return stream_chat(url, {**chat, "max_tokens": 40})[1]
+        except RuntimeError as e:
+            return str(e)[:3]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outcomes = sorted(pool.map(outcome, range(2)))
+    assert outcomes[0] == "429" and outcomes[1] in ("length", "stop"), outcomes
     assert gateway.popen.poll() is None

@@ -197,6 +197,9 @@ def gateway(
                                              "memory allows)."),
     data_dir: Optional[Path] = typer.Option(None, "--data-dir", metavar="DIR",
                                             help="The client's data dir (identity, ledger; default ~/.gpunet/client)."),
+    max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, metavar="N",
+                                       help="Completions generated at once (each holds a session per span on the "
+                                            "workers); more are answered 429."),
     verbose: int = Verbose,
 ) -> None:
     """Serve a language model over the network with an OpenAI-compatible API (/v1/models, /v1/completions,
@@ -209,12 +212,16 @@ def gateway(
     if not (model / "config.json").is_file():
         print_error(f"--model {model}: not a checkpoint folder (no config.json there)")
         raise typer.Exit(EXIT_USAGE)
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print_error(f"--host {host} lets other machines spend this gateway's credits: set --api-key too")
+        raise typer.Exit(EXIT_USAGE)
 
     def ready(url: str) -> None:
         print(f"Serving {name or model.resolve().name} at {url} (OpenAI-compatible; Ctrl-C stops)", flush=True)
 
     asyncio.run(run_gateway(str(model), list(initial_peers or []), network, host, port, api_key=api_key,
-                            max_length=max_length, spans=spans, data_dir=data_dir, name=name, ready=ready))
+                            max_length=max_length, spans=spans, data_dir=data_dir, name=name, ready=ready,
+                            max_concurrent=max_concurrent))
 
 
 @app.command()
@@ -226,6 +233,9 @@ def demo(
     generate: bool = typer.Option(
         False, "--generate", help="Instead of the jobs: a small transformer spread over the workers generates tokens "
                                   "through an inference session (KV caches stay on the workers)."),
+    chat: bool = typer.Option(
+        False, "--chat", help="Instead of the jobs: a language model (a checkpoint folder made on the spot) served "
+                              "over the workers through `gpunet gateway`, with a few streamed chat completions."),
     verbose: int = Verbose,
 ) -> None:
     """Run the whole thing on this machine: a local network, real jobs, the status table and the ledgers."""
@@ -234,7 +244,10 @@ def demo(
     setup_logging(verbose)
     if not verbose:
         logging.getLogger().setLevel(logging.WARNING)
-    run_demo(workers=workers, jobs=jobs, keep=keep, generate=generate)
+    if generate and chat:
+        print_error("--generate and --chat: choose one")
+        raise typer.Exit(EXIT_USAGE)
+    run_demo(workers=workers, jobs=jobs, keep=keep, generate=generate, chat=chat)
 
 
 @app.command()

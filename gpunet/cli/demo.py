@@ -6,6 +6,8 @@ answer against local execution, then shows who did what, the network status and 
 
 ``--generate`` shows the Petals-style part instead: a small decoder-only transformer (gpunet.models) cut into spans
 over the workers, generating tokens greedily through an inference session whose KV caches stay on the workers.
+``--chat`` serves a checkpoint folder (random init, made on the spot) through ``gpunet gateway`` and streams a few
+chat completions from it, each checked against local generation.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> floa
 
 
 def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Console | None = None,
-             generate: bool = False) -> DemoReport:
+             generate: bool = False, chat: bool = False) -> DemoReport:
     console = console or wide_console()
     # The client's modules now, not on first use once the network is up: a Ctrl-C that lands in the middle of an
     # import leaves half-imported modules behind, and the demo then died of the signal instead of stopping.
@@ -113,17 +115,23 @@ def run_demo(workers: int = 3, jobs: int = 200, keep: bool = False, console: Con
             net.wait_online(proc)
         console.print(f"{plural(workers, 'worker')} online (prices {', '.join(f'{p:g}' for p in prices)} credits/TFLOP)")
 
-        with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
-            console.print(f"client {short_id(client.id)} sees {plural(len(client.workers(refresh=True)), 'worker')}")
-            report = _generation(console, client, workers) if generate else _jobs(console, client, jobs, workers)
-            names = {w.id: w.record.name for w in client.workers(refresh=True) if w.record.name}
-            _print_work(console, client, names)
-            # Records refresh every heartbeat: show the table once they carry the final job counts.
-            wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= report.jobs,
-                     10 * net.heartbeat, "worker records to report every job")
-            console.print(render_table(NetworkStatus(net.network, client.workers()), console.width))
+        if chat:  # the gateway is this demo's client (its data dir the client's): it pays the workers
+            report, client_id = _chat(console, net, workers)
+            names = {net.worker_id(proc): f"volunteer-{i + 1}" for i, proc in enumerate(net.workers)}
+        else:
+            with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
+                console.print(f"client {short_id(client.id)} sees "
+                              f"{plural(len(client.workers(refresh=True)), 'worker')}")
+                report = _generation(console, client, workers) if generate else _jobs(console, client, jobs, workers)
+                names = {w.id: w.record.name for w in client.workers(refresh=True) if w.record.name}
+                _print_work(console, client, names)
+                # Records refresh every heartbeat: show the table once they carry the final job counts.
+                wait_for(lambda: sum(w.record.jobs_done for w in client.workers(refresh=True)) >= report.jobs,
+                         10 * net.heartbeat, "worker records to report every job")
+                console.print(render_table(NetworkStatus(net.network, client.workers()), console.width))
+                client_id = client.id
 
-        _print_ledgers(console, net, client.id, names)
+        _print_ledgers(console, net, client_id, names)
         if keep:
             dirs = "".join(f"\n  {names.get(net.worker_id(proc), proc.name)}: {proc.data_dir}" for proc in net.workers)
             console.print(
@@ -225,6 +233,65 @@ def _generation(console: Console, client: gpunet.Client, workers: int, new_token
         per_worker[r.worker_id] += steps_of(r.job_id)
     return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds, max_error=0.0,
                       tokens=tokens)
+
+
+#: What --chat asks the model, one chat each (a random-init model answers gibberish: the point is that the network's
+#: answer is the one local generation gives, streamed through an OpenAI-compatible API).
+CHAT_PROMPTS = ("hello network", "what do the volunteers run?", "the quick brown fox")
+
+
+def _chat(console: Console, net: LocalNetwork, workers: int, new_tokens: int = 24) -> tuple[DemoReport, str]:
+    """A checkpoint folder made here (random-init Llama and a tokenizer trained here) served through ``gpunet
+    gateway`` over the workers; a few streamed chat completions, each checked against HF's generation in this
+    process. Returns the report and the gateway's client id (its ledger is the demo client's)."""
+    from gpunet.identity import Identity
+    from gpunet.llm import load
+    from gpunet.testing.llm import greedy_text, save_checkpoint, stream_chat
+
+    folder = save_checkpoint(net.root / "tiny-chat", "llama", seed=0, hidden_size=64, num_hidden_layers=6)
+    spans = min(3, workers)
+    start = time.perf_counter()
+    gateway, url = net.start_gateway(folder, "--name", "tiny-chat", "--spans", str(spans), "--max-length", "128",
+                                     "--data-dir", str(net.root / "client"))
+    console.print(f"gateway up in {time.perf_counter() - start:.1f} s: {url} (OpenAI-compatible) serves tiny-chat, a "
+                  f"random-init 6-layer Llama from a checkpoint folder made here, in {spans} spans", soft_wrap=True)
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    tokens, start = 0, time.perf_counter()
+    for prompt in CHAT_PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        want = greedy_text(reference, tok, list(ids), new_tokens)
+        console.print(f"[bold]user:[/bold] {prompt}\n[bold]tiny-chat:[/bold] ", end="", soft_wrap=True)
+        text, finish, usage = stream_chat(url, {"model": "tiny-chat", "messages": messages,
+                                                "max_tokens": new_tokens, "temperature": 0},
+                                          on_text=lambda piece: console.print(piece, end="", markup=False,
+                                                                              highlight=False, soft_wrap=True))
+        console.print(f"\n  ({usage.get('completion_tokens', '?')} tokens, finish: {finish}; "
+                      f"{'identical to' if text == want else 'DIFFERENT from'} local generation)", soft_wrap=True)
+        if text != want:
+            raise gpunet.GpunetError(f"the gateway's answer differs from local generation: {text!r} != {want!r}")
+        tokens += usage.get("completion_tokens", 0)
+    seconds = time.perf_counter() - start
+    gateway.terminate()  # its last tabs are paid as it stops
+    with open_ledger(net.root / "client") as ledger:
+        receipts = list(ledger.receipts())
+    per_worker = Counter()
+    table = Table(title="what each worker earned serving the chats (from the gateway's ledger)")
+    for column in ("worker", "steps paid", "receipts", "credits"):
+        table.add_column(column)
+    names = {net.worker_id(proc): f"volunteer-{i + 1}" for i, proc in enumerate(net.workers)}
+    for worker_id in sorted({r.worker_id for r in receipts}):
+        mine = [r for r in receipts if r.worker_id == worker_id]
+        per_worker[worker_id] = sum(steps_of(r.job_id) for r in mine)
+        table.add_row(_named(worker_id, names), str(per_worker[worker_id]), str(len(mine)),
+                      format_credits(sum(r.amount for r in mine)))
+    console.print(table)
+    console.print(f"{len(CHAT_PROMPTS)} chats, {tokens} tokens streamed in {seconds:.1f} s, each identical to "
+                  "generating locally", soft_wrap=True)
+    client_id = Identity.load_or_create(net.root / "client").peer_id
+    return DemoReport(jobs=sum(per_worker.values()), per_worker=dict(per_worker), seconds=seconds,
+                      max_error=0.0), client_id
 
 
 def _named(worker_id: str, names: dict[str, str]) -> str:

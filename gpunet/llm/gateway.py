@@ -30,6 +30,16 @@ logger = logging.getLogger("gpunet.gateway")
 #: OpenAI's defaults where a request says nothing.
 DEFAULT_MAX_TOKENS = 16
 MAX_BODY_BYTES = 4 << 20
+#: Requests generating at once (each holds a session per span, a full KV cache on each worker); more are answered 429.
+DEFAULT_MAX_CONCURRENT = 16
+#: Characters of prompt (all messages together) tokenized at most: tokenizing is CPU work, done off the loop.
+MAX_PROMPT_CHARS = 1 << 20
+#: A stop string is at most this long (each is looked for at every token).
+MAX_STOP_CHARS = 256
+#: Prompt tokens decoded before the completion's, so the first new token's text is what it is after the prompt (a
+#: SentencePiece decoder strips a leading space from a text's start).
+DECODE_CONTEXT = 4
+_LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
 class ApiError(Exception):
@@ -68,10 +78,12 @@ def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
 
 
 class Gateway:
-    def __init__(self, lm: CausalLMCore, model_name: str, api_key: str | None = None):
+    def __init__(self, lm: CausalLMCore, model_name: str, api_key: str | None = None,
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT):
         if lm.tokenizer is None:
             raise UsageError("the gateway needs the model's tokenizer (tokenizer files in the checkpoint folder)")
         self.lm, self.model_name, self.api_key = lm, model_name, api_key
+        self.max_concurrent, self.running = max_concurrent, 0
         self.created = int(time.time())
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         self.app.router.add_get("/v1/models", self.models)
@@ -85,10 +97,7 @@ class Gateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
-            if self.api_key is not None:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+            self._admit(request)
             return await handler(request)
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
@@ -96,14 +105,39 @@ class Gateway:
             if e.status == 404:
                 return web.json_response(ApiError(404, f"Unknown path {request.path}", code="not_found").body(),
                                          status=404)
+            if e.status == 405:
+                return web.json_response(ApiError(405, f"{request.method} is not allowed on {request.path}").body(),
+                                         status=405)
             raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # a bug of ours: said in OpenAI's shape, and in the log
+            logger.exception("Request %s %s failed", request.method, request.path)
+            return web.json_response(ApiError(500, f"internal error: {type(e).__name__}", "server_error").body(),
+                                     status=500)
+
+    def _admit(self, request: web.Request) -> None:
+        """The key, when one is set; without one, only requests a web page cannot forge (a browser on this machine
+        visiting a hostile page can POST text/plain to 127.0.0.1, and DNS rebinding can name it by another host)."""
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise ApiError(401, "Incorrect API key provided.", "invalid_request_error", code="invalid_api_key")
+            return
+        host = (request.host or "").rsplit(":", 1)[0] if not (request.host or "").startswith("[") else \
+            (request.host or "").split("]")[0] + "]"
+        if host not in _LOOPBACK_NAMES:
+            raise ApiError(403, f"Host {request.host!r} refused: without --api-key this gateway answers only requests "
+                           "addressed to 127.0.0.1 or localhost", code="forbidden_host")
 
     async def _body(self, request: web.Request) -> dict:
+        if request.content_type != "application/json":
+            raise ApiError(415, "the request body must be JSON (Content-Type: application/json)")
         try:
-            body = await request.json()
+            body = json.loads(await request.read())
         except web.HTTPRequestEntityTooLarge:
             raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
@@ -131,20 +165,21 @@ class Gateway:
         for name in ("n", "best_of"):
             if body.get(name, 1) not in (1, None):
                 raise ApiError(400, f"'{name}' must be 1 (one completion per request)", param=name)
-        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias",
+                     "response_format", "tool_choice", "function_call"):
             if body.get(name) not in (None, False, {}, []):
                 raise ApiError(400, f"'{name}' is not supported by this gateway", param=name)
         for name in ("presence_penalty", "frequency_penalty"):
             if _number(body, name, 0.0, -2.0, 2.0):
                 raise ApiError(400, f"'{name}' is not supported (only 0); use 'repetition_penalty'", param=name)
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        limit = body.get(limit_name)
         room = self.lm.max_length - len(prompt_ids)
         if room < 1:
             raise ApiError(400, f"This model's maximum context length is {self.lm.max_length} tokens. However, "
                            f"your prompt has {len(prompt_ids)} tokens.", param="messages", code="context_length_exceeded")
         max_tokens = room if limit is None and "messages" in body else DEFAULT_MAX_TOKENS if limit is None else \
-            _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens", None, 1,
-                    1 << 30, int)
+            _number(body, limit_name, None, 1, 1 << 30, int)
         if max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {self.lm.max_length} tokens. However, you "
                            f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, "
@@ -152,22 +187,24 @@ class Gateway:
         temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
         top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "top_k": 0}
-        if temperature == 0.0:
+        if temperature < 1e-5:  # as good as greedy (and 1/temperature would overflow the logits)
             kwargs["do_sample"] = False
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
         seed = body.get("seed")
         if seed is not None:
-            if isinstance(seed, bool) or not isinstance(seed, int):
-                raise ApiError(400, "'seed' must be an integer", param="seed")
+            if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+                raise ApiError(400, "'seed' must be a 64-bit integer", param="seed")
             kwargs["seed"] = seed
         penalty = _number(body, "repetition_penalty", 1.0, 0.01, 10.0)
         if penalty != 1.0:
             kwargs["repetition_penalty"] = penalty
         stop = body.get("stop")
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-            raise ApiError(400, "'stop' is a string or a list of up to 4 non-empty strings", param="stop")
+        if not isinstance(stop, list) or len(stop) > 4 or not all(
+                isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            raise ApiError(400, f"'stop' is a string or a list of up to 4 non-empty strings of at most "
+                           f"{MAX_STOP_CHARS} characters", param="stop")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
@@ -177,10 +214,13 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = self.lm.tokenizer(prompt, add_special_tokens=True).input_ids
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise ApiError(400, f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", param="prompt",
+                               code="context_length_exceeded")
+            ids = (await asyncio.to_thread(self.lm.tokenizer, prompt, add_special_tokens=True)).input_ids
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = prompt
             vocab = self.lm.model.get_input_embeddings().num_embeddings
@@ -203,8 +243,15 @@ class Gateway:
                            param="messages")
         if getattr(self.lm.tokenizer, "chat_template", None) is None:
             raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", param="messages")
-        ids = self.lm.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise ApiError(400, f"the messages are longer than {MAX_PROMPT_CHARS} characters", param="messages",
+                           code="context_length_exceeded")
+        try:
+            ids = await asyncio.to_thread(
+                self.lm.tokenizer.apply_chat_template, [{"role": m["role"], "content": m["content"]} for m in messages],
+                add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as e:  # the template's own rules (roles that must alternate, no system role): jinja raises
+            raise ApiError(400, f"the model's chat template refused these messages: {e}", param="messages") from None
         if hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return await self._answer(request, self._request(body, list(ids)), chat=True)
@@ -214,20 +261,25 @@ class Gateway:
     async def _texts(self, req: Request, usage: Usage) -> AsyncIterator[tuple[str, str | None]]:
         """The completion as text pieces, then its finish reason ("stop": the end token or a stop string, not
         included; "length": max_tokens). Text that could still become a stop string is held back until it cannot."""
-        tok = self.lm.tokenizer
         ids = torch.tensor([req.prompt_ids])
+        context = req.prompt_ids[-DECODE_CONTEXT:]
+        decode = CompletionText(self.lm.tokenizer, context)
         new: list[int] = []
         sent = 0  # characters of the decoded completion already given out
         eos = set(self.lm.steps_eos())
-        steps = self.lm.steps(ids, None, usage=usage, **req.kwargs)
+        # Every token is the prompt's (a literal "<pad>" in a user's text is text): no padding to infer.
+        steps = self.lm.steps(ids, torch.ones_like(ids), usage=usage, **req.kwargs)
         async with contextlib.aclosing(steps):
             async for nxt in steps:
                 token = int(nxt[0])
                 if token in eos:
+                    text = decode(new)
+                    if len(text) > sent:  # what was held back (a possible stop string's start) was not one
+                        yield text[sent:], None
                     yield "", "stop"
                     return
                 new.append(token)
-                text = tok.decode(new, skip_special_tokens=True)
+                text = decode(new)
                 if text.endswith("\ufffd"):  # a character cut between tokens: wait for the rest of its bytes
                     continue
                 for stop in req.stop:
@@ -241,12 +293,22 @@ class Gateway:
                 if safe > sent:
                     yield text[sent:safe], None
                     sent = safe
-        text = tok.decode(new, skip_special_tokens=True)
+        text = decode(new)
         if len(text) > sent:
             yield text[sent:], None
         yield "", "length"
 
     async def _answer(self, request: web.Request, req: Request, chat: bool) -> web.StreamResponse:
+        if self.running >= self.max_concurrent:
+            raise ApiError(429, f"this gateway is generating {self.running} completions, its limit: try again shortly",
+                           "rate_limit_error", code="too_many_requests")
+        self.running += 1
+        try:
+            return await self._answer_now(request, req, chat)
+        finally:
+            self.running -= 1
+
+    async def _answer_now(self, request: web.Request, req: Request, chat: bool) -> web.StreamResponse:
         self.requests += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -278,13 +340,18 @@ class Gateway:
                 started = True
             await response.write(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
 
+        # As OpenAI: with stream_options.include_usage every chunk says "usage": null and a last chunk (no choices)
+        # has it; without, the finishing chunk carries it (OpenAI's own omit it then: clients ignore the field).
+        extra = {"usage": None} if req.include_usage else {}
+
         def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else {} if delta_text is None else \
                     {"content": delta_text}
-                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                        **extra}
             return {**base, "choices": [{"index": 0, "text": delta_text or "", "logprobs": None,
-                                         "finish_reason": finish}]}
+                                         "finish_reason": finish}], **extra}
 
         try:
             texts = self._texts(req, usage)
@@ -296,7 +363,8 @@ class Gateway:
                 while pending:
                     text, finish = pending.pop()
                     if finish is not None:
-                        await send({**chunk(None if chat else "", finish), "usage": _usage(usage)})
+                        last = chunk(None if chat else "", finish)
+                        await send(last if req.include_usage else {**last, "usage": _usage(usage)})
                         break
                     if text:
                         await send(chunk(text, None))
@@ -314,6 +382,21 @@ class Gateway:
             raise
         await response.write_eof()
         return response
+
+
+class CompletionText:
+    """The completion's text so far: the new tokens decoded after a few prompt tokens, less those tokens' own text,
+    so a tokenizer that strips a leading space from a text's start (SentencePiece) does not strip the first word's."""
+
+    def __init__(self, tokenizer, context: list[int]):
+        self.tokenizer, self.context = tokenizer, list(context)
+        self.prefix = tokenizer.decode(self.context, skip_special_tokens=True)
+
+    def __call__(self, new: list[int]) -> str:
+        text = self.tokenizer.decode(self.context + new, skip_special_tokens=True)
+        if text.startswith(self.prefix):
+            return text[len(self.prefix):]
+        return self.tokenizer.decode(new, skip_special_tokens=True)  # the prefix itself changed: no better guess
 
 
 def _overlap(text: str, stop: str) -> int:
@@ -346,7 +429,8 @@ def _api_error(e: GpunetError) -> ApiError:
 
 async def serve(gateway: Gateway, host: str, port: int, ready=None, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (the CLI sets it on SIGINT/SIGTERM); ``ready(url)`` once it listens."""
-    runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=5.0)
+    # A client that hangs up cancels its handler: a request it no longer waits for stops generating (and paying).
+    runner = web.AppRunner(gateway.app, access_log=None, shutdown_timeout=5.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -361,7 +445,7 @@ async def serve(gateway: Gateway, host: str, port: int, ready=None, stop: asynci
 
 async def run_gateway(model: str, initial_peers, network: str, host: str, port: int, *, api_key: str | None = None,
                       max_length: int | None = None, spans: int | None = None, data_dir=None, name: str | None = None,
-                      ready=None, workers_wait: float = 30.0) -> None:
+                      ready=None, workers_wait: float = 30.0, max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
     """``gpunet gateway``: a client of the network serving the checkpoint folder ``model`` until SIGINT/SIGTERM."""
     import signal
     from pathlib import Path
@@ -377,7 +461,7 @@ async def run_gateway(model: str, initial_peers, network: str, host: str, port: 
         while not await client.workers(refresh=True) and time.monotonic() < deadline and not stop.is_set():
             await asyncio.sleep(0.5)
         lm = await client.causal_lm(model, max_length=max_length, spans=spans)
-        gateway = Gateway(lm._core, name or Path(model).resolve().name, api_key)
+        gateway = Gateway(lm._core, name or Path(model).resolve().name, api_key, max_concurrent)
         logger.info("Model %s: %d decoder layers in %d spans, max_length %d", gateway.model_name,
                     lm.spans[-1][1], len(lm.spans), lm.max_length)
         if not stop.is_set():

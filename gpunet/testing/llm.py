@@ -78,8 +78,59 @@ def train_tokenizer():
 
 def save_checkpoint(folder: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """A checkpoint folder in HF layout (config.json, model.safetensors, tokenizer files) of a tiny random model."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     folder = Path(folder)
     model = tiny_causal_lm(family, seed, **overrides)
     model.save_pretrained(folder, safe_serialization=True)
     train_tokenizer().save_pretrained(folder)
     return folder
+
+
+def greedy_text(model, tokenizer, ids: list[int], new: int) -> str:
+    """HF's greedy completion of ``ids`` as text, cut before the end token (as the gateway cuts it)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):].tolist()
+    from gpunet.llm.gateway import DECODE_CONTEXT, CompletionText
+
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    cut = next((i for i, t in enumerate(out) if t in eos), len(out))
+    return CompletionText(tokenizer, ids[-DECODE_CONTEXT:])(out[:cut])
+
+
+def stream_chat(url: str, body: dict, api_key: str | None = None, on_text=None) -> tuple[str, str | None, dict]:
+    """A chat completion streamed from an OpenAI-compatible ``url`` (``.../v1``) read as raw server-sent events, no
+    SDK: (the text, the finish reason, the usage of the last chunk); ``on_text(piece)`` as pieces arrive."""
+    import http.client
+    import json
+    import urllib.parse
+
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    conn.request("POST", u.path + "/chat/completions", json.dumps({**body, "stream": True}), headers)
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{response.status}: {response.read().decode()[:500]}")
+    text, finish, usage = [], None, {}
+    try:
+        while True:
+            line = response.readline()
+            if not line or line.strip() == b"data: [DONE]":
+                break
+            if not line.startswith(b"data: "):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece:
+                    text.append(piece)
+                    if on_text is not None:
+                        on_text(piece)
+                finish = choice.get("finish_reason") or finish
+    finally:
+        conn.close()
+    return "".join(text), finish, usage

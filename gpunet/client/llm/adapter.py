@@ -21,6 +21,7 @@ import contextlib
 import inspect
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,8 +228,14 @@ def blocks_of(model: nn.Module, max_length: int) -> list[DecoderBlock]:
         probe = DecoderBlock(layer, i, config, rotary, alibi_heads, 1, (1, 1), dtype)
         x = torch.zeros(1, 1, config.hidden_size, dtype=dtype)
         cache = StepCache(None, None, None)
-        with torch.no_grad():
-            layer(x, **probe.kwargs(x, cache, torch.zeros(1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.bool)))
+        try:
+            with torch.no_grad():
+                layer(x, **probe.kwargs(x, cache, torch.zeros(1, dtype=torch.int64),
+                                        torch.ones(1, 1, dtype=torch.bool)))
+        except Exception as e:  # a family whose layers want more than gpunet gives (Gemma-3's per-type rotary)
+            raise UnsupportedModel(f"{type(layer).__name__} cannot run with what gpunet passes a decoder layer "
+                                   f"(a static cache, a mask, positions, the model's rotary or ALiBi): "
+                                   f"{type(e).__name__}: {str(e)[:300]}") from e
         if cache.seen_shapes is None:
             raise UnsupportedModel(f"{type(layer).__name__} did not write its keys and values to the cache it was "
                                    "given")
@@ -262,13 +269,22 @@ class _Gate(nn.Module):
         return (self.inject, *(None,) * (self.tuple_of - 1)) if self.tuple_of else self.inject
 
 
+#: One lock per model object: its layer list is swapped while an end runs, whoever runs it (two remote LMs made from
+#: the same model object, on a sync and an async client, share it).
+_SWAP_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.Lock]" = weakref.WeakKeyDictionary()
+_SWAP_LOCKS_GUARD = threading.Lock()
+
+
 class Ends:
-    """The embeddings and the head, run on the client by the model's own forward (see the module's docstring)."""
+    """The embeddings and the head, run on the client by the model's own forward (see the module's docstring). The
+    model object is borrowed: while an end runs its layer list is swapped for a gate (under the model's lock), so the
+    caller should not run it in another thread meanwhile."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.parent, self.name, self.layers = decoder_layers(model)
-        self._lock = threading.Lock()  # the layer list is swapped while one of them runs
+        with _SWAP_LOCKS_GUARD:
+            self._lock = _SWAP_LOCKS.setdefault(model, threading.Lock())
         self._tuple_of = 0
         seen = []
         hook = self.layers[0].register_forward_hook(lambda module, args, out: seen.append(out))

@@ -43,11 +43,26 @@ class Usage:
         return sum(r.amount for r in self.receipts) / NANO
 
 
+async def _all(coros) -> list:
+    """Every coroutine's result, or the first error once the others are cancelled and ended: a row's session must not
+    step on (and open sessions on workers) after the request failed and its sessions are being closed."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def load(path: str | Path, dtype: torch.dtype | None = None):
     """A checkpoint folder in HF layout (config.json, safetensors, tokenizer files): the model and its tokenizer,
     nothing fetched from any hub and no code from the folder run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a progress bar per load, on a gateway's terminal or a demo's output
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a checkpoint folder (no config.json there)")
@@ -88,10 +103,13 @@ class CausalLMCore:
             raise UsageError("causal_lm takes a transformers causal LM (PreTrainedModel with a LM head) or the path "
                              f"of a checkpoint folder, got {type(model).__name__}")
         config = adapter.text_config(model.config)
-        limit = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
-        self.max_length = int(max_length or min(limit, DEFAULT_MAX_LENGTH))
+        limit = getattr(config, "max_position_embeddings", None)
+        self.max_length = int(max_length or min(limit or DEFAULT_MAX_LENGTH, DEFAULT_MAX_LENGTH))
         if self.max_length < 2:
             raise UsageError(f"max_length must be at least 2, got {self.max_length}")
+        if limit is not None and self.max_length > limit:  # past it, learned positions run out (GPT-2 at 1024)
+            raise UsageError(f"max_length {self.max_length} is more than the model's max_position_embeddings "
+                             f"({limit})")
         self.model, self.tokenizer, self.config = adapter.prepare(model), tokenizer, model.config
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.ends = adapter.Ends(self.model)
@@ -118,7 +136,7 @@ class CausalLMCore:
         """Logits [B, T, vocab] as HF's forward gives them (each row on its own; padded positions get zeros)."""
         rows = generation.rows_of(input_ids, attention_mask, None, ())
         self._check_length(max(len(r) for r in rows))
-        outs = await asyncio.gather(*(self._forward_row(r) for r in rows))
+        outs = await _all(self._forward_row(r) for r in rows)
         logits = torch.zeros(*input_ids.shape, outs[0].shape[-1], dtype=outs[0].dtype)
         for i, (row, out) in enumerate(zip(rows, outs)):
             logits[i, input_ids.shape[1] - len(row):] = out[0]
@@ -126,8 +144,8 @@ class CausalLMCore:
 
     async def _forward_row(self, row: list[int]) -> torch.Tensor:
         ids = torch.tensor([row])
-        h = self.ends.embed(ids, torch.arange(len(row))[None])
-        return self.ends.head(await self.seq.forward(h))
+        h = await asyncio.to_thread(self.ends.embed, ids, torch.arange(len(row))[None])
+        return await asyncio.to_thread(self.ends.head, await self.seq.forward(h))
 
     # --- generation ------------------------------------------------------------------------------------------------
 
@@ -148,15 +166,15 @@ class CausalLMCore:
         sessions = [self.seq.session(ttl=SESSION_TTL) for _ in rows]
         seen = [len(r) for r in rows]
         try:
-            logits = list(await asyncio.gather(*(self._step(s_, row, 0) for s_, row in zip(sessions, rows))))
+            logits = list(await _all(self._step(s_, row, 0) for s_, row in zip(sessions, rows)))
             while True:
                 nxt = picker.pick(torch.stack(logits))
                 usage.completion_tokens = list(picker.produced)
                 yield nxt
                 if picker.done:
                     break
-                live = [i for i in range(len(rows)) if picker.unfinished[i]]
-                outs = await asyncio.gather(*(self._step(sessions[i], [int(nxt[i])], seen[i]) for i in live))
+                live = [i for i in range(len(rows)) if picker.stepping(i)]
+                outs = await _all(self._step(sessions[i], [int(nxt[i])], seen[i]) for i in live)
                 for i, out in zip(live, outs):
                     logits[i] = out
                     seen[i] += 1
@@ -169,9 +187,11 @@ class CausalLMCore:
     async def _step(self, session: SessionCore, tokens: list[int], seen: int) -> torch.Tensor:
         """One session step for one row: its new tokens in, the next token's logits [vocab] out."""
         ids = torch.tensor([tokens])
-        h = self.ends.embed(ids, torch.arange(seen, seen + len(tokens))[None])
+        # The ends are torch work (a big vocabulary's head is a large matmul): off the loop, where other requests'
+        # steps and a gateway's streams wait.
+        h = await asyncio.to_thread(self.ends.embed, ids, torch.arange(seen, seen + len(tokens))[None])
         out = await session.step(h)
-        return self.ends.head(out[:, -1:])[0, -1]
+        return (await asyncio.to_thread(self.ends.head, out[:, -1:]))[0, -1]
 
     def _check_length(self, n: int, new: int = 0) -> None:
         if n > self.max_length:

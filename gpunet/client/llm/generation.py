@@ -125,8 +125,8 @@ class Picker:
             nxt = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
         else:
             nxt = torch.argmax(scores, dim=-1)
-        if self.s.eos_token_id or self.s.stop_strings:
-            nxt = torch.where(self.unfinished, nxt, torch.full_like(nxt, self.s.pad_token_id or 0))
+        if self.s.eos_token_id:  # as HF: finished rows are padded only where an end token can finish them
+            nxt = torch.where(self.unfinished, nxt, torch.full_like(nxt, self.s.pad_token_id))
         self.ids = torch.cat([self.ids, nxt[:, None]], dim=-1)
         for row in range(nxt.shape[0]):
             self.produced[row] += int(self.unfinished[row])
@@ -141,6 +141,11 @@ class Picker:
     def _stopped(self, row: int) -> bool:
         text = self.tokenizer.decode(self.ids[row, self.prompt_length:].tolist())
         return any(stop in text for stop in self.s.stop_strings)
+
+    def stepping(self, row: int) -> bool:
+        """Whether ``row`` needs its next logits: unfinished, or finished by a stop string with no end token to pad
+        it (HF goes on generating such a row's tokens until every row is done)."""
+        return bool(self.unfinished[row]) or not self.s.eos_token_id
 
     @property
     def done(self) -> bool:
