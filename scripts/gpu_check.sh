@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What a session runs on a lent GPU machine (the device tool), in one go (about 5 minutes): the CUDA paths (NVML,
+# What a session runs on a lent GPU machine (the device tool), in one go (about 8 minutes): the CUDA paths (NVML,
 # torch's CUDA build, executors sandboxed on the GPU, sessions with their KV caches there) and issue 15's figures on a
 # machine with cores to spare. That machine has the CUDA build of torch but not hivemind or gpunet's other needs, and
 # no registry: `bash scripts/gpu_wheels.sh` here first, then carry .whl. Each step has its own time limit and the
@@ -25,3 +25,5 @@ print(sys.version.split()[0], torch.__version__, torch.cuda.is_available(), hive
 step doctor 45 python3 -m gpunet doctor --device cuda:0 --network gpu-check --data-dir /tmp/doctor
 step bench_gpu 150 python3 scripts/bench_pipeline.py --d-model 1024 --device cuda:0 --json
 step bench_cpu 180 python3 scripts/bench_pipeline.py --d-model 1024 --json
+# Issue 39: a HF causal LM over GPU workers (client.causal_lm, the gateway) beside HF's generate on the same GPU.
+step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --layers 8 --json

@@ -184,15 +184,12 @@ class AsyncClient:
                         spans: int | None = None, dtype=None, requirements: Requirements | None = None):
         """Like :meth:`Client.causal_lm`, awaited: ``await lm.generate(...)``, ``async for t in lm.stream(...)``."""
         from gpunet.client.llm import AsyncRemoteCausalLM, CausalLMCore
-        from gpunet.client.llm.engine import open_model
 
         self._core.check_open()
-
-        def make():
-            model, tok = open_model(model_or_path, tokenizer, dtype)
-            return CausalLMCore(self._core, model, tok, max_length=max_length, spans=spans, requirements=requirements)
-
-        return AsyncRemoteCausalLM(await asyncio.to_thread(make))  # loading and tracing take seconds
+        core = await asyncio.to_thread(  # loading and tracing take seconds
+            partial(CausalLMCore.open, self._core, model_or_path, tokenizer=tokenizer, dtype=dtype,
+                    max_length=max_length, spans=spans, requirements=requirements))
+        return AsyncRemoteCausalLM(core)
 
     @property
     def program_bytes_sent(self) -> int:
@@ -382,12 +379,11 @@ class Client:
         static KV cache of ``max_length`` tokens per session. ``lm.generate(ids, max_new_tokens=...)`` returns what
         HF's ``generate`` returns; ``lm.stream(...)`` yields tokens as they come; ``lm(ids).logits``."""
         from gpunet.client.llm import CausalLMCore, RemoteCausalLM
-        from gpunet.client.llm.engine import open_model
 
         if self._closed:
             raise GpunetError("client is closed")
-        model, tok = open_model(model_or_path, tokenizer, dtype)
-        core = CausalLMCore(self._core, model, tok, max_length=max_length, spans=spans, requirements=requirements)
+        core = CausalLMCore.open(self._core, model_or_path, tokenizer=tokenizer, dtype=dtype, max_length=max_length,
+                                 spans=spans, requirements=requirements)
         return RemoteCausalLM(core, self._call)
 
     def workers(self, refresh: bool = False) -> list[WorkerEntry]:

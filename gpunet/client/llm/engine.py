@@ -119,6 +119,17 @@ class CausalLMCore:
         self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
                                          spans, None, requirements)
 
+    @classmethod
+    def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, **kwargs) -> "CausalLMCore":
+        """From a model object (borrowed: see adapter.Ends) or a checkpoint folder. A model loaded here from a folder
+        keeps only its ends in memory once traced: its decoder layers' weights live in the spans' programs (sent to
+        the workers, and again to a worker that takes over a span), so the client holds them once, not twice."""
+        model, tok = open_model(model_or_path, tokenizer, dtype)
+        lm = cls(core, model, tok, **kwargs)
+        if isinstance(model_or_path, (str, Path)):
+            lm.ends.layers.to("meta")
+        return lm
+
     @property
     def spans(self):
         return self.seq.spans
