@@ -4,10 +4,12 @@
 * time to first token (a --prompt-token prompt) and decode tokens/s of one stream through ``client.causal_lm``
   (``lm.stream``) vs HF's ``generate`` here, same weights, same threads;
 * the gateway's overhead per token: the same greedy request streamed over HTTP (``gpunet gateway``, server-sent
-  events) vs through the Python API, whole requests' times over their tokens (both clients on this machine);
+  events) vs through the Python API, whole requests' times over their tokens, the median of --rounds alternating
+  pairs (both clients on this machine, on the same workers);
 * greedy tokens are required identical on the CPU (the stream, HF's, and the gateway's text).
 
-    python scripts/bench_llm.py [--json] [--quick] [--family llama] [--hidden N] [--layers N] [--device cuda:0]
+    python scripts/bench_llm.py [--json] [--quick] [--family llama] [--hidden N] [--layers N] [--rounds N]
+                                 [--device cuda:0]
 
 ``--device cuda:N``: the workers serve that GPU and the local baseline runs on it too (tokens compared, not required
 equal: kernels there may round differently).
@@ -96,6 +98,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for the workers and the local baseline")
+    parser.add_argument("--rounds", type=int, default=5, help="Python API and gateway requests, alternating")
     args = parser.parse_args()
     if args.quick:
         args.prompt_tokens, args.new_tokens = 128, 24
@@ -119,27 +122,37 @@ def main() -> None:
                 wait_for(lambda: len(client.workers(refresh=True)) == args.workers, 60, "the workers")
                 lm = client.causal_lm(folder, max_length=max_length, spans=args.workers)
                 remote(lm, prompt[:, :8], 2)  # warm: programs sent and loaded, sessions' process started
+                _, url = net.start_gateway(folder, "--name", "bench", "--max-length", str(max_length), "--spans",
+                                           str(args.workers))
+                gateway_stream(url, prompt[0, :8].tolist(), 2)  # warm
                 want, ttft_local, tps_local = local(model, prompt, args.new_tokens, args.device)
-                got, ttft_remote, gaps, py_total = remote(lm, prompt, args.new_tokens)
+                # Alternating rounds, so both see the same machine; the gateway's overhead per token is the median
+                # over rounds of (its request's time - the Python API's) / tokens.
+                rounds = []
+                for _ in range(args.rounds):
+                    py = remote(lm, prompt, args.new_tokens)
+                    gw = gateway_stream(url, prompt[0].tolist(), args.new_tokens)
+                    rounds.append((py, gw))
                 placement = lm.last.placement[0]
                 cost = lm.last.cost
-            _, url = net.start_gateway(folder, "--name", "bench", "--max-length", str(max_length), "--spans",
-                                       str(args.workers))
-            gateway_stream(url, prompt[0, :8].tolist(), 2)  # warm
-            text, ttft_gw, gw_total = gateway_stream(url, prompt[0].tolist(), args.new_tokens)
-        same_text = text == lm.tokenizer.decode(got, skip_special_tokens=True)
-    tps_remote = 1 / statistics.mean(gaps)
-    per_token_py = py_total / args.new_tokens
-    per_token_gw = gw_total / args.new_tokens
+                same_text = all(gw[0] == lm.tokenizer.decode(py[0], skip_special_tokens=True) for py, gw in rounds)
+                same_tokens = all(py[0] == want for py, _ in rounds)
+    tps_remote = statistics.median(1 / statistics.mean(py[2]) for py, _ in rounds)
+    ttft_remote = statistics.median(py[1] for py, _ in rounds)
+    ttft_gw = statistics.median(gw[1] for _, gw in rounds)
+    per_token_py = statistics.median(py[3] for py, _ in rounds) / args.new_tokens
+    per_token_gw = statistics.median(gw[2] for _, gw in rounds) / args.new_tokens
+    overheads = [(gw[2] - py[3]) / args.new_tokens for py, gw in rounds]
     results = {
         "device": args.device, "family": args.family, "hidden": args.hidden, "layers": args.layers,
         "workers": args.workers, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
-        "greedy_identical": got == want, "gateway_text_identical": same_text,
+        "rounds": args.rounds, "greedy_identical": same_tokens, "gateway_text_identical": same_text,
         "local_ttft_s": ttft_local, "remote_ttft_s": ttft_remote, "gateway_ttft_s": ttft_gw,
         "local_tokens_per_s": tps_local, "remote_tokens_per_s": tps_remote,
         "remote_vs_local": tps_remote / tps_local,
         "python_ms_per_token": per_token_py * 1e3, "gateway_ms_per_token": per_token_gw * 1e3,  # whole requests
-        "gateway_overhead_ms_per_token": (per_token_gw - per_token_py) * 1e3,
+        "gateway_overhead_ms_per_token": statistics.median(overheads) * 1e3,
+        "gateway_overhead_ms_per_token_rounds": [o * 1e3 for o in overheads],
         "placement": [(a, b, (w or "?")[-8:]) for a, b, w in placement], "cost_credits": cost,
     }
     if args.json:
@@ -151,10 +164,11 @@ def main() -> None:
           f"{same_text}")
     print(f"  time to first token:  local {ttft_local * 1e3:8.1f} ms   swarm {ttft_remote * 1e3:8.1f} ms   "
           f"gateway {ttft_gw * 1e3:8.1f} ms")
-    print(f"  decode tokens/s:      local {tps_local:8.1f}      swarm {tps_remote:8.1f}      "
+    print(f"  decode tokens/s:      local {tps_local:8.1f}      swarm {tps_remote:8.1f} (median)      "
           f"({results['remote_vs_local']:.0%} of local)")
     print(f"  per token (request):  python API {per_token_py * 1e3:6.2f} ms   gateway {per_token_gw * 1e3:6.2f} ms   "
-          f"overhead {results['gateway_overhead_ms_per_token']:+.2f} ms")
+          f"overhead {results['gateway_overhead_ms_per_token']:+.2f} ms (median of {args.rounds} rounds: "
+          f"{', '.join(f'{o * 1e3:+.2f}' for o in overheads)})")
     print(f"  spans: {results['placement']}; cost {cost:.6f} credits")
 
 

@@ -318,9 +318,11 @@ class Gateway:
         if not req.stream:
             parts, finish = [], "length"
             try:
-                async for text, reason in self._texts(req, usage):
-                    parts.append(text)
-                    finish = reason or finish
+                texts = self._texts(req, usage)
+                async with contextlib.aclosing(texts):  # a cancelled handler (the client hung up) closes its sessions
+                    async for text, reason in texts:
+                        parts.append(text)
+                        finish = reason or finish
             except GpunetError as e:
                 raise _api_error(e) from None
             text = "".join(parts)

@@ -34,6 +34,7 @@ class Usage:
     completion_tokens: list[int] = field(default_factory=list)
     placement: list[list[tuple[int, int, str | None]]] = field(default_factory=list)
     receipts: list[Receipt] = field(default_factory=list)
+    output: torch.Tensor | None = None  # HF's generate output: the prompt as given, then the new tokens
 
     @property
     def cost(self) -> float:
@@ -162,8 +163,8 @@ class CausalLMCore:
 
     async def steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                     usage: Usage | None = None, **kwargs) -> AsyncIterator[torch.Tensor]:
-        """Each step's next tokens [B], as HF's ``generate`` picks them; the last yielded completes the output
-        (``generation.Picker.ids``, kept on ``usage``'s request). One session per row, all rows stepping together."""
+        """Each step's next tokens [B], as HF's ``generate`` picks them (the whole output ends on ``usage.output``).
+        One session per row, all rows stepping together."""
         usage = usage if usage is not None else Usage()
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.as_tensor(input_ids)
@@ -193,7 +194,7 @@ class CausalLMCore:
             usage.placement = [s_.placement for s_ in sessions]
             await asyncio.gather(*(s_.close() for s_ in sessions), return_exceptions=True)
             usage.receipts = [r for s_ in sessions for r in s_.receipts]
-            usage.output = picker.ids  # type: ignore[attr-defined]
+            usage.output = picker.ids
 
     async def _step(self, session: SessionCore, tokens: list[int], seen: int) -> torch.Tensor:
         """One session step for one row: its new tokens in, the next token's logits [vocab] out."""
@@ -223,7 +224,7 @@ class CausalLMCore:
         finally:
             if streamer is not None:
                 streamer.end()
-        return usage.output  # type: ignore[attr-defined]
+        return usage.output
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "max_length": self.max_length,
