@@ -90,7 +90,6 @@ class Gateway:
         self.app.router.add_get("/v1/models/{model}", self.model)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat)
-        self.requests = 0
 
     # --- plumbing --------------------------------------------------------------------------------------------------
 
@@ -309,7 +308,6 @@ class Gateway:
             self.running -= 1
 
     async def _answer_now(self, request: web.Request, req: Request, chat: bool) -> web.StreamResponse:
-        self.requests += 1
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         usage = Usage()

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import torch
 
@@ -97,7 +97,7 @@ class CausalLMCore:
     """A causal LM served by the swarm: embeddings and head here, decoder layers in spans on workers."""
 
     def __init__(self, core, model, tokenizer=None, *, max_length: int | None = None, spans: int | None = None,
-                 requirements: Requirements | None = None, name: str | None = None):
+                 requirements: Requirements | None = None):
         from torch.export import Dim
 
         if not hasattr(model, "config") or not hasattr(model, "generation_config"):
@@ -112,7 +112,6 @@ class CausalLMCore:
             raise UsageError(f"max_length {self.max_length} is more than the model's max_position_embeddings "
                              f"({limit})")
         self.model, self.tokenizer, self.config = adapter.prepare(model), tokenizer, model.config
-        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
         self.ends = adapter.Ends(self.model)
         blocks = adapter.blocks_of(self.model, self.max_length)
         dtype = next(self.model.parameters()).dtype
@@ -171,8 +170,8 @@ class CausalLMCore:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         s = generation.settings(self.model.generation_config, input_ids.shape[1], self.max_length, **kwargs)
-        rows = generation.rows_of(input_ids, attention_mask, s.pad_token_id, s.eos_token_id)
-        self._check_length(max(len(r) for r in rows) + s.max_new_tokens, s.max_new_tokens)
+        rows = generation.rows_of(input_ids, attention_mask, s.pad_token_id, s.eos_token_id)  # (settings checked
+        # the length: the prompt as given, padding included, as HF counts it)
         picker = generation.Picker(s, input_ids, self.tokenizer)
         usage.prompt_tokens = [len(r) for r in rows]
         sessions = [self.seq.session(ttl=SESSION_TTL) for _ in rows]
@@ -205,10 +204,10 @@ class CausalLMCore:
         out = await session.step(h)
         return (await asyncio.to_thread(self.ends.head, out[:, -1:]))[0, -1]
 
-    def _check_length(self, n: int, new: int = 0) -> None:
+    def _check_length(self, n: int) -> None:
         if n > self.max_length:
-            raise UsageError(f"{n - new} prompt tokens{f' plus {new} new ones' if new else ''} are more than this "
-                             f"model's max_length ({self.max_length}: causal_lm(max_length=...) sets it)")
+            raise UsageError(f"{n} prompt tokens are more than this model's max_length ({self.max_length}: "
+                             "causal_lm(max_length=...) sets it)")
 
     async def generate(self, input_ids, attention_mask=None, streamer=None, usage: Usage | None = None,
                        **kwargs) -> torch.Tensor:
@@ -225,7 +224,3 @@ class CausalLMCore:
             if streamer is not None:
                 streamer.end()
         return usage.output
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "max_length": self.max_length,
-                "spans": [(s.start, s.stop) for s in self.seq.spans]}

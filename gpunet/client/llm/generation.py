@@ -6,7 +6,7 @@ on the same weights, and sampling with a seed equals HF's after ``torch.manual_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -37,7 +37,6 @@ class Settings:
     pad_token_id: int | None = None
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def settings(generation_config: Any, prompt_length: int, max_length: int, **kwargs) -> Settings:
