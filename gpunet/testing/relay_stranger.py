@@ -31,18 +31,26 @@ STARTUP_SECONDS = 60.0
 async def hold(relay: str | None, direct: str | None, wait: float = 60.0) -> None:
     """Hold a reservation on ``relay`` (or listen on ``direct``) and count what arrives, per stream (each stream the
     pusher opens rides one circuit: it reopens a stream only when its circuit was reset)."""
-    from hivemind.p2p import P2P
+    from hivemind.p2p import P2P, P2PDaemonError
 
     from gpunet.dht import network
     from gpunet.dht.reachability import is_relayed
     from gpunet.protocol import Door
     from gpunet.rpc import RPC
 
+    dialling = time.monotonic() + wait
     if direct:
         p2p = await P2P.create(host_maddrs=[direct], startup_timeout=STARTUP_SECONDS)
     else:
-        p2p = await P2P.create(initial_peers=[relay], no_listen=True, startup_timeout=STARTUP_SECONDS,
-                               **network._reachability_options("private", [relay]))
+        while True:  # a loaded relay can miss the daemon's one bootstrap dial: dial again until the wait is over
+            try:
+                p2p = await P2P.create(initial_peers=[relay], no_listen=True, startup_timeout=STARTUP_SECONDS,
+                                       **network._reachability_options("private", [relay]))
+                break
+            except P2PDaemonError as e:
+                if "bootstrap" not in str(e) or time.monotonic() > dialling:
+                    raise
+                await asyncio.sleep(1.0)
 
     async def sink(_peer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _host: str = "") -> None:
         total = 0
