@@ -17,6 +17,7 @@ _LAZY = {
     "Job": "gpunet.job",
     "JobLimits": "gpunet.job",
     "Estimate": "gpunet.job",
+    "CheckpointIndex": "gpunet.job.checkpoints",
     "Client": "gpunet.client.api",
     "AsyncClient": "gpunet.client.api",
     "JobFuture": "gpunet.client.api",

@@ -101,6 +101,9 @@ class WorkerConfig:
     relay_circuits: int = 8  # relayed connections open at once per peer
     relay_reservations: int = 32  # peers it holds relay slots for (the daemon: in all, and per peer and per address)
     peer_upload_mbps: float = 0.0  # MB/s it serves programs to other workers at, in all (0: no cap)
+    #: Folders of Hugging Face-layout checkpoints (safetensors) the volunteer keeps: weights programs name by content
+    #: hash are loaded from them instead of uploaded (docs/weights.md). Never followed outside each folder.
+    models_dirs: list[Path] = field(default_factory=list)
     session_memory_gb: float | None = None  # inference sessions' state, all together; default: a quarter of the budget
     max_sessions_per_client: int = 8
     session_ttl: float = 600.0  # the longest a session may stay idle before its state is freed
@@ -134,6 +137,9 @@ class WorkerConfig:
         if self.peer_upload_mbps and self.peer_upload_mbps < MIN_PEER_UPLOAD_MBPS:
             raise ConfigError(f"--peer-upload-mbps must be 0 (no cap) or at least {MIN_PEER_UPLOAD_MBPS} MB/s: a peer "
                               "fetching from this worker gives up on a stream slower than about 1 MB/s")
+        for folder in self.models_dirs:
+            if not Path(folder).is_dir():
+                raise ConfigError(f"--models-dir {folder}: not a folder (give the folder that holds your checkpoints)")
         if self.dashboard_port and self.dashboard_port == self.metrics_port:
             raise ConfigError(f"--dashboard-port and --metrics-port are both {self.dashboard_port}: give each its own")
         if not (isinstance(self.price, (int, float)) and math.isfinite(self.price) and 0 <= self.price <= MAX_PRICE):

@@ -129,6 +129,18 @@ class SessionLost(JobFailed):
     the client rebuilds it elsewhere by replaying the session's past inputs (gpunet.client.sessions)."""
 
 
+class WeightsMismatch(JobFailed):
+    """(Worker side) weights a program names by reference (gpunet.job.format.WeightRef) did not match their hash as
+    they loaded: a damaged or changed checkpoint file on the worker, not the job's fault. The worker forgets where it
+    found them and brings them from elsewhere; ``hashes`` says which."""
+
+    hashes: tuple[str, ...] = ()
+
+    def __init__(self, message: str, hashes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.hashes = tuple(hashes)
+
+
 class JobTimeout(JobError):
     """A job did not finish within its deadline."""
 

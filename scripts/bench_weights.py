@@ -7,6 +7,9 @@ is the program's getting there and loading). In order:
 1. worker A, cold, gets it **from the client** (nobody holds it yet): the baseline;
 2. worker B joins; a job with redundancy 2 runs on A (warm) and B (cold): B fetches it **from one peer** (A);
 3. worker C joins; redundancy 3: C fetches it **from two peers** (A and B) in parallel.
+4. (a second network) the same weights **by reference** (docs/weights.md): the program names each weight by its
+   hash; a worker that keeps the checkpoint in its ``--models-dir`` loads them from its disk (the client sends no
+   weight byte), and a worker without it is sent them by the client.
 
 Each figure is the client's wall time for that job (a redundant job ends with its slowest replica, the cold one).
 Also printed: loopback TCP throughput for the same bytes in this process (the link's own ceiling), and the program
@@ -73,6 +76,7 @@ def main() -> None:
     x = torch.randn(1, WIDTH)
     job = gpunet.Job.from_module(model, example_inputs=(x,))
     size = len(job.program_bytes())
+    model_state = {k: v.contiguous() for k, v in model.state_dict().items()}
     del model
     figures: dict = {"program_bytes": size, "loopback_tcp_mb_s": round(loopback_mb_per_s(size), 1)}
     with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights", heartbeat=2.0) as net:
@@ -99,6 +103,7 @@ def main() -> None:
             found = re.search(r"Fetched program \S+ \(\d+ bytes\) from (\d) peer\(s\) in ([\d.]+) s", proc.output)
             figures[f"fetch_{name}_s"] = float(found.group(2)) if found else None
             figures[f"fetch_{name}_sources"] = int(found.group(1)) if found else 0
+    figures.update(by_reference(model_state, x, job))
     figures["client_uploads"] = round(figures["client_program_bytes_sent"] / size, 2)
     figures["one_peer_vs_client"] = round(figures["from_one_peer_s"] / figures["from_client_s"], 2)
     figures["two_peers_vs_one"] = round(figures["from_two_peers_s"] / figures["from_one_peer_s"], 2)
@@ -117,6 +122,44 @@ def main() -> None:
             print(f"  the fetch itself ({name.replace('_', ' ')}): {figures[f'fetch_{name}_s']:.2f} s from "
                   f"{figures[f'fetch_{name}_sources']} peer(s) ({mb / figures[f'fetch_{name}_s']:.0f} MB/s)")
     print(f"client uploaded the program {figures['client_uploads']:g} time(s) (target: 1)")
+    print(f"by reference, a worker with the checkpoint in --models-dir: {figures['ref_from_disk_s']:.2f} s, "
+          f"{figures['ref_from_disk_weight_bytes']} weight bytes from the client (target 0)")
+    print(f"by reference, a worker without it: {figures['ref_from_client_s']:.2f} s, "
+          f"{figures['ref_from_client_weight_bytes'] / 1e6:.0f} MB of weights from the client")
+
+
+def by_reference(state: dict, x: torch.Tensor, job: gpunet.Job) -> dict:
+    """Cold starts of the same weights named by reference: from a worker's models dir, then from the client."""
+    from safetensors.torch import save_file
+
+    from gpunet.job.checkpoints import CheckpointIndex
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights-ref",
+                                                            heartbeat=2.0) as net:
+        folder = Path(tmp) / "models" / "bench"
+        folder.mkdir(parents=True)
+        save_file(state, str(folder / "model.safetensors"))
+        ref = job.by_reference(CheckpointIndex([folder]).scan())
+        out["ref_program_bytes"] = len(ref.program_bytes())
+        net.start_bootstrap()
+        holder = net.start_worker("--models-dir", str(Path(tmp) / "models"))
+        with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=Path(tmp) / "client") \
+                as client:
+            def timed(worker) -> float:
+                wait_for(lambda: {w.id for w in client.workers(refresh=True)} == {net.worker_id(worker)}, 60,
+                         "the worker")
+                t0 = time.perf_counter()
+                client.submit(ref, x, requirements=gpunet.Requirements(timeout=1800)).result(timeout=1800)
+                return round(time.perf_counter() - t0, 2)
+
+            out["ref_from_disk_s"] = timed(holder)
+            out["ref_from_disk_weight_bytes"] = client.weight_bytes_sent
+            bare = net.start_worker()
+            holder.terminate()
+            out["ref_from_client_s"] = timed(bare)
+            out["ref_from_client_weight_bytes"] = client.weight_bytes_sent - out["ref_from_disk_weight_bytes"]
+    return out
 
 
 if __name__ == "__main__":

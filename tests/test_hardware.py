@@ -135,8 +135,9 @@ def test_doctor_reports_gpu_and_reachability():
 
 def test_doctor_runs_every_check(tmp_path):
     checks = {c.name: c for c in run_checks(data_dir=tmp_path, nvml=FakeNVML(fail_init=True))}
-    assert set(checks) == {"gpu", "cpu", "ram", "disk", "reachability", "network", "clock"}
+    assert set(checks) == {"gpu", "cpu", "ram", "disk", "models", "reachability", "network", "clock"}
     assert checks["disk"].outcome in (Verdict.PASS, Verdict.WARN)
+    assert checks["models"].outcome is Verdict.SKIP and "weights from clients" in checks["models"].detail
     assert checks["network"].outcome is Verdict.SKIP and checks["network"].advice
 
 

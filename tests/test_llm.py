@@ -109,6 +109,32 @@ def test_a_checkpoint_folder_served_by_three_workers_generates_as_hf_does(swarm,
 
 
 @pytest.mark.swarm
+def test_volunteers_who_keep_the_checkpoint_serve_it_without_a_weight_from_the_client(swarm, client_for, tmp_path):
+    """Weights by reference (docs/weights.md): two workers keep the checkpoint in their --models-dir; the client
+    sends each span's program (a manifest and a graph) and not one weight, and generates what HF generates. Their
+    records name the checkpoint, which `gpunet status --json` shows."""
+    from gpunet.job.checkpoints import CheckpointIndex
+
+    folder = save_checkpoint(tmp_path / "models" / "llama", "llama", seed=7)
+    held = CheckpointIndex([folder]).scan().id
+    workers = {swarm.worker_id(w) for w in swarm.start_workers(2, "--models-dir", str(tmp_path / "models"))}
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
+    assert all(w.record.checkpoints == [held] for w in client.workers())
+    assert {w["id"]: w["checkpoints"] for w in swarm.status()["workers"]} == {w: [held] for w in workers}
+    lm = client.causal_lm(folder, max_length=MAX, spans=2)
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    batch = tok(["volunteers keep the weights"], return_tensors="pt")
+    with torch.no_grad():
+        want = reference.generate(**batch, max_new_tokens=10, do_sample=False)
+    assert torch.equal(lm.generate(batch.input_ids, max_new_tokens=10, do_sample=False), want)
+    layers = sum(p.numel() * p.element_size() for p in reference.model.layers.parameters())
+    # Each span's program went (its graph: tens of KB here, more than these tiny layers' weights), no weight did.
+    assert client.weight_bytes_sent == 0 and client.program_bytes_sent < layers
+
+
+@pytest.mark.swarm
 def test_every_family_over_the_swarm_generates_a_padded_batch_as_hf_does(swarm, client_for):
     """All 14 families through real workers with no glue (two spans over two workers): a batch of two prompts of
     different lengths (left padding) with an end token that finishes a row early, which is then padded as HF pads

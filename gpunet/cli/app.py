@@ -258,14 +258,19 @@ def doctor(
     data_dir: Optional[Path] = DataDir,
     device: str = Device,
     host_maddrs: Optional[List[str]] = HostMaddrs,
+    models_dirs: Optional[List[Path]] = typer.Option(
+        None, "--models-dir", metavar="DIR", file_okay=False,
+        help="A models dir you will give `gpunet worker`: the checkpoints found there and their disk use (indexed "
+             "now, so the worker starts without hashing them)."),
     as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON."),
 ) -> None:
-    """Check this host before volunteering it: GPU and driver, AVX, RAM, disk, clock, reachability."""
+    """Check this host before volunteering it: GPU and driver, AVX, RAM, disk, models dirs, clock, reachability."""
     from gpunet.worker.doctor import Verdict, render_checks, run_checks
 
     setup_logging(0)
     checks = run_checks(
-        data_dir=data_dir, device=device, network=network, initial_peers=initial_peers, host_maddrs=host_maddrs
+        data_dir=data_dir, device=device, network=network, initial_peers=initial_peers, host_maddrs=host_maddrs,
+        models_dirs=list(models_dirs or []),
     )
     if as_json:
         typer.echo(json.dumps([c.to_json() for c in checks]))

@@ -38,9 +38,9 @@ _STATE_STYLE = {"online": "green", "joining": "yellow", "paused": "yellow", "dra
 
 
 _COLUMNS = ("worker", "state", "device", "GiB free", "TFLOPS", "price", "queue", "jobs", "earned", "trust", "reach",
-            "up")
+            "models", "up")
 #: On a narrow terminal, columns are left out in this order (whole, never cut) until the table fits.
-_DROP_ORDER = ("up", "reach", "trust", "queue", "GiB free", "jobs", "state")
+_DROP_ORDER = ("up", "models", "reach", "trust", "queue", "GiB free", "jobs", "state")
 
 
 def _cut(text: str, limit: int) -> str:
@@ -79,6 +79,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
             Text(r.reachability),
+            " ".join(c[:6] for c in r.checkpoints[:2]) + ("…" if len(r.checkpoints) > 2 else "") or "-",
             _duration(r.uptime(status.read_at)),
         ))
     columns = list(_COLUMNS)

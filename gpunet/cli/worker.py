@@ -102,6 +102,10 @@ def worker(
     peer_upload_mbps: float = typer.Option(
         _WORKER.peer_upload_mbps, "--peer-upload-mbps", metavar="MB/S", min=0.0,
         help="Serve programs to other workers (so a client uploads each once) at most this fast, in all; 0: no cap."),
+    models_dirs: Optional[list[Path]] = typer.Option(
+        None, "--models-dir", metavar="DIR", file_okay=False,
+        help="A folder of Hugging Face checkpoints (safetensors) you keep: models served from them need no upload, "
+             "and their tensors may be loaded for anyone's job (docs/weights.md). Repeatable."),
     session_memory_gb: Optional[float] = typer.Option(
         _WORKER.session_memory_gb, "--session-memory-gb", metavar="GIB", min=0.0,
         help="Memory for inference sessions' state (KV caches), all together; default: a quarter of the executor "
@@ -193,6 +197,7 @@ def worker(
         relay_circuits=relay_circuits,
         relay_reservations=relay_reservations,
         peer_upload_mbps=peer_upload_mbps,
+        models_dirs=list(models_dirs or []),
         session_memory_gb=session_memory_gb,
         max_sessions_per_client=max_sessions_per_client,
         session_ttl=session_ttl,

@@ -197,6 +197,12 @@ class AsyncClient:
         return self._core.program_bytes_sent
 
     @property
+    def weight_bytes_sent(self) -> int:
+        """Of those, bytes of weights named by reference (``Job.by_reference``, ``causal_lm`` of a folder) that no
+        worker found in its models dirs: 0 when the volunteers hold the checkpoint."""
+        return self._core.weight_bytes_sent
+
+    @property
     def ledger(self) -> Ledger:
         """This client's ledger of receipts (the one the client appends to), with every returned job in it."""
         if self._core.books is not None:
@@ -396,6 +402,12 @@ class Client:
     def program_bytes_sent(self) -> int:
         """Program bytes uploaded to workers so far: about one copy per program, as workers fetch from each other."""
         return self._core.program_bytes_sent
+
+    @property
+    def weight_bytes_sent(self) -> int:
+        """Of those, bytes of weights named by reference (``Job.by_reference``, ``causal_lm`` of a folder) that no
+        worker found in its models dirs: 0 when the volunteers hold the checkpoint."""
+        return self._core.weight_bytes_sent
 
     @property
     def ledger(self) -> Ledger:

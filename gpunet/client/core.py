@@ -113,6 +113,11 @@ class ClientCore:
         return self.transport.program_bytes_sent if self.transport is not None else 0
 
     @property
+    def weight_bytes_sent(self) -> int:
+        """Of those, the weights programs name by reference that workers held nowhere (docs/weights.md)."""
+        return getattr(self.transport, "weight_bytes_sent", 0) if self.transport is not None else 0
+
+    @property
     def id(self) -> str:
         return self.identity.peer_id
 

@@ -119,7 +119,8 @@ class Deliverer:
             for h in self.router.holders(p.job.program_hash, exclude=worker.id)[:protocol.MAX_HOLDERS])
         request = JobRequest(attempts.job_id, p.job.program_hash, p.program, p.encoded, max(0.1, seconds),
                              p.max_price, p.max_output_bytes, private=req.private, shared=req.shared,
-                             holders=holders, lane=req.priority, deadline=req.deadline)
+                             holders=holders, lane=req.priority, deadline=req.deadline,
+                             weights=p.job.referenced, weights_named=len(p.job.manifest.refs))
         try:
             try:
                 async with asyncio.timeout(seconds):  # no extra task per job, unlike wait_for
@@ -197,7 +198,8 @@ class Deliverer:
                 raise JobTimeout(f"session step {p.job_id[:24]} did not finish within {req.timeout:g} s")
             cold = not self.router.holds_program(worker, job.program_hash)
             request = JobRequest(p.job_id, job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
-                                 p.max_output_bytes, private=req.private, shared=req.shared, session=session)
+                                 p.max_output_bytes, private=req.private, shared=req.shared, session=session,
+                                 weights=job.referenced, weights_named=len(job.manifest.refs))
             ahead = self.view.started(worker_id)
             t0 = time.perf_counter()
             delivery = None

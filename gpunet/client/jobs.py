@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
@@ -55,6 +55,9 @@ class JobRequest:
     session: protocol.SessionStep | None = None  # a step of an inference session (docs/sessions.md)
     lane: str = protocol.INTERACTIVE  # Requirements.priority (docs/market.md)
     deadline: float | None = None  # unix time: Requirements.deadline
+    #: The bytes of a weight the program names by reference, by sha256 (Job.referenced), for a worker that asks.
+    weights: Callable[[str], Any] | None = None
+    weights_named: int = 0  # how many weights it names so
 
 
 async def _nothing(verdict: Verdict) -> None:
@@ -195,7 +198,7 @@ async def prepare_step(job, inputs: Sequence[torch.Tensor], session: protocol.Se
 
 def shape_of(job, estimate, input_bytes: int, req: Requirements) -> JobShape:
     return JobShape(estimate.flops, job.program_hash, input_bytes, len(job.program_bytes()),
-                    req.dtype or dtype_of(job), req.private)
+                    req.dtype or dtype_of(job), req.private, job.manifest.refs_bytes, getattr(job, "checkpoint", None))
 
 
 def check_call(job, inputs: Sequence, named: dict | None = None) -> tuple[torch.Tensor, ...]:

@@ -217,6 +217,10 @@ class JobShape:
     program_bytes: int
     dtype: str | None = None
     private: bool = False  # Requirements.private: never fetched from peers
+    #: Weights the program names by reference (docs/weights.md): their bytes, and the checkpoint they come from. A
+    #: worker that advertises the checkpoint loads them from its disk; any other is sent them.
+    weights_bytes: int = 0
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -433,6 +437,9 @@ class Router:
         cached = self.holds_program(entry, job.program_hash)
         from_peer = not cached and not job.private and bool(self.holders(job.program_hash, exclude=entry.id))
         sent = job.input_bytes + (0 if cached or from_peer else job.program_bytes)
+        if job.weights_bytes and not cached and not (job.checkpoint is not None and job.checkpoint in r.checkpoints):
+            sent += job.weights_bytes  # no copy of the checkpoint there: this client sends the weights
+
         transfer = sent / (self._bandwidth.get(entry.id) or self.bandwidth or self.config.default_bandwidth)
         if from_peer:
             transfer += job.program_bytes / self.config.peer_bandwidth

@@ -103,6 +103,12 @@ class BaseTransport(ABC):
         raise NotImplementedError
 
 
+def _tensor_rounds(request: JobRequest) -> int:
+    """How many Sends for weights a job may take: one per MAX_TENSORS_ASKED it names (0 for a job naming none)."""
+    n = request.weights_named
+    return -(-n // protocol.MAX_TENSORS_ASKED) if n else 0
+
+
 def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
     """A result's receipt; only a session step may come without one (its session's tab bills it)."""
     if not data and request.session is not None:
@@ -143,6 +149,7 @@ class P2PTransport(BaseTransport):
         # cost every fetch its patience)
         self._unhelpful: LRU[str, dict[str, float]] = LRU(64)
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
+        self.weight_bytes_sent = 0  # of those, weights programs name by reference (what models dirs spare it)
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -276,9 +283,11 @@ class P2PTransport(BaseTransport):
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
                 program_crossed.set_result(None)  # it holds the program (or refused the job): nothing to carry
             transfer_seconds = 0.0
-            # At most: the program from peers (or us) with the inputs, then the program from us if the peers failed.
+            # At most: the program from peers (or us) with the inputs, then the program from us if the peers failed;
+            # then the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED),
+            # and once more if a checkpoint file of the worker's turned out damaged.
             named: list[str] = []  # holders told of that only records vouch for
-            for _ in range(2):
+            for _ in range(2 + 2 * _tensor_rounds(request)):
                 if not isinstance(reply, Send):
                     break
                 t0 = time.perf_counter()
@@ -331,6 +340,8 @@ class P2PTransport(BaseTransport):
         peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
         worker. ``named``: this stream's holders that only records vouch for (added to here; if the worker asks for
         the program after all, they are not named again for a while)."""
+        if ask.tensors:
+            return await self._send_tensors(worker_id, request, ask, writer)
         holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
         sent = 0
         if holders:
@@ -374,6 +385,20 @@ class P2PTransport(BaseTransport):
             await protocol.write_payload(writer, request.inputs)
             sent += len(request.inputs)
         return sent
+
+    async def _send_tensors(self, worker_id: str, request: JobRequest, ask: Send, writer) -> int:
+        """The weights the job names by reference that the worker holds nowhere, in the order asked (only the job's
+        own: a worker cannot ask this client for anything else)."""
+        found = [request.weights(sha) if request.weights is not None else None for sha in ask.tensors]
+        if any(f is None for f in found) or ask.program or ask.inputs:
+            raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name")
+        total = sum(memoryview(f).nbytes for f in found)
+        await protocol.write(writer, Payload(None, None, total))
+        for data in found:
+            await protocol.write_payload(writer, data)
+        self.program_bytes_sent += total
+        self.weight_bytes_sent += total
+        return total
 
     async def holds(self, worker_id: str, request: JobRequest) -> bytes | None:
         """This client's proof, for ``worker_id``, that it holds the program's bytes (None for a private program,

@@ -34,6 +34,7 @@ WORKER_BUCKETS = 64
 MAX_RECORD_BYTES = 4 * 1024
 MAX_UNKNOWN_FIELD_BYTES = 512
 MAX_CACHED_PROGRAMS = 16
+MAX_CHECKPOINTS = 32  # checkpoint ids one record lists
 MAX_ADVERTISED_MADDRS = 6
 #: The longest address a record carries (a relayed IPv6 one is about 180); what fits the record cap with the rest.
 MAX_MADDR_CHARS = 240
@@ -149,6 +150,10 @@ class WorkerRecord(_WireModel):
     updated_at: _NonNegFloat = 0.0  # unix time of this heartbeat (by the worker's clock)
     programs: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
                                                                           max_length=MAX_CACHED_PROGRAMS)
+    #: The checkpoints its models dirs hold in full (gpunet.job.checkpoints.checkpoint_id): programs naming their
+    #: weights by reference load them from its disk (docs/weights.md).
+    checkpoints: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
+                                                                             max_length=MAX_CHECKPOINTS)
     name: _Name | None = None
     maddrs: list[_text(MAX_MADDR_CHARS)] = Field(default_factory=list,
                                                                            max_length=MAX_ADVERTISED_MADDRS)

@@ -78,6 +78,7 @@ class NetworkStatus:
                     "uptime": round(r.uptime(self.read_at), 1),
                     "version": r.version,
                     "programs": list(r.programs),
+                    "checkpoints": list(r.checkpoints),  # held in full in its models dirs (docs/weights.md)
                     "maddrs": list(r.maddrs),
                     "reachability": r.reachability,
                     "peer_bytes": {"served": r.peer_bytes_served, "fetched": r.peer_bytes_fetched},

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -59,6 +60,29 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class WeightRef:
+    """A weight the program names by content instead of carrying it (docs/weights.md): the sha256 of its bytes as
+    safetensors stores them (C order, little-endian), its dtype (safetensors name) and shape. A worker finds those
+    bytes in its own checkpoints, or asks for them, and checks them against the hash before they load."""
+
+    name: str
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * tensors.DTYPES[self.dtype].itemsize
+
+    def to_obj(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+#: The most weights one program may name by reference.
+MAX_REFS = 65536
+
+
+@dataclass(frozen=True)
 class DimRange:
     """A dynamic dimension's inclusive bounds (``max`` None = unbounded; the worker's limits still apply)."""
 
@@ -93,6 +117,13 @@ class Manifest:
     #: stateful-block convention ``forward(x, *state) -> (y, *new_state)``, docs/sessions.md). Fixed shapes, so a
     #: session's memory is known before it opens.
     state: int = 0
+    #: Weights named by content hash, not carried in the container (WeightRef): resolved by the worker.
+    refs: tuple[WeightRef, ...] = ()
+
+    @property
+    def refs_bytes(self) -> int:
+        """What the weights named by reference take once loaded."""
+        return sum(r.nbytes for r in self.refs)
 
     @property
     def state_bytes(self) -> int:
@@ -115,6 +146,8 @@ class Manifest:
             obj["output_tree"] = self.output_tree
         if self.state:
             obj["state"] = self.state
+        if self.refs:  # absent otherwise: programs that carry every weight keep their hash
+            obj["refs"] = [r.to_obj() for r in self.refs]
         return canonical_json(obj)
 
     @classmethod
@@ -148,8 +181,11 @@ class Manifest:
             check_output_tree(tree, len(outputs))
         state = obj.get("state", 0)
         check_state(state, inputs, outputs, structure, tree)
+        refs = tuple(_weight_ref(r) for r in _list(obj.get("refs", []), "refs", MAX_REFS))
+        _expect(len({r.name for r in refs}) == len(refs), "manifest refs name a weight twice")
         return cls(tv, dict(ops), inputs, outputs, structure, dims,
-                   JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree, state=state)
+                   JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree, state=state,
+                   refs=refs)
 
 
 def check_state(state: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], structure: str,
@@ -237,8 +273,23 @@ def _tensor_spec(s: Any, dims: dict, what: str, outputs: bool = False) -> Tensor
     return TensorSpec(name, dtype, tuple(shape))
 
 
-def _list(x: Any, what: str) -> list:
-    _expect(isinstance(x, list) and len(x) <= 4096, f"manifest {what} must be a list")
+def _weight_ref(r: Any) -> WeightRef:
+    _expect(isinstance(r, dict) and set(r) == {"name", "sha256", "dtype", "shape"},
+            "a manifest ref is an object of name, sha256, dtype and shape")
+    name, digest, dtype, shape = r["name"], r["sha256"], r["dtype"], r["shape"]
+    _expect(isinstance(name, str) and bool(GRAPH_NAME_RE.match(name)), "a manifest ref's name is not a plain identifier")
+    _expect(isinstance(digest, str) and bool(SHA256_RE.match(digest)), f"ref {name}: sha256 is not 64 lowercase hex digits")
+    _expect(isinstance(dtype, str) and dtype in tensors.DTYPES, f"ref {name}: unsupported dtype {str(dtype)[:20]!r}")
+    _expect(isinstance(shape, list) and len(shape) <= tensors.MAX_NDIM and all(_is_int(d) and d >= 0 for d in shape)
+            and math.prod(max(d, 1) for d in shape) <= tensors.MAX_EXTENT, f"ref {name}: invalid shape")
+    return WeightRef(name, digest, dtype, tuple(shape))
+
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _list(x: Any, what: str, most: int = 4096) -> list:
+    _expect(isinstance(x, list) and len(x) <= most, f"manifest {what} must be a list")
     return x
 
 
@@ -333,6 +384,22 @@ class ProgramParts:
 
 
 _FIELDS = ["gpunet_program", "manifest", "graph", "weights"]
+
+
+def manifest_bytes(prefix: bytes | bytearray | memoryview) -> bytes:
+    """A program's manifest bytes from the start of its container (the manifest is its second field, as gpunet
+    writes it): what a worker reads to learn what a cached program names by reference without reading its weights."""
+    view = memoryview(prefix).cast("B")
+    head = b"\x84\xaegpunet_program" + bytes([FORMAT_VERSION]) + b"\xa8manifest"
+    _expect(bytes(view[:len(head)]) == head, "program container is not in the form gpunet writes")
+    pos = len(head)
+    tag = view[pos] if view.nbytes > pos else None
+    _expect(tag in _BIN, "program container is not in the form gpunet writes")
+    width = _BIN[tag]
+    size = int.from_bytes(view[pos + 1:pos + 1 + width], "big")
+    start = pos + 1 + width
+    _expect(size <= MAX_MANIFEST_BYTES and start + size <= view.nbytes, "program manifest is truncated or too big")
+    return bytes(view[start:start + size])
 
 
 def _canonical_size(sizes) -> int:

@@ -3,6 +3,8 @@ exactly the worker's validator and interpreter (both sides share them; the worke
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,6 +19,7 @@ from gpunet.job.format import (
     Manifest,
     ProgramParts,
     TensorSpec,
+    WeightRef,
     canonical_json,
     check_inputs,
     check_state,
@@ -42,6 +45,10 @@ class Job:
         self.manifest = manifest or Manifest.from_json(parts.manifest)
         self._program = None  # worker-side validated program, built on first run_locally/estimate
         self._out_spec = None  # torch's TreeSpec of the outputs, when traced in this process: the very output types
+        self._referenced: dict[str, memoryview] = {}  # the bytes of the weights named by reference, by sha256
+        #: The checkpoint those weights come from (checkpoints.checkpoint_id), when named from one: workers that
+        #: advertise it load them from disk, and routing prefers them.
+        self.checkpoint: str | None = None
 
     # --- building ------------------------------------------------------------------------------------------------
 
@@ -85,6 +92,34 @@ class Job:
     def from_function(cls, fn: Callable, example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any = None, limits: JobLimits | None = None) -> "Job":
         """Like from_module for a plain function of tensors (no parameters)."""
         return cls.from_module(_FunctionModule(fn), example_inputs, dynamic_shapes, limits)
+
+    def by_reference(self, known) -> "Job":
+        """This job with every weight whose bytes ``known`` holds (a :class:`~gpunet.job.checkpoints.CheckpointIndex`
+        of a checkpoint folder, or a set of sha256 hashes) named by its content hash instead of carried
+        (docs/weights.md): a worker that has the checkpoint loads them from its own disk, and the client sends only
+        those a worker finds nowhere else. The program hash changes (the manifest names the hashes); results do not."""
+        carried = tensors.decode(self.parts.weights)
+        refs, kept, referenced = [], {}, {}
+        for name, t in carried.items():
+            raw = tensors.raw_bytes(t)
+            sha = hashlib.sha256(raw).hexdigest() if t.numel() else None
+            if sha is not None and sha in known:
+                refs.append(WeightRef(name, sha, tensors.DTYPE_NAMES[t.dtype], tuple(t.shape)))
+                referenced[sha] = raw
+            else:
+                kept[name] = t
+        if not refs:
+            return self
+        manifest = dataclasses.replace(self.manifest, refs=self.manifest.refs + tuple(refs))
+        job = Job(ProgramParts(manifest.to_json(), self.parts.graph, tensors.encode(kept)), manifest)
+        job._out_spec = self._out_spec
+        job._referenced = {**self._referenced, **referenced}
+        job.checkpoint = getattr(known, "id", None)
+        return job
+
+    def referenced(self, sha: str) -> memoryview | None:
+        """The bytes of a weight this job names by reference (None: not one of its own), for a worker that asks."""
+        return self._referenced.get(sha)
 
     # --- bytes -----------------------------------------------------------------------------------------------------
 
@@ -184,7 +219,8 @@ class Job:
 
     def _validated(self):
         if self._program is None:
-            self._program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS)
+            self._program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS,
+                                         refs=lambda r: self._referenced.get(r.sha256, b""))
         return self._program
 
     def estimate(self, *inputs: torch.Tensor, **named: torch.Tensor) -> Estimate:

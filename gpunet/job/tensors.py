@@ -61,7 +61,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise JobRejected(f"dtype {dtype} is not supported (supported: {', '.join(DTYPES)})") from None
 
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of ``t``'s data (copying only if it is not contiguous or not on the CPU)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -79,7 +79,7 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> bytes:
             raise JobRejected(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
     entries = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
     prefix = _encoded_header(tuple((name, t.dtype, tuple(t.shape)) for name, t in entries))
-    return b"".join([prefix, *(_raw_bytes(t) for _, t in entries)])
+    return b"".join([prefix, *(raw_bytes(t) for _, t in entries)])
 
 
 @functools.lru_cache(maxsize=1024)
@@ -121,6 +121,12 @@ def decode(data: bytes | bytearray | memoryview, *, max_total_bytes: int = DEFAU
     out = {name: _view(buf, data_start + begin, end - begin, dtype, shape)
            for begin, end, name, dtype, shape in plan.specs}
     return {name: out[name] for name in plan.order}
+
+
+def decode_raw(data: memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One tensor over raw bytes (a weight named by reference: gpunet.job.format.WeightRef), zero-copy where
+    aligned. The caller checked the size."""
+    return _view(memoryview(data).cast("B"), 0, math.prod(shape) * DTYPES[dtype].itemsize, DTYPES[dtype], tuple(shape))
 
 
 class _Plan(NamedTuple):

@@ -8,6 +8,7 @@ job over a limit before a byte is allocated on the real device. Failures raise J
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -16,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from gpunet.errors import DryRunTooLong, JobPreempted, JobRejected
+from gpunet.errors import DryRunTooLong, JobPreempted, JobRejected, WeightsMismatch
 from gpunet.job import graph as g
 from gpunet.job import cost, guards, tensors
 from gpunet.job.format import (
@@ -25,11 +26,12 @@ from gpunet.job.format import (
     Estimate,
     Manifest,
     ProgramParts,
+    WeightRef,
     check_inputs,
     parse_json,
 )
 from gpunet.job.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
-from gpunet.utils import LRU
+from gpunet.utils import LRU, human_bytes
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
 #   file I/O and printing (not in core, never added), random ops and seeding (rand, randn, randperm, native_dropout,
@@ -258,9 +260,12 @@ def _tighter(a: int | None, b: int | None) -> int | None:
 
 def load_program(
     data: bytes | ProgramParts, *, device: str | torch.device = "cpu", limits: WorkerLimits = WorkerLimits(),
-    expected_hash: str | None = None,
+    expected_hash: str | None = None, refs: Callable[[WeightRef], Any] | None = None,
 ) -> Program:
     """Parse and validate program bytes, and load its weights onto ``device``. Runs nothing from the job.
+
+    ``refs``: the bytes of a weight the program names by reference (``Manifest.refs``), as a buffer; each is checked
+    against its hash here, before it loads (WeightsMismatch names every one that does not match).
 
     Raises JobRejected (and nothing else) for anything malformed, forbidden or over a limit.
     """
@@ -277,6 +282,8 @@ def load_program(
     if device.type == "cpu" and any(w.data_ptr() % tensors.ALIGN for w in weights.values() if w.numel()):
         # One memcpy into aligned memory instead of a copy per misaligned tensor (see interpreter.to_device).
         weights = tensors.decode(tensors.aligned_copy(parts.weights), max_total_bytes=limits.max_program_bytes)
+    if manifest.refs:
+        weights.update(_resolved(manifest, weights, refs, limits, len(parts.weights)))
     names = graph["weights"]
     if sorted(weights) != sorted(names):
         missing = sorted(set(names) - set(weights))[:4]
@@ -285,6 +292,31 @@ def load_program(
     prog.weights = [to_device(weights[n], device) for n in names]
     prog._meta_weights = [torch.empty(w.shape, dtype=w.dtype, device="meta") for w in prog.weights]
     return prog
+
+
+def _resolved(manifest: Manifest, carried: dict, resolve, limits: WorkerLimits, carried_bytes: int) -> dict:
+    """The weights named by reference, each from ``resolve`` and checked against its hash."""
+    both = sorted({r.name for r in manifest.refs} & set(carried))[:4]
+    if both:
+        raise JobRejected(f"weights both carried and named by reference: {both}")
+    total = carried_bytes + manifest.refs_bytes
+    if limits.max_program_bytes is not None and total > limits.max_program_bytes:
+        raise JobRejected(f"the program's weights take {human_bytes(total)} with those it names by reference, over "
+                          f"the limit of {human_bytes(limits.max_program_bytes)}")
+    if resolve is None:
+        raise JobRejected(f"the program names {len(manifest.refs)} weight(s) by reference and nothing here "
+                          "resolves them")
+    out, bad = {}, []
+    for r in manifest.refs:
+        data = memoryview(resolve(r)).cast("B")
+        if data.nbytes != r.nbytes or hashlib.sha256(data).hexdigest() != r.sha256:
+            bad.append(r.sha256)
+            continue
+        out[r.name] = tensors.decode_raw(data, r.dtype, r.shape)
+    if bad:
+        raise WeightsMismatch(f"{len(bad)} weight(s) named by reference did not match their hash as they loaded "
+                              f"(first: {bad[0][:16]})", tuple(bad))
+    return out
 
 
 def validate_program(data: bytes, limits: WorkerLimits = WorkerLimits()) -> Manifest:

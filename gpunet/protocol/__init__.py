@@ -24,6 +24,8 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
       worker -> Error{busy | rejected | ...}            at once: admission, before any payload moves
       worker -> Send{program, inputs}                   only when it lacks the program or the inputs were not inline
       client -> Payload{program_size, inputs_size} + raw program + raw inputs
+      worker -> Send{tensors}                            only for weights a program names by reference that the
+      client -> Payload{tensors_size} + raw tensors       worker holds nowhere (docs/weights.md)
       worker -> Result{outputs_size, [outputs], receipt} + raw outputs   | Error{code, message}
       client -> Countersign{job, signature} | Refuse{job, reason}         (or nothing: the work stays unpaid)
 
@@ -107,6 +109,7 @@ from gpunet.protocol.jobs import (
     INTERACTIVE,
     LANES,
     MAX_SETTLE_ITEMS,
+    MAX_TENSORS_ASKED,
     UNARY_OUTPUT_BYTES,
     Cancel,
     Countersign,
@@ -217,6 +220,7 @@ __all__ = [
     "Refuse",
     "Result",
     "Send",
+    "MAX_TENSORS_ASKED",
     "SettleBatch",
     "Submit",
     "UseStream",

@@ -144,17 +144,31 @@ class Send(Message):
     #: Lacking the program, the worker can fetch it from peers: the client may answer with :class:`Pieces` (who
     #: holds it, and each piece's digest) instead of the program's bytes.
     pieces: bool = False
+    #: Weights the program names by reference (their sha256) that the worker found nowhere else: the client answers
+    #: with a Payload of ``tensors_size`` and their bytes, one after another in this order.
+    tensors: tuple[str, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "inputs": self.inputs}
         if self.pieces:
             d["pieces"] = True
+        if self.tensors:
+            d["tensors"] = list(self.tensors)
         return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "Send":
+        wanted = d.get("tensors", [])
+        if not (isinstance(wanted, list) and len(wanted) <= MAX_TENSORS_ASKED
+                and all(isinstance(h, str) and PROGRAM_HASH_RE.match(h) for h in wanted)):
+            raise ProtocolError(f"send: tensors must be a list of at most {MAX_TENSORS_ASKED} sha256 hex digests")
         return cls(typed_field(d, "program", bool), typed_field(d, "inputs", bool),
-                   bool(typed_field(d, "pieces", bool, optional=True)))
+                   bool(typed_field(d, "pieces", bool, optional=True)), tuple(wanted))
+
+
+#: The most weights one Send asks for (a program naming more is asked in rounds): the message stays far below the
+#: daemon's 4 MiB.
+MAX_TENSORS_ASKED = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,13 +178,18 @@ class Payload(Message):
     T: ClassVar[str] = "payload"
     program_size: int | None
     inputs_size: int | None
+    tensors_size: int | None = None  # the weights a Send named, in its order
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "program_size": self.program_size, "inputs_size": self.inputs_size}
+        d = {"t": self.T, "program_size": self.program_size, "inputs_size": self.inputs_size}
+        if self.tensors_size is not None:
+            d["tensors_size"] = self.tensors_size
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "Payload":
-        return cls(size_field(d, "program_size", optional=True), size_field(d, "inputs_size", optional=True))
+        return cls(size_field(d, "program_size", optional=True), size_field(d, "inputs_size", optional=True),
+                   size_field(d, "tensors_size", optional=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from gpunet.dht import network, reachability, registry
 from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
+    MAX_CHECKPOINTS,
     MAX_MADDR_CHARS,
     MAX_PAUSE_REASON,
     WorkerRecord,
@@ -69,6 +70,7 @@ class Announcer:
             started_at=w.started_at,
             updated_at=time.time(),
             programs=w.executor.cached_programs()[-MAX_CACHED_PROGRAMS:] if w.executor else [],
+            checkpoints=w.jobs.weights.checkpoint_ids()[:MAX_CHECKPOINTS] if w.jobs else [],
             name=w.config.public_name,
             maddrs=[m for m in self.maddrs if len(m) <= MAX_MADDR_CHARS][:MAX_ADVERTISED_MADDRS],
             reachability=self.reachability,

@@ -132,6 +132,33 @@ def _ipv4_addresses() -> list[str]:
     return addrs
 
 
+def check_models(data_dir: Path, models_dirs: Sequence[Path]) -> Check:
+    """The checkpoints a worker would serve from its models dirs (indexed into the worker's own index file), and the
+    disk the weights clients sent take (the tensor store beside the program cache)."""
+    from gpunet.job.checkpoints import CheckpointIndex
+
+    store = data_dir / "programs" / "tensors"
+    stored = sum(f.stat().st_size for f in store.glob("*.tensor")) if store.is_dir() else 0
+    kept = f"weights from clients: {stored / GiB:.2f} GiB in {store}"
+    if not models_dirs:
+        return Check("models", Verdict.SKIP, f"no --models-dir given; {kept}")
+    missing = [str(d) for d in models_dirs if not Path(d).is_dir()]
+    if missing:
+        return Check("models", Verdict.FAIL, f"not a folder: {', '.join(missing)}", "give the folder that holds your "
+                     "checkpoints (Hugging Face layout: config.json and *.safetensors)")
+    index = CheckpointIndex(models_dirs, cache=data_dir / "models-index.json").scan()
+    held = index.checkpoints()
+    detail = (f"{len(held)} checkpoint(s), {index.total_bytes / GiB:.2f} GiB of safetensors in "
+              f"{', '.join(map(str, models_dirs))}; {kept}")
+    if index.skipped:
+        return Check("models", Verdict.WARN, f"{detail}; not indexed: {index.skipped[0]}"
+                     + (f" (and {len(index.skipped) - 1} more)" if len(index.skipped) > 1 else ""),
+                     "files outside the folder (symlinks out) and unreadable files are never served")
+    if not held:
+        return Check("models", Verdict.WARN, detail, "no *.safetensors files there: nothing to serve from disk")
+    return Check("models", Verdict.PASS, detail)
+
+
 def check_reachability(host_maddrs: Sequence[str] | None) -> Check:
     maddrs = list(host_maddrs or DEFAULT_HOST_MADDRS)
     ips = []
@@ -281,13 +308,14 @@ def run_checks(
     initial_peers: Sequence[str] | None = None,
     host_maddrs: Sequence[str] | None = None,
     nvml=None,
+    models_dirs: Sequence[Path] = (),
 ) -> list[Check]:
     data_dir = resolve_data_dir(data_dir)
     report = hw.read_nvml(nvml)
     checks = check_gpu(device, report)
     gpu_count = len(report.gpus) if report else 0
     gpu_memory = max((g.memory_total for g in report.gpus), default=0) if report else 0
-    checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir)]
+    checks += [check_cpu(), check_ram(gpu_count, gpu_memory), check_disk(data_dir), check_models(data_dir, models_dirs)]
     network_checks = check_network(network, initial_peers, host_maddrs)
     if not any(c.name == "reachability" for c in network_checks):  # no peer to test with: what the addresses say
         checks.append(check_reachability(host_maddrs))

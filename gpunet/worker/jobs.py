@@ -26,6 +26,7 @@ from gpunet.errors import (
     JobRejected,
     JobTimeout,
     SessionLost,
+    WeightsMismatch,
     WorkerBusy,
 )
 from gpunet.identity import Identity
@@ -37,7 +38,7 @@ from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.billing import Billing
-from gpunet.worker.executor import DryRun
+from gpunet.worker.executor import DryRun, RefFiles
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.handoff import Handoff
 from gpunet.worker.holdings import HoldingKeys
@@ -53,6 +54,7 @@ from gpunet.worker.state.pushes import Pushes
 from gpunet.worker.state.sessions import Bill, PushOn, Reoffer
 from gpunet.worker.turns import Turns
 from gpunet.worker.uploads import Upload, Uploads, content_hash
+from gpunet.worker.weights import Weights
 
 logger = logging.getLogger("gpunet.worker")
 
@@ -98,7 +100,8 @@ class Jobs:
 
     def __init__(self, *, identity: Identity, executor, ledger: Ledger, admission: Admission,
                  record: Callable[[], Any], spool_dir: str | None = None, device: str = "cpu",
-                 peer_rate: float | None = None, session_limits: SessionLimits | None = None, faults: Faults = NONE):
+                 peer_rate: float | None = None, session_limits: SessionLimits | None = None, faults: Faults = NONE,
+                 weights: Weights | None = None):
         """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
         ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap);
         ``spool_dir``: where big inputs are written as they arrive (None: kept in memory)."""
@@ -120,6 +123,7 @@ class Jobs:
         self.owners = Owners()
         disk = getattr(executor, "disk", None)
         self.keys = HoldingKeys(disk)
+        self.weights = weights or Weights(disk=disk)  # what programs name by reference (gpunet.worker.weights)
         self.uploads = Uploads()
         self._jobs: dict[tuple[str, str], _Job] = {}
         # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
@@ -257,8 +261,7 @@ class Jobs:
         got = job.got
         metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
         await self._check_program(client_id, submit, got)
-        with self._admitted(client_id, submit.lane):
-            answer = await self._run(key, job, submit, reader, host)
+        answer = await self._run_with_weights(key, job, submit, payloads, reader, host)
         if got.origin == FROM_CLIENT:  # its own bytes, checked against the hash as they loaded: it holds them
             self._holder(client_id, submit)
         if pushed:
@@ -271,6 +274,29 @@ class Jobs:
         if submit.session is not None and submit.session.push_to is not None:
             self.handoff.push_on(client_id, submit.session.push_to, answer.outputs)
         return answer
+
+    async def _run_with_weights(self, key: tuple[str, str], job: _Job, submit: Submit, payloads, reader,
+                                host: str) -> Answer:
+        """Run it, with the weights its program names by reference found first (gpunet.worker.weights); a checkpoint
+        file that no longer matches its hashes costs one more try, those weights brought from the client."""
+        private = submit.private or self.owners.is_private(submit.program)
+        program = job.got.program
+        checked = job.got.origin != FROM_CLIENT  # a client's own bytes are checked as they load
+        refs = await self.weights.prepare(key[0], submit.program, program, private, payloads.fetch_tensors, checked)
+        for attempt in range(2):
+            try:
+                with self._admitted(key[0], submit.lane):
+                    answer = await self._run(key, job, submit, reader, host, refs)
+                if not checked:
+                    self.weights.loaded(submit.program, program)
+                return answer
+            except WeightsMismatch as e:
+                if attempt or refs is None:
+                    raise
+                self.weights.condemn(e.hashes)
+                refs = await self.weights.prepare(key[0], submit.program, program, private, payloads.fetch_tensors,
+                                                  checked)
+        raise AssertionError("unreachable")
 
     # --- who may run what is held here (gpunet.worker.state.owners) ------------------------------------------------
 
@@ -398,7 +424,8 @@ class Jobs:
 
     # --- its run ----------------------------------------------------------------------------------------------------
 
-    async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, reader, host: str = "") -> Answer:
+    async def _run(self, key: tuple[str, str], job: _Job, submit: Submit, reader, host: str = "",
+                   refs: RefFiles | None = None) -> Answer:
         """Run a job, stoppable while queued or running: by a cancel call from its client, or (stream door) by the
         client hanging up. Either way the run is stopped (see Executor.run), so abandoned work stops using the machine.
 
@@ -406,7 +433,7 @@ class Jobs:
         for it again (a stream can break on the way without anyone leaving) and gets the answer it missed; cut short,
         the step would cost the span a move and a replay elsewhere."""
         job.ticket = Ticket(key[0], submit.lane, submit.max_price, host=host, job=key[1])
-        job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket))
+        job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket, refs))
         self.turns.track(job.ticket, job.run)
         # The client sends nothing between its payload and our answer, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
@@ -435,7 +462,7 @@ class Jobs:
         return job.run.result()
 
     async def _run_now(self, key: tuple[str, str], submit: Submit, got: Inputs, host: str,
-                       session: SessionRun | None, ticket: Ticket) -> Answer:
+                       session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None) -> Answer:
         client_id, job_id = key
         await self.turns.wait(ticket, submit.deadline)
         timeout = submit.timeout
@@ -463,6 +490,7 @@ class Jobs:
                                                  private=submit.private or self.owners.is_private(submit.program),
                                                  tag=ticket, spare_sessions=session is None, dry=dry,
                                                  **({"fresh": True} if got.origin == FROM_CLIENT else {}),
+                                                 **({"refs": refs} if refs is not None else {}),
                                                  **({"session": session} if session is not None else {}))
             done = True
             self._dry_run_cost(client_id, host, dry, billed=True)
@@ -499,6 +527,8 @@ class Jobs:
             self.billing.unbilled(key, submit, "timed_out" if isinstance(error, JobTimeout) else "failed", str(error))
         elif isinstance(error, JobPreempted):  # stopped at a node boundary (the worker's doing): nothing counts
             self._preempted(key, submit)
+        elif isinstance(error, WeightsMismatch):  # this worker's own checkpoint files: tried again, nothing counts
+            return
         elif isinstance(error, GpunetError):
             metrics.JOBS.labels(type(error).__name__).inc()
             self._dry_run_cost(client_id, host, dry)

@@ -8,11 +8,12 @@ import asyncio
 import hashlib
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from gpunet import protocol
 from gpunet.errors import ProtocolError
-from gpunet.protocol import FRAME_TIMEOUT, Payload, Pieces, Send, Submit
+from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit
 from gpunet.utils import sha256_hex
 from gpunet.worker.peers import Fetcher
 from gpunet.worker.state.limits import ServiceLimits
@@ -167,6 +168,34 @@ class StreamPayloads:
             raise ProtocolError("the program sent differs in size from the one the piece list describes")
         return await self._read_program(payload.program_size), None
 
+    async def fetch_tensors(self, wanted: list, store) -> None:
+        """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
+        WeightRefs, each sha256 once): each streamed into the tensor store, hashed on the way in; one wrong byte is
+        the client's ProtocolError, and nothing of that tensor is kept."""
+        for start in range(0, len(wanted), MAX_TENSORS_ASKED):
+            chunk = wanted[start:start + MAX_TENSORS_ASKED]
+            await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
+            payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+            if (payload.tensors_size != sum(r.nbytes for r in chunk) or payload.program_size is not None
+                    or payload.inputs_size is not None):
+                raise ProtocolError("the weights sent differ in size from those asked for")
+            for r in chunk:
+                await self._read_tensor(r, store)
+
+    async def _read_tensor(self, ref, store) -> None:
+        hasher = hashlib.sha256()
+        tmp = store.temporary()
+        try:
+            with tmp:
+                await protocol.read_payload(self.reader, ref.nbytes, self.limits.max_program_bytes, f"weight {ref.name}",
+                                            hasher, timeout=protocol.payload_deadline(ref.nbytes), into=tmp)
+            if hasher.hexdigest() != ref.sha256:
+                raise ProtocolError(f"the client sent weight {ref.name} with bytes that do not match its hash")
+            store.adopt(ref.sha256, tmp.name)
+        except BaseException:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise
+
     async def _read_program(self, size: int) -> bytes:
         return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
                                                  timeout=protocol.payload_deadline(size if size is not None else 0)))
@@ -197,3 +226,6 @@ class UnaryPayloads:
 
     async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> Inputs:
         return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
+
+    async def fetch_tensors(self, wanted: list, store) -> None:
+        raise NeedsStream()

@@ -461,6 +461,7 @@ class Worker:
         from gpunet.worker.doors import Doors
         from gpunet.worker.faults import Faults
         from gpunet.worker.jobs import Jobs
+        from gpunet.worker.weights import Weights
 
         cfg = self.config
         self.executor = Executor(
@@ -497,12 +498,15 @@ class Worker:
             device=self.hardware.torch_device,
             peer_rate=cfg.peer_upload_mbps * 1e6 or None,
             faults=Faults.from_config(cfg),
+            weights=Weights(tuple(str(d) for d in cfg.models_dirs), index_cache=self.data_dir / "models-index.json",
+                            disk=self.executor.disk),
             session_limits=SessionLimits(
                 max_bytes=int(cfg.session_memory_gb * 2**30) if cfg.session_memory_gb is not None
                 else self._memory_budget() // 4,
                 max_per_client=cfg.max_sessions_per_client, max_per_host=2 * cfg.max_sessions_per_client,
                 max_ttl=cfg.session_ttl),
         )
+        await self.jobs.weights.start()  # the models dirs indexed (hashing only what changed) before jobs come
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)
         self.doors = Doors(self.jobs)
         await self.doors.start(self.rpc)

@@ -120,15 +120,32 @@ class CausalLMCore:
                                          spans, None, requirements)
 
     @classmethod
-    def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, **kwargs) -> "CausalLMCore":
+    def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, by_reference: bool = True,
+             **kwargs) -> "CausalLMCore":
         """From a model object (borrowed: see adapter.Ends) or a checkpoint folder. A model loaded here from a folder
         keeps only its ends in memory once traced: its decoder layers' weights live in the spans' programs (sent to
-        the workers, and again to a worker that takes over a span), so the client holds them once, not twice."""
+        the workers, and again to a worker that takes over a span), so the client holds them once, not twice.
+        ``by_reference`` (a folder): the spans name the checkpoint's tensors by content hash, so workers that keep
+        the checkpoint load them from disk (a private model's never are: it carries its weights)."""
         model, tok = open_model(model_or_path, tokenizer, dtype)
         lm = cls(core, model, tok, **kwargs)
         if isinstance(model_or_path, (str, Path)):
             lm.ends.layers.to("meta")
+            requirements = kwargs.get("requirements")
+            if by_reference and not (requirements is not None and requirements.private):
+                lm.name_weights_by_reference(model_or_path)
         return lm
+
+    def name_weights_by_reference(self, folder: str | Path) -> None:
+        """Each span names the weights it shares with the checkpoint's files by their content hash instead of carrying
+        them (docs/weights.md): a worker that keeps the checkpoint in its ``--models-dir`` loads them from its own
+        disk, and only a worker that does not asks this client for them. A weight the spans hold in another dtype
+        than the file's (``dtype=``) matches nothing, and is carried."""
+        from gpunet.job.checkpoints import CheckpointIndex
+
+        index = CheckpointIndex([folder]).scan()
+        for span in self.seq.spans:
+            span.job = span.job.by_reference(index)
 
     @property
     def spans(self):

@@ -8,7 +8,7 @@
 """
 
 from gpunet.worker.executor.child import job_limits
-from gpunet.worker.executor.pool import DryRun, Executor, RunResult
+from gpunet.worker.executor.pool import DryRun, Executor, RefFiles, RunResult
 from gpunet.worker.executor.slot import STOP_GRACE
 
-__all__ = ["DryRun", "Executor", "RunResult", "STOP_GRACE", "job_limits"]
+__all__ = ["DryRun", "Executor", "RefFiles", "RunResult", "STOP_GRACE", "job_limits"]

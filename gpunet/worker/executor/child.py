@@ -16,7 +16,15 @@ from multiprocessing.connection import Connection
 
 import msgpack
 
-from gpunet.errors import JobFailed, JobPreempted, JobRejected, JobTimeout, ProgramNotCached, SessionLost
+from gpunet.errors import (
+    JobFailed,
+    JobPreempted,
+    JobRejected,
+    JobTimeout,
+    ProgramNotCached,
+    SessionLost,
+    WeightsMismatch,
+)
 from gpunet.utils import first_line
 from gpunet.worker.executor.cache import DiskCache, MemoryLRU, check_hash
 
@@ -112,14 +120,18 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
                 req["inputs"] = _map_shared(reduction.recv_handle(conn), req["inputs_fd"])
             elif "inputs" not in req:
                 req["inputs"] = conn.recv_bytes()
+            files = [reduction.recv_handle(conn) for _ in range(int(req.get("ref_files", 0)))]
         except (EOFError, OSError):
             return
         run = req.get("run")
         try:
+            req["refs"] = _ref_reader(req.get("refs"), files)
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
                              dry_word=dry_word,
                              sessions=sessions,
                              stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
+        except WeightsMismatch as e:
+            reply = {"ok": False, "error": "WeightsMismatch", "message": str(e), "hashes": list(e.hashes)}
         except (JobRejected, JobFailed, JobPreempted, JobTimeout) as e:
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
         except ProgramNotCached as e:
@@ -163,6 +175,33 @@ def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float 
     return limits
 
 
+def _ref_reader(entries, files: list[int]):
+    """What loads the weights a program names by reference: each from its range of a file the worker handed over
+    (mapped read-only; load_program checks it against its hash). The descriptors are closed here, once mapped."""
+    try:
+        maps = []
+        for fd in files:
+            size = os.fstat(fd).st_size
+            maps.append(memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else memoryview(b""))
+    finally:
+        for fd in files:
+            os.close(fd)
+    where = {}
+    for entry in entries or ():
+        sha, index, offset, length = entry
+        where[sha] = (index, offset, length)
+
+    def read(ref):
+        found = where.get(ref.sha256)
+        if found is None:  # the worker did not say where (it believed this process had the program loaded)
+            raise ProgramNotCached("")
+        index, offset, length = found
+        view = maps[index] if 0 <= index < len(maps) else memoryview(b"")
+        return view[offset:offset + length]
+
+    return read
+
+
 def _map_shared(fd: int, size: int) -> memoryview:
     """The parent's memfd, mapped read-only; unmapped when the last tensor viewing it is gone."""
     try:
@@ -180,7 +219,7 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         data = req.get("program") or disk.get(h)
         if data is None:
             raise ProgramNotCached(h)
-        prog = load_program(data, device=device, limits=limits, expected_hash=h)
+        prog = load_program(data, device=device, limits=limits, expected_hash=h, refs=req.get("refs"))
         if req.get("program") and not req.get("private"):  # a private program's weights never touch the disk
             disk.put(h, data)
         # Charged at least the container's size: weights may be views into it, which keep all of it alive.

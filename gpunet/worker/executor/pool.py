@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -24,7 +25,15 @@ from pathlib import Path
 
 import msgpack
 
-from gpunet.errors import ExecutorDied, JobFailed, JobTimeout, ProgramNotCached, SessionLost, WorkerDraining
+from gpunet.errors import (
+    ExecutorDied,
+    JobFailed,
+    JobTimeout,
+    ProgramNotCached,
+    SessionLost,
+    WeightsMismatch,
+    WorkerDraining,
+)
 from gpunet.protocol.errors import error_named
 from gpunet.utils import wait_out
 from gpunet.worker.executor import slot as slots
@@ -46,6 +55,32 @@ class RunResult:
     wall_time: float
     peak_memory_bytes: int
     state_bytes: int = 0  # a session step: what its state holds in the executor now
+
+
+@dataclass(frozen=True)
+class RefFiles:
+    """Where the weights a program names by reference lie, for an executor that must load it: ``entries`` are
+    ``[sha256, file index, offset, length]``, ``paths`` the files (opened by the worker and handed over as
+    descriptors: the sandboxed process names no path). Each range is checked against its hash as it loads."""
+
+    entries: list
+    paths: list
+
+    def open(self) -> list[int]:
+        """The files, opened read-only; WeightsMismatch naming the weights of a file that is gone."""
+        fds: list[int] = []
+        try:
+            for i, path in enumerate(self.paths):
+                try:
+                    fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                except OSError as e:
+                    raise WeightsMismatch(f"{path}: {e.strerror}",
+                                          tuple(sha for sha, index, _, _ in self.entries if index == i)) from None
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
 
 @dataclass
@@ -152,7 +187,8 @@ class Executor:
 
     async def run(self, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float | None = None,
                   private: bool = False, session: SessionRun | None = None, tag: object = None,
-                  spare_sessions: bool = False, dry: DryRun | None = None, fresh: bool = False) -> RunResult:
+                  spare_sessions: bool = False, dry: DryRun | None = None, fresh: bool = False,
+                  refs: RefFiles | None = None) -> RunResult:
         """Run a job in an executor process. Raises ProgramNotCached, JobRejected, JobFailed or JobTimeout.
 
         ``session``: the job is a step of an inference session, ``{"key", "step", "fresh", "close", "room"}``; its
@@ -162,6 +198,8 @@ class Executor:
         out of the way of the sessions' steps, which must run there). ``dry``: filled in with what the job's dry run
         took, whatever the outcome. ``fresh``: run the program from ``program_bytes`` (checked against its hash as they
         load) even where a copy is loaded already: the bytes are what a client that may not run that copy brought.
+        ``refs``: where the weights the program names by reference lie (files the executor is handed open, never
+        named), for an executor that must load it.
 
         Cancelling a run stops it at its program's next node, the process serving on; one op that outlasts
         STOP_GRACE has its process killed, unless the process holds sessions' state: a kill would lose every session
@@ -189,7 +227,7 @@ class Executor:
             if pinned is not None and self._pins.get(session.key, (None, -1))[1] != slot.generation:
                 raise SessionLost("the session's state was lost while its step waited: its executor restarted")
             result = await self._run_on(slot, program_hash, program_bytes, inputs, timeout, private, session,
-                                        DryRun() if dry is None else dry, fresh)
+                                        DryRun() if dry is None else dry, fresh, refs)
             if session is not None:
                 if session.close:
                     self._pins.pop(session.key, None)
@@ -429,7 +467,8 @@ class Executor:
             spare.stop()
 
     async def _run_on(self, slot: Slot, program_hash: str, program_bytes: bytes | None, inputs: bytes, timeout: float,
-                      private: bool, session: SessionRun | None, dry: DryRun, fresh: bool = False) -> RunResult:
+                      private: bool, session: SessionRun | None, dry: DryRun, fresh: bool = False,
+                      refs: RefFiles | None = None) -> RunResult:
         if self._closed:  # the worker is leaving: this job runs elsewhere
             raise _leaving("before")
         await self._revive(slot)
@@ -459,9 +498,14 @@ class Executor:
             header["inputs_fd"], shared = len(inputs), inputs
         else:
             payloads.append(inputs)
+        files: list[int] = []
+        if refs is not None and (program_bytes is not None or program_hash not in slot.hashes):
+            # A process that holds the program loaded needs none. Opened before anything is sent: a file gone
+            # fails this run alone (WeightsMismatch: the worker brings those weights from elsewhere).
+            header["refs"], header["ref_files"], files = refs.entries, len(refs.paths), refs.open()
         messages = [msgpack.packb(header, use_bin_type=True), *payloads]
         slot.in_flight = True
-        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout))
+        work = asyncio.ensure_future(self._send_and_await(slot, messages, shared, program_hash, timeout, files))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -503,14 +547,17 @@ class Executor:
                 dry.seconds = None if word[_DRY_SECONDS] < 0 else word[_DRY_SECONDS]
 
     async def _send_and_await(self, slot: Slot, messages: list[bytes], shared, program_hash: str,
-                              timeout: float) -> RunResult:
+                              timeout: float, files: list[int] = ()) -> RunResult:
         try:
             if shared is None and sum(len(m) for m in messages) <= _INLINE_PIPE_BYTES:
-                slot.send(messages)
+                slot.send(messages, files=files)
             else:  # a big pipe write blocks until the child has read it: not on the event loop
-                await slot.in_thread(slot.send, messages, shared)
+                await slot.in_thread(slot.send, messages, shared, files)
         except (OSError, ValueError):
             return self._died(slot, "before the job was sent", by_the_job=False)
+        finally:
+            for fd in files:
+                os.close(fd)
         return await self._await_reply(slot, program_hash, timeout)
 
     def _holds_sessions(self, slot: Slot) -> bool:
@@ -596,6 +643,9 @@ class Executor:
                              reply.get("state_bytes", 0))
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
+        if reply.get("error") == "WeightsMismatch":
+            raise WeightsMismatch(reply.get("message", "weights did not match"),
+                                  tuple(h for h in reply.get("hashes", ()) if isinstance(h, str)))
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         raise error_named(reply.get("error"), reply.get("message", "executor error"))

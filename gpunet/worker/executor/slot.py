@@ -127,8 +127,9 @@ class Slot:
             # a blocking one (a reply is read whole once its first bytes are in), so put it back.
             os.set_blocking(self.conn.fileno(), True)
 
-    def send(self, messages: list[bytes], shared: bytes | None = None) -> None:
-        """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor."""
+    def send(self, messages: list[bytes], shared: bytes | None = None, files: list[int] = ()) -> None:
+        """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor, then ``files``
+        (open descriptors: the files of the weights a program names by reference)."""
         for message in messages:
             self.conn.send_bytes(message)
         if shared is not None and hasattr(shared, "fileno"):  # already in a file (a spooled payload): pass it as is
@@ -142,6 +143,8 @@ class Slot:
                 reduction.send_handle(self.conn, fd, self.proc.pid)
             finally:
                 os.close(fd)
+        for fd in files:
+            reduction.send_handle(self.conn, fd, self.proc.pid)
 
     async def in_thread(self, fn, *args):
         """Blocking pipe I/O (a big payload) in a thread. If the caller is cancelled meanwhile, the process is killed

@@ -1,0 +1,246 @@
+"""Safetensors checkpoints on disk, indexed by what their tensors hold: the sha256 of each tensor's bytes as the file
+stores them, which is what a program names a weight by (gpunet.job.format.WeightRef, docs/weights.md).
+
+A worker indexes its ``--models-dir`` folders with it (the weights it may load without anyone uploading them), a
+client the checkpoint folder it serves (which of a traced span's weights the volunteers may hold already). Hashing a
+file once costs a pass over it (about a second per GB); the result is kept in a small JSON file beside the node's
+data, keyed by each file's path, size and modification time, so a restart re-hashes only what changed.
+
+Nothing outside a folder is read: files are found without following symlinked directories, and a symlinked file is
+taken only when its target lies inside the same folder (a Hugging Face cache links snapshots to blobs that way).
+Headers are bounded and checked like any safetensors bytes from the network: a volunteer's folder may hold anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from gpunet.job import tensors
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+#: The index file's format; a cache of another version is ignored (rebuilt).
+INDEX_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes lie: a file (its real path), the byte range, and what the file says they are."""
+
+    path: str
+    offset: int
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+    name: str
+
+
+def tensor_sha256(data) -> str:
+    """The content hash of a tensor's stored bytes (what WeightRef.sha256 names)."""
+    return hashlib.sha256(memoryview(data).cast("B")).hexdigest()
+
+
+def read_header(path: str | Path) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    """The tensors a safetensors file declares: (name, dtype, shape, absolute offset, length), checked against the
+    file's size the way tensors.decode checks bytes from the network. ValueError when it is not one gpunet reads."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > tensors.MAX_HEADER_BYTES or 8 + n > size:
+            raise ValueError(f"header length {n} is over the limit or past the end")
+        head = f.read(n)
+    try:
+        plan = tensors._plan.__wrapped__(head, size - 8 - n)
+    except Exception as e:  # JobRejected: the reason says what
+        raise ValueError(str(e)) from None
+    return [(name, tensors.DTYPE_NAMES[dtype], shape, 8 + n + begin, end - begin)
+            for begin, end, name, dtype, shape in plan.specs]
+
+
+def checkpoint_id(hashes: Iterable[str]) -> str:
+    """One name for a whole checkpoint: the sha256 of its tensors' hashes, sorted (the same tensors, however the
+    files are split or named, are the same checkpoint)."""
+    h = hashlib.sha256(b"gpunet-checkpoint-v1\0")
+    for digest in sorted(set(hashes)):
+        h.update(bytes.fromhex(digest))
+    return h.hexdigest()
+
+
+class CheckpointIndex:
+    """Every tensor of the ``.safetensors`` files under some folders, by content hash."""
+
+    def __init__(self, roots: Iterable[str | Path], cache: str | Path | None = None):
+        """``roots``: the folders; ``cache``: the JSON file that keeps the hashes between runs (None: none kept)."""
+        self.roots = [Path(r).resolve() for r in roots]
+        self.cache = Path(cache) if cache is not None else None
+        self._by_hash: dict[str, TensorLocation] = {}
+        self._files: dict[str, dict] = {}  # real path -> {"size", "mtime_ns", "folder", "tensors": [[sha, name, ...]]}
+        self.skipped: list[str] = []  # what was not indexed, and why (symlinks out, unreadable files)
+
+    # --- building ---------------------------------------------------------------------------------------------------
+
+    def scan(self) -> "CheckpointIndex":
+        """(Re-)index: files whose size and modification time match the cache keep their hashes; the rest are hashed
+        now. Returns self."""
+        known = self._load_cache()
+        files, skipped = {}, []
+        for root in self.roots:
+            for path, folder in self._files_under(root, skipped):
+                try:
+                    st = os.stat(path)
+                    entry = known.get(path)
+                    if entry is None or entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns:
+                        entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "tensors": _hash_file(path)}
+                    # A checkpoint is the folder its files are listed in (a snapshot's, for a linked blob).
+                    files[path] = {**entry, "folder": folder}
+                except (OSError, ValueError) as e:
+                    skipped.append(f"{path}: {e}")
+        self._files, self.skipped = files, skipped
+        for line in skipped:
+            logger.warning("Models dir: not indexed: %s", line)
+        self._rebuild()
+        self._save_cache()
+        return self
+
+    @staticmethod
+    def _files_under(root: Path, skipped: list[str]) -> list[str]:
+        if not root.is_dir():
+            skipped.append(f"{root}: not a folder")
+            return []
+        found = []
+        for folder, _dirs, names in os.walk(root, followlinks=False):
+            for name in sorted(names):
+                if not name.endswith(SUFFIX):
+                    continue
+                path = os.path.join(folder, name)
+                real = os.path.realpath(path)
+                if os.path.commonpath([real, str(root)]) != str(root):
+                    skipped.append(f"{path}: a symlink out of {root} (not followed)")
+                    continue
+                if os.path.isfile(real):
+                    found.append((real, folder))
+        return sorted(set(found))
+
+    def _rebuild(self) -> None:
+        self._by_hash = {}
+        for path, entry in self._files.items():
+            for sha, name, offset, length, dtype, shape in entry["tensors"]:
+                self._by_hash.setdefault(sha, TensorLocation(path, offset, length, dtype, tuple(shape), name))
+
+    def _load_cache(self) -> dict:
+        if self.cache is None:
+            return {}
+        try:
+            obj = json.loads(self.cache.read_text())
+            return obj["files"] if obj.get("version") == INDEX_VERSION and isinstance(obj.get("files"), dict) else {}
+        except (OSError, ValueError, KeyError, AttributeError):
+            return {}
+
+    def _save_cache(self) -> None:
+        if self.cache is None:
+            return
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        data = json.dumps({"version": INDEX_VERSION, "files": {
+            p: {k: v for k, v in e.items() if k != "folder"} for p, e in self._files.items()}})
+        fd, tmp = tempfile.mkstemp(dir=self.cache.parent, prefix=".tmp-index-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.cache)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # --- reading ----------------------------------------------------------------------------------------------------
+
+    def __contains__(self, sha: str) -> bool:
+        return sha in self._by_hash
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def find(self, sha: str) -> TensorLocation | None:
+        """Where the tensor with this content hash lies, if anywhere here (as of the last scan: its bytes are checked
+        against the hash when they load)."""
+        return self._by_hash.get(sha)
+
+    def forget(self, sha: str) -> str | None:
+        """Stop offering a tensor whose bytes no longer match (a damaged or changed file): its file is re-hashed at
+        the next scan. Returns that file's path."""
+        loc = self._by_hash.pop(sha, None)
+        if loc is None:
+            return None
+        entry = self._files.get(loc.path)
+        if entry is not None:
+            entry["mtime_ns"] = -1  # re-hashed at the next scan, whatever its time says
+        return loc.path
+
+    def read(self, sha: str) -> memoryview | None:
+        """The bytes the index says hold this tensor (not checked here), mapped read-only; None if it has none or the
+        file is gone."""
+        loc = self._by_hash.get(sha)
+        if loc is None:
+            return None
+        try:
+            with open(loc.path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
+        if loc.offset + loc.length > len(mapped):
+            return None
+        return memoryview(mapped)[loc.offset:loc.offset + loc.length]
+
+    @property
+    def id(self) -> str:
+        """The checkpoint id of everything indexed (for one checkpoint folder: that checkpoint's, as a worker that
+        keeps the same files names it)."""
+        return checkpoint_id(self._by_hash)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e["size"] for e in self._files.values())
+
+    def checkpoints(self) -> dict[str, dict]:
+        """Each folder that holds safetensors files, as one checkpoint: its id (checkpoint_id of its tensors), size,
+        tensor count, and whether every tensor is still offered (one forgotten as damaged: not held in full); by
+        folder path."""
+        by_folder: dict[str, list] = {}
+        for entry in self._files.values():
+            by_folder.setdefault(entry["folder"], []).append(entry)
+        out = {}
+        for folder, entries in sorted(by_folder.items()):
+            hashes = [t[0] for e in entries for t in e["tensors"]]
+            out[folder] = {"id": checkpoint_id(hashes), "bytes": sum(e["size"] for e in entries),
+                           "tensors": len(hashes), "complete": all(h in self._by_hash for h in hashes)}
+        return out
+
+
+def _hash_file(path: str) -> list[list]:
+    """[sha256, name, offset, length, dtype, shape] of every tensor in a safetensors file."""
+    out = []
+    header = read_header(path)
+    if not header:
+        return out
+    with open(path, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                for name, dtype, shape, offset, length in header:
+                    out.append([tensor_sha256(view[offset:offset + length]), name, offset, length, dtype,
+                                list(shape)])
+            finally:
+                view.release()
+    return out

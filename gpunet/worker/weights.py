@@ -1,0 +1,182 @@
+"""Weights that programs name by reference (docs/weights.md): where this worker finds them, and what it asks for.
+
+A program may name weight tensors by the sha256 of their bytes instead of carrying them
+(:class:`gpunet.job.format.WeightRef`). Before such a program runs, each named tensor is found, in order:
+
+1. in the volunteer's own checkpoints (``gpunet worker --models-dir DIR``, indexed by content at start:
+   :class:`gpunet.job.checkpoints.CheckpointIndex`): public files the volunteer chose to serve, so any client's
+   program may name them;
+2. in this worker's tensor store, if this client sent those bytes here before (a hash is no capability: a client
+   names a tensor another client sent only by sending it too);
+3. from the client, over the job's stream (``Send(tensors=...)``): streamed to the store, hashed on the way in.
+
+The executor is handed the files open (it names no path) and checks every tensor against its hash as it loads;
+one that does not match (a damaged or changed checkpoint file) is forgotten here, its file named in the log, and
+brought from the client instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from gpunet.errors import JobFailed, JobRejected, ProgramNotCached
+from gpunet.job.checkpoints import CheckpointIndex
+from gpunet.job.format import Manifest, WeightRef, manifest_bytes
+from gpunet.utils import LRU, human_bytes
+from gpunet.worker.executor import RefFiles
+from gpunet.worker.executor.cache import DiskCache
+
+logger = logging.getLogger(__name__)
+
+#: The most bytes of a cached container read to find its manifest (the manifest is capped at 4 MiB, and first).
+MANIFEST_PREFIX_BYTES = 4 * 2**20 + 64
+
+
+class TensorStore(DiskCache):
+    """Tensors clients sent, as ``<dir>/<sha256>.tensor``: bounded LRU like the program cache, written only once
+    their bytes have matched the hash."""
+
+    SUFFIX = ".tensor"
+
+    def path(self, sha: str) -> Path:
+        return self._path(sha)
+
+    def adopt(self, sha: str, tmp: str) -> None:
+        """Move a checked temporary file in as ``sha``."""
+        os.replace(tmp, self._path(sha))
+        self._evict(keep=self._path(sha))
+
+    def temporary(self):
+        return tempfile.NamedTemporaryFile(dir=self.dir, prefix=".tmp-", delete=False)
+
+
+class Weights:
+    """Where the weights a program names by reference are, for one worker."""
+
+    def __init__(self, models_dirs: tuple[str, ...] = (), index_cache: Path | None = None, disk: DiskCache | None = None,
+                 max_store_bytes: int | None = None):
+        """``disk``: the executors' program cache (the tensor store lives beside it, bounded by ``max_store_bytes``,
+        by default as much as that cache; None: no store, so no weights from clients)."""
+        self.index = CheckpointIndex(models_dirs, cache=index_cache) if models_dirs else None
+        self.disk = disk
+        store_bytes = disk.max_bytes if disk is not None and max_store_bytes is None else max_store_bytes
+        self.store = TensorStore(disk.dir / "tensors", store_bytes) if disk is not None and store_bytes else None
+        self._refs: LRU[str, tuple[WeightRef, ...]] = LRU(4096)  # program hash -> the weights it names
+        self._sent_by: LRU[str, frozenset[str]] = LRU(100_000)  # sha -> the clients that sent those bytes here
+        self.bytes_from_clients = 0  # since start
+        self._ids: list[str] | None = None  # checkpoint_ids(), until the index changes
+
+    async def start(self) -> None:
+        """Index the models dirs (hashing only files new or changed since the last run)."""
+        if self.index is None:
+            return
+        await asyncio.to_thread(self.index.scan)
+        self._ids = None
+        for folder, info in self.index.checkpoints().items():
+            logger.info("Models dir: %s holds checkpoint %s (%d tensors, %s)", folder, info["id"][:12],
+                        info["tensors"], human_bytes(info["bytes"]))
+
+    # --- what a program names ---------------------------------------------------------------------------------------
+
+    async def refs_of(self, program_hash: str, program: bytes | bytearray | None, checked: bool = True
+                      ) -> tuple[WeightRef, ...]:
+        """The weights a program names by reference, from its bytes or the disk cache. Kept per program hash only
+        from bytes known to be that program's (``checked``; the disk cache holds only such): bytes a client sent are
+        checked against the hash as they load, and until then say nothing about another client's program."""
+        found = self._refs.get(program_hash)
+        if found is not None:
+            return found
+        if program is None:
+            if self.disk is None:
+                raise ProgramNotCached(program_hash)
+            program = await asyncio.to_thread(self.disk.read_range, program_hash, 0, MANIFEST_PREFIX_BYTES)
+            if program is None:  # evicted meanwhile: its client sends it again
+                raise ProgramNotCached(program_hash)
+        found = Manifest.from_json(manifest_bytes(program)).refs
+        if checked:
+            self._refs.put(program_hash, found)
+        return found
+
+    def loaded(self, program_hash: str, program: bytes | bytearray) -> None:
+        """A client's bytes ran, so they are the program's (the executor checked them against its hash): what they
+        name is kept for its later jobs."""
+        if self._refs.get(program_hash) is None:
+            self._refs.put(program_hash, Manifest.from_json(manifest_bytes(program)).refs)
+
+    # --- where they are ---------------------------------------------------------------------------------------------
+
+    async def prepare(self, client_id: str, program_hash: str, program, private: bool,
+                      ask: Callable[[list[WeightRef], "TensorStore"], Awaitable[None]], checked: bool = True
+                      ) -> RefFiles | None:
+        """Where every weight the program names lies (None: it names none), asking the client (``ask``) for those
+        found nowhere here. ``checked``: as for :meth:`refs_of`."""
+        refs = await self.refs_of(program_hash, program, checked)
+        if not refs:
+            return None
+        found, missing = self._locate(client_id, refs)
+        if missing:
+            if private or self.store is None:
+                raise JobRejected(
+                    f"this worker holds {len(missing)} of the weights the program names by reference nowhere "
+                    "(and keeps no private weights on disk): send them in the program, or choose a worker that holds "
+                    "the checkpoint")
+            await ask(missing, self.store)
+            for r in missing:
+                self._sent_by.put(r.sha256, (self._sent_by.get(r.sha256) or frozenset()) | {client_id})
+                self.bytes_from_clients += r.nbytes
+            found, missing = self._locate(client_id, refs)
+            if missing:  # evicted as soon as written: the store is smaller than the program's weights
+                raise JobFailed(f"this worker's tensor store cannot hold the program's weights "
+                                f"({human_bytes(sum(r.nbytes for r in refs))})")
+        paths: dict[str, int] = {}
+        entries = [[sha, paths.setdefault(path, len(paths)), offset, length] for sha, (path, offset, length) in found.items()]
+        return RefFiles(entries, list(paths))
+
+    def _locate(self, client_id: str, refs: tuple[WeightRef, ...]) -> tuple[dict, list[WeightRef]]:
+        found, missing, seen = {}, [], set()
+        for r in refs:
+            if r.sha256 in seen:  # one tensor named twice (tied weights)
+                continue
+            seen.add(r.sha256)
+            loc = self.index.find(r.sha256) if self.index is not None else None
+            if loc is not None and loc.length == r.nbytes:
+                found[r.sha256] = (loc.path, loc.offset, loc.length)
+                continue
+            if self.store is not None and client_id in (self._sent_by.get(r.sha256) or ()):
+                size = self.store.size(r.sha256)
+                if size == r.nbytes:
+                    found[r.sha256] = (str(self.store.path(r.sha256)), 0, size)
+                    continue
+            missing.append(r)
+        return found, missing
+
+    def condemn(self, hashes: tuple[str, ...]) -> None:
+        """Weights that did not match their hash as they loaded: never offered from where they were again (a models
+        dir file is re-hashed at the next start; a stored copy is deleted)."""
+        self._ids = None
+        for sha in hashes:
+            path = self.index.forget(sha) if self.index is not None else None
+            if path is not None:
+                logger.warning("Models dir: %s no longer holds what it held when indexed (tensor %s does not match "
+                               "its hash): damaged or changed; that tensor is brought from elsewhere", path, sha[:16])
+            if self.store is not None and sha in self.store:
+                logger.warning("Tensor store: %s did not match its hash; deleted", sha[:16])
+                self.store.path(sha).unlink(missing_ok=True)
+
+    def checkpoint_ids(self) -> list[str]:
+        """The checkpoints held in full, for the worker's record (sorted: the record changes only when they do)."""
+        if self._ids is None:
+            self._ids = sorted({info["id"] for info in self.index.checkpoints().values() if info["complete"]}
+                               ) if self.index is not None else []
+        return self._ids
+
+    def describe(self) -> dict:
+        """What the dashboard and doctor show: the checkpoints held, and the bytes of the models dirs."""
+        if self.index is None:
+            return {"checkpoints": {}, "bytes": 0}
+        return {"checkpoints": self.index.checkpoints(), "bytes": self.index.total_bytes}

@@ -1,0 +1,162 @@
+"""Weights by reference (docs/weights.md, "Weights by reference"): a program names tensors by content hash; a worker loads them from its own
+``--models-dir`` checkpoints, or asks the client for them, and checks each against its hash as it loads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from gpunet import Job
+from gpunet.errors import JobRejected, WeightsMismatch
+from gpunet.job import tensors
+from gpunet.job.checkpoints import CheckpointIndex, tensor_sha256
+from gpunet.job.format import Manifest, manifest_bytes
+from gpunet.testing.localnet import wait_for
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32))
+
+
+def _checkpoint(folder, model: torch.nn.Module, name: str = "model.safetensors"):
+    """The model's parameters as a checkpoint file, the way HF saves one (its own names, not the trace's)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / name))
+    return folder
+
+
+def test_a_job_names_the_weights_a_checkpoint_holds_and_runs_the_same(tmp_path):
+    model = _model()
+    x = torch.randn(3, 64)
+    folder = _checkpoint(tmp_path / "ckpt", model)
+    index = CheckpointIndex([folder]).scan()
+    assert len(index) == 4
+    job = Job.from_module(model, (x,))
+    ref = job.by_reference(index)
+    assert ref.program_hash != job.program_hash and len(ref.manifest.refs) == 4
+    assert len(ref.to_bytes()) < 2048 < len(job.to_bytes())  # the container carries none of them
+    assert torch.equal(ref.run_locally(x), job.run_locally(x))
+    # The manifest says what each is, and survives the bytes: a worker reads it from the container's first bytes.
+    again = Manifest.from_json(manifest_bytes(ref.to_bytes()[:4096]))
+    assert again.refs == ref.manifest.refs and again.refs_bytes == sum(p.numel() * 4 for p in model.parameters())
+    # Nothing is named that the checkpoint does not hold: a job of another model's weights is unchanged.
+    assert Job.from_module(_model(seed=1), (x,)).by_reference(index).manifest.refs == ()
+
+
+def test_weights_that_do_not_match_their_hash_are_named_and_refused(tmp_path):
+    model = _model()
+    x = torch.randn(2, 64)
+    job = Job.from_module(model, (x,)).by_reference(CheckpointIndex([_checkpoint(tmp_path, model)]).scan())
+    from gpunet.job.validator import load_program
+
+    good = {r.sha256: bytes(job.referenced(r.sha256)) for r in job.manifest.refs}
+    bad = dict(good)
+    first = job.manifest.refs[0].sha256
+    bad[first] = bytes([bad[first][0] ^ 1]) + bad[first][1:]
+    with pytest.raises(WeightsMismatch) as caught:
+        load_program(job.to_bytes(), refs=lambda r: bad[r.sha256])
+    assert caught.value.hashes == (first,)
+    with pytest.raises(JobRejected, match="nothing here resolves"):
+        load_program(job.to_bytes())
+    assert load_program(job.to_bytes(), refs=lambda r: good[r.sha256]).manifest.refs == job.manifest.refs
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("sha256", "../../etc/passwd", "sha256"),
+    ("dtype", "F128", "dtype"),
+    ("shape", [-1], "shape"),
+    ("name", "a b", "identifier"),
+])
+def test_a_malformed_reference_is_refused_with_its_reason(field, value, reason):
+    import json
+
+    job = Job.from_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),))
+    obj = json.loads(job.parts.manifest)
+    ref = {"name": "w", "sha256": "0" * 64, "dtype": "F32", "shape": [4, 4], field: value}
+    obj["refs"] = [ref]
+    with pytest.raises(JobRejected, match=reason):
+        Manifest.from_json(json.dumps(obj).encode())
+
+
+def test_the_index_keeps_its_hashes_and_never_follows_a_symlink_out(tmp_path):
+    inside = _checkpoint(tmp_path / "models" / "a", _model())
+    outside = _checkpoint(tmp_path / "elsewhere", _model(seed=2))
+    os.symlink(outside / "model.safetensors", inside / "escape.safetensors")
+    # A link inside the folder (how a Hugging Face cache links snapshots to blobs) is taken.
+    blobs = _checkpoint(tmp_path / "models" / "blobs", _model(seed=3), "blob.safetensors")
+    (tmp_path / "models" / "snap").mkdir()
+    os.symlink(blobs / "blob.safetensors", tmp_path / "models" / "snap" / "model.safetensors")
+    cache = tmp_path / "index.json"
+    index = CheckpointIndex([tmp_path / "models"], cache=cache).scan()
+    assert len(index) == 8  # a and blobs; nothing of elsewhere
+    assert any("escape.safetensors" in line and "not followed" in line for line in index.skipped)
+    outside_hash = tensor_sha256(tensors.raw_bytes(_model(seed=2)[0].weight))
+    assert outside_hash not in index
+    # The cache is used: an unchanged file is not hashed again (its entry is taken as it is).
+    import json
+
+    obj = json.loads(cache.read_text())
+    path = str((inside / "model.safetensors").resolve())
+    obj["files"][path]["tensors"][0][0] = "f" * 64
+    cache.write_text(json.dumps(obj))
+    assert "f" * 64 in CheckpointIndex([tmp_path / "models"], cache=cache).scan()
+    os.utime(inside / "model.safetensors", ns=(1, 1))  # changed: hashed again
+    assert "f" * 64 not in CheckpointIndex([tmp_path / "models"], cache=cache).scan()
+
+
+@pytest.mark.swarm
+def test_a_worker_with_the_checkpoint_loads_it_from_disk_and_one_without_asks_the_client(swarm, client_for, tmp_path):
+    """The client sends no weight byte to a worker that keeps the checkpoint in its models dir; a models-dir file
+    damaged after it was indexed is caught as it loads, named in the worker's log, and only its broken tensor is
+    brought from the client; a worker without the checkpoint gets each weight once (kept for this client's next
+    job)."""
+    from gpunet.job.checkpoints import read_header
+
+    x = torch.randn(4, 64)
+    model, other = _model(), _model(seed=4)
+    folder = _checkpoint(tmp_path / "models" / "tiny", model)
+    damaged = _checkpoint(tmp_path / "models" / "other", other) / "model.safetensors"
+    job = Job.from_module(model, (x,)).by_reference(CheckpointIndex([folder]).scan())
+    job2 = Job.from_module(other, (x,)).by_reference(CheckpointIndex([damaged.parent]).scan())
+    holder = swarm.start_worker("--models-dir", str(tmp_path / "models"))
+    holder.wait_for_line(r"holds checkpoint", timeout=30)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 1, 30, "the worker")
+    assert torch.equal(client.submit(job, x).result(timeout=60), model(x).detach())
+    assert client.weight_bytes_sent == 0 and client.program_bytes_sent < 4096
+
+    *_, (_, _, _, offset, length) = sorted(read_header(damaged), key=lambda t: t[3])  # the file's last tensor
+    data = bytearray(damaged.read_bytes())
+    data[offset] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert torch.equal(client.submit(job2, x).result(timeout=60), other(x).detach())
+    assert client.weight_bytes_sent == length
+    holder.wait_for_line(r"no longer holds what it held when indexed", timeout=30)
+    assert str(damaged.resolve()) in holder.output
+
+    bare = swarm.start_worker()
+    holder.terminate()
+    wait_for(lambda: {w.id for w in client.workers(refresh=True)} == {swarm.worker_id(bare)}, 60, "the bare worker")
+    before = client.weight_bytes_sent
+    assert torch.equal(client.submit(job, x).result(timeout=60), model(x).detach())
+    assert client.weight_bytes_sent - before == job.manifest.refs_bytes
+    assert torch.equal(client.submit(job, x * 2).result(timeout=60), model(x * 2).detach())
+    assert client.weight_bytes_sent - before == job.manifest.refs_bytes  # kept there: not sent twice
+
+
+def test_doctor_shows_what_a_models_dir_holds(tmp_path):
+    from gpunet.worker.doctor import Verdict, check_models
+
+    models = tmp_path / "models"
+    _checkpoint(models / "a", _model())
+    found = check_models(tmp_path / "data", [models])
+    assert found.outcome is Verdict.PASS and "1 checkpoint(s)" in found.detail
+    assert (tmp_path / "data" / "models-index.json").is_file()  # the worker starts without hashing them again
+    os.symlink(_checkpoint(tmp_path / "out", _model(seed=1)) / "model.safetensors", models / "a" / "x.safetensors")
+    warned = check_models(tmp_path / "data", [models])
+    assert warned.outcome is Verdict.WARN and "not followed" in warned.detail
+    assert check_models(tmp_path / "data", [tmp_path / "nope"]).outcome is Verdict.FAIL
