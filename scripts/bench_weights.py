@@ -10,6 +10,9 @@ is the program's getting there and loading). In order:
 4. (a second network) the same weights **by reference** (docs/weights.md): the program names each weight by its
    hash; a worker that keeps the checkpoint in its ``--models-dir`` loads them from its disk (the client sends no
    weight byte), and a worker without it is sent them by the client.
+5. (a third network) a **cold start of many workers at once** (``--cold-workers``, default 10): four jobs per worker
+   sent together; the client's copies (target <= 1.2), the time until every worker has run one against one copy's
+   transfer over raw loopback TCP (target <= 1.5x where links, not CPUs, are the limit), and each worker's bytes.
 
 Each figure is the client's wall time for that job (a redundant job ends with its slowest replica, the cold one).
 Also printed: loopback TCP throughput for the same bytes in this process (the link's own ceiling), and the program
@@ -68,8 +71,12 @@ def loopback_mb_per_s(nbytes: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="program size in GiB (default 1)")
+    parser.add_argument("--cold-workers", type=int, default=10, help="workers of the cold start (default 10)")
+    parser.add_argument("--parts", default="peers,reference,cold",
+                        help="which parts to run, of peers (1-3), reference (4), cold (5); default all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     layers = max(1, round(args.gb * 2**30 / (WIDTH * WIDTH * 4)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).eval()
@@ -79,6 +86,45 @@ def main() -> None:
     model_state = {k: v.contiguous() for k, v in model.state_dict().items()}
     del model
     figures: dict = {"program_bytes": size, "loopback_tcp_mb_s": round(loopback_mb_per_s(size), 1)}
+    if "peers" in parts:
+        figures.update(from_peers(job, x))
+    if "reference" in parts:
+        figures.update(by_reference(model_state, x, job))
+    if "cold" in parts:
+        figures.update(cold_start(job, x, args.cold_workers, figures["loopback_tcp_mb_s"]))
+    if args.json:
+        print(json.dumps(figures))
+        return
+    mb = size / 1e6
+    print(f"program: {mb:.0f} MB; loopback TCP in this process: {figures['loopback_tcp_mb_s']:.0f} MB/s")
+    if "peers" in parts:
+        print(f"cold start from the client:  {figures['from_client_s']:.2f} s  ({mb / figures['from_client_s']:.0f} MB/s)")
+        print(f"cold start from one peer:    {figures['from_one_peer_s']:.2f} s  "
+              f"({figures['one_peer_vs_client']:.2f}x the client's; target <= 1)")
+        print(f"cold start from two peers:   {figures['from_two_peers_s']:.2f} s  "
+              f"({figures['two_peers_vs_one']:.2f}x one peer's; target < 1 where peers' uplinks are the limit)")
+        for name in ("one_peer", "two_peers"):
+            if figures[f"fetch_{name}_s"] is not None:
+                print(f"  the fetch itself ({name.replace('_', ' ')}): {figures[f'fetch_{name}_s']:.2f} s from "
+                      f"{figures[f'fetch_{name}_sources']} peer(s) ({mb / figures[f'fetch_{name}_s']:.0f} MB/s)")
+        print(f"client uploaded the program {figures['client_uploads']:g} time(s) (target: 1)")
+    if "reference" in parts:
+        print(f"by reference, a worker with the checkpoint in --models-dir: {figures['ref_from_disk_s']:.2f} s, "
+              f"{figures['ref_from_disk_weight_bytes']} weight bytes from the client (target 0)")
+        print(f"by reference, a worker without it: {figures['ref_from_client_s']:.2f} s, "
+              f"{figures['ref_from_client_weight_bytes'] / 1e6:.0f} MB of weights from the client")
+    if "cold" in parts:
+        print(f"cold start of {figures['cold_workers']} workers at once ({figures['cold_jobs']} jobs): the client sent "
+              f"{figures['cold_client_copies']:.2f} copies (target <= 1.2); all had run one in {figures['cold_all_s']:.1f} s, "
+              f"{figures['cold_vs_one_copy']:.1f}x one copy over raw loopback TCP ({figures['cold_one_copy_s']:.2f} s)")
+        for worker, b in figures["cold_per_worker"].items():
+            print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers, served {b['served'] / 1e6:.0f} MB")
+
+
+def from_peers(job: gpunet.Job, x: torch.Tensor) -> dict:
+    """Parts 1-3: one cold worker after another, from the client, one peer, two peers."""
+    figures: dict = {}
+    size = len(job.program_bytes())
     with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights", heartbeat=2.0) as net:
         net.start_bootstrap()
         net.start_worker()
@@ -103,29 +149,54 @@ def main() -> None:
             found = re.search(r"Fetched program \S+ \(\d+ bytes\) from (\d) peer\(s\) in ([\d.]+) s", proc.output)
             figures[f"fetch_{name}_s"] = float(found.group(2)) if found else None
             figures[f"fetch_{name}_sources"] = int(found.group(1)) if found else 0
-    figures.update(by_reference(model_state, x, job))
     figures["client_uploads"] = round(figures["client_program_bytes_sent"] / size, 2)
     figures["one_peer_vs_client"] = round(figures["from_one_peer_s"] / figures["from_client_s"], 2)
     figures["two_peers_vs_one"] = round(figures["from_two_peers_s"] / figures["from_one_peer_s"], 2)
-    if args.json:
-        print(json.dumps(figures))
-        return
-    mb = size / 1e6
-    print(f"program: {mb:.0f} MB; loopback TCP in this process: {figures['loopback_tcp_mb_s']:.0f} MB/s")
-    print(f"cold start from the client:  {figures['from_client_s']:.2f} s  ({mb / figures['from_client_s']:.0f} MB/s)")
-    print(f"cold start from one peer:    {figures['from_one_peer_s']:.2f} s  "
-          f"({figures['one_peer_vs_client']:.2f}x the client's; target <= 1)")
-    print(f"cold start from two peers:   {figures['from_two_peers_s']:.2f} s  "
-          f"({figures['two_peers_vs_one']:.2f}x one peer's; target < 1 where peers' uplinks are the limit)")
-    for name in ("one_peer", "two_peers"):
-        if figures[f"fetch_{name}_s"] is not None:
-            print(f"  the fetch itself ({name.replace('_', ' ')}): {figures[f'fetch_{name}_s']:.2f} s from "
-                  f"{figures[f'fetch_{name}_sources']} peer(s) ({mb / figures[f'fetch_{name}_s']:.0f} MB/s)")
-    print(f"client uploaded the program {figures['client_uploads']:g} time(s) (target: 1)")
-    print(f"by reference, a worker with the checkpoint in --models-dir: {figures['ref_from_disk_s']:.2f} s, "
-          f"{figures['ref_from_disk_weight_bytes']} weight bytes from the client (target 0)")
-    print(f"by reference, a worker without it: {figures['ref_from_client_s']:.2f} s, "
-          f"{figures['ref_from_client_weight_bytes'] / 1e6:.0f} MB of weights from the client")
+    return figures
+
+
+def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: float) -> dict:
+    """Part 5: ``workers`` fresh workers and four jobs each, sent at once."""
+    size = len(job.program_bytes())
+    out: dict = {"cold_workers": workers, "cold_jobs": 4 * workers}
+    with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights-cold",
+                                                            heartbeat=2.0) as net:
+        net.start_bootstrap()
+        procs = net.start_workers(workers)
+        with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=Path(tmp) / "client") \
+                as client:
+            wait_for(lambda: len(client.workers(refresh=True)) == workers, 120, f"{workers} workers known")
+            t0 = time.perf_counter()
+            futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=1800))
+                       for _ in range(4 * workers)]
+            for f in futures:
+                f.result(timeout=1800)
+            out["cold_all_s"] = round(time.perf_counter() - t0, 2)
+            out["cold_ran_on"] = len({f.worker_id for f in futures})
+            out["cold_client_copies"] = round(client.program_bytes_sent / size, 2)
+        per = {}
+        for proc in procs:
+            fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer", proc.output)
+            served = net.worker_id(proc)[-8:]
+            per[served] = {"fetched": int(fetched.group(1)) if fetched else 0,
+                           "sources": int(fetched.group(2)) if fetched else 0}
+        status = {w["id"][-8:]: w["peer_bytes"] for w in _status(net)}
+        for name, b in per.items():
+            b["served"] = status.get(name, {}).get("served", 0)
+        out["cold_per_worker"] = per
+    out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
+    out["cold_vs_one_copy"] = round(out["cold_all_s"] / out["cold_one_copy_s"], 1)
+    return out
+
+
+def _status(net) -> list[dict]:
+    import subprocess
+
+    from gpunet.testing.localnet import gpunet_cmd
+
+    done = subprocess.run(gpunet_cmd("status", "--network", net.network, "--initial-peers", net.bootstrap_addr,
+                                     "--json"), capture_output=True, text=True, timeout=120)
+    return json.loads(done.stdout)["workers"] if done.returncode == 0 else []
 
 
 def by_reference(state: dict, x: torch.Tensor, job: gpunet.Job) -> dict:

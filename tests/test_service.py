@@ -629,7 +629,7 @@ class _BringsProgram:
     def precheck(self, submit, need_program):
         pass
 
-    async def fetch(self, submit, need_program, charge):
+    async def fetch(self, submit, need_program, charge, sink=None):
         from gpunet.utils import sha256_hex
         from gpunet.worker.payloads import FROM_CLIENT, Inputs
 

@@ -73,3 +73,36 @@ def test_a_peer_serving_a_corrupted_piece_is_caught_banned_and_the_fetch_complet
     cold.wait_for_line(rf"Peer {re.escape(liar_id[-8:])} served a corrupted piece", timeout=30)
     cold.wait_for_line(rf"Banned peer {re.escape(liar_id[-8:])}", timeout=30)
     assert swarm.worker_id(honest) != liar_id
+
+
+@pytest.mark.swarm
+def test_a_cold_start_of_five_workers_at_once_costs_the_client_one_copy(swarm):
+    """Many jobs of one large program sent at once to five fresh workers: each worker that lacks it is pointed at
+    those already getting it, who serve the pieces they have as they arrive (from the client, or from peers), so
+    the client's link carries the program about once. Every worker's copy is accounted for: it came from the client
+    or from peers, and the peers served what was fetched."""
+    workers = swarm.start_workers(5)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False), torch.nn.Linear(4096, 1024)).eval()
+    x = torch.randn(1, 4096)
+    job = gpunet.Job.from_module(model, example_inputs=(x,))
+    size = len(job.program_bytes())
+    with gpunet.Client(initial_peers=[swarm.bootstrap_addr], network=swarm.network,
+                       data_dir=swarm.root / "client") as client:
+        wait_for(lambda: len(client.workers(refresh=True)) == 5, 30, "all five workers known")
+        futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=300)) for _ in range(40)]
+        results = [f.result(timeout=300) for f in futures]
+        sent = client.program_bytes_sent
+        ran = {f.worker_id for f in futures}
+    with torch.no_grad():
+        want = model(x)
+    assert all(torch.allclose(y, want, rtol=1e-4, atol=1e-4) for y in results)
+    assert sent <= 1.2 * size, f"the client sent {sent / size:.2f} copies"
+    # The copy each worker that ran it holds came from the client or, whole, from peers (their records say which).
+    copies = round(sent / size)
+    peer_bytes = wait_for(lambda: (lambda b: b if sum(v["fetched"] for v in b.values()) + sent >= len(ran) * size
+                                   else None)(_peer_bytes(swarm)), 30, "the workers' records to account for every copy")
+    assert set(peer_bytes) == {swarm.worker_id(w) for w in workers}
+    assert all(v["fetched"] in (0, size) for v in peer_bytes.values())
+    fetched = sum(v["fetched"] for v in peer_bytes.values())
+    assert fetched // size + copies >= len(ran) and sum(v["served"] for v in peer_bytes.values()) >= fetched

@@ -13,6 +13,7 @@ in-process, so retries, bans and verification are checked without go-libp2p).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Sequence
@@ -150,6 +151,7 @@ class P2PTransport(BaseTransport):
         self._unhelpful: LRU[str, dict[str, float]] = LRU(64)
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
         self.weight_bytes_sent = 0  # of those, weights programs name by reference (what models dirs spare it)
+        self._tokens: LRU[str, bytes] = LRU(4096)  # upload tokens, by program (see _upload_token)
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -345,6 +347,10 @@ class P2PTransport(BaseTransport):
         holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
         sent = 0
         if holders:
+            # It serves what it fetches to the next ones meanwhile: listed as getting it (before anything is awaited,
+            # so that workers asking at the same moment are pointed at each other too) until its job ends.
+            self._receiving.setdefault(request.program_hash, {})[worker_id] = tuple(maddrs)[
+                :protocol.MAX_HOLDER_MADDRS]
             pieces = await asyncio.shield(self._piece_list(request))  # a job cancelled here leaves it to others
             # Worth waiting for while they say "busy" (serving others, still receiving it): those this client is
             # sending it to now, and those that ran it for this client. Others are only what records claim.
@@ -355,11 +361,17 @@ class P2PTransport(BaseTransport):
             # The holders serve a program that is not shared only to a worker that presents this client's grant (made
             # from the bytes, naming that holder and this worker); the worker runs what it fetched for this client
             # only on its proof that it holds the bytes.
+            # Those still getting it (from this client, or from peers as this one will) serve what they have so far
+            # against grants made with this client's upload token for it (gpunet.protocol.holding); the others,
+            # holding it whole, against the holding key.
             key = await self._holding_key(request) if self.peer_id is not None else None
-            grants = () if key is None else tuple((peer, proof(key, PIECE, peer, worker_id)) for peer, _ in holders)
+            token = self._upload_token(request.program_hash)
+            receiving = self._receiving.get(request.program_hash, {})
+            grants = () if key is None else tuple(
+                (peer, proof(token if peer in receiving else key, PIECE, peer, worker_id)) for peer, _ in holders)
             holds = None if key is None else proof(key, RUN, worker_id, self.peer_id)
             await protocol.write(writer, Pieces(pieces.size, pieces.piece_size, pieces.hashes, holders, coming,
-                                                grants, holds))
+                                                grants, holds, token if key is not None else None))
             await protocol.write(writer, Payload(None, len(request.inputs) if ask.inputs else None))
         else:
             if ask.program and named:  # the peers it was told of did not deliver
@@ -373,8 +385,9 @@ class P2PTransport(BaseTransport):
                 self._receiving.setdefault(request.program_hash, {})[worker_id] = tuple(maddrs)[
                     :protocol.MAX_HOLDER_MADDRS]
                 self._piece_list(request)  # hashed meanwhile: the next worker to lack it will ask for the list
+            token = self._upload_token(request.program_hash) if ask.program and not request.private else None
             await protocol.write(writer, Payload(len(request.program) if ask.program else None,
-                                                 len(request.inputs) if ask.inputs else None))
+                                                 len(request.inputs) if ask.inputs else None, token=token))
             if ask.program:
                 await protocol.write_payload(writer, request.program)
                 sent += len(request.program)
@@ -440,6 +453,14 @@ class P2PTransport(BaseTransport):
             found.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, even if nobody awaits it
             self._piece_lists.put(request.program_hash, found)
         return found
+
+    def _upload_token(self, program_hash: str) -> bytes:
+        """This client's upload token for a program (gpunet.protocol.holding): random, one per program."""
+        token = self._tokens.get(program_hash)
+        if token is None:
+            token = secrets.token_bytes(protocol.PROOF_BYTES)
+            self._tokens.put(program_hash, token)
+        return token
 
     def _holders(self, worker_id: str, request: JobRequest) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Who a worker may fetch this program from: those routing knows hold it, those that ran it for this client,

@@ -15,6 +15,14 @@ published it as shared (``Submit.shared``). The proof:
 Purposes: :data:`RUN` (a client to the worker it submits to: run the copy you hold for me) and :data:`PIECE` (the
 client's grant to the worker it sends a job to, presented to each holder that worker fetches pieces from: the holder
 is the verifier, the fetching worker the prover).
+
+**Upload tokens.** A worker still receiving a program (from its client, or from peers) cannot compute the holding
+key yet, but it can already serve the pieces it has: a cold start of many workers then costs the client one copy,
+passed on as it arrives. For that the client gives every worker it sends a program to, or points at holders of it,
+its **upload token** for the program (32 random bytes, never derived from the bytes) beside them; a grant made
+with the token (``proof(token, PIECE, holder, fetcher)``) lets a fetcher take pieces from such a holder. Only the
+client that sent the bytes knows the token, and a holder learns it only with bytes that client sends or points it
+at, so a token authorises nothing beyond what its client could hand out itself.
 """
 
 from __future__ import annotations

@@ -179,17 +179,25 @@ class Payload(Message):
     program_size: int | None
     inputs_size: int | None
     tensors_size: int | None = None  # the weights a Send named, in its order
+    #: With a (public) program's bytes: the client's upload token for it (gpunet.protocol.holding, "Upload
+    #: tokens"): the worker serves pieces of it to other workers, as they arrive, against grants made with it.
+    token: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program_size": self.program_size, "inputs_size": self.inputs_size}
         if self.tensors_size is not None:
             d["tensors_size"] = self.tensors_size
+        if self.token is not None:
+            d["token"] = self.token
         return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "Payload":
+        token = typed_field(d, "token", bytes, optional=True)
+        if token is not None and len(token) != PROOF_BYTES:
+            raise ProtocolError(f"payload: token must be {PROOF_BYTES} bytes")
         return cls(size_field(d, "program_size", optional=True), size_field(d, "inputs_size", optional=True),
-                   size_field(d, "tensors_size", optional=True))
+                   size_field(d, "tensors_size", optional=True), token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,9 @@ class Pieces(Message):
     coming: frozenset[str] = frozenset()
     grants: tuple[tuple[str, bytes], ...] = ()
     holds: bytes | None = None
+    #: The client's upload token for the program (gpunet.protocol.holding): while the worker fetches it, it serves
+    #: the pieces it has to other workers against grants made with it.
+    token: bytes | None = None
 
     @property
     def holder_ids(self) -> tuple[str, ...]:
@@ -121,7 +124,8 @@ class Pieces(Message):
         return {"t": self.T, "size": self.size, "piece_size": self.piece_size, "hashes": self.hashes,
                 "holders": [[peer, list(maddrs)] for peer, maddrs in self.holders],
                 "coming": sorted(self.coming), "grants": [[peer, grant] for peer, grant in self.grants],
-                **({"holds": self.holds} if self.holds is not None else {})}
+                **({"holds": self.holds} if self.holds is not None else {}),
+                **({"token": self.token} if self.token is not None else {})}
 
     @classmethod
     def from_wire(cls, d: dict) -> "Pieces":
@@ -145,8 +149,11 @@ class Pieces(Message):
         holds = typed_field(d, "holds", bytes, optional=True)
         if holds is not None and len(holds) != PROOF_BYTES:
             raise ProtocolError(f"pieces: holds must be a {PROOF_BYTES}-byte proof")
+        token = typed_field(d, "token", bytes, optional=True)
+        if token is not None and len(token) != PROOF_BYTES:
+            raise ProtocolError(f"pieces: token must be {PROOF_BYTES} bytes")
         message = cls(size_field(d, "size"), size_field(d, "piece_size"), typed_field(d, "hashes", bytes), holders,
-                      frozenset(coming) & named, tuple((g[0], g[1]) for g in grants), holds)
+                      frozenset(coming) & named, tuple((g[0], g[1]) for g in grants), holds, token)
         try:
             message.piece_list()
         except ValueError as e:

@@ -34,6 +34,7 @@ from gpunet.ledger import tabs
 from gpunet.ledger.receipts import Receipt
 from gpunet.ledger.store import Ledger
 from gpunet.protocol import INTERACTIVE, PIECE, RUN, Submit
+from gpunet.protocol import holding
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics
@@ -125,6 +126,9 @@ class Jobs:
         self.keys = HoldingKeys(disk)
         self.weights = weights or Weights(disk=disk)  # what programs name by reference (gpunet.worker.weights)
         self.uploads = Uploads()
+        # Upload tokens of the programs clients sent here or pointed here (gpunet.protocol.holding): grants made with
+        # them fetch the pieces, while the program comes and once it is cached.
+        self._tokens: LRU[str, frozenset[bytes]] = LRU(4096)
         self._jobs: dict[tuple[str, str], _Job] = {}
         # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
         # programs this worker lacks fetched from them (set up once the network is there).
@@ -149,15 +153,24 @@ class Jobs:
         self.sessions.stop()
         self.handoff.stop()
 
-    def _public_upload_coming(self, program_hash: str) -> bool:
+    def _public_upload_coming(self, program_hash: str) -> Upload | None:
+        """The public program on its way here (its pieces served as they arrive), if any."""
         upload = self.uploads.coming(program_hash)
-        return upload is not None and not upload.private and not self.owners.is_private(program_hash)
+        if upload is None or upload.private or self.owners.is_private(program_hash):
+            return None
+        return upload
 
     async def _may_serve(self, program_hash: str, peer_id: str, grant: bytes | None) -> bool:
-        """Whether a peer may fetch a cached program's pieces: it is shared, or the peer presents a grant from a
-        client that holds it (made for this holder and that peer: gpunet.protocol.holding)."""
-        return self.owners.is_shared(program_hash) or await self.keys.verifies(
-            program_hash, grant, PIECE, self.identity.peer_id, peer_id)
+        """Whether a peer may fetch a program's pieces: it is shared, or the peer presents a grant from a client that
+        holds it (made for this holder and that peer, with the holding key or the client's upload token:
+        gpunet.protocol.holding)."""
+        if self.owners.is_shared(program_hash):
+            return True
+        upload = self.uploads.coming(program_hash)
+        tokens = [*(self._tokens.get(program_hash) or ()), *([upload.token] if upload and upload.token else [])]
+        if any(holding.verifies(t, grant, PIECE, self.identity.peer_id, peer_id) for t in tokens):
+            return True
+        return await self.keys.verifies(program_hash, grant, PIECE, self.identity.peer_id, peer_id)
 
     def _recent_receipt(self, key: tuple[str, str]) -> Receipt | None:
         answer = self.results.get(key)
@@ -282,7 +295,11 @@ class Jobs:
         private = submit.private or self.owners.is_private(submit.program)
         program = job.got.program
         checked = job.got.origin != FROM_CLIENT  # a client's own bytes are checked as they load
-        refs = await self.weights.prepare(key[0], submit.program, program, private, payloads.fetch_tensors, checked)
+
+        def ask(wanted, store):  # what the worker found nowhere, from the client (the stream door only)
+            return payloads.fetch_tensors(wanted, store)
+
+        refs = await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         for attempt in range(2):
             try:
                 with self._admitted(key[0], submit.lane):
@@ -294,8 +311,7 @@ class Jobs:
                 if attempt or refs is None:
                     raise
                 self.weights.condemn(e.hashes)
-                refs = await self.weights.prepare(key[0], submit.program, program, private, payloads.fetch_tensors,
-                                                  checked)
+                refs = await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         raise AssertionError("unreachable")
 
     # --- who may run what is held here (gpunet.worker.state.owners) ------------------------------------------------
@@ -418,8 +434,10 @@ class Jobs:
         if not need_program:
             return await payloads.fetch(submit, need_program=False, charge=charge)
         job.upload = self.uploads.begin(submit.program, client_id, private=submit.private)
-        got = await payloads.fetch(submit, need_program=True, charge=charge)
+        got = await payloads.fetch(submit, need_program=True, charge=charge, sink=job.upload)
         job.upload.arrived(got.program)
+        if job.upload.token is not None and not submit.private:
+            self._tokens.put(submit.program, (self._tokens.get(submit.program) or frozenset()) | {job.upload.token})
         return got
 
     # --- its run ----------------------------------------------------------------------------------------------------

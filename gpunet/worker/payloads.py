@@ -66,6 +66,27 @@ class Spooled:
         self.file.close()
 
 
+class Receiving:
+    """A program's bytes as they arrive from the client, in one buffer of its declared size (charged already): what
+    has come so far can be served to other workers meanwhile (Upload.piece)."""
+
+    def __init__(self, size: int):
+        self.buffer = bytearray(size)
+        self.received = 0
+
+    def write(self, chunk) -> None:
+        n = len(chunk)
+        self.buffer[self.received:self.received + n] = chunk
+        self.received += n
+
+    def flush(self) -> None:
+        pass
+
+    def piece(self, start: int, length: int) -> bytes | None:
+        end = min(start + length, len(self.buffer))
+        return bytes(self.buffer[start:end]) if end <= self.received else None
+
+
 class NeedsStream(Exception):
     """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
 
@@ -84,7 +105,8 @@ class StreamPayloads:
     def precheck(self, submit: Submit, need_program: bool) -> None:
         pass  # the stream can carry anything
 
-    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> Inputs:
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None], sink=None) -> Inputs:
+        """``sink``: the Upload the program comes in as (served to other workers as it arrives)."""
         need_inputs = submit.inputs is None
         if not (need_program or need_inputs):
             return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
@@ -113,18 +135,18 @@ class StreamPayloads:
             charge(program_size, dry=True)  # one that could never fit, or no room now: said before waiting on peers
         program = key = None
         if need_program and pieces is None:
-            program = await self._read_program(program_size)
+            program = await self._read_program(program_size, sink, payload.token)
         inputs = await self._read_inputs(submit) if need_inputs else None
         origin = FROM_CLIENT if need_program else None
         if pieces is not None:
-            program, key = await self._from_peers(submit, pieces, charge)
+            program, key = await self._from_peers(submit, pieces, charge, sink)
             origin = FROM_PEERS if key is not None else FROM_CLIENT
         if not need_inputs:
             inputs = Inputs(None, submit.inputs, sha256_hex(submit.inputs))
         inputs.program, inputs.origin, inputs.key = program, origin, key
         return inputs
 
-    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None]
+    async def _from_peers(self, submit: Submit, pieces: Pieces, charge: Callable[[int], None], sink=None
                           ) -> tuple[bytes | bytearray, bytes | None]:
         """The program from the peers the client named (every piece checked, then the whole against its hash) with
         its holding key, else from the client after all (and no key). Holders are reached by their peer id, never at
@@ -139,9 +161,11 @@ class StreamPayloads:
 
         # At most half the job's time (the client then still has the rest to send it), and no longer than the client
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
+        serve = None if sink is None else (lambda run: sink.receiving(pieces.size, run, pieces.token))
         fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holder_ids,
                                                          submit.timeout / 2, coming=pieces.coming,
-                                                         on_first=first_piece, grants=dict(pieces.grants)))
+                                                         on_first=first_piece, grants=dict(pieces.grants),
+                                                         serve=serve))
         gone = asyncio.ensure_future(self.reader.read(1))
         try:
             await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -166,7 +190,7 @@ class StreamPayloads:
         payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
         if payload.program_size != pieces.size or payload.inputs_size is not None:
             raise ProtocolError("the program sent differs in size from the one the piece list describes")
-        return await self._read_program(payload.program_size), None
+        return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
 
     async def fetch_tensors(self, wanted: list, store) -> None:
         """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
@@ -196,9 +220,18 @@ class StreamPayloads:
             Path(tmp.name).unlink(missing_ok=True)
             raise
 
-    async def _read_program(self, size: int) -> bytes:
-        return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
-                                                 timeout=protocol.payload_deadline(size if size is not None else 0)))
+    async def _read_program(self, size: int, sink=None, token: bytes | None = None) -> bytes | bytearray:
+        """The program's bytes from the client; with a ``sink`` (its Upload), served to other workers as they come."""
+        timeout = protocol.payload_deadline(size if size is not None else 0)
+        if sink is None:
+            return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
+                                                     timeout=timeout))
+        protocol.check_payload_size(size, self.limits.max_program_bytes, "program")
+        coming = Receiving(size)
+        sink.receiving(size, coming, token)
+        await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program", timeout=timeout,
+                                    into=coming)
+        return coming.buffer  # a bytearray, not copied: the executor takes any bytes-like program
 
     async def _read_inputs(self, submit: Submit) -> Inputs:
         hasher = hashlib.sha256()
@@ -224,7 +257,7 @@ class UnaryPayloads:
         if need_program or submit.inputs is None:
             raise NeedsStream()
 
-    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None]) -> Inputs:
+    async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None], sink=None) -> Inputs:
         return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
 
     async def fetch_tensors(self, wanted: list, store) -> None:

@@ -50,6 +50,8 @@ BUSY_PATIENCE = 10.0
 OPEN_RETRIES = 3
 #: Times in all the holders the client vouches for (``coming``) are asked, when every stream to them ends early.
 VOUCHED_ROUNDS = 3
+#: Broken streams to a vouched-for holder that one stream task takes before it gives up on that holder.
+COMING_FAILURES = 8
 #: How long a peer that served a corrupted piece is not asked again.
 BAN_SECONDS = 3600.0
 #: Bytes written between two waits of the upload cap: the fetcher sees steady progress, never one long pause.
@@ -64,7 +66,8 @@ class PieceServer:
                  may_serve: Callable[[str, str, bytes | None], Awaitable[bool]] | None = None):
         """``disk``: the executor's :class:`~gpunet.worker.executor.cache.DiskCache`; ``rate``: bytes a second in all;
         ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
-        again, rather than "not cached"); ``may_serve(hash, fetcher's peer id, grant)``: whether that fetcher may
+        again, rather than "not cached"); truthy, it may be the Upload it comes in as, whose pieces that have arrived
+        are served meanwhile (``size``, ``piece(start, length)``); ``may_serve(hash, fetcher's peer id, grant)``: whether that fetcher may
         have the program's pieces (None: any fetcher, as tests of serving alone use)."""
         self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock
         self.may_serve = may_serve
@@ -108,19 +111,30 @@ class PieceServer:
     async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
         """Serve one piece; False (after saying why) when it cannot."""
         size = await asyncio.to_thread(self.disk.size, request.program)
+        coming = self.coming(request.program)
+        # Not on disk yet but on its way (from its client, or fetched from peers): what has arrived is served.
+        upload = coming if size is None and getattr(coming, "size", None) is not None else None
+        if upload is not None:
+            size = upload.size
         refusal = None
         if size is None:
-            refusal = (WorkerBusy("this program is on its way here; ask again") if self.coming(request.program) else
+            refusal = (WorkerBusy("this program is on its way here; ask again") if coming else
                        ProgramNotCached(request.program))
         elif self.may_serve is not None and not await self.may_serve(request.program, peer_id, request.grant):
             refusal = JobRejected("this program is not shared: its pieces go only to a worker whose client holds it "
                                   "(its grant is missing or does not match)")
         elif request.piece_size != piece_size_for(size) or request.index * request.piece_size >= size:
             refusal = JobRejected("no such piece of this program")  # says nothing of its size
-        data = None if refusal else await asyncio.to_thread(self.disk.read_range, request.program,
-                                                             request.index * request.piece_size, request.piece_size)
-        if refusal is None and data is None:  # evicted meanwhile
-            refusal = ProgramNotCached(request.program)
+        data = None
+        if refusal is None and upload is not None:
+            data = upload.piece(request.index * request.piece_size, request.piece_size)
+            if data is None:
+                refusal = WorkerBusy("this piece is on its way here; ask again")
+        elif refusal is None:
+            data = await asyncio.to_thread(self.disk.read_range, request.program, request.index * request.piece_size,
+                                           request.piece_size)
+            if data is None:  # evicted meanwhile
+                refusal = ProgramNotCached(request.program)
         if refusal is not None:
             await protocol.write(writer, Error.of(refusal))
             return False
@@ -172,7 +186,8 @@ class Fetcher:
 
     async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[str], timeout: float,
                     coming: frozenset[str] = frozenset(), on_first: Callable[[], None] | None = None,
-                    grants: dict[str, bytes] | None = None) -> tuple[bytearray, bytes] | None:
+                    grants: dict[str, bytes] | None = None, serve: Callable[[object], None] | None = None
+                    ) -> tuple[bytearray, bytes] | None:
         """The program's bytes, every piece and then the whole checked against ``program_hash``, with its holding key
         (:mod:`gpunet.protocol.holding`, computed in the same pass); None if the peers could not deliver them within
         ``timeout``. ``holders``: peer ids, dialled through the p2p layer only. ``grants``: per holder, the client's
@@ -183,11 +198,14 @@ class Fetcher:
 
         ``on_first``: called once the first right piece is here, before the program's memory is taken (the worker
         charges its buffer budget then, not while a holder that may never deliver keeps it waiting); what it raises
-        ends the fetch (None)."""
+        ends the fetch (None). ``serve(fetch)``: told of the fetch as it starts, whose ``piece(start, length)`` gives
+        the pieces it has so far (this worker serves them to others meanwhile)."""
         peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
         if not peers:
             return None
         run = _Fetch(self, program_hash, pieces, coming, on_first, grants or {})
+        if serve is not None:  # what it has fetched so far is served to other workers meanwhile
+            serve(run)
         deadline = time.monotonic() + timeout
         for _ in range(VOUCHED_ROUNDS):
             # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
@@ -270,13 +288,39 @@ class _Fetch:
             await self.changed.wait()
         return None
 
+    def piece(self, start: int, length: int) -> bytes | None:
+        """Bytes of a piece this fetch has (checked against its digest), for another worker; None if not yet."""
+        index = start // self.pieces.piece_size
+        if self.buffer is None or index in self.missing or start != self.pieces.span(index)[0]:
+            return None
+        return bytes(self.buffer[start:start + min(length, self.pieces.span(index)[1])])
+
     def _give_back(self, index: int) -> None:
         self.todo.append(index)
         self.changed.set()
 
     async def from_peer(self, peer: str) -> None:
         """Fetch pieces from ``peer`` until none is missing or it fails; a busy peer is asked again later (a stream
-        it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for."""
+        it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for. A peer the client
+        vouches for (``coming``: still getting the program itself, and serving what it has) is asked again after a
+        broken stream too, up to COMING_FAILURES times: a holder serving many fetchers at once drops some."""
+        failures = 0
+        while self.missing and self.refused is None:
+            stopped = await self._from_peer(peer)
+            if stopped is None:
+                return
+            failures += 1
+            broken = isinstance(stopped, (NetworkError, ConnectionError, OSError, TimeoutError))  # not a refusal
+            if not broken or peer not in self.coming or peer in self.wrong_peers() or failures > COMING_FAILURES:
+                logger.info("Fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], stopped)
+                return
+            await asyncio.sleep(NOT_YET_RETRY * min(failures, 4))
+
+    def wrong_peers(self) -> set[str]:
+        return self.convicted.union(*self.wrong.values())
+
+    async def _from_peer(self, peer: str) -> Exception | None:
+        """One go at :meth:`from_peer`; what stopped it, if it failed (None: done, or nothing more to ask it)."""
         index = writer = None
         failed_opens = 0
         try:
@@ -312,12 +356,13 @@ class _Fetch:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # whatever a broken peer (or a peer id nobody answers for) makes us trip on
-            logger.info("Fetching pieces of %s from %s stopped: %s", self.program_hash[:12], peer[-8:], e)
+            return e
         finally:
             if index is not None:
                 self._give_back(index)  # someone else's to fetch
             if writer is not None:
                 writer.close()
+        return None
 
     async def _one(self, peer: str, reader, writer, index: int) -> bool:
         """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more."""

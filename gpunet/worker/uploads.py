@@ -36,6 +36,24 @@ class Upload:
         self.private = private
         self._bytes: asyncio.Future = asyncio.get_running_loop().create_future()
         self._checked: asyncio.Future | None = None
+        # Served to other workers while it comes (gpunet.worker.peers): its size once declared, what has arrived so
+        # far (``source.piece``), and the client's upload token that grants to fetch it are made with.
+        self.size: int | None = None
+        self.source = None
+        self.token: bytes | None = None
+
+    def receiving(self, size: int, source, token: bytes | None) -> None:
+        """Its bytes start to come, from ``source`` (``piece(start, length)``: those bytes once here, else None)."""
+        self.size, self.source = size, source
+        if token is not None:
+            self.token = token
+
+    def piece(self, start: int, length: int) -> bytes | None:
+        """Bytes ``start`` to ``start + length`` (fewer at its end) if they are here; None if not yet."""
+        if self._bytes.done():
+            data = self._bytes.result()
+            return bytes(data[start:start + length]) if data is not None else None
+        return self.source.piece(start, length) if self.source is not None else None
 
     def arrived(self, data: bytes) -> None:
         if not self._bytes.done():

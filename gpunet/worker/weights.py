@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from gpunet.errors import JobFailed, JobRejected, ProgramNotCached
+from gpunet.errors import JobFailed, JobRejected
 from gpunet.job.checkpoints import CheckpointIndex
 from gpunet.job.format import Manifest, WeightRef, manifest_bytes
 from gpunet.utils import LRU, human_bytes
@@ -63,6 +63,7 @@ class Weights:
         """``disk``: the executors' program cache (the tensor store lives beside it, bounded by ``max_store_bytes``,
         by default as much as that cache; None: no store, so no weights from clients)."""
         self.index = CheckpointIndex(models_dirs, cache=index_cache) if models_dirs else None
+        disk = disk if isinstance(disk, DiskCache) else None  # (a test's stand-in pool keeps no files)
         self.disk = disk
         store_bytes = disk.max_bytes if disk is not None and max_store_bytes is None else max_store_bytes
         self.store = TensorStore(disk.dir / "tensors", store_bytes) if disk is not None and store_bytes else None
@@ -92,11 +93,10 @@ class Weights:
         if found is not None:
             return found
         if program is None:
-            if self.disk is None:
-                raise ProgramNotCached(program_hash)
-            program = await asyncio.to_thread(self.disk.read_range, program_hash, 0, MANIFEST_PREFIX_BYTES)
-            if program is None:  # evicted meanwhile: its client sends it again
-                raise ProgramNotCached(program_hash)
+            program = None if self.disk is None else await asyncio.to_thread(
+                self.disk.read_range, program_hash, 0, MANIFEST_PREFIX_BYTES)
+            if program is None:  # only in an executor's memory (loaded: it needs nothing), or evicted meanwhile
+                return ()        # (that executor says so, and the client sends it again)
         found = Manifest.from_json(manifest_bytes(program)).refs
         if checked:
             self._refs.put(program_hash, found)
