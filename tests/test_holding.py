@@ -152,3 +152,53 @@ def test_holding_keys_come_from_the_disk_cache_once_and_only_for_what_it_holds(t
         assert not await HoldingKeys(None).verifies(H, proof(holding_key(data), RUN, W1, ALICE), RUN, W1, ALICE)
 
     asyncio.run(main())
+
+
+def test_an_upload_token_fetches_only_bytes_its_client_sent_or_proved(tmp_path):
+    """Upload tokens (gpunet.protocol.holding): a worker serves a program that is still coming against grants made
+    with that copy's token, and what has not arrived yet is "busy". Attack (an attacker's review, on the first
+    version): a client names a victim's cached program, sends junk bytes with a token of its own, and its accomplice
+    fetches the cached copy with a grant made from that token. A token opens the disk's copy only once the bytes it
+    came with hash to the program."""
+    data = _program()
+    piece_size = PieceList.of(data).piece_size
+    holder = Identity.generate()
+
+    async def scenario(jobs) -> None:
+        def ask(grant):
+            return _ask(jobs.piece_server, GetPiece(H, 0, piece_size, grant=grant))
+
+        junk, mine = jobs.uploads.begin(H, BOB), os.urandom(32)
+        junk.receiving(len(data), None, mine)
+        junk.arrived(b"x" * len(data))
+        reply = (await ask(proof(mine, PIECE, holder.peer_id, "peer")))[0]
+        assert reply.code == "rejected" and "not shared" in reply.message  # the cached copy is not the junk's
+        jobs.uploads.end(junk)
+
+        honest, theirs = jobs.uploads.begin(H, ALICE), os.urandom(32)
+        honest.receiving(len(data), None, theirs)
+        honest.arrived(data)
+        assert bytes((await ask(proof(theirs, PIECE, holder.peer_id, "peer")))[0]) == data[:piece_size]
+        assert (await ask(proof(mine, PIECE, holder.peer_id, "peer")))[0].code == "rejected"
+
+    async def coming(jobs) -> None:
+        from gpunet.worker.payloads import Receiving
+
+        upload, token = jobs.uploads.begin(H, ALICE), os.urandom(32)
+        arriving = Receiving(len(data))
+        upload.receiving(len(data), arriving, token)
+        grant = proof(token, PIECE, holder.peer_id, "peer")
+        assert (await _ask(jobs.piece_server, GetPiece(H, 0, piece_size, grant=grant)))[0].code == "busy"
+        arriving.write(data[:piece_size])
+        assert bytes((await _ask(jobs.piece_server, GetPiece(H, 0, piece_size, grant=grant)))[0]) == data[:piece_size]
+        other = proof(os.urandom(32), PIECE, holder.peer_id, "peer")
+        assert (await _ask(jobs.piece_server, GetPiece(H, 0, piece_size, grant=other)))[0].code == "rejected"
+
+    for on_disk, run in ((True, scenario), (False, coming)):
+        disk = DiskCache(tmp_path / f"programs-{on_disk}", 1 << 30)
+        if on_disk:
+            disk.put(H, data)
+        with Ledger(tmp_path / f"ledger-{on_disk}.sqlite") as ledger:
+            jobs = Jobs(identity=holder, executor=_DiskOnly(disk), ledger=ledger,
+                        admission=Admission(price_nano=1, max_concurrent=1, max_queue=1), record=lambda: None)
+            asyncio.run(run(jobs))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import gpunet
 from gpunet import Job
 from gpunet.errors import JobRejected, WeightsMismatch
 from gpunet.job import tensors
@@ -160,3 +161,75 @@ def test_doctor_shows_what_a_models_dir_holds(tmp_path):
     warned = check_models(tmp_path / "data", [models])
     assert warned.outcome is Verdict.WARN and "not followed" in warned.detail
     assert check_models(tmp_path / "data", [tmp_path / "nope"]).outcome is Verdict.FAIL
+
+
+@pytest.mark.swarm
+def test_a_worker_without_the_checkpoint_fetches_it_from_one_that_keeps_it(swarm, client_for, tmp_path):
+    """Redundancy 2 on a worker that keeps the checkpoint and one that does not: the second fetches the weights from
+    the first (the client names it, from its record), each checked against its hash, and the client sends none.
+    A holder whose file was damaged since it indexed it serves bytes that do not match: the fetcher takes only that
+    tensor from the client."""
+    from gpunet.job.checkpoints import read_header
+
+    x = torch.randn(4, 64)
+    model = _model(seed=5)
+    folder = _checkpoint(tmp_path / "models" / "tiny", model)
+    job = Job.from_module(model, (x,)).by_reference(CheckpointIndex([folder]).scan())
+    holder = swarm.start_worker("--models-dir", str(tmp_path / "models"))
+    bare = swarm.start_worker()
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2 and any(w.record.checkpoints for w in client.workers()),
+             30, "both workers, the holder's checkpoint in its record")
+    y = client.submit(job, x, requirements=gpunet.Requirements(redundancy=2, timeout=120)).result(timeout=120)
+    assert torch.equal(y, model(x).detach())
+    assert client.weight_bytes_sent == 0
+    bare.wait_for_line(r"Fetched 4 weight\(s\) \(\d+ bytes\) from workers that keep their checkpoint", timeout=30)
+
+    other = _model(seed=6)
+    damaged = _checkpoint(tmp_path / "models2" / "other", other) / "model.safetensors"
+    job2 = Job.from_module(other, (x,)).by_reference(CheckpointIndex([damaged.parent]).scan())
+    liar = swarm.start_worker("--models-dir", str(tmp_path / "models2"))
+    liar.wait_for_line(r"holds checkpoint", timeout=30)
+    *_, (_, _, _, offset, length) = sorted(read_header(damaged), key=lambda t: t[3])
+    data = bytearray(damaged.read_bytes())
+    data[offset] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    holder.terminate()
+    wait_for(lambda: {w.id for w in client.workers(refresh=True)} == {swarm.worker_id(bare), swarm.worker_id(liar)},
+             60, "the bare worker and the damaged holder")
+    before = client.weight_bytes_sent
+    y2 = client.submit(job2, x, requirements=gpunet.Requirements(redundancy=2, timeout=120)).result(timeout=120)
+    assert torch.equal(y2, other(x).detach())
+    # The bare worker fetched the rest from the damaged holder and that one tensor from the client; the damaged
+    # holder found its own file wrong as it loaded, and took the same tensor from the client.
+    assert client.weight_bytes_sent - before == 2 * length, "\n".join(
+        line for proc in (bare, liar) for line in proc.output.splitlines() if "tensor" in line or "weight" in line)
+    # Asked before the holder found its file damaged, the fetcher caught the wrong bytes; after, it heard "not here".
+    bare.wait_for_line(r"Fetching tensor \w+ from \w+ stopped: (it served tensor \w+ with bytes that do not match "
+                       r"its hash|program \w+ is not cached)", timeout=30)
+
+
+def test_one_hash_with_two_sizes_is_refused_and_a_forgotten_file_is_hashed_again_after_a_restart(tmp_path):
+    """Attacks from an attacker's review: a manifest naming one tensor's hash twice, with two sizes, made the worker's
+    executor see a mismatch and the worker stop offering a good file; and a file found damaged was taken as it was at
+    the next start (its cached hashes still matched its size and time)."""
+    import json
+
+    job = Job.from_module(torch.nn.Linear(4, 4), (torch.randn(1, 4),))
+    obj = json.loads(job.parts.manifest)
+    obj["refs"] = [{"name": "a", "sha256": "0" * 64, "dtype": "F32", "shape": [4]},
+                   {"name": "b", "sha256": "0" * 64, "dtype": "F32", "shape": [2]}]
+    with pytest.raises(JobRejected, match="two sizes"):
+        Manifest.from_json(json.dumps(obj).encode())
+
+    folder = _checkpoint(tmp_path / "models" / "a", _model())
+    cache = tmp_path / "index.json"
+    index = CheckpointIndex([tmp_path / "models"], cache=cache).scan()
+    sha = next(iter(index._by_hash))
+    assert index.forget(sha) == str((folder / "model.safetensors").resolve())
+    assert sha not in index
+    again = CheckpointIndex([tmp_path / "models"], cache=cache).scan()
+    assert sha in again  # hashed again (the file is in fact fine), not taken from the cache
+    assert json.loads(cache.read_text())["files"][str((folder / "model.safetensors").resolve())]["mtime_ns"] > 0
+    cache.write_text('{"version": 1, "files": {"x": {"size": "big"}}}')  # a malformed cache is ignored, not fatal
+    assert len(CheckpointIndex([tmp_path / "models"], cache=cache).scan()) == 4

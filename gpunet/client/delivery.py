@@ -120,7 +120,8 @@ class Deliverer:
         request = JobRequest(attempts.job_id, p.job.program_hash, p.program, p.encoded, max(0.1, seconds),
                              p.max_price, p.max_output_bytes, private=req.private, shared=req.shared,
                              holders=holders, lane=req.priority, deadline=req.deadline,
-                             weights=p.job.referenced, weights_named=len(p.job.manifest.refs))
+                             weights=p.job.referenced, weights_named=len(p.job.manifest.refs),
+                             weight_holders=self.router.checkpoint_holders(p.job, exclude=worker.id))
         try:
             try:
                 async with asyncio.timeout(seconds):  # no extra task per job, unlike wait_for
@@ -199,7 +200,8 @@ class Deliverer:
             cold = not self.router.holds_program(worker, job.program_hash)
             request = JobRequest(p.job_id, job.program_hash, p.program, p.encoded, max(0.1, remaining), p.max_price,
                                  p.max_output_bytes, private=req.private, shared=req.shared, session=session,
-                                 weights=job.referenced, weights_named=len(job.manifest.refs))
+                                 weights=job.referenced, weights_named=len(job.manifest.refs),
+                                 weight_holders=self.router.checkpoint_holders(job, exclude=worker_id))
             ahead = self.view.started(worker_id)
             t0 = time.perf_counter()
             delivery = None

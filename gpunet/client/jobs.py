@@ -58,6 +58,9 @@ class JobRequest:
     #: The bytes of a weight the program names by reference, by sha256 (Job.referenced), for a worker that asks.
     weights: Callable[[str], Any] | None = None
     weights_named: int = 0  # how many weights it names so
+    #: Workers that keep the checkpoint those weights come from (their records list it): a worker that lacks them
+    #: fetches them from these, and asks this client only for what they do not deliver.
+    weight_holders: tuple[str, ...] = ()
 
 
 async def _nothing(verdict: Verdict) -> None:

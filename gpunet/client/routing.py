@@ -47,7 +47,7 @@ from gpunet.config import MAX_PRICE
 from gpunet.dht.records import WorkerState
 from gpunet.dht.records import WorkerEntry
 from gpunet.errors import ConfigError, DeadlineUnreachable, NoWorkersAvailable
-from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE
+from gpunet.protocol import BATCH, CLIENT_LANES, INTERACTIVE, MAX_HOLDERS
 from gpunet.speedproof import credit_cap
 from gpunet.utils import LRU, host_of, human_seconds
 
@@ -424,6 +424,17 @@ class Router:
         found = [e for e in self.workers.values() if e.id != exclude and e.record.reachability != "unreachable"
                  and self.holds_program(e, program_hash) and not self._failing(e.id, now)]
         return sorted(found, key=lambda e: e.record.reachability != "direct")
+
+    def checkpoint_holders(self, job, exclude: str = "") -> tuple[str, ...]:
+        """Workers whose records say they keep the checkpoint a job's weights by reference come from (directly
+        reachable first; none failing lately), others than ``exclude``: where a worker lacking them fetches them."""
+        checkpoint = getattr(job, "checkpoint", None)
+        if checkpoint is None or not job.manifest.refs:
+            return ()
+        now = time.monotonic()
+        found = [e for e in self.workers.values() if e.id != exclude and checkpoint in e.record.checkpoints
+                 and e.record.reachability != "unreachable" and not self._failing(e.id, now)]
+        return tuple(e.id for e in sorted(found, key=lambda e: e.record.reachability != "direct"))[:MAX_HOLDERS]
 
     def expected_seconds(self, entry: WorkerEntry, job: JobShape, unmeasured_overhead: float | None = None,
                          req: Requirements | None = None) -> float:

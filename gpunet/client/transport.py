@@ -44,6 +44,7 @@ from gpunet.protocol import (
     SettleBatch,
     SpeedCommitment,
     Submit,
+    TensorHolders,
     UseStream,
     holding_key,
     proof,
@@ -289,12 +290,13 @@ class P2PTransport(BaseTransport):
             # then the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED),
             # and once more if a checkpoint file of the worker's turned out damaged.
             named: list[str] = []  # holders told of that only records vouch for
-            for _ in range(2 + 2 * _tensor_rounds(request)):
+            asked: set[str] = set()  # weights asked for on this stream (named holders first, then the bytes)
+            for _ in range(2 + 3 * _tensor_rounds(request)):
                 if not isinstance(reply, Send):
                     break
                 t0 = time.perf_counter()
                 sent += await self._send_what_is_asked(worker_id, maddrs, request, reply, writer, program_crossed,
-                                                       named)
+                                                       named, asked)
                 transfer_seconds += time.perf_counter() - t0
                 reply = await protocol.read(reader, Send, Result, Error)
             if isinstance(reply, Send):
@@ -336,14 +338,14 @@ class P2PTransport(BaseTransport):
                         input_hash=input_hash)
 
     async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
-                                  writer, program_crossed: asyncio.Future | None, named: list[str] | None = None
-                                  ) -> int:
+                                  writer, program_crossed: asyncio.Future | None, named: list[str] | None = None,
+                                  asked_tensors: set[str] | None = None) -> int:
         """Answer a worker's Send; returns the bytes sent. A worker that lacks the program and can fetch it from
         peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
         worker. ``named``: this stream's holders that only records vouch for (added to here; if the worker asks for
         the program after all, they are not named again for a while)."""
         if ask.tensors:
-            return await self._send_tensors(worker_id, request, ask, writer)
+            return await self._send_tensors(worker_id, request, ask, writer, asked_tensors)
         holders = self._holders(worker_id, request) if ask.program and ask.pieces else ()
         sent = 0
         if holders:
@@ -399,12 +401,20 @@ class P2PTransport(BaseTransport):
             sent += len(request.inputs)
         return sent
 
-    async def _send_tensors(self, worker_id: str, request: JobRequest, ask: Send, writer) -> int:
+    async def _send_tensors(self, worker_id: str, request: JobRequest, ask: Send, writer,
+                            asked: set[str] | None = None) -> int:
         """The weights the job names by reference that the worker holds nowhere, in the order asked (only the job's
-        own: a worker cannot ask this client for anything else)."""
+        own: a worker cannot ask this client for anything else). Asked for the first time on this stream while
+        workers keep their checkpoint, the answer names those instead (TensorHolders); asked again, the bytes go.
+        ``asked``: what this stream asked for before (added to here)."""
         found = [request.weights(sha) if request.weights is not None else None for sha in ask.tensors]
-        if any(f is None for f in found) or ask.program or ask.inputs:
-            raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name")
+        if any(f is None for f in found) or ask.program or ask.inputs or len(set(ask.tensors)) < len(ask.tensors):
+            raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name (or one twice)")
+        holders = tuple(h for h in request.weight_holders if h != worker_id)
+        if asked is not None and holders and not asked.intersection(ask.tensors):
+            asked.update(ask.tensors)
+            await protocol.write(writer, TensorHolders(holders))
+            return 0
         total = sum(memoryview(f).nbytes for f in found)
         await protocol.write(writer, Payload(None, None, total))
         for data in found:

@@ -102,7 +102,7 @@ class CheckpointIndex:
                 try:
                     st = os.stat(path)
                     entry = known.get(path)
-                    if entry is None or entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns:
+                    if not _well_formed(entry) or entry["size"] != st.st_size or entry["mtime_ns"] != st.st_mtime_ns:
                         entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "tensors": _hash_file(path)}
                     # A checkpoint is the folder its files are listed in (a snapshot's, for a linked blob).
                     files[path] = {**entry, "folder": folder}
@@ -185,7 +185,11 @@ class CheckpointIndex:
             return None
         entry = self._files.get(loc.path)
         if entry is not None:
-            entry["mtime_ns"] = -1  # re-hashed at the next scan, whatever its time says
+            entry["mtime_ns"] = -1  # re-hashed at the next scan, whatever its time says (kept so across restarts)
+            try:
+                self._save_cache()
+            except OSError as e:
+                logger.warning("Models dir: could not note %s as damaged in %s: %s", loc.path, self.cache, e)
         return loc.path
 
     def read(self, sha: str) -> memoryview | None:
@@ -226,6 +230,17 @@ class CheckpointIndex:
             out[folder] = {"id": checkpoint_id(hashes), "bytes": sum(e["size"] for e in entries),
                            "tensors": len(hashes), "complete": all(h in self._by_hash for h in hashes)}
         return out
+
+
+def _well_formed(entry) -> bool:
+    """A cached file entry this version can use (anything else in the cache file is hashed again)."""
+    try:
+        return (isinstance(entry, dict) and type(entry["size"]) is int and type(entry["mtime_ns"]) is int
+                and all(len(t) == 6 and isinstance(t[0], str) and len(t[0]) == 64 and isinstance(t[1], str)
+                        and type(t[2]) is int and type(t[3]) is int and t[4] in tensors.DTYPES
+                        and all(type(d) is int for d in t[5]) for t in entry["tensors"]))
+    except (KeyError, TypeError):
+        return False
 
 
 def _hash_file(path: str) -> list[list]:

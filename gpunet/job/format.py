@@ -183,6 +183,9 @@ class Manifest:
         check_state(state, inputs, outputs, structure, tree)
         refs = tuple(_weight_ref(r) for r in _list(obj.get("refs", []), "refs", MAX_REFS))
         _expect(len({r.name for r in refs}) == len(refs), "manifest refs name a weight twice")
+        sizes: dict[str, int] = {}
+        _expect(all(sizes.setdefault(r.sha256, r.nbytes) == r.nbytes for r in refs),
+                "manifest refs give one sha256 two sizes")  # one content, one size: else a worker blames its file
         return cls(tv, dict(ops), inputs, outputs, structure, dims,
                    JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree, state=state,
                    refs=refs)

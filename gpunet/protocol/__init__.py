@@ -9,6 +9,7 @@ thing lives:
   Cancel, Ok, UseStream, and the market's lanes;
 * :mod:`~gpunet.protocol.sessions` -- inference sessions: SessionStep, PushTo, Push, CloseSession, SessionClosed;
 * :mod:`~gpunet.protocol.peers` -- a program fetched from peers: the piece list, Pieces, GetPiece, PieceData;
+  TensorHolders (weights named by reference, fetched from workers that keep their checkpoint);
 * :mod:`~gpunet.protocol.holding` -- the proof that a client holds a program's bytes (both ends compute it);
 * :mod:`~gpunet.protocol.probes` -- asking a node about itself: Ping, GetInfo, ProveSpeed, OpenProof, Hello,
   CheckReach and their answers;
@@ -131,6 +132,7 @@ from gpunet.protocol.peers import (
     PieceData,
     PieceList,
     Pieces,
+    TensorHolders,
     piece_size_for,
 )
 from gpunet.protocol.probes import (
@@ -232,6 +234,7 @@ __all__ = [
     "PieceData",
     "PieceList",
     "Pieces",
+    "TensorHolders",
     "piece_size_for",
     "MAX_PING_BYTES",
     "MAX_REACH_PORTS",

@@ -162,20 +162,45 @@ class Pieces(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class TensorHolders(Message):
+    """The client's answer to ``Send(tensors=...)`` when workers keep the checkpoint those weights come from (their
+    records list it): fetch them from these peers (by id), each checked against its hash; ask again for what they
+    do not deliver, and the client sends it (docs/weights.md)."""
+
+    T: ClassVar[str] = "tensor_holders"
+    holders: tuple[str, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "holders": list(self.holders)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "TensorHolders":
+        raw = typed_field(d, "holders", list)
+        if not (0 < len(raw) <= MAX_HOLDERS and all(isinstance(h, str) and PEER_ID_RE.match(h) for h in raw)):
+            raise ProtocolError(f"tensor_holders: holders must be 1 to {MAX_HOLDERS} peer ids")
+        return cls(tuple(dict.fromkeys(raw)))
+
+
+@dataclass(frozen=True, slots=True)
 class GetPiece(Message):
     """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes). ``grant``: the proof the
-    job's client gave for this holder (:class:`Pieces`), needed unless the program is shared."""
+    job's client gave for this holder (:class:`Pieces`), needed unless the program is shared. ``tensor``: ``program``
+    is the sha256 of a tensor of a checkpoint the peer keeps in its models dirs (public: no grant), its pieces of
+    ``piece_size_for`` its length."""
 
     T: ClassVar[str] = "get_piece"
     program: str
     index: int
     piece_size: int
     grant: bytes | None = None
+    tensor: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
         if self.grant is not None:
             d["grant"] = self.grant
+        if self.tensor:
+            d["tensor"] = True
         return d
 
     @classmethod
@@ -184,7 +209,8 @@ class GetPiece(Message):
         grant = typed_field(d, "grant", bytes, optional=True)
         if grant is not None and len(grant) != PROOF_BYTES:
             raise ProtocolError(f"get_piece: grant must be a {PROOF_BYTES}-byte proof")
-        return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant)
+        return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant,
+                   bool(typed_field(d, "tensor", bool, optional=True)))
 
 
 @dataclass(frozen=True, slots=True)

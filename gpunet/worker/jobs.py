@@ -63,6 +63,8 @@ logger = logging.getLogger("gpunet.worker")
 #: accident an honest client makes often, and each one costs the worker a torch import.
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
+#: Upload tokens kept per program (gpunet.protocol.holding): the latest few clients' that sent or proved it.
+MAX_TOKENS = 4
 
 
 @dataclass
@@ -133,8 +135,8 @@ class Jobs:
         # Programs between workers (gpunet.worker.peers): pieces of what the disk cache holds, served to peers, and
         # programs this worker lacks fetched from them (set up once the network is there).
         self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
-                                        corrupt=faults.corrupt_pieces, may_serve=self._may_serve
-                                        ) if disk is not None else None
+                                        corrupt=faults.corrupt_pieces, may_serve=self._may_serve,
+                                        tensors=self.weights.public_tensor) if disk is not None else None
         self.fetcher: Fetcher | None = None
 
     @property
@@ -160,17 +162,34 @@ class Jobs:
             return None
         return upload
 
-    async def _may_serve(self, program_hash: str, peer_id: str, grant: bytes | None) -> bool:
+    async def _may_serve(self, program_hash: str, peer_id: str, grant: bytes | None, upload: Upload | None = None,
+                         from_disk: bool = True) -> bool:
         """Whether a peer may fetch a program's pieces: it is shared, or the peer presents a grant from a client that
-        holds it (made for this holder and that peer, with the holding key or the client's upload token:
-        gpunet.protocol.holding)."""
+        holds it, made for this holder and that peer (gpunet.protocol.holding). Pieces of a copy still coming
+        (``upload``) go against that copy's own upload token: the client that sent those (unchecked) bytes may hand
+        them on. The disk's checked copy goes against the holding key, a token that came with bytes proven to be the
+        program's, or the coming copy's token once its bytes hash to the program."""
+        me = self.identity.peer_id
         if self.owners.is_shared(program_hash):
             return True
-        upload = self.uploads.coming(program_hash)
-        tokens = [*(self._tokens.get(program_hash) or ()), *([upload.token] if upload and upload.token else [])]
-        if any(holding.verifies(t, grant, PIECE, self.identity.peer_id, peer_id) for t in tokens):
+        by_token = upload is not None and upload.token is not None and holding.verifies(
+            upload.token, grant, PIECE, me, peer_id)
+        if not from_disk:
+            return by_token
+        if by_token and await upload.proven():
             return True
-        return await self.keys.verifies(program_hash, grant, PIECE, self.identity.peer_id, peer_id)
+        if any(holding.verifies(t, grant, PIECE, me, peer_id) for t in self._tokens.get(program_hash) or ()):
+            return True
+        return await self.keys.verifies(program_hash, grant, PIECE, me, peer_id)
+
+    def _token_proven(self, submit: Submit, upload: Upload | None) -> None:
+        """The upload token that came with bytes now proven to be the program's (they loaded against its hash, or
+        its client proved it holds what the peers served): grants made with it fetch the cached copy too."""
+        if upload is None or upload.token is None or submit.private or self.owners.is_private(submit.program):
+            return
+        tokens = self._tokens.get(submit.program) or frozenset()
+        if upload.token not in tokens:  # a few clients' tokens per program (each costs an HMAC per piece served)
+            self._tokens.put(submit.program, frozenset([*list(tokens)[-(MAX_TOKENS - 1):], upload.token]))
 
     def _recent_receipt(self, key: tuple[str, str]) -> Receipt | None:
         answer = self.results.get(key)
@@ -274,9 +293,12 @@ class Jobs:
         got = job.got
         metrics.BYTES_IN.inc(len(got.inputs) + (len(got.program or b"") if job.upload else 0))
         await self._check_program(client_id, submit, got)
+        if got.origin == FROM_PEERS:  # checked against the hash, and its client proved it holds them
+            self._token_proven(submit, job.upload)
         answer = await self._run_with_weights(key, job, submit, payloads, reader, host)
         if got.origin == FROM_CLIENT:  # its own bytes, checked against the hash as they loaded: it holds them
             self._holder(client_id, submit)
+            self._token_proven(submit, job.upload)
         if pushed:
             answer.input_hash = got.input_hash
         if job.session is not None:
@@ -296,16 +318,20 @@ class Jobs:
         program = job.got.program
         checked = job.got.origin != FROM_CLIENT  # a client's own bytes are checked as they load
 
-        def ask(wanted, store):  # what the worker found nowhere, from the client (the stream door only)
-            return payloads.fetch_tensors(wanted, store)
+        async def ask(wanted, store):  # what the worker found nowhere: from the client (the stream door only), or
+            async with asyncio.timeout(submit.timeout):  # from workers it names (for half the job's time)
+                await payloads.fetch_tensors(wanted, store, submit.timeout / 2)
 
-        refs = await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
+        # A session's later steps run in the executor that loaded the program at step 0 (it holds the state): it
+        # needs none of the weights, so none is looked up (or asked for again) on a decode step's path.
+        loaded = program is None and submit.session is not None and submit.session.step > 0
+        refs = None if loaded else await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         for attempt in range(2):
             try:
                 with self._admitted(key[0], submit.lane):
                     answer = await self._run(key, job, submit, reader, host, refs)
                 if not checked:
-                    self.weights.loaded(submit.program, program)
+                    await self.weights.loaded(submit.program, program)
                 return answer
             except WeightsMismatch as e:
                 if attempt or refs is None:
@@ -436,8 +462,6 @@ class Jobs:
         job.upload = self.uploads.begin(submit.program, client_id, private=submit.private)
         got = await payloads.fetch(submit, need_program=True, charge=charge, sink=job.upload)
         job.upload.arrived(got.program)
-        if job.upload.token is not None and not submit.private:
-            self._tokens.put(submit.program, (self._tokens.get(submit.program) or frozenset()) | {job.upload.token})
         return got
 
     # --- its run ----------------------------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ import asyncio
 import hashlib
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from gpunet import protocol
 from gpunet.errors import ProtocolError
-from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit
+from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit, TensorHolders
 from gpunet.utils import sha256_hex
 from gpunet.worker.peers import Fetcher
 from gpunet.worker.state.limits import ServiceLimits
@@ -21,6 +20,10 @@ from gpunet.worker.state.limits import ServiceLimits
 #: Streamed inputs at least this big are written to an unlinked file as they arrive (when the worker has a spool
 #: directory) and reach the executor as that file's descriptor: page cache, not the worker's heap.
 SPOOL_BYTES = 32 * 2**20
+
+
+#: The longest weights named by reference are fetched from the workers the client named before the client is asked.
+TENSORS_FROM_PEERS_SECONDS = 120.0
 
 
 #: Where a job's program came from (``Inputs.origin``): its client's own bytes, peers the client named (the
@@ -162,10 +165,53 @@ class StreamPayloads:
         # At most half the job's time (the client then still has the rest to send it), and no longer than the client
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
         serve = None if sink is None else (lambda run: sink.receiving(pieces.size, run, pieces.token))
-        fetch = asyncio.ensure_future(self.fetcher.fetch(submit.program, pieces.piece_list(), pieces.holder_ids,
-                                                         submit.timeout / 2, coming=pieces.coming,
-                                                         on_first=first_piece, grants=dict(pieces.grants),
-                                                         serve=serve))
+        fetched = await self._while_client_stays(self.fetcher.fetch(
+            submit.program, pieces.piece_list(), pieces.holder_ids, submit.timeout / 2, coming=pieces.coming,
+            on_first=first_piece, grants=dict(pieces.grants), serve=serve), "the program")
+        # The bytes run for this client only if it proves it holds them (older holders serve anyone who knows a hash
+        # and its piece list); otherwise, as when the peers fail, it sends them itself (an older client does).
+        if fetched is not None and self.proves(fetched[1], pieces.holds or submit.holds):
+            return fetched  # a bytearray, not copied: the executor takes any bytes-like program
+        fetched = None  # (let go: charged already, on its first piece)
+        if not charged:
+            charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
+        await protocol.write(self.writer, Send(True, False))
+        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        if payload.program_size != pieces.size or payload.inputs_size is not None:
+            raise ProtocolError("the program sent differs in size from the one the piece list describes")
+        return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
+
+    async def fetch_tensors(self, wanted: list, store, timeout: float = TENSORS_FROM_PEERS_SECONDS) -> None:
+        """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
+        WeightRefs, each sha256 once): each streamed into the tensor store, hashed on the way in; one wrong byte is
+        the client's ProtocolError, and nothing of that tensor is kept. A client that names workers keeping their
+        checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``."""
+        for start in range(0, len(wanted), MAX_TENSORS_ASKED):
+            chunk = wanted[start:start + MAX_TENSORS_ASKED]
+            await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
+            reply = await protocol.read(self.reader, Payload, TensorHolders, timeout=FRAME_TIMEOUT)
+            if isinstance(reply, TensorHolders):  # workers keep their checkpoint: from them, what they deliver
+                if self.fetcher is not None:
+                    chunk = await self._from_holders(chunk, reply.holders, store, timeout)
+                if not chunk:
+                    continue
+                await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
+                reply = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+            if (reply.tensors_size != sum(r.nbytes for r in chunk) or reply.program_size is not None
+                    or reply.inputs_size is not None):
+                raise ProtocolError("the weights sent differ in size from those asked for")
+            for r in chunk:
+                await self._read_tensor(r, store)
+
+    async def _from_holders(self, wanted: list, holders: tuple[str, ...], store, timeout: float) -> list:
+        """What the holders the client named deliver; the rest, to ask it for."""
+        return await self._while_client_stays(self.fetcher.fetch_tensors(wanted, holders, store, timeout),
+                                              "the weights")
+
+    async def _while_client_stays(self, work, what: str):
+        """``work`` (a fetch from peers), no longer than the client stays: it sends nothing until our answer, so any
+        byte or EOF from it means it hung up."""
+        fetch = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(self.reader.read(1))
         try:
             await asyncio.wait([fetch, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -177,48 +223,16 @@ class StreamPayloads:
             # take the first byte of the client's next frame.
             await asyncio.gather(fetch, gone, return_exceptions=True)
         if not gone.cancelled():  # EOF, or a byte the client had no business sending yet
-            raise ProtocolError("the client hung up while the program was being fetched from peers")
-        fetched = fetch.result()
-        # The bytes run for this client only if it proves it holds them (older holders serve anyone who knows a hash
-        # and its piece list); otherwise, as when the peers fail, it sends them itself (an older client does).
-        if fetched is not None and self.proves(fetched[1], pieces.holds or submit.holds):
-            return fetched  # a bytearray, not copied: the executor takes any bytes-like program
-        fetch = fetched = None  # (charged already, on its first piece)
-        if not charged:
-            charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
-        await protocol.write(self.writer, Send(True, False))
-        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
-        if payload.program_size != pieces.size or payload.inputs_size is not None:
-            raise ProtocolError("the program sent differs in size from the one the piece list describes")
-        return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
-
-    async def fetch_tensors(self, wanted: list, store) -> None:
-        """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
-        WeightRefs, each sha256 once): each streamed into the tensor store, hashed on the way in; one wrong byte is
-        the client's ProtocolError, and nothing of that tensor is kept."""
-        for start in range(0, len(wanted), MAX_TENSORS_ASKED):
-            chunk = wanted[start:start + MAX_TENSORS_ASKED]
-            await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
-            payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
-            if (payload.tensors_size != sum(r.nbytes for r in chunk) or payload.program_size is not None
-                    or payload.inputs_size is not None):
-                raise ProtocolError("the weights sent differ in size from those asked for")
-            for r in chunk:
-                await self._read_tensor(r, store)
+            raise ProtocolError(f"the client hung up while {what} was being fetched from peers")
+        return fetch.result()
 
     async def _read_tensor(self, ref, store) -> None:
         hasher = hashlib.sha256()
-        tmp = store.temporary()
-        try:
-            with tmp:
-                await protocol.read_payload(self.reader, ref.nbytes, self.limits.max_program_bytes, f"weight {ref.name}",
-                                            hasher, timeout=protocol.payload_deadline(ref.nbytes), into=tmp)
+        with store.incoming(ref.sha256) as tmp:
+            await protocol.read_payload(self.reader, ref.nbytes, self.limits.max_program_bytes, f"weight {ref.name}",
+                                        hasher, timeout=protocol.payload_deadline(ref.nbytes), into=tmp)
             if hasher.hexdigest() != ref.sha256:
                 raise ProtocolError(f"the client sent weight {ref.name} with bytes that do not match its hash")
-            store.adopt(ref.sha256, tmp.name)
-        except BaseException:
-            Path(tmp.name).unlink(missing_ok=True)
-            raise
 
     async def _read_program(self, size: int, sink=None, token: bytes | None = None) -> bytes | bytearray:
         """The program's bytes from the client; with a ``sink`` (its Upload), served to other workers as they come."""
@@ -260,5 +274,5 @@ class UnaryPayloads:
     async def fetch(self, submit: Submit, need_program: bool, charge: Callable[[int], None], sink=None) -> Inputs:
         return Inputs(None, submit.inputs, sha256_hex(submit.inputs))
 
-    async def fetch_tensors(self, wanted: list, store) -> None:
+    async def fetch_tensors(self, wanted: list, store, timeout: float = 0.0) -> None:
         raise NeedsStream()

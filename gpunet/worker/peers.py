@@ -20,6 +20,7 @@ the worker's own loopback or its owner's LAN among them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -63,13 +64,17 @@ class PieceServer:
 
     def __init__(self, disk, rate: float | None = None, coming: Callable[[str], bool] = lambda h: False,
                  clock=time.monotonic, corrupt: bool = False,
-                 may_serve: Callable[[str, str, bytes | None], Awaitable[bool]] | None = None):
+                 may_serve: Callable[[str, str, bytes | None, object, bool], Awaitable[bool]] | None = None,
+                 tensors: Callable[[str], memoryview | None] | None = None):
         """``disk``: the executor's :class:`~gpunet.worker.executor.cache.DiskCache`; ``rate``: bytes a second in all;
         ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
         again, rather than "not cached"); truthy, it may be the Upload it comes in as, whose pieces that have arrived
-        are served meanwhile (``size``, ``piece(start, length)``); ``may_serve(hash, fetcher's peer id, grant)``: whether that fetcher may
-        have the program's pieces (None: any fetcher, as tests of serving alone use)."""
+        are served meanwhile (``size``, ``piece(start, length)``); ``may_serve(hash, fetcher's peer id, grant, upload, from_disk)``: whether
+        that fetcher may have the program's pieces (``upload``: the copy on its way here, if any; ``from_disk``: they
+        would come from the disk's copy, not from that one) (None: any fetcher, as tests of serving alone use); ``tensors(sha256)``: the bytes
+        of a tensor of the checkpoints this worker keeps in its models dirs (public: served to any worker)."""
         self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock
+        self.tensors = tensors
         self.may_serve = may_serve
         self.corrupt = corrupt  # FAULT INJECTION (tests): one byte of every piece served is wrong
         self.served = 0  # bytes, since start
@@ -110,6 +115,8 @@ class PieceServer:
 
     async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
         """Serve one piece; False (after saying why) when it cannot."""
+        if request.tensor:  # (a read of a mapped file: off the loop)
+            return await self._send(writer, *await asyncio.to_thread(self._tensor_piece, request))
         size = await asyncio.to_thread(self.disk.size, request.program)
         coming = self.coming(request.program)
         # Not on disk yet but on its way (from its client, or fetched from peers): what has arrived is served.
@@ -120,7 +127,9 @@ class PieceServer:
         if size is None:
             refusal = (WorkerBusy("this program is on its way here; ask again") if coming else
                        ProgramNotCached(request.program))
-        elif self.may_serve is not None and not await self.may_serve(request.program, peer_id, request.grant):
+        elif self.may_serve is not None and not await self.may_serve(
+                request.program, peer_id, request.grant, upload or (coming if getattr(coming, "size", None) else None),
+                upload is None):
             refusal = JobRejected("this program is not shared: its pieces go only to a worker whose client holds it "
                                   "(its grant is missing or does not match)")
         elif request.piece_size != piece_size_for(size) or request.index * request.piece_size >= size:
@@ -135,6 +144,19 @@ class PieceServer:
                                            request.piece_size)
             if data is None:  # evicted meanwhile
                 refusal = ProgramNotCached(request.program)
+        return await self._send(writer, data, refusal)
+
+    def _tensor_piece(self, request: GetPiece) -> tuple[bytes | None, Exception | None]:
+        view = self.tensors(request.program) if self.tensors is not None else None
+        if view is None:
+            return None, ProgramNotCached(request.program)  # (no tensor of that hash in its models dirs)
+        size = view.nbytes
+        if request.piece_size != piece_size_for(size) or request.index * request.piece_size >= max(size, 1):
+            return None, JobRejected("no such piece of this tensor")
+        start = request.index * request.piece_size
+        return bytes(view[start:start + request.piece_size]), None
+
+    async def _send(self, writer, data: bytes | None, refusal: Exception | None) -> bool:
         if refusal is not None:
             await protocol.write(writer, Error.of(refusal))
             return False
@@ -249,12 +271,92 @@ class Fetcher:
         return run.buffer, key
 
 
+    async def fetch_tensors(self, wanted: list, holders: Sequence[str], store, timeout: float) -> list:
+        """Weights named by reference (``wanted``: WeightRefs) from workers that keep their checkpoint, each tensor
+        from one holder at a time (two streams per holder), checked against its hash as it arrives and moved into
+        ``store``; a holder that serves a wrong byte or fails is not asked for that tensor again. Returns those not
+        fetched within ``timeout`` (the client sends them)."""
+        peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
+        todo = list(wanted)
+        tried: dict[str, set[str]] = {}
+
+        async def from_peer(peer: str) -> None:
+            broken = 0  # streams to this peer that broke (it is asked again a few times: a busy holder drops some)
+            while todo:
+                ref = next((r for r in todo if peer not in tried.get(r.sha256, ())), None)
+                if ref is None:
+                    return
+                todo.remove(ref)
+                try:
+                    await self._tensor_from(peer, ref, store)
+                except asyncio.CancelledError:
+                    todo.append(ref)
+                    raise
+                except Exception as e:
+                    todo.append(ref)
+                    transient = isinstance(e, (NetworkError, ConnectionError, OSError, TimeoutError, _Busy)) and \
+                        not isinstance(e, _WrongBytes)
+                    broken += transient
+                    if not transient or broken > COMING_FAILURES:  # it lacks it, refused, or served wrong bytes
+                        tried.setdefault(ref.sha256, set()).add(peer)
+                        logger.info("Fetching tensor %s from %s stopped: %s", ref.sha256[:12], peer[-8:], e)
+                        if not transient and not isinstance(e, GpunetError):
+                            return
+                        continue
+                    await asyncio.sleep(NOT_YET_RETRY * min(broken, 4))
+
+        tasks = [asyncio.ensure_future(from_peer(peer)) for peer in peers for _ in range(SERVE_PER_PEER)]
+        if tasks:
+            try:
+                await asyncio.wait(tasks, timeout=timeout)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        left = [r for r in wanted if r.sha256 not in store]
+        got = sum(r.nbytes for r in wanted) - sum(r.nbytes for r in left)
+        if got:
+            self.fetched += got
+            metrics.PEER_BYTES_FETCHED.inc(got)
+            logger.info("Fetched %d weight(s) (%d bytes) from workers that keep their checkpoint; %d left to the "
+                        "client", len(wanted) - len(left), got, len(left))
+        return left
+
+    async def _tensor_from(self, peer: str, ref, store) -> None:
+        """One tensor from ``peer``, piece by piece on one stream, hashed as it comes; into ``store`` if it matches."""
+        size = ref.nbytes
+        piece = piece_size_for(size)
+        reader, writer = await self.rpc.open(peer, Door.PIECE)
+        hasher = hashlib.sha256()
+        try:
+            with store.incoming(ref.sha256) as tmp:
+                for index in range(max(1, -(-size // piece))):
+                    length = min(piece, size - index * piece)
+                    await protocol.write(writer, GetPiece(ref.sha256, index, piece, tensor=True))
+                    reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
+                    if isinstance(reply, Error):
+                        error = reply.exception()
+                        raise _Busy() if isinstance(error, WorkerBusy) else error
+                    if reply.size != length:
+                        raise _WrongBytes(f"piece {index} of {reply.size} bytes; it has {length}")
+                    await protocol.read_payload(reader, length, length, "tensor piece", hasher,
+                                                timeout=protocol.payload_deadline(length), into=tmp)
+                if hasher.hexdigest() != ref.sha256:
+                    raise _WrongBytes(f"it served tensor {ref.sha256[:12]} with bytes that do not match its hash")
+        finally:
+            writer.close()
+
+
 def _hash_and_key(data: bytearray) -> tuple[str | None, bytes]:
     return content_hash(data), holding_key(data)
 
 
 class _Busy(Exception):
     """The peer cannot serve this piece yet (still receiving the program) or now (serving others)."""
+
+
+class _WrongBytes(Exception):
+    """The peer served bytes that are not the tensor asked for (a damaged or changed file, or a liar)."""
 
 
 class _Fetch:

@@ -55,6 +55,14 @@ class Upload:
             return bytes(data[start:start + length]) if data is not None else None
         return self.source.piece(start, length) if self.source is not None else None
 
+    async def proven(self) -> bool:
+        """Its bytes are all here and hash to the program (checked once, in a thread)."""
+        if not self._bytes.done() or self._bytes.result() is None:
+            return False
+        if self._checked is None:
+            self._checked = asyncio.ensure_future(asyncio.to_thread(content_hash, self._bytes.result()))
+        return await asyncio.shield(self._checked) == self.program_hash
+
     def arrived(self, data: bytes) -> None:
         if not self._bytes.done():
             self._bytes.set_result(data)

@@ -18,6 +18,7 @@ brought from the client instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -38,21 +39,34 @@ MANIFEST_PREFIX_BYTES = 4 * 2**20 + 64
 
 
 class TensorStore(DiskCache):
-    """Tensors clients sent, as ``<dir>/<sha256>.tensor``: bounded LRU like the program cache, written only once
-    their bytes have matched the hash."""
+    """Tensors clients sent, as ``<dir>/<sha256>.tensor``: bounded LRU like the program cache (a tensor used is
+    touched), written only once their bytes have matched the hash."""
 
     SUFFIX = ".tensor"
+    MAX_FILES = 16384  # a model's spans name hundreds of tensors
+
+    def touch(self, sha: str) -> None:
+        try:
+            os.utime(self._path(sha))
+        except OSError:
+            pass
 
     def path(self, sha: str) -> Path:
         return self._path(sha)
 
-    def adopt(self, sha: str, tmp: str) -> None:
-        """Move a checked temporary file in as ``sha``."""
-        os.replace(tmp, self._path(sha))
+    @contextlib.contextmanager
+    def incoming(self, sha: str):
+        """A temporary file to write a tensor's bytes to: moved in as ``sha`` when the block ends well (the caller
+        checked them against the hash in it), removed when it raises."""
+        tmp = tempfile.NamedTemporaryFile(dir=self.dir, prefix=".tmp-", delete=False)
+        try:
+            with tmp:
+                yield tmp
+            os.replace(tmp.name, self._path(sha))
+        except BaseException:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise
         self._evict(keep=self._path(sha))
-
-    def temporary(self):
-        return tempfile.NamedTemporaryFile(dir=self.dir, prefix=".tmp-", delete=False)
 
 
 class Weights:
@@ -66,7 +80,8 @@ class Weights:
         disk = disk if isinstance(disk, DiskCache) else None  # (a test's stand-in pool keeps no files)
         self.disk = disk
         store_bytes = disk.max_bytes if disk is not None and max_store_bytes is None else max_store_bytes
-        self.store = TensorStore(disk.dir / "tensors", store_bytes) if disk is not None and store_bytes else None
+        self.store = TensorStore(disk.dir / "tensors", store_bytes, TensorStore.MAX_FILES
+                                 ) if disk is not None and store_bytes else None
         self._refs: LRU[str, tuple[WeightRef, ...]] = LRU(4096)  # program hash -> the weights it names
         self._sent_by: LRU[str, frozenset[str]] = LRU(100_000)  # sha -> the clients that sent those bytes here
         self.bytes_from_clients = 0  # since start
@@ -97,16 +112,16 @@ class Weights:
                 self.disk.read_range, program_hash, 0, MANIFEST_PREFIX_BYTES)
             if program is None:  # only in an executor's memory (loaded: it needs nothing), or evicted meanwhile
                 return ()        # (that executor says so, and the client sends it again)
-        found = Manifest.from_json(manifest_bytes(program)).refs
+        found = await asyncio.to_thread(_named, program)  # (up to 4 MiB of JSON: off the loop)
         if checked:
             self._refs.put(program_hash, found)
         return found
 
-    def loaded(self, program_hash: str, program: bytes | bytearray) -> None:
+    async def loaded(self, program_hash: str, program: bytes | bytearray) -> None:
         """A client's bytes ran, so they are the program's (the executor checked them against its hash): what they
         name is kept for its later jobs."""
         if self._refs.get(program_hash) is None:
-            self._refs.put(program_hash, Manifest.from_json(manifest_bytes(program)).refs)
+            self._refs.put(program_hash, await asyncio.to_thread(_named, program))
 
     # --- where they are ---------------------------------------------------------------------------------------------
 
@@ -125,6 +140,11 @@ class Weights:
                     f"this worker holds {len(missing)} of the weights the program names by reference nowhere "
                     "(and keeps no private weights on disk): send them in the program, or choose a worker that holds "
                     "the checkpoint")
+            wanted = sum(r.nbytes for r in missing)
+            if wanted > self.store.max_bytes or len(missing) > self.store.max_files:
+                raise JobRejected(f"the program names {human_bytes(wanted)} of weights this worker lacks, more than "
+                                  f"its tensor store holds ({human_bytes(self.store.max_bytes)}): choose a worker "
+                                  "that keeps the checkpoint")
             await ask(missing, self.store)
             for r in missing:
                 self._sent_by.put(r.sha256, (self._sent_by.get(r.sha256) or frozenset()) | {client_id})
@@ -151,6 +171,7 @@ class Weights:
                 size = self.store.size(r.sha256)
                 if size == r.nbytes:
                     found[r.sha256] = (str(self.store.path(r.sha256)), 0, size)
+                    self.store.touch(r.sha256)
                     continue
             missing.append(r)
         return found, missing
@@ -168,6 +189,11 @@ class Weights:
                 logger.warning("Tensor store: %s did not match its hash; deleted", sha[:16])
                 self.store.path(sha).unlink(missing_ok=True)
 
+    def public_tensor(self, sha: str) -> memoryview | None:
+        """A tensor of the models dirs' checkpoints, for another worker (public: the volunteer serves them to all).
+        Its bytes as the file holds them now: the fetcher checks them against the hash."""
+        return self.index.read(sha) if self.index is not None else None
+
     def checkpoint_ids(self) -> list[str]:
         """The checkpoints held in full, for the worker's record (sorted: the record changes only when they do)."""
         if self._ids is None:
@@ -180,3 +206,7 @@ class Weights:
         if self.index is None:
             return {"checkpoints": {}, "bytes": 0}
         return {"checkpoints": self.index.checkpoints(), "bytes": self.index.total_bytes}
+
+
+def _named(program) -> tuple[WeightRef, ...]:
+    return Manifest.from_json(manifest_bytes(program)).refs

@@ -124,8 +124,8 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         except (EOFError, OSError):
             return
         run = req.get("run")
+        req["refs"] = refs = _RefReader(req.get("refs"), files)
         try:
-            req["refs"] = _ref_reader(req.get("refs"), files)
             reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
                              dry_word=dry_word,
                              sessions=sessions,
@@ -140,6 +140,8 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
             reply = {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
         except Exception as e:  # a bug or a torch failure outside an op: report it, keep serving
             reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+        finally:
+            refs.close()
         if device.startswith("cuda") and not reply["ok"]:
             # A run stopped or failed between nodes may leave kernels queued: they finish here, before the reply
             # frees this process for the next job (whose time and errors they are not); an error they raise is this
@@ -175,31 +177,39 @@ def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float 
     return limits
 
 
-def _ref_reader(entries, files: list[int]):
-    """What loads the weights a program names by reference: each from its range of a file the worker handed over
-    (mapped read-only; load_program checks it against its hash). The descriptors are closed here, once mapped."""
-    try:
-        maps = []
-        for fd in files:
-            size = os.fstat(fd).st_size
-            maps.append(memoryview(mmap.mmap(fd, size, prot=mmap.PROT_READ)) if size else memoryview(b""))
-    finally:
-        for fd in files:
-            os.close(fd)
-    where = {}
-    for entry in entries or ():
-        sha, index, offset, length = entry
-        where[sha] = (index, offset, length)
+class _RefReader:
+    """What loads the weights a program names by reference: each read from its range of a file the worker handed
+    over (as a descriptor: this process names no path), into memory of its own (load_program then checks it against
+    its hash). Read, not mapped: a mapping of a whole checkpoint shard would count against this process's address
+    space limit, and a file changed after the check would change what runs."""
 
-    def read(ref):
-        found = where.get(ref.sha256)
+    def __init__(self, entries, files: list[int]):
+        self.files = files
+        self.where = {}
+        for entry in entries or ():
+            sha, index, offset, length = entry
+            self.where[sha] = (index, offset, length)
+
+    def __call__(self, ref):
+        found = self.where.get(ref.sha256)
         if found is None:  # the worker did not say where (it believed this process had the program loaded)
             raise ProgramNotCached("")
         index, offset, length = found
-        view = maps[index] if 0 <= index < len(maps) else memoryview(b"")
-        return view[offset:offset + length]
+        if not 0 <= index < len(self.files):
+            return b""
+        buf = bytearray(length)
+        view, got = memoryview(buf), 0
+        while got < length:
+            n = os.preadv(self.files[index], [view[got:]], offset + got)
+            if n <= 0:  # the file is shorter than it was: what came is checked (and does not match)
+                break
+            got += n
+        return view[:got]
 
-    return read
+    def close(self) -> None:
+        for fd in self.files:
+            os.close(fd)
+        self.files = []
 
 
 def _map_shared(fd: int, size: int) -> memoryview:
