@@ -10,6 +10,9 @@ is the program's getting there and loading). In order:
 4. (a second network) the same weights **by reference** (docs/weights.md): the program names each weight by its
    hash; a worker that keeps the checkpoint in its ``--models-dir`` loads them from its disk (the client sends no
    weight byte), and a worker without it is sent them by the client.
+6. (a fourth network, ``--parts spans``) a **span-only fetch**: a Llama checkpoint folder (about 300 MB of
+   decoder layers) served by ``causal_lm`` over three spans on three workers that do not keep it; each worker
+   receives only its span's weights (about a third), and the client sends the layers once in all.
 5. (a third network) a **cold start of many workers at once** (``--cold-workers``, default 10): four jobs per worker
    sent together; the client's copies (target <= 1.2), the time until every worker has run one against one copy's
    transfer over raw loopback TCP (target <= 1.5x where links, not CPUs, are the limit), and each worker's bytes.
@@ -72,8 +75,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="program size in GiB (default 1)")
     parser.add_argument("--cold-workers", type=int, default=10, help="workers of the cold start (default 10)")
-    parser.add_argument("--parts", default="peers,reference,cold",
-                        help="which parts to run, of peers (1-3), reference (4), cold (5); default all")
+    parser.add_argument("--parts", default="peers,reference,cold,spans",
+                        help="which parts to run, of peers (1-3), reference (4), cold (5), spans (6); default all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -92,6 +95,8 @@ def main() -> None:
         figures.update(by_reference(model_state, x, job))
     if "cold" in parts:
         figures.update(cold_start(job, x, args.cold_workers, figures["loopback_tcp_mb_s"]))
+    if "spans" in parts:
+        figures.update(span_only())
     if args.json:
         print(json.dumps(figures))
         return
@@ -119,6 +124,38 @@ def main() -> None:
               f"{figures['cold_vs_one_copy']:.1f}x one copy over raw loopback TCP ({figures['cold_one_copy_s']:.2f} s)")
         for worker, b in figures["cold_per_worker"].items():
             print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers, served {b['served'] / 1e6:.0f} MB")
+    if "spans" in parts:
+        layers = figures["spans_layer_bytes"]
+        print(f"span-only fetch: {layers / 1e6:.0f} MB of decoder layers over 3 spans; the client sent "
+              f"{figures['spans_client_weight_bytes'] / layers:.2f} copies of them; each worker received "
+              + ", ".join(f"{b / layers:.2f}" for b in figures["spans_per_worker"]) + " of them")
+
+
+def span_only() -> dict:
+    """Part 6: a checkpoint folder over three spans on three bare workers: what each worker receives."""
+    from gpunet.job.checkpoints import read_header
+    from gpunet.testing.llm import save_checkpoint
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights-spans",
+                                                            heartbeat=2.0) as net:
+        folder = save_checkpoint(Path(tmp) / "ckpt", "llama", seed=0, hidden_size=1024, intermediate_size=2816,
+                                 num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16)
+        net.start_bootstrap()
+        procs = net.start_workers(3)
+        with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=Path(tmp) / "client") \
+                as client:
+            wait_for(lambda: len(client.workers(refresh=True)) == 3, 60, "3 workers known")
+            lm = client.causal_lm(folder, max_length=32, spans=3)
+            ids = lm.tokenizer(["weights by reference"], return_tensors="pt").input_ids
+            lm.generate(ids, max_new_tokens=2, do_sample=False)
+            out["spans_client_weight_bytes"] = client.weight_bytes_sent
+        out["spans_layer_bytes"] = sum(length for name, _, _, _, length in read_header(folder / "model.safetensors")
+                                       if ".layers." in name)
+        out["spans_per_worker"] = sorted(
+            sum(int(n) for n in re.findall(r"Received \d+ weight\(s\) \((\d+) bytes\) from the client", p.output))
+            for p in procs)
+    return out
 
 
 def from_peers(job: gpunet.Job, x: torch.Tensor) -> dict:

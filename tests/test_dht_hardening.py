@@ -16,6 +16,7 @@ from gpunet.dht import hardening
 from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
+    MAX_CHECKPOINTS,
     MAX_DEVICE_NAME,
     MAX_MADDR_CHARS,
     MAX_PAUSE_REASON,
@@ -131,7 +132,7 @@ def test_every_field_at_its_maximum_fits_the_record_cap_with_room_for_unknown_fi
                           cores=2**30, driver="d" * 32, cuda="c" * 16, utilization=99.5),
         tflops={f"k{i:02d}".ljust(16, "x"): 1e18 for i in range(6)}, price=1e9, max_concurrent=4096,
         queue=2**62, jobs_done=2**62, started_at=1e12, updated_at=1e12,
-        programs=["a" * 64] * MAX_CACHED_PROGRAMS, name="n" * 64, maddrs=["/ip4/" + "m" * (MAX_MADDR_CHARS - 5)] * MAX_ADVERTISED_MADDRS,
+        programs=["a" * 64] * MAX_CACHED_PROGRAMS, checkpoints=["c" * 32] * MAX_CHECKPOINTS, name="n" * 64, maddrs=["/ip4/" + "m" * (MAX_MADDR_CHARS - 5)] * MAX_ADVERTISED_MADDRS,
         ledger_count=2**62, ledger_head="h" * 64, credits_earned=1e18, peer_bytes_served=2**62,
         peer_bytes_fetched=2**62, batch_price=1e18, batch_floor=1e18, interactive_load=1.0, preemptions_per_hour=1e18,
         batch_queue=2**62,

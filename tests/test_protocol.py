@@ -116,6 +116,8 @@ EXAMPLES = [
     Payload(10, None, token=b"t" * 32),
     Pieces(1, 4 << 20, b"d" * 32, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ()),), token=b"t" * 32),
     TensorHolders(("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds",)),
+    TensorHolders(("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds",),
+                  (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", b"g" * 32),), b"t" * 32),
     Hello(),
     Greeting("gpunet", "bootstrap", "0.1.0"),
 ]

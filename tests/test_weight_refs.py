@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -167,8 +168,8 @@ def test_doctor_shows_what_a_models_dir_holds(tmp_path):
 def test_a_worker_without_the_checkpoint_fetches_it_from_one_that_keeps_it(swarm, client_for, tmp_path):
     """Redundancy 2 on a worker that keeps the checkpoint and one that does not: the second fetches the weights from
     the first (the client names it, from its record), each checked against its hash, and the client sends none.
-    A holder whose file was damaged since it indexed it serves bytes that do not match: the fetcher takes only that
-    tensor from the client."""
+    A holder whose file was damaged since it indexed it: only that tensor crosses the client's link, once, for both
+    workers (the second to ask fetches it from the first)."""
     from gpunet.job.checkpoints import read_header
 
     x = torch.randn(4, 64)
@@ -200,13 +201,12 @@ def test_a_worker_without_the_checkpoint_fetches_it_from_one_that_keeps_it(swarm
     before = client.weight_bytes_sent
     y2 = client.submit(job2, x, requirements=gpunet.Requirements(redundancy=2, timeout=120)).result(timeout=120)
     assert torch.equal(y2, other(x).detach())
-    # The bare worker fetched the rest from the damaged holder and that one tensor from the client; the damaged
-    # holder found its own file wrong as it loaded, and took the same tensor from the client.
-    assert client.weight_bytes_sent - before == 2 * length, "\n".join(
+    # The damaged holder found its own file wrong as it loaded it; the bare worker, fetching from it, either caught
+    # the wrong bytes or heard "not here" (it had found out first). The good bytes of that one tensor crossed the
+    # client's link once: the one that asked first got them, the other fetched them from it.
+    liar.wait_for_line(r"no longer holds what it held when indexed", timeout=30)
+    assert client.weight_bytes_sent - before == length, "\n".join(
         line for proc in (bare, liar) for line in proc.output.splitlines() if "tensor" in line or "weight" in line)
-    # Asked before the holder found its file damaged, the fetcher caught the wrong bytes; after, it heard "not here".
-    bare.wait_for_line(r"Fetching tensor \w+ from \w+ stopped: (it served tensor \w+ with bytes that do not match "
-                       r"its hash|program \w+ is not cached)", timeout=30)
 
 
 def test_one_hash_with_two_sizes_is_refused_and_a_forgotten_file_is_hashed_again_after_a_restart(tmp_path):
@@ -233,3 +233,53 @@ def test_one_hash_with_two_sizes_is_refused_and_a_forgotten_file_is_hashed_again
     assert json.loads(cache.read_text())["files"][str((folder / "model.safetensors").resolve())]["mtime_ns"] > 0
     cache.write_text('{"version": 1, "files": {"x": {"size": "big"}}}')  # a malformed cache is ignored, not fatal
     assert len(CheckpointIndex([tmp_path / "models"], cache=cache).scan()) == 4
+
+
+@pytest.mark.swarm
+def test_weights_nobody_keeps_cross_the_client_link_once_for_three_workers(swarm, client_for, tmp_path):
+    """Redundancy 3 on three bare workers, weights by reference that no models dir holds: the client sends them to
+    the first worker that asks, and points the others at it (and at each other), who fetch them from it as they
+    arrive against the client's grants: one copy from the client, not three."""
+    x = torch.randn(4, 64)
+    model = _model(seed=8)
+    job = Job.from_module(model, (x,)).by_reference(CheckpointIndex([_checkpoint(tmp_path / "ckpt", model)]).scan())
+    swarm.start_workers(3)
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
+    y = client.submit(job, x, requirements=gpunet.Requirements(redundancy=3, timeout=120)).result(timeout=120)
+    assert torch.equal(y, model(x).detach())
+    assert client.weight_bytes_sent == job.manifest.refs_bytes
+
+
+def test_a_tensor_a_client_sent_goes_only_to_the_workers_it_grants_it_to(tmp_path):
+    """What the piece door serves of a worker's tensors (Weights.for_peer): a models-dir tensor to anyone; one a
+    client sent, only against a grant made with that client's upload token for this holder and that fetcher; one on
+    its way here: "busy"; anything else: nothing."""
+    import hashlib
+
+    from gpunet.errors import WorkerBusy
+    from gpunet.protocol import PIECE, proof
+    from gpunet.worker.executor.cache import DiskCache
+    from gpunet.worker.weights import Weights
+
+    public = _checkpoint(tmp_path / "models" / "a", _model())
+    weights = Weights((str(tmp_path / "models"),), disk=DiskCache(tmp_path / "programs", 1 << 30))
+    weights.own_id = "holder"
+    asyncio.run(weights.start())
+    sha_public = next(iter(weights.index._by_hash))
+    assert bytes(weights.for_peer(sha_public, "anyone", None))[:8] == bytes(weights.index.read(sha_public))[:8]
+
+    data = os.urandom(4096)
+    sha = hashlib.sha256(data).hexdigest()
+    with weights.store.incoming(sha) as f:
+        f.write(data)
+    token = os.urandom(32)
+    weights.store.granted(sha, token)
+    assert bytes(weights.for_peer(sha, "fetcher", proof(token, PIECE, "holder", "fetcher"))) == data
+    assert isinstance(weights.for_peer(sha, "fetcher", None), JobRejected)
+    assert isinstance(weights.for_peer(sha, "other", proof(token, PIECE, "holder", "fetcher")), JobRejected)
+    assert isinstance(weights.for_peer(sha, "fetcher", proof(os.urandom(32), PIECE, "holder", "fetcher")),
+                      JobRejected)
+    weights.store.coming.add("ab" * 32)
+    assert isinstance(weights.for_peer("ab" * 32, "fetcher", None), WorkerBusy)
+    assert weights.for_peer("cd" * 32, "fetcher", None) is None

@@ -153,6 +153,8 @@ class P2PTransport(BaseTransport):
         self.program_bytes_sent = 0  # programs uploaded to workers, in all (what peers spare this client's link)
         self.weight_bytes_sent = 0  # of those, weights programs name by reference (what models dirs spare it)
         self._tokens: LRU[str, bytes] = LRU(4096)  # upload tokens, by program (see _upload_token)
+        # Per program, the workers this client sent the weights it names by reference, or pointed at holders of them.
+        self._weights_at: LRU[str, dict[str, bool]] = LRU(4096)
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -410,13 +412,23 @@ class P2PTransport(BaseTransport):
         found = [request.weights(sha) if request.weights is not None else None for sha in ask.tensors]
         if any(f is None for f in found) or ask.program or ask.inputs or len(set(ask.tensors)) < len(ask.tensors):
             raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name (or one twice)")
-        holders = tuple(h for h in request.weight_holders if h != worker_id)
+        # Other workers that have them: those that keep their checkpoint, and those this client sent them to or
+        # pointed at holders of them (served on against grants made with this client's upload token). This one is
+        # listed too, before anything is awaited: workers asking at the same moment are pointed at each other.
+        token = self._upload_token(request.program_hash)
+        had = {} if request.private else dict(self._weights_at.get(request.program_hash) or {})
+        if not request.private:
+            self._weights_at.put(request.program_hash, {**had, worker_id: True})
+        others = [w for w in had if w != worker_id]
+        holders = tuple(dict.fromkeys([*(h for h in request.weight_holders if h != worker_id), *others]))[
+            :protocol.MAX_HOLDERS]
         if asked is not None and holders and not asked.intersection(ask.tensors):
             asked.update(ask.tensors)
-            await protocol.write(writer, TensorHolders(holders))
+            grants = tuple((peer, proof(token, PIECE, peer, worker_id)) for peer in holders if peer in had)
+            await protocol.write(writer, TensorHolders(holders, grants, token))
             return 0
         total = sum(memoryview(f).nbytes for f in found)
-        await protocol.write(writer, Payload(None, None, total))
+        await protocol.write(writer, Payload(None, None, total, token=token))
         for data in found:
             await protocol.write_payload(writer, data)
         self.program_bytes_sent += total
@@ -500,6 +512,8 @@ class P2PTransport(BaseTransport):
                 del self._receiving[program]
         for ran in self._ran.values():
             ran.pop(worker_id, None)
+        for at in self._weights_at.values():
+            at.pop(worker_id, None)
 
     async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
         await self.rpc.call(worker_id, Door.SETTLE, SettleBatch(tuple(items)), Ok, Error)

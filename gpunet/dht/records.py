@@ -34,10 +34,10 @@ WORKER_BUCKETS = 64
 MAX_RECORD_BYTES = 4 * 1024
 MAX_UNKNOWN_FIELD_BYTES = 512
 MAX_CACHED_PROGRAMS = 16
-MAX_CHECKPOINTS = 32  # checkpoint ids one record lists
+MAX_CHECKPOINTS = 4  # checkpoint ids one record lists (a record is capped at 4 KiB, room for later fields kept)
 MAX_ADVERTISED_MADDRS = 6
 #: The longest address a record carries (a relayed IPv6 one is about 180); what fits the record cap with the rest.
-MAX_MADDR_CHARS = 240
+MAX_MADDR_CHARS = 200
 #: A device's name (a GPU's is about 25 characters, a CPU model's up to about 50) and a paused worker's reason: cut to
 #: this by the worker (the lanes' and pause fields took the room that longer ones had).
 MAX_DEVICE_NAME = 72
@@ -152,7 +152,7 @@ class WorkerRecord(_WireModel):
                                                                           max_length=MAX_CACHED_PROGRAMS)
     #: The checkpoints its models dirs hold in full (gpunet.job.checkpoints.checkpoint_id): programs naming their
     #: weights by reference load them from its disk (docs/weights.md).
-    checkpoints: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(default_factory=list,
+    checkpoints: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(default_factory=list,
                                                                              max_length=MAX_CHECKPOINTS)
     name: _Name | None = None
     maddrs: list[_text(MAX_MADDR_CHARS)] = Field(default_factory=list,

@@ -72,11 +72,12 @@ def read_header(path: str | Path) -> list[tuple[str, str, tuple[int, ...], int, 
 
 def checkpoint_id(hashes: Iterable[str]) -> str:
     """One name for a whole checkpoint: the sha256 of its tensors' hashes, sorted (the same tensors, however the
-    files are split or named, are the same checkpoint)."""
+    files are split or named, are the same checkpoint), cut to 128 bits (32 hex digits). It only steers routing and
+    names holders, which are checked tensor by tensor against full hashes, and short ids keep worker records small."""
     h = hashlib.sha256(b"gpunet-checkpoint-v1\0")
     for digest in sorted(set(hashes)):
         h.update(bytes.fromhex(digest))
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 class CheckpointIndex:

@@ -140,20 +140,10 @@ class Pieces(Message):
         coming = d.get("coming") or []
         if not isinstance(coming, list) or not all(isinstance(c, str) for c in coming):
             raise ProtocolError("pieces: coming must list holders' peer ids")
-        grants = d.get("grants") or []
         named = {peer for peer, _ in holders}
-        if not (isinstance(grants, list) and len(grants) <= MAX_HOLDERS and all(
-                isinstance(g, list) and len(g) == 2 and g[0] in named and isinstance(g[1], bytes)
-                and len(g[1]) == PROOF_BYTES for g in grants)):
-            raise ProtocolError(f"pieces: grants must be [holder's peer id, {PROOF_BYTES}-byte proof] pairs")
-        holds = typed_field(d, "holds", bytes, optional=True)
-        if holds is not None and len(holds) != PROOF_BYTES:
-            raise ProtocolError(f"pieces: holds must be a {PROOF_BYTES}-byte proof")
-        token = typed_field(d, "token", bytes, optional=True)
-        if token is not None and len(token) != PROOF_BYTES:
-            raise ProtocolError(f"pieces: token must be {PROOF_BYTES} bytes")
+        grants = _grants(d, named, "pieces")
         message = cls(size_field(d, "size"), size_field(d, "piece_size"), typed_field(d, "hashes", bytes), holders,
-                      frozenset(coming) & named, tuple((g[0], g[1]) for g in grants), holds, token)
+                      frozenset(coming) & named, grants, _proof(d, "holds", "pieces"), _proof(d, "token", "pieces"))
         try:
             message.piece_list()
         except ValueError as e:
@@ -163,22 +153,50 @@ class Pieces(Message):
 
 @dataclass(frozen=True, slots=True)
 class TensorHolders(Message):
-    """The client's answer to ``Send(tensors=...)`` when workers keep the checkpoint those weights come from (their
-    records list it): fetch them from these peers (by id), each checked against its hash; ask again for what they
-    do not deliver, and the client sends it (docs/weights.md)."""
+    """The client's answer to ``Send(tensors=...)`` when other workers have those weights: ones that keep their
+    checkpoint (their records list it), and ones this client sent them to, or pointed at holders of them, for its
+    job (those serve what they have to a fetcher presenting the grant made for them with the client's upload token:
+    gpunet.protocol.holding). Fetch them from these peers (by id), each checked against its hash; ask again for what
+    they do not deliver, and the client sends it (docs/weights.md)."""
 
     T: ClassVar[str] = "tensor_holders"
     holders: tuple[str, ...]
+    grants: tuple[tuple[str, bytes], ...] = ()
+    token: bytes | None = None  # the client's upload token: the worker grants on what it fetches with it
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "holders": list(self.holders)}
+        d = {"t": self.T, "holders": list(self.holders)}
+        if self.grants:
+            d["grants"] = [[peer, grant] for peer, grant in self.grants]
+        if self.token is not None:
+            d["token"] = self.token
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "TensorHolders":
         raw = typed_field(d, "holders", list)
         if not (0 < len(raw) <= MAX_HOLDERS and all(isinstance(h, str) and PEER_ID_RE.match(h) for h in raw)):
             raise ProtocolError(f"tensor_holders: holders must be 1 to {MAX_HOLDERS} peer ids")
-        return cls(tuple(dict.fromkeys(raw)))
+        holders = tuple(dict.fromkeys(raw))
+        return cls(holders, _grants(d, set(holders), "tensor_holders"), _proof(d, "token", "tensor_holders"))
+
+
+def _grants(d: dict, named: set[str], what: str) -> tuple[tuple[str, bytes], ...]:
+    """A message's ``grants``: [holder's peer id, proof] pairs, each holder one the message names."""
+    grants = d.get("grants") or []
+    if not (isinstance(grants, list) and len(grants) <= MAX_HOLDERS and all(
+            isinstance(g, list) and len(g) == 2 and g[0] in named and isinstance(g[1], bytes)
+            and len(g[1]) == PROOF_BYTES for g in grants)):
+        raise ProtocolError(f"{what}: grants must be [holder's peer id, {PROOF_BYTES}-byte proof] pairs")
+    return tuple((g[0], g[1]) for g in grants)
+
+
+def _proof(d: dict, name: str, what: str) -> bytes | None:
+    """An optional field of PROOF_BYTES bytes (a proof, or an upload token)."""
+    value = typed_field(d, name, bytes, optional=True)
+    if value is not None and len(value) != PROOF_BYTES:
+        raise ProtocolError(f"{what}: {name} must be {PROOF_BYTES} bytes")
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,7 @@ class Jobs:
         disk = getattr(executor, "disk", None)
         self.keys = HoldingKeys(disk)
         self.weights = weights or Weights(disk=disk)  # what programs name by reference (gpunet.worker.weights)
+        self.weights.own_id = identity.peer_id
         self.uploads = Uploads()
         # Upload tokens of the programs clients sent here or pointed here (gpunet.protocol.holding): grants made with
         # them fetch the pieces, while the program comes and once it is cached.
@@ -136,7 +137,7 @@ class Jobs:
         # programs this worker lacks fetched from them (set up once the network is there).
         self.piece_server = PieceServer(disk, peer_rate, coming=self._public_upload_coming,
                                         corrupt=faults.corrupt_pieces, may_serve=self._may_serve,
-                                        tensors=self.weights.public_tensor) if disk is not None else None
+                                        tensors=self.weights.for_peer) if disk is not None else None
         self.fetcher: Fetcher | None = None
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import tempfile
 from dataclasses import dataclass
 from typing import Callable
@@ -16,6 +17,8 @@ from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, S
 from gpunet.utils import sha256_hex
 from gpunet.worker.peers import Fetcher
 from gpunet.worker.state.limits import ServiceLimits
+
+logger = logging.getLogger(__name__)
 
 #: Streamed inputs at least this big are written to an unlinked file as they arrive (when the worker has a spool
 #: directory) and reach the executor as that file's descriptor: page cache, not the worker's heap.
@@ -190,9 +193,9 @@ class StreamPayloads:
             chunk = wanted[start:start + MAX_TENSORS_ASKED]
             await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
             reply = await protocol.read(self.reader, Payload, TensorHolders, timeout=FRAME_TIMEOUT)
-            if isinstance(reply, TensorHolders):  # workers keep their checkpoint: from them, what they deliver
+            if isinstance(reply, TensorHolders):  # other workers have them: from them, what they deliver
                 if self.fetcher is not None:
-                    chunk = await self._from_holders(chunk, reply.holders, store, timeout)
+                    chunk = await self._from_holders(chunk, reply, store, timeout)
                 if not chunk:
                     continue
                 await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
@@ -202,11 +205,13 @@ class StreamPayloads:
                 raise ProtocolError("the weights sent differ in size from those asked for")
             for r in chunk:
                 await self._read_tensor(r, store)
+                store.granted(r.sha256, reply.token)  # whom its client grants it to may fetch it from here
+            logger.info("Received %d weight(s) (%d bytes) from the client", len(chunk), reply.tensors_size)
 
-    async def _from_holders(self, wanted: list, holders: tuple[str, ...], store, timeout: float) -> list:
+    async def _from_holders(self, wanted: list, named: TensorHolders, store, timeout: float) -> list:
         """What the holders the client named deliver; the rest, to ask it for."""
-        return await self._while_client_stays(self.fetcher.fetch_tensors(wanted, holders, store, timeout),
-                                              "the weights")
+        return await self._while_client_stays(self.fetcher.fetch_tensors(
+            wanted, named.holders, store, timeout, dict(named.grants), named.token), "the weights")
 
     async def _while_client_stays(self, work, what: str):
         """``work`` (a fetch from peers), no longer than the client stays: it sends nothing until our answer, so any

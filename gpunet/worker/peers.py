@@ -65,14 +65,14 @@ class PieceServer:
     def __init__(self, disk, rate: float | None = None, coming: Callable[[str], bool] = lambda h: False,
                  clock=time.monotonic, corrupt: bool = False,
                  may_serve: Callable[[str, str, bytes | None, object, bool], Awaitable[bool]] | None = None,
-                 tensors: Callable[[str], memoryview | None] | None = None):
+                 tensors: Callable[[str, str, bytes | None], object] | None = None):
         """``disk``: the executor's :class:`~gpunet.worker.executor.cache.DiskCache`; ``rate``: bytes a second in all;
         ``coming(hash)``: whether that program is on its way in (a fetcher asking for it then hears "busy", and asks
         again, rather than "not cached"); truthy, it may be the Upload it comes in as, whose pieces that have arrived
         are served meanwhile (``size``, ``piece(start, length)``); ``may_serve(hash, fetcher's peer id, grant, upload, from_disk)``: whether
         that fetcher may have the program's pieces (``upload``: the copy on its way here, if any; ``from_disk``: they
-        would come from the disk's copy, not from that one) (None: any fetcher, as tests of serving alone use); ``tensors(sha256)``: the bytes
-        of a tensor of the checkpoints this worker keeps in its models dirs (public: served to any worker)."""
+        would come from the disk's copy, not from that one) (None: any fetcher, as tests of serving alone use); ``tensors(sha256, fetcher's peer id, grant)``:
+        a tensor's bytes for that fetcher (gpunet.worker.weights.Weights.for_peer), a refusal, or None."""
         self.disk, self.rate, self.coming, self.clock = disk, rate, coming, clock
         self.tensors = tensors
         self.may_serve = may_serve
@@ -116,7 +116,7 @@ class PieceServer:
     async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
         """Serve one piece; False (after saying why) when it cannot."""
         if request.tensor:  # (a read of a mapped file: off the loop)
-            return await self._send(writer, *await asyncio.to_thread(self._tensor_piece, request))
+            return await self._send(writer, *await asyncio.to_thread(self._tensor_piece, request, peer_id))
         size = await asyncio.to_thread(self.disk.size, request.program)
         coming = self.coming(request.program)
         # Not on disk yet but on its way (from its client, or fetched from peers): what has arrived is served.
@@ -146,10 +146,12 @@ class PieceServer:
                 refusal = ProgramNotCached(request.program)
         return await self._send(writer, data, refusal)
 
-    def _tensor_piece(self, request: GetPiece) -> tuple[bytes | None, Exception | None]:
-        view = self.tensors(request.program) if self.tensors is not None else None
+    def _tensor_piece(self, request: GetPiece, peer_id: str) -> tuple[bytes | None, Exception | None]:
+        view = self.tensors(request.program, peer_id, request.grant) if self.tensors is not None else None
+        if isinstance(view, Exception):
+            return None, view
         if view is None:
-            return None, ProgramNotCached(request.program)  # (no tensor of that hash in its models dirs)
+            return None, ProgramNotCached(request.program)  # (no tensor of that hash here)
         size = view.nbytes
         if request.piece_size != piece_size_for(size) or request.index * request.piece_size >= max(size, 1):
             return None, JobRejected("no such piece of this tensor")
@@ -271,11 +273,14 @@ class Fetcher:
         return run.buffer, key
 
 
-    async def fetch_tensors(self, wanted: list, holders: Sequence[str], store, timeout: float) -> list:
-        """Weights named by reference (``wanted``: WeightRefs) from workers that keep their checkpoint, each tensor
-        from one holder at a time (two streams per holder), checked against its hash as it arrives and moved into
-        ``store``; a holder that serves a wrong byte or fails is not asked for that tensor again. Returns those not
-        fetched within ``timeout`` (the client sends them)."""
+    async def fetch_tensors(self, wanted: list, holders: Sequence[str], store, timeout: float,
+                            grants: dict[str, bytes] | None = None, token: bytes | None = None) -> list:
+        """Weights named by reference (``wanted``: WeightRefs) from other workers, each tensor from one holder at a
+        time (two streams per holder), checked against its hash as it arrives and moved into ``store``; a holder
+        that serves a wrong byte or lacks it is not asked for that tensor again, one that says it is on its way is
+        asked again. ``grants``: per holder, the client's (for weights a client sent there); ``token``: the client's
+        upload token, with which what is fetched here is granted on. Returns those not fetched within ``timeout``
+        (the client sends them)."""
         peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
         todo = list(wanted)
         tried: dict[str, set[str]] = {}
@@ -288,13 +293,17 @@ class Fetcher:
                     return
                 todo.remove(ref)
                 try:
-                    await self._tensor_from(peer, ref, store)
+                    await self._tensor_from(peer, ref, store, (grants or {}).get(peer), token)
                 except asyncio.CancelledError:
                     todo.append(ref)
                     raise
+                except _Busy:  # on its way there: asked again for as long as the fetch may take
+                    todo.append(ref)
+                    await asyncio.sleep(NOT_YET_RETRY)
+                    continue
                 except Exception as e:
                     todo.append(ref)
-                    transient = isinstance(e, (NetworkError, ConnectionError, OSError, TimeoutError, _Busy)) and \
+                    transient = isinstance(e, (NetworkError, ConnectionError, OSError, TimeoutError)) and \
                         not isinstance(e, _WrongBytes)
                     broken += transient
                     if not transient or broken > COMING_FAILURES:  # it lacks it, refused, or served wrong bytes
@@ -322,7 +331,8 @@ class Fetcher:
                         "client", len(wanted) - len(left), got, len(left))
         return left
 
-    async def _tensor_from(self, peer: str, ref, store) -> None:
+    async def _tensor_from(self, peer: str, ref, store, grant: bytes | None = None, token: bytes | None = None
+                           ) -> None:
         """One tensor from ``peer``, piece by piece on one stream, hashed as it comes; into ``store`` if it matches."""
         size = ref.nbytes
         piece = piece_size_for(size)
@@ -332,7 +342,7 @@ class Fetcher:
             with store.incoming(ref.sha256) as tmp:
                 for index in range(max(1, -(-size // piece))):
                     length = min(piece, size - index * piece)
-                    await protocol.write(writer, GetPiece(ref.sha256, index, piece, tensor=True))
+                    await protocol.write(writer, GetPiece(ref.sha256, index, piece, grant, tensor=True))
                     reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
                     if isinstance(reply, Error):
                         error = reply.exception()
@@ -343,6 +353,7 @@ class Fetcher:
                                                 timeout=protocol.payload_deadline(length), into=tmp)
                 if hasher.hexdigest() != ref.sha256:
                     raise _WrongBytes(f"it served tensor {ref.sha256[:12]} with bytes that do not match its hash")
+            store.granted(ref.sha256, token)  # whom its client grants it to may fetch it from here too
         finally:
             writer.close()
 

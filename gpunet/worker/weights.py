@@ -20,14 +20,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import tempfile
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from gpunet.errors import JobFailed, JobRejected
+from gpunet.errors import JobFailed, JobRejected, WorkerBusy
 from gpunet.job.checkpoints import CheckpointIndex
 from gpunet.job.format import Manifest, WeightRef, manifest_bytes
+from gpunet.protocol import PIECE, holding
 from gpunet.utils import LRU, human_bytes
 from gpunet.worker.executor import RefFiles
 from gpunet.worker.executor.cache import DiskCache
@@ -44,6 +46,26 @@ class TensorStore(DiskCache):
 
     SUFFIX = ".tensor"
     MAX_FILES = 16384  # a model's spans name hundreds of tensors
+
+    def __init__(self, directory, max_bytes: int, max_files: int = MAX_FILES):
+        super().__init__(directory, max_bytes, max_files)
+        #: Per tensor, the upload tokens of the clients that sent its bytes (gpunet.protocol.holding): a worker
+        #: presenting a grant made with one of them may fetch it from here.
+        self.tokens: LRU[str, frozenset[bytes]] = LRU(100_000)
+        self.coming: set[str] = set()  # tensors on their way here now (asked of a peer: "busy", not "not here")
+
+    def granted(self, sha: str, token: bytes | None) -> None:
+        if token is not None:
+            self.tokens.put(sha, frozenset([*list(self.tokens.get(sha) or ())[-3:], token]))
+
+    def view(self, sha: str) -> memoryview | None:
+        """A stored tensor's bytes, mapped read-only (None if it is not here)."""
+        try:
+            with open(self._path(sha), "rb") as f:
+                return memoryview(mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)) if os.fstat(f.fileno()).st_size \
+                    else memoryview(b"")
+        except (OSError, ValueError):
+            return None
 
     def touch(self, sha: str) -> None:
         try:
@@ -80,8 +102,8 @@ class Weights:
         disk = disk if isinstance(disk, DiskCache) else None  # (a test's stand-in pool keeps no files)
         self.disk = disk
         store_bytes = disk.max_bytes if disk is not None and max_store_bytes is None else max_store_bytes
-        self.store = TensorStore(disk.dir / "tensors", store_bytes, TensorStore.MAX_FILES
-                                 ) if disk is not None and store_bytes else None
+        self.store = TensorStore(disk.dir / "tensors", store_bytes) if disk is not None and store_bytes else None
+        self.own_id = ""  # this worker's peer id (the verifier of the grants fetchers present)
         self._refs: LRU[str, tuple[WeightRef, ...]] = LRU(4096)  # program hash -> the weights it names
         self._sent_by: LRU[str, frozenset[str]] = LRU(100_000)  # sha -> the clients that sent those bytes here
         self.bytes_from_clients = 0  # since start
@@ -145,7 +167,11 @@ class Weights:
                 raise JobRejected(f"the program names {human_bytes(wanted)} of weights this worker lacks, more than "
                                   f"its tensor store holds ({human_bytes(self.store.max_bytes)}): choose a worker "
                                   "that keeps the checkpoint")
-            await ask(missing, self.store)
+            self.store.coming.update(r.sha256 for r in missing)
+            try:
+                await ask(missing, self.store)
+            finally:
+                self.store.coming.difference_update(r.sha256 for r in missing)
             for r in missing:
                 self._sent_by.put(r.sha256, (self._sent_by.get(r.sha256) or frozenset()) | {client_id})
                 self.bytes_from_clients += r.nbytes
@@ -189,10 +215,22 @@ class Weights:
                 logger.warning("Tensor store: %s did not match its hash; deleted", sha[:16])
                 self.store.path(sha).unlink(missing_ok=True)
 
-    def public_tensor(self, sha: str) -> memoryview | None:
-        """A tensor of the models dirs' checkpoints, for another worker (public: the volunteer serves them to all).
-        Its bytes as the file holds them now: the fetcher checks them against the hash."""
-        return self.index.read(sha) if self.index is not None else None
+    def for_peer(self, sha: str, peer_id: str, grant: bytes | None) -> memoryview | Exception | None:
+        """A tensor for another worker: one of the models dirs' checkpoints (public: the volunteer serves them to
+        all), or one a client sent here, to a worker presenting that client's grant (made with its upload token).
+        Its bytes as held now (the fetcher checks them against the hash); WorkerBusy while it is on its way here;
+        a refusal, or None when it is not here."""
+        view = self.index.read(sha) if self.index is not None else None
+        if view is not None or self.store is None:
+            return view
+        tokens = self.store.tokens.get(sha)
+        if tokens and sha in self.store:
+            if grant is not None and any(holding.verifies(t, grant, PIECE, self.own_id, peer_id) for t in tokens):
+                return self.store.view(sha)
+            return JobRejected("these weights are a client's: they go only to a worker it granted them to")
+        if sha in self.store.coming:
+            return WorkerBusy("these weights are on their way here; ask again")
+        return None
 
     def checkpoint_ids(self) -> list[str]:
         """The checkpoints held in full, for the worker's record (sorted: the record changes only when they do)."""
