@@ -336,7 +336,10 @@ class Fetcher:
         """One tensor from ``peer``, piece by piece on one stream, hashed as it comes; into ``store`` if it matches."""
         size = ref.nbytes
         piece = piece_size_for(size)
-        reader, writer = await self.rpc.open(peer, Door.PIECE)
+        try:
+            reader, writer = await self.rpc.open(peer, Door.PIECE)
+        except NetworkError as e:
+            raise _Unreachable(str(e)) from None  # gone: not asked again (a broken stream is)
         hasher = hashlib.sha256()
         try:
             with store.incoming(ref.sha256) as tmp:
@@ -364,6 +367,10 @@ def _hash_and_key(data: bytearray) -> tuple[str | None, bytes]:
 
 class _Busy(Exception):
     """The peer cannot serve this piece yet (still receiving the program) or now (serving others)."""
+
+
+class _Unreachable(Exception):
+    """No stream to the peer could be opened (it is gone, or never answered): it is not asked again."""
 
 
 class _WrongBytes(Exception):
@@ -440,10 +447,10 @@ class _Fetch:
             while self.missing and self.refused is None:
                 try:
                     reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE)  # by id: no address of the client's
-                except NetworkError:
+                except NetworkError as e:
                     failed_opens += 1
                     if failed_opens > OPEN_RETRIES:
-                        raise
+                        raise _Unreachable(str(e)) from None  # gone: not asked again (a broken stream is)
                     await asyncio.sleep(NOT_YET_RETRY)
                     continue
                 failed_opens = 0  # failures in a row: a long wait for a busy holder may meet a few, spread out
