@@ -13,6 +13,7 @@ import re
 from typing import Any, ClassVar, TypeVar
 
 from gpunet.errors import ProtocolError
+from gpunet.protocol.holding import PROOF_BYTES
 
 JOB_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}\Z")
 PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}\Z")  # base58
@@ -98,3 +99,11 @@ class Message:
     @classmethod
     def from_wire(cls: type[M], d: dict) -> M:
         raise NotImplementedError
+
+
+def proof_field(d: dict, name: str, what: str) -> bytes | None:
+    """An optional field of PROOF_BYTES bytes: a proof of holding, a grant or an upload token (gpunet.protocol.holding)."""
+    value = typed_field(d, name, bytes, optional=True)
+    if value is not None and len(value) != PROOF_BYTES:
+        raise ProtocolError(f"{what}: {name} must be {PROOF_BYTES} bytes")
+    return value

@@ -25,12 +25,12 @@ from gpunet.protocol.fields import (
     Message,
     job_id_field,
     program_hash_field,
+    proof_field,
     size_field,
     text_field,
     time_field,
     typed_field,
 )
-from gpunet.protocol.holding import PROOF_BYTES
 from gpunet.protocol.sessions import SessionStep
 
 #: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
@@ -126,9 +126,7 @@ class Submit(Message):
         if session is not None and session.input_from is not None and inputs != b"":
             raise ProtocolError("a step whose input is pushed to the worker carries no inputs of its own")
         job_id, max_price = job_id_field(d), typed_field(d, "max_price", int, optional=True)
-        holds = typed_field(d, "holds", bytes, optional=True)
-        if holds is not None and len(holds) != PROOF_BYTES:
-            raise ProtocolError(f"holds must be a {PROOF_BYTES}-byte proof")
+        holds = proof_field(d, "holds", "submit")
         return cls(job_id, program, inputs_size, inputs, timeout, max_price,
                    settle, malformed, bool(typed_field(d, "private", bool, optional=True)),
                    bool(typed_field(d, "shared", bool, optional=True)), holds, session, lane, deadline)
@@ -193,11 +191,8 @@ class Payload(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "Payload":
-        token = typed_field(d, "token", bytes, optional=True)
-        if token is not None and len(token) != PROOF_BYTES:
-            raise ProtocolError(f"payload: token must be {PROOF_BYTES} bytes")
         return cls(size_field(d, "program_size", optional=True), size_field(d, "inputs_size", optional=True),
-                   size_field(d, "tensors_size", optional=True), token)
+                   size_field(d, "tensors_size", optional=True), proof_field(d, "token", "payload"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gpunet.errors import ProtocolError
-from gpunet.protocol.fields import PEER_ID_RE, Message, program_hash_field, size_field, typed_field
+from gpunet.protocol.fields import PEER_ID_RE, Message, program_hash_field, proof_field, size_field, typed_field
 from gpunet.protocol.holding import PROOF_BYTES
 
 MIN_PIECE_BYTES = 4 << 20
@@ -143,7 +143,7 @@ class Pieces(Message):
         named = {peer for peer, _ in holders}
         grants = _grants(d, named, "pieces")
         message = cls(size_field(d, "size"), size_field(d, "piece_size"), typed_field(d, "hashes", bytes), holders,
-                      frozenset(coming) & named, grants, _proof(d, "holds", "pieces"), _proof(d, "token", "pieces"))
+                      frozenset(coming) & named, grants, proof_field(d, "holds", "pieces"), proof_field(d, "token", "pieces"))
         try:
             message.piece_list()
         except ValueError as e:
@@ -178,7 +178,7 @@ class TensorHolders(Message):
         if not (0 < len(raw) <= MAX_HOLDERS and all(isinstance(h, str) and PEER_ID_RE.match(h) for h in raw)):
             raise ProtocolError(f"tensor_holders: holders must be 1 to {MAX_HOLDERS} peer ids")
         holders = tuple(dict.fromkeys(raw))
-        return cls(holders, _grants(d, set(holders), "tensor_holders"), _proof(d, "token", "tensor_holders"))
+        return cls(holders, _grants(d, set(holders), "tensor_holders"), proof_field(d, "token", "tensor_holders"))
 
 
 def _grants(d: dict, named: set[str], what: str) -> tuple[tuple[str, bytes], ...]:
@@ -190,13 +190,6 @@ def _grants(d: dict, named: set[str], what: str) -> tuple[tuple[str, bytes], ...
         raise ProtocolError(f"{what}: grants must be [holder's peer id, {PROOF_BYTES}-byte proof] pairs")
     return tuple((g[0], g[1]) for g in grants)
 
-
-def _proof(d: dict, name: str, what: str) -> bytes | None:
-    """An optional field of PROOF_BYTES bytes (a proof, or an upload token)."""
-    value = typed_field(d, name, bytes, optional=True)
-    if value is not None and len(value) != PROOF_BYTES:
-        raise ProtocolError(f"{what}: {name} must be {PROOF_BYTES} bytes")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +217,7 @@ class GetPiece(Message):
     @classmethod
     def from_wire(cls, d: dict) -> "GetPiece":
         program = program_hash_field(d)
-        grant = typed_field(d, "grant", bytes, optional=True)
-        if grant is not None and len(grant) != PROOF_BYTES:
-            raise ProtocolError(f"get_piece: grant must be a {PROOF_BYTES}-byte proof")
+        grant = proof_field(d, "grant", "get_piece")
         return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant,
                    bool(typed_field(d, "tensor", bool, optional=True)))
 
