@@ -280,6 +280,11 @@ def test_a_tensor_a_client_sent_goes_only_to_the_workers_it_grants_it_to(tmp_pat
     assert isinstance(weights.for_peer(sha, "other", proof(token, PIECE, "holder", "fetcher")), JobRejected)
     assert isinstance(weights.for_peer(sha, "fetcher", proof(os.urandom(32), PIECE, "holder", "fetcher")),
                       JobRejected)
-    weights.store.coming.add("ab" * 32)
+    weights.store.expect(["ab" * 32], weights.store.CLIENT)
     assert isinstance(weights.for_peer("ab" * 32, "fetcher", None), WorkerBusy)
     assert weights.for_peer("cd" * 32, "fetcher", None) is None
+    # Fetched from peers: only a peer whose id sorts after this worker's waits for it, so two workers fetching one
+    # tensor from each other never both wait (CI saw them wait out their time, then both ask the client).
+    weights.store.expect(["ef" * 32], weights.store.PEERS)
+    assert isinstance(weights.for_peer("ef" * 32, "later", None), WorkerBusy)
+    assert weights.for_peer("ef" * 32, "earlier", None) is None

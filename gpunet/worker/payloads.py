@@ -191,13 +191,17 @@ class StreamPayloads:
         checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``."""
         for start in range(0, len(wanted), MAX_TENSORS_ASKED):
             chunk = wanted[start:start + MAX_TENSORS_ASKED]
+            # Asked of the client, they come from it (peers asking here wait), unless it names holders.
+            store.expect((r.sha256 for r in chunk), store.CLIENT)
             await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
             reply = await protocol.read(self.reader, Payload, TensorHolders, timeout=FRAME_TIMEOUT)
             if isinstance(reply, TensorHolders):  # other workers have them: from them, what they deliver
+                store.expect((r.sha256 for r in chunk), store.PEERS)
                 if self.fetcher is not None:
                     chunk = await self._from_holders(chunk, reply, store, timeout)
                 if not chunk:
                     continue
+                store.expect((r.sha256 for r in chunk), store.CLIENT)
                 await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
                 reply = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
             if (reply.tensors_size != sum(r.nbytes for r in chunk) or reply.program_size is not None

@@ -52,7 +52,23 @@ class TensorStore(DiskCache):
         #: Per tensor, the upload tokens of the clients that sent its bytes (gpunet.protocol.holding): a worker
         #: presenting a grant made with one of them may fetch it from here.
         self.tokens: LRU[str, frozenset[bytes]] = LRU(100_000)
-        self.coming: set[str] = set()  # tensors on their way here now (asked of a peer: "busy", not "not here")
+        #: Tensors on their way here now, and from where: ``CLIENT`` (a peer asking hears "busy" and waits), or
+        #: ``PEERS`` (fetched from other workers, which may be waiting on this one: see busy_for).
+        self.coming: dict[str, str] = {}
+
+    CLIENT, PEERS = "client", "peers"
+
+    def expect(self, hashes, source: str) -> None:
+        self.coming.update(dict.fromkeys(hashes, source))
+
+    def busy_for(self, sha: str, own_id: str, peer_id: str) -> bool:
+        """Whether a peer asking for a tensor on its way here should wait for it ("busy") rather than look
+        elsewhere. Bytes from a client come for sure. Bytes this worker fetches from other workers may be fetched
+        from the very peer asking (two workers each waiting for the other's copy until their time ran out, then
+        both asking the client: CI saw it), so a worker waits only on one whose id sorts lower: waits then run one
+        way, and a cycle cannot form."""
+        source = self.coming.get(sha)
+        return source == self.CLIENT or (source == self.PEERS and own_id < peer_id)
 
     def granted(self, sha: str, token: bytes | None) -> None:
         if token is not None:
@@ -167,11 +183,12 @@ class Weights:
                 raise JobRejected(f"the program names {human_bytes(wanted)} of weights this worker lacks, more than "
                                   f"its tensor store holds ({human_bytes(self.store.max_bytes)}): choose a worker "
                                   "that keeps the checkpoint")
-            self.store.coming.update(r.sha256 for r in missing)
+            self.store.expect((r.sha256 for r in missing), TensorStore.PEERS)
             try:
                 await ask(missing, self.store)
             finally:
-                self.store.coming.difference_update(r.sha256 for r in missing)
+                for r in missing:
+                    self.store.coming.pop(r.sha256, None)
             for r in missing:
                 self._sent_by.put(r.sha256, (self._sent_by.get(r.sha256) or frozenset()) | {client_id})
                 self.bytes_from_clients += r.nbytes
@@ -228,7 +245,7 @@ class Weights:
             if grant is not None and any(holding.verifies(t, grant, PIECE, self.own_id, peer_id) for t in tokens):
                 return self.store.view(sha)
             return JobRejected("these weights are a client's: they go only to a worker it granted them to")
-        if sha in self.store.coming:
+        if self.store.busy_for(sha, self.own_id, peer_id):
             return WorkerBusy("these weights are on their way here; ask again")
         return None
 
