@@ -73,6 +73,12 @@ class JobRejected(JobError):
         self.reason = reason
 
 
+class WeightsNotHeld(JobRejected):
+    """(Client side) a worker asked this client for weights its program names by reference that the client holds
+    only by hash (a slim checkpoint folder: docs/weights.md), and no worker the client could name delivered them:
+    that worker cannot run it; one that keeps the checkpoint, or can fetch it from one that does, can."""
+
+
 class PayFirst(JobRejected):
     """A worker holds this client (or its address) at its credit line: results delivered and not yet countersigned.
     A client that pays for what it receives waits for its countersignatures to land and asks the same worker again;

@@ -13,6 +13,10 @@ is the program's getting there and loading). In order:
 6. (a fourth network, ``--parts spans``) a **span-only fetch**: a Llama checkpoint folder (about 300 MB of
    decoder layers) served by ``causal_lm`` over three spans on three workers that do not keep it; each worker
    receives only its span's weights (about a third), and the client sends the layers once in all.
+7. (no network, ``--parts client``) **the client's memory**: a Llama checkpoint folder (about 600 MB of decoder
+   layers) opened by ``causal_lm``'s engine in a fresh process, loaded whole and traced (the old way), opened thin
+   (the layers traced from stand-ins, never read), and from a slim folder (``gpunet checkpoint slim``); each
+   process's peak RSS beside one that only imports the same libraries, and the slim folder's size on disk.
 5. (a third network) a **cold start of many workers at once** (``--cold-workers``, default 10): four jobs per worker
    sent together; the client's copies (target <= 1.2), the time until every worker has run one against one copy's
    transfer over raw loopback TCP (target <= 1.5x where links, not CPUs, are the limit), and each worker's bytes.
@@ -75,8 +79,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="program size in GiB (default 1)")
     parser.add_argument("--cold-workers", type=int, default=10, help="workers of the cold start (default 10)")
-    parser.add_argument("--parts", default="peers,reference,cold,spans",
-                        help="which parts to run, of peers (1-3), reference (4), cold (5), spans (6); default all")
+    parser.add_argument("--parts", default="peers,reference,cold,spans,client",
+                        help="which parts to run, of peers (1-3), reference (4), cold (5), spans (6), client (7); "
+                             "default all")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -97,6 +102,8 @@ def main() -> None:
         figures.update(cold_start(job, x, args.cold_workers, figures["loopback_tcp_mb_s"]))
     if "spans" in parts:
         figures.update(span_only())
+    if "client" in parts:
+        figures.update(client_memory())
     if args.json:
         print(json.dumps(figures))
         return
@@ -129,6 +136,57 @@ def main() -> None:
         print(f"span-only fetch: {layers / 1e6:.0f} MB of decoder layers over 3 spans; the client sent "
               f"{figures['spans_client_weight_bytes'] / layers:.2f} copies of them; each worker received "
               + ", ".join(f"{b / layers:.2f}" for b in figures["spans_per_worker"]) + " of them")
+    if "client" in parts:
+        base = figures["client_import_only_rss_mb"]
+        print(f"the client's memory for {figures['client_layer_bytes'] / 1e6:.0f} MB of decoder layers (peak RSS "
+              f"over a process that only imports, {base:.0f} MB):")
+        for how in ("whole", "thin", "slim"):
+            print(f"  {how}: +{figures[f'client_{how}_rss_mb'] - base:.0f} MB, opened and traced in "
+                  f"{figures[f'client_{how}_s']:.1f} s")
+        print(f"  the slim folder: {figures['client_slim_folder_bytes'] / 1e6:.1f} MB on disk")
+
+
+#: Part 7's child: opens a folder as causal_lm's engine does and prints its peak RSS (MB) and the time it took.
+_OPEN = """
+import json, sys, time
+import torch, transformers
+from gpunet.client.llm.engine import CausalLMCore
+class NoWorkers:
+    data_dir = None
+    def workers(self):
+        return []
+t0 = time.perf_counter()
+if sys.argv[1] != "import":
+    CausalLMCore.open(NoWorkers(), sys.argv[2], max_length=64, spans=3, by_reference=sys.argv[1] != "whole")
+# (VmHWM, not ru_maxrss: Linux keeps the latter across exec, so it would count the parent's memory at the fork.)
+peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"rss_mb": peak / 1024, "s": time.perf_counter() - t0}))
+"""
+
+
+def client_memory() -> dict:
+    """Part 7: the client's peak memory opening one checkpoint whole, thin and slim (fresh processes)."""
+    import subprocess
+
+    from gpunet.client.llm.skeleton import slim
+    from gpunet.job.checkpoints import read_header
+    from gpunet.testing.llm import save_checkpoint
+
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_checkpoint(Path(tmp) / "ckpt", "llama", seed=0, hidden_size=1024, intermediate_size=2816,
+                                 num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16)
+        slim(folder, Path(tmp) / "slim")
+        out["client_layer_bytes"] = sum(length for name, _, _, _, length in read_header(folder / "model.safetensors")
+                                        if ".layers." in name)
+        out["client_slim_folder_bytes"] = sum(p.stat().st_size for p in (Path(tmp) / "slim").iterdir())
+        for how, path in (("import", folder), ("whole", folder), ("thin", folder), ("slim", Path(tmp) / "slim")):
+            done = subprocess.run([sys.executable, "-c", _OPEN, how, str(path)], capture_output=True, text=True,
+                                  check=True, cwd=Path(__file__).resolve().parent.parent)
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            key = "client_import_only" if how == "import" else f"client_{how}"
+            out[f"{key}_rss_mb"], out[f"{key}_s"] = round(got["rss_mb"], 1), round(got["s"], 2)
+    return out
 
 
 def span_only() -> dict:

@@ -6,7 +6,7 @@ import torch
 from torch.export import Dim
 
 from gpunet.client.sessions.spans import trace_spans
-from gpunet.errors import UsageError
+from gpunet.errors import GpunetError, UsageError
 from gpunet.client.llm import adapter
 from gpunet.llm import load
 from gpunet.testing.llm import FAMILIES, save_checkpoint, tiny_causal_lm
@@ -34,6 +34,15 @@ def _generate_through_programs(model, prompt: torch.Tensor, new: int) -> list[in
         out.append(int(ends.head(h[:, -1:])[0, -1].argmax()))
         x = torch.tensor([[out[-1]]])
     return out
+
+
+def _hf_greedy(folder, text: str, new: int):
+    """HF's model from ``folder``, the prompt's ids, and HF's greedy ``generate`` of ``new`` tokens."""
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    ids = tok([text], return_tensors="pt").input_ids
+    with torch.no_grad():
+        return reference, ids, reference.generate(ids, max_new_tokens=new, do_sample=False)
 
 
 @pytest.mark.parametrize("family", ["bloom", "gemma2", "qwen2_moe"])
@@ -123,15 +132,45 @@ def test_volunteers_who_keep_the_checkpoint_serve_it_without_a_weight_from_the_c
     assert all(w.record.checkpoints == [held] for w in client.workers())
     assert {w["id"]: w["checkpoints"] for w in swarm.status()["workers"]} == {w: [held] for w in workers}
     lm = client.causal_lm(folder, max_length=MAX, spans=2)
-    reference, tok = load(folder)
-    reference.config._attn_implementation = "eager"
-    batch = tok(["volunteers keep the weights"], return_tensors="pt")
-    with torch.no_grad():
-        want = reference.generate(**batch, max_new_tokens=10, do_sample=False)
-    assert torch.equal(lm.generate(batch.input_ids, max_new_tokens=10, do_sample=False), want)
+    reference, ids, want = _hf_greedy(folder, "volunteers keep the weights", 10)
+    assert torch.equal(lm.generate(ids, max_new_tokens=10, do_sample=False), want)
     layers = sum(p.numel() * p.element_size() for p in reference.model.layers.parameters())
     # Each span's program went (its graph: tens of KB here, more than these tiny layers' weights), no weight did.
     assert client.weight_bytes_sent == 0 and client.program_bytes_sent < layers
+
+
+@pytest.mark.swarm
+def test_a_client_with_a_slim_folder_generates_from_workers_that_keep_the_checkpoint(swarm, client_for, tmp_path):
+    """A client with only a slim folder (`gpunet checkpoint slim`: config, tokenizer, ends, hashes) and two workers:
+    one keeps the checkpoint, the other fetches each tensor of its span from it. HF's tokens, and not one weight
+    byte from the client, which has none; with no worker that keeps it, the request fails saying so."""
+    from typer.testing import CliRunner
+
+    from gpunet.cli.app import app
+
+    folder = save_checkpoint(tmp_path / "models" / "llama", "llama", seed=9)
+    result = CliRunner().invoke(app, ["checkpoint", "slim", str(folder), str(tmp_path / "slim")])
+    assert result.exit_code == 0, result.output
+    holder = swarm.start_worker("--models-dir", str(tmp_path / "models"))
+    bare = swarm.start_worker()
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2 and any(w.record.checkpoints for w in client.workers()),
+             30, "both workers, the holder's checkpoint in its record")
+    lm = client.causal_lm(tmp_path / "slim", max_length=MAX, spans=2)
+    _, ids, want = _hf_greedy(folder, "only the hashes travel", 10)
+    assert torch.equal(lm.generate(ids, max_new_tokens=10, do_sample=False), want)
+    assert client.weight_bytes_sent == 0
+    served = {w for row in lm.last.placement for _, _, w in row}
+    if swarm.worker_id(bare) in served:  # it fetched its span's tensors from the holder
+        bare.wait_for_line(r"Fetched \d+ weight\(s\) \(\d+ bytes\) from workers that keep their checkpoint", timeout=30)
+
+    holder.terminate()
+    wait_for(lambda: [w.id for w in client.workers(refresh=True)] == [swarm.worker_id(bare)], 60, "the bare worker")
+    other = save_checkpoint(tmp_path / "other", "llama", seed=10)  # spans no worker has run yet
+    result = CliRunner().invoke(app, ["checkpoint", "slim", str(other), str(tmp_path / "slim2")])
+    lm2 = client.causal_lm(tmp_path / "slim2", max_length=MAX, spans=1)
+    with pytest.raises(GpunetError, match="only by its hash"):
+        lm2.generate(ids, max_new_tokens=2)
 
 
 @pytest.mark.swarm

@@ -20,7 +20,7 @@ import typer.core
 from rich.console import Console
 
 from gpunet._version import __version__
-from gpunet.cli import ledger
+from gpunet.cli import checkpoint, ledger
 from gpunet.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, handle_errors, print_error
 from gpunet.cli.options import (
     AnnounceMaddrs,
@@ -56,6 +56,8 @@ if hasattr(typer.core.TyperArgument, "_usage_display_name"):  # Typer's own rend
     typer.core.TyperArgument._usage_display_name = _usage_name
 
 app.add_typer(ledger.app, name="ledger", help="Read, verify, export and merge this node's ledger of receipts.")
+app.add_typer(checkpoint.app, name="checkpoint", help="Checkpoint folders for serving language models (slim copies "
+              "for clients).")
 
 @app.command()
 def version() -> None:

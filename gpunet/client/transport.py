@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from gpunet import protocol
 from gpunet.client.jobs import MAX_OUTPUT_BYTES, Delivery, JobRequest, Verdict
-from gpunet.errors import GpunetError, ProtocolError
+from gpunet.errors import GpunetError, ProtocolError, WeightsNotHeld
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
@@ -409,7 +409,7 @@ class P2PTransport(BaseTransport):
         own: a worker cannot ask this client for anything else). Asked for the first time on this stream while
         workers keep their checkpoint, the answer names those instead (TensorHolders); asked again, the bytes go.
         ``asked``: what this stream asked for before (added to here)."""
-        found = [request.weights(sha) if request.weights is not None else None for sha in ask.tensors]
+        found = [_weight(request, sha) for sha in ask.tensors]
         if any(f is None for f in found) or ask.program or ask.inputs or len(set(ask.tensors)) < len(ask.tensors):
             raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name (or one twice)")
         # Other workers that have them: those that keep their checkpoint, and those this client sent them to or
@@ -427,6 +427,9 @@ class P2PTransport(BaseTransport):
             grants = tuple((peer, proof(token, PIECE, peer, worker_id)) for peer in holders if peer in had)
             await protocol.write(writer, TensorHolders(holders, grants, token))
             return 0
+        not_held = next((f for f in found if isinstance(f, WeightsNotHeld)), None)
+        if not_held is not None:  # no holder named, or none delivered: this worker cannot run it
+            raise not_held
         total = sum(memoryview(f).nbytes for f in found)
         await protocol.write(writer, Payload(None, None, total, token=token))
         for data in found:
@@ -565,3 +568,14 @@ class P2PTransport(BaseTransport):
 
 class _UseStream(GpunetError):
     """The worker cannot take this job through the unary door (it lacks the program, or the outputs are large)."""
+
+
+def _weight(request: JobRequest, sha: str):
+    """A weight's bytes for a worker that asks: None when the job does not name it, WeightsNotHeld (returned, not
+    raised: holders may deliver it) when this client holds only its hash."""
+    if request.weights is None:
+        return None
+    try:
+        return request.weights(sha)
+    except WeightsNotHeld as e:
+        return e

@@ -31,6 +31,12 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 #: The index file's format; a cache of another version is ignored (rebuilt).
 INDEX_VERSION = 1
+#: In a slim checkpoint folder (``gpunet checkpoint slim``): every tensor of the whole checkpoint, by name, hash,
+#: dtype and shape, for a client that holds only the ends it runs itself.
+WEIGHTS_LIST = "gpunet-weights.json"
+WEIGHTS_LIST_VERSION = 1
+#: The most bytes of a weights list read (a 70B model's is a few hundred KB).
+MAX_WEIGHTS_LIST_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,57 @@ def checkpoint_id(hashes: Iterable[str]) -> str:
     for digest in sorted(set(hashes)):
         h.update(bytes.fromhex(digest))
     return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ListedTensor:
+    """A tensor of a checkpoint as a weights list names it (its bytes may be nowhere on this machine)."""
+
+    name: str
+    sha256: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def write_weights_list(folder: str | Path, index: "CheckpointIndex") -> Path:
+    """The weights list of the checkpoint ``index`` holds (one folder), written into ``folder``."""
+    listed = [[name, sha, loc.dtype, list(loc.shape)] for name, (sha, loc) in sorted(index.named().items())]
+    path = Path(folder) / WEIGHTS_LIST
+    path.write_text(json.dumps({"version": WEIGHTS_LIST_VERSION, "checkpoint": index.id, "tensors": listed},
+                               indent=0) + "\n")
+    return path
+
+
+def read_weights_list(folder: str | Path) -> dict[str, ListedTensor] | None:
+    """A folder's weights list by tensor name (None: it has none). ValueError, saying what, when it is malformed or
+    its checkpoint id does not match its hashes."""
+    path = Path(folder) / WEIGHTS_LIST
+    if not path.is_file():
+        return None
+    if path.stat().st_size > MAX_WEIGHTS_LIST_BYTES:
+        raise ValueError(f"{path} is over {MAX_WEIGHTS_LIST_BYTES} bytes")
+    try:
+        obj = json.loads(path.read_text())
+        if not isinstance(obj, dict) or obj.get("version") != WEIGHTS_LIST_VERSION:
+            raise ValueError(f"version {obj.get('version') if isinstance(obj, dict) else None!r}, not "
+                             f"{WEIGHTS_LIST_VERSION}")
+        out: dict[str, ListedTensor] = {}
+        for name, sha, dtype, shape in obj["tensors"]:
+            if not (isinstance(name, str) and isinstance(sha, str) and len(sha) == 64
+                    and all(c in "0123456789abcdef" for c in sha) and dtype in tensors.DTYPES
+                    and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise ValueError(f"a malformed entry for {str(name)[:80]!r}")
+            if name in out:
+                raise ValueError(f"{name!r} is listed twice")
+            out[name] = ListedTensor(name, sha, dtype, tuple(shape))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a weights list: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path} is not a weights list: {e}") from None
+    if obj.get("checkpoint") != checkpoint_id(t.sha256 for t in out.values()):
+        raise ValueError(f"{path} names checkpoint {str(obj.get('checkpoint'))[:40]!r}, but its hashes make "
+                         f"{checkpoint_id(t.sha256 for t in out.values())}")
+    return out
 
 
 class CheckpointIndex:
@@ -208,6 +265,15 @@ class CheckpointIndex:
             return None
         return memoryview(mapped)[loc.offset:loc.offset + loc.length]
 
+    def named(self) -> dict[str, tuple[str, TensorLocation]]:
+        """Every tensor by the name its file gives it: (sha256, where). For one checkpoint folder, whose names are
+        unique; a name found twice keeps its first file, in path order."""
+        out: dict[str, tuple[str, TensorLocation]] = {}
+        for path in sorted(self._files):
+            for sha, name, offset, length, dtype, shape in self._files[path]["tensors"]:
+                out.setdefault(name, (sha, TensorLocation(path, offset, length, dtype, tuple(shape), name)))
+        return out
+
     @property
     def id(self) -> str:
         """The checkpoint id of everything indexed (for one checkpoint folder: that checkpoint's, as a worker that
@@ -250,13 +316,75 @@ def _hash_file(path: str) -> list[list]:
     header = read_header(path)
     if not header:
         return out
-    with open(path, "rb") as f:
-        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            view = memoryview(mapped)
-            try:
-                for name, dtype, shape, offset, length in header:
-                    out.append([tensor_sha256(view[offset:offset + length]), name, offset, length, dtype,
-                                list(shape)])
-            finally:
-                view.release()
+    # Read through one buffer, not mapped: a mapping's pages count as the process's memory until it is closed, so
+    # hashing a 600 MB file that way grew a client's peak memory by 600 MB.
+    buffer = memoryview(bytearray(_HASH_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        for name, dtype, shape, offset, length in header:
+            hasher, done = hashlib.sha256(), 0
+            f.seek(offset)
+            while done < length:
+                n = f.readinto(buffer[:min(_HASH_CHUNK, length - done)])
+                if not n:
+                    raise ValueError(f"{name} ends past the end of the file")
+                hasher.update(buffer[:n])
+                done += n
+            out.append([hasher.hexdigest(), name, offset, length, dtype, list(shape)])
     return out
+
+
+_HASH_CHUNK = 8 * 2**20
+
+
+class StandIns:
+    """Tensors that stand for a checkpoint's tensors without holding their bytes, for tracing a model whose weights
+    stay on disk (a client tracing a 70B model's decoder layers needs their shapes, not their 140 GB): fake tensors
+    (torch's FakeTensor, CPU as far as tracing can tell), each remembered with the :class:`WeightRef` of the file
+    tensor it stands for. :meth:`gpunet.Job.from_module` names such a weight by reference; its bytes are read from
+    the index when a worker or a local check asks for them."""
+
+    def __init__(self, index: CheckpointIndex, checkpoint: str | None = None):
+        """``checkpoint``: the id of the checkpoint the stand-ins are from (by default, the index's)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.index = index
+        self.checkpoint = checkpoint or index.id
+        # Real tensors (the ends' weights, rotary tables, inputs) meet stand-ins in one computation while tracing.
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self._refs: dict[int, tuple[object, object]] = {}  # id(stand-in) -> (stand-in, WeightRef)
+
+    def make(self, t: ListedTensor, parameter: bool = True):
+        """A stand-in for the checkpoint's tensor ``t``: a module's parameter, or a buffer."""
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        from gpunet.job.format import WeightRef
+
+        meta = torch.empty(t.shape, dtype=tensors.DTYPES[t.dtype], device="meta")
+        fake = FakeTensor(self.mode, meta, torch.device("cpu"))
+        if parameter:  # (a Parameter of a tensor subclass is a new object: the one kept is the one the module holds)
+            fake = torch.nn.Parameter(fake, requires_grad=False)
+        self._refs[id(fake)] = (fake, WeightRef(t.name, t.sha256, t.dtype, t.shape))
+        return fake
+
+    def ref_of(self, t) -> "object | None":
+        """The WeightRef a tensor stands for (named after the file's tensor; the program renames it), or None."""
+        found = self._refs.get(id(t))
+        return found[1] if found is not None and found[0] is t else None
+
+    def names(self) -> set[str]:
+        """The file names of the tensors stood in for."""
+        return {ref.name for _, ref in self._refs.values()}
+
+    def is_stand_in(self, t) -> bool:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        return isinstance(t, FakeTensor)
+
+    def read(self, sha: str) -> memoryview | None:
+        """A stood-in tensor's bytes from the files (None: this machine holds only its hash)."""
+        return self.index.read(sha)
+
+    def fake(self, t):
+        """A real tensor as this mode's fake one (an example input traced beside stand-ins)."""
+        return self.mode.from_tensor(t)

@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from gpunet.job import tensors
+from gpunet.job.checkpoints import StandIns
 from gpunet.job.format import (
     DEFAULT_MAX_PROGRAM_BYTES,
     DimRange,
@@ -44,11 +45,13 @@ class Job:
         self.parts = parts
         self.manifest = manifest or Manifest.from_json(parts.manifest)
         self._program = None  # worker-side validated program, built on first run_locally/estimate
+        self._meta_program = None  # the same with weights named by reference left meta: for estimates
         self._out_spec = None  # torch's TreeSpec of the outputs, when traced in this process: the very output types
         self._referenced: dict[str, memoryview] = {}  # the bytes of the weights named by reference, by sha256
         #: The checkpoint those weights come from (checkpoints.checkpoint_id), when named from one: workers that
         #: advertise it load them from disk, and routing prefers them.
         self.checkpoint: str | None = None
+        self._stand_ins: StandIns | None = None  # traced from a checkpoint's stand-ins: its index reads their bytes
 
     # --- building ------------------------------------------------------------------------------------------------
 
@@ -56,15 +59,18 @@ class Job:
     def from_module(
         cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor] = (), dynamic_shapes: Any = None,
         limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None, state: int = 0,
+        stand_ins: StandIns | None = None,
     ) -> "Job":
         """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
         ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple);
         ``example_kwargs``: keyword inputs (``input_ids=…, attention_mask=…``), passed to ``submit`` by name too.
         With keyword inputs, ``dynamic_shapes`` is a dict by input name. ``state``: the module is a stateful block,
-        ``forward(x, *state) -> (y, *new_state)`` with this many state tensors (docs/sessions.md)."""
+        ``forward(x, *state) -> (y, *new_state)`` with this many state tensors (docs/sessions.md). ``stand_ins``:
+        the module's weights include stand-ins for a checkpoint's tensors (no bytes here), named by reference."""
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
         t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
+        refs, weights = _stood_in(t, stand_ins)
         manifest = Manifest(
             torch_version=torch.__version__,
             ops=t.ops,
@@ -75,6 +81,7 @@ class Job:
             limits=limits or JobLimits(),
             output_tree=t.output_tree,
             state=state,
+            refs=refs,
         )
         if state:
             from gpunet.errors import JobRejected, UnsupportedProgram
@@ -83,9 +90,11 @@ class Job:
                 check_state(state, manifest.inputs, manifest.outputs, manifest.output_structure, manifest.output_tree)
             except JobRejected as e:
                 raise UnsupportedProgram(f"not a stateful block: {e.reason}") from None
-        parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(t.weights))
+        parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(weights))
         job = cls(parts, manifest)
         job._out_spec = t.out_spec
+        if refs:
+            job._stand_ins, job.checkpoint = stand_ins, stand_ins.checkpoint
         return job
 
     @classmethod
@@ -114,12 +123,23 @@ class Job:
         job = Job(ProgramParts(manifest.to_json(), self.parts.graph, tensors.encode(kept)), manifest)
         job._out_spec = self._out_spec
         job._referenced = {**self._referenced, **referenced}
-        job.checkpoint = getattr(known, "id", None)
+        job._stand_ins = self._stand_ins
+        job.checkpoint = getattr(known, "id", None) or self.checkpoint
         return job
 
     def referenced(self, sha: str) -> memoryview | None:
-        """The bytes of a weight this job names by reference (None: not one of its own), for a worker that asks."""
-        return self._referenced.get(sha)
+        """The bytes of a weight this job names by reference (None: not one of its own), for a worker that asks.
+        WeightsNotHeld: one of its own that this machine holds only by hash (a slim checkpoint folder)."""
+        found = self._referenced.get(sha)
+        if found is None and self._stand_ins is not None and any(r.sha256 == sha for r in self.manifest.refs):
+            found = self._stand_ins.read(sha)
+            if found is None:
+                from gpunet.errors import WeightsNotHeld
+
+                raise WeightsNotHeld(f"weight {sha[:12]} is held here only by its hash (a slim checkpoint folder): "
+                                     f"it runs on workers that keep checkpoint {self.checkpoint}, or fetch it from "
+                                     "one that does")
+        return found
 
     # --- bytes -----------------------------------------------------------------------------------------------------
 
@@ -220,13 +240,21 @@ class Job:
     def _validated(self):
         if self._program is None:
             self._program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS,
-                                         refs=lambda r: self._referenced.get(r.sha256, b""))
+                                         refs=lambda r: self.referenced(r.sha256) or b"")
         return self._program
+
+    def _estimator(self):
+        """The program for estimates: weights named by reference stay meta (nothing read for a dry run)."""
+        if not self.manifest.refs:
+            return self._validated()
+        if self._meta_program is None:
+            self._meta_program = load_program(self.parts, device="cpu", limits=_LOCAL_LIMITS, refs_as_meta=True)
+        return self._meta_program
 
     def estimate(self, *inputs: torch.Tensor, **named: torch.Tensor) -> Estimate:
         """FLOPs and peak memory from the worker's dry run on meta tensors (same numbers the worker bills); inputs go
         by position or by name, as for :meth:`run_locally`."""
-        return self._validated().estimate(list(self.bind(inputs, named)))
+        return self._estimator().estimate(list(self.bind(inputs, named)))
 
     def run_locally(self, *inputs: torch.Tensor, **named: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run through exactly the worker's validation, dry run and interpreter, in this process, on CPU."""
@@ -249,3 +277,21 @@ def _as_tensor(i: int, x) -> torch.Tensor:
         raise UsageError(f"input {i} is a {type(x).__name__}; pass each input as a torch.Tensor (or numpy array), "
                          "one positional argument per input the job was traced with")
     return x
+
+
+def _stood_in(t, stand_ins: StandIns | None) -> tuple[tuple[WeightRef, ...], dict[str, torch.Tensor]]:
+    """A traced module's weights split into those named by reference (stand-ins for a checkpoint's tensors, under
+    the program's own weight names) and those carried."""
+    refs, carried = [], {}
+    for name, w in t.weights.items():
+        ref = stand_ins.ref_of(t.sources[name]) if stand_ins is not None else None
+        if ref is not None:
+            refs.append(dataclasses.replace(ref, name=name))
+        elif stand_ins is not None and stand_ins.is_stand_in(w):
+            from gpunet.errors import UnsupportedProgram
+
+            raise UnsupportedProgram(f"weight {name} was computed from a checkpoint's weights the client does not "
+                                     "hold (a tied or derived tensor): load the checkpoint whole")
+        else:
+            carried[name] = w
+    return tuple(refs), carried

@@ -41,6 +41,8 @@ class Traced:
     #: JSON form (see gpunet.job.format.check_output_tree); None for a tensor or a flat tuple.
     output_tree: Any = None
     out_spec: Any = None  # the same as torch's TreeSpec: rebuilds the very types, in this process
+    #: The module's own tensor behind each weight (a stand-in for a checkpoint's tensor is known by identity).
+    sources: dict[str, torch.Tensor] | None = None
 
 
 #: How deep, and how many containers, an output structure may have.
@@ -231,6 +233,9 @@ def _unaliased(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     seen: set[int] = set()
     out = []
     for x in inputs:
+        if isinstance(x, torch._subclasses.fake_tensor.FakeTensor):  # no memory: each stands alone
+            out.append(x)
+            continue
         ptr = x.untyped_storage().data_ptr() if x.numel() else None
         if ptr is not None and ptr in seen:
             x = x.clone()
@@ -410,6 +415,7 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
     sig = ep.graph_signature
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     weights: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
     input_names: list[str] = []
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -419,6 +425,7 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
             t = ep.state_dict.get(spec.target)
             if t is None:
                 t = ep.constants[spec.target]
+            sources[name] = t
             weights[name] = t.detach().contiguous()
         else:
             raise UnsupportedProgram(f"input {name} of kind {spec.kind.name} is not supported")
@@ -498,4 +505,5 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
         if not (out_spec.type in (tuple, list) and all(c.is_leaf() for c in _children(out_spec))):
             tree = _output_tree(out_spec)
     graph = {"inputs": input_names, "weights": list(weights), "nodes": nodes, "outputs": [_encode_arg(a) for a in out_args]}
-    return Traced(graph, ops, inputs, outputs, structure, dims, weights, tree, out_spec if tree is not None else None)
+    return Traced(graph, ops, inputs, outputs, structure, dims, weights, tree, out_spec if tree is not None else None,
+                  sources)

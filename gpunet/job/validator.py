@@ -260,12 +260,14 @@ def _tighter(a: int | None, b: int | None) -> int | None:
 
 def load_program(
     data: bytes | ProgramParts, *, device: str | torch.device = "cpu", limits: WorkerLimits = WorkerLimits(),
-    expected_hash: str | None = None, refs: Callable[[WeightRef], Any] | None = None,
+    expected_hash: str | None = None, refs: Callable[[WeightRef], Any] | None = None, refs_as_meta: bool = False,
 ) -> Program:
     """Parse and validate program bytes, and load its weights onto ``device``. Runs nothing from the job.
 
     ``refs``: the bytes of a weight the program names by reference (``Manifest.refs``), as a buffer; each is checked
-    against its hash here, before it loads (WeightsMismatch names every one that does not match).
+    against its hash here, before it loads (WeightsMismatch names every one that does not match). ``refs_as_meta``:
+    those weights are meta tensors instead, for a program only estimated (a client estimating a span of a model
+    whose layers stay on disk), never run.
 
     Raises JobRejected (and nothing else) for anything malformed, forbidden or over a limit.
     """
@@ -282,7 +284,10 @@ def load_program(
     if device.type == "cpu" and any(w.data_ptr() % tensors.ALIGN for w in weights.values() if w.numel()):
         # One memcpy into aligned memory instead of a copy per misaligned tensor (see interpreter.to_device).
         weights = tensors.decode(tensors.aligned_copy(parts.weights), max_total_bytes=limits.max_program_bytes)
-    if manifest.refs:
+    if manifest.refs and refs_as_meta:
+        weights.update({r.name: torch.empty(r.shape, dtype=tensors.DTYPES[r.dtype], device="meta")
+                        for r in manifest.refs})
+    elif manifest.refs:
         weights.update(_resolved(manifest, weights, refs, limits, len(parts.weights)))
     names = graph["weights"]
     if sorted(weights) != sorted(names):

@@ -60,19 +60,52 @@ async def _all(coros) -> list:
 def load(path: str | Path, dtype: torch.dtype | None = None):
     """A checkpoint folder in HF layout (config.json, safetensors, tokenizer files): the model and its tokenizer,
     nothing fetched from any hub and no code from the folder run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per load, on a gateway's terminal or a demo's output
+    path = check_folder(path)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
+                                                 dtype=dtype if dtype is not None else "auto")
+    return model, load_tokenizer(path)
+
+
+def folder_index(core, folder: str | Path):
+    """A checkpoint folder's tensors by content hash, its hashes kept in the client's data dir (one file per folder)
+    so that opening it again reads only what changed, not the whole checkpoint."""
+    import hashlib
+
+    from gpunet.job.checkpoints import CheckpointIndex
+
+    folder = Path(folder).resolve()
+    data_dir = getattr(core, "data_dir", None)
+    cache = None
+    if data_dir is not None:
+        cache = Path(data_dir) / "checkpoints" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:24]}.json"
+    return CheckpointIndex([folder], cache=cache).scan()
+
+
+def need_transformers() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("serving a language model needs transformers: pip install 'gpunet[llm]'")
+
+
+def check_folder(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise UsageError(f"{path} is not a checkpoint folder (no config.json there)")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, trust_remote_code=False,
-                                                 dtype=dtype if dtype is not None else "auto")
-    tokenizer = None
+    return path
+
+
+def load_tokenizer(path: Path):
+    """The folder's tokenizer, if it has one (None: generate takes and returns token ids)."""
+    from transformers import AutoTokenizer
+
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    return model, tokenizer
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    return None
 
 
 def open_model(model_or_path, tokenizer=None, dtype: torch.dtype | None = None):
@@ -80,10 +113,7 @@ def open_model(model_or_path, tokenizer=None, dtype: torch.dtype | None = None):
     left as it was)."""
     import copy
 
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is None:
-        raise UsageError("serving a language model needs transformers: pip install 'gpunet[llm]'")
+    need_transformers()
     if isinstance(model_or_path, (str, Path)):
         model, found = load(model_or_path, dtype)
         return model, tokenizer if tokenizer is not None else found
@@ -97,7 +127,7 @@ class CausalLMCore:
     """A causal LM served by the swarm: embeddings and head here, decoder layers in spans on workers."""
 
     def __init__(self, core, model, tokenizer=None, *, max_length: int | None = None, spans: int | None = None,
-                 requirements: Requirements | None = None):
+                 requirements: Requirements | None = None, stand_ins=None):
         from torch.export import Dim
 
         if not hasattr(model, "config") or not hasattr(model, "generation_config"):
@@ -117,7 +147,7 @@ class CausalLMCore:
         dtype = next(self.model.parameters()).dtype
         example = torch.zeros(1, 2, config.hidden_size, dtype=dtype)
         self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
-                                         spans, None, requirements)
+                                         spans, None, requirements, stand_ins)
 
     @classmethod
     def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, by_reference: bool = True,
@@ -126,24 +156,43 @@ class CausalLMCore:
         keeps only its ends in memory once traced: its decoder layers' weights live in the spans' programs (sent to
         the workers, and again to a worker that takes over a span), so the client holds them once, not twice.
         ``by_reference`` (a folder): the spans name the checkpoint's tensors by content hash, so workers that keep
-        the checkpoint load them from disk (a private model's never are: it carries its weights)."""
+        the checkpoint load them from disk (a private model's never are: it carries its weights). Then the decoder
+        layers are not even read: the model is built without them (:mod:`gpunet.client.llm.skeleton`) and the
+        client's memory holds its ends only, when the checkpoint's tensors are the model's as they are."""
+        requirements = kwargs.get("requirements")
+        by_reference = by_reference and not (requirements is not None and requirements.private)
+        if isinstance(model_or_path, (str, Path)) and by_reference:
+            lm = cls._open_thin(core, Path(model_or_path), tokenizer, dtype, **kwargs)
+            if lm is not None:
+                return lm
         model, tok = open_model(model_or_path, tokenizer, dtype)
         lm = cls(core, model, tok, **kwargs)
         if isinstance(model_or_path, (str, Path)):
             lm.ends.layers.to("meta")
-            requirements = kwargs.get("requirements")
-            if by_reference and not (requirements is not None and requirements.private):
+            if by_reference:
                 lm.name_weights_by_reference(model_or_path)
         return lm
+
+    @classmethod
+    def _open_thin(cls, core, path: Path, tokenizer, dtype, **kwargs) -> "CausalLMCore | None":
+        """A folder's model with its decoder layers left on disk (None: it must be loaded whole)."""
+        from gpunet.client.llm import skeleton
+
+        need_transformers()
+        check_folder(path)
+        opened = skeleton.open_skeleton(path, dtype, folder_index(core, path))
+        if opened is None:
+            return None
+        model, stand_ins = opened
+        tok = tokenizer if tokenizer is not None else load_tokenizer(path)
+        return cls(core, model, tok, stand_ins=stand_ins, **kwargs)
 
     def name_weights_by_reference(self, folder: str | Path) -> None:
         """Each span names the weights it shares with the checkpoint's files by their content hash instead of carrying
         them (docs/weights.md): a worker that keeps the checkpoint in its ``--models-dir`` loads them from its own
         disk, and only a worker that does not asks this client for them. A weight the spans hold in another dtype
         than the file's (``dtype=``) matches nothing, and is carried."""
-        from gpunet.job.checkpoints import CheckpointIndex
-
-        index = CheckpointIndex([folder]).scan()
+        index = folder_index(self.seq.core, folder)
         for span in self.seq.spans:
             span.job = span.job.by_reference(index)
 

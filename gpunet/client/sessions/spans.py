@@ -141,8 +141,10 @@ def _dims_of(job, output: int = 0) -> dict[int, Any] | None:
 
 
 def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any,
-                ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None) -> list[Span]:
-    """Trace each range of blocks into a job, feeding each the previous span's output on the example input."""
+                ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None,
+                stand_ins=None) -> list[Span]:
+    """Trace each range of blocks into a job, feeding each the previous span's output on the example input.
+    ``stand_ins`` (gpunet.job.checkpoints.StandIns): the blocks' weights stand for a checkpoint's tensors."""
     from gpunet.job import Job
 
     if isinstance(example_inputs, torch.Tensor):
@@ -169,7 +171,8 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         except Exception as e:
             raise UnsupportedProgram(f"blocks {start}-{stop - 1} fail on the example input: {type(e).__name__}: "
                                      f"{str(e)[:500]}") from e
-        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state))
+        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state),
+                              stand_ins=stand_ins)
         x = out[0] if state else out
         x_dims = _dims_of(job)
         spans.append(Span(start, stop, job, state, all(not t.any() for t in state),
