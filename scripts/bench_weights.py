@@ -79,6 +79,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="program size in GiB (default 1)")
     parser.add_argument("--cold-workers", type=int, default=10, help="workers of the cold start (default 10)")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="part 5 in a lab of hosts on links of this many Mbit/s up and down (needs root, ip and "
+                             "tc; default: loopback)")
     parser.add_argument("--parts", default="peers,reference,cold,spans,client",
                         help="which parts to run, of peers (1-3), reference (4), cold (5), spans (6), client (7); "
                              "default all")
@@ -99,7 +102,7 @@ def main() -> None:
     if "reference" in parts:
         figures.update(by_reference(model_state, x, job))
     if "cold" in parts:
-        figures.update(cold_start(job, x, args.cold_workers, figures["loopback_tcp_mb_s"]))
+        figures.update(cold_start(job, x, args.cold_workers, figures["loopback_tcp_mb_s"], args.link_mbit))
     if "spans" in parts:
         figures.update(span_only())
     if "client" in parts:
@@ -128,7 +131,9 @@ def main() -> None:
     if "cold" in parts:
         print(f"cold start of {figures['cold_workers']} workers at once ({figures['cold_jobs']} jobs): the client sent "
               f"{figures['cold_client_copies']:.2f} copies (target <= 1.2); all had run one in {figures['cold_all_s']:.1f} s, "
-              f"{figures['cold_vs_one_copy']:.1f}x one copy over raw loopback TCP ({figures['cold_one_copy_s']:.2f} s)")
+              f"{figures['cold_vs_one_copy']:.1f}x one copy over raw "
+              + (f"TCP on one {args.link_mbit:g} Mbit/s link" if args.link_mbit else "loopback TCP")
+              + f" ({figures['cold_one_copy_s']:.2f} s)")
         for worker, b in figures["cold_per_worker"].items():
             print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers, served {b['served'] / 1e6:.0f} MB")
     if "spans" in parts:
@@ -250,47 +255,98 @@ def from_peers(job: gpunet.Job, x: torch.Tensor) -> dict:
     return figures
 
 
-def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: float) -> dict:
-    """Part 5: ``workers`` fresh workers and four jobs each, sent at once."""
+#: Part 5's client when it runs in a lab host: the saved job, four per worker sent at once; prints what it saw.
+_COLD_CLIENT = """
+import json, sys, time
+from pathlib import Path
+import torch, gpunet
+from gpunet.testing import wait_for
+path, boot, network, workers, data_dir = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+job = gpunet.Job.load(path)
+x = torch.ones(job.manifest.inputs[0].shape)
+with gpunet.Client(initial_peers=[boot], network=network, data_dir=Path(data_dir)) as client:
+    wait_for(lambda: len(client.workers(refresh=True)) == workers, 300, f"{workers} workers known")
+    t0 = time.perf_counter()
+    futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=1800)) for _ in range(4 * workers)]
+    for f in futures:
+        f.result(timeout=1800)
+    print(json.dumps({"all_s": time.perf_counter() - t0, "ran_on": len({f.worker_id for f in futures}),
+                      "sent": client.program_bytes_sent}))
+"""
+
+
+def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: float,
+               link_mbit: float | None = None) -> dict:
+    """Part 5: ``workers`` fresh workers and four jobs each, sent at once. ``link_mbit``: every worker and the
+    client on a host of its own in a LinkLab, each behind a link of that speed up and down (gpunet.testing.netns),
+    where bandwidth and not the CPUs is the limit; the baseline is then one copy over one such link, raw TCP."""
+    import contextlib
+    import subprocess
+
+    from gpunet.testing.netns import LinkLab
+
     size = len(job.program_bytes())
-    out: dict = {"cold_workers": workers, "cold_jobs": 4 * workers}
-    with tempfile.TemporaryDirectory() as tmp, LocalNetwork(Path(tmp), network="bench-weights-cold",
-                                                            heartbeat=2.0) as net:
-        net.start_bootstrap()
-        procs = net.start_workers(workers)
-        with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=Path(tmp) / "client") \
-                as client:
-            wait_for(lambda: len(client.workers(refresh=True)) == workers, 120, f"{workers} workers known")
-            t0 = time.perf_counter()
-            futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=1800))
-                       for _ in range(4 * workers)]
-            for f in futures:
-                f.result(timeout=1800)
-            out["cold_all_s"] = round(time.perf_counter() - t0, 2)
-            out["cold_ran_on"] = len({f.worker_id for f in futures})
-            out["cold_client_copies"] = round(client.program_bytes_sent / size, 2)
+    out: dict = {"cold_workers": workers, "cold_jobs": 4 * workers, "cold_link_mbit": link_mbit}
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        net = stack.enter_context(LocalNetwork(tmp, network="bench-weights-cold", heartbeat=2.0))
+        lab = stack.enter_context(LinkLab(workers + 1, up_mbit=link_mbit, down_mbit=link_mbit)) if link_mbit \
+            else None
+        if lab is None:
+            net.start_bootstrap()
+            procs = net.start_workers(workers)
+            with gpunet.Client(initial_peers=[net.bootstrap_addr], network=net.network, data_dir=tmp / "client") \
+                    as client:
+                wait_for(lambda: len(client.workers(refresh=True)) == workers, 120, f"{workers} workers known")
+                t0 = time.perf_counter()
+                futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=1800))
+                           for _ in range(4 * workers)]
+                for f in futures:
+                    f.result(timeout=1800)
+                out["cold_all_s"] = round(time.perf_counter() - t0, 2)
+                out["cold_ran_on"] = len({f.worker_id for f in futures})
+                out["cold_client_copies"] = round(client.program_bytes_sent / size, 2)
+        else:
+            out["cold_one_copy_s"] = round(lab.tcp_seconds(lab.hosts[0], lab.hosts[1], lab.addrs[1], size), 2)
+            net.start_bootstrap(ns=lab.public, host_maddrs=f"/ip4/{lab.public_addr}/tcp/0")
+            procs = [net.start_worker(ns=lab.hosts[i], host_maddrs=f"/ip4/{lab.addrs[i]}/tcp/0", wait_online=False)
+                     for i in range(1, workers + 1)]
+            for proc in procs:
+                net.wait_online(proc)
+            job.save(tmp / "job.gpunet")
+            done = subprocess.run(lab.exec_argv(lab.hosts[0], [
+                sys.executable, "-c", _COLD_CLIENT, str(tmp / "job.gpunet"), net.bootstrap_addr, net.network,
+                str(workers), str(tmp / "client")]), capture_output=True, text=True, timeout=3600,
+                cwd=Path(__file__).resolve().parent.parent)
+            if done.returncode != 0:
+                raise RuntimeError(f"the lab's client failed: {done.stderr[-2000:]}")
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            out["cold_all_s"], out["cold_ran_on"] = round(got["all_s"], 2), got["ran_on"]
+            out["cold_client_copies"] = round(got["sent"] / size, 2)
         per = {}
         for proc in procs:
             fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer", proc.output)
             served = net.worker_id(proc)[-8:]
             per[served] = {"fetched": int(fetched.group(1)) if fetched else 0,
                            "sources": int(fetched.group(2)) if fetched else 0}
-        status = {w["id"][-8:]: w["peer_bytes"] for w in _status(net)}
+        status = {w["id"][-8:]: w["peer_bytes"] for w in _status(net, lab)}
         for name, b in per.items():
             b["served"] = status.get(name, {}).get("served", 0)
         out["cold_per_worker"] = per
-    out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
+    if link_mbit is None:
+        out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
     out["cold_vs_one_copy"] = round(out["cold_all_s"] / out["cold_one_copy_s"], 1)
     return out
 
 
-def _status(net) -> list[dict]:
+def _status(net, lab=None) -> list[dict]:
     import subprocess
 
     from gpunet.testing.localnet import gpunet_cmd
 
-    done = subprocess.run(gpunet_cmd("status", "--network", net.network, "--initial-peers", net.bootstrap_addr,
-                                     "--json"), capture_output=True, text=True, timeout=120)
+    argv = gpunet_cmd("status", "--network", net.network, "--initial-peers", net.bootstrap_addr, "--json")
+    done = subprocess.run(lab.exec_argv(lab.public, argv) if lab is not None else argv, capture_output=True,
+                          text=True, timeout=120)
     return json.loads(done.stdout)["workers"] if done.returncode == 0 else []
 
 

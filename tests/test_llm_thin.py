@@ -54,12 +54,29 @@ def _greedy(lm: CausalLMCore, prompt: torch.Tensor, new: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+#: One family of each kind the thin path meets: plain; tied embeddings and Conv1D layers; renamed keys (embed_out);
+#: ALiBi; sliding windows and soft-capping; experts (loaded whole). Every family's loading is classified below.
+KINDS = ["llama", "gpt2", "gpt_neox", "bloom", "gemma2", "mixtral"]
+
+
+def test_twelve_of_the_fourteen_families_open_thin(tmp_path):
+    """Which families a folder opens thin (decoder layers as stand-ins): all but the experts' ones."""
+    from gpunet.client.llm.skeleton import model_files, open_skeleton
+
+    thin = set()
+    for family in sorted(FAMILIES):
+        folder = save_checkpoint(tmp_path / family, family, seed=5)
+        if open_skeleton(folder, None, CheckpointIndex([folder], files=model_files(folder)).scan()) is not None:
+            thin.add(family)
+    assert set(FAMILIES) - thin == CONVERTED
+
+
+@pytest.mark.parametrize("family", KINDS)
 def test_a_folder_is_served_without_reading_its_decoder_layers(family, tmp_path, caplog):
-    """Every family: HF's greedy tokens through the spans' programs; for those whose files hold the model's tensors
-    as they are, the client holds none of the decoder layers' bytes and every layer weight is named by reference
-    (the programs carry only computed tables: rotary frequencies); the experts' families are loaded whole, saying
-    why, and name what they can."""
+    """HF's greedy tokens through the spans' programs; for families whose files hold the model's tensors as they
+    are, the client holds none of the decoder layers' bytes and every layer weight is named by reference (the
+    programs carry only computed tables: rotary frequencies); the experts' families are loaded whole, saying why,
+    and name what they can."""
     folder = save_checkpoint(tmp_path / family, family, seed=5)
     reference, _ = load(folder)
     reference.config._attn_implementation = "eager"
@@ -183,3 +200,60 @@ def test_a_slim_folder_refuses_what_it_cannot_serve(tmp_path):
     listed.write_text(json.dumps(obj))
     with pytest.raises(UsageError, match="model.embed_tokens.weight with other bytes than"):
         CausalLMCore.open(_NoWorkers(), tmp_path / "slim", max_length=MAX, spans=1)
+
+
+def test_only_the_files_transformers_loads_are_the_model(tmp_path):
+    """A training run's folder keeps older checkpoints beside the model (checkpoint-500/): the thin client reads the
+    model's own files, as transformers does, so it traces the same programs as from a clean copy, its ends are the
+    model's, and a slim copy of it opens."""
+    folder = save_checkpoint(tmp_path / "run", "llama", seed=1)
+    save_checkpoint(folder / "checkpoint-500", "llama", seed=2)
+    clean = save_checkpoint(tmp_path / "clean", "llama", seed=1)
+    a = CausalLMCore.open(_NoWorkers(), folder, max_length=MAX, spans=2)
+    b = CausalLMCore.open(_NoWorkers(), clean, max_length=MAX, spans=2)
+    assert [s.job.program_hash for s in a.spans] == [s.job.program_hash for s in b.spans]
+    ids = torch.tensor([[3, 1, 4]])
+    assert torch.equal(a.ends.embed(ids, torch.arange(3)[None]), b.ends.embed(ids, torch.arange(3)[None]))
+    _slim(folder, tmp_path / "slim")
+    c = CausalLMCore.open(_NoWorkers(), tmp_path / "slim", max_length=MAX, spans=2)
+    assert [s.job.program_hash for s in c.spans] == [s.job.program_hash for s in b.spans]
+
+
+def test_a_file_changed_under_its_kept_hashes_is_not_served_stale(tmp_path, caplog):
+    """The client keeps a folder's hashes by each file's size and time. A file rewritten with both unchanged would
+    leave them stale: the ends it reads are checked against their hashes, and on a mismatch the folder is loaded
+    whole (its weights named by what they hold now), so the client never serves old layers with new ends."""
+    import os
+
+    from gpunet.job.checkpoints import read_header
+
+    folder = save_checkpoint(tmp_path / "llama", "llama", seed=1)
+    core = _NoWorkers(tmp_path / "client")
+    CausalLMCore.open(core, folder, max_length=MAX, spans=1)
+    path = folder / "model.safetensors"
+    st = path.stat()
+    _, _, _, offset, length = next(t for t in read_header(path) if t[0] == "model.embed_tokens.weight")
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 0xFF  # (not its first row: the padding token's, zeros)
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with caplog.at_level(logging.INFO, logger="gpunet.llm"):
+        lm = CausalLMCore.open(core, folder, max_length=MAX, spans=1)
+    assert "no longer holds model.embed_tokens.weight" in caplog.text
+    reference, _ = load(folder)
+    ids = torch.tensor([[0, 1, 2]])
+    with torch.no_grad():
+        want = reference.model.embed_tokens(ids)
+    assert torch.equal(lm.ends.embed(ids, torch.arange(3)[None]), want)
+
+
+def test_a_slim_client_cannot_check_spans_on_its_own_machine(tmp_path):
+    """verify='local-sample' and 'adaptive' replay spans on the client, which needs their weights: a slim folder
+    refuses them at the call, saying so, instead of returning steps nobody checked."""
+    from gpunet.errors import UsageError
+
+    whole = save_checkpoint(tmp_path / "whole", "llama", seed=1)
+    _slim(whole, tmp_path / "slim")
+    with pytest.raises(UsageError, match="replays spans on this machine"):
+        CausalLMCore.open(_NoWorkers(), tmp_path / "slim", max_length=MAX, spans=1,
+                          requirements=Requirements(verify="local-sample"))

@@ -424,7 +424,9 @@ class P2PTransport(BaseTransport):
             :protocol.MAX_HOLDERS]
         if asked is not None and holders and not asked.intersection(ask.tensors):
             asked.update(ask.tensors)
-            grants = tuple((peer, proof(token, PIECE, peer, worker_id)) for peer in holders if peer in had)
+            # A grant for every holder, not only those this client sent the weights to yet: one named for keeping
+            # the checkpoint may have been sent a tensor its own file got wrong by the time this worker asks it.
+            grants = tuple((peer, proof(token, PIECE, peer, worker_id)) for peer in holders)
             await protocol.write(writer, TensorHolders(holders, grants, token))
             return 0
         not_held = next((f for f in found if isinstance(f, WeightsNotHeld)), None)

@@ -100,8 +100,8 @@ def write_weights_list(folder: str | Path, index: "CheckpointIndex") -> Path:
     """The weights list of the checkpoint ``index`` holds (one folder), written into ``folder``."""
     listed = [[name, sha, loc.dtype, list(loc.shape)] for name, (sha, loc) in sorted(index.named().items())]
     path = Path(folder) / WEIGHTS_LIST
-    path.write_text(json.dumps({"version": WEIGHTS_LIST_VERSION, "checkpoint": index.id, "tensors": listed},
-                               indent=0) + "\n")
+    path.write_text(json.dumps({"version": WEIGHTS_LIST_VERSION, "checkpoint": checkpoint_id(t[1] for t in listed),
+                                "tensors": listed}, indent=0) + "\n")
     return path
 
 
@@ -140,10 +140,14 @@ def read_weights_list(folder: str | Path) -> dict[str, ListedTensor] | None:
 class CheckpointIndex:
     """Every tensor of the ``.safetensors`` files under some folders, by content hash."""
 
-    def __init__(self, roots: Iterable[str | Path], cache: str | Path | None = None):
-        """``roots``: the folders; ``cache``: the JSON file that keeps the hashes between runs (None: none kept)."""
+    def __init__(self, roots: Iterable[str | Path], cache: str | Path | None = None,
+                 files: Iterable[str] | None = None):
+        """``roots``: the folders; ``cache``: the JSON file that keeps the hashes between runs (None: none kept);
+        ``files``: only these file names at the top of each root (a model's own files, as transformers loads them:
+        not a training run's checkpoint-500/ beside them), instead of every safetensors file beneath it."""
         self.roots = [Path(r).resolve() for r in roots]
         self.cache = Path(cache) if cache is not None else None
+        self.only = None if files is None else set(files)
         self._by_hash: dict[str, TensorLocation] = {}
         self._files: dict[str, dict] = {}  # real path -> {"size", "mtime_ns", "folder", "tensors": [[sha, name, ...]]}
         self.skipped: list[str] = []  # what was not indexed, and why (symlinks out, unreadable files)
@@ -156,7 +160,7 @@ class CheckpointIndex:
         known = self._load_cache()
         files, skipped = {}, []
         for root in self.roots:
-            for path, folder in self._files_under(root, skipped):
+            for path, folder in self._files_under(root, skipped, self.only):
                 try:
                     st = os.stat(path)
                     entry = known.get(path)
@@ -174,14 +178,16 @@ class CheckpointIndex:
         return self
 
     @staticmethod
-    def _files_under(root: Path, skipped: list[str]) -> list[str]:
+    def _files_under(root: Path, skipped: list[str], only: set[str] | None = None) -> list[str]:
         if not root.is_dir():
             skipped.append(f"{root}: not a folder")
             return []
         found = []
-        for folder, _dirs, names in os.walk(root, followlinks=False):
+        for folder, dirs, names in os.walk(root, followlinks=False):
+            if only is not None:
+                dirs.clear()  # the top only
             for name in sorted(names):
-                if not name.endswith(SUFFIX):
+                if not name.endswith(SUFFIX) or (only is not None and name not in only):
                     continue
                 path = os.path.join(folder, name)
                 real = os.path.realpath(path)
@@ -310,6 +316,10 @@ def _well_formed(entry) -> bool:
         return False
 
 
+#: How much of a file is read at a time while hashing it.
+_HASH_CHUNK = 8 * 2**20
+
+
 def _hash_file(path: str) -> list[list]:
     """[sha256, name, offset, length, dtype, shape] of every tensor in a safetensors file."""
     out = []
@@ -332,8 +342,6 @@ def _hash_file(path: str) -> list[list]:
             out.append([hasher.hexdigest(), name, offset, length, dtype, list(shape)])
     return out
 
-
-_HASH_CHUNK = 8 * 2**20
 
 
 class StandIns:
@@ -377,14 +385,10 @@ class StandIns:
         return {ref.name for _, ref in self._refs.values()}
 
     def is_stand_in(self, t) -> bool:
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        return isinstance(t, FakeTensor)
+        """Whether ``t`` was made by these stand-ins (a tensor computed from them included)."""
+        return getattr(t, "fake_mode", None) is self.mode
 
     def read(self, sha: str) -> memoryview | None:
         """A stood-in tensor's bytes from the files (None: this machine holds only its hash)."""
         return self.index.read(sha)
 
-    def fake(self, t):
-        """A real tensor as this mode's fake one (an example input traced beside stand-ins)."""
-        return self.mode.from_tensor(t)

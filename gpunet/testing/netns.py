@@ -47,13 +47,12 @@ class Home:
     router_public: str
 
 
-@dataclass
-class NatLab:
-    homes_count: int = 2
-    tag: str = field(default_factory=lambda: f"g{os.getpid() % 100000}{next(_labs) % 10}")
-    public: str = ""
-    homes: list[Home] = field(default_factory=list)
-    _made: list[str] = field(default_factory=list)
+class _Lab:
+    """What every lab shares: its namespaces, made under one tag and removed on close, and commands run in them."""
+
+    tag: str
+    public: str
+    _made: list[str]
 
     @property
     def public_addr(self) -> str:
@@ -69,7 +68,7 @@ class NatLab:
                 return f"{tool} is not installed (apt-get install iproute2 nftables)"
         return None
 
-    def __enter__(self) -> "NatLab":
+    def __enter__(self):
         try:
             self.build()
         except BaseException:
@@ -86,16 +85,73 @@ class NatLab:
         _run("ip", "-n", name, "link", "set", "lo", "up")
         return name
 
-    def build(self) -> None:
+    def _public_bridge(self) -> str:
+        """The lab's public side: a namespace with a bridge at ``public_addr``, the others' switch (the first thing
+        a lab builds: LabUnavailable, saying why, where it cannot be built)."""
         why = self.available()
         if why:
             raise LabUnavailable(why)
-        t = self.tag
-        self.public = self._netns(f"{t}-pub")
-        pub = self.public
-        _run("ip", "-n", pub, "link", "add", "br0", "type", "bridge")
-        _run("ip", "-n", pub, "addr", "add", f"{self.public_addr}/24", "dev", "br0")
-        _run("ip", "-n", pub, "link", "set", "br0", "up")
+        self.public = self._netns(f"{self.tag}-pub")
+        _run("ip", "-n", self.public, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.public, "addr", "add", f"{self.public_addr}/24", "dev", "br0")
+        _run("ip", "-n", self.public, "link", "set", "br0", "up")
+        return self.public
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
+        """``argv`` run inside namespace ``ns`` (``ip netns exec`` execs it: the PID is the command's own)."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def can_connect(self, ns: str, addr: str, port: int, timeout: float = 2.0) -> bool:
+        """Whether a TCP connection from namespace ``ns`` to ``addr:port`` gets through."""
+        code = (f"import socket,sys\ns=socket.socket();s.settimeout({timeout})\n"
+                f"sys.exit(0 if s.connect_ex(({addr!r},{port}))==0 else 1)")
+        import sys
+
+        return subprocess.run(self.exec_argv(ns, [sys.executable, "-c", code]), timeout=timeout + 10).returncode == 0
+
+    def tcp_seconds(self, src: str, dst: str, dst_addr: str, nbytes: int, timeout: float = 600) -> float:
+        """Seconds to send ``nbytes`` over one raw TCP connection from namespace ``src`` to ``dst_addr`` in ``dst``
+        (the sender's clock, from connecting until the receiver has every byte): a link's floor for any transfer."""
+        import sys
+
+        sink = subprocess.Popen(self.exec_argv(dst, [sys.executable, "-c", _SINK, dst_addr]), stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            port = int(sink.stdout.readline())
+            done = subprocess.run(self.exec_argv(src, [sys.executable, "-c", _SEND, dst_addr, str(port),
+                                                       str(nbytes)]), capture_output=True, text=True,
+                                  timeout=timeout, check=True)
+            return float(done.stdout)
+        finally:
+            sink.kill()
+            sink.wait()
+
+    def close(self) -> None:
+        """Remove every namespace this lab made (their veths go with them). Processes still inside are killed first."""
+        for name in reversed(self._made):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 9)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
+
+
+@dataclass
+class NatLab(_Lab):
+    homes_count: int = 2
+    tag: str = field(default_factory=lambda: f"g{os.getpid() % 100000}{next(_labs) % 10}")
+    public: str = ""
+    homes: list[Home] = field(default_factory=list)
+    _made: list[str] = field(default_factory=list)
+
+    def build(self) -> None:
+        t, pub = self.tag, self._public_bridge()
         for i in range(1, self.homes_count + 1):
             router, home = self._netns(f"{t}-r{i}"), self._netns(f"{t}-h{i}")
             outside, inside = f"{PUBLIC_PREFIX}.{10 + i}", f"192.168.{100 + i}"
@@ -133,26 +189,69 @@ table ip filter {
 """)
             self.homes.append(Home(home, router, f"{inside}.2", outside))
 
-    def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
-        """``argv`` run inside namespace ``ns`` (``ip netns exec`` execs it: the PID is the command's own)."""
-        return ["ip", "netns", "exec", ns, *argv]
 
-    def can_connect(self, ns: str, addr: str, port: int, timeout: float = 2.0) -> bool:
-        """Whether a TCP connection from namespace ``ns`` to ``addr:port`` gets through."""
-        code = (f"import socket,sys\ns=socket.socket();s.settimeout({timeout})\n"
-                f"sys.exit(0 if s.connect_ex(({addr!r},{port}))==0 else 1)")
-        import sys
+@dataclass
+class LinkLab(_Lab):
+    """Hosts on one switch, each behind a link of its own as a home's is: ``up_mbit`` out of it and ``down_mbit``
+    into it (token-bucket shaped; None: the veth's own speed). Addresses are public (no NAT): the lab for what
+    bandwidth costs, where every host on one machine would otherwise share loopback's.
 
-        return subprocess.run(self.exec_argv(ns, [sys.executable, "-c", code]), timeout=timeout + 10).returncode == 0
+    Topology: the public namespace's bridge at 25.0.0.1; host i (from 0) at 25.0.0.(100 + i), namespace ``hosts[i]``.
+    """
 
-    def close(self) -> None:
-        """Remove every namespace this lab made (their veths go with them). Processes still inside are killed first."""
-        for name in reversed(self._made):
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self._made.clear()
+    hosts_count: int = 2
+    up_mbit: float | None = None
+    down_mbit: float | None = None
+    tag: str = field(default_factory=lambda: f"l{os.getpid() % 100000}{next(_labs) % 10}")
+    public: str = ""
+    hosts: list[str] = field(default_factory=list)
+    addrs: list[str] = field(default_factory=list)
+    _made: list[str] = field(default_factory=list)
+
+    def build(self) -> None:
+        t, pub = self.tag, self._public_bridge()
+        for i in range(self.hosts_count):
+            host, addr = self._netns(f"{t}-x{i}"), f"{PUBLIC_PREFIX}.{100 + i}"
+            _run("ip", "link", "add", f"{t}x{i}", "netns", host, "type", "veth", "peer", "name", f"{t}s{i}",
+                 "netns", pub)
+            _run("ip", "-n", pub, "link", "set", f"{t}s{i}", "master", "br0", "up")
+            _run("ip", "-n", host, "link", "set", f"{t}x{i}", "name", "eth0", "up")
+            _run("ip", "-n", host, "addr", "add", f"{addr}/24", "dev", "eth0")
+            if self.up_mbit:  # what leaves the host: its uplink
+                _run("ip", "netns", "exec", host, "tc", "qdisc", "add", "dev", "eth0", "root", *_tbf(self.up_mbit))
+            if self.down_mbit:  # what the switch sends it: its downlink
+                _run("ip", "netns", "exec", pub, "tc", "qdisc", "add", "dev", f"{t}s{i}", "root",
+                     *_tbf(self.down_mbit))
+            self.hosts.append(host)
+            self.addrs.append(addr)
+
+
+#: tcp_seconds' two ends: a sink that says its port, reads to the end and acknowledges, and a timed sender.
+_SINK = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+while conn.recv(1 << 20):
+    pass
+conn.sendall(b"k")
+"""
+_SEND = """
+import socket, sys, time
+addr, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+block = bytes(1 << 20)
+t0 = time.perf_counter()
+with socket.create_connection((addr, port)) as c:
+    while n > 0:
+        c.sendall(block[:min(n, len(block))])
+        n -= len(block)
+    c.shutdown(socket.SHUT_WR)
+    c.recv(1)
+print(time.perf_counter() - t0)
+"""
+
+
+def _tbf(mbit: float) -> list[str]:
+    """A token bucket at ``mbit``: bursts of 10 ms of the rate (at least 64 KB), up to 100 ms queued."""
+    burst = max(64 * 1024, int(mbit * 1e6 / 8 / 100))
+    return ["tbf", "rate", f"{mbit:g}mbit", "burst", str(burst), "latency", "100ms"]

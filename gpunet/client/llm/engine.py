@@ -71,18 +71,20 @@ def load(path: str | Path, dtype: torch.dtype | None = None):
 
 
 def folder_index(core, folder: str | Path):
-    """A checkpoint folder's tensors by content hash, its hashes kept in the client's data dir (one file per folder)
-    so that opening it again reads only what changed, not the whole checkpoint."""
+    """A checkpoint folder's tensors by content hash (the files transformers loads from it), their hashes kept in the
+    client's data dir (one file per folder) so that opening it again reads only what changed."""
     import hashlib
 
     from gpunet.job.checkpoints import CheckpointIndex
+
+    from gpunet.client.llm.skeleton import model_files
 
     folder = Path(folder).resolve()
     data_dir = getattr(core, "data_dir", None)
     cache = None
     if data_dir is not None:
         cache = Path(data_dir) / "checkpoints" / f"{hashlib.sha256(str(folder).encode()).hexdigest()[:24]}.json"
-    return CheckpointIndex([folder], cache=cache).scan()
+    return CheckpointIndex([folder], cache=cache, files=model_files(folder)).scan()
 
 
 def need_transformers() -> None:
@@ -161,38 +163,53 @@ class CausalLMCore:
         client's memory holds its ends only, when the checkpoint's tensors are the model's as they are."""
         requirements = kwargs.get("requirements")
         by_reference = by_reference and not (requirements is not None and requirements.private)
-        if isinstance(model_or_path, (str, Path)) and by_reference:
-            lm = cls._open_thin(core, Path(model_or_path), tokenizer, dtype, **kwargs)
-            if lm is not None:
-                return lm
+        index = None
+        if isinstance(model_or_path, (str, Path)):
+            need_transformers()
+            path = check_folder(model_or_path)
+            if by_reference:
+                index = folder_index(core, path)
+                lm = cls._open_thin(core, path, index, tokenizer, dtype, **kwargs)
+                if lm is not None:
+                    return lm
         model, tok = open_model(model_or_path, tokenizer, dtype)
         lm = cls(core, model, tok, **kwargs)
         if isinstance(model_or_path, (str, Path)):
             lm.ends.layers.to("meta")
-            if by_reference:
-                lm.name_weights_by_reference(model_or_path)
+            if index is not None:
+                lm.name_weights_by_reference(index)
         return lm
 
     @classmethod
-    def _open_thin(cls, core, path: Path, tokenizer, dtype, **kwargs) -> "CausalLMCore | None":
-        """A folder's model with its decoder layers left on disk (None: it must be loaded whole)."""
+    def _open_thin(cls, core, path: Path, index, tokenizer, dtype, **kwargs) -> "CausalLMCore | None":
+        """A folder's model with its decoder layers left on disk (None: it must be loaded whole, and is; a slim
+        folder cannot be: UsageError)."""
         from gpunet.client.llm import skeleton
 
-        need_transformers()
-        check_folder(path)
-        opened = skeleton.open_skeleton(path, dtype, folder_index(core, path))
+        listed = skeleton.weights_list(path)
+        requirements = kwargs.get("requirements")
+        if listed is not None and not set(listed) <= set(index.named()) and requirements is not None \
+                and requirements.verify != "none":
+            raise UsageError(f"{path} is a slim checkpoint folder: verify={requirements.verify!r} replays spans on "
+                             "this machine, which needs their weights; use the whole checkpoint, or verify='none'")
+        opened = skeleton.open_skeleton(path, dtype, index)
         if opened is None:
             return None
-        model, stand_ins = opened
-        tok = tokenizer if tokenizer is not None else load_tokenizer(path)
-        return cls(core, model, tok, stand_ins=stand_ins, **kwargs)
+        try:
+            return cls(core, opened.model, tokenizer if tokenizer is not None else load_tokenizer(path),
+                       stand_ins=opened.stand_ins, **kwargs)
+        except UsageError:
+            raise
+        except Exception as e:  # tracing from stand-ins failed where tracing the model itself may not
+            skeleton.not_thin(path, index, listed, f"tracing its layers from stand-ins failed: {type(e).__name__}: "
+                                                   f"{str(e)[:300]}")
+            return None
 
-    def name_weights_by_reference(self, folder: str | Path) -> None:
-        """Each span names the weights it shares with the checkpoint's files by their content hash instead of carrying
-        them (docs/weights.md): a worker that keeps the checkpoint in its ``--models-dir`` loads them from its own
-        disk, and only a worker that does not asks this client for them. A weight the spans hold in another dtype
-        than the file's (``dtype=``) matches nothing, and is carried."""
-        index = folder_index(self.seq.core, folder)
+    def name_weights_by_reference(self, index) -> None:
+        """Each span names the weights it shares with the checkpoint's files (``index``, a CheckpointIndex of them)
+        by their content hash instead of carrying them (docs/weights.md): a worker that keeps the checkpoint in its
+        ``--models-dir`` loads them from its own disk, and only a worker that does not asks this client for them. A
+        weight the spans hold in another dtype than the file's (``dtype=``) matches nothing, and is carried."""
         for span in self.seq.spans:
             span.job = span.job.by_reference(index)
 

@@ -17,6 +17,7 @@ checkpoint, or fetch it from ones that do: it has no layer's bytes to send.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from torch import nn
 from gpunet.errors import UsageError
 from gpunet.job import tensors
 from gpunet.job.checkpoints import WEIGHTS_LIST, CheckpointIndex, ListedTensor, StandIns, checkpoint_id, \
-    read_weights_list, write_weights_list
+    read_weights_list, tensor_sha256, write_weights_list
 
 logger = logging.getLogger("gpunet.llm")
 
@@ -36,23 +37,57 @@ class _NotThin(Exception):
     """Why this folder is loaded whole (the message is logged)."""
 
 
-def open_skeleton(path: str | Path, dtype: torch.dtype | None, index: CheckpointIndex):
-    """(model, stand-ins) with the ends loaded and the decoder layers' weights as stand-ins, or None when this
-    checkpoint must be loaded whole (logged, with the reason). A slim folder (``gpunet checkpoint slim``: the ends
-    and a weights list) cannot be loaded whole: UsageError, saying why."""
+@dataclass
+class Skeleton:
+    """A model whose decoder layers' weights are stand-ins; ``ends``: the file tensors read for the rest."""
+
+    model: nn.Module
+    stand_ins: StandIns
+    ends: set[str]
+
+
+def model_files(path: str | Path) -> list[str]:
+    """The safetensors files transformers loads from a folder, by name: the shards its index lists, else
+    ``model.safetensors`` (a training run's ``checkpoint-500/`` beside them, or a stale shard, is not the model)."""
     path = Path(path)
-    try:
-        listed = read_weights_list(path)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UsageError(f"{index} is not a safetensors index: {type(e).__name__}: {e}") from None
+        if not all(isinstance(s, str) and s and s == Path(s).name and s.endswith(".safetensors") for s in shards):
+            raise UsageError(f"{index} names a shard outside its folder, or not a safetensors file")
+        return sorted(set(shards))
+    return ["model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+def open_skeleton(path: str | Path, dtype: torch.dtype | None, index: CheckpointIndex) -> Skeleton | None:
+    """The model with the ends loaded and the decoder layers' weights as stand-ins, or None when this checkpoint
+    must be loaded whole (logged, with the reason). A slim folder (``gpunet checkpoint slim``: the ends and a weights
+    list) cannot be loaded whole: UsageError, saying why."""
+    path = Path(path)
+    listed = weights_list(path)
     try:
         return _open(path, dtype, index, listed)
     except _NotThin as e:
-        if listed is not None and not set(listed) <= set(index.named()):
-            raise UsageError(f"{path} is a slim checkpoint folder (its ends, and the hashes of the rest), and this "
-                             f"model cannot be served from one: {e}; use the whole checkpoint") from None
-        logger.info("Loading %s whole (its decoder layers are traced from their bytes): %s", path, e)
+        not_thin(path, index, listed, str(e))
         return None
+
+
+def weights_list(path: Path) -> dict[str, ListedTensor] | None:
+    try:
+        return read_weights_list(path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def not_thin(path: Path, index: CheckpointIndex, listed: dict | None, why: str) -> None:
+    """Says why a folder is loaded whole; UsageError when it cannot be (a slim folder)."""
+    if listed is not None and not set(listed) <= set(index.named()):
+        raise UsageError(f"{path} is a slim checkpoint folder (its ends, and the hashes of the rest), and this "
+                         f"model cannot be served from one: {why}; use the whole checkpoint")
+    logger.info("Loading %s whole (its decoder layers are traced from their bytes): %s", path, why)
 
 
 def _tensors(index: CheckpointIndex, listed: dict[str, ListedTensor] | None) -> dict:
@@ -66,12 +101,14 @@ def _tensors(index: CheckpointIndex, listed: dict[str, ListedTensor] | None) -> 
     return out
 
 
-def _open(path: Path, dtype: torch.dtype | None, index: CheckpointIndex, listed: dict | None):
+def _open(path: Path, dtype: torch.dtype | None, index: CheckpointIndex, listed: dict | None) -> Skeleton:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from gpunet.client.llm.adapter import decoder_layers
 
     config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    if getattr(config, "quantization_config", None) is not None:
+        raise _NotThin("a quantized checkpoint (transformers' quantizer makes its weights)")
     named = _tensors(index, listed)
     if dtype is None:  # as transformers' dtype="auto": the config's, else the files' first floating dtype
         dtype = getattr(config, "dtype", None) or next(
@@ -86,6 +123,9 @@ def _open(path: Path, dtype: torch.dtype | None, index: CheckpointIndex, listed:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
     except Exception as e:  # the whole load says what is wrong with the folder, in transformers' words
         raise _NotThin(f"{type(e).__name__}: {str(e)[:200]}") from None
+    plan = getattr(model, "_get_dtype_plan", lambda _: {})(dtype)
+    if plan:  # modules transformers keeps in fp32 under this dtype: their weights are converted as they load
+        raise _NotThin(f"transformers keeps {', '.join(sorted(plan))[:100]} in float32 under {dtype}")
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
 
@@ -94,16 +134,17 @@ def _open(path: Path, dtype: torch.dtype | None, index: CheckpointIndex, listed:
     _, _, layers = decoder_layers(model)
     in_layers = {id(m) for m in layers.modules()}
     persistent = set(model.state_dict())
+    ends: set[str] = set()
     for prefix, module in model.named_modules():
         if id(module) in in_layers:
             _stand_in_for(model, module, prefix, files, stand_ins)
         else:
-            _materialize(model, module, prefix, files, persistent, index)
+            ends |= _materialize(model, module, prefix, files, persistent, index)
     model.tie_weights()
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise _NotThin(f"{len(left)} tensors are not in the files as the model names them ({left[0]}, ...)")
-    return model, stand_ins
+    return Skeleton(model, stand_ins, ends)
 
 
 def _by_model_key(model: nn.Module, named: dict) -> dict:
@@ -135,52 +176,48 @@ def _key(prefix: str, name: str) -> str:
 
 
 def _stand_in_for(model: nn.Module, module: nn.Module, prefix: str, files: dict, stand_ins: StandIns) -> None:
-    """A decoder layer's module: each weight a stand-in for the file tensor of its name; its non-persistent buffers
-    (tables computed at init) made for real, as transformers makes them when it loads a model."""
+    """A decoder layer's module: its non-persistent buffers (tables computed at init) made for real, as transformers
+    makes them when it loads a model; then each weight a stand-in for the file tensor of its name."""
+    _init_computed_buffers(model, module)
     for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
         for name, t in list(table.items()):
-            if t is None:
+            if t is None or (kind == "buffer" and name in module._non_persistent_buffers_set):
                 continue
             key = _key(prefix, name)
-            if kind == "buffer" and name in module._non_persistent_buffers_set:
-                continue
             found = files.get(key)
             if found is None:
                 raise _NotThin(f"the model's {key} is no tensor of the checkpoint's files")
             listed, _ = found
             _same(key, listed, t)
             table[name] = stand_ins.make(listed, parameter=kind == "parameter")
-    _init_computed_buffers(model, module)
 
 
 def _materialize(model: nn.Module, module: nn.Module, prefix: str, files: dict, persistent: set,
-                 index: CheckpointIndex) -> None:
-    """One module of the ends (embeddings, norms, head, rotary tables): made for real, its buffers computed as at
-    init, then its weights read from the files (a tied weight, absent from them, is tied after)."""
-    for table in (module._parameters, module._buffers):
-        for name, t in list(table.items()):
-            if t is not None and t.device.type == "meta":
-                empty = torch.empty_like(t, device="cpu")
-                table[name] = nn.Parameter(empty, requires_grad=False) if table is module._parameters else empty
+                 index: CheckpointIndex) -> set[str]:
+    """One module of the ends (embeddings, norms, head, rotary tables): its buffers computed as at init, then its
+    weights read from the files, each checked against its hash (a tied weight, absent from them, is tied after).
+    Returns the file names read."""
     _init_computed_buffers(model, module)
+    read = set()
     for table in (module._parameters, module._buffers):
         for name, t in list(table.items()):
             key = _key(prefix, name)
-            if t is None or key not in persistent:
+            if t is None or t.device.type != "meta" or key not in persistent:
                 continue
             found = files.get(key)
-            if found is None:
-                table[name] = torch.empty_like(t, device="meta")  # a tied weight is tied later; anything else fails
+            if found is None:  # a tied weight is tied later; anything else stays meta, and says so
                 continue
             listed, loc = found
             _same(key, listed, t)
             if loc is None:
                 raise _NotThin(f"the client runs {key} itself, and this folder holds only its hash")
             raw = index.read(listed.sha256)
-            if raw is None or len(raw) != loc.length:
-                raise _NotThin(f"{loc.path} no longer holds {key}")
+            if raw is None or len(raw) != loc.length or tensor_sha256(raw) != listed.sha256:
+                raise _NotThin(f"{loc.path} no longer holds {key} as it did when it was hashed")
             value = tensors.decode_raw(raw, loc.dtype, loc.shape).clone()
             table[name] = nn.Parameter(value, requires_grad=False) if table is module._parameters else value
+            read.add(listed.name)
+    return read
 
 
 def _same(key: str, listed: ListedTensor, t: torch.Tensor) -> None:
@@ -190,15 +227,27 @@ def _same(key: str, listed: ListedTensor, t: torch.Tensor) -> None:
 
 
 def _init_computed_buffers(model: nn.Module, module: nn.Module) -> None:
-    """Non-persistent buffers (rotary frequencies, masks) as the model's own init computes them: transformers
-    builds a model on the meta device and fills these the same way when it loads one."""
-    if not module._non_persistent_buffers_set:
-        return
+    """A module's non-persistent buffers (rotary frequencies, masks) as the model's own init computes them:
+    transformers builds a model on the meta device and fills these the same way when it loads one. Run while the
+    module's weights are still meta (the init's writes to them do nothing); a table the init leaves unwritten (NaN
+    where it started) is no stand-in's to guess: the model is loaded whole."""
+    made = []
     for name in module._non_persistent_buffers_set:
         t = module._buffers.get(name)
         if t is not None and t.device.type == "meta":
-            module._buffers[name] = torch.empty_like(t, device="cpu")
+            real = torch.empty_like(t, device="cpu")
+            if real.is_floating_point():
+                real.fill_(float("nan"))
+            module._buffers[name] = real
+            made.append(name)
+    if not made:
+        return
     model._init_weights(module)
+    for name in made:
+        t = module._buffers[name]
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise _NotThin(f"{type(module).__name__}.{name} is computed at init in a way transformers' loading does "
+                           "not repeat")
 
 
 #: Files of a checkpoint folder a slim one leaves out: weights, in any format (the ends go into model.safetensors).
@@ -232,29 +281,27 @@ def slim(source: str | Path, target: str | Path) -> Slimmed:
         raise UsageError(f"{source} is not a checkpoint folder (no config.json there)")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UsageError(f"{target} exists and is not an empty folder")
-    index = CheckpointIndex([source]).scan()
+    index = CheckpointIndex([source], files=model_files(source)).scan()
     if not len(index):
-        raise UsageError(f"{source} holds no safetensors weights")
+        raise UsageError(f"{source} holds no safetensors weights (model.safetensors, or the shards its index lists)")
     named = index.named()
-    try:
-        listed = read_weights_list(source)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    listed = weights_list(source)
     if listed is not None and not set(listed) <= set(named):
         raise UsageError(f"{source} is a slim folder already: slim the whole checkpoint")
     try:
-        _, stand_ins = _open(source, None, index, listed)
+        skeleton = _open(source, None, index, listed)
     except _NotThin as e:
         raise UsageError(f"{source} cannot be served from a slim folder: {e}") from None
-    layers = stand_ins.names()
-    ends = {name: tensors.decode_raw(index.read(sha), loc.dtype, loc.shape).clone()
-            for name, (sha, loc) in named.items() if name not in layers}
+    # The ends are what the client read (the weights list names every tensor of the model's files, so that it makes
+    # the checkpoint id workers keeping the same files advertise).
+    ends = {name: tensors.decode_raw(index.read(named[name][0]), named[name][1].dtype, named[name][1].shape).clone()
+            for name in sorted(skeleton.ends)}
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(source.iterdir()):
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != WEIGHTS_LIST:
             shutil.copy2(path, target / path.name)
     save_file(ends, str(target / "model.safetensors"), metadata={"format": "pt"})
     write_weights_list(target, index)
-    listed = [loc for name, (_, loc) in named.items() if name in layers]
-    return Slimmed(target, len(ends), sum(t.numel() * t.element_size() for t in ends.values()), len(listed),
-                   sum(loc.length for loc in listed), index.id)
+    rest = [loc for name, (_, loc) in named.items() if name not in skeleton.ends]
+    return Slimmed(target, len(ends), sum(t.numel() * t.element_size() for t in ends.values()), len(rest),
+                   sum(loc.length for loc in rest), index.id)
