@@ -319,7 +319,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
                 str(workers), str(tmp / "client")]), capture_output=True, text=True, timeout=3600,
                 cwd=Path(__file__).resolve().parent.parent)
             if done.returncode != 0:
-                raise RuntimeError(f"the lab's client failed: {done.stderr[-2000:]}")
+                raise RuntimeError(f"the lab's client failed (exit {done.returncode}): {done.stdout[-1000:]}{done.stderr[-2000:]}")
             got = json.loads(done.stdout.strip().splitlines()[-1])
             out["cold_all_s"], out["cold_ran_on"] = round(got["all_s"], 2), got["ran_on"]
             out["cold_client_copies"] = round(got["sent"] / size, 2)

@@ -617,3 +617,30 @@ def test_a_checked_step_is_ruled_by_the_replay_and_a_checkers_word_by_the_client
         assert not checks.report.caught and not checks.reputation.avoided("worker")
 
     asyncio.run(main())
+
+
+def test_a_span_every_worker_failed_waits_for_another_before_trying_them_again(monkeypatch):
+    """When every worker a session sees has failed a span once, the span waits a little for another to show up (on
+    a loaded machine live workers' records lapse for a moment, while a killed worker's has not expired: CI saw a span
+    moved three times to the killed one) before it tries the failed ones again."""
+    from gpunet.client.sessions import session as session_module
+    from gpunet.errors import NoWorkersAvailable
+
+    monkeypatch.setattr(session_module, "OTHERS_WAIT", 0.5)
+    monkeypatch.setattr(session_module, "OTHERS_POLL", 0.01)
+    calls = []
+
+    def records_back_after(n):
+        async def place(exclude):
+            calls.append(set(exclude))
+            if len(calls) < n:
+                raise NoWorkersAvailable("none outside those that failed it")
+            return "live"
+        return place
+
+    another = session_module.SessionCore._another
+    assert asyncio.run(another(records_back_after(3), {"dead"})) == "live"
+    assert calls == [{"dead"}] * 3  # the failed one stayed excluded all along
+    calls.clear()
+    assert asyncio.run(another(records_back_after(10**6), {"dead"})) is None  # none came: the caller tries them again
+    assert len(calls) > 1

@@ -51,6 +51,11 @@ logger = logging.getLogger("gpunet.client")
 
 #: Workers a span may move to within one step before the step fails (each one replays the span's past steps).
 MAX_MOVES = 3
+#: When every worker seen has failed a span once, how long to look for another before trying those again: on a loaded
+#: machine the live workers' records can lapse for a moment while a dead one's has not expired yet (CI saw a span
+#: moved three times to a killed worker that way).
+OTHERS_WAIT = 10.0
+OTHERS_POLL = 0.5
 #: How long closing a session on a worker may take (a dead one's steps then stay unpaid: it cannot sign anyway).
 CLOSE_TIMEOUT = 15.0
 #: A pushed step's answer is awaited this long, plus this many times the mean span's time so far in the step, once the
@@ -362,17 +367,19 @@ class SessionCore:
         placed.tab = Tab()
         others = {p.worker_id for j, p in enumerate(self.placed) if j != i and p.worker_id}
         banned = self.checks.banned if self.checks is not None else set()
+        def place(exclude: set[str]):
+            return self.seq.core.place(span.job, (x_meta(span), *span.meta_state()), self.seq.requirements_for(span),
+                                       exclude=exclude, avoid=others, drawn=drawn)
+
         try:
-            worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
-                                               self.seq.requirements_for(span), exclude=placed.failed | banned,
-                                               avoid=others, drawn=drawn)
+            worker = await place(placed.failed | banned)
         except NoWorkersAvailable:
             if not placed.failed - banned:
                 raise
-            placed.failed.clear()  # every worker failed it once: try them again rather than give up (not liars)
-            worker = await self.seq.core.place(span.job, (x_meta(span), *span.meta_state()),
-                                               self.seq.requirements_for(span), exclude=set(banned), avoid=others,
-                                               drawn=drawn)
+            worker = await self._another(place, placed.failed | banned)
+            if worker is None:  # every worker failed it once: try them again rather than give up (not liars)
+                placed.failed.clear()
+                worker = await place(set(banned))
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:
@@ -380,6 +387,19 @@ class SessionCore:
                 await self._run(i, span, placed, past, close=False, record=False)
             except JobRaised as e:  # a step that ran before cannot raise now: this worker's failure, not the job's
                 raise JobFailed(f"replaying step {placed.step}: {e}") from None
+
+    @staticmethod
+    async def _another(place, exclude: set[str]):
+        """A worker outside ``exclude`` that shows up within OTHERS_WAIT (records refreshed meanwhile), or None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + OTHERS_WAIT
+        while loop.time() < deadline:
+            await asyncio.sleep(OTHERS_POLL)
+            try:
+                return await place(exclude)
+            except NoWorkersAvailable:
+                continue
+        return None
 
     def _close_on(self, worker_id: str, session_id: str, tab: Tab) -> None:
         """Close a session a span left (in the background) and pay its tab, if that worker still answers."""
