@@ -276,9 +276,9 @@ def slim(source: str | Path, target: str | Path) -> Slimmed:
 
     from safetensors.torch import save_file
 
-    from gpunet.client.llm.engine import check_folder
-
-    source, target = check_folder(source), Path(target)
+    source, target = Path(source), Path(target)
+    if not (source / "config.json").is_file():
+        raise UsageError(f"{source} is not a checkpoint folder (no config.json there)")
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UsageError(f"{target} exists and is not an empty folder")
     index = CheckpointIndex([source], files=model_files(source)).scan()
