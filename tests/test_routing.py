@@ -265,3 +265,24 @@ def test_a_joining_worker_that_fits_is_waited_for_but_not_for_ever():
     with pytest.raises(NoWorkersAvailable) as e:
         r.eligible(Requirements(), now=100.0 + JOINING_PATIENCE + 1)
     assert e.value.retry_at is None and r.could_take(Requirements(), now=100.0 + JOINING_PATIENCE + 1) == 0
+
+
+def test_a_worker_whose_record_lapsed_keeps_its_sessions_for_a_grace_period(monkeypatch):
+    """On a loaded machine a live worker's record can lapse from one refresh: a session's span on it stays there
+    (CI saw spans moved off live workers that way), while routing itself stops offering the worker at once."""
+    from gpunet.client import routing
+
+    clock = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
+    r = router(worker("holder"), worker("other"))
+    r.update([worker("other")])
+    assert r.holding("holder") is not None and "holder" not in r.workers
+    assert [w.id for w in r.eligible(Requirements())] == ["other"]
+    clock[0] += routing.LAPSE_GRACE - 1
+    r.update([worker("other")])
+    assert r.holding("holder") is not None
+    clock[0] += 2
+    assert r.holding("holder") is None
+    r.update([worker("other")])
+    assert r.holding("holder") is None and not r._lapsed
+    assert r.holding("never") is None

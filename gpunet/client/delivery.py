@@ -190,7 +190,7 @@ class Deliverer:
         resends = busy = pay_waits = 0
         redialled = False
         while True:
-            worker = self.router.workers.get(worker_id)
+            worker = self.router.holding(worker_id)
             if worker is None:
                 self.transport.forget(worker_id)
                 raise SessionLost(f"worker {worker_id[-8:]} holding the session has left the network")

@@ -55,6 +55,8 @@ GiB = 2**30
 #: An unmeasured worker is assumed this much faster than the best measured one, so routing tries it once.
 EXPLORE_DISCOUNT = 0.9
 MAX_PROVEN = 4096  # workers whose proven speed a client remembers
+#: How long a session keeps using a worker whose record lapsed (a loaded worker's heartbeat can come late).
+LAPSE_GRACE = 60.0
 #: A paid job teaches a worker's delivered speed only when it counted this much work and took this long (compute, as
 #: this client measured it), and at least DELIVERED_OVERHEADS times the worker's learned per-job overhead: shorter, its
 #: fixed costs (a round trip, loading inputs) would understate the device (an honest worker then shows at least 3/4
@@ -252,9 +254,16 @@ class Router:
     #: floor never rises above it). Kept when its record lapses (bounded), so a session's last tab, billed by a
     #: worker that has just left, is still checked against what it asked.
     advertised: LRU[str, float] = field(default_factory=lambda: LRU(MAX_PROVEN))
+    #: Workers whose record lapsed from the last refresh, and when (monotonic): see ``holding``.
+    _lapsed: dict[str, tuple[WorkerEntry, float]] = field(default_factory=dict)
 
     def update(self, entries: Iterable[WorkerEntry]) -> None:
-        self.workers = {e.id: e for e in entries}
+        now = time.monotonic()
+        fresh = {e.id: e for e in entries}
+        for gone in self.workers.keys() - fresh.keys():
+            self._lapsed[gone] = (self.workers[gone], now)
+        self._lapsed = {w: seen for w, seen in self._lapsed.items() if w not in fresh and now - seen[1] < LAPSE_GRACE}
+        self.workers = fresh
         for worker_id in [w for w in self._joining_since if w not in self.workers
                           or self.workers[w].record.state is not WorkerState.JOINING]:
             del self._joining_since[worker_id]
@@ -264,6 +273,17 @@ class Router:
             for gone in table.keys() - self.workers.keys():  # what was known of workers that left
                 del table[gone]
         self._set_ceiling()
+
+    def holding(self, worker_id: str) -> WorkerEntry | None:
+        """The entry of a worker this client holds state on (a session's span): its record, or, for LAPSE_GRACE after
+        the record lapsed from a refresh, the last one seen. On a loaded machine a live worker's record can lapse for
+        a moment; its state is still there, and a worker really gone fails the step itself (and the span moves)."""
+        entry = self.workers.get(worker_id)
+        if entry is None and worker_id in self._lapsed:
+            entry, since = self._lapsed[worker_id]
+            if time.monotonic() - since >= LAPSE_GRACE:
+                return None
+        return entry
 
     def on_proof(self, worker_id: str, tflops: float) -> None:
         """A worker's speed proof came out at ``tflops`` (0.0: it failed, and its earlier proofs count for nothing);

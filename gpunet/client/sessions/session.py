@@ -136,6 +136,7 @@ class _Placed:
     step: int = 0
     history: list[torch.Tensor] = field(default_factory=list)
     failed: set[str] = field(default_factory=set)
+    refused: set[str] = field(default_factory=set)  # of ``failed``: answered, and would not take the span (limits)
     workers: list[str] = field(default_factory=list)  # every worker this span has been on, in order
     closed: bool = False
     tab: Tab = field(default_factory=Tab)  # its steps on that worker not billed yet (gpunet.ledger.tabs)
@@ -239,6 +240,8 @@ class SessionCore:
                 gone = placed.worker_id
                 if gone is not None:
                     placed.failed.add(gone)
+                    if isinstance(e, JobRejected):
+                        placed.refused.add(gone)
                 logger.warning("Span %d-%d lost its worker %s (%s); moving it and replaying %d step(s)",
                                span.start, span.stop - 1, (gone or "?")[-8:], e, len(placed.history))
                 placed.worker_id = None
@@ -376,9 +379,12 @@ class SessionCore:
         except NoWorkersAvailable:
             if not placed.failed - banned:
                 raise
-            worker = await self._another(place, placed.failed | banned)
+            # Waiting for another is for workers that may be gone; ones that answered with a refusal are not.
+            worker = (await self._another(place, placed.failed | banned)
+                      if placed.failed - banned - placed.refused else None)
             if worker is None:  # every worker failed it once: try them again rather than give up (not liars)
                 placed.failed.clear()
+                placed.refused.clear()
                 worker = await place(set(banned))
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
