@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -257,10 +258,11 @@ def from_peers(job: gpunet.Job, x: torch.Tensor) -> dict:
 
 #: Part 5's client when it runs in a lab host: the saved job, four per worker sent at once; prints what it saw.
 _COLD_CLIENT = """
-import json, sys, time
+import json, logging, sys, time
 from pathlib import Path
 import torch, gpunet
 from gpunet.testing import wait_for
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
 path, boot, network, workers, data_dir = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 job = gpunet.Job.load(path)
 x = torch.ones(job.manifest.inputs[0].shape)
@@ -319,24 +321,44 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
                 str(workers), str(tmp / "client")]), capture_output=True, text=True, timeout=3600,
                 cwd=Path(__file__).resolve().parent.parent)
             if done.returncode != 0:
-                raise RuntimeError(f"the lab's client failed (exit {done.returncode}): {done.stdout[-1000:]}{done.stderr[-2000:]}")
+                said = "\n".join(f"{net.worker_id(p)[-8:]}: {line}" for p in procs for line in p.output.splitlines()
+                                 if re.search(r"WARNING|ERROR|Fetch|asked of|Received", line))
+                raise RuntimeError(f"the lab's client failed (exit {done.returncode}): {done.stdout[-1000:]}"
+                                   f"{done.stderr[-2000:]}\nwhat the workers said:\n{said[-6000:]}")
             got = json.loads(done.stdout.strip().splitlines()[-1])
             out["cold_all_s"], out["cold_ran_on"] = round(got["all_s"], 2), got["ran_on"]
             out["cold_client_copies"] = round(got["sent"] / size, 2)
-        per = {}
+        per, stops = {}, Counter()
         for proc in procs:
             fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer", proc.output)
             served = net.worker_id(proc)[-8:]
             per[served] = {"fetched": int(fetched.group(1)) if fetched else 0,
                            "sources": int(fetched.group(2)) if fetched else 0}
+            per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
+            partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
+            if partial:  # the rest came from the client
+                per[served]["from_peers_before_client"] = f"{partial.group(1)} of {partial.group(2)} pieces"
+            # Why streams to holders ended (a figure to read beside the copies: what made the client send more).
+            stops.update(re.sub(r"[0-9a-f]{12}|\b\w{8}\b(?= stopped)|\d+", "#", m) for m in
+                         re.findall(r"(?:Fetching pieces of \S+ from \S+ stopped: .*|nothing came and no holder's "
+                                    r"copy grew.*)", proc.output))
         status = {w["id"][-8:]: w["peer_bytes"] for w in _status(net, lab)}
         for name, b in per.items():
             b["served"] = status.get(name, {}).get("served", 0)
         out["cold_per_worker"] = per
+        out["cold_fetch_stops"] = dict(stops.most_common(8))
     if link_mbit is None:
         out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
     out["cold_vs_one_copy"] = round(out["cold_all_s"] / out["cold_one_copy_s"], 1)
     return out
+
+
+def _peak_rss_mb(pid: int) -> int | None:
+    try:
+        found = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) // 1024 if found else None
 
 
 def _status(net, lab=None) -> list[dict]:

@@ -285,20 +285,27 @@ def test_a_holder_whose_first_streams_cannot_be_opened_is_tried_again(tmp_path):
 
 
 def test_a_busy_holder_is_not_given_up_on_for_stream_failures_spread_over_a_long_wait(tmp_path, monkeypatch):
-    """Only failures in a row end a holder's turn: waiting for one still receiving the program reopens a stream each
-    time it says busy, and a few of those opens failing here and there is not a dead peer."""
+    """Only failures in a row end a holder's turn: waiting for one busy serving others reopens a stream each time it
+    says busy, and a few of those opens failing here and there is not a dead peer."""
     monkeypatch.setattr(peers, "NOT_YET_RETRY", 0.01)
+    monkeypatch.setattr(peers, "BUSY_BACKOFF", 0.02)
     monkeypatch.setattr(peers, "SERVE_PER_PEER", 1)  # one stream: its failures are all this test's
     data = _program()
     disk = DiskCache(tmp_path / "holder", 1 << 30)
-    busy = 0
+    disk.put(H, data)
 
-    def coming(program: str) -> bool:
-        nonlocal busy
-        busy += 1
-        if busy == 6:  # arrived: the next ask is served
-            disk.put(H, data)
-        return True
+    class BusyAWhile(PieceServer):
+        refused = 0
+
+        async def handle(self, peer_id, reader, writer, host=""):
+            if self.refused < 6:  # serving as many as it takes: this fetcher is turned away, five times
+                self.refused += 1
+                self._running += peers.SERVE_STREAMS
+                try:
+                    return await super().handle(peer_id, reader, writer, host)
+                finally:
+                    self._running -= peers.SERVE_STREAMS
+            return await super().handle(peer_id, reader, writer, host)
 
     class EveryOtherOpenFails(_Network):
         opens = 0
@@ -310,11 +317,204 @@ def test_a_busy_holder_is_not_given_up_on_for_stream_failures_spread_over_a_long
             return await super().open(peer, door, maddrs)
 
     async def main():
-        net = EveryOtherOpenFails({"holder": PieceServer(disk, coming=coming)})
-        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["holder"], timeout=30)
+        net = EveryOtherOpenFails({"holder": BusyAWhile(disk)})
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["holder"], timeout=30,
+                                                   coming=frozenset({"holder"}))
         await asyncio.gather(*net.tasks)
         return got, net.opens
 
     got, opens = asyncio.run(main())
     assert got is not None and bytes(got[0]) == data
     assert opens > 2 * (peers.OPEN_RETRIES + 1)  # more failed opens in all than OPEN_RETRIES in a row
+
+
+def _growing(data: bytes):
+    """A copy of the program on its way into a holder (as a client's upload arrives): grown by ``grow(n)``."""
+    from gpunet.worker.payloads import Receiving
+    from gpunet.worker.uploads import Upload
+
+    upload, coming = Upload(H), Receiving(len(data))
+    upload.receiving(len(data), coming, None)
+
+    def grow(n: int) -> None:
+        coming.write(data[coming.received:coming.received + n])
+
+    return upload, grow
+
+
+def test_a_holder_still_getting_the_program_says_what_it_has_and_keeps_the_stream(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "HAVE_WAIT", 0.05)
+    data = _program()
+    size = piece_size_for(len(data))
+
+    async def main():
+        upload, grow = _growing(data)
+        grow(size + 10)  # piece 0 and a bit of piece 1
+        server = _holder(tmp_path, "a", None, coming=lambda h: upload if h == H else None)
+        to_server, to_client = _Pipe(), _Pipe()
+        handled = asyncio.ensure_future(server.handle("peer", to_server.reader, to_client))
+        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True)))
+        have = await protocol.read(to_client.reader, protocol.Have, timeout=5)
+        to_server.write(protocol.encode_frame(GetPiece(H, 0, size, have=True)))  # the same stream: still open
+        piece = await protocol.read(to_client.reader, PieceData, timeout=5)
+        got = await protocol.read_payload(to_client.reader, piece.size, piece.size, "piece", timeout=5)
+        to_server.close()
+        await handled
+        older = await _ask(server, GetPiece(H, 1, size))  # a fetcher that does not take Have hears busy
+        return have, bytes(got), older
+
+    have, got, (older,) = asyncio.run(main())
+    assert have.indices() == {0} and got == data[:size]
+    assert older.code == "busy"
+
+
+def test_a_fetch_follows_a_holder_whose_copy_grows_slowly_and_ends_when_it_stops(tmp_path, monkeypatch):
+    """On slow links a holder still getting the program has nothing new for a long time (longer than BUSY_PATIENCE)
+    and is still the fastest way: the fetch waits while its copy grows, and ends once nothing moves for
+    HOLDER_STALL (then the client sends what is missing)."""
+    monkeypatch.setattr(peers, "HAVE_WAIT", 0.05)
+    monkeypatch.setattr(peers, "HAVE_POLL", 0.01)
+    monkeypatch.setattr(peers, "BUSY_PATIENCE", 0.05)
+    monkeypatch.setattr(peers, "HOLDER_STALL", 1.0)
+    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+    data = _program()
+    size = piece_size_for(len(data))
+
+    async def main(stop_at: int, vouched: bool = True):
+        upload, grow = _growing(data)
+        server = _holder(tmp_path, f"g{stop_at}{vouched}", None, coming=lambda h: upload if h == H else None)
+        net = _Network({"holder": server})
+
+        async def arrive():
+            while upload.source.received < min(stop_at, len(data)):
+                await asyncio.sleep(0.3)  # 6x BUSY_PATIENCE between arrivals
+                grow(size // 2)
+
+        arriving = asyncio.ensure_future(arrive())
+        start = asyncio.get_running_loop().time()
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["holder"], timeout=30,
+                                                   coming=frozenset({"holder"} if vouched else ()))
+        seconds = asyncio.get_running_loop().time() - start
+        arriving.cancel()
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(arriving, *net.tasks, return_exceptions=True)
+        return got, seconds
+
+    got, _ = asyncio.run(main(stop_at=len(data)))
+    assert got is not None and bytes(got[0]) == data
+    got, seconds = asyncio.run(main(stop_at=size))  # only its first piece ever comes
+    assert got is None and seconds < 10  # HOLDER_STALL after the last growth, not the fetch's 30 s
+    # One only records name (the client does not vouch for it) gets BUSY_PATIENCE, growing or not: a sybil
+    # claiming to be still getting a popular program cannot hold a fetch.
+    got, seconds = asyncio.run(main(stop_at=len(data), vouched=False))
+    assert got is None and seconds < 1.0
+
+
+def test_a_holder_whose_account_of_its_pieces_contradicts_itself_cannot_keep_a_fetch_going(monkeypatch):
+    """A vouched holder that says its copy grows, and then that pieces it listed are not there, never delivering:
+    its growth stops counting as the swarm moving, and the fetch ends HOLDER_STALL later, not at its deadline."""
+    monkeypatch.setattr(peers, "HAVE_WAIT", 0.01)
+    monkeypatch.setattr(peers, "HOLDER_STALL", 1.0)
+    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+
+    async def liar(peer_id, reader, writer, host=""):
+        k = 0
+        while True:
+            await protocol.read(reader, GetPiece, timeout=5)
+            k += 1
+            await protocol.write(writer, protocol.Have.of({k % 3} if k % 2 else set(), 3))  # grows, then shrinks
+
+    class Liar:
+        handle = staticmethod(liar)
+
+    async def main():
+        net = _Network({"liar": Liar()})
+        start = asyncio.get_running_loop().time()
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(_program()), ["liar"], timeout=30,
+                                                   coming=frozenset({"liar"}))
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, asyncio.get_running_loop().time() - start
+
+    got, seconds = asyncio.run(main())
+    assert got is None and seconds < 10  # not the fetch's 30 s
+
+
+def test_a_peer_still_getting_nothing_does_not_keep_a_piece_from_one_that_holds_it_all(tmp_path):
+    """CI saw a fetch stall for 30 s on its last piece: each time a peer still getting the program said it lacked the
+    piece and gave it back, the same stream took it again before the stream to a holder of the whole could, and an
+    idle stream held that holder's place meanwhile."""
+    data = _program()
+
+    async def main():
+        upload, _ = _growing(data)  # never grows
+        net = _Network({"empty": _holder(tmp_path, "e", None, coming=lambda h: upload if h == H else None),
+                        "full": _holder(tmp_path, "f", data)})
+        start = asyncio.get_running_loop().time()
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["empty", "full"], timeout=60,
+                                                   coming=frozenset({"empty", "full"}))
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, asyncio.get_running_loop().time() - start
+
+    got, seconds = asyncio.run(main())
+    assert got is not None and bytes(got[0]) == data
+    assert seconds < peers.HOLDER_STALL / 2  # not a stall
+
+
+def test_after_a_partial_fetch_the_client_sends_only_the_pieces_the_peers_did_not(tmp_path, monkeypatch):
+    """The fetch stalls with part of the program here: the worker asks its client for the other pieces only (each
+    checked against the client's own list, the whole against the program's hash and the client's proof of holding);
+    an older client, which sends the whole program, is taken too."""
+    from gpunet.protocol import Payload, Pieces, Send, Submit
+    from gpunet.worker.payloads import StreamPayloads
+    from gpunet.worker.state.admission import ServiceLimits
+
+    monkeypatch.setattr(peers, "HAVE_WAIT", 0.05)
+    monkeypatch.setattr(peers, "HOLDER_STALL", 0.5)
+    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+    data = _program()
+    listed = PieceList.of(data)
+
+    async def main(older: bool, tamper: bool = False):
+        upload, grow = _growing(data)
+        grow(listed.piece_size)  # the holder only ever gets piece 0
+        net = _Network({"holder": _holder(tmp_path, f"p{older}{tamper}", None,
+                                          coming=lambda h: upload if h == H else None)})
+        to_worker, asked = _Pipe(), []
+
+        class Client(_Pipe):  # answers the worker's Send with what it asks for, as a client does
+            def write(self, frame: bytes) -> None:
+                ask = protocol.decode(bytes(frame[4:]), Send)
+                asked.append(ask)
+                parts = [data] if older else [bytearray(data[listed.span(i)[0]:sum(listed.span(i))])
+                                              for i in ask.missing]
+                if tamper:
+                    parts[-1][-1] ^= 1
+                to_worker.write(protocol.encode_frame(Payload(sum(map(len, parts)), None)))
+                for part in parts:
+                    to_worker.write(bytes(part))
+
+        payloads = StreamPayloads(to_worker.reader, Client(), ServiceLimits(), fetcher=Fetcher(net, own_id="me"),
+                                  proves=lambda key, proof: key == holding_key(data))
+        try:
+            got = await payloads._from_peers(
+                Submit("job-1", H, 0, b"", 30.0),
+                Pieces(listed.size, listed.piece_size, listed.hashes, (("holder", ()),), frozenset({"holder"})),
+                lambda n: None)
+        finally:
+            for task in net.tasks:
+                task.cancel()
+            await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, asked
+
+    (program, key), asked = asyncio.run(main(older=False))
+    assert bytes(program) == data and key == holding_key(data)
+    assert asked == [Send(True, False, missing=tuple(range(1, len(listed))))]
+    (program, key), asked = asyncio.run(main(older=True))
+    assert bytes(program) == data and key is None and len(asked) == 1
+    with pytest.raises(ProtocolError, match="unlike its own piece list"):
+        asyncio.run(main(older=False, tamper=True))

@@ -39,6 +39,7 @@ from gpunet.protocol import (
     Ok,
     OpenProof,
     GetPiece,
+    Have,
     Payload,
     PieceData,
     Pieces,
@@ -105,11 +106,15 @@ EXAMPLES = [
     ReachResult("/ip4/198.51.100.7", (31337,)),
     Error("busy", "full", 3),
     Send(True, True, pieces=True),
+    Send(True, False, missing=(0, 3, 1023)),
+    Have(b"\x05\x80"),
+    Have(),
     Pieces(5 << 20, 4 << 20, b"d" * 64, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ("/ip4/1.2.3.4/tcp/5",)),)),
     Pieces(1, 4 << 20, b"d" * 32, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ()),),
            frozenset({"12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds"})),
     GetPiece(H, 1, 4 << 20),
     GetPiece(H, 0, 4 << 20, tensor=True),
+    GetPiece(H, 2, 4 << 20, have=True),
     PieceData(1024),
     Send(False, False, tensors=(H, "cd" * 32)),
     Payload(None, None, tensors_size=4096),
@@ -217,6 +222,27 @@ def test_an_error_named_by_its_class_is_that_class_or_a_failure(name, kind):
 def test_a_malformed_submit_is_a_protocol_error(fields, match):
     with pytest.raises(ProtocolError, match=match):
         protocol.decode(msgpack.packb({"t": "submit", **fields}, use_bin_type=True))
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"t": "send", "program": True, "inputs": False, "missing": [2, 1]}, "ascending"),
+    ({"t": "send", "program": True, "inputs": False, "missing": [1, 1]}, "ascending"),
+    ({"t": "send", "program": True, "inputs": False, "missing": [-1]}, "ascending"),
+    ({"t": "send", "program": True, "inputs": False, "missing": [1024]}, "ascending"),
+    ({"t": "send", "program": True, "inputs": False, "missing": [True]}, "ascending"),
+    ({"t": "send", "program": True, "inputs": False, "missing": list(range(1025))}, "ascending|not valid msgpack"),
+    ({"t": "send", "program": False, "inputs": False, "missing": [0]}, "pieces of the program"),
+    ({"t": "have", "pieces": b"x" * 129}, "at most 1024"),
+    ({"t": "have", "pieces": [1]}, "must be bytes"),
+])
+def test_malformed_piece_bookkeeping_is_a_protocol_error(fields, match):
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode(msgpack.packb(fields, use_bin_type=True))
+
+
+def test_a_have_bitmap_names_its_pieces():
+    assert Have.of({0, 9, 1023}, 1024).indices() == {0, 9, 1023} and len(Have.of((), 20).pieces) == 3
+    assert Have(b"\x05\x80").indices() == {0, 2, 15}
 
 
 def test_a_submit_without_a_lane_is_interactive_as_workers_before_lanes_sold_it():

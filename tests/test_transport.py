@@ -5,9 +5,11 @@ after the first job ended and before any record says so, is told to fetch it fro
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import contextlib
+import dataclasses
 import os
+
+import pytest
 
 from gpunet import protocol
 from gpunet.client.transport import JobRequest, P2PTransport
@@ -231,3 +233,40 @@ def test_a_job_whose_answer_may_not_fit_the_unary_door_goes_by_stream_at_once():
 
     asyncio.run(scenario())
     assert calls == [("unary", "small"), ("stream", "big")]
+
+
+def test_a_worker_the_peers_delivered_part_of_a_program_to_is_sent_only_the_rest():
+    big = os.urandom(2 * protocol.MIN_PIECE_BYTES + 1000)  # three pieces
+    piece = protocol.piece_size_for(len(big))
+
+    class Partial(ScriptedWorker):
+        missing: tuple[int, ...] = (1, 2)
+        got = b""
+
+        async def handle(self, reader, writer) -> None:
+            submit = await protocol.read(reader, Submit)
+            await protocol.write(writer, Send(True, False, pieces=True))
+            reply = await protocol.read(reader, Payload, Pieces)
+            if isinstance(reply, Pieces):
+                await protocol.read(reader, Payload)
+                await protocol.write(writer, Send(True, False, missing=self.missing))
+                reply = await protocol.read(reader, Payload)
+            self.got = bytes(await protocol.read_payload(reader, reply.program_size, len(big), "program"))
+            receipt = worker_signed(self.identity, CLIENT, submit.job_id)
+            await protocol.write(writer, Result(2, receipt.to_bytes(), b"ok"))
+            writer.close()
+
+    async def main():
+        first, second, third = Partial(), Partial(), Partial()
+        third.missing = (7,)  # a piece the program does not have
+        async with _network(first, second, third) as transport:
+            request = lambda job_id: JobRequest(job_id, sha256_hex(big), big, b"", timeout=30, max_price=None)
+            (await transport.run_stream(first.id, [], request("a" * 32))).close()
+            assert first.got == big  # nobody held it: all of it
+            (await transport.run_stream(second.id, [], request("b" * 32))).close()
+            assert second.got == big[piece:]  # pieces 1 and 2, nothing else
+            assert transport.program_bytes_sent == len(big) + len(big) - piece
+            with pytest.raises(protocol.ProtocolError, match="asked for piece 7 of a program of 3 pieces"):
+                await transport.run_stream(third.id, [], request("c" * 32))
+
+    asyncio.run(main())

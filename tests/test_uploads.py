@@ -44,3 +44,27 @@ def test_a_copy_that_fails_or_lies_or_dawdles_serves_nobody():
         assert uploads.coming(JOB.program_hash) is slow
 
     asyncio.run(scenario())
+
+
+def test_a_copy_still_growing_is_waited_for_however_slow_and_one_that_stopped_is_not(monkeypatch):
+    """On a slow link a program takes minutes to come: a job that gave up on the copy on its way after a fixed wait
+    brought its own (a whole copy more over the link, and in memory). A copy is waited for while it grows."""
+    from gpunet.worker import uploads as uploads_module
+    from gpunet.worker.payloads import Receiving
+
+    monkeypatch.setattr(uploads_module, "SHARED_CHECK", 0.01)
+
+    async def scenario(stop_at: int):
+        upload = Uploads().begin(JOB.program_hash)
+        coming = Receiving(len(GOOD))
+        upload.receiving(len(GOOD), coming, None)
+        waiter = asyncio.ensure_future(upload.share(timeout=0.1))
+        while coming.received < stop_at:  # 40 bytes every 0.04 s: slower in all than the timeout, never still for it
+            await asyncio.sleep(0.04)
+            coming.write(GOOD[coming.received:coming.received + 40])
+        if stop_at == len(GOOD):
+            upload.arrived(bytes(coming.buffer))
+        return await waiter
+
+    assert asyncio.run(scenario(stop_at=len(GOOD))) == GOOD
+    assert asyncio.run(scenario(stop_at=80)) is None

@@ -111,6 +111,16 @@ def _tensor_rounds(request: JobRequest) -> int:
     return -(-n // protocol.MAX_TENSORS_ASKED) if n else 0
 
 
+def _pieces_of(program: bytes, indices: tuple[int, ...], worker_id: str) -> list[memoryview]:
+    """The program's pieces at ``indices`` (of the piece size its size implies), as a worker asks for them."""
+    piece = protocol.piece_size_for(len(program))
+    if indices[-1] * piece >= len(program):
+        raise ProtocolError(f"worker {worker_id[-8:]} asked for piece {indices[-1]} of a program of "
+                            f"{-(-len(program) // piece)} pieces")
+    view = memoryview(program)
+    return [view[i * piece:(i + 1) * piece] for i in indices]
+
+
 def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
     """A result's receipt; only a session step may come without one (its session's tab bills it)."""
     if not data and request.session is not None:
@@ -390,12 +400,16 @@ class P2PTransport(BaseTransport):
                     :protocol.MAX_HOLDER_MADDRS]
                 self._piece_list(request)  # hashed meanwhile: the next worker to lack it will ask for the list
             token = self._upload_token(request.program_hash) if ask.program and not request.private else None
-            await protocol.write(writer, Payload(len(request.program) if ask.program else None,
+            # Only the pieces the peers did not deliver, when that is what it asks for.
+            program = _pieces_of(request.program, ask.missing, worker_id) if ask.missing else [request.program]
+            size = sum(len(part) for part in program)
+            await protocol.write(writer, Payload(size if ask.program else None,
                                                  len(request.inputs) if ask.inputs else None, token=token))
             if ask.program:
-                await protocol.write_payload(writer, request.program)
-                sent += len(request.program)
-                self.program_bytes_sent += len(request.program)
+                for part in program:
+                    await protocol.write_payload(writer, part)
+                sent += size
+                self.program_bytes_sent += size
         if program_crossed is not None and not program_crossed.done():
             program_crossed.set_result(None)
         if ask.inputs:

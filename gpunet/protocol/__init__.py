@@ -33,7 +33,7 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
   Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok,
   CloseSession -> SessionClosed; ``push`` (unary): Push (a session step's output, to the next span's worker);
-  ``piece`` (a stream): GetPiece -> PieceData + bytes, repeated;
+  ``piece`` (a stream): GetPiece -> PieceData + bytes (or Have: not here yet), repeated;
   ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
   :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening; ``reach`` (a stream,
   served by every node, see :mod:`gpunet.dht.reachability`): CheckReach -> ReachResult; ``hello`` (unary, outside
@@ -129,6 +129,7 @@ from gpunet.protocol.peers import (
     MAX_PIECES,
     MIN_PIECE_BYTES,
     GetPiece,
+    Have,
     PieceData,
     PieceList,
     Pieces,
@@ -231,6 +232,7 @@ __all__ = [
     "MAX_PIECES",
     "MIN_PIECE_BYTES",
     "GetPiece",
+    "Have",
     "PieceData",
     "PieceList",
     "Pieces",

@@ -31,6 +31,7 @@ from gpunet.protocol.fields import (
     time_field,
     typed_field,
 )
+from gpunet.protocol.peers import MAX_PIECES
 from gpunet.protocol.sessions import SessionStep
 
 #: Inputs and outputs at most this big ride inside a control frame (or a unary message), saving a round trip.
@@ -145,6 +146,10 @@ class Send(Message):
     #: Weights the program names by reference (their sha256) that the worker found nowhere else: the client answers
     #: with a Payload of ``tensors_size`` and their bytes, one after another in this order.
     tensors: tuple[str, ...] = ()
+    #: Asking for the program after the peers the client named delivered only part of it: the indices (ascending)
+    #: of the pieces they did not (of the piece list the client sent). The client sends those pieces, one after
+    #: another, ``program_size`` their total; an older client sends the whole program (``program_size`` its size).
+    missing: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "inputs": self.inputs}
@@ -152,6 +157,8 @@ class Send(Message):
             d["pieces"] = True
         if self.tensors:
             d["tensors"] = list(self.tensors)
+        if self.missing:
+            d["missing"] = list(self.missing)
         return d
 
     @classmethod
@@ -160,8 +167,16 @@ class Send(Message):
         if not (isinstance(wanted, list) and len(wanted) <= MAX_TENSORS_ASKED
                 and all(isinstance(h, str) and PROGRAM_HASH_RE.match(h) for h in wanted)):
             raise ProtocolError(f"send: tensors must be a list of at most {MAX_TENSORS_ASKED} sha256 hex digests")
-        return cls(typed_field(d, "program", bool), typed_field(d, "inputs", bool),
-                   bool(typed_field(d, "pieces", bool, optional=True)), tuple(wanted))
+        missing = d.get("missing", [])
+        if not (isinstance(missing, list) and len(missing) <= MAX_PIECES
+                and all(type(i) is int and 0 <= i < MAX_PIECES for i in missing)
+                and all(a < b for a, b in zip(missing, missing[1:]))):
+            raise ProtocolError(f"send: missing must list ascending piece indices below {MAX_PIECES}")
+        message = cls(typed_field(d, "program", bool), typed_field(d, "inputs", bool),
+                      bool(typed_field(d, "pieces", bool, optional=True)), tuple(wanted), tuple(missing))
+        if message.missing and not message.program:
+            raise ProtocolError("send: missing pieces are pieces of the program")
+        return message
 
 
 #: The most weights one Send asks for (a program naming more is asked in rounds): the message stays far below the

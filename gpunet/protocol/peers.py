@@ -9,7 +9,7 @@ protocol frame).
 
 The messages: the client's :class:`Pieces` (who holds the program and every piece's digest, answering a worker's
 ``Send(pieces=True)``), then on the ``piece`` door, from worker to holder, :class:`GetPiece` -> :class:`PieceData` +
-the piece's bytes, repeated (gpunet.worker.peers serves and fetches; docs/weights.md).
+the piece's bytes (or :class:`Have`, from a holder still getting the program), repeated (gpunet.worker.peers serves and fetches; docs/weights.md).
 """
 
 from __future__ import annotations
@@ -197,7 +197,8 @@ class GetPiece(Message):
     """Ask a peer for piece ``index`` of a program it holds (pieces of ``piece_size`` bytes). ``grant``: the proof the
     job's client gave for this holder (:class:`Pieces`), needed unless the program is shared. ``tensor``: ``program``
     is the sha256 of a tensor of a checkpoint the peer keeps in its models dirs (public: no grant), its pieces of
-    ``piece_size_for`` its length."""
+    ``piece_size_for`` its length. ``have``: the fetcher takes a :class:`Have` for a piece the holder is still
+    getting (an older fetcher hears "busy", and the stream ends)."""
 
     T: ClassVar[str] = "get_piece"
     program: str
@@ -205,6 +206,7 @@ class GetPiece(Message):
     piece_size: int
     grant: bytes | None = None
     tensor: bool = False
+    have: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
@@ -212,6 +214,8 @@ class GetPiece(Message):
             d["grant"] = self.grant
         if self.tensor:
             d["tensor"] = True
+        if self.have:
+            d["have"] = True
         return d
 
     @classmethod
@@ -219,7 +223,39 @@ class GetPiece(Message):
         program = program_hash_field(d)
         grant = proof_field(d, "grant", "get_piece")
         return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant,
-                   bool(typed_field(d, "tensor", bool, optional=True)))
+                   bool(typed_field(d, "tensor", bool, optional=True)),
+                   bool(typed_field(d, "have", bool, optional=True)))
+
+
+@dataclass(frozen=True, slots=True)
+class Have(Message):
+    """A holder still getting the program answers a piece it does not have yet with the pieces it has (a bitmap,
+    piece ``i`` in bit ``i % 8`` of byte ``i // 8``; short: the rest are not here), after waiting a moment for that
+    one; the stream stays open (BitTorrent's "have"). The fetcher asks it for pieces it has, and sees whether its
+    copy is still growing."""
+
+    T: ClassVar[str] = "have"
+    pieces: bytes = b""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "pieces": self.pieces}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Have":
+        pieces = typed_field(d, "pieces", bytes)
+        if len(pieces) > -(-MAX_PIECES // 8):
+            raise ProtocolError(f"have: a bitmap of at most {MAX_PIECES} pieces")
+        return cls(pieces)
+
+    @classmethod
+    def of(cls, indices, count: int) -> "Have":
+        bits = bytearray(-(-count // 8))
+        for i in indices:
+            bits[i // 8] |= 1 << (i % 8)
+        return cls(bytes(bits))
+
+    def indices(self) -> set[int]:
+        return {8 * k + b for k, byte in enumerate(self.pieces) if byte for b in range(8) if byte >> b & 1}
 
 
 @dataclass(frozen=True, slots=True)

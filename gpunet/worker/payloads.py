@@ -15,7 +15,7 @@ from gpunet import protocol
 from gpunet.errors import ProtocolError
 from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit, TensorHolders
 from gpunet.utils import sha256_hex
-from gpunet.worker.peers import Fetcher
+from gpunet.worker.peers import Fetcher, hash_and_key
 from gpunet.worker.state.limits import ServiceLimits
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,13 @@ class Receiving:
         end = min(start + length, len(self.buffer))
         return bytes(self.buffer[start:end]) if end <= self.received else None
 
+    def here(self) -> int:
+        return self.received
+
+    def have(self, piece_size: int) -> set[int]:
+        whole = self.received // piece_size + (self.received == len(self.buffer) and self.received % piece_size > 0)
+        return set(range(whole))
+
 
 class NeedsStream(Exception):
     """The unary door cannot take this job (program or inputs must be sent): the client switches to the stream."""
@@ -165,17 +172,26 @@ class StreamPayloads:
             charge(pieces.size)
             charged = True
 
+        runs = []
+
+        def serve(run) -> None:  # what it has fetched so far is served to other workers meanwhile
+            runs.append(run)
+            if sink is not None:
+                sink.receiving(pieces.size, run, pieces.token)
+
         # At most half the job's time (the client then still has the rest to send it), and no longer than the client
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
-        serve = None if sink is None else (lambda run: sink.receiving(pieces.size, run, pieces.token))
         fetched = await self._while_client_stays(self.fetcher.fetch(
             submit.program, pieces.piece_list(), pieces.holder_ids, submit.timeout / 2, coming=pieces.coming,
             on_first=first_piece, grants=dict(pieces.grants), serve=serve), "the program")
+        run = runs[0] if runs else None
+        if fetched is None and run is not None and run.buffer is not None and run.missing and run.refused is None:
+            fetched = await self._rest_from_client(submit, pieces, run, sink)  # only what the peers did not deliver
         # The bytes run for this client only if it proves it holds them (older holders serve anyone who knows a hash
         # and its piece list); otherwise, as when the peers fail, it sends them itself (an older client does).
-        if fetched is not None and self.proves(fetched[1], pieces.holds or submit.holds):
+        if fetched is not None and (fetched[1] is None or self.proves(fetched[1], pieces.holds or submit.holds)):
             return fetched  # a bytearray, not copied: the executor takes any bytes-like program
-        fetched = None  # (let go: charged already, on its first piece)
+        fetched = run = None  # (let go: charged already, on its first piece)
         if not charged:
             charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
         await protocol.write(self.writer, Send(True, False))
@@ -183,6 +199,38 @@ class StreamPayloads:
         if payload.program_size != pieces.size or payload.inputs_size is not None:
             raise ProtocolError("the program sent differs in size from the one the piece list describes")
         return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
+
+    async def _rest_from_client(self, submit: Submit, pieces: Pieces, run, sink=None
+                                ) -> tuple[bytearray, bytes | None] | None:
+        """The pieces the peers did not deliver, from the client, into the fetch's buffer (each checked against the
+        client's own piece list; served on to other workers as they land), and the program's holding key; an older
+        client sends the whole program instead (no key: it came from the client). None: the assembled bytes do not
+        hash to the program (the client then sends it whole)."""
+        listed = pieces.piece_list()
+        want = sorted(run.missing)
+        spans = [listed.span(i) for i in want]
+        total = sum(length for _, length in spans)
+        await protocol.write(self.writer, Send(True, False, missing=tuple(want)))
+        payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+        if payload.inputs_size is not None:
+            raise ProtocolError("the client sent inputs it was not asked for")
+        if payload.program_size == pieces.size and total != pieces.size:  # an older client: all of it
+            return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
+        if payload.program_size != total:
+            raise ProtocolError("the pieces sent differ in size from the pieces asked for")
+        for index, (start, length) in zip(want, spans):
+            data = await protocol.read_payload(self.reader, length, length, "program piece",
+                                               timeout=protocol.payload_deadline(length))
+            if not listed.matches(index, data):
+                raise ProtocolError(f"the client sent piece {index} of its program unlike its own piece list")
+            run.buffer[start:start + length] = data
+            run.missing.discard(index)
+        found, key = await asyncio.to_thread(hash_and_key, run.buffer)
+        if found != submit.program:
+            logger.warning("Program %s assembled from peers and its client does not match its hash; asking the client "
+                           "for all of it", submit.program[:12])
+            return None
+        return run.buffer, key
 
     async def fetch_tensors(self, wanted: list, store, timeout: float = TENSORS_FROM_PEERS_SECONDS) -> None:
         """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:

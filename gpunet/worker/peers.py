@@ -5,9 +5,9 @@ Serving is bounded: only programs in this worker's disk cache (which holds only 
 against their hash and loaded; a private program's bytes never reach the disk), and of those only shared ones or to a
 fetcher that presents its client's grant (a proof, made from the program's bytes, naming this holder and that
 fetcher: :mod:`gpunet.protocol.holding`), since a hash is published and no capability; whole pieces at the piece size
-the program's size implies, :data:`SERVE_AT_ONCE` streams at once (:data:`SERVE_PER_PEER` per peer), optionally at
-most ``rate`` bytes a second in all. Nothing else on the machine can be named: a request is a program hash and a piece
-index.
+the program's size implies, :data:`SERVE_AT_ONCE` at once (:data:`SERVE_STREAMS` streams, :data:`SERVE_PER_PEER` per
+peer), optionally at most ``rate`` bytes a second in all. Nothing else on the machine can be named: a request is a
+program hash and a piece index.
 
 Fetching checks every piece against the digest the job's client gave (:class:`gpunet.protocol.Pieces`): a peer that
 serves a wrong byte is caught at that piece, which is fetched from another peer; once another peer's copy of that
@@ -28,15 +28,18 @@ from typing import Awaitable, Callable, Sequence
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, NetworkError, ProgramNotCached, WorkerBusy
-from gpunet.protocol import Door, Error, GetPiece, PieceData, holding_key
-from gpunet.protocol.peers import PieceList, piece_size_for
+from gpunet.protocol import Door, Error, GetPiece, Have, PieceData, holding_key
+from gpunet.protocol.peers import PieceList, count, piece_size_for
 from gpunet.utils import LRU
 from gpunet.worker import metrics
 from gpunet.worker.uploads import content_hash
 
 logger = logging.getLogger(__name__)
 
+#: Pieces sent at once (the rest wait their turn), and streams open at once: a stream waiting for a piece this
+#: holder is still getting (HAVE_WAIT) costs a slot of SERVE_STREAMS, not one of SERVE_AT_ONCE.
 SERVE_AT_ONCE = 4
+SERVE_STREAMS = 16
 SERVE_PER_PEER = 2  # streams, per peer identity and per network address (identities are free)
 #: A serving stream with no request for this long is closed, and none lives longer than STREAM_LIFETIME.
 STREAM_IDLE = 30.0
@@ -45,6 +48,17 @@ STREAM_LIFETIME = 600.0
 #: one is waited for that the client did not say it is sending the program to (anyone may claim to hold anything).
 NOT_YET_RETRY = 0.5
 BUSY_PATIENCE = 10.0
+#: A holder still getting a piece asked of it waits this long for it (checking every HAVE_POLL) before it answers
+#: with the pieces it has (Have): a fetcher waiting on the swarm's front costs one request per HAVE_WAIT.
+HAVE_WAIT = 2.0
+HAVE_POLL = 0.2
+#: A fetch from holders the client vouches for goes on, whatever they answer (busy serving others, or their copy
+#: still coming), while the swarm moves: it ends when no piece came and no holder's copy grew for this long (checked
+#: every STALL_CHECK). On slow links a holder can be busy for long stretches and still be the fastest way.
+HOLDER_STALL = 30.0
+STALL_CHECK = 1.0
+#: The longest wait between two askings of a busy holder.
+BUSY_BACKOFF = 2.0
 #: Times in a row a stream to a holder that could not be opened is tried again (after NOT_YET_RETRY): a holder busy
 #: loading what it just received on a loaded machine can miss one stream, and giving up on it sends the client's link
 #: a copy.
@@ -79,6 +93,7 @@ class PieceServer:
         self.corrupt = corrupt  # FAULT INJECTION (tests): one byte of every piece served is wrong
         self.served = 0  # bytes, since start
         self._running = 0
+        self._sending: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._streams: Counter[str] = Counter()  # per peer id and per host
         self._next_free = 0.0  # rate limit: when the bytes sent so far have "drained" at ``rate``
 
@@ -88,7 +103,7 @@ class PieceServer:
     async def handle(self, peer_id: str, reader, writer, host: str = "") -> None:
         keys = [f"id:{peer_id}"] + ([f"host:{host}"] if host else [])
         try:
-            if self._running >= SERVE_AT_ONCE or any(self._streams[k] >= SERVE_PER_PEER for k in keys):
+            if self._running >= SERVE_STREAMS or any(self._streams[k] >= SERVE_PER_PEER for k in keys):
                 await protocol.write(writer, Error.of(WorkerBusy("serving as many peers as it takes; ask again")))
                 return
             self._running += 1
@@ -114,9 +129,25 @@ class PieceServer:
             writer.close()
 
     async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
-        """Serve one piece; False (after saying why) when it cannot."""
+        """Serve one piece; False (after saying why) when it cannot. A piece still on its way here is waited for up
+        to HAVE_WAIT; then a fetcher that takes it hears which pieces are here (:class:`Have`), others "busy"."""
         if request.tensor:  # (a read of a mapped file: off the loop)
             return await self._send(writer, *await asyncio.to_thread(self._tensor_piece, request, peer_id))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + HAVE_WAIT
+        while True:
+            data, refusal, upload = await self._program_piece(request, peer_id)
+            if not (request.have and isinstance(refusal, WorkerBusy)):
+                return await self._send(writer, data, refusal)
+            if loop.time() >= deadline:
+                size = getattr(upload, "size", None)
+                await protocol.write(writer, Have.of(upload.have(request.piece_size), count(size, request.piece_size))
+                                     if size is not None else Have())
+                return True
+            await asyncio.sleep(HAVE_POLL)
+
+    async def _program_piece(self, request: GetPiece, peer_id: str):
+        """(the piece's bytes, or why not, and the copy still coming here if that is where it is served from)."""
         size = await asyncio.to_thread(self.disk.size, request.program)
         coming = self.coming(request.program)
         # Not on disk yet but on its way (from its client, or fetched from peers): what has arrived is served.
@@ -144,7 +175,7 @@ class PieceServer:
                                            request.piece_size)
             if data is None:  # evicted meanwhile
                 refusal = ProgramNotCached(request.program)
-        return await self._send(writer, data, refusal)
+        return data, refusal, upload
 
     def _tensor_piece(self, request: GetPiece, peer_id: str) -> tuple[bytes | None, Exception | None]:
         view = self.tensors(request.program, peer_id, request.grant) if self.tensors is not None else None
@@ -164,13 +195,17 @@ class PieceServer:
             return False
         if self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        await protocol.write(writer, PieceData(len(data)))
-        view = memoryview(data)
-        async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
-            for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
-                chunk = view[start:start + PACE_CHUNK]
-                await self._pace(len(chunk))
-                await protocol.write_payload(writer, chunk)
+        loop = asyncio.get_running_loop()
+        if self._sending is None or self._sending[0] is not loop:
+            self._sending = (loop, asyncio.Semaphore(SERVE_AT_ONCE))
+        async with self._sending[1]:
+            await protocol.write(writer, PieceData(len(data)))
+            view = memoryview(data)
+            async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
+                for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
+                    chunk = view[start:start + PACE_CHUNK]
+                    await self._pace(len(chunk))
+                    await protocol.write_payload(writer, chunk)
         self.served += len(data)
         metrics.PEER_BYTES_SERVED.inc(len(data))
         return True
@@ -231,12 +266,23 @@ class Fetcher:
         if serve is not None:  # what it has fetched so far is served to other workers meanwhile
             serve(run)
         deadline = time.monotonic() + timeout
+        # Two streams per peer when there are few (as many as a peer serves one fetcher): one piece's round trip and
+        # disk read overlap the other's transfer. With more, one each: many pieces at once over one slow link would
+        # each come too slowly.
+        streams = SERVE_PER_PEER if len(peers) <= 2 else 1
         for _ in range(VOUCHED_ROUNDS):
-            # Two streams per peer (as many as a peer serves one fetcher): one piece's round trip and disk read
-            # overlap the other's transfer.
-            tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(SERVE_PER_PEER)]
+            tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(streams)]
             try:
-                await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+                # Until every piece is here or every stream ended, within the deadline, while the swarm moves: a
+                # piece came, or some holder's copy grew, within HOLDER_STALL.
+                pending = set(tasks)
+                while pending and time.monotonic() < deadline:
+                    _, pending = await asyncio.wait(pending, timeout=min(STALL_CHECK, deadline - time.monotonic()))
+                    if pending and time.monotonic() - run.moved > HOLDER_STALL:
+                        logger.info("Fetching program %s from peers: nothing came and no holder's copy grew for "
+                                    "%.0f s", program_hash[:12], HOLDER_STALL)
+                        run.stalled = True
+                        break
             finally:
                 for task in tasks:
                     task.cancel()
@@ -245,7 +291,7 @@ class Fetcher:
             # still settling in); the others said what they had to say.
             suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
             peers = [p for p in peers if p in coming and p not in suspects]
-            if (run.refused is not None or not run.missing or not peers
+            if (run.refused is not None or run.stalled or not run.missing or not peers
                     or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
                 break
             await asyncio.sleep(2 * NOT_YET_RETRY)
@@ -253,10 +299,10 @@ class Fetcher:
             logger.info("Fetching program %s from peers stopped: %s", program_hash[:12], run.refused)
             return None
         if run.missing:
-            logger.info("Fetched %d of %d pieces of program %s from peers; asking the client for it",
+            logger.info("Fetched %d of %d pieces of program %s from peers; the rest is asked of the client",
                         len(pieces) - len(run.missing), len(pieces), program_hash[:12])
             return None
-        found, key = await asyncio.to_thread(_hash_and_key, run.buffer)
+        found, key = await asyncio.to_thread(hash_and_key, run.buffer)
         if found != program_hash:
             logger.warning("Program %s assembled from peers does not match its hash (the client's piece list and "
                            "the peers agree on other bytes); asking the client for it", program_hash[:12])
@@ -361,7 +407,7 @@ class Fetcher:
             writer.close()
 
 
-def _hash_and_key(data: bytearray) -> tuple[str | None, bytes]:
+def hash_and_key(data: bytearray) -> tuple[str | None, bytes]:
     return content_hash(data), holding_key(data)
 
 
@@ -395,18 +441,60 @@ class _Fetch:
         self.convicted: set[str] = set()  # sent a piece another peer's matching copy proved wrong
         self.sources: set[str] = set()
         self.changed = asyncio.Event()  # a piece arrived, or went back to be fetched by someone else
+        #: What each holder that is still getting the program said it has (Have); one absent is asked for anything.
+        self.theirs: dict[str, set[int]] = {}
+        self.declined: dict[str, int] = {}  # the piece each last said it lacks (left to others for a moment)
+        self.asking: Counter[str] = Counter()  # streams fetching from each peer now
+        self.unreliable: set[str] = set()  # said it had a piece, then that it did not: its growth is not progress
+        self.moved = self.started  # when a piece last came, or some holder's copy last grew
+        self.stalled = False
 
-    async def _next(self) -> int | None:
-        """The next piece to fetch; when none is left to hand out but some are still on their way from slower
-        peers, wait: one of those may fail and come back (no piece is left to a peer that gave up)."""
+    def _take(self, peer: str, waited: bool = False) -> int | None:
+        """The next piece to ask ``peer`` for, if any now: of those it has (as far as this fetch knows; one that never
+        said is asked for anything), the one the fewest other holders still getting the program have (rarest first:
+        the holder nearest the client is not asked for what others can serve). Else, while no other holder asked may
+        have anything (every one said what it has), one none of them has: it waits a moment for it there, then says
+        what it has. Else, ``waited`` (HAVE_WAIT with nothing new), any but the one it just said it lacks."""
+        self.todo = [i for i in self.todo if i in self.missing]
+        has = self.theirs.get(peer)
+        others = [h for p, h in self.theirs.items() if p != peer]
+        rarity = {i: sum(i in h for h in others) for i in self.todo}
+        index = min((i for i in self.todo if has is None or i in has), key=rarity.__getitem__, default=None)
+        if index is None and (waited or all(p in self.theirs for p in self.asking if p != peer)):
+            declined = self.declined.get(peer) if not waited else None
+            index = next((i for i in self.todo if i != declined and (waited or not rarity[i])), None)
+        if index is not None:
+            self.todo.remove(index)
+        return index
+
+    async def _next(self, peer: str) -> int | None:
+        """:meth:`_take`, waiting for one: when none is left to hand out but some are still on their way from slower
+        peers, one of those may fail and come back (no piece is left to a peer that gave up)."""
+        waited = False
         while self.missing and self.refused is None:
-            while self.todo:
-                index = self.todo.pop(0)
-                if index in self.missing:
-                    return index
+            index = self._take(peer, waited)
+            if index is not None:
+                return index
             self.changed.clear()
-            await self.changed.wait()
+            try:
+                await asyncio.wait_for(self.changed.wait(), HAVE_WAIT if self.todo else None)
+            except TimeoutError:
+                waited = True
         return None
+
+    def here(self) -> int:
+        """Bytes of it here so far."""
+        return 0 if self.buffer is None else self.pieces.size - sum(self.pieces.span(i)[1] for i in self.missing)
+
+    def have(self, piece_size: int) -> set[int]:
+        """The pieces this fetch has (served to other workers meanwhile)."""
+        return set() if self.buffer is None else set(range(len(self.pieces))) - self.missing
+
+    def _heard(self, peer: str, have: set[int]) -> None:
+        """``peer`` (one the client vouches for) is still getting the program, and has ``have``."""
+        if have - self.theirs.get(peer, set()) and peer not in self.unreliable:
+            self.moved = time.monotonic()
+        self.theirs[peer] = self.theirs.get(peer, set()) | have
 
     def piece(self, start: int, length: int) -> bytes | None:
         """Bytes of a piece this fetch has (checked against its digest), for another worker; None if not yet."""
@@ -424,6 +512,17 @@ class _Fetch:
         it turned away is closed, so a fresh one is opened), for as long as it is worth waiting for. A peer the client
         vouches for (``coming``: still getting the program itself, and serving what it has) is asked again after a
         broken stream too, up to COMING_FAILURES times: a holder serving many fetchers at once drops some."""
+        self.asking[peer] += 1
+        try:
+            await self._from_peer_again(peer)
+        finally:
+            self.asking[peer] -= 1
+            if not self.asking[peer]:
+                del self.asking[peer]
+                self.theirs.pop(peer, None)  # what it has is no one's to wait for now
+            self.changed.set()
+
+    async def _from_peer_again(self, peer: str) -> None:
         failures = 0
         while self.missing and self.refused is None:
             stopped = await self._from_peer(peer)
@@ -442,12 +541,16 @@ class _Fetch:
     async def _from_peer(self, peer: str) -> Exception | None:
         """One go at :meth:`from_peer`; what stopped it, if it failed (None: done, or nothing more to ask it)."""
         index = writer = None
-        failed_opens = 0
+        failed_opens = busy = 0
+        seen: set[int] = set()
         try:
-            while self.missing and self.refused is None:
+            # A stream is held only while there is a piece to ask for: an idle one would hold the holder's place.
+            while (index := await self._next(peer)) is not None:
                 try:
                     reader, writer = await self.fetcher.rpc.open(peer, Door.PIECE)  # by id: no address of the client's
                 except NetworkError as e:
+                    self._give_back(index)
+                    index = None
                     failed_opens += 1
                     if failed_opens > OPEN_RETRIES:
                         raise _Unreachable(str(e)) from None  # gone: not asked again (a broken stream is)
@@ -455,24 +558,27 @@ class _Fetch:
                     continue
                 failed_opens = 0  # failures in a row: a long wait for a busy holder may meet a few, spread out
                 try:
-                    while (index := await self._next()) is not None:
-                        ok = await self._one(peer, reader, writer, index)
+                    while index is not None:
+                        ok = await self._one(peer, reader, writer, index, seen)
                         index = None
+                        busy = 0
                         if not ok:
                             return
-                    return
+                        index = self._take(peer)
+                    writer.close()
+                    writer = None
                 except _Busy:
                     self._give_back(index)
                     index = None
                     writer.close()
                     writer = None
-                    # Busy for too long: a holder the client never said it was sending the program to, or one
-                    # that has it (it delivered) and has served nothing since. A "coming" one that never delivered
-                    # is waited for (it costs this worker an upload place, not the program's memory: see on_first).
+                    # Busy (serving others, or an older holder still getting it) for too long, from a holder the
+                    # client does not vouch for. One it vouches for is asked again while the swarm moves (fetch).
                     waited = time.monotonic() - self.progress.get(peer, self.started)
-                    if (peer not in self.coming or peer in self.sources) and waited > BUSY_PATIENCE:
+                    if peer not in self.coming and waited > BUSY_PATIENCE:
                         return
-                    await asyncio.sleep(NOT_YET_RETRY)
+                    busy += 1
+                    await asyncio.sleep(min(NOT_YET_RETRY * 2 ** min(busy - 1, 4), BUSY_BACKOFF))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # whatever a broken peer (or a peer id nobody answers for) makes us trip on
@@ -484,11 +590,29 @@ class _Fetch:
                 writer.close()
         return None
 
-    async def _one(self, peer: str, reader, writer, index: int) -> bool:
-        """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more."""
+    async def _one(self, peer: str, reader, writer, index: int, seen: set[int]) -> bool:
+        """Fetch piece ``index`` from ``peer``; False when this peer should not be asked for more. ``seen``: the
+        pieces it said it has on this stream."""
         start, length = self.pieces.span(index)
-        await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size, self.grants.get(peer)))
-        reply = await protocol.read(reader, PieceData, Error, timeout=protocol.FRAME_TIMEOUT)
+        await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size, self.grants.get(peer),
+                                              have=True))
+        reply = await protocol.read(reader, PieceData, Error, Have, timeout=protocol.FRAME_TIMEOUT + HAVE_WAIT)
+        if isinstance(reply, Have):  # not there yet: asked again for what it has, or in a moment
+            have = {i for i in reply.indices() if i < len(self.pieces)}
+            if peer not in self.coming:  # records said it holds the program: busy, as far as patience goes
+                raise _Busy()
+            # A copy on its way in loses pieces only when it starts over (its own fetch failed, and its client sends
+            # the program): one stream's replies are in order, so a piece listed and then not is that, or a lie.
+            # Either way its copy growing no longer counts as the swarm moving (a liar cannot keep a fetch going).
+            if index in seen or seen - have:
+                self.unreliable.add(peer)
+                self.theirs.pop(peer, None)
+            seen.clear()
+            seen |= have
+            self._heard(peer, have)
+            self.declined[peer] = index
+            self._give_back(index)
+            return True
         if isinstance(reply, Error):
             error = reply.exception()
             if isinstance(error, WorkerBusy):
@@ -521,7 +645,7 @@ class _Fetch:
         self.buffer[start:start + length] = data
         self.missing.discard(index)
         self.sources.add(peer)
-        self.progress[peer] = time.monotonic()
+        self.progress[peer] = self.moved = time.monotonic()
         self.convicted |= self.wrong.pop(index, set())  # this digest is matched, so their copy was wrong
         self.changed.set()
         return True

@@ -4,8 +4,9 @@ When several jobs for a program the worker lacks arrive together, the first asks
 others wait for that copy (and keep using it while the executor loads it) instead of each asking for one more.
 Nothing is trusted blindly: before a copy serves a job other than the one it came with, its content hash is checked
 (once, in a thread), so one client cannot poison another's jobs with bytes that do not match the hash. A copy that
-fails (its client hung up, it does not match, it takes longer than ``SHARED_WAIT``) leaves each waiting job to ask
-its own client, as if no copy had been on its way.
+fails (its client hung up, it does not match, nothing more of it came for ``SHARED_WAIT``) leaves each waiting job to
+ask its own client, as if no copy had been on its way. A copy still growing is waited for however long it takes: on a
+slow link a program takes minutes, and each job that gave up on it cost a copy more of the link and of memory.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import asyncio
 from gpunet.errors import GpunetError
 from gpunet.job.format import ProgramParts
 
-#: The longest a job waits for another job's copy of its program before asking its own client for one.
+#: How long a job waits for another job's copy of its program while nothing more of it comes, before asking its
+#: own client for one (checked every SHARED_CHECK).
 SHARED_WAIT = 60.0
+SHARED_CHECK = 1.0
 
 
 def content_hash(data: bytes) -> str | None:
@@ -55,6 +58,13 @@ class Upload:
             return bytes(data[start:start + length]) if data is not None else None
         return self.source.piece(start, length) if self.source is not None else None
 
+    def have(self, piece_size: int) -> set[int]:
+        """The indices of the pieces (of ``piece_size``) that are here."""
+        if self._bytes.done():
+            data = self._bytes.result()
+            return set(range(-(-len(data) // piece_size))) if data is not None else set()
+        return self.source.have(piece_size) if self.source is not None else set()
+
     async def proven(self) -> bool:
         """Its bytes are all here and hash to the program (checked once, in a thread)."""
         if not self._bytes.done() or self._bytes.result() is None:
@@ -71,12 +81,28 @@ class Upload:
         if not self._bytes.done():
             self._bytes.set_result(None)
 
+    def here(self) -> int:
+        """Bytes of it here so far."""
+        if self._bytes.done():
+            data = self._bytes.result()
+            return len(data) if data is not None else 0
+        return self.source.here() if self.source is not None else 0
+
     async def share(self, timeout: float = SHARED_WAIT) -> bytes | None:
-        """The bytes, once here and checked against the hash; None if this copy failed or is too slow in coming."""
-        try:
-            data = await asyncio.wait_for(asyncio.shield(self._bytes), timeout)
-        except TimeoutError:
-            return None
+        """The bytes, once here and checked against the hash; None if this copy failed, or nothing more of it came
+        for ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        here, grew = self.here(), loop.time()
+        while not self._bytes.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._bytes), min(SHARED_CHECK, timeout))
+            except TimeoutError:
+                now = self.here()
+                if now > here:
+                    here, grew = now, loop.time()
+                elif loop.time() - grew >= timeout:
+                    return None
+        data = self._bytes.result()
         if data is None:
             return None
         if self._checked is None:
