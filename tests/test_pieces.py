@@ -361,10 +361,11 @@ def test_a_holder_still_getting_the_program_says_what_it_has_and_keeps_the_strea
         to_server.close()
         await handled
         older = await _ask(server, GetPiece(H, 1, size))  # a fetcher that does not take Have hears busy
-        return have, bytes(got), older
+        return have, piece, bytes(got), older
 
-    have, got, (older,) = asyncio.run(main())
+    have, piece, got, (older,) = asyncio.run(main())
     assert have.indices() == {0} and got == data[:size]
+    assert protocol.Have(piece.have).indices() == {0}  # a piece from a copy still coming says what else is there
     assert older.code == "busy"
 
 
@@ -518,3 +519,26 @@ def test_after_a_partial_fetch_the_client_sends_only_the_pieces_the_peers_did_no
     assert bytes(program) == data and key is None and len(asked) == 1
     with pytest.raises(ProtocolError, match="unlike its own piece list"):
         asyncio.run(main(older=False, tamper=True))
+
+
+def test_a_request_waits_for_a_sending_place_briefly_and_holds_no_piece_meanwhile(tmp_path, monkeypatch):
+    """Pieces are read only once a sending place is taken; a request that finds none within SEND_WAIT hears busy
+    (well within the fetcher's frame timeout), so streams queued at a holder hold no piece in memory."""
+    monkeypatch.setattr(peers, "SERVE_AT_ONCE", 1)
+    monkeypatch.setattr(peers, "SEND_WAIT", 0.05)
+    data = _program()
+    server = _holder(tmp_path, "a", data)
+    reads = []
+    read_range = server.disk.read_range
+    server.disk.read_range = lambda *a: reads.append(a) or read_range(*a)
+
+    async def main():
+        assert await server._take_place()  # every place taken (a slow fetcher elsewhere)
+        (busy,) = await _ask(server, GetPiece(H, 0, piece_size_for(len(data))))
+        server._sending[1].release()
+        (piece,) = await _ask(server, GetPiece(H, 0, piece_size_for(len(data))))
+        return busy, piece
+
+    busy, piece = asyncio.run(main())
+    assert busy.code == "busy" and bytes(piece) == data[:piece_size_for(len(data))]
+    assert len(reads) == 1  # read once, for the request that got a place

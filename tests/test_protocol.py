@@ -108,6 +108,7 @@ EXAMPLES = [
     Send(True, True, pieces=True),
     Send(True, False, missing=(0, 3, 1023)),
     Have(b"\x05\x80"),
+    PieceData(4 << 20, b"\x07"),
     Have(),
     Pieces(5 << 20, 4 << 20, b"d" * 64, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ("/ip4/1.2.3.4/tcp/5",)),)),
     Pieces(1, 4 << 20, b"d" * 32, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ()),),
@@ -234,6 +235,7 @@ def test_a_malformed_submit_is_a_protocol_error(fields, match):
     ({"t": "send", "program": False, "inputs": False, "missing": [0]}, "pieces of the program"),
     ({"t": "have", "pieces": b"x" * 129}, "at most 1024"),
     ({"t": "have", "pieces": [1]}, "must be bytes"),
+    ({"t": "piece_data", "size": 1, "have": b"x" * 129}, "at most 1024"),
 ])
 def test_malformed_piece_bookkeeping_is_a_protocol_error(fields, match):
     with pytest.raises(ProtocolError, match=match):

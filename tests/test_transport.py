@@ -259,7 +259,7 @@ def test_a_worker_the_peers_delivered_part_of_a_program_to_is_sent_only_the_rest
     async def main():
         first, second, third = Partial(), Partial(), Partial()
         third.missing = (7,)  # a piece the program does not have
-        async with _network(first, second, third) as transport:
+        async with _network(first, second, third, greedy) as transport:
             request = lambda job_id: JobRequest(job_id, sha256_hex(big), big, b"", timeout=30, max_price=None)
             (await transport.run_stream(first.id, [], request("a" * 32))).close()
             assert first.got == big  # nobody held it: all of it
@@ -268,5 +268,23 @@ def test_a_worker_the_peers_delivered_part_of_a_program_to_is_sent_only_the_rest
             assert transport.program_bytes_sent == len(big) + len(big) - piece
             with pytest.raises(protocol.ProtocolError, match="asked for piece 7 of a program of 3 pieces"):
                 await transport.run_stream(third.id, [], request("c" * 32))
+            # The rest, and then all of it again: never more than one copy over one stream.
+            sent = transport.program_bytes_sent
+            with pytest.raises(protocol.ProtocolError, match="more of the program than one copy"):
+                await transport.run_stream(greedy.id, [], request("d" * 32))
+            assert transport.program_bytes_sent == sent + len(big) - piece
 
+    class Greedy(Partial):
+        async def handle(self, reader, writer) -> None:
+            await protocol.read(reader, Submit)
+            await protocol.write(writer, Send(True, False, pieces=True))
+            await protocol.read(reader, Pieces)
+            await protocol.read(reader, Payload)
+            await protocol.write(writer, Send(True, False, missing=(1, 2)))
+            reply = await protocol.read(reader, Payload)
+            await protocol.read_payload(reader, reply.program_size, len(big), "program")
+            await protocol.write(writer, Send(True, False))
+            await protocol.read(reader, Payload)  # (the client hangs up instead)
+
+    greedy = Greedy()
     asyncio.run(main())

@@ -68,3 +68,22 @@ def test_a_copy_still_growing_is_waited_for_however_slow_and_one_that_stopped_is
 
     assert asyncio.run(scenario(stop_at=len(GOOD))) == GOOD
     assert asyncio.run(scenario(stop_at=80)) is None
+
+
+def test_a_copy_is_waited_for_no_longer_than_the_waiting_jobs_own_time(monkeypatch):
+    from gpunet.worker import uploads as uploads_module
+    from gpunet.worker.payloads import Receiving
+
+    monkeypatch.setattr(uploads_module, "SHARED_CHECK", 0.01)
+
+    async def scenario():
+        upload = Uploads().begin(JOB.program_hash)
+        coming = Receiving(len(GOOD))
+        upload.receiving(len(GOOD), coming, None)
+        waiter = asyncio.ensure_future(upload.share(timeout=10, limit=0.2))
+        while not waiter.done():  # a junk upload at a trickle: growing, never done
+            await asyncio.sleep(0.02)
+            coming.write(GOOD[coming.received:coming.received + 1])
+        return await waiter
+
+    assert asyncio.run(scenario()) is None

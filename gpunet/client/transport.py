@@ -298,17 +298,19 @@ class P2PTransport(BaseTransport):
             if program_crossed is not None and not (isinstance(reply, Send) and reply.program):
                 program_crossed.set_result(None)  # it holds the program (or refused the job): nothing to carry
             transfer_seconds = 0.0
-            # At most: the program from peers (or us) with the inputs, then the program from us if the peers failed;
-            # then the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED),
-            # and once more if a checkpoint file of the worker's turned out damaged.
+            # At most: the program from peers (or us) with the inputs, then what of it the peers did not deliver, then
+            # all of it if those pieces did not make the program (never more than one copy in all: ``budget``); then
+            # the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED), and
+            # once more if a checkpoint file of the worker's turned out damaged.
             named: list[str] = []  # holders told of that only records vouch for
             asked: set[str] = set()  # weights asked for on this stream (named holders first, then the bytes)
-            for _ in range(2 + 3 * _tensor_rounds(request)):
+            budget = [len(request.program)]  # program bytes this stream may still carry
+            for _ in range(3 + 3 * _tensor_rounds(request)):
                 if not isinstance(reply, Send):
                     break
                 t0 = time.perf_counter()
                 sent += await self._send_what_is_asked(worker_id, maddrs, request, reply, writer, program_crossed,
-                                                       named, asked)
+                                                       named, asked, budget)
                 transfer_seconds += time.perf_counter() - t0
                 reply = await protocol.read(reader, Send, Result, Error)
             if isinstance(reply, Send):
@@ -351,7 +353,7 @@ class P2PTransport(BaseTransport):
 
     async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
                                   writer, program_crossed: asyncio.Future | None, named: list[str] | None = None,
-                                  asked_tensors: set[str] | None = None) -> int:
+                                  asked_tensors: set[str] | None = None, budget: list[int] | None = None) -> int:
         """Answer a worker's Send; returns the bytes sent. A worker that lacks the program and can fetch it from
         peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
         worker. ``named``: this stream's holders that only records vouch for (added to here; if the worker asks for
@@ -403,6 +405,10 @@ class P2PTransport(BaseTransport):
             # Only the pieces the peers did not deliver, when that is what it asks for.
             program = _pieces_of(request.program, ask.missing, worker_id) if ask.missing else [request.program]
             size = sum(len(part) for part in program)
+            if ask.program and budget is not None:
+                if size > budget[0]:
+                    raise ProtocolError(f"worker {worker_id[-8:]} asked for more of the program than one copy")
+                budget[0] -= size
             await protocol.write(writer, Payload(size if ask.program else None,
                                                  len(request.inputs) if ask.inputs else None, token=token))
             if ask.program:

@@ -260,14 +260,23 @@ class Have(Message):
 
 @dataclass(frozen=True, slots=True)
 class PieceData(Message):
-    """Announces the piece's raw bytes, which follow on the stream."""
+    """Announces the piece's raw bytes, which follow on the stream. ``have``: from a holder still getting the program,
+    to a fetcher that takes :class:`Have`, the pieces it has (the same bitmap): fetchers learn what each other has as
+    they fetch, and ask the holder nearest the client only for what no one else has yet."""
 
     T: ClassVar[str] = "piece_data"
     size: int
+    have: bytes | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "size": self.size}
+        d = {"t": self.T, "size": self.size}
+        if self.have is not None:
+            d["have"] = self.have
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "PieceData":
-        return cls(size_field(d, "size"))
+        have = d.get("have")
+        if have is not None:
+            have = Have.from_wire({"pieces": have}).pieces
+        return cls(size_field(d, "size"), have)

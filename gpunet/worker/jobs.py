@@ -450,7 +450,7 @@ class Jobs:
             if upload.client_id != client_id and (upload.private or not self.owners.may_run(submit.program, client_id)):
                 break  # another client's copy of a program this one never sent or proved: it brings its own
             tried.add(upload)
-            program = await upload.share()
+            program = await upload.share(limit=submit.timeout)
             if program is not None:
                 got = await payloads.fetch(submit, need_program=False, charge=charge)
                 got.program, got.origin = program, FROM_COPY

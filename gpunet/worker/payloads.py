@@ -191,7 +191,10 @@ class StreamPayloads:
         # and its piece list); otherwise, as when the peers fail, it sends them itself (an older client does).
         if fetched is not None and (fetched[1] is None or self.proves(fetched[1], pieces.holds or submit.holds)):
             return fetched  # a bytearray, not copied: the executor takes any bytes-like program
-        fetched = run = None  # (let go: charged already, on its first piece)
+        if run is not None:  # what the peers delivered goes: the client's copy takes its place (and its charge)
+            run.buffer = None
+        fetched = run = None
+        runs.clear()
         if not charged:
             charge(pieces.size)  # WorkerBusy if there is no room for it now: the client hears so
         await protocol.write(self.writer, Send(True, False))
@@ -214,7 +217,8 @@ class StreamPayloads:
         payload = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
         if payload.inputs_size is not None:
             raise ProtocolError("the client sent inputs it was not asked for")
-        if payload.program_size == pieces.size and total != pieces.size:  # an older client: all of it
+        if payload.program_size == pieces.size and total != pieces.size:  # an older client: all of it, in place of
+            run.buffer = None  # what the peers delivered (charged once)
             return await self._read_program(payload.program_size, sink, payload.token or pieces.token), None
         if payload.program_size != total:
             raise ProtocolError("the pieces sent differ in size from the pieces asked for")

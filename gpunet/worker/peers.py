@@ -52,6 +52,8 @@ BUSY_PATIENCE = 10.0
 #: with the pieces it has (Have): a fetcher waiting on the swarm's front costs one request per HAVE_WAIT.
 HAVE_WAIT = 2.0
 HAVE_POLL = 0.2
+#: How long a request waits for a sending place before it hears "busy" (well within the fetcher's frame timeout).
+SEND_WAIT = 5.0
 #: A fetch from holders the client vouches for goes on, whatever they answer (busy serving others, or their copy
 #: still coming), while the swarm moves: it ends when no piece came and no holder's copy grew for this long (checked
 #: every STALL_CHECK). On slow links a holder can be busy for long stretches and still be the fastest way.
@@ -129,22 +131,46 @@ class PieceServer:
             writer.close()
 
     async def _serve(self, request: GetPiece, writer, peer_id: str = "") -> bool:
-        """Serve one piece; False (after saying why) when it cannot. A piece still on its way here is waited for up
-        to HAVE_WAIT; then a fetcher that takes it hears which pieces are here (:class:`Have`), others "busy"."""
-        if request.tensor:  # (a read of a mapped file: off the loop)
-            return await self._send(writer, *await asyncio.to_thread(self._tensor_piece, request, peer_id))
+        """Serve one piece; False (after saying why) when it cannot. A sending place (SERVE_AT_ONCE) is taken before
+        the piece is read, and waited for at most SEND_WAIT (then "busy"): queued streams hold no piece in memory,
+        and no fetcher waits for its answer longer than it waits for any frame. A piece of a copy still on its way
+        here (to a fetcher its client granted it) is waited for up to HAVE_WAIT, holding no place; then a fetcher
+        that takes it hears which pieces are here (:class:`Have`), others "busy"."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HAVE_WAIT
         while True:
-            data, refusal, upload = await self._program_piece(request, peer_id)
-            if not (request.have and isinstance(refusal, WorkerBusy)):
-                return await self._send(writer, data, refusal)
+            if not await self._take_place():
+                return await self._send(writer, None, WorkerBusy("serving as many peers as it takes; ask again"))
+            try:
+                upload = None
+                if request.tensor:  # (a read of a mapped file: off the loop)
+                    data, refusal = await asyncio.to_thread(self._tensor_piece, request, peer_id)
+                else:
+                    data, refusal, upload = await self._program_piece(request, peer_id)
+                # Waited for only when the copy's size is known, so the fetcher's grant was checked against it.
+                if not (request.have and isinstance(refusal, WorkerBusy) and upload is not None):
+                    # A copy still coming says what it has with each piece, to a fetcher that takes it.
+                    growing = request.have and upload is not None and upload.here() < upload.size
+                    return await self._send(writer, data, refusal, Have.of(
+                        upload.have(request.piece_size), count(upload.size, request.piece_size)).pieces
+                        if growing else None)
+            finally:
+                self._sending[1].release()
             if loop.time() >= deadline:
-                size = getattr(upload, "size", None)
-                await protocol.write(writer, Have.of(upload.have(request.piece_size), count(size, request.piece_size))
-                                     if size is not None else Have())
+                await protocol.write(writer, Have.of(upload.have(request.piece_size),
+                                                     count(upload.size, request.piece_size)))
                 return True
             await asyncio.sleep(HAVE_POLL)
+
+    async def _take_place(self) -> bool:
+        loop = asyncio.get_running_loop()
+        if self._sending is None or self._sending[0] is not loop:
+            self._sending = (loop, asyncio.Semaphore(SERVE_AT_ONCE))
+        try:
+            await asyncio.wait_for(self._sending[1].acquire(), SEND_WAIT)
+        except TimeoutError:
+            return False
+        return True
 
     async def _program_piece(self, request: GetPiece, peer_id: str):
         """(the piece's bytes, or why not, and the copy still coming here if that is where it is served from)."""
@@ -189,23 +215,19 @@ class PieceServer:
         start = request.index * request.piece_size
         return bytes(view[start:start + request.piece_size]), None
 
-    async def _send(self, writer, data: bytes | None, refusal: Exception | None) -> bool:
+    async def _send(self, writer, data: bytes | None, refusal: Exception | None, have: bytes | None = None) -> bool:
         if refusal is not None:
             await protocol.write(writer, Error.of(refusal))
             return False
         if self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        loop = asyncio.get_running_loop()
-        if self._sending is None or self._sending[0] is not loop:
-            self._sending = (loop, asyncio.Semaphore(SERVE_AT_ONCE))
-        async with self._sending[1]:
-            await protocol.write(writer, PieceData(len(data)))
-            view = memoryview(data)
-            async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
-                for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
-                    chunk = view[start:start + PACE_CHUNK]
-                    await self._pace(len(chunk))
-                    await protocol.write_payload(writer, chunk)
+        await protocol.write(writer, PieceData(len(data), have))
+        view = memoryview(data)
+        async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
+            for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
+                chunk = view[start:start + PACE_CHUNK]
+                await self._pace(len(chunk))
+                await protocol.write_payload(writer, chunk)
         self.served += len(data)
         metrics.PEER_BYTES_SERVED.inc(len(data))
         return True
@@ -470,16 +492,17 @@ class _Fetch:
     async def _next(self, peer: str) -> int | None:
         """:meth:`_take`, waiting for one: when none is left to hand out but some are still on their way from slower
         peers, one of those may fail and come back (no piece is left to a peer that gave up)."""
-        waited = False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + HAVE_WAIT
         while self.missing and self.refused is None:
-            index = self._take(peer, waited)
+            index = self._take(peer, waited=loop.time() >= until)
             if index is not None:
                 return index
             self.changed.clear()
             try:
-                await asyncio.wait_for(self.changed.wait(), HAVE_WAIT if self.todo else None)
+                await asyncio.wait_for(self.changed.wait(), max(0.0, until - loop.time()) if self.todo else None)
             except TimeoutError:
-                waited = True
+                pass
         return None
 
     def here(self) -> int:
@@ -490,10 +513,24 @@ class _Fetch:
         """The pieces this fetch has (served to other workers meanwhile)."""
         return set() if self.buffer is None else set(range(len(self.pieces))) - self.missing
 
+    def _account(self, peer: str, said: Have, seen: set[int], lacks: int | None = None) -> None:
+        """``peer`` (one the client vouches for) is still getting the program and says it has ``said`` (and not
+        ``lacks``); ``seen``: what it said before on this stream. A copy on its way in loses pieces only when it starts
+        over (its own fetch failed, and its client sends the program): one stream's replies are in order, so a piece
+        listed and then not is that, or a lie. Either way its copy growing no longer counts as the swarm moving (a
+        liar cannot keep a fetch going)."""
+        have = {i for i in said.indices() if i < len(self.pieces)}
+        if lacks in seen or seen - have:
+            self.unreliable.add(peer)
+            self.theirs.pop(peer, None)
+        seen.clear()
+        seen |= have
+        self._heard(peer, have)
+
     def _heard(self, peer: str, have: set[int]) -> None:
         """``peer`` (one the client vouches for) is still getting the program, and has ``have``."""
-        if have - self.theirs.get(peer, set()) and peer not in self.unreliable:
-            self.moved = time.monotonic()
+        if (have - self.theirs.get(peer, set())) & self.missing and peer not in self.unreliable:
+            self.moved = time.monotonic()  # (pieces this fetch still needs: _take asks for them at once)
         self.theirs[peer] = self.theirs.get(peer, set()) | have
 
     def piece(self, start: int, length: int) -> bytes | None:
@@ -598,18 +635,9 @@ class _Fetch:
                                               have=True))
         reply = await protocol.read(reader, PieceData, Error, Have, timeout=protocol.FRAME_TIMEOUT + HAVE_WAIT)
         if isinstance(reply, Have):  # not there yet: asked again for what it has, or in a moment
-            have = {i for i in reply.indices() if i < len(self.pieces)}
             if peer not in self.coming:  # records said it holds the program: busy, as far as patience goes
                 raise _Busy()
-            # A copy on its way in loses pieces only when it starts over (its own fetch failed, and its client sends
-            # the program): one stream's replies are in order, so a piece listed and then not is that, or a lie.
-            # Either way its copy growing no longer counts as the swarm moving (a liar cannot keep a fetch going).
-            if index in seen or seen - have:
-                self.unreliable.add(peer)
-                self.theirs.pop(peer, None)
-            seen.clear()
-            seen |= have
-            self._heard(peer, have)
+            self._account(peer, reply, seen, lacks=index)
             self.declined[peer] = index
             self._give_back(index)
             return True
@@ -618,6 +646,8 @@ class _Fetch:
             if isinstance(error, WorkerBusy):
                 raise _Busy()
             raise error  # not cached (any more) there, or refused: ask the others
+        if reply.have is not None and peer in self.coming:  # a copy still coming: what it has, with the piece
+            self._account(peer, Have(reply.have), seen)
         if reply.size != length:
             raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))

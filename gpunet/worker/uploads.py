@@ -88,19 +88,22 @@ class Upload:
             return len(data) if data is not None else 0
         return self.source.here() if self.source is not None else 0
 
-    async def share(self, timeout: float = SHARED_WAIT) -> bytes | None:
-        """The bytes, once here and checked against the hash; None if this copy failed, or nothing more of it came
-        for ``timeout`` seconds."""
+    async def share(self, timeout: float = SHARED_WAIT, limit: float | None = None) -> bytes | None:
+        """The bytes, once here and checked against the hash; None if this copy failed, nothing more of it came for
+        ``timeout`` seconds, or ``limit`` seconds passed (the waiting job's own time)."""
         loop = asyncio.get_running_loop()
         here, grew = self.here(), loop.time()
+        end = loop.time() + limit if limit is not None else float("inf")
         while not self._bytes.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._bytes), min(SHARED_CHECK, timeout))
             except TimeoutError:
                 now = self.here()
-                if now > here:
+                if now != here:  # grew, or started over from another source (the client's, after peers failed)
                     here, grew = now, loop.time()
                 elif loop.time() - grew >= timeout:
+                    return None
+                if loop.time() >= end:
                     return None
         data = self._bytes.result()
         if data is None:
