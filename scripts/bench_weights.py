@@ -135,8 +135,13 @@ def main() -> None:
               f"{figures['cold_vs_one_copy']:.1f}x one copy over raw "
               + (f"TCP on one {args.link_mbit:g} Mbit/s link" if args.link_mbit else "loopback TCP")
               + f" ({figures['cold_one_copy_s']:.2f} s)")
+        if "cold_longest_fetch_s" in figures:
+            print(f"  the longest fetch from peers took {figures['cold_longest_fetch_s']:.1f} s "
+                  f"({figures['cold_longest_fetch_s'] / figures['cold_one_copy_s']:.2f}x one copy); the worker that "
+                  f"served most served {figures['cold_most_served_copies']:.2f} copies")
         for worker, b in figures["cold_per_worker"].items():
-            print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers, served {b['served'] / 1e6:.0f} MB")
+            print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers"
+                  + (f" in {b['fetch_s']:.1f} s" if "fetch_s" in b else "") + f", served {b['served'] / 1e6:.0f} MB")
     if "spans" in parts:
         layers = figures["spans_layer_bytes"]
         print(f"span-only fetch: {layers / 1e6:.0f} MB of decoder layers over 3 spans; the client sent "
@@ -330,10 +335,12 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             out["cold_client_copies"] = round(got["sent"] / size, 2)
         per, stops = {}, Counter()
         for proc in procs:
-            fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer", proc.output)
+            fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer\S* in ([\d.]+) s", proc.output)
             served = net.worker_id(proc)[-8:]
             per[served] = {"fetched": int(fetched.group(1)) if fetched else 0,
                            "sources": int(fetched.group(2)) if fetched else 0}
+            if fetched:  # the fetch alone (then the worker checks, stores and loads it: CPU, on a shared machine)
+                per[served]["fetch_s"] = float(fetched.group(3))
             per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
             partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
             if partial:  # the rest came from the client
@@ -347,6 +354,10 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             b["served"] = status.get(name, {}).get("served", 0)
         out["cold_per_worker"] = per
         out["cold_fetch_stops"] = dict(stops.most_common(8))
+        fetches = [b["fetch_s"] for b in per.values() if "fetch_s" in b]
+        if fetches:  # the longest fetch from peers (each begins as its job asks, within a second of the others)
+            out["cold_longest_fetch_s"] = max(fetches)
+        out["cold_most_served_copies"] = round(max(b["served"] for b in per.values()) / size, 2)
     if link_mbit is None:
         out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
     out["cold_vs_one_copy"] = round(out["cold_all_s"] / out["cold_one_copy_s"], 1)

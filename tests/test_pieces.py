@@ -58,15 +58,15 @@ class _Pipe:
 class _Network:
     """``rpc.open`` for a fetcher: each peer id names a PieceServer, served over in-memory pipes."""
 
-    def __init__(self, servers: dict[str, PieceServer]):
-        self.servers = servers
+    def __init__(self, servers: dict[str, PieceServer], me: str = "fetcher"):
+        self.servers, self.me = servers, me
         self.tasks: list[asyncio.Task] = []
 
     async def open(self, peer: str, door: Door, maddrs=()):
         if peer not in self.servers:
             raise NetworkError(f"cannot reach {peer}")
         to_server, to_client = _Pipe(), _Pipe()
-        self.tasks.append(asyncio.ensure_future(self.servers[peer].handle("fetcher", to_server.reader, to_client)))
+        self.tasks.append(asyncio.ensure_future(self.servers[peer].handle(self.me, to_server.reader, to_client)))
         return to_client.reader, to_server
 
 
@@ -328,6 +328,12 @@ def test_a_busy_holder_is_not_given_up_on_for_stream_failures_spread_over_a_long
     assert opens > 2 * (peers.OPEN_RETRIES + 1)  # more failed opens in all than OPEN_RETRIES in a row
 
 
+def _quick(monkeypatch, **values) -> None:
+    """The fetch's waits at test speed (``values``: others, by name)."""
+    for name, value in {"HAVE_WAIT": 0.05, "HAVE_POLL": 0.01, "STALL_CHECK": 0.05, **values}.items():
+        monkeypatch.setattr(peers, name, value)
+
+
 def _growing(data: bytes):
     """A copy of the program on its way into a holder (as a client's upload arrives): grown by ``grow(n)``."""
     from gpunet.worker.payloads import Receiving
@@ -373,11 +379,7 @@ def test_a_fetch_follows_a_holder_whose_copy_grows_slowly_and_ends_when_it_stops
     """On slow links a holder still getting the program has nothing new for a long time (longer than BUSY_PATIENCE)
     and is still the fastest way: the fetch waits while its copy grows, and ends once nothing moves for
     HOLDER_STALL (then the client sends what is missing)."""
-    monkeypatch.setattr(peers, "HAVE_WAIT", 0.05)
-    monkeypatch.setattr(peers, "HAVE_POLL", 0.01)
-    monkeypatch.setattr(peers, "BUSY_PATIENCE", 0.05)
-    monkeypatch.setattr(peers, "HOLDER_STALL", 1.0)
-    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+    _quick(monkeypatch, BUSY_PATIENCE=0.05, HOLDER_STALL=1.0)
     data = _program()
     size = piece_size_for(len(data))
 
@@ -415,9 +417,7 @@ def test_a_fetch_follows_a_holder_whose_copy_grows_slowly_and_ends_when_it_stops
 def test_a_holder_whose_account_of_its_pieces_contradicts_itself_cannot_keep_a_fetch_going(monkeypatch):
     """A vouched holder that says its copy grows, and then that pieces it listed are not there, never delivering:
     its growth stops counting as the swarm moving, and the fetch ends HOLDER_STALL later, not at its deadline."""
-    monkeypatch.setattr(peers, "HAVE_WAIT", 0.01)
-    monkeypatch.setattr(peers, "HOLDER_STALL", 1.0)
-    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+    _quick(monkeypatch, HAVE_WAIT=0.01, HOLDER_STALL=1.0)
 
     async def liar(peer_id, reader, writer, host=""):
         k = 0
@@ -474,9 +474,7 @@ def test_after_a_partial_fetch_the_client_sends_only_the_pieces_the_peers_did_no
     from gpunet.worker.payloads import StreamPayloads
     from gpunet.worker.state.admission import ServiceLimits
 
-    monkeypatch.setattr(peers, "HAVE_WAIT", 0.05)
-    monkeypatch.setattr(peers, "HOLDER_STALL", 0.5)
-    monkeypatch.setattr(peers, "STALL_CHECK", 0.05)
+    _quick(monkeypatch, HOLDER_STALL=0.5)
     data = _program()
     listed = PieceList.of(data)
 
@@ -542,3 +540,147 @@ def test_a_request_waits_for_a_sending_place_briefly_and_holds_no_piece_meanwhil
     busy, piece = asyncio.run(main())
     assert busy.code == "busy" and bytes(piece) == data[:piece_size_for(len(data))]
     assert len(reads) == 1  # read once, for the request that got a place
+
+
+def test_a_fetcher_asks_the_peers_that_fetch_the_same_copy_from_it(tmp_path, monkeypatch):
+    """A worker named early (told only of the first holder) learns of the workers named after it when they ask it for
+    pieces with its client's grant, and asks them too: the bench's cold start had every early worker fetch only from
+    the first holder, whose uplink then carried most of the swarm's copies. Here the first holder's copy stops at its
+    first piece; "b" was told only of it, and gets the rest from "c", which asked "b" for pieces (and was told of a
+    holder of the whole). Without meeting "c", "b"'s fetch stalls."""
+    from gpunet.protocol import holding
+    from gpunet.protocol.holding import PIECE
+    from gpunet.worker.uploads import Upload
+
+    _quick(monkeypatch, HOLDER_STALL=3.0)
+    data = _program()
+    size = piece_size_for(len(data))
+    token = b"t" * 32
+
+    def copy_of(name: str):
+        """A worker's copy coming in through its fetch, served to fetchers presenting its client's grant."""
+        upload = Upload(H)
+
+        async def may_serve(program, peer, grant, copy, from_disk):
+            ok = copy is not None and holding.verifies(copy.token, grant, PIECE, name, peer)
+            if ok:
+                copy.met(peer)  # as gpunet.worker.jobs does
+            return ok
+
+        server = _holder(tmp_path, name, None, coming=lambda h: upload if h == H else None, may_serve=may_serve)
+        return upload, server, lambda run: upload.receiving(len(data), run, token)
+
+    async def main():
+        first, grow = _growing(data)
+        grow(size)  # the first holder's copy: its first piece, no more
+        first.token = token
+        b_copy, b_server, b_serve = copy_of("b")
+        c_copy, c_server, c_serve = copy_of("c")
+        servers = {"a": _holder(tmp_path, "a", None, coming=lambda h: first if h == H else None),
+                   "b": b_server, "c": c_server, "whole": _holder(tmp_path, "whole", data)}
+        grants = {p: holding.proof(token, PIECE, p, f) for p in servers for f in "bc"}
+        b_net, c_net = _Network(servers, me="b"), _Network(servers, me="c")
+        b = asyncio.ensure_future(Fetcher(b_net, own_id="b").fetch(
+            H, PieceList.of(data), ["a"], timeout=30, coming=frozenset({"a"}), serve=b_serve, token=token,
+            grants={"a": grants["a"]}))
+        while not b_copy.have(size):  # "b" has its first piece from "a"
+            await asyncio.sleep(0.01)
+        c = await Fetcher(c_net, own_id="c").fetch(
+            H, PieceList.of(data), ["b", "whole"], timeout=30, coming=frozenset({"b", "whole"}), serve=c_serve,
+            token=token, grants={"b": holding.proof(token, PIECE, "b", "c")})
+        c_copy.arrived(bytes(c[0]))  # "c" has it whole, and serves it from that copy
+        got = await b
+        for task in b_net.tasks + c_net.tasks:
+            task.cancel()
+        await asyncio.gather(*b_net.tasks, *c_net.tasks, return_exceptions=True)
+        return got, servers
+
+    got, servers = asyncio.run(main())
+    assert got is not None and bytes(got[0]) == data
+    assert servers["c"].served > 0  # "b" asked "c", which its client never named to it
+
+
+def test_a_copy_coming_from_its_client_sends_each_piece_once_and_the_fetchers_hand_it_on(tmp_path, monkeypatch):
+    """The first holder's uplink carries what its client sends once: the bench's cold start had it send each piece to
+    several fetchers waiting for it (3.8 copies of a 268 MB program from it, 4.5x one copy's time). While its copy
+    comes from the client, a piece goes to the first fetcher that asks; the next hears it went (Have.sent) and gets it
+    from that fetcher. A send that fails gives the piece back."""
+    from gpunet.worker.payloads import Receiving
+    from gpunet.worker.uploads import Upload
+
+    data = _program()
+    size = piece_size_for(len(data))
+
+    class Broken(_Pipe):
+        def write(self, data: bytes) -> None:
+            if len(data) > 1000:  # the piece's bytes, after its header
+                raise ConnectionResetError("the fetcher went")
+            super().write(data)
+
+    async def main():
+        upload, coming = Upload(H), Receiving(len(data))
+        upload.receiving(len(data), coming, None, seeding=True)
+        coming.write(data[:2 * size])  # pieces 0 and 1 here, the last still coming
+        server = _holder(tmp_path, "s", None, coming=lambda h: upload if h == H else None)
+        to_server = _Pipe()
+        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True)))
+        to_server.close()
+        await server.handle("broken", to_server.reader, Broken())
+        after_failure = set(upload.sent)
+        first = await _ask(server, GetPiece(H, 0, size, have=True))
+        to_server, to_client = _Pipe(), _Pipe()
+        to_server.write(protocol.encode_frame(GetPiece(H, 0, size, have=True)))
+        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True)))
+        to_server.close()
+        await server.handle("other", to_server.reader, to_client)
+        went = await protocol.read(to_client.reader, protocol.Have, timeout=5)
+        piece = await protocol.read(to_client.reader, PieceData, timeout=5)  # the same stream goes on
+        got = await protocol.read_payload(to_client.reader, piece.size, piece.size, "piece", timeout=5)
+        coming.write(data[2 * size:])  # whole now: nothing is held back any more
+        again = await _ask(server, GetPiece(H, 0, size, have=True))
+        return after_failure, first, went, piece, bytes(got), again
+
+    after_failure, (first,), went, piece, got, (again,) = asyncio.run(main())
+    assert after_failure == set()  # the failed send gave piece 1 back
+    assert bytes(first) == data[:size] and got == data[size:2 * size] and bytes(again) == data[:size]
+    assert went.indices() == {0, 1} and went.sent_indices() == {0}
+    assert protocol.Have(piece.have, piece.sent).sent_indices() == {0, 1}
+
+
+def test_a_fetcher_takes_what_the_first_holder_sent_on_from_those_that_have_it(tmp_path, monkeypatch):
+    """The first holder sent pieces 0 and 1 to others already; the fetcher gets them from a peer that has them and
+    asks the first holder only for the piece nobody has yet (waiting for it there): one piece from its uplink, and its
+    "sent" is no contradiction of what it said it has."""
+    from gpunet.worker.payloads import Receiving
+    from gpunet.worker.uploads import Upload
+
+    _quick(monkeypatch)
+    data = _program()
+    size = piece_size_for(len(data))
+
+    async def main():
+        upload, coming = Upload(H), Receiving(len(data))
+        upload.receiving(len(data), coming, None, seeding=True)
+        coming.write(data[:2 * size])
+        upload.sent |= {0, 1}  # to other fetchers
+        peer, grow = _growing(data)
+        grow(2 * size)  # a fetcher that has pieces 0 and 1
+        net = _Network({"first": _holder(tmp_path, "f", None, coming=lambda h: upload if h == H else None),
+                        "peer": _holder(tmp_path, "p", None, coming=lambda h: peer if h == H else None)})
+
+        async def arrive():
+            await asyncio.sleep(0.5)
+            coming.write(data[2 * size:])
+
+        arriving = asyncio.ensure_future(arrive())
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["first", "peer"], timeout=30,
+                                                   coming=frozenset({"first", "peer"}))
+        await arriving
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, net.servers["first"].served, net.servers["peer"].served
+
+    got, from_first, from_peer = asyncio.run(main())
+    assert got is not None and bytes(got[0]) == data
+    assert from_first == len(data) - 2 * size and from_peer == 2 * size

@@ -108,7 +108,9 @@ EXAMPLES = [
     Send(True, True, pieces=True),
     Send(True, False, missing=(0, 3, 1023)),
     Have(b"\x05\x80"),
+    Have(b"\x05\x80", b"\x04"),
     PieceData(4 << 20, b"\x07"),
+    PieceData(4 << 20, b"\x07", b"\x01"),
     Have(),
     Pieces(5 << 20, 4 << 20, b"d" * 64, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ("/ip4/1.2.3.4/tcp/5",)),)),
     Pieces(1, 4 << 20, b"d" * 32, (("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", ()),),
@@ -245,6 +247,7 @@ def test_malformed_piece_bookkeeping_is_a_protocol_error(fields, match):
 def test_a_have_bitmap_names_its_pieces():
     assert Have.of({0, 9, 1023}, 1024).indices() == {0, 9, 1023} and len(Have.of((), 20).pieces) == 3
     assert Have(b"\x05\x80").indices() == {0, 2, 15}
+    assert Have.of({0, 2}, 16, sent={2}).sent_indices() == {2} and Have.of({0}, 16).sent == b""
 
 
 def test_a_submit_without_a_lane_is_interactive_as_workers_before_lanes_sold_it():

@@ -232,51 +232,79 @@ class Have(Message):
     """A holder still getting the program answers a piece it does not have yet with the pieces it has (a bitmap,
     piece ``i`` in bit ``i % 8`` of byte ``i // 8``; short: the rest are not here), after waiting a moment for that
     one; the stream stays open (BitTorrent's "have"). The fetcher asks it for pieces it has, and sees whether its
-    copy is still growing."""
+    copy is still growing.
+
+    ``sent`` (same form): of those, the pieces it already sent to another fetcher while its copy still comes from
+    the client itself. Such a holder has one copy of its client's uplink to hand on, so each piece leaves it once
+    (BitTorrent's super-seeding); a request for one of them is answered with this message, naming the piece among
+    ``pieces`` and ``sent``: get it from the fetchers that have it."""
 
     T: ClassVar[str] = "have"
     pieces: bytes = b""
+    sent: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"t": self.T, "pieces": self.pieces}
+        d = {"t": self.T, "pieces": self.pieces}
+        if self.sent:
+            d["sent"] = self.sent
+        return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "Have":
-        pieces = typed_field(d, "pieces", bytes)
-        if len(pieces) > -(-MAX_PIECES // 8):
-            raise ProtocolError(f"have: a bitmap of at most {MAX_PIECES} pieces")
-        return cls(pieces)
+        return cls(_bitmap(d, "pieces"), _bitmap(d, "sent", optional=True))
 
     @classmethod
-    def of(cls, indices, count: int) -> "Have":
-        bits = bytearray(-(-count // 8))
-        for i in indices:
-            bits[i // 8] |= 1 << (i % 8)
-        return cls(bytes(bits))
+    def of(cls, indices, count: int, sent=()) -> "Have":
+        return cls(_bits(indices, count), _bits(sent, count) if sent else b"")
 
     def indices(self) -> set[int]:
-        return {8 * k + b for k, byte in enumerate(self.pieces) if byte for b in range(8) if byte >> b & 1}
+        return _indices(self.pieces)
+
+    def sent_indices(self) -> set[int]:
+        return _indices(self.sent)
+
+
+def _bits(indices, count: int) -> bytes:
+    bits = bytearray(-(-count // 8))
+    for i in indices:
+        bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def _indices(bits: bytes) -> set[int]:
+    return {8 * k + b for k, byte in enumerate(bits) if byte for b in range(8) if byte >> b & 1}
+
+
+def _bitmap(d: dict, name: str, optional: bool = False) -> bytes:
+    bits = typed_field(d, name, bytes, optional=optional) or b""
+    if len(bits) > -(-MAX_PIECES // 8):
+        raise ProtocolError(f"have: a bitmap of at most {MAX_PIECES} pieces")
+    return bits
 
 
 @dataclass(frozen=True, slots=True)
 class PieceData(Message):
     """Announces the piece's raw bytes, which follow on the stream. ``have``: from a holder still getting the program,
     to a fetcher that takes :class:`Have`, the pieces it has (the same bitmap): fetchers learn what each other has as
-    they fetch, and ask the holder nearest the client only for what no one else has yet."""
+    they fetch, and ask the holder nearest the client only for what no one else has yet. ``sent``: as
+    :attr:`Have.sent`."""
 
     T: ClassVar[str] = "piece_data"
     size: int
     have: bytes | None = None
+    sent: bytes = b""
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "size": self.size}
         if self.have is not None:
             d["have"] = self.have
+        if self.sent:
+            d["sent"] = self.sent
         return d
 
     @classmethod
     def from_wire(cls, d: dict) -> "PieceData":
         have = d.get("have")
         if have is not None:
-            have = Have.from_wire({"pieces": have}).pieces
-        return cls(size_field(d, "size"), have)
+            have = _bitmap(d, "have")
+        return cls(size_field(d, "size"), have, _bitmap(d, "sent", optional=True))

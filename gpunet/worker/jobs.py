@@ -175,6 +175,8 @@ class Jobs:
             return True
         by_token = upload is not None and upload.token is not None and holding.verifies(
             upload.token, grant, PIECE, me, peer_id)
+        if by_token:  # its client sends it this program too: it fetches the same copy (and serves what it has)
+            upload.met(peer_id)
         if not from_disk:
             return by_token
         if by_token and await upload.proven():

@@ -183,7 +183,7 @@ class StreamPayloads:
         # stays: it sends nothing until our answer, so any byte or EOF from it means it hung up.
         fetched = await self._while_client_stays(self.fetcher.fetch(
             submit.program, pieces.piece_list(), pieces.holder_ids, submit.timeout / 2, coming=pieces.coming,
-            on_first=first_piece, grants=dict(pieces.grants), serve=serve), "the program")
+            on_first=first_piece, grants=dict(pieces.grants), serve=serve, token=pieces.token), "the program")
         run = runs[0] if runs else None
         if fetched is None and run is not None and run.buffer is not None and run.missing and run.refused is None:
             fetched = await self._rest_from_client(submit, pieces, run, sink)  # only what the peers did not deliver
@@ -303,7 +303,7 @@ class StreamPayloads:
                                                      timeout=timeout))
         protocol.check_payload_size(size, self.limits.max_program_bytes, "program")
         coming = Receiving(size)
-        sink.receiving(size, coming, token)
+        sink.receiving(size, coming, token, seeding=True)
         await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program", timeout=timeout,
                                     into=coming)
         return coming.buffer  # a bytearray, not copied: the executor takes any bytes-like program

@@ -28,7 +28,8 @@ from typing import Awaitable, Callable, Sequence
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, NetworkError, ProgramNotCached, WorkerBusy
-from gpunet.protocol import Door, Error, GetPiece, Have, PieceData, holding_key
+from gpunet.protocol import Door, Error, GetPiece, Have, PieceData, holding, holding_key
+from gpunet.protocol.holding import PIECE
 from gpunet.protocol.peers import PieceList, count, piece_size_for
 from gpunet.utils import LRU
 from gpunet.worker import metrics
@@ -69,6 +70,8 @@ OPEN_RETRIES = 3
 VOUCHED_ROUNDS = 3
 #: Broken streams to a vouched-for holder that one stream task takes before it gives up on that holder.
 COMING_FAILURES = 8
+#: Peers a fetch asks in all, those the client named and those met fetching the same program (_Fetch.met).
+MAX_MET = 16
 #: How long a peer that served a corrupted piece is not asked again.
 BAN_SECONDS = 3600.0
 #: Bytes written between two waits of the upload cap: the fetcher sees steady progress, never one long pause.
@@ -151,14 +154,27 @@ class PieceServer:
                 if not (request.have and isinstance(refusal, WorkerBusy) and upload is not None):
                     # A copy still coming says what it has with each piece, to a fetcher that takes it.
                     growing = request.have and upload is not None and upload.here() < upload.size
-                    return await self._send(writer, data, refusal, Have.of(
-                        upload.have(request.piece_size), count(upload.size, request.piece_size)).pieces
-                        if growing else None)
+                    if not (growing and data is not None and upload.seeding):
+                        have = _have(upload, request) if growing else None
+                        return await self._send(writer, data, refusal, have)
+                    # From the client itself: each piece leaves once (sent, or being sent: a send that fails gives
+                    # it back); a fetcher asking for one that went hears so (Have.sent), and asks the others.
+                    index = request.index
+                    if index in upload.sent:
+                        await protocol.write(writer, _have(upload, request))
+                        return True
+                    upload.sent.add(index)
+                    sent = False
+                    try:
+                        sent = await self._send(writer, data, None, _have(upload, request))
+                        return sent
+                    finally:
+                        if not sent:
+                            upload.sent.discard(index)
             finally:
                 self._sending[1].release()
             if loop.time() >= deadline:
-                await protocol.write(writer, Have.of(upload.have(request.piece_size),
-                                                     count(upload.size, request.piece_size)))
+                await protocol.write(writer, _have(upload, request))
                 return True
             await asyncio.sleep(HAVE_POLL)
 
@@ -215,13 +231,14 @@ class PieceServer:
         start = request.index * request.piece_size
         return bytes(view[start:start + request.piece_size]), None
 
-    async def _send(self, writer, data: bytes | None, refusal: Exception | None, have: bytes | None = None) -> bool:
+    async def _send(self, writer, data: bytes | None, refusal: Exception | None, have: Have | None = None) -> bool:
         if refusal is not None:
             await protocol.write(writer, Error.of(refusal))
             return False
         if self.corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        await protocol.write(writer, PieceData(len(data), have))
+        await protocol.write(writer, PieceData(len(data), have.pieces, have.sent) if have is not None
+                             else PieceData(len(data)))
         view = memoryview(data)
         async with asyncio.timeout(protocol.payload_deadline(len(data)) + len(data) / (self.rate or float("inf"))):
             for start in range(0, len(data), PACE_CHUNK):  # a fetcher that stops reading cannot hold the slot
@@ -240,6 +257,12 @@ class PieceServer:
         self._next_free = start + nbytes / self.rate
         if start > now:
             await asyncio.sleep(start - now)
+
+
+def _have(upload, request: GetPiece) -> Have:
+    """What a copy still coming has (and, coming from its client, which of those it sent already)."""
+    n = count(upload.size, request.piece_size)
+    return Have.of(upload.have(request.piece_size), n, upload.sent if upload.seeding else ())
 
 
 class PeerBans:
@@ -267,8 +290,8 @@ class Fetcher:
 
     async def fetch(self, program_hash: str, pieces: PieceList, holders: Sequence[str], timeout: float,
                     coming: frozenset[str] = frozenset(), on_first: Callable[[], None] | None = None,
-                    grants: dict[str, bytes] | None = None, serve: Callable[[object], None] | None = None
-                    ) -> tuple[bytearray, bytes] | None:
+                    grants: dict[str, bytes] | None = None, serve: Callable[[object], None] | None = None,
+                    token: bytes | None = None) -> tuple[bytearray, bytes] | None:
         """The program's bytes, every piece and then the whole checked against ``program_hash``, with its holding key
         (:mod:`gpunet.protocol.holding`, computed in the same pass); None if the peers could not deliver them within
         ``timeout``. ``holders``: peer ids, dialled through the p2p layer only. ``grants``: per holder, the client's
@@ -280,11 +303,14 @@ class Fetcher:
         ``on_first``: called once the first right piece is here, before the program's memory is taken (the worker
         charges its buffer budget then, not while a holder that may never deliver keeps it waiting); what it raises
         ends the fetch (None). ``serve(fetch)``: told of the fetch as it starts, whose ``piece(start, length)`` gives
-        the pieces it has so far (this worker serves them to others meanwhile)."""
+        the pieces it has so far (this worker serves them to others meanwhile). ``token``: the client's upload token
+        for the program, with which this worker grants itself pieces from peers it meets fetching the same program
+        (they asked it for pieces with a grant of that client's: :meth:`_Fetch.met`): a holder named to a fetcher
+        early learns of those named to later ones, so the whole swarm serves, not only its first holders."""
         peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
         if not peers:
             return None
-        run = _Fetch(self, program_hash, pieces, coming, on_first, grants or {})
+        run = _Fetch(self, program_hash, pieces, coming, on_first, grants or {}, token)
         if serve is not None:  # what it has fetched so far is served to other workers meanwhile
             serve(run)
         deadline = time.monotonic() + timeout
@@ -292,6 +318,7 @@ class Fetcher:
         # disk read overlap the other's transfer. With more, one each: many pieces at once over one slow link would
         # each come too slowly.
         streams = SERVE_PER_PEER if len(peers) <= 2 else 1
+        run.known.update(peers)
         for _ in range(VOUCHED_ROUNDS):
             tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(streams)]
             try:
@@ -300,6 +327,11 @@ class Fetcher:
                 pending = set(tasks)
                 while pending and time.monotonic() < deadline:
                     _, pending = await asyncio.wait(pending, timeout=min(STALL_CHECK, deadline - time.monotonic()))
+                    while run.joined:  # peers met fetching it too: asked as well, one stream each
+                        peer = run.joined.pop()
+                        peers.append(peer)
+                        tasks.append(asyncio.ensure_future(run.from_peer(peer)))
+                        pending.add(tasks[-1])
                     if pending and time.monotonic() - run.moved > HOLDER_STALL:
                         logger.info("Fetching program %s from peers: nothing came and no holder's copy grew for "
                                     "%.0f s", program_hash[:12], HOLDER_STALL)
@@ -312,7 +344,7 @@ class Fetcher:
             # Every stream ended early: holders the client vouches for are asked again (a stream reset, a holder
             # still settling in); the others said what they had to say.
             suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
-            peers = [p for p in peers if p in coming and p not in suspects]
+            peers = [p for p in peers if p in run.coming and p not in suspects]
             if (run.refused is not None or run.stalled or not run.missing or not peers
                     or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
                 break
@@ -449,9 +481,14 @@ class _Fetch:
     """One program's fetch: which pieces are still missing, and who tried to pass off a wrong one."""
 
     def __init__(self, fetcher: Fetcher, program_hash: str, pieces: PieceList, coming: frozenset[str],
-                 on_first: Callable[[], None] | None = None, grants: dict[str, bytes] | None = None):
-        self.fetcher, self.program_hash, self.pieces, self.coming = fetcher, program_hash, pieces, coming
-        self.grants = grants or {}
+                 on_first: Callable[[], None] | None = None, grants: dict[str, bytes] | None = None,
+                 token: bytes | None = None):
+        self.fetcher, self.program_hash, self.pieces = fetcher, program_hash, pieces
+        self.coming = set(coming)  # vouched holders: the client named them, or they came with its grant (met)
+        self.grants = dict(grants or {})
+        self.token = token
+        self.known: set[str] = set()  # every peer this fetch asks (or asked)
+        self.joined: list[str] = []  # peers met meanwhile, not yet asked (Fetcher.fetch starts their streams)
         self.started = time.monotonic()
         self.on_first = on_first
         self.refused: Exception | None = None  # what on_first raised: the fetch is over
@@ -466,6 +503,9 @@ class _Fetch:
         #: What each holder that is still getting the program said it has (Have); one absent is asked for anything.
         self.theirs: dict[str, set[int]] = {}
         self.declined: dict[str, int] = {}  # the piece each last said it lacks (left to others for a moment)
+        #: Of each holder's pieces, those it sent on already while its copy comes from the client (Have.sent): it
+        #: sends each once, so they are asked of the fetchers that have them.
+        self.spent: dict[str, set[int]] = {}
         self.asking: Counter[str] = Counter()  # streams fetching from each peer now
         self.unreliable: set[str] = set()  # said it had a piece, then that it did not: its growth is not progress
         self.moved = self.started  # when a piece last came, or some holder's copy last grew
@@ -478,13 +518,16 @@ class _Fetch:
         have anything (every one said what it has), one none of them has: it waits a moment for it there, then says
         what it has. Else, ``waited`` (HAVE_WAIT with nothing new), any but the one it just said it lacks."""
         self.todo = [i for i in self.todo if i in self.missing]
-        has = self.theirs.get(peer)
-        others = [h for p, h in self.theirs.items() if p != peer]
+        has, spent = self.theirs.get(peer), self.spent.get(peer, set())
+        # (a piece a holder sent on already, it does not send again: not one it offers)
+        others = [h - self.spent.get(p, set()) for p, h in self.theirs.items() if p != peer]
         rarity = {i: sum(i in h for h in others) for i in self.todo}
-        index = min((i for i in self.todo if has is None or i in has), key=rarity.__getitem__, default=None)
+        index = min((i for i in self.todo if (has is None or i in has) and i not in spent), key=rarity.__getitem__,
+                    default=None)
         if index is None and (waited or all(p in self.theirs for p in self.asking if p != peer)):
             declined = self.declined.get(peer) if not waited else None
-            index = next((i for i in self.todo if i != declined and (waited or not rarity[i])), None)
+            index = next((i for i in self.todo if i != declined and (waited or not rarity[i] and i not in spent)),
+                         None)
         if index is not None:
             self.todo.remove(index)
         return index
@@ -504,6 +547,20 @@ class _Fetch:
             except TimeoutError:
                 pass
         return None
+
+    def met(self, peer: str) -> None:
+        """``peer`` asked this worker for pieces of the program with a grant its client made with the same upload
+        token (so the client is sending it the program too, or pointed it here): it is fetching the same copy, and
+        serves what it has, so it is asked too (vouched, as the client's own holders are), against a grant this
+        worker makes with that token. At most MAX_MET such peers; none once the fetch is over or has no token."""
+        if (self.token is None or not self.missing or self.refused is not None or self.stalled
+                or peer in self.known or peer == self.fetcher.own_id or self.fetcher.bans.banned(peer)
+                or len(self.known) >= MAX_MET):
+            return
+        self.known.add(peer)
+        self.coming.add(peer)
+        self.grants[peer] = holding.proof(self.token, PIECE, peer, self.fetcher.own_id)
+        self.joined.append(peer)
 
     def here(self) -> int:
         """Bytes of it here so far."""
@@ -525,6 +582,7 @@ class _Fetch:
             self.theirs.pop(peer, None)
         seen.clear()
         seen |= have
+        self.spent[peer] = said.sent_indices() & have
         self._heard(peer, have)
 
     def _heard(self, peer: str, have: set[int]) -> None:
@@ -557,6 +615,7 @@ class _Fetch:
             if not self.asking[peer]:
                 del self.asking[peer]
                 self.theirs.pop(peer, None)  # what it has is no one's to wait for now
+                self.spent.pop(peer, None)
             self.changed.set()
 
     async def _from_peer_again(self, peer: str) -> None:
@@ -634,10 +693,11 @@ class _Fetch:
         await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size, self.grants.get(peer),
                                               have=True))
         reply = await protocol.read(reader, PieceData, Error, Have, timeout=protocol.FRAME_TIMEOUT + HAVE_WAIT)
-        if isinstance(reply, Have):  # not there yet: asked again for what it has, or in a moment
+        if isinstance(reply, Have):  # not there yet (or sent on already): asked again for what it has, or later
             if peer not in self.coming:  # records said it holds the program: busy, as far as patience goes
                 raise _Busy()
-            self._account(peer, reply, seen, lacks=index)
+            went = index in reply.sent_indices() and index in reply.indices()  # the fetchers that have it send it
+            self._account(peer, reply, seen, lacks=None if went else index)
             self.declined[peer] = index
             self._give_back(index)
             return True
@@ -647,7 +707,7 @@ class _Fetch:
                 raise _Busy()
             raise error  # not cached (any more) there, or refused: ask the others
         if reply.have is not None and peer in self.coming:  # a copy still coming: what it has, with the piece
-            self._account(peer, Have(reply.have), seen)
+            self._account(peer, Have(reply.have, reply.sent), seen)
         if reply.size != length:
             raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))

@@ -44,10 +44,16 @@ class Upload:
         self.size: int | None = None
         self.source = None
         self.token: bytes | None = None
+        # Coming from its client itself (not from peers): while it comes, each piece is sent to one fetcher only
+        # (``sent``), and the fetchers hand it on (gpunet.protocol.Have.sent).
+        self.seeding = False
+        self.sent: set[int] = set()
 
-    def receiving(self, size: int, source, token: bytes | None) -> None:
-        """Its bytes start to come, from ``source`` (``piece(start, length)``: those bytes once here, else None)."""
-        self.size, self.source = size, source
+    def receiving(self, size: int, source, token: bytes | None, seeding: bool = False) -> None:
+        """Its bytes start to come, from ``source`` (``piece(start, length)``: those bytes once here, else None);
+        ``seeding``: from its client itself."""
+        self.size, self.source, self.seeding = size, source, seeding
+        self.sent = set()
         if token is not None:
             self.token = token
 
@@ -57,6 +63,12 @@ class Upload:
             data = self._bytes.result()
             return bytes(data[start:start + length]) if data is not None else None
         return self.source.piece(start, length) if self.source is not None else None
+
+    def met(self, peer_id: str) -> None:
+        """A peer granted pieces of this copy by its client fetches it too: told to the fetch it comes from, if any
+        (gpunet.worker.peers._Fetch.met)."""
+        if not self._bytes.done() and hasattr(self.source, "met"):
+            self.source.met(peer_id)
 
     def have(self, piece_size: int) -> set[int]:
         """The indices of the pieces (of ``piece_size``) that are here."""
