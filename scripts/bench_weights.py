@@ -138,7 +138,8 @@ def main() -> None:
         if "cold_longest_fetch_s" in figures:
             print(f"  the longest fetch from peers took {figures['cold_longest_fetch_s']:.1f} s "
                   f"({figures['cold_longest_fetch_s'] / figures['cold_one_copy_s']:.2f}x one copy); the worker that "
-                  f"served most served {figures['cold_most_served_copies']:.2f} copies")
+                  f"served most served {figures['cold_most_served_copies']:.2f} copies"
+                  + (f"; the cores were {figures['cold_cpu_busy']:.0%} busy" if "cold_cpu_busy" in figures else ""))
         for worker, b in figures["cold_per_worker"].items():
             print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers"
                   + (f" in {b['fetch_s']:.1f} s" if "fetch_s" in b else "") + f", served {b['served'] / 1e6:.0f} MB")
@@ -321,6 +322,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             for proc in procs:
                 net.wait_online(proc)
             job.save(tmp / "job.gpunet")
+            cpu = _cpu_times()
             done = subprocess.run(lab.exec_argv(lab.hosts[0], [
                 sys.executable, "-c", _COLD_CLIENT, str(tmp / "job.gpunet"), net.bootstrap_addr, net.network,
                 str(workers), str(tmp / "client")]), capture_output=True, text=True, timeout=3600,
@@ -330,6 +332,8 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
                                  if re.search(r"WARNING|ERROR|Fetch|asked of|Received", line))
                 raise RuntimeError(f"the lab's client failed (exit {done.returncode}): {done.stdout[-1000:]}"
                                    f"{done.stderr[-2000:]}\nwhat the workers said:\n{said[-6000:]}")
+            busy, total = (after - before for before, after in zip(cpu, _cpu_times()))
+            out["cold_cpu_busy"] = round(busy / max(total, 1), 2)  # the machine's cores, while the cold start ran
             got = json.loads(done.stdout.strip().splitlines()[-1])
             out["cold_all_s"], out["cold_ran_on"] = round(got["all_s"], 2), got["ran_on"]
             out["cold_client_copies"] = round(got["sent"] / size, 2)
@@ -362,6 +366,14 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
         out["cold_one_copy_s"] = round(size / 1e6 / loopback_mb_s, 3)
     out["cold_vs_one_copy"] = round(out["cold_all_s"] / out["cold_one_copy_s"], 1)
     return out
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (/proc/stat): the share busy tells whether CPUs or links bound
+    a run."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def _peak_rss_mb(pid: int) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import pytest
 
@@ -443,6 +444,36 @@ def test_a_holder_whose_account_of_its_pieces_contradicts_itself_cannot_keep_a_f
     assert got is None and seconds < 10  # not the fetch's 30 s
 
 
+def test_a_vouched_holder_saying_its_growing_copy_went_to_others_cannot_keep_a_fetch_going(monkeypatch):
+    """A liar whose every answer names its pieces as sent on already (Have.sent), one more every half second, is
+    never asked for them, so never caught contradicting itself: pieces it does not send are not the swarm moving,
+    and the fetch ends HOLDER_STALL later (a reviewer's run had it hold the fetch to its deadline)."""
+    _quick(monkeypatch, HOLDER_STALL=1.0)
+    listed = PieceList.of(bytes(40 * MIN_PIECE_BYTES))
+
+    async def liar(peer_id, reader, writer, host=""):
+        began = asyncio.get_running_loop().time()
+        while True:
+            await protocol.read(reader, GetPiece, timeout=5)
+            grown = range(min(40, int((asyncio.get_running_loop().time() - began) / 0.5) + 1))
+            await protocol.write(writer, protocol.Have.of(grown, 40, sent=grown))
+
+    class Liar:
+        handle = staticmethod(liar)
+
+    async def main():
+        net = _Network({"liar": Liar()})
+        start = asyncio.get_running_loop().time()
+        got = await Fetcher(net, own_id="me").fetch(H, listed, ["liar"], timeout=30, coming=frozenset({"liar"}))
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, asyncio.get_running_loop().time() - start
+
+    got, seconds = asyncio.run(main())
+    assert got is None and seconds < 5  # not 20 s of "growth", nor the fetch's 30 s
+
+
 def test_a_peer_still_getting_nothing_does_not_keep_a_piece_from_one_that_holds_it_all(tmp_path):
     """CI saw a fetch stall for 30 s on its last piece: each time a peer still getting the program said it lacked the
     piece and gave it back, the same stream took it again before the stream to a holder of the whole could, and an
@@ -608,6 +639,7 @@ def test_a_copy_coming_from_its_client_sends_each_piece_once_and_the_fetchers_ha
     from gpunet.worker.payloads import Receiving
     from gpunet.worker.uploads import Upload
 
+    _quick(monkeypatch)
     data = _program()
     size = piece_size_for(len(data))
 
@@ -623,26 +655,30 @@ def test_a_copy_coming_from_its_client_sends_each_piece_once_and_the_fetchers_ha
         coming.write(data[:2 * size])  # pieces 0 and 1 here, the last still coming
         server = _holder(tmp_path, "s", None, coming=lambda h: upload if h == H else None)
         to_server = _Pipe()
-        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True)))
+        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True, sent=True)))
         to_server.close()
         await server.handle("broken", to_server.reader, Broken())
         after_failure = set(upload.sent)
-        first = await _ask(server, GetPiece(H, 0, size, have=True))
+        first = await _ask(server, GetPiece(H, 0, size, have=True, sent=True))
         to_server, to_client = _Pipe(), _Pipe()
-        to_server.write(protocol.encode_frame(GetPiece(H, 0, size, have=True)))
-        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True)))
+        to_server.write(protocol.encode_frame(GetPiece(H, 0, size, have=True, sent=True)))
+        to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True, sent=True)))
         to_server.close()
         await server.handle("other", to_server.reader, to_client)
         went = await protocol.read(to_client.reader, protocol.Have, timeout=5)
         piece = await protocol.read(to_client.reader, PieceData, timeout=5)  # the same stream goes on
         got = await protocol.read_payload(to_client.reader, piece.size, piece.size, "piece", timeout=5)
+        older = await _ask(server, GetPiece(H, 0, size, have=True))  # (it would ask again at once): sent again
+        monkeypatch.setattr(peers, "RESEND_AFTER", 0.0)  # sent long ago: its fetcher may have dropped it
+        lapsed = await _ask(server, GetPiece(H, 0, size, have=True, sent=True))
         coming.write(data[2 * size:])  # whole now: nothing is held back any more
-        again = await _ask(server, GetPiece(H, 0, size, have=True))
-        return after_failure, first, went, piece, bytes(got), again
+        again = await _ask(server, GetPiece(H, 0, size, have=True, sent=True))
+        return after_failure, first, went, piece, bytes(got), older + lapsed + again
 
-    after_failure, (first,), went, piece, got, (again,) = asyncio.run(main())
+    after_failure, (first,), went, piece, got, later = asyncio.run(main())
     assert after_failure == set()  # the failed send gave piece 1 back
-    assert bytes(first) == data[:size] and got == data[size:2 * size] and bytes(again) == data[:size]
+    assert bytes(first) == data[:size] and got == data[size:2 * size]
+    assert [bytes(b) for b in later] == [data[:size]] * 3
     assert went.indices() == {0, 1} and went.sent_indices() == {0}
     assert protocol.Have(piece.have, piece.sent).sent_indices() == {0, 1}
 
@@ -662,7 +698,7 @@ def test_a_fetcher_takes_what_the_first_holder_sent_on_from_those_that_have_it(t
         upload, coming = Upload(H), Receiving(len(data))
         upload.receiving(len(data), coming, None, seeding=True)
         coming.write(data[:2 * size])
-        upload.sent |= {0, 1}  # to other fetchers
+        upload.sent.update({0: time.monotonic(), 1: time.monotonic()})  # to other fetchers
         peer, grow = _growing(data)
         grow(2 * size)  # a fetcher that has pieces 0 and 1
         net = _Network({"first": _holder(tmp_path, "f", None, coming=lambda h: upload if h == H else None),
@@ -684,3 +720,40 @@ def test_a_fetcher_takes_what_the_first_holder_sent_on_from_those_that_have_it(t
     got, from_first, from_peer = asyncio.run(main())
     assert got is not None and bytes(got[0]) == data
     assert from_first == len(data) - 2 * size and from_peer == 2 * size
+
+
+def test_once_the_first_holders_copy_is_whole_the_pieces_it_sent_on_are_asked_of_it_again(tmp_path):
+    """Pieces the first holder sent to a fetcher that then went: once its copy is whole it says no more (a piece
+    without a bitmap), and the fetcher asks it for them at once, not one per HAVE_WAIT (a reviewer's run: 12 such
+    pieces took 12 s)."""
+    from gpunet.worker.payloads import Receiving
+    from gpunet.worker.uploads import Upload
+
+    data = _program()
+    size = piece_size_for(len(data))
+
+    async def main():
+        upload, coming = Upload(H), Receiving(len(data))
+        upload.receiving(len(data), coming, None, seeding=True)
+        coming.write(data[:2 * size])
+        upload.sent.update({0: time.monotonic(), 1: time.monotonic()})  # to a fetcher that is gone
+        net = _Network({"first": _holder(tmp_path, "f", None, coming=lambda h: upload if h == H else None)})
+
+        async def arrive():
+            await asyncio.sleep(0.3)
+            coming.write(data[2 * size:])
+
+        arriving = asyncio.ensure_future(arrive())
+        start = asyncio.get_running_loop().time()
+        got = await Fetcher(net, own_id="me").fetch(H, PieceList.of(data), ["first"], timeout=30,
+                                                   coming=frozenset({"first"}))
+        seconds = asyncio.get_running_loop().time() - start
+        await arriving
+        for task in net.tasks:
+            task.cancel()
+        await asyncio.gather(*net.tasks, return_exceptions=True)
+        return got, seconds
+
+    got, seconds = asyncio.run(main())
+    assert got is not None and bytes(got[0]) == data
+    assert seconds < peers.HAVE_WAIT  # (a few tenths of a second: its last piece's wait)

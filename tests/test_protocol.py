@@ -118,6 +118,7 @@ EXAMPLES = [
     GetPiece(H, 1, 4 << 20),
     GetPiece(H, 0, 4 << 20, tensor=True),
     GetPiece(H, 2, 4 << 20, have=True),
+    GetPiece(H, 2, 4 << 20, have=True, sent=True),
     PieceData(1024),
     Send(False, False, tensors=(H, "cd" * 32)),
     Payload(None, None, tensors_size=4096),

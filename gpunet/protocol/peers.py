@@ -198,7 +198,9 @@ class GetPiece(Message):
     job's client gave for this holder (:class:`Pieces`), needed unless the program is shared. ``tensor``: ``program``
     is the sha256 of a tensor of a checkpoint the peer keeps in its models dirs (public: no grant), its pieces of
     ``piece_size_for`` its length. ``have``: the fetcher takes a :class:`Have` for a piece the holder is still
-    getting (an older fetcher hears "busy", and the stream ends)."""
+    getting (an older fetcher hears "busy", and the stream ends). ``sent``: it also takes a :class:`Have` naming the
+    piece among those sent already (a holder whose copy comes from its client sends each piece once while it comes;
+    to an older fetcher, which would ask again at once, it sends them as often as asked)."""
 
     T: ClassVar[str] = "get_piece"
     program: str
@@ -207,6 +209,7 @@ class GetPiece(Message):
     grant: bytes | None = None
     tensor: bool = False
     have: bool = False
+    sent: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "index": self.index, "piece_size": self.piece_size}
@@ -216,6 +219,8 @@ class GetPiece(Message):
             d["tensor"] = True
         if self.have:
             d["have"] = True
+        if self.sent:
+            d["sent"] = True
         return d
 
     @classmethod
@@ -224,7 +229,8 @@ class GetPiece(Message):
         grant = proof_field(d, "grant", "get_piece")
         return cls(program, size_field(d, "index"), size_field(d, "piece_size"), grant,
                    bool(typed_field(d, "tensor", bool, optional=True)),
-                   bool(typed_field(d, "have", bool, optional=True)))
+                   bool(typed_field(d, "have", bool, optional=True)),
+                   bool(typed_field(d, "sent", bool, optional=True)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +284,7 @@ def _indices(bits: bytes) -> set[int]:
 def _bitmap(d: dict, name: str, optional: bool = False) -> bytes:
     bits = typed_field(d, name, bytes, optional=optional) or b""
     if len(bits) > -(-MAX_PIECES // 8):
-        raise ProtocolError(f"have: a bitmap of at most {MAX_PIECES} pieces")
+        raise ProtocolError(f"{d.get('t')}: {name!r} is a bitmap of at most {MAX_PIECES} pieces")
     return bits
 
 

@@ -53,6 +53,9 @@ BUSY_PATIENCE = 10.0
 #: with the pieces it has (Have): a fetcher waiting on the swarm's front costs one request per HAVE_WAIT.
 HAVE_WAIT = 2.0
 HAVE_POLL = 0.2
+#: A piece a copy coming from its client sent this long ago is sent again when asked: the fetcher it went to may have
+#: dropped it (no room for the program, its job cancelled, gone).
+RESEND_AFTER = 10.0
 #: How long a request waits for a sending place before it hears "busy" (well within the fetcher's frame timeout).
 SEND_WAIT = 5.0
 #: A fetch from holders the client vouches for goes on, whatever they answer (busy serving others, or their copy
@@ -154,29 +157,37 @@ class PieceServer:
                 if not (request.have and isinstance(refusal, WorkerBusy) and upload is not None):
                     # A copy still coming says what it has with each piece, to a fetcher that takes it.
                     growing = request.have and upload is not None and upload.here() < upload.size
-                    if not (growing and data is not None and upload.seeding):
-                        have = _have(upload, request) if growing else None
-                        return await self._send(writer, data, refusal, have)
-                    # From the client itself: each piece leaves once (sent, or being sent: a send that fails gives
-                    # it back); a fetcher asking for one that went hears so (Have.sent), and asks the others.
+                    if not (growing and data is not None and upload.seeding and request.sent):
+                        return await self._send(writer, data, refusal, self._have(upload, request) if growing else None)
+                    # From its client itself: each piece leaves once (being sent, or sent within RESEND_AFTER: the
+                    # fetcher it went to may have dropped it); one that went is waited for like a piece not here yet
+                    # (its claim may lapse, or the copy be whole), then the fetcher hears it went (Have.sent).
                     index = request.index
-                    if index in upload.sent:
-                        await protocol.write(writer, _have(upload, request))
-                        return True
-                    upload.sent.add(index)
-                    sent = False
-                    try:
-                        sent = await self._send(writer, data, None, _have(upload, request))
-                        return sent
-                    finally:
-                        if not sent:
-                            upload.sent.discard(index)
+                    if not self._went(upload, index):
+                        upload.sent[index] = self.clock()
+                        done = False
+                        try:
+                            done = await self._send(writer, data, None, self._have(upload, request))
+                            return done
+                        finally:
+                            if not done:  # a send that failed gives the piece back
+                                upload.sent.pop(index, None)
             finally:
                 self._sending[1].release()
             if loop.time() >= deadline:
-                await protocol.write(writer, _have(upload, request))
+                await protocol.write(writer, self._have(upload, request))
                 return True
             await asyncio.sleep(HAVE_POLL)
+
+    def _went(self, upload, index: int) -> bool:
+        sent = upload.sent.get(index)
+        return sent is not None and self.clock() - sent < RESEND_AFTER
+
+    def _have(self, upload, request: GetPiece) -> Have:
+        """What a copy still coming has (and, coming from its client, which of those went already)."""
+        n = count(upload.size, request.piece_size)
+        went = [i for i in upload.sent if self._went(upload, i)] if upload.seeding and request.sent else ()
+        return Have.of(upload.have(request.piece_size), n, went)
 
     async def _take_place(self) -> bool:
         loop = asyncio.get_running_loop()
@@ -259,12 +270,6 @@ class PieceServer:
             await asyncio.sleep(start - now)
 
 
-def _have(upload, request: GetPiece) -> Have:
-    """What a copy still coming has (and, coming from its client, which of those it sent already)."""
-    n = count(upload.size, request.piece_size)
-    return Have.of(upload.have(request.piece_size), n, upload.sent if upload.seeding else ())
-
-
 class PeerBans:
     """Peers caught serving corrupted pieces, not asked again for a while."""
 
@@ -319,36 +324,41 @@ class Fetcher:
         # each come too slowly.
         streams = SERVE_PER_PEER if len(peers) <= 2 else 1
         run.known.update(peers)
-        for _ in range(VOUCHED_ROUNDS):
-            tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(streams)]
-            try:
-                # Until every piece is here or every stream ended, within the deadline, while the swarm moves: a
-                # piece came, or some holder's copy grew, within HOLDER_STALL.
-                pending = set(tasks)
-                while pending and time.monotonic() < deadline:
-                    _, pending = await asyncio.wait(pending, timeout=min(STALL_CHECK, deadline - time.monotonic()))
-                    while run.joined:  # peers met fetching it too: asked as well, one stream each
-                        peer = run.joined.pop()
-                        peers.append(peer)
-                        tasks.append(asyncio.ensure_future(run.from_peer(peer)))
-                        pending.add(tasks[-1])
-                    if pending and time.monotonic() - run.moved > HOLDER_STALL:
-                        logger.info("Fetching program %s from peers: nothing came and no holder's copy grew for "
-                                    "%.0f s", program_hash[:12], HOLDER_STALL)
-                        run.stalled = True
-                        break
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            # Every stream ended early: holders the client vouches for are asked again (a stream reset, a holder
-            # still settling in); the others said what they had to say.
-            suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
-            peers = [p for p in peers if p in run.coming and p not in suspects]
-            if (run.refused is not None or run.stalled or not run.missing or not peers
-                    or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
-                break
-            await asyncio.sleep(2 * NOT_YET_RETRY)
+        try:
+            for _ in range(VOUCHED_ROUNDS):
+                tasks = [asyncio.ensure_future(run.from_peer(peer)) for peer in peers for _ in range(streams)]
+                try:
+                    # Until every piece is here or every stream ended, within the deadline, while the swarm moves: a
+                    # piece came, or some holder's copy grew, within HOLDER_STALL.
+                    pending = set(tasks)
+                    while pending and time.monotonic() < deadline:
+                        _, pending = await asyncio.wait(pending, timeout=min(STALL_CHECK, deadline - time.monotonic()))
+                        while run.joined:  # peers met fetching it too: asked as well, one stream each
+                            peer = run.joined.pop()
+                            peers.append(peer)
+                            tasks.append(asyncio.ensure_future(run.from_peer(peer)))
+                            pending.add(tasks[-1])
+                        if pending and time.monotonic() - run.moved > HOLDER_STALL:
+                            logger.info("Fetching program %s from peers: nothing came and no holder's copy grew for "
+                                        "%.0f s", program_hash[:12], HOLDER_STALL)
+                            run.stalled = True
+                            break
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                # Every stream ended early: holders the client vouches for are asked again (a stream reset, a holder
+                # still settling in), and peers met meanwhile; the others said what they had to say.
+                peers += run.joined
+                run.joined.clear()
+                suspects = run.convicted.union(*run.wrong.values())  # served a piece that did not match
+                peers = [p for p in peers if p in run.coming and p not in suspects]
+                if (run.refused is not None or run.stalled or not run.missing or not peers
+                        or deadline - time.monotonic() < 2 * NOT_YET_RETRY):
+                    break
+                await asyncio.sleep(2 * NOT_YET_RETRY)
+        finally:
+            run.over = True  # peers meeting it from now on are not asked
         if run.refused is not None:
             logger.info("Fetching program %s from peers stopped: %s", program_hash[:12], run.refused)
             return None
@@ -489,6 +499,8 @@ class _Fetch:
         self.token = token
         self.known: set[str] = set()  # every peer this fetch asks (or asked)
         self.joined: list[str] = []  # peers met meanwhile, not yet asked (Fetcher.fetch starts their streams)
+        self.met_peers: set[str] = set()
+        self.over = False  # the fetch from peers has ended (whatever the client still sends)
         self.started = time.monotonic()
         self.on_first = on_first
         self.refused: Exception | None = None  # what on_first raised: the fetch is over
@@ -553,11 +565,12 @@ class _Fetch:
         token (so the client is sending it the program too, or pointed it here): it is fetching the same copy, and
         serves what it has, so it is asked too (vouched, as the client's own holders are), against a grant this
         worker makes with that token. At most MAX_MET such peers; none once the fetch is over or has no token."""
-        if (self.token is None or not self.missing or self.refused is not None or self.stalled
+        if (self.token is None or self.over or not self.missing or self.refused is not None or self.stalled
                 or peer in self.known or peer == self.fetcher.own_id or self.fetcher.bans.banned(peer)
                 or len(self.known) >= MAX_MET):
             return
         self.known.add(peer)
+        self.met_peers.add(peer)
         self.coming.add(peer)
         self.grants[peer] = holding.proof(self.token, PIECE, peer, self.fetcher.own_id)
         self.joined.append(peer)
@@ -582,13 +595,17 @@ class _Fetch:
             self.theirs.pop(peer, None)
         seen.clear()
         seen |= have
-        self.spent[peer] = said.sent_indices() & have
+        # Only a copy from the client itself sends each piece once; one a peer met fetching says nothing of the kind.
+        self.spent[peer] = said.sent_indices() & have if peer not in self.met_peers else set()
         self._heard(peer, have)
 
     def _heard(self, peer: str, have: set[int]) -> None:
-        """``peer`` (one the client vouches for) is still getting the program, and has ``have``."""
-        if (have - self.theirs.get(peer, set())) & self.missing and peer not in self.unreliable:
-            self.moved = time.monotonic()  # (pieces this fetch still needs: _take asks for them at once)
+        """``peer`` (one the client vouches for) is still getting the program, and has ``have``. It counts as the
+        swarm moving when it has a piece this fetch needs and may ask of it (not one it sent on already); a peer met
+        fetching, only once it has delivered a piece (its word alone keeps no fetch going)."""
+        new = (have - self.theirs.get(peer, set()) - self.spent.get(peer, set())) & self.missing
+        if new and peer not in self.unreliable and (peer not in self.met_peers or peer in self.sources):
+            self.moved = time.monotonic()  # (_take asks for them at once)
         self.theirs[peer] = self.theirs.get(peer, set()) | have
 
     def piece(self, start: int, length: int) -> bytes | None:
@@ -691,7 +708,7 @@ class _Fetch:
         pieces it said it has on this stream."""
         start, length = self.pieces.span(index)
         await protocol.write(writer, GetPiece(self.program_hash, index, self.pieces.piece_size, self.grants.get(peer),
-                                              have=True))
+                                              have=True, sent=True))
         reply = await protocol.read(reader, PieceData, Error, Have, timeout=protocol.FRAME_TIMEOUT + HAVE_WAIT)
         if isinstance(reply, Have):  # not there yet (or sent on already): asked again for what it has, or later
             if peer not in self.coming:  # records said it holds the program: busy, as far as patience goes
@@ -708,6 +725,9 @@ class _Fetch:
             raise error  # not cached (any more) there, or refused: ask the others
         if reply.have is not None and peer in self.coming:  # a copy still coming: what it has, with the piece
             self._account(peer, Have(reply.have, reply.sent), seen)
+        elif peer in self.theirs:  # its copy is whole now: anything may be asked of it
+            self.theirs.pop(peer, None)
+            self.spent.pop(peer, None)
         if reply.size != length:
             raise protocol.ProtocolError(f"piece {index} of {reply.size} bytes; it has {length}")
         data = await protocol.read_payload(reader, length, length, "piece", timeout=protocol.payload_deadline(length))

@@ -45,15 +45,15 @@ class Upload:
         self.source = None
         self.token: bytes | None = None
         # Coming from its client itself (not from peers): while it comes, each piece is sent to one fetcher only
-        # (``sent``), and the fetchers hand it on (gpunet.protocol.Have.sent).
+        # (``sent``: piece -> when), and the fetchers hand it on (gpunet.protocol.Have.sent).
         self.seeding = False
-        self.sent: set[int] = set()
+        self.sent: dict[int, float] = {}
 
     def receiving(self, size: int, source, token: bytes | None, seeding: bool = False) -> None:
         """Its bytes start to come, from ``source`` (``piece(start, length)``: those bytes once here, else None);
         ``seeding``: from its client itself."""
         self.size, self.source, self.seeding = size, source, seeding
-        self.sent = set()
+        self.sent = {}
         if token is not None:
             self.token = token
 
