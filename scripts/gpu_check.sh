@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# What a session runs on a lent GPU machine (the device tool), in one go (about 8 minutes): the CUDA paths (NVML,
+# What a session runs on a lent GPU machine (the device tool), in one go (about 12 minutes): the CUDA paths (NVML,
 # torch's CUDA build, executors sandboxed on the GPU, sessions with their KV caches there) and issue 15's figures on a
 # machine with cores to spare. That machine has the CUDA build of torch but not hivemind or gpunet's other needs, and
 # no registry: `bash scripts/gpu_wheels.sh` here first, then carry .whl. Each step has its own time limit and the
 # steps go on after a failure; everything lands in $OUT (or ./gpu-check).
-#   bash scripts/gpu_check.sh        # on the GPU machine, from the repository root
+#   bash scripts/gpu_check.sh                 # on the GPU machine, from the repository root
+#   bash scripts/gpu_check.sh versions jobs_gpu_decode   # only the steps named (one device call runs 10 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}; mkdir -p "$out"
@@ -14,8 +15,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # a folder named site-packages: executor
         --target /tmp/site-packages .whl/*.whl || exit 1
     export PYTHONPATH=$PWD:/tmp/site-packages
 fi
+only=" $* "
 step() {  # step NAME SECONDS COMMAND...: its output to the terminal and to $out/NAME.txt
     local name=$1 limit=$2; shift 2
+    if [[ "$only" != "  " && "$only" != *" $name "* ]]; then return; fi
     echo "=== $name ($(date +%T), limit ${limit}s): $*"
     timeout -k 10 "$limit" "$@" > "$out/$name.txt" 2>&1; local rc=$?
     tail -n 25 "$out/$name.txt"; echo "=== $name: rc $rc"
@@ -27,3 +30,7 @@ step bench_gpu 150 python3 scripts/bench_pipeline.py --d-model 1024 --device cud
 step bench_cpu 180 python3 scripts/bench_pipeline.py --d-model 1024 --json
 # Issue 39: a HF causal LM over GPU workers (client.causal_lm, the gateway) beside HF's generate on the same GPU.
 step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --layers 8 --json
+# Issue 41: the interpreter (compiled plan) against eager at decode and prefill shapes, on the GPU and on 16 cores.
+step jobs_gpu_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 2 --layers 8 --dim 2048 --repeat 100 --codec-mib 16 --json
+step jobs_gpu_prefill 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 512 --layers 8 --dim 2048 --repeat 30 --codec-mib 16 --json
+step jobs_cpu_decode 150 python3 scripts/bench_jobs_local.py --batch 1 --seq 2 --layers 8 --dim 1024 --repeat 100 --codec-mib 16 --json

@@ -34,6 +34,11 @@ def nothing_runs_for_real(monkeypatch):
         return real(steps, env, outputs, tracker, meter, stop, **kw)
 
     monkeypatch.setattr(interpreter, "execute", guarded)
+
+    def compiled(program, env, stop=None, pace=None):
+        raise AssertionError("a tampered program reached the real interpreter")
+
+    monkeypatch.setattr(interpreter, "run_steps", compiled)
     import gpunet.job.validator as v
 
     monkeypatch.setattr(v, "execute", guarded)

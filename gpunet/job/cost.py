@@ -34,6 +34,8 @@ passing them by keyword is counted the same.
 
 from __future__ import annotations
 
+import array
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -284,3 +286,13 @@ def node_seconds_allowed(cost: int, tflops: float) -> float:
     """The longest one node of ``cost`` counted work may take (as ``seconds_allowed`` for a job, per node): a node
     past it stops its run at the next node, whatever time the job has left."""
     return NODE_FLOOR_SECONDS + cost / (max(tflops, 1e-3) * 1e12 * MIN_EFFICIENCY)
+
+
+@functools.lru_cache(maxsize=16)
+def node_bounds(costs: tuple[int, ...], tflops: float) -> tuple[array.array, array.array]:
+    """:func:`least_seconds` and :func:`node_seconds_allowed` of every node at once, for one shape's counted work (a
+    run's pacer binds them before its first node: a call each per node cost a forward at decode shapes a tenth of its
+    time; the same shapes come back every step of a session). 16 bytes a node, 16 shapes."""
+    best, worst = max(tflops, 1e-3) * 1e12 * PEAK_SLACK, max(tflops, 1e-3) * 1e12 * MIN_EFFICIENCY
+    return (array.array("d", (c / best for c in costs)),
+            array.array("d", (NODE_FLOOR_SECONDS + c / worst for c in costs)))

@@ -30,7 +30,7 @@ from gpunet.job.format import (
     check_inputs,
     parse_json,
 )
-from gpunet.job.interpreter import DEVICE_SLOT, MemoryTracker, Step, execute, to_device
+from gpunet.job.interpreter import DEVICE_SLOT, MemoryTracker, Plan, Step, execute, reads, to_device
 from gpunet.utils import LRU, human_bytes
 
 # PyTorch's core ATen opset (torch.Tag.core, torch 2.13) minus what a stranger's job must not do:
@@ -132,6 +132,7 @@ class Program:
         self._meta_weights: list[torch.Tensor] = []
         self._estimates: LRU[tuple, Estimate] = LRU(64)
         self._lock = threading.Lock()
+        self._plans: dict[tuple[bool, bool], Plan | None] = {}
 
     @property
     def n_inputs(self) -> int:
@@ -143,6 +144,19 @@ class Program:
         env[1 : 1 + len(inputs)] = inputs
         env[1 + len(inputs) : 1 + len(inputs) + len(self.weights)] = self.weights if weights is None else weights
         return env
+
+    def plan(self, stoppable: bool, paced: bool) -> Plan | None:
+        """The real run compiled (gpunet.job.interpreter.Plan), once per use of the stop word and the pacer; None
+        where it cannot be (the generic loop runs it)."""
+        key = (stoppable, paced)
+        with self._lock:
+            if key not in self._plans:
+                try:
+                    self._plans[key] = Plan(self.steps, self.output_slots, 1 + self.n_inputs + len(self.weights),
+                                            stoppable, paced)
+                except (ValueError, SyntaxError, RecursionError, MemoryError):
+                    self._plans[key] = None
+            return self._plans[key]
 
     def inputs_from_dict(self, d: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         keys = [f"input_{i}" for i in range(self.n_inputs)]
@@ -401,9 +415,7 @@ def _compile(prog: Program, graph: Any) -> None:
 
 
 def _ref_slots(step: Step) -> list[int]:
-    out = [s for _, s in step.arg_refs] + [s for _, s in step.kw_refs]
-    out += [s for _, subs in step.arg_lists + step.kw_lists for _, s in subs]
-    return [s for s in out if s != DEVICE_SLOT]
+    return [s for s in reads(step) if s != DEVICE_SLOT]
 
 
 def _ref(v: Any, slots: dict, kinds: dict, where: str, want: str) -> _Ref:

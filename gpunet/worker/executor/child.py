@@ -6,6 +6,7 @@ layout of the dry-run word, :func:`job_limits`)."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import mmap
 import os
@@ -290,26 +291,35 @@ class Pacer:
     run at the next node. Either raises JobTimeout, which counts against the client as a run past its time."""
 
     def __init__(self, steps, costs, tflops: float, deadline: float, overrun: bool = True):
+        from gpunet.job.cost import node_bounds
+
         self.steps, self.costs, self.tflops, self.deadline, self.overrun = steps, costs, tflops, deadline, overrun
         self.began: float | None = None
+        # Per node, bound once (a compiled run checks them inline: gpunet.job.interpreter.Plan): the least time it
+        # takes, and the most it may take (no bound where a node's time is not its own).
+        self.least, self.allowed = node_bounds(tuple(costs), tflops)
+        if not overrun:
+            self.allowed = array.array("d", [float("inf")]) * len(costs)
 
     def __call__(self, i: int) -> None:
-        from gpunet.job.cost import least_seconds, node_seconds_allowed
-
         now = time.monotonic()
-        if self.overrun and self.began is not None and i > 0:
-            took, allowed = now - self.began, node_seconds_allowed(self.costs[i - 1], self.tflops)
-            if took > allowed:
-                raise JobTimeout(f"{self._node(i - 1)} ran {took:.1f} s; its counted work ({self.costs[i - 1]:.3g} "
-                                 f"FLOPs) allows {allowed:.1f} s on this worker ({self.tflops:.3g} TFLOPS): the job "
-                                 "was stopped after it (not billed)")
-        least = least_seconds(self.costs[i], self.tflops)
-        if now + least > self.deadline:
-            raise JobTimeout(f"{self._node(i)} needs at least {least:.2g} s for its counted work "
-                             f"({self.costs[i]:.3g} FLOPs) on this worker ({self.tflops:.3g} TFLOPS), more than the "
-                             f"{max(0.0, self.deadline - now):.2g} s left of the job's time: stopped before it ran "
-                             "(not billed)")
+        began = self.began if i > 0 else None
+        if (began is not None and now - began > self.allowed[i - 1]) or now + self.least[i] > self.deadline:
+            self.stop_at(i, now, began)
         self.began = now
+
+    def stop_at(self, i: int, now: float, began: float | None) -> None:
+        """Node ``i`` is not started at ``now``: the one before it (begun at ``began``) ran past what its work allows,
+        or it cannot end within the job's time."""
+        if began is not None and i > 0 and now - began > self.allowed[i - 1]:
+            took = now - began
+            raise JobTimeout(f"{self._node(i - 1)} ran {took:.1f} s; its counted work ({self.costs[i - 1]:.3g} "
+                             f"FLOPs) allows {self.allowed[i - 1]:.1f} s on this worker ({self.tflops:.3g} TFLOPS): "
+                             "the job was stopped after it (not billed)")
+        raise JobTimeout(f"{self._node(i)} needs at least {self.least[i]:.2g} s for its counted work "
+                         f"({self.costs[i]:.3g} FLOPs) on this worker ({self.tflops:.3g} TFLOPS), more than the "
+                         f"{max(0.0, self.deadline - now):.2g} s left of the job's time: stopped before it ran "
+                         "(not billed)")
 
     def _node(self, i: int) -> str:
         return f"node {self.steps[i].name!r} ({self.steps[i].op})"
