@@ -376,13 +376,17 @@ class SessionCore:
 
         try:
             worker = await place(placed.failed | banned)
-        except NoWorkersAvailable:
-            if not placed.failed - banned:
-                raise
-            # Waiting for another is for workers that may be gone; ones that answered with a refusal are not.
+        except NoWorkersAvailable as e:
+            # Others are waited for when those passed over may be gone, or are liars (under load a live worker's
+            # record lapses for a moment: CI saw a session fail when the liar it caught was the one worker in view);
+            # not when they all answered with a refusal.
+            again = placed.failed - banned
             worker = (await self._another(place, placed.failed | banned)
-                      if placed.failed - banned - placed.refused else None)
-            if worker is None:  # every worker failed it once: try them again rather than give up (not liars)
+                      if not again or again - placed.refused else None)
+            if worker is None:
+                if not again:
+                    raise e from None
+                # every worker failed it once: try them again rather than give up (not liars)
                 placed.failed.clear()
                 placed.refused.clear()
                 worker = await place(set(banned))
