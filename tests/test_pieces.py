@@ -335,6 +335,19 @@ def _quick(monkeypatch, **values) -> None:
         monkeypatch.setattr(peers, name, value)
 
 
+def _seeding(data: bytes, here: int, sent=()):
+    """A copy coming from its client into the first holder (it sends each piece once): ``here`` bytes of it so far,
+    pieces ``sent`` gone to other fetchers already. (upload, coming: ``coming.write`` adds bytes)."""
+    from gpunet.worker.payloads import Receiving
+    from gpunet.worker.uploads import Upload
+
+    upload, coming = Upload(H), Receiving(len(data))
+    upload.receiving(len(data), coming, None, seeding=True)
+    coming.write(data[:here])
+    upload.sent.update({i: time.monotonic() for i in sent})
+    return upload, coming
+
+
 def _growing(data: bytes):
     """A copy of the program on its way into a holder (as a client's upload arrives): grown by ``grow(n)``."""
     from gpunet.worker.payloads import Receiving
@@ -636,9 +649,6 @@ def test_a_copy_coming_from_its_client_sends_each_piece_once_and_the_fetchers_ha
     several fetchers waiting for it (3.8 copies of a 268 MB program from it, 4.5x one copy's time). While its copy
     comes from the client, a piece goes to the first fetcher that asks; the next hears it went (Have.sent) and gets it
     from that fetcher. A send that fails gives the piece back."""
-    from gpunet.worker.payloads import Receiving
-    from gpunet.worker.uploads import Upload
-
     _quick(monkeypatch)
     data = _program()
     size = piece_size_for(len(data))
@@ -650,9 +660,7 @@ def test_a_copy_coming_from_its_client_sends_each_piece_once_and_the_fetchers_ha
             super().write(data)
 
     async def main():
-        upload, coming = Upload(H), Receiving(len(data))
-        upload.receiving(len(data), coming, None, seeding=True)
-        coming.write(data[:2 * size])  # pieces 0 and 1 here, the last still coming
+        upload, coming = _seeding(data, 2 * size)  # pieces 0 and 1 here, the last still coming
         server = _holder(tmp_path, "s", None, coming=lambda h: upload if h == H else None)
         to_server = _Pipe()
         to_server.write(protocol.encode_frame(GetPiece(H, 1, size, have=True, sent=True)))
@@ -687,18 +695,13 @@ def test_a_fetcher_takes_what_the_first_holder_sent_on_from_those_that_have_it(t
     """The first holder sent pieces 0 and 1 to others already; the fetcher gets them from a peer that has them and
     asks the first holder only for the piece nobody has yet (waiting for it there): one piece from its uplink, and its
     "sent" is no contradiction of what it said it has."""
-    from gpunet.worker.payloads import Receiving
-    from gpunet.worker.uploads import Upload
 
     _quick(monkeypatch)
     data = _program()
     size = piece_size_for(len(data))
 
     async def main():
-        upload, coming = Upload(H), Receiving(len(data))
-        upload.receiving(len(data), coming, None, seeding=True)
-        coming.write(data[:2 * size])
-        upload.sent.update({0: time.monotonic(), 1: time.monotonic()})  # to other fetchers
+        upload, coming = _seeding(data, 2 * size, sent=(0, 1))  # to other fetchers
         peer, grow = _growing(data)
         grow(2 * size)  # a fetcher that has pieces 0 and 1
         net = _Network({"first": _holder(tmp_path, "f", None, coming=lambda h: upload if h == H else None),
@@ -726,17 +729,12 @@ def test_once_the_first_holders_copy_is_whole_the_pieces_it_sent_on_are_asked_of
     """Pieces the first holder sent to a fetcher that then went: once its copy is whole it says no more (a piece
     without a bitmap), and the fetcher asks it for them at once, not one per HAVE_WAIT (a reviewer's run: 12 such
     pieces took 12 s)."""
-    from gpunet.worker.payloads import Receiving
-    from gpunet.worker.uploads import Upload
 
     data = _program()
     size = piece_size_for(len(data))
 
     async def main():
-        upload, coming = Upload(H), Receiving(len(data))
-        upload.receiving(len(data), coming, None, seeding=True)
-        coming.write(data[:2 * size])
-        upload.sent.update({0: time.monotonic(), 1: time.monotonic()})  # to a fetcher that is gone
+        upload, coming = _seeding(data, 2 * size, sent=(0, 1))  # to a fetcher that is gone
         net = _Network({"first": _holder(tmp_path, "f", None, coming=lambda h: upload if h == H else None)})
 
         async def arrive():
