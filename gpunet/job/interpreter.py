@@ -170,23 +170,22 @@ def execute(
     except GpunetError:
         raise
     except Exception as e:  # an op raised: report which node, never a raw torch error
-        where = f"node {step.name!r} ({step.op})" if step is not None else "program"
-        msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
         if tracker is not None:
-            raise JobRejected(f"dry run failed: {msg}") from None
-        if _the_jobs_own(e):
-            raise JobRaised(msg) from None  # it would raise the same on any worker
-        raise JobFailed(msg) from None  # perhaps this machine's (memory, a dtype its kernels lack, a library)
+            raise JobRejected(f"dry run failed: {_raised(step, e)}") from None
+        _failed(step, e)
     return [env[s] for s in outputs]
 
 
-def _failed(step: Step | None, e: Exception) -> None:
-    """An op of a real run raised: say which node, never a raw torch error (as :func:`execute` does)."""
+def _raised(step: Step | None, e: Exception) -> str:
     where = f"node {step.name!r} ({step.op})" if step is not None else "program"
-    msg = f"{where} raised {type(e).__name__}: {str(e)[:500]}"
+    return f"{where} raised {type(e).__name__}: {str(e)[:500]}"
+
+
+def _failed(step: Step | None, e: Exception) -> None:
+    """An op of a real run raised: say which node, never a raw torch error (the generic loop and the plan alike)."""
     if _the_jobs_own(e):
-        raise JobRaised(msg) from None
-    raise JobFailed(msg) from None
+        raise JobRaised(_raised(step, e)) from None  # it would raise the same on any worker
+    raise JobFailed(_raised(step, e)) from None  # perhaps this machine's (memory, a dtype its kernels lack, a library)
 
 
 class Plan:
