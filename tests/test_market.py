@@ -37,12 +37,14 @@ def test_an_interactive_job_preempts_batch_work_which_completes_elsewhere_paid_o
     cheap_id, dear_id = swarm.worker_id(cheap), swarm.worker_id(dear)
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
-    model, job, x = spin_job(4096)
+    model, job, x = spin_job(4096, k=192)
+    # The urgent job is exported before the batch job starts: under CI's load an export took seconds, and the batch
+    # job (8 s of work on an AVX-512 core) had ended by the time the urgent one arrived.
+    small_model, small, y = spin_job(8, k=2)
     batch = client.submit(job, x, requirements=Requirements(priority="batch", max_price=2, prefer="cheapest",
                                                              timeout=300))
     wait_for(lambda: lane_jobs(port, "batch", "running") == 1, 120, "the batch job to run on the cheapest worker")
 
-    small_model, small, y = spin_job(8, k=2)
     urgent = client.submit(small, y, requirements=Requirements(max_price=2.5, timeout=120))  # only `cheap` qualifies
     with torch.no_grad():
         assert torch.equal(urgent.result(timeout=120), small_model(y))
@@ -81,10 +83,10 @@ def test_a_long_batch_job_after_tiny_ones_is_still_preempted(swarm, client_for):
     _, tiny, y = spin_job(8, k=2)
     for _ in range(5):
         attacker.submit(tiny, y, requirements=batch).result(timeout=120)
-    _, long_job, x = spin_job(4096)
+    _, long_job, x = spin_job(4096, k=192)
+    small_model, small, z = spin_job(8, k=2)  # exported before the long job starts (see the test above)
     hold = attacker.submit(long_job, x, requirements=batch)
     wait_for(lambda: lane_jobs(port, "batch", "running") == 1, 120, "the long batch job to run")
-    small_model, small, z = spin_job(8, k=2)
     urgent = victim.submit(small, z, requirements=Requirements(max_price=2, timeout=120))
     with torch.no_grad():
         assert torch.equal(urgent.result(timeout=120), small_model(z))
@@ -99,11 +101,11 @@ def test_batch_work_below_the_floor_waits_until_the_floor_drops_and_pays_the_flo
     worker = swarm.start_worker("--max-concurrent", "2", "--price", "3", "--batch-price", "1",
                                 "--metrics-port", str(port))
     interactive, bidder = client_for(swarm), client_for(swarm, "bidder")
-    _, long_job, x = spin_job(2048)
+    _, long_job, x = spin_job(2048, k=192)
+    _, small, y = spin_job(8, k=2)  # exported before the long job starts: under load an export takes seconds
     busy = interactive.submit(long_job, x, requirements=Requirements(timeout=300))
     wait_for(lambda: lane_jobs(port, "interactive", "running") == 1, 120, "the interactive job to run")
     # One of two slots is wanted by interactive work: the floor is halfway, 2 credits/TFLOP.
-    _, small, y = spin_job(8, k=2)
     low = bidder.submit(small, y, requirements=Requirements(priority="batch", max_price=1.5, timeout=300))
     high = bidder.submit(small, y.clone(), requirements=Requirements(priority="batch", max_price=2.5, timeout=300))
     high.result(timeout=120)

@@ -56,7 +56,7 @@ def test_a_gpu_the_owner_uses_or_that_runs_hot_pauses_the_worker_and_its_job_com
     other = swarm.start_worker("--price", "2")
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
-    model, job, x = spin_job(4096)  # seconds of work: still running when the owner comes back
+    model, job, x = spin_job(4096, k=192)  # 16 s on an AVX-512 core: running when the owner comes back
     running = client.submit(job, x, requirements=Requirements(prefer="cheapest", timeout=300))
     wait_for(lambda: lane_jobs(port, "interactive", "running") == 1, 120, "the job to run on `mine`")
     gpu.write_text(json.dumps({"other_gpu_processes": 1}))  # a game starts
