@@ -521,3 +521,27 @@ def test_the_pacer_stops_a_run_before_a_node_that_cannot_end_in_time_and_after_o
     pacer(0)
     now[0] += 100
     pacer(1)
+
+
+def test_a_session_steps_executor_marks_come_back_in_order_within_the_call(ex):
+    """What a step's trace is built from (gpunet.worker.steptrace): the executor's marks, on the caller's clock
+    (CLOCK_MONOTONIC), in order, within the call, and the compute between them is the wall time billed."""
+    stepper = Job.from_module(SlowCounter(), (torch.randn(64, 64), torch.zeros(1, 1)), state=1)
+    x = stepper.encode_step_inputs(torch.randn(64, 64))
+
+    async def steps():
+        marks = []
+        for step in range(2):
+            before = time.monotonic_ns()
+            result = await ex.run(stepper.program_hash, stepper.to_bytes() if step == 0 else None, x, 60,
+                                  session=SessionRun("T/s", step, fresh=True, room=1 << 20))
+            marks.append((before, result, time.monotonic_ns()))
+        plain = await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(2, 16)), 60)
+        return marks, plain
+
+    marks, plain = asyncio.run(steps())
+    for before, result, after in marks:
+        received, began, ended, replied = result.marks
+        assert before < received <= began < ended <= replied < after
+        assert (ended - began) / 1e9 == pytest.approx(result.wall_time, abs=1e-6)
+    assert plain.marks == ()  # only session steps carry them

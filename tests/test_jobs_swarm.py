@@ -164,9 +164,9 @@ def test_busy_worker_is_skipped_and_cached_program_is_not_resent(swarm, client_f
     client, other_client = client_for(swarm), client_for(swarm, "stranger")
     wait_for(lambda: len(client.workers(refresh=True)) == 2 and len(other_client.workers(refresh=True)) == 2, 30,
              "both workers")
-    # About a second of work (tens of GFLOP): still running when the second job comes (SlowChain's few tens of ms
-    # could end first, and the second then found the cheap worker free).
-    job = gpunet.Job.from_module(Spin(k=96), (torch.randn(256, 1024),))
+    # About a second of work (100 GFLOP; 96 matmuls took 0.5 s on CI's AVX-512 cores): still running when the other
+    # client's job comes (SlowChain's few tens of ms could end first, and that job then found the cheap worker free).
+    job = gpunet.Job.from_module(Spin(k=192), (torch.randn(256, 1024),))
     cheapest = Requirements(prefer="cheapest", timeout=120)
     program_size = len(job.program_bytes())
 

@@ -37,7 +37,7 @@ from gpunet.protocol import INTERACTIVE, PIECE, RUN, Submit
 from gpunet.protocol import holding
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
-from gpunet.worker import metrics
+from gpunet.worker import metrics, steptrace
 from gpunet.worker.billing import Billing
 from gpunet.worker.executor import DryRun, RefFiles
 from gpunet.worker.faults import NONE, Faults
@@ -96,6 +96,7 @@ class _Job:
     charged: int = 0  # payload bytes charged to the worker's buffer budget, given back when the job ends
     awaits_push: str | None = None  # the session whose pushed input this step waits for (a cancel calls that off)
     pushed: bytes | None = None  # the pushed input it took (given back if the step is refused as busy: it is retried)
+    marks: dict[str, int] | None = None  # a session step's, while GPUNET_STEP_TRACE is set (gpunet.worker.steptrace)
 
 
 class Jobs:
@@ -216,11 +217,12 @@ class Jobs:
         # A session step moves its session's state on in the executor: once begun, it is seen through with its
         # bookkeeping, whatever becomes of the door that carried it (the daemon cancels a unary call whose caller
         # has gone), and its answer waits in the recent results for the client's retry.
-        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host))
+        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host, steptrace.begin()))
         step.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
         return await asyncio.shield(step)
 
-    async def _admit_and_run(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Answer:
+    async def _admit_and_run(self, client_id: str, submit: Submit, payloads, reader, host: str = "",
+                             marks: dict[str, int] | None = None) -> Answer:
         """A job whose bytes must still arrive takes no queue place while they do (see
         :mod:`~gpunet.worker.state.admission`): it counts as an upload of its client and address, its payload is
         charged to the buffer budget before it is read, and it is admitted once the bytes are in."""
@@ -249,7 +251,7 @@ class Jobs:
         uploading = need_program or submit.inputs is None
         if uploading and not self.admission.begin_upload(client_id, host):
             raise self.busy("this client (or its address) has as many uploads in progress as this worker takes")
-        job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future())
+        job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future(), marks=marks)
         self.admission.coming(client_id, submit.job_id, host)  # (no await since the screen: counted as screened)
         try:
             answer = await self._bring_and_run(key, job, submit, payloads, reader, host, need_program, uploading)
@@ -291,6 +293,7 @@ class Jobs:
                 submit = await self._pushed_input(client_id, job, submit)
             job.got = await self._receive(client_id, job, submit, payloads, need_program,
                                           charge=partial(self._charge, job, client_id, host))
+        steptrace.mark(job.marks, "input")
         # Once its bytes are here: a slow upload must not hold a session place (or its reserved memory).
         job.session = self.sessions.begin(client_id, submit, host, job.answer)
         got = job.got
@@ -311,6 +314,10 @@ class Jobs:
         job.answer.set_result(answer)
         if submit.session is not None and submit.session.push_to is not None:
             self.handoff.push_on(client_id, submit.session.push_to, answer.outputs)
+        if job.marks is not None:
+            steptrace.mark(job.marks, "answered")
+            asyncio.get_running_loop().call_soon(steptrace.write, self.identity.peer_id, submit.session.id,
+                                                 submit.session.step, job.marks)
         return answer
 
     async def _run_with_weights(self, key: tuple[str, str], job: _Job, submit: Submit, payloads, reader,
@@ -478,7 +485,8 @@ class Jobs:
         for it again (a stream can break on the way without anyone leaving) and gets the answer it missed; cut short,
         the step would cost the span a move and a replay elsewhere."""
         job.ticket = Ticket(key[0], submit.lane, submit.max_price, host=host, job=key[1])
-        job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket, refs))
+        job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket, refs,
+                                                      job.marks))
         self.turns.track(job.ticket, job.run)
         # The client sends nothing between its payload and our answer, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
@@ -507,7 +515,8 @@ class Jobs:
         return job.run.result()
 
     async def _run_now(self, key: tuple[str, str], submit: Submit, got: Inputs, host: str,
-                       session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None) -> Answer:
+                       session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None,
+                       marks: dict[str, int] | None = None) -> Answer:
         client_id, job_id = key
         await self.turns.wait(ticket, submit.deadline)
         timeout = submit.timeout
@@ -525,6 +534,7 @@ class Jobs:
         started, clock = time.time(), time.monotonic()
         logger.debug("Running job %s for client %s (%s lane)", job_id[:12], client_id[-8:], ticket.lane)
         dry = DryRun()  # what its dry run took, whatever happens (see _dry_run_cost)
+        steptrace.mark(marks, "sent")
         try:
             with metrics.JOB_SECONDS.time():
                 # ProgramNotCached (evicted since admission) reaches the client as "not_cached": it resends the program.
@@ -538,6 +548,9 @@ class Jobs:
                                                  **({"refs": refs} if refs is not None else {}),
                                                  **({"session": session} if session is not None else {}))
             done = True
+            if marks is not None:
+                steptrace.mark(marks, "back")
+                marks.update(zip(steptrace.EXECUTOR_MARKS, result.marks))
             self._dry_run_cost(client_id, host, dry, billed=True)
         except BaseException as e:
             self._run_failed(key, submit, ticket, host, dry, e)

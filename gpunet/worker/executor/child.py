@@ -109,7 +109,9 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
     sessions: dict[str, list] = {}  # inference sessions' state, between their steps (the parent bounds it)
     while True:
         try:
-            req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            header = conn.recv_bytes()
+            received = time.monotonic_ns()
+            req = msgpack.unpackb(header, raw=False)
             if req.get("op") == "drop":
                 for key in req.get("keys", ()):
                     sessions.pop(key, None)
@@ -155,6 +157,8 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         # report the failure, then exit so the pool starts a clean executor.
         poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
         reply["restart"] = poisoned
+        if reply.get("ok") and "began" in reply:  # a session step's marks (gpunet.worker.steptrace): four ints
+            reply["marks"] = [received, reply.pop("began"), reply.pop("ended"), time.monotonic_ns()]
         outputs = reply.pop("outputs", None)
         if outputs is not None:
             reply["outputs_size"] = len(outputs)
@@ -245,14 +249,16 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     if req.get("tflops") and req.get("deadline") and len(est.node_flops) == len(prog.steps):
         pace = Pacer(prog.steps, est.node_flops, float(req["tflops"]), float(req["deadline"]),
                      overrun=not device.startswith("cuda"))
-    t0 = time.perf_counter()
+    began = time.monotonic_ns()
     outs = run_program(prog, inputs, stop=stop, pace=pace)
     if device.startswith("cuda"):
         import torch
 
         torch.cuda.synchronize(device)
-    wall = time.perf_counter() - t0
-    reply = {"flops": est.flops, "wall_time": wall, "peak_memory_bytes": est.peak_memory_bytes}
+    ended = time.monotonic_ns()
+    reply = {"flops": est.flops, "wall_time": (ended - began) / 1e9, "peak_memory_bytes": est.peak_memory_bytes}
+    if session is not None:
+        reply["began"], reply["ended"] = began, ended
     new_state = None
     if session is not None:  # the new state stays here; the step's answer is the rest
         k = prog.manifest.state

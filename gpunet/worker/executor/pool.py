@@ -55,6 +55,7 @@ class RunResult:
     wall_time: float
     peak_memory_bytes: int
     state_bytes: int = 0  # a session step: what its state holds in the executor now
+    marks: tuple[int, ...] = ()  # a session step: the executor's marks (gpunet.worker.steptrace.EXECUTOR_MARKS)
 
 
 @dataclass(frozen=True)
@@ -640,7 +641,7 @@ class Executor:
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
-                             reply.get("state_bytes", 0))
+                             reply.get("state_bytes", 0), tuple(reply.get("marks", ())))
         if reply.get("error") == "ProgramNotCached":
             raise ProgramNotCached(program_hash)
         if reply.get("error") == "WeightsMismatch":
