@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from typing import Awaitable, Callable, Iterable
 
 from hivemind.p2p import P2P, PeerID
@@ -251,3 +252,80 @@ class RPC:
             return await protocol.read(reader, protocol.Info, timeout=protocol.FRAME_TIMEOUT)
         finally:
             writer.close()
+
+
+class KeptStreams:
+    """Streams to peers on one door, kept open between exchanges (a request frame, its answer; repeated): a stream
+    costs the p2p daemons a set-up each time (a unary call does too), a frame on one already open about a fifth of the
+    CPU (0.15 against 0.8 ms a round trip, two daemons on one machine). At most ``per_peer`` idle streams are kept
+    per peer, each reused for ``reuse`` seconds: less than the serving side's idle timeout, so nothing is written to
+    a stream it is closing; one it closed all the same (it restarted, it was full) costs the exchange a second try
+    on a new stream."""
+
+    def __init__(self, rpc: RPC, door: Door, reuse: float, per_peer: int = 4, most: int = 64):
+        """``most``: idle streams kept in all (each holds a socket of the daemon's); past it the oldest is closed."""
+        self.rpc, self.door, self.reuse, self.per_peer, self.most = rpc, door, reuse, per_peer, most
+        self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+
+    async def exchange(self, peer_id: str, maddrs: Iterable[str], frame: bytes,
+                       answer: Callable[[asyncio.StreamReader], Awaitable]):
+        """Write ``frame`` on a stream to ``peer_id`` and return what ``answer`` reads from it. A stream that fails
+        is closed (half read or written, it is no use to the next exchange); NetworkError when none can be opened."""
+        for fresh in (False, True):
+            stream = None if fresh else self._take(peer_id)
+            if stream is None:
+                stream, fresh = await self.rpc.open(peer_id, self.door, maddrs), True
+            reader, writer = stream
+            try:
+                writer.write(frame)
+                await writer.drain()
+                result = await answer(reader)
+            except BaseException as e:
+                writer.close()
+                if fresh or not isinstance(e, (ProtocolError, ConnectionError, OSError)):
+                    raise
+                continue  # an idle stream the peer had closed: once more, on a new one
+            self._keep(peer_id, reader, writer)
+            return result
+        raise AssertionError("unreachable")
+
+    def idle(self, peer_id: str) -> int:
+        """Streams to ``peer_id`` open and idle now."""
+        return len(self._idle.get(peer_id, ()))
+
+    def close(self) -> None:
+        for streams in self._idle.values():
+            for _, writer, _ in streams:
+                writer.close()
+        self._idle.clear()
+
+    def _take(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        streams = self._idle.get(peer_id)
+        while streams:
+            reader, writer, used = streams.pop()
+            if time.monotonic() - used < self.reuse and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        self._idle.pop(peer_id, None)
+        return None
+
+    def _keep(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        now = time.monotonic()
+        streams = self._idle.setdefault(peer_id, [])
+        if len(streams) >= self.per_peer or reader.at_eof():
+            writer.close()
+            return
+        streams.append((reader, writer, now))
+        self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close the idle streams past their reuse, and the oldest past ``most`` in all."""
+        kept = sorted(((entry[2], peer, entry) for peer, idle in self._idle.items() for entry in idle),
+                      key=lambda k: k[0])
+        excess = len(kept) - self.most
+        for i, (used, peer, entry) in enumerate(kept):
+            if i < excess or now - used >= self.reuse:
+                self._idle[peer].remove(entry)
+                entry[1].close()
+        for peer in [p for p, idle in self._idle.items() if not idle]:
+            del self._idle[peer]

@@ -2,7 +2,8 @@
 
 Routing (:mod:`gpunet.client.routing`) decides *who*; a transport decides *how*: the unary door (one round
 trip, countersignatures owed to that worker riding along) for a small job whose program the worker should hold, the
-stream door (any size, the program sent if asked) otherwise or when the worker says so. Everything the network can
+same exchange over a ``steps`` stream kept open for a session's steps (no stream set up in the daemons per step),
+the stream door (any size, the program sent if asked) otherwise or when the worker says so. Everything the network can
 throw (the daemon's errors, ``ConnectionError``, ``OSError``) leaves a transport as a :class:`~gpunet.GpunetError`.
 
 :class:`BaseTransport` declares all the client asks of one. :class:`P2PTransport` is the real one over hivemind;
@@ -13,6 +14,7 @@ in-process, so retries, bans and verification are checked without go-libp2p).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from abc import ABC, abstractmethod
@@ -20,13 +22,15 @@ from typing import TYPE_CHECKING, Sequence
 
 from gpunet import protocol
 from gpunet.client.jobs import MAX_OUTPUT_BYTES, Delivery, JobRequest, Verdict
-from gpunet.errors import GpunetError, ProtocolError, WeightsNotHeld
+from gpunet.errors import GpunetError, LocalNetworkDown, NetworkError, ProtocolError, WeightsNotHeld
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
+    MAX_FRAME_BYTES,
     PIECE,
     RUN,
+    STEPS_REUSE,
     UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
@@ -121,6 +125,13 @@ def _pieces_of(program: bytes, indices: tuple[int, ...], worker_id: str) -> list
     return [view[i * piece:(i + 1) * piece] for i in indices]
 
 
+def _inline_submit(request: JobRequest, settle: Sequence[tuple[str, bytes]], holds: bytes | None) -> Submit:
+    """A job whose inputs ride in its Submit (the run door's, a steps stream's)."""
+    return Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
+                  request.max_price, tuple(settle), private=request.private, shared=request.shared, holds=holds,
+                  session=request.session, lane=request.lane, deadline=request.deadline)
+
+
 def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
     """A result's receipt; only a session step may come without one (its session's tab bills it)."""
     if not data and request.session is not None:
@@ -132,6 +143,10 @@ def _receipt(data: bytes, request: JobRequest) -> Receipt | None:
 UNHELPFUL_SECONDS = 300.0
 #: Programs at least this big have their holding key computed in a thread (one pass over the program, once).
 KEY_IN_THREAD_BYTES = 1 << 20
+#: Idle ``steps`` streams kept per worker (one per session stepping there at once is what is used).
+IDLE_STEP_STREAMS = 4
+#: How long a worker whose ``steps`` door could not be opened (an older version, or gone) is sent steps by the run door.
+NO_STEPS_DOOR_SECONDS = 300.0
 
 
 class P2PTransport(BaseTransport):
@@ -165,6 +180,11 @@ class P2PTransport(BaseTransport):
         self._tokens: LRU[str, bytes] = LRU(4096)  # upload tokens, by program (see _upload_token)
         # Per program, the workers this client sent the weights it names by reference, or pointed at holders of them.
         self._weights_at: LRU[str, dict[str, bool]] = LRU(4096)
+        from gpunet.rpc import KeptStreams  # (here: importing this module must not import hivemind)
+
+        # Session steps over streams kept open (the steps door), and the workers without one (until when)
+        self.steps = KeptStreams(rpc, Door.STEPS, STEPS_REUSE, per_peer=IDLE_STEP_STREAMS)
+        self._no_steps: LRU[str, float] = LRU(4096)
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -184,6 +204,7 @@ class P2PTransport(BaseTransport):
         return await registry.discover_async(self.dht, self.rpc.network)
 
     async def close(self) -> None:
+        self.steps.close()
         await self.rpc.close()
         try:
             await asyncio.to_thread(self.dht.shutdown)
@@ -212,7 +233,11 @@ class P2PTransport(BaseTransport):
             if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
                 owed = settlement.take(worker.id, slot)
                 try:
-                    delivery = await self.run_unary(worker.id, request, settle=owed, holds=holds)
+                    if request.session is not None and self._has_steps_door(worker.id):
+                        delivery = await self.run_step(worker.id, list(worker.record.maddrs), request, settle=owed,
+                                                       holds=holds)
+                    else:
+                        delivery = await self.run_unary(worker.id, request, settle=owed, holds=holds)
                 except _UseStream:
                     settlement.delivered(owed)  # they rode along; the worker took them before answering
                 except BaseException as e:
@@ -242,16 +267,19 @@ class P2PTransport(BaseTransport):
         calls. Raises _UseStream when the worker wants the stream door instead. ``holds``: this client's proof that
         it holds the program (:meth:`holds`), for a worker that may hold a copy this client did not send it.
         """
-        submit = Submit(request.job_id, request.program_hash, len(request.inputs), request.inputs, request.timeout,
-                        request.max_price, tuple(settle), private=request.private, shared=request.shared,
-                        holds=holds, session=request.session, lane=request.lane, deadline=request.deadline)
+        submit = _inline_submit(request, settle, holds)
         reply = await self.rpc.call(worker_id, Door.RUN, submit, Result, UseStream, Error)
+        if isinstance(reply, Result) and reply.outputs is None:
+            raise ProtocolError("a unary result must carry its outputs")
+        return self._delivered(worker_id, request, reply)
+
+    def _delivered(self, worker_id: str, request: JobRequest, reply: Result | UseStream | Error) -> Delivery:
+        """What the run door's (or a steps stream's) answer delivers; its countersignature goes by the settle door or
+        rides on a later job."""
         if isinstance(reply, UseStream):
             raise _UseStream()
         if isinstance(reply, Error):
             raise reply.exception()
-        if reply.outputs is None:
-            raise ProtocolError("a unary result must carry its outputs")
         receipt = _receipt(reply.receipt, request)
 
         async def finish(verdict: Verdict) -> None:
@@ -259,6 +287,39 @@ class P2PTransport(BaseTransport):
 
         return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish,
                         input_hash=reply.input_hash)
+
+    def _has_steps_door(self, worker_id: str) -> bool:
+        until = self._no_steps.get(worker_id)
+        return until is None or time.monotonic() > until
+
+    async def run_step(self, worker_id: str, maddrs: Sequence[str], request: JobRequest,
+                       settle: Sequence[tuple[str, bytes]] = (), holds: bytes | None = None) -> Delivery:
+        """A session step as :meth:`run_unary` sends it, over a ``steps`` stream to the worker kept open between steps
+        (:class:`~gpunet.rpc.KeptStreams`: a unary call costs the p2p daemons a stream set up each time). A worker
+        whose door cannot be opened but answers the run door (an older version) is sent steps there for a while; a
+        step too big for a frame goes there too."""
+        frame = protocol.encode_frame(_inline_submit(request, settle, holds))
+        if len(frame) > MAX_FRAME_BYTES + 4:
+            return await self.run_unary(worker_id, request, settle, holds)
+
+        async def answer(reader: asyncio.StreamReader) -> Result | UseStream | Error:
+            reply = await protocol.read(reader, Result, UseStream, Error)
+            if isinstance(reply, Result) and reply.outputs is None:  # bigger than a frame: after it
+                cap = min(request.max_output_bytes, MAX_OUTPUT_BYTES)
+                reply = dataclasses.replace(reply, outputs=bytes(
+                    await protocol.read_payload(reader, reply.outputs_size, cap, "outputs")))
+            return reply
+
+        try:
+            reply = await self.steps.exchange(worker_id, maddrs, frame, answer)
+        except NetworkError as e:
+            if isinstance(e, (ProtocolError, LocalNetworkDown)):  # a stream that broke, or our own daemon gone
+                raise
+            delivery = await self.run_unary(worker_id, request, settle, holds)  # no stream could be opened:
+            # it answers, but not on that door (an older version): its steps go by the run door for a while
+            self._no_steps.put(worker_id, time.monotonic() + NO_STEPS_DOOR_SECONDS)
+            return delivery
+        return self._delivered(worker_id, request, reply)
 
     async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,
                                            holds: bytes | None = None) -> Delivery:

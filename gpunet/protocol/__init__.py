@@ -31,8 +31,12 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
       client -> Countersign{job, signature} | Refuse{job, reason}         (or nothing: the work stays unpaid)
 
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
-  Error; ``settle`` (unary): Countersign | Refuse | SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok,
-  CloseSession -> SessionClosed; ``push`` (unary): Push (a session step's output, to the next span's worker);
+  Error; ``steps`` (a stream a client keeps open for its session steps to one worker): the same exchange, repeated,
+  Submit -> Result (its outputs after it as a payload when they do not fit in its frame) | UseStream | Error, until
+  the client closes it or sends nothing for STEPS_IDLE seconds; ``settle`` (unary): Countersign | Refuse |
+  SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok, CloseSession -> SessionClosed; ``push`` (unary): Push (a
+  session step's output, to the next span's worker) -> Ok | Error; ``pushes`` (a stream a worker keeps open to the
+  next span's worker): Push -> Ok | Error, repeated, for pushes that fit in a frame;
   ``piece`` (a stream): GetPiece -> PieceData + bytes (or Have: not here yet), repeated;
   ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
   :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening; ``reach`` (a stream,
@@ -157,6 +161,8 @@ from gpunet.protocol.sessions import (
     MAX_SESSION_STEP,
     MAX_SESSION_TTL,
     SESSION_ID_RE,
+    STEPS_IDLE,
+    STEPS_REUSE,
     CloseSession,
     Push,
     PushTo,
@@ -253,6 +259,8 @@ __all__ = [
     "ReachResult",
     "SpeedCommitment",
     "MAX_PUSH_BYTES",
+    "STEPS_IDLE",
+    "STEPS_REUSE",
     "MAX_SESSION_STEP",
     "MAX_SESSION_TTL",
     "SESSION_ID_RE",

@@ -28,6 +28,8 @@ class Door(enum.Enum):
     RELAY_PROBE = ("relay-probe", True)  # a bootstrap node's own check of its relay (gpunet.dht.reachability)
     PIECE = ("piece", True)  # a worker fetching a program it lacks from a peer that holds it (gpunet.worker.peers)
     PUSH = ("push", False, MAX_PUSH_BYTES + 4096)  # a session step's output, straight to the next span's worker
+    STEPS = ("steps", True)  # a session's steps over one stream kept open: no stream set-up per step
+    PUSHES = ("pushes", True)  # pushes to one worker over one stream kept open (small ones; bigger: the push door)
     HELLO = ("hello", False, 1024)  # which network a node runs: the one door outside any network (gpunet.dht.hello)
 
     def __init__(self, slug: str, stream: bool, max_request: int = MAX_FRAME_BYTES):

@@ -19,6 +19,10 @@ from gpunet.protocol.fields import Message, peer_id_field, size_field, typed_fie
 #: The biggest session step output a worker pushes to the next span's worker (docs/sessions.md, pushed steps); a
 #: bigger one goes by way of the client.
 MAX_PUSH_BYTES = 1 << 20
+#: A ``steps`` stream (a session's steps over one stream) the client sends nothing on for this long is closed by the
+#: worker; a client reuses one idle for less than STEPS_REUSE, so it never writes to one the worker is closing.
+STEPS_IDLE = 60.0
+STEPS_REUSE = 40.0
 #: The longest a session may stay idle on a worker before its state is dropped (a client asks for less or gets this).
 MAX_SESSION_TTL = 3600.0
 MAX_SESSION_STEP = 2**31

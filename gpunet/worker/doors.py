@@ -11,13 +11,14 @@ import time
 from functools import partial
 
 from gpunet import protocol
-from gpunet.errors import GpunetError, JobFailed, ProgramNotCached, ProtocolError
+from gpunet.errors import GpunetError, JobFailed, JobRejected, ProgramNotCached, ProtocolError
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol import (
     FRAME_TIMEOUT,
     INLINE_BYTES,
     MAX_PING_BYTES,
     RUN,
+    STEPS_IDLE,
     UNARY_OUTPUT_BYTES,
     Cancel,
     CloseSession,
@@ -25,6 +26,7 @@ from gpunet.protocol import (
     Door,
     Error,
     GetInfo,
+    Message,
     Info,
     Ok,
     OpenProof,
@@ -52,6 +54,10 @@ COUNTERSIGN_TIMEOUT = 30.0
 #: stream (see _try_send).
 LINGER = 2.0
 LINGER_BYTES = 1 << 20
+#: ``steps`` and ``pushes`` streams held open at once, in all and per peer: each holds a socket of the daemon's and a
+#: task here. A stream over these serves one exchange and closes (its peer opens one each time then).
+MAX_KEPT_STREAMS = 256
+MAX_KEPT_STREAMS_PER_PEER = 8
 
 
 class Doors:
@@ -63,6 +69,7 @@ class Doors:
         # id(answer) -> [streams writing it now, the client and address its bytes are held against] (held once)
         self._writing: dict[int, list] = {}
         self._rpc: RPC | None = None
+        self._kept: dict[str, int] = {}  # peer -> steps and pushes streams open now
 
     async def start(self, rpc: RPC) -> None:
         self._rpc = rpc
@@ -75,6 +82,8 @@ class Doors:
         await rpc.serve_unary(Door.CANCEL, self.cancel)
         await rpc.serve_unary(Door.PROVE, self.prove)
         await rpc.serve_unary(Door.PUSH, self.push)
+        await rpc.serve_stream(Door.STEPS, self.steps)
+        await rpc.serve_stream(Door.PUSHES, self.pushes)
 
     async def stop(self) -> None:
         await self.jobs.stop()
@@ -243,15 +252,107 @@ class Doors:
         except GpunetError as e:
             return protocol.encode(Error.of(e))
 
+    # --- session steps: a stream kept open for them (the run door's exchange, without a stream set up per step) ----
+
+    async def steps(self, client_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    host: str = "") -> None:
+        """A client's session steps, one after another on one stream: each Submit (inputs inline) is answered as the
+        run door answers it, its outputs after its Result when they do not fit in the frame. The stream ends when
+        its client closes it, sends nothing for STEPS_IDLE seconds, or breaks the exchange; and after one step when
+        this client (or everyone) holds as many open as the worker takes. Only while a step is in flight does the
+        stream count as one the worker must see through before it leaves."""
+        self.admission.came_from(client_id, host)
+
+        async def step(submit: Submit) -> bool:
+            self.admission.stream_opened()
+            try:  # (a worker leaving answers as the run door does: WorkerDraining, then the stream ends)
+                return await self._step(client_id, host, submit, writer) and self.admission.accepting
+            finally:
+                self.admission.stream_closed()
+
+        await self._kept_stream(client_id, reader, writer, Submit, step)
+
+    async def _kept_stream(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           kind: type, answer) -> None:
+        """A stream kept open by its peer: each ``kind`` frame read is answered by ``answer`` (False: the stream
+        ends) until the peer closes it, sends nothing for STEPS_IDLE seconds or breaks the exchange; after one
+        exchange when this peer (or everyone) holds as many open as the worker takes."""
+        open_now = self._kept[peer_id] = self._kept.get(peer_id, 0) + 1
+        over = open_now > MAX_KEPT_STREAMS_PER_PEER or sum(self._kept.values()) > MAX_KEPT_STREAMS
+        try:
+            while True:
+                try:
+                    message = await protocol.read(reader, kind, timeout=STEPS_IDLE)
+                except ProtocolError:  # closed, idle or malformed: nothing is in flight on it
+                    return
+                if not await answer(message) or over:
+                    return
+        finally:
+            writer.close()
+            self._kept[peer_id] -= 1
+            if not self._kept[peer_id]:
+                del self._kept[peer_id]
+
+    async def _step(self, client_id: str, host: str, submit: Submit, writer: asyncio.StreamWriter) -> bool:
+        """Answer one step on a steps stream; False when the stream broke on the way (it is closed then)."""
+        if submit.settle_malformed:
+            logger.warning("Ignored %d malformed countersignature(s) from %s (the step itself is served)",
+                           submit.settle_malformed, client_id[-8:])
+        self.billing.awaiting.ride_along(client_id, submit.settle)
+        try:
+            if submit.session is None:
+                raise JobRejected("the steps door takes session steps; other jobs go through the run or job door")
+            # No reader: the next frame on this stream is the next step, not a hang-up (a step runs to its end).
+            answer = await self.jobs.execute(client_id, submit, UnaryPayloads(), None, host)
+        except (NeedsStream, ProgramNotCached):  # the job door can carry what the step lacks
+            reply: Message = UseStream()
+        except GpunetError as e:
+            reply = Error.of(e, queue=self.admission.queue_length)
+        except Exception as e:
+            logger.exception("Unexpected error while serving %s", client_id[-8:])
+            reply = Error.of(JobFailed(f"worker error: {type(e).__name__}"))
+        else:
+            try:
+                await self._reply(answer, writer, client_id, host)
+            except ProtocolError as e:
+                logger.info("Steps stream from %s broke: %s", client_id[-8:], e)
+                return False
+            if answer.receipt is not None:  # countersigned by a later call, as for the run door
+                self.billing.awaiting.expect(client_id, answer.receipt)
+            return True
+        try:
+            await protocol.write(writer, reply)
+        except ProtocolError:
+            return False
+        return True
+
     # --- pushed steps: span to span without the client in between (docs/sessions.md) --------------------------------
 
     async def push(self, request: bytes, sender_id: str) -> bytes:
         """Another worker's output for the next step of a session held here."""
         try:
-            self.jobs.handoff.offer(sender_id, protocol.decode(request, Push))
-            return protocol.encode(Ok())
+            return protocol.encode(self._offer(sender_id, protocol.decode(request, Push)))
         except GpunetError as e:
             return protocol.encode(Error.of(e))
+
+    async def pushes(self, sender_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     host: str = "") -> None:
+        """Pushes from one worker over a stream it keeps open, each answered as the push door answers it."""
+        async def answer(push: Push) -> bool:
+            try:
+                await protocol.write(writer, self._offer(sender_id, push))
+                return True
+            except ProtocolError:
+                return False
+
+        await self._kept_stream(sender_id, reader, writer, Push, answer)
+
+    def _offer(self, sender_id: str, push: Push) -> Ok | Error:
+        try:
+            self.jobs.handoff.offer(sender_id, push)
+            return Ok()
+        except GpunetError as e:
+            return Error.of(e)
 
 
 def _receipt_bytes(answer: Answer) -> bytes:

@@ -13,9 +13,18 @@ from collections import Counter
 from dataclasses import replace
 
 from gpunet import protocol
-from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, SessionLost, WorkerBusy
-from gpunet.protocol import Door, Error, Ok, Push, PushTo, Submit, tensorframe
-from gpunet.rpc import RPC
+from gpunet.errors import (
+    GpunetError,
+    JobRejected,
+    LocalNetworkDown,
+    NetworkError,
+    ProgramNotCached,
+    ProtocolError,
+    SessionLost,
+    WorkerBusy,
+)
+from gpunet.protocol import MAX_FRAME_BYTES, STEPS_REUSE, Door, Error, Ok, Push, PushTo, Submit, tensorframe
+from gpunet.rpc import RPC, KeptStreams
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.state.limits import ServiceLimits
 from gpunet.worker.state.pushes import Pushes
@@ -31,6 +40,8 @@ MAX_PUSHING = 64
 #: a push goes to, and a peer that never answers holds each for PUSH_TIMEOUT, so one client's pushes must not take
 #: every other client's place (a session pushes one output per step, one step at a time: two leave room for a slow one).
 MAX_PUSHING_PER_SESSION = 2
+#: How long a worker whose ``pushes`` door could not be opened (an older version) is pushed to by the push door.
+NO_PUSHES_DOOR_SECONDS = 300.0
 
 
 class Handoff:
@@ -40,7 +51,9 @@ class Handoff:
                  faults: Faults = NONE):
         """``pushes``: session steps' inputs pushed by the previous span's worker, and steps waiting for theirs."""
         self.peer_id, self.sessions, self.pushes, self.limits, self.faults = peer_id, sessions, pushes, limits, faults
-        self.rpc: RPC | None = None  # set once the network is there
+        self.rpc: RPC | None = None  # set once the network is there (start)
+        self.streams: KeptStreams | None = None  # pushes to the next spans' workers over streams kept open
+        self._no_stream: dict[str, float] = {}  # workers without a pushes door, until when
         self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
         self._pushes_of: Counter[str] = Counter()  # ...of each client's sessions
 
@@ -106,18 +119,41 @@ class Handoff:
 
         task.add_done_callback(sent)
 
+    def start(self, rpc: RPC) -> None:
+        self.rpc, self.streams = rpc, KeptStreams(rpc, Door.PUSHES, STEPS_REUSE, per_peer=2)
+
     async def _send(self, peer_id: str, push: Push) -> None:
         try:
             async with asyncio.timeout(PUSH_TIMEOUT):
-                reply = await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)
+                reply = await self._sent(peer_id, push)
             if isinstance(reply, Error):
                 logger.debug("Worker %s did not take a pushed input: %s", peer_id[-8:], reply.message)
-        except (GpunetError, TimeoutError) as e:  # its step asks the client for the input instead
+        except (GpunetError, TimeoutError, ConnectionError, OSError) as e:  # its step asks the client instead
             logger.debug("Could not push a session step's output to worker %s: %s", peer_id[-8:], e)
+
+    async def _sent(self, peer_id: str, push: Push) -> Ok | Error:
+        """One push: over a stream kept open to that worker when it fits in a frame, else (or to a worker without
+        the door: an older version) by the push door."""
+        frame = protocol.encode_frame(push)
+        if (self.streams is not None and len(frame) <= MAX_FRAME_BYTES + 4
+                and time.monotonic() >= self._no_stream.get(peer_id, 0.0)):
+            try:
+                return await self.streams.exchange(peer_id, (), frame, lambda r: protocol.read(r, Ok, Error))
+            except NetworkError as e:
+                if isinstance(e, (ProtocolError, LocalNetworkDown)):
+                    raise
+                reply = await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)  # it answers, not on that door
+                if len(self._no_stream) > 4096:
+                    self._no_stream.clear()
+                self._no_stream[peer_id] = time.monotonic() + NO_PUSHES_DOOR_SECONDS
+                return reply
+        return await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)
 
     def stop(self) -> None:
         for task in list(self._pushing):
             task.cancel()
+        if self.streams is not None:
+            self.streams.close()
 
 
 def as_next_input(outputs: bytes) -> bytes | None:

@@ -146,7 +146,7 @@ class Jobs:
         return self.turns.lanes
 
     async def start(self, rpc: RPC) -> None:
-        self.handoff.rpc = rpc
+        self.handoff.start(rpc)
         self.sessions.start()
         if self.piece_server is not None:
             await self.piece_server.start(rpc)
