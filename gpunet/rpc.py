@@ -266,6 +266,7 @@ class KeptStreams:
         """``most``: idle streams kept in all (each holds a socket of the daemon's); past it the oldest is closed."""
         self.rpc, self.door, self.reuse, self.per_peer, self.most = rpc, door, reuse, per_peer, most
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self._closed = False
 
     async def exchange(self, peer_id: str, maddrs: Iterable[str], frame: bytes,
                        answer: Callable[[asyncio.StreamReader], Awaitable]):
@@ -282,9 +283,12 @@ class KeptStreams:
                 result = await answer(reader)
             except BaseException as e:
                 writer.close()
-                if fresh or not isinstance(e, (ProtocolError, ConnectionError, OSError)):
-                    raise
-                continue  # an idle stream the peer had closed: once more, on a new one
+                broke = isinstance(e, (ProtocolError, ConnectionError, OSError))
+                if broke and not fresh:
+                    continue  # an idle stream the peer had closed: once more, on a new one
+                if broke and not isinstance(e, ProtocolError):
+                    raise ProtocolError(f"stream to {peer_id[-8:]} broke: {e}") from None
+                raise
             self._keep(peer_id, reader, writer)
             return result
         raise AssertionError("unreachable")
@@ -294,6 +298,8 @@ class KeptStreams:
         return len(self._idle.get(peer_id, ()))
 
     def close(self) -> None:
+        """Close the idle streams; those in an exchange now are closed when it ends."""
+        self._closed = True
         for streams in self._idle.values():
             for _, writer, _ in streams:
                 writer.close()
@@ -311,6 +317,9 @@ class KeptStreams:
 
     def _keep(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         now = time.monotonic()
+        if self._closed:
+            writer.close()
+            return
         streams = self._idle.setdefault(peer_id, [])
         if len(streams) >= self.per_peer or reader.at_eof():
             writer.close()

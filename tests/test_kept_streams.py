@@ -100,3 +100,56 @@ def test_idle_streams_are_bounded_per_peer_and_in_all():
         server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_kept_stream_may_wait_for_a_frame_but_the_frame_must_then_come_whole_in_time():
+    async def scenario():
+        quiet = asyncio.StreamReader()
+        with pytest.raises(ProtocolError, match="nothing for 0 s"):  # nothing begun within ``idle``
+            await protocol.read(quiet, Ping, timeout=5, idle=0.05)
+        dribbled = asyncio.StreamReader()
+        frame = protocol.encode_frame(Ping(b"x"))
+        dribbled.feed_data(frame[:6])  # begun at once, then the rest never comes
+        with pytest.raises(ProtocolError, match="nothing for 0 s"):
+            await protocol.read(dribbled, Ping, timeout=0.05, idle=5)
+        whole = asyncio.StreamReader()
+        whole.feed_data(frame)
+        assert (await protocol.read(whole, Ping, timeout=0.05, idle=5)).echo == b"x"
+
+    asyncio.run(scenario())
+
+
+def test_a_push_too_big_for_a_frame_goes_by_the_push_door_and_a_small_one_by_a_kept_stream():
+    from gpunet.protocol import MAX_FRAME_BYTES, Push
+    from gpunet.worker.handoff import Handoff
+
+    class Calls:
+        def __init__(self):
+            self.doors = []
+
+        async def call(self, peer_id, door, message, *expect):
+            self.doors.append(door)
+            return Ok()
+
+        async def open(self, peer_id, door, maddrs=()):
+            self.doors.append(door)
+            raise AssertionError("not reached in this test: the exchange is stubbed")
+
+    async def scenario():
+        rpc = Calls()
+        handoff = Handoff("me", sessions=None, pushes=None, limits=None)
+        handoff.start(rpc)
+        exchanged = []
+
+        async def exchange(peer_id, maddrs, frame, answer):
+            exchanged.append(len(frame))
+            return Ok()
+
+        handoff.streams.exchange = exchange
+        big = Push("12D3KooWclient", "s", 1, b"x" * (MAX_FRAME_BYTES + 1))
+        assert isinstance(await handoff._sent("12D3KooWnext", big), Ok)
+        assert rpc.doors == [Door.PUSH] and exchanged == []
+        assert isinstance(await handoff._sent("12D3KooWnext", Push("12D3KooWclient", "s", 2, b"x" * 100)), Ok)
+        assert rpc.doors == [Door.PUSH] and len(exchanged) == 1
+
+    asyncio.run(scenario())

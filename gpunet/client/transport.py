@@ -27,7 +27,6 @@ from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
     INLINE_BYTES,
-    MAX_FRAME_BYTES,
     PIECE,
     RUN,
     STEPS_REUSE,
@@ -298,8 +297,9 @@ class P2PTransport(BaseTransport):
         (:class:`~gpunet.rpc.KeptStreams`: a unary call costs the p2p daemons a stream set up each time). A worker
         whose door cannot be opened but answers the run door (an older version) is sent steps there for a while; a
         step too big for a frame goes there too."""
-        frame = protocol.encode_frame(_inline_submit(request, settle, holds))
-        if len(frame) > MAX_FRAME_BYTES + 4:
+        try:
+            frame = protocol.encode_frame(_inline_submit(request, settle, holds))
+        except ProtocolError:  # too big for a frame (its inputs and ride-along countersignatures): the run door
             return await self.run_unary(worker_id, request, settle, holds)
 
         async def answer(reader: asyncio.StreamReader) -> Result | UseStream | Error:
@@ -315,10 +315,14 @@ class P2PTransport(BaseTransport):
         except NetworkError as e:
             if isinstance(e, (ProtocolError, LocalNetworkDown)):  # a stream that broke, or our own daemon gone
                 raise
-            delivery = await self.run_unary(worker_id, request, settle, holds)  # no stream could be opened:
-            # it answers, but not on that door (an older version): its steps go by the run door for a while
+            # No stream could be opened. A worker that answers the run door has no steps door (an older version):
+            # its steps go there for a while. One that answers neither is gone, and may come back with one.
             self._no_steps.put(worker_id, time.monotonic() + NO_STEPS_DOOR_SECONDS)
-            return delivery
+            try:
+                return await self.run_unary(worker_id, request, settle, holds)
+            except NetworkError:
+                self._no_steps.pop(worker_id, None)
+                raise
         return self._delivered(worker_id, request, reply)
 
     async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,

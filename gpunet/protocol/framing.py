@@ -71,19 +71,28 @@ async def write(writer: asyncio.StreamWriter, message: Message) -> None:
         raise ProtocolError(f"stream broke: {e}") from None
 
 
-async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | None = None) -> M:
+async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | None = None,
+               idle: float | None = None) -> M:
     """Read one frame; ProtocolError on EOF, oversize, bad msgpack, an unexpected type, or ``timeout`` seconds of
-    silence (a stalled peer must not hold what it holds forever)."""
+    silence (a stalled peer must not hold what it holds forever). ``idle``: a stream kept open between exchanges may
+    wait that long for a frame to begin, and the frame must then come whole within ``timeout``."""
+    waited = timeout if idle is None else idle
     try:
-        async with asyncio.timeout(timeout):
-            (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+        async with asyncio.timeout(waited):
+            head = await reader.readexactly(_LEN.size)
+            (size,) = _LEN.unpack(head)
             if size > MAX_FRAME_BYTES:
                 raise ProtocolError(f"peer announced a {size}-byte frame; the cap is {MAX_FRAME_BYTES}")
-            body = await reader.readexactly(size)
+            if idle is None:
+                body = await reader.readexactly(size)
+        if idle is not None:
+            waited = timeout
+            async with asyncio.timeout(timeout):
+                body = await reader.readexactly(size)
     except asyncio.IncompleteReadError:
         raise ProtocolError("peer closed the stream mid-message") from None
     except TimeoutError:
-        raise ProtocolError(f"peer sent nothing for {timeout:.0f} s") from None
+        raise ProtocolError(f"peer sent nothing for {waited:.0f} s") from None
     except (ConnectionError, OSError) as e:
         raise ProtocolError(f"stream broke: {e}") from None
     return decode(body, *expect)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from functools import partial
 
 from gpunet import protocol
@@ -54,10 +55,12 @@ COUNTERSIGN_TIMEOUT = 30.0
 #: stream (see _try_send).
 LINGER = 2.0
 LINGER_BYTES = 1 << 20
-#: ``steps`` and ``pushes`` streams held open at once, in all and per peer: each holds a socket of the daemon's and a
-#: task here. A stream over these serves one exchange and closes (its peer opens one each time then).
+#: ``steps`` and ``pushes`` streams held open at once, in all, per peer and per network address (identities are
+#: free): each holds a socket of the daemon's and a task here. A stream over these serves one exchange, whose frame
+#: must come within FRAME_TIMEOUT, and closes (its peer opens one each time then).
 MAX_KEPT_STREAMS = 256
 MAX_KEPT_STREAMS_PER_PEER = 8
+MAX_KEPT_STREAMS_PER_HOST = 32
 
 
 class Doors:
@@ -69,7 +72,7 @@ class Doors:
         # id(answer) -> [streams writing it now, the client and address its bytes are held against] (held once)
         self._writing: dict[int, list] = {}
         self._rpc: RPC | None = None
-        self._kept: dict[str, int] = {}  # peer -> steps and pushes streams open now
+        self._kept: Counter[str] = Counter()  # peer, and "host:" + address -> steps and pushes streams open now
 
     async def start(self, rpc: RPC) -> None:
         self._rpc = rpc
@@ -270,28 +273,48 @@ class Doors:
             finally:
                 self.admission.stream_closed()
 
-        await self._kept_stream(client_id, reader, writer, Submit, step)
+        await self._kept_stream(client_id, host, reader, writer, Submit, step)
 
-    async def _kept_stream(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           kind: type, answer) -> None:
-        """A stream kept open by its peer: each ``kind`` frame read is answered by ``answer`` (False: the stream
-        ends) until the peer closes it, sends nothing for STEPS_IDLE seconds or breaks the exchange; after one
-        exchange when this peer (or everyone) holds as many open as the worker takes."""
-        open_now = self._kept[peer_id] = self._kept.get(peer_id, 0) + 1
-        over = open_now > MAX_KEPT_STREAMS_PER_PEER or sum(self._kept.values()) > MAX_KEPT_STREAMS
+    async def _kept_stream(self, peer_id: str, host: str, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter, kind: type, answer) -> None:
+        """A stream kept open by its peer: each ``kind`` frame read (begun within STEPS_IDLE seconds, whole within
+        FRAME_TIMEOUT) is answered by ``answer`` (False: the stream ends) until the peer closes it, goes quiet or
+        breaks the exchange; after one exchange when this peer, its address or everyone holds as many open as the
+        worker takes."""
+        keys = (peer_id, f"host:{host}")
+        self._kept.update(keys)
+        over = (self._kept[peer_id] > MAX_KEPT_STREAMS_PER_PEER or self._kept[keys[1]] > MAX_KEPT_STREAMS_PER_HOST
+                or self._kept_in_all() > MAX_KEPT_STREAMS)
         try:
             while True:
                 try:
-                    message = await protocol.read(reader, kind, timeout=STEPS_IDLE)
-                except ProtocolError:  # closed, idle or malformed: nothing is in flight on it
+                    message = await protocol.read(reader, kind, timeout=FRAME_TIMEOUT,
+                                                  idle=None if over else STEPS_IDLE)
+                except ProtocolError:  # closed, quiet or malformed: nothing is in flight on it
                     return
                 if not await answer(message) or over:
                     return
         finally:
             writer.close()
-            self._kept[peer_id] -= 1
-            if not self._kept[peer_id]:
-                del self._kept[peer_id]
+            self._kept.subtract(keys)
+            for key in keys:
+                if self._kept[key] <= 0:
+                    del self._kept[key]
+
+    def _kept_in_all(self) -> int:
+        return sum(n for key, n in self._kept.items() if not key.startswith("host:"))
+
+    @staticmethod
+    async def _answer(writer: asyncio.StreamWriter, message: Message) -> bool:
+        """A short answer on a kept stream, within FRAME_TIMEOUT (a peer that stops reading must not pin the stream
+        and its task here); False when it could not be written (the stream is aborted then)."""
+        try:
+            async with asyncio.timeout(FRAME_TIMEOUT):
+                await protocol.write(writer, message)
+            return True
+        except (TimeoutError, ProtocolError):
+            writer.transport.abort()
+            return False
 
     async def _step(self, client_id: str, host: str, submit: Submit, writer: asyncio.StreamWriter) -> bool:
         """Answer one step on a steps stream; False when the stream broke on the way (it is closed then)."""
@@ -314,17 +337,14 @@ class Doors:
         else:
             try:
                 await self._reply(answer, writer, client_id, host)
-            except ProtocolError as e:
+            except ProtocolError as e:  # broke, or the client stopped reading: nothing more goes on it
                 logger.info("Steps stream from %s broke: %s", client_id[-8:], e)
+                writer.transport.abort()
                 return False
             if answer.receipt is not None:  # countersigned by a later call, as for the run door
                 self.billing.awaiting.expect(client_id, answer.receipt)
             return True
-        try:
-            await protocol.write(writer, reply)
-        except ProtocolError:
-            return False
-        return True
+        return await self._answer(writer, reply)
 
     # --- pushed steps: span to span without the client in between (docs/sessions.md) --------------------------------
 
@@ -339,13 +359,9 @@ class Doors:
                      host: str = "") -> None:
         """Pushes from one worker over a stream it keeps open, each answered as the push door answers it."""
         async def answer(push: Push) -> bool:
-            try:
-                await protocol.write(writer, self._offer(sender_id, push))
-                return True
-            except ProtocolError:
-                return False
+            return await self._answer(writer, self._offer(sender_id, push))
 
-        await self._kept_stream(sender_id, reader, writer, Push, answer)
+        await self._kept_stream(sender_id, host, reader, writer, Push, answer)
 
     def _offer(self, sender_id: str, push: Push) -> Ok | Error:
         try:

@@ -23,7 +23,7 @@ from gpunet.errors import (
     SessionLost,
     WorkerBusy,
 )
-from gpunet.protocol import MAX_FRAME_BYTES, STEPS_REUSE, Door, Error, Ok, Push, PushTo, Submit, tensorframe
+from gpunet.protocol import STEPS_REUSE, Door, Error, Ok, Push, PushTo, Submit, tensorframe
 from gpunet.rpc import RPC, KeptStreams
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.state.limits import ServiceLimits
@@ -134,9 +134,8 @@ class Handoff:
     async def _sent(self, peer_id: str, push: Push) -> Ok | Error:
         """One push: over a stream kept open to that worker when it fits in a frame, else (or to a worker without
         the door: an older version) by the push door."""
-        frame = protocol.encode_frame(push)
-        if (self.streams is not None and len(frame) <= MAX_FRAME_BYTES + 4
-                and time.monotonic() >= self._no_stream.get(peer_id, 0.0)):
+        frame = _frame_of(push)
+        if self.streams is not None and frame is not None and time.monotonic() >= self._no_stream.get(peer_id, 0.0):
             try:
                 return await self.streams.exchange(peer_id, (), frame, lambda r: protocol.read(r, Ok, Error))
             except NetworkError as e:
@@ -154,6 +153,14 @@ class Handoff:
             task.cancel()
         if self.streams is not None:
             self.streams.close()
+
+
+def _frame_of(message) -> bytes | None:
+    """``message`` as a stream frame; None when it is too big for one (it goes by a unary door then)."""
+    try:
+        return protocol.encode_frame(message)
+    except ProtocolError:
+        return None
 
 
 def as_next_input(outputs: bytes) -> bytes | None:
