@@ -254,6 +254,11 @@ class RPC:
             writer.close()
 
 
+#: How long a peer whose kept-stream door could not be opened, but whose unary twin answered (an older version), is
+#: sent that door's exchanges by the unary door.
+NO_DOOR_SECONDS = 300.0
+
+
 class KeptStreams:
     """Streams to peers on one door, kept open between exchanges (a request frame, its answer; repeated): a stream
     costs the p2p daemons a set-up each time (a unary call does too), a frame on one already open about a fifth of the
@@ -266,7 +271,32 @@ class KeptStreams:
         """``most``: idle streams kept in all (each holds a socket of the daemon's); past it the oldest is closed."""
         self.rpc, self.door, self.reuse, self.per_peer, self.most = rpc, door, reuse, per_peer, most
         self._idle: dict[str, list[tuple[asyncio.StreamReader, asyncio.StreamWriter, float]]] = {}
+        self._no_door: LRU[str, float] = LRU(4096)  # peers without this door, until when
         self._closed = False
+
+    async def exchange_or(self, peer_id: str, maddrs: Iterable[str], message: Message,
+                          answer: Callable[[asyncio.StreamReader], Awaitable], unary: Callable[[], Awaitable]):
+        """``message`` over a kept stream (what ``answer`` reads back), or by ``unary()``, the same exchange on the
+        door's unary twin: when it is too big for a frame, or the peer has no such door. A peer whose stream cannot
+        be opened is taken for one without it for NO_DOOR_SECONDS, unless the unary call fails too (then it is gone,
+        and may come back with one)."""
+        try:
+            frame = protocol.encode_frame(message)
+        except ProtocolError:  # too big for a frame
+            return await unary()
+        if time.monotonic() < self._no_door.get(peer_id, 0.0):
+            return await unary()
+        try:
+            return await self.exchange(peer_id, maddrs, frame, answer)
+        except NetworkError as e:
+            if isinstance(e, (ProtocolError, LocalNetworkDown)):  # a stream that broke, or our own daemon gone
+                raise
+        self._no_door.put(peer_id, time.monotonic() + NO_DOOR_SECONDS)
+        try:
+            return await unary()
+        except NetworkError:
+            self._no_door.pop(peer_id, None)
+            raise
 
     async def exchange(self, peer_id: str, maddrs: Iterable[str], frame: bytes,
                        answer: Callable[[asyncio.StreamReader], Awaitable]):

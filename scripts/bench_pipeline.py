@@ -92,18 +92,19 @@ def remote_steps(session, prompt, tokens: int, windows: list | None = None):
     return out, times
 
 
-#: A step's stages, in order along its critical path, from the client's and the workers' marks (gpunet.worker.steptrace):
-#: (name, the mark it starts at, the mark it ends at); per span unless it names the client.
-STAGES = (("client to the first span", None, "input"),
-          ("worker: admitted, queued, sent to its executor", "input", "sent"),
-          ("pipe to the executor", "sent", "received"),
-          ("executor: inputs, state, dry run (cached), pacer", "received", "began"),
-          ("compute", "began", "ended"),
-          ("executor: outputs encoded, replied", "ended", "replied"),
-          ("pipe back to the worker", "replied", "back"),
-          ("worker: step on its tab, output handed to the push", "back", "answered"),
-          ("push: daemon to daemon, the next span's step woken", "answered", "input"),
-          ("last span to the client", "answered", None))
+#: A step's stages in order along its critical path, from the client's and the workers' marks (gpunet.worker.steptrace):
+#: (name, the mark it starts at, the mark it ends at, whether it ends on the next span's worker); per span, summed,
+#: except where a mark is the client's (None).
+STAGES = (("client to the first span", None, "input", False),
+          ("worker: admitted, queued, sent to its executor", "input", "sent", False),
+          ("pipe to the executor", "sent", "received", False),
+          ("executor: inputs, state, dry run (cached), pacer", "received", "began", False),
+          ("compute", "began", "ended", False),
+          ("executor: outputs encoded, replied", "ended", "replied", False),
+          ("pipe back to the worker", "replied", "back", False),
+          ("worker: step on its tab, output handed to the push", "back", "answered", False),
+          ("push: daemon to daemon, the next span's step woken", "answered", "input", True),
+          ("last span to the client", "answered", None, False))
 
 
 def step_stages(trace_dir: Path, placements: list[tuple[list[str], list[tuple[int, int]]]]) -> dict[str, float]:
@@ -112,7 +113,7 @@ def step_stages(trace_dir: Path, placements: list[tuple[list[str], list[tuple[in
     lines: dict[str, list[dict]] = {}
     for path in trace_dir.glob("*.jsonl"):
         lines[path.stem] = [json.loads(line) for line in path.read_text().splitlines()]
-    per_stage: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    per_stage: dict[str, list[float]] = {name: [] for name, *_ in STAGES}
     for workers, windows in placements:
         for t0, t1 in windows:
             spans = []
@@ -121,12 +122,12 @@ def step_stages(trace_dir: Path, placements: list[tuple[list[str], list[tuple[in
                 spans.append(found[0] if len(found) == 1 else None)
             if None in spans:
                 continue
-            for name, start, end in STAGES:
+            for name, start, end, across in STAGES:
                 if start is None:
                     total = spans[0][end] - t0
                 elif end is None:
                     total = t1 - spans[-1][start]
-                elif name.startswith("push"):
+                elif across:
                     total = sum(b[end] - a[start] for a, b in zip(spans, spans[1:]))
                 else:
                     total = sum(m[end] - m[start] for m in spans)
@@ -409,7 +410,8 @@ def main() -> None:
         print(f"a pushed step stage by stage (median ms; per-span stages summed over the {r['spans']} spans):")
         for name, ms in r["stages_ms"].items():
             print(f"  {ms:7.2f}  {name}")
-        print(f"  {sum(r['stages_ms'].values()):7.2f}  in all (medians: the sum is near, not equal to, the median step)")
+        total = sum(r["stages_ms"].values())
+        print(f"  {total:7.2f}  in all (medians: the sum is near, not equal to, the median step)")
     if gpu:
         print(f"on {args.device}: {r['tokens_differing']} of {r['tokens'] * r['rounds'] * 2} networked tokens "
               "differ from local eager generation")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from gpunet import protocol
 from gpunet.client.jobs import MAX_OUTPUT_BYTES, Delivery, JobRequest, Verdict
-from gpunet.errors import GpunetError, LocalNetworkDown, NetworkError, ProtocolError, WeightsNotHeld
+from gpunet.errors import GpunetError, ProtocolError, WeightsNotHeld
 from gpunet.ledger.receipts import Receipt
 from gpunet.protocol.peers import PieceList
 from gpunet.protocol import (
@@ -144,8 +144,6 @@ UNHELPFUL_SECONDS = 300.0
 KEY_IN_THREAD_BYTES = 1 << 20
 #: Idle ``steps`` streams kept per worker (one per session stepping there at once is what is used).
 IDLE_STEP_STREAMS = 4
-#: How long a worker whose ``steps`` door could not be opened (an older version, or gone) is sent steps by the run door.
-NO_STEPS_DOOR_SECONDS = 300.0
 
 
 class P2PTransport(BaseTransport):
@@ -181,9 +179,7 @@ class P2PTransport(BaseTransport):
         self._weights_at: LRU[str, dict[str, bool]] = LRU(4096)
         from gpunet.rpc import KeptStreams  # (here: importing this module must not import hivemind)
 
-        # Session steps over streams kept open (the steps door), and the workers without one (until when)
-        self.steps = KeptStreams(rpc, Door.STEPS, STEPS_REUSE, per_peer=IDLE_STEP_STREAMS)
-        self._no_steps: LRU[str, float] = LRU(4096)
+        self.steps = KeptStreams(rpc, Door.STEPS, STEPS_REUSE, per_peer=IDLE_STEP_STREAMS)  # session steps
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -232,7 +228,7 @@ class P2PTransport(BaseTransport):
             if len(request.inputs) <= INLINE_BYTES and cached and request.max_output_bytes <= UNARY_OUTPUT_BYTES:
                 owed = settlement.take(worker.id, slot)
                 try:
-                    if request.session is not None and self._has_steps_door(worker.id):
+                    if request.session is not None:
                         delivery = await self.run_step(worker.id, list(worker.record.maddrs), request, settle=owed,
                                                        holds=holds)
                     else:
@@ -287,21 +283,11 @@ class P2PTransport(BaseTransport):
         return Delivery(worker_id, reply.outputs, receipt, len(request.inputs), 0.0, via_unary=True, finish=finish,
                         input_hash=reply.input_hash)
 
-    def _has_steps_door(self, worker_id: str) -> bool:
-        until = self._no_steps.get(worker_id)
-        return until is None or time.monotonic() > until
-
     async def run_step(self, worker_id: str, maddrs: Sequence[str], request: JobRequest,
                        settle: Sequence[tuple[str, bytes]] = (), holds: bytes | None = None) -> Delivery:
         """A session step as :meth:`run_unary` sends it, over a ``steps`` stream to the worker kept open between steps
-        (:class:`~gpunet.rpc.KeptStreams`: a unary call costs the p2p daemons a stream set up each time). A worker
-        whose door cannot be opened but answers the run door (an older version) is sent steps there for a while; a
-        step too big for a frame goes there too."""
-        try:
-            frame = protocol.encode_frame(_inline_submit(request, settle, holds))
-        except ProtocolError:  # too big for a frame (its inputs and ride-along countersignatures): the run door
-            return await self.run_unary(worker_id, request, settle, holds)
-
+        (:meth:`~gpunet.rpc.KeptStreams.exchange_or`: a unary call costs the p2p daemons a stream set up each time);
+        by the run door to a worker without that door, or when the step is too big for a frame."""
         async def answer(reader: asyncio.StreamReader) -> Result | UseStream | Error:
             reply = await protocol.read(reader, Result, UseStream, Error)
             if isinstance(reply, Result) and reply.outputs is None:  # bigger than a frame: after it
@@ -310,20 +296,11 @@ class P2PTransport(BaseTransport):
                     await protocol.read_payload(reader, reply.outputs_size, cap, "outputs")))
             return reply
 
-        try:
-            reply = await self.steps.exchange(worker_id, maddrs, frame, answer)
-        except NetworkError as e:
-            if isinstance(e, (ProtocolError, LocalNetworkDown)):  # a stream that broke, or our own daemon gone
-                raise
-            # No stream could be opened. A worker that answers the run door has no steps door (an older version):
-            # its steps go there for a while. One that answers neither is gone, and may come back with one.
-            self._no_steps.put(worker_id, time.monotonic() + NO_STEPS_DOOR_SECONDS)
-            try:
-                return await self.run_unary(worker_id, request, settle, holds)
-            except NetworkError:
-                self._no_steps.pop(worker_id, None)
-                raise
-        return self._delivered(worker_id, request, reply)
+        async def unary() -> Delivery:
+            return await self.run_unary(worker_id, request, settle, holds)
+
+        reply = await self.steps.exchange_or(worker_id, maddrs, _inline_submit(request, settle, holds), answer, unary)
+        return reply if isinstance(reply, Delivery) else self._delivered(worker_id, request, reply)
 
     async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,
                                            holds: bytes | None = None) -> Delivery:

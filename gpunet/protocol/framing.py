@@ -79,8 +79,7 @@ async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | 
     waited = timeout if idle is None else idle
     try:
         async with asyncio.timeout(waited):
-            head = await reader.readexactly(_LEN.size)
-            (size,) = _LEN.unpack(head)
+            (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
             if size > MAX_FRAME_BYTES:
                 raise ProtocolError(f"peer announced a {size}-byte frame; the cap is {MAX_FRAME_BYTES}")
             if idle is None:

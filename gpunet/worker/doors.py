@@ -72,7 +72,9 @@ class Doors:
         # id(answer) -> [streams writing it now, the client and address its bytes are held against] (held once)
         self._writing: dict[int, list] = {}
         self._rpc: RPC | None = None
-        self._kept: Counter[str] = Counter()  # peer, and "host:" + address -> steps and pushes streams open now
+        # steps and pushes streams open now, per peer and per address
+        self._kept_by_peer: Counter[str] = Counter()
+        self._kept_by_host: Counter[str] = Counter()
 
     async def start(self, rpc: RPC) -> None:
         self._rpc = rpc
@@ -281,10 +283,11 @@ class Doors:
         FRAME_TIMEOUT) is answered by ``answer`` (False: the stream ends) until the peer closes it, goes quiet or
         breaks the exchange; after one exchange when this peer, its address or everyone holds as many open as the
         worker takes."""
-        keys = (peer_id, f"host:{host}")
-        self._kept.update(keys)
-        over = (self._kept[peer_id] > MAX_KEPT_STREAMS_PER_PEER or self._kept[keys[1]] > MAX_KEPT_STREAMS_PER_HOST
-                or self._kept_in_all() > MAX_KEPT_STREAMS)
+        self._kept_by_peer[peer_id] += 1
+        self._kept_by_host[host] += 1
+        over = (self._kept_by_peer[peer_id] > MAX_KEPT_STREAMS_PER_PEER
+                or self._kept_by_host[host] > MAX_KEPT_STREAMS_PER_HOST
+                or self._kept_by_peer.total() > MAX_KEPT_STREAMS)
         try:
             while True:
                 try:
@@ -296,13 +299,10 @@ class Doors:
                     return
         finally:
             writer.close()
-            self._kept.subtract(keys)
-            for key in keys:
-                if self._kept[key] <= 0:
-                    del self._kept[key]
-
-    def _kept_in_all(self) -> int:
-        return sum(n for key, n in self._kept.items() if not key.startswith("host:"))
+            for counts, key in ((self._kept_by_peer, peer_id), (self._kept_by_host, host)):
+                counts[key] -= 1
+                if not counts[key]:
+                    del counts[key]
 
     @staticmethod
     async def _answer(writer: asyncio.StreamWriter, message: Message) -> bool:

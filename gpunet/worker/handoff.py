@@ -13,16 +13,7 @@ from collections import Counter
 from dataclasses import replace
 
 from gpunet import protocol
-from gpunet.errors import (
-    GpunetError,
-    JobRejected,
-    LocalNetworkDown,
-    NetworkError,
-    ProgramNotCached,
-    ProtocolError,
-    SessionLost,
-    WorkerBusy,
-)
+from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, SessionLost, WorkerBusy
 from gpunet.protocol import STEPS_REUSE, Door, Error, Ok, Push, PushTo, Submit, tensorframe
 from gpunet.rpc import RPC, KeptStreams
 from gpunet.worker.faults import NONE, Faults
@@ -40,8 +31,6 @@ MAX_PUSHING = 64
 #: a push goes to, and a peer that never answers holds each for PUSH_TIMEOUT, so one client's pushes must not take
 #: every other client's place (a session pushes one output per step, one step at a time: two leave room for a slow one).
 MAX_PUSHING_PER_SESSION = 2
-#: How long a worker whose ``pushes`` door could not be opened (an older version) is pushed to by the push door.
-NO_PUSHES_DOOR_SECONDS = 300.0
 
 
 class Handoff:
@@ -53,7 +42,6 @@ class Handoff:
         self.peer_id, self.sessions, self.pushes, self.limits, self.faults = peer_id, sessions, pushes, limits, faults
         self.rpc: RPC | None = None  # set once the network is there (start)
         self.streams: KeptStreams | None = None  # pushes to the next spans' workers over streams kept open
-        self._no_stream: dict[str, float] = {}  # workers without a pushes door, until when
         self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
         self._pushes_of: Counter[str] = Counter()  # ...of each client's sessions
 
@@ -132,35 +120,20 @@ class Handoff:
             logger.debug("Could not push a session step's output to worker %s: %s", peer_id[-8:], e)
 
     async def _sent(self, peer_id: str, push: Push) -> Ok | Error:
-        """One push: over a stream kept open to that worker when it fits in a frame, else (or to a worker without
-        the door: an older version) by the push door."""
-        frame = _frame_of(push)
-        if self.streams is not None and frame is not None and time.monotonic() >= self._no_stream.get(peer_id, 0.0):
-            try:
-                return await self.streams.exchange(peer_id, (), frame, lambda r: protocol.read(r, Ok, Error))
-            except NetworkError as e:
-                if isinstance(e, (ProtocolError, LocalNetworkDown)):
-                    raise
-                reply = await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)  # it answers, not on that door
-                if len(self._no_stream) > 4096:
-                    self._no_stream.clear()
-                self._no_stream[peer_id] = time.monotonic() + NO_PUSHES_DOOR_SECONDS
-                return reply
-        return await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)
+        """One push: over a stream kept open to that worker; by the push door when it is too big for a frame or
+        the worker has no pushes door (an older version)."""
+        async def unary() -> Ok | Error:
+            return await self.rpc.call(peer_id, Door.PUSH, push, Ok, Error)
+
+        if self.streams is None:
+            return await unary()
+        return await self.streams.exchange_or(peer_id, (), push, lambda r: protocol.read(r, Ok, Error), unary)
 
     def stop(self) -> None:
         for task in list(self._pushing):
             task.cancel()
         if self.streams is not None:
             self.streams.close()
-
-
-def _frame_of(message) -> bytes | None:
-    """``message`` as a stream frame; None when it is too big for one (it goes by a unary door then)."""
-    try:
-        return protocol.encode_frame(message)
-    except ProtocolError:
-        return None
 
 
 def as_next_input(outputs: bytes) -> bytes | None:
