@@ -10,7 +10,14 @@ from tests.swarm import Swarm, wait_for
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="run long tests at their full size (CI runs a bounded version of each): the honest client "
-                          "mapping at full speed in tests/test_credit.py maps 10,000 jobs instead of 1,000")
+                          "mapping at full speed in tests/test_credit.py maps 10,000 jobs instead of 1,000, and "
+                          "tests/test_llm.py takes every family over the swarm instead of one of each kind")
+
+
+@pytest.fixture
+def full(request) -> bool:
+    """Whether long tests run at their full size (``pytest --full``) rather than CI's bounded version."""
+    return request.config.getoption("--full")
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -89,8 +89,8 @@ def test_fresh_identities_from_one_address_get_no_more_free_answers_than_the_add
 
 
 @pytest.fixture
-def jobs_to_map(request) -> int:
-    return 10_000 if request.config.getoption("--full") else 1_000
+def jobs_to_map(full) -> int:
+    return 10_000 if full else 1_000
 
 
 def test_a_client_at_full_speed_paces_itself_under_the_credit_line_and_pays_for_everything(swarm, tmp_path,

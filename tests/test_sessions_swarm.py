@@ -120,7 +120,7 @@ def test_a_worker_pushing_the_next_span_a_wrong_input_changes_no_token(swarm, cl
     session's activations itself from then on. The tokens are those of local generation."""
     swarm.start_workers(3, "--fault-corrupt-pushes")
     swarm.start_workers(1)
-    got, want, s = generate_in_one_session(client_for(swarm), workers=4, seed=4, new_tokens=16)
+    got, want, s = generate_in_one_session(client_for(swarm), workers=4, seed=4, new_tokens=10)
     assert got == want
     # Three of four workers lie, so one of the two pushing spans' workers is a liar on the first pushed step: the
     # span after it moved at once, and nothing was pushed after.
@@ -132,11 +132,12 @@ def test_pushes_lost_on_the_way_cost_a_short_wait_and_no_move(swarm, client_for)
     couple of seconds once the client holds its input, then cancelled (the worker stops waiting, its state untouched)
     and sent with its input; the session goes on by way of the client, on the same workers."""
     swarm.start_workers(3, "--fault-drop-pushes")
-    got, want, s = generate_in_one_session(client_for(swarm), workers=3, seed=5, new_tokens=8)
+    # (each step of the second and third spans waits for its push first: 5 tokens, not more, on a loaded CI machine)
+    got, want, s = generate_in_one_session(client_for(swarm), workers=3, seed=5, new_tokens=5)
     assert got == want
     assert s.pushed == 0 and s.moves == 0
-    # Closing paid each worker for its 8 steps, once (the cancelled attempts ran nothing).
-    assert sorted(steps_of(r.job_id) for r in s.receipts) == [8, 8, 8]
+    # Closing paid each worker for its 5 steps, once (the cancelled attempts ran nothing).
+    assert sorted(steps_of(r.job_id) for r in s.receipts) == [5, 5, 5]
 
 
 def test_a_draining_worker_finishes_its_step_and_hands_its_span_off(swarm, client_for):
