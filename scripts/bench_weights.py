@@ -142,7 +142,9 @@ def main() -> None:
                   + (f"; the cores were {figures['cold_cpu_busy']:.0%} busy" if "cold_cpu_busy" in figures else ""))
         for worker, b in figures["cold_per_worker"].items():
             print(f"  {worker}: fetched {b['fetched'] / 1e6:.0f} MB from peers"
-                  + (f" in {b['fetch_s']:.1f} s" if "fetch_s" in b else "") + f", served {b['served'] / 1e6:.0f} MB")
+                  + (f" in {b['fetch_s']:.1f} s" if "fetch_s" in b else "") + f", served {b['served'] / 1e6:.0f} MB"
+                  + f"; peak RSS {b['peak_rss_mb']} MB, its biggest executor's {b.get('executor_peak_rss_mb')} MB, "
+                  f"anonymous memory now {b.get('anon_now_mb')} MB")
     if "spans" in parts:
         layers = figures["spans_layer_bytes"]
         print(f"span-only fetch: {layers / 1e6:.0f} MB of decoder layers over 3 spans; the client sent "
@@ -346,6 +348,11 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             if fetched:  # the fetch alone (then the worker checks, stores and loads it: CPU, on a shared machine)
                 per[served]["fetch_s"] = float(fetched.group(3))
             per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
+            # Its executors (the one that loaded the program is the biggest), and what the worker and they hold now in
+            # memory of their own (anonymous: a spooled program's pages are the page cache's, and count in VmHWM)
+            executors = _children(proc.pid)
+            per[served]["executor_peak_rss_mb"] = max((_peak_rss_mb(p) or 0 for p in executors), default=None)
+            per[served]["anon_now_mb"] = sum(_status_mb(p, "RssAnon") or 0 for p in [proc.pid, *executors])
             partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
             if partial:  # the rest came from the client
                 per[served]["from_peers_before_client"] = f"{partial.group(1)} of {partial.group(2)} pieces"
@@ -377,11 +384,31 @@ def _cpu_times() -> tuple[int, int]:
 
 
 def _peak_rss_mb(pid: int) -> int | None:
+    return _status_mb(pid, "VmHWM")
+
+
+def _status_mb(pid: int, field: str) -> int | None:
     try:
-        found = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+        found = re.search(rf"{field}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
     except OSError:
         return None
     return int(found.group(1)) // 1024 if found else None
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes that are Python (a worker's executors; not its p2p daemon)."""
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+    found = []
+    for k in kids:
+        try:
+            if "python" in Path(f"/proc/{k}/comm").read_text(errors="replace"):
+                found.append(k)
+        except OSError:
+            pass
+    return found
 
 
 def _status(net, lab=None) -> list[dict]:

@@ -122,3 +122,41 @@ def test_big_inputs_are_spooled_to_disk_and_reach_the_executor_intact(swarm, cli
     assert torch.allclose(future.result(timeout=120), x.sum(dim=0), rtol=1e-4, atol=1e-3)
     assert all("(deleted)" in t for t in spooled)  # unlinked from the start: nothing is left behind
     assert not os.listdir(worker.data_dir / "spool")
+
+
+def _spool_maps(pid: int) -> set[str]:
+    """The spool files ``pid`` has mapped (unlinked ones say so)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if "/spool/" in line}
+    except (OSError, IndexError):
+        return set()
+
+
+def test_a_big_program_is_spooled_to_disk_and_its_executor_maps_the_same_file(swarm, client_for):
+    """A program of 32 MiB and more is assembled in an unlinked file of <data dir>/spool as it comes, mapped (served
+    to other workers and hashed from there), and handed to the executor as that file, which the executor maps in its
+    turn: one copy, in the page cache, not one in the worker's heap and another in the executor's (issue 40)."""
+    worker = swarm.start_worker()
+    alice = client_for(swarm, "alice")
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048),
+                                torch.nn.Linear(2048, 16)).eval()  # 32.1 MiB of weights
+    x = torch.randn(2, 2048)
+    job = gpunet.Job.from_module(model, (x,))
+    seen: dict[int, set[str]] = {}
+
+    def executors() -> list[int]:
+        return [int(p) for p in open(f"/proc/{worker.pid}/task/{worker.pid}/children").read().split()]
+
+    def watch():  # the worker maps the spooled program while the job comes in, and an executor maps the same file
+        for pid in [worker.pid, *executors()]:
+            seen.setdefault(pid, set()).update(_spool_maps(pid))
+        others = set().union(*(files for pid, files in seen.items() if pid != worker.pid))
+        return seen[worker.pid] & others
+
+    future = alice.submit(job, x)
+    both = wait_for(watch, 60, "the worker and its executor to map the spooled program")
+    with torch.no_grad():
+        assert torch.allclose(future.result(timeout=120), model(x), rtol=1e-5, atol=1e-5)
+    assert all("(deleted)" in name for name in both)  # unlinked from the start: nothing is left behind
+    assert not os.listdir(worker.data_dir / "spool")

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import math
+import mmap
 import re
 import struct
 from dataclasses import dataclass, field
@@ -361,7 +362,7 @@ class ProgramParts:
     def from_bytes(cls, data: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_PROGRAM_BYTES) -> "ProgramParts":
         """Split container bytes without copying the weights (see :func:`_split_container`); manifest and graph, which
         are capped in size, are copied out as bytes."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
+        if not isinstance(data, (bytes, bytearray, memoryview, mmap.mmap)):  # (mmap: a worker's spooled program)
             raise JobRejected("program must be bytes")
         view = memoryview(data).cast("B")
         n = view.nbytes

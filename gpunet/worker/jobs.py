@@ -150,7 +150,7 @@ class Jobs:
         self.sessions.start()
         if self.piece_server is not None:
             await self.piece_server.start(rpc)
-            self.fetcher = Fetcher(rpc, self.identity.peer_id)
+            self.fetcher = Fetcher(rpc, self.identity.peer_id, spool_dir=self.spool_dir)
 
     async def stop(self) -> None:
         self.admission.drain()

@@ -1,6 +1,7 @@
 """What a job lacks, read from where it comes: the stream door asks the client (or the peers it names) for the
 program and inputs and reads them, capped and charged before a byte is read; the unary door has only what came
-inline. Big streamed inputs are spooled to an unlinked file, so they reach the executor as page cache."""
+inline. Big streamed inputs and programs are spooled to an unlinked file (at least gpunet.worker.spool.SPOOL_BYTES),
+so they reach the executor as page cache."""
 
 from __future__ import annotations
 
@@ -16,13 +17,10 @@ from gpunet.errors import ProtocolError
 from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit, TensorHolders
 from gpunet.utils import sha256_hex
 from gpunet.worker.peers import Fetcher, hash_and_key
+from gpunet.worker.spool import SPOOL_BYTES, SpooledProgram, program_buffer
 from gpunet.worker.state.limits import ServiceLimits
 
 logger = logging.getLogger(__name__)
-
-#: Streamed inputs at least this big are written to an unlinked file as they arrive (when the worker has a spool
-#: directory) and reach the executor as that file's descriptor: page cache, not the worker's heap.
-SPOOL_BYTES = 32 * 2**20
 
 
 #: The longest weights named by reference are fetched from the workers the client named before the client is asked.
@@ -38,7 +36,7 @@ FROM_CLIENT, FROM_PEERS, FROM_COPY = "client", "peers", "copy"
 class Inputs:
     """A job's bytes once here: its program (None: the worker holds it), its inputs, and their hash."""
 
-    program: bytes | bytearray | None
+    program: bytes | bytearray | SpooledProgram | None
     inputs: "bytes | bytearray | Spooled"
     input_hash: str
     origin: str | None = None  # where the program came from (FROM_*), when it came with the job
@@ -73,11 +71,12 @@ class Spooled:
 
 
 class Receiving:
-    """A program's bytes as they arrive from the client, in one buffer of its declared size (charged already): what
-    has come so far can be served to other workers meanwhile (Upload.piece)."""
+    """A program's bytes as they arrive from the client, in one buffer of its declared size (charged already; a spooled
+    file when it is big: gpunet.worker.spool): what has come so far can be served to other workers meanwhile
+    (Upload.piece)."""
 
-    def __init__(self, size: int):
-        self.buffer = bytearray(size)
+    def __init__(self, size: int, spool_dir: str | None = None):
+        self.buffer = program_buffer(size, spool_dir)
         self.received = 0
 
     def write(self, chunk) -> None:
@@ -148,7 +147,7 @@ class StreamPayloads:
             charge(program_size, dry=True)  # one that could never fit, or no room now: said before waiting on peers
         program = key = None
         if need_program and pieces is None:
-            program = await self._read_program(program_size, sink, payload.token)
+            program = await self._read_program(program_size, sink, payload.token, private=submit.private)
         inputs = await self._read_inputs(submit) if need_inputs else None
         origin = FROM_CLIENT if need_program else None
         if pieces is not None:
@@ -295,14 +294,16 @@ class StreamPayloads:
             if hasher.hexdigest() != ref.sha256:
                 raise ProtocolError(f"the client sent weight {ref.name} with bytes that do not match its hash")
 
-    async def _read_program(self, size: int, sink=None, token: bytes | None = None) -> bytes | bytearray:
-        """The program's bytes from the client; with a ``sink`` (its Upload), served to other workers as they come."""
+    async def _read_program(self, size: int, sink=None, token: bytes | None = None, private: bool = False
+                            ) -> bytes | bytearray | SpooledProgram:
+        """The program's bytes from the client; with a ``sink`` (its Upload), served to other workers as they come.
+        A big one is spooled to a file unless ``private`` (a private program's weights never touch the disk)."""
         timeout = protocol.payload_deadline(size if size is not None else 0)
         if sink is None:
             return bytes(await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program",
                                                      timeout=timeout))
         protocol.check_payload_size(size, self.limits.max_program_bytes, "program")
-        coming = Receiving(size)
+        coming = Receiving(size, None if private else self.spool_dir)
         sink.receiving(size, coming, token, seeding=True)
         await protocol.read_payload(self.reader, size, self.limits.max_program_bytes, "program", timeout=timeout,
                                     into=coming)

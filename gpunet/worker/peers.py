@@ -33,6 +33,7 @@ from gpunet.protocol.holding import PIECE
 from gpunet.protocol.peers import PieceList, count, piece_size_for
 from gpunet.utils import LRU
 from gpunet.worker import metrics
+from gpunet.worker.spool import SpooledProgram, program_buffer
 from gpunet.worker.uploads import content_hash
 
 logger = logging.getLogger(__name__)
@@ -288,8 +289,9 @@ class PeerBans:
 class Fetcher:
     """Fetches programs from peers for this worker (see the module docstring)."""
 
-    def __init__(self, rpc, own_id: str, bans: PeerBans | None = None):
-        self.rpc, self.own_id = rpc, own_id
+    def __init__(self, rpc, own_id: str, bans: PeerBans | None = None, spool_dir: str | None = None):
+        """``spool_dir``: where a big program is assembled (gpunet.worker.spool); None: in memory."""
+        self.rpc, self.own_id, self.spool_dir = rpc, own_id, spool_dir
         self.bans = bans or PeerBans()
         self.fetched = 0  # bytes, since start
 
@@ -504,7 +506,7 @@ class _Fetch:
         self.started = time.monotonic()
         self.on_first = on_first
         self.refused: Exception | None = None  # what on_first raised: the fetch is over
-        self.buffer: bytearray | None = None  # taken with the first right piece
+        self.buffer: bytearray | SpooledProgram | None = None  # taken with the first right piece
         self.progress: dict[str, float] = {}  # when each peer last delivered a piece
         self.missing = set(range(len(pieces)))
         self.todo = list(range(len(pieces)))
@@ -749,7 +751,7 @@ class _Fetch:
                     self.refused = e
                     self.changed.set()
                     return False
-            self.buffer = bytearray(self.pieces.size)
+            self.buffer = program_buffer(self.pieces.size, self.fetcher.spool_dir)
         if index not in self.missing:  # delivered by another stream while this one waited for the check
             return True
         self.buffer[start:start + length] = data

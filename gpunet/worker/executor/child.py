@@ -118,7 +118,10 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
                 continue
             if req.get("op") != "run":
                 return
-            req["program"] = conn.recv_bytes() if req.get("program") else None
+            if "program_fd" in req:  # spooled by the worker (gpunet.worker.spool): the same pages, mapped here
+                req["program"] = _map_shared(reduction.recv_handle(conn), req["program_fd"])
+            else:
+                req["program"] = conn.recv_bytes() if req.get("program") else None
             if "inputs_fd" in req:
                 req["inputs"] = _map_shared(reduction.recv_handle(conn), req["inputs_fd"])
             elif "inputs" not in req:

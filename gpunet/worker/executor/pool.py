@@ -490,6 +490,8 @@ class Executor:
         if session is not None:
             header["session"] = session.to_wire()
         payloads = [program_bytes] if program_bytes is not None else []
+        if hasattr(program_bytes, "fileno"):  # spooled to a file (gpunet.worker.spool): the child maps the file itself
+            header["program_fd"] = len(program_bytes)
         shared = None
         if hasattr(inputs, "fileno"):  # spooled to a file by the service: the child maps the file itself
             header["inputs_fd"], shared = len(inputs), inputs

@@ -128,10 +128,14 @@ class Slot:
             os.set_blocking(self.conn.fileno(), True)
 
     def send(self, messages: list[bytes], shared: bytes | None = None, files: list[int] = ()) -> None:
-        """Pipe messages, then (``shared``) a memfd holding those bytes, passed as a file descriptor, then ``files``
-        (open descriptors: the files of the weights a program names by reference)."""
+        """Pipe messages (one already in a file, a spooled program, as its descriptor), then (``shared``) a memfd
+        holding those bytes, passed as a file descriptor, then ``files`` (open descriptors: the files of the weights a
+        program names by reference)."""
         for message in messages:
-            self.conn.send_bytes(message)
+            if hasattr(message, "fileno"):
+                reduction.send_handle(self.conn, message.fileno(), self.proc.pid)
+            else:
+                self.conn.send_bytes(message)
         if shared is not None and hasattr(shared, "fileno"):  # already in a file (a spooled payload): pass it as is
             reduction.send_handle(self.conn, shared.fileno(), self.proc.pid)
         elif shared is not None:
