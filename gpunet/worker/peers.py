@@ -744,14 +744,14 @@ class _Fetch:
         if self.refused is not None:  # refused while this piece was being checked
             return False
         if self.buffer is None:
-            if self.on_first is not None:
-                try:
+            try:
+                if self.on_first is not None:
                     self.on_first()
-                except Exception as e:  # no room for it now: the fetch ends, every stream with it
-                    self.refused = e
-                    self.changed.set()
-                    return False
-            self.buffer = program_buffer(self.pieces.size, self.fetcher.spool_dir)
+                self.buffer = program_buffer(self.pieces.size, self.fetcher.spool_dir)
+            except Exception as e:  # no room for it now (charged once: the fetch ends, every stream with it)
+                self.refused = e
+                self.changed.set()
+                return False
         if index not in self.missing:  # delivered by another stream while this one waited for the check
             return True
         self.buffer[start:start + length] = data

@@ -9,8 +9,12 @@ rather than pinned in anonymous memory, and gone with the last mapping (nothing 
 
 from __future__ import annotations
 
+import logging
 import mmap
+import os
 import tempfile
+
+logger = logging.getLogger(__name__)
 
 #: Programs at least this big are spooled (when the worker has a spool directory); smaller ones stay in memory, where
 #: the mapping's page-table and file costs would outweigh what they save.
@@ -23,7 +27,9 @@ class SpooledProgram(mmap.mmap):
     def __new__(cls, size: int, directory: str):
         file = tempfile.TemporaryFile(dir=directory)
         try:
-            file.truncate(size)
+            # Blocks reserved now, not a sparse file: a write to a mapped page the disk has no room for would kill the
+            # worker with SIGBUS; here a full disk is an OSError, and the program is assembled in memory instead.
+            os.posix_fallocate(file.fileno(), 0, size)
             self = super().__new__(cls, file.fileno(), size, flags=mmap.MAP_SHARED,
                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -41,5 +47,9 @@ def program_buffer(size: int, directory: str | None) -> "bytearray | SpooledProg
     """Where a program of ``size`` bytes is assembled as it comes: a spooled file when it is big and the worker has a
     spool ``directory``, else memory."""
     if directory is not None and size >= SPOOL_BYTES:
-        return SpooledProgram(size, directory)
+        try:
+            return SpooledProgram(size, directory)
+        except OSError as e:  # no room on the disk (or no spool directory any more): memory, as before
+            logger.warning("Could not spool a program of %d bytes to %s (%s); assembling it in memory", size,
+                           directory, e)
     return bytearray(size)

@@ -172,6 +172,9 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
             conn.send_bytes(outputs)
         if poisoned:
             return
+        # Let go of the job's bytes now, not when the next job comes: a spooled program's mapping would keep its
+        # unlinked file (its blocks reserved) on the worker's disk while this process waits.
+        req = reply = outputs = None
 
 
 def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float | None = None):
