@@ -50,11 +50,16 @@ def test_a_strangers_long_op_jobs_leave_other_clients_sessions_intact(swarm, cli
         # bans it a while). On main each had the executor holding the session killed STOP_GRACE after its time.
         # A job whose op cannot end within its time is now stopped before the op; one with time enough for the op at
         # the device's peak (10 s) runs, and is killed, in a plain executor that holds no session.
+        # Each is refused, stopped or killed, or, on cores faster than the worker's measured speed makes them look
+        # (CI's AVX-512 machine once answered one of 4 s when the client asked again), runs to its end: in every
+        # case beside the session's process, never in it.
         for i, timeout in enumerate((4, 10, 4)):
             mallory = client_for(swarm, f"mallory-{i}")
-            with pytest.raises(gpunet.GpunetError) as caught:
+            try:
                 mallory.submit(long_op, x, requirements=gpunet.Requirements(timeout=timeout)).result()
-            refusals.append(str(caught.value))
+                refusals.append("ran to its end")
+            except gpunet.GpunetError as e:
+                refusals.append(str(e))
             got += generate(s, torch.tensor([[got[-1]]]), 2)
         # Alice's span never moved: its state was never lost, so nothing was replayed.
         assert s.moves == 0, refusals
