@@ -350,7 +350,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
             # Its executors (the one that loaded the program is the biggest), and what the worker and they hold now in
             # memory of their own (anonymous: a spooled program's pages are the page cache's, and count in VmHWM)
-            executors = _children(proc.pid)
+            executors = _executors(proc.pid)
             per[served]["executor_peak_rss_mb"] = max((_peak_rss_mb(p) or 0 for p in executors), default=None)
             per[served]["anon_now_mb"] = sum(_status_mb(p, "RssAnon") or 0 for p in [proc.pid, *executors])
             partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
@@ -395,14 +395,12 @@ def _status_mb(pid: int, field: str) -> int | None:
     return int(found.group(1)) // 1024 if found else None
 
 
-def _children(pid: int) -> list[int]:
-    """``pid``'s child processes that are Python (a worker's executors; not its p2p daemon)."""
-    try:
-        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+def _executors(pid: int) -> list[int]:
+    """A worker's executors: its child processes that are Python (not its p2p daemon)."""
+    from gpunet.testing.localnet import child_pids
+
     found = []
-    for k in kids:
+    for k in child_pids(pid):
         try:
             if "python" in Path(f"/proc/{k}/comm").read_text(errors="replace"):
                 found.append(k)

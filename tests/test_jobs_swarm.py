@@ -10,6 +10,7 @@ import torch
 
 import gpunet
 from gpunet import Requirements
+from gpunet.testing.localnet import child_pids
 from gpunet.testing.workloads import Spin
 from tests.swarm import wait_for
 
@@ -276,7 +277,7 @@ class Expanding(torch.nn.Module):
 def _executor_cpu_seconds(worker) -> dict[int, float]:
     """CPU time of each executor process of ``worker`` (its direct children that are not the DHT or daemon)."""
     out = {}
-    for pid in _children(worker.pid):
+    for pid in child_pids(worker.pid):
         try:
             cmdline = open(f"/proc/{pid}/cmdline").read()
             if "spawn_main" not in cmdline or not _children_free(pid):
@@ -288,20 +289,8 @@ def _executor_cpu_seconds(worker) -> dict[int, float]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of ``pid``, whichever of its threads started them (the pool respawns executors in a thread)."""
-    out = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
 def _children_free(pid: int) -> bool:
-    return not _children(pid)  # the DHT process has the p2p daemon as a child; an executor has none
+    return not child_pids(pid)  # the DHT process has the p2p daemon as a child; an executor has none
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import torch
 import gpunet
 from gpunet import protocol
 from gpunet.protocol import Door, Error, Payload, Send, Submit
+from gpunet.testing.localnet import child_pids
 from tests.swarm import wait_for
 from tests.test_jobs_swarm import mlp_job
 
@@ -145,11 +146,8 @@ def test_a_big_program_is_spooled_to_disk_and_its_executor_maps_the_same_file(sw
     job = gpunet.Job.from_module(model, (x,))
     seen: dict[int, set[str]] = {}
 
-    def executors() -> list[int]:
-        return [int(p) for p in open(f"/proc/{worker.pid}/task/{worker.pid}/children").read().split()]
-
     def watch():  # the worker maps the spooled program while the job comes in, and an executor maps the same file
-        for pid in [worker.pid, *executors()]:
+        for pid in [worker.pid, *child_pids(worker.pid)]:
             seen.setdefault(pid, set()).update(_spool_maps(pid))
         others = set().union(*(files for pid, files in seen.items() if pid != worker.pid))
         return seen[worker.pid] & others

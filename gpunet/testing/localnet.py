@@ -39,6 +39,19 @@ def wait_for(condition: Callable[[], T], timeout: float, message: str, interval:
         time.sleep(interval)
 
 
+def child_pids(pid: int) -> list[int]:
+    """Child processes of ``pid``, whichever of its threads started them (a worker's executor pool respawns
+    executors in a thread; /proc lists a child under the thread that started it)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a node's metrics or dashboard in tests and demos)."""
     import socket

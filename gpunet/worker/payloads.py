@@ -17,7 +17,7 @@ from gpunet.errors import ProtocolError
 from gpunet.protocol import FRAME_TIMEOUT, MAX_TENSORS_ASKED, Payload, Pieces, Send, Submit, TensorHolders
 from gpunet.utils import sha256_hex
 from gpunet.worker.peers import Fetcher, hash_and_key
-from gpunet.worker.spool import SPOOL_BYTES, SpooledProgram, program_buffer
+from gpunet.worker.spool import SPOOL_BYTES, Spooled, SpooledProgram, program_buffer
 from gpunet.worker.state.limits import ServiceLimits
 
 logger = logging.getLogger(__name__)
@@ -52,22 +52,6 @@ class Inputs:
                 pass
         elif isinstance(self.inputs, Spooled):
             self.inputs.close()  # unlinked already: closing gives the disk space back
-
-
-class Spooled:
-    """A payload in an unlinked temporary file: its size, and its descriptor for the executor to map."""
-
-    def __init__(self, file, size: int):
-        self.file, self.size = file, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def fileno(self) -> int:
-        return self.file.fileno()
-
-    def close(self) -> None:
-        self.file.close()
 
 
 class Receiving:

@@ -1,5 +1,6 @@
-"""A big program's bytes in a file, not the worker's heap (issue 40: a 1-2 GB program held about 2.4 copies in a
-worker's memory while it was fetched, served on and handed to an executor).
+"""Big payloads in files, not the worker's heap: a job's inputs (:class:`Spooled`, written as they stream in) and a
+program (issue 40: a 1-2 GB program held about 2.4 copies in a worker's memory while it was fetched, served on and
+handed to an executor).
 
 :class:`SpooledProgram` is an unlinked file of the worker's spool directory, mapped shared: bytes-like to everything
 that reads a program (hashing, serving pieces to other workers, parsing its manifest), written piece by piece as the
@@ -16,9 +17,25 @@ import tempfile
 
 logger = logging.getLogger(__name__)
 
-#: Programs at least this big are spooled (when the worker has a spool directory); smaller ones stay in memory, where
-#: the mapping's page-table and file costs would outweigh what they save.
+#: Inputs and programs at least this big are spooled (when the worker has a spool directory); smaller ones stay in
+#: memory, where a file's (and a mapping's) costs would outweigh what they save.
 SPOOL_BYTES = 32 * 2**20
+
+
+class Spooled:
+    """A payload in an unlinked temporary file: its size, and its descriptor for the executor to map."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size = file, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class SpooledProgram(mmap.mmap):
