@@ -755,3 +755,29 @@ def test_once_the_first_holders_copy_is_whole_the_pieces_it_sent_on_are_asked_of
     got, seconds = asyncio.run(main())
     assert got is not None and bytes(got[0]) == data
     assert seconds < peers.HAVE_WAIT  # (a few tenths of a second: its last piece's wait)
+
+
+def test_a_tensor_a_holder_turns_out_to_lack_goes_back_to_the_holders_that_finished_theirs(monkeypatch):
+    """Weights by reference from two holders: one serves every tensor, the other takes one and then says it is not
+    there (it was still fetching it from a peer that sorts before this worker). The first holder's streams, idle by
+    then, take it up; the tensor is not left to the client (CI saw one weight cross the client link twice)."""
+    from gpunet.errors import ProgramNotCached
+    from gpunet.job.format import WeightRef
+
+    refs = [WeightRef(f"w{i}", f"{i:064x}", "F32", (4,)) for i in range(3)]
+    store: set[str] = set()
+
+    async def tensor_from(peer, ref, store_, grant=None, token=None):
+        if peer == "lacks":
+            await asyncio.sleep(0.3)  # (the other holder's streams are done with theirs by then)
+            raise ProgramNotCached(ref.sha256)
+        await asyncio.sleep(0.02)
+        store_.add(ref.sha256)
+
+    async def main():
+        fetcher = Fetcher(_Network({}), own_id="me")
+        monkeypatch.setattr(fetcher, "_tensor_from", tensor_from)
+        return await asyncio.wait_for(fetcher.fetch_tensors(refs, ["serves", "lacks"], store, timeout=30), 10)
+
+    assert asyncio.run(main()) == []
+    assert store == {r.sha256 for r in refs}

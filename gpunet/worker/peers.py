@@ -395,36 +395,50 @@ class Fetcher:
         (the client sends them)."""
         peers = [p for p in dict.fromkeys(holders) if p != self.own_id and not self.bans.banned(p)]
         todo = list(wanted)
+        flying: list = []  # being fetched from some holder now: back in todo if that holder fails
         tried: dict[str, set[str]] = {}
+        changed = asyncio.Event()  # set when a tensor comes back to todo or lands
 
         async def from_peer(peer: str) -> None:
             broken = 0  # streams to this peer that broke (it is asked again a few times: a busy holder drops some)
-            while todo:
+            while todo or flying:
                 ref = next((r for r in todo if peer not in tried.get(r.sha256, ())), None)
                 if ref is None:
-                    return
+                    # Nothing here for this peer now, but a tensor another holder is fetching may come back to it
+                    # (that holder lacks it after all): it waits for that rather than leave it to the client.
+                    if not any(peer not in tried.get(r.sha256, ()) for r in flying):
+                        return
+                    changed.clear()
+                    await changed.wait()
+                    continue
                 todo.remove(ref)
+                flying.append(ref)
+                landed, error = False, None
                 try:
                     await self._tensor_from(peer, ref, store, (grants or {}).get(peer), token)
-                except asyncio.CancelledError:
-                    todo.append(ref)
-                    raise
-                except _Busy:  # on its way there: asked again for as long as the fetch may take
-                    todo.append(ref)
+                    landed = True
+                except Exception as e:
+                    error = e
+                finally:  # (also when cancelled)
+                    flying.remove(ref)
+                    if not landed:
+                        todo.append(ref)
+                    changed.set()  # whoever waits on it looks again
+                if landed:
+                    continue
+                if isinstance(error, _Busy):  # on its way there: asked again for as long as the fetch may take
                     await asyncio.sleep(NOT_YET_RETRY)
                     continue
-                except Exception as e:
-                    todo.append(ref)
-                    transient = isinstance(e, (NetworkError, ConnectionError, OSError, TimeoutError)) and \
-                        not isinstance(e, _WrongBytes)
-                    broken += transient
-                    if not transient or broken > COMING_FAILURES:  # it lacks it, refused, or served wrong bytes
-                        tried.setdefault(ref.sha256, set()).add(peer)
-                        logger.info("Fetching tensor %s from %s stopped: %s", ref.sha256[:12], peer[-8:], e)
-                        if not transient and not isinstance(e, GpunetError):
-                            return
-                        continue
-                    await asyncio.sleep(NOT_YET_RETRY * min(broken, 4))
+                transient = isinstance(error, (NetworkError, ConnectionError, OSError, TimeoutError)) and \
+                    not isinstance(error, _WrongBytes)
+                broken += transient
+                if not transient or broken > COMING_FAILURES:  # it lacks it, refused, or served wrong bytes
+                    tried.setdefault(ref.sha256, set()).add(peer)
+                    logger.info("Fetching tensor %s from %s stopped: %s", ref.sha256[:12], peer[-8:], error)
+                    if not transient and not isinstance(error, GpunetError):
+                        return
+                    continue
+                await asyncio.sleep(NOT_YET_RETRY * min(broken, 4))
 
         tasks = [asyncio.ensure_future(from_peer(peer)) for peer in peers for _ in range(SERVE_PER_PEER)]
         if tasks:
