@@ -120,6 +120,11 @@ class Manifest:
     state: int = 0
     #: Weights named by content hash, not carried in the container (WeightRef): resolved by the worker.
     refs: tuple[WeightRef, ...] = ()
+    #: A stateful program whose rows are sessions (docs/sessions.md, batching): the name of the dynamic dim that is
+    #: the first of every input and output, state included, each row computed from its own rows alone. A worker may
+    #: then run several sessions' steps of it as one forward. A session holds one row (its state's shapes with this
+    #: dim at 1). None: every session's steps run alone.
+    batch: str | None = None
 
     @property
     def refs_bytes(self) -> int:
@@ -128,9 +133,16 @@ class Manifest:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes a session of this program holds on its worker between steps."""
-        return sum(math.prod(s.shape) * tensors.DTYPES[s.dtype].itemsize for s in self.inputs[len(self.inputs) - self.state:]) \
-            if self.state else 0
+        """Bytes a session of this program holds on its worker between steps (one row of a batched program)."""
+        return sum(math.prod(self.row_shape(s)) * tensors.DTYPES[s.dtype].itemsize for s in self.state_specs)
+
+    @property
+    def state_specs(self) -> tuple[TensorSpec, ...]:
+        return self.inputs[len(self.inputs) - self.state:] if self.state else ()
+
+    def row_shape(self, spec: TensorSpec) -> tuple:
+        """A spec's shape for one session: the batch dim (if the program has one) at 1."""
+        return tuple(1 if d == self.batch and self.batch is not None else d for d in spec.shape)
 
     def to_json(self) -> bytes:
         obj = {
@@ -149,6 +161,8 @@ class Manifest:
             obj["state"] = self.state
         if self.refs:  # absent otherwise: programs that carry every weight keep their hash
             obj["refs"] = [r.to_obj() for r in self.refs]
+        if self.batch is not None:
+            obj["batch"] = self.batch
         return canonical_json(obj)
 
     @classmethod
@@ -181,7 +195,9 @@ class Manifest:
             _expect(structure == "tuple", "an output_tree goes with a 'tuple' output_structure")
             check_output_tree(tree, len(outputs))
         state = obj.get("state", 0)
-        check_state(state, inputs, outputs, structure, tree)
+        batch = obj.get("batch")
+        check_batch(batch, state, dims, inputs, outputs)
+        check_state(state, inputs, outputs, structure, tree, batch)
         refs = tuple(_weight_ref(r) for r in _list(obj.get("refs", []), "refs", MAX_REFS))
         _expect(len({r.name for r in refs}) == len(refs), "manifest refs name a weight twice")
         sizes: dict[str, int] = {}
@@ -189,13 +205,29 @@ class Manifest:
                 "manifest refs give one sha256 two sizes")  # one content, one size: else a worker blames its file
         return cls(tv, dict(ops), inputs, outputs, structure, dims,
                    JobLimits(lim.get("max_flops"), lim.get("max_peak_memory_bytes")), output_tree=tree, state=state,
-                   refs=refs)
+                   refs=refs, batch=batch)
+
+
+def check_batch(batch: Any, state: Any, dims: dict[str, DimRange], inputs: Sequence[TensorSpec],
+                outputs: Sequence[TensorSpec]) -> None:
+    """A batched program's ``batch`` dim (Manifest.batch): a stateful program's, one of its dims, from 1 row up,
+    first of every input and output and nowhere else."""
+    if batch is None:
+        return
+    _expect(isinstance(batch, str) and batch in dims, "manifest batch must name one of the program's dims")
+    _expect(_is_int(state) and state > 0, "manifest batch goes with a stateful program (its rows are sessions)")
+    _expect(dims[batch].min == 1, f"the batch dim {batch} must allow one row (min 1), not {dims[batch].min}")
+    for spec in (*inputs, *outputs):
+        _expect(len(spec.shape) > 0 and spec.shape[0] == batch and batch not in spec.shape[1:],
+                f"{spec.name}: a batched program's inputs and outputs have the batch dim {batch} first and only "
+                f"there, got {list(spec.shape)}")
 
 
 def check_state(state: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], structure: str,
-                tree: Any) -> None:
-    """A stateful program's last ``state`` inputs come back, same dtypes and fixed shapes, as its last ``state``
-    outputs; at least one input and one output are not state (what each step sends and gets)."""
+                tree: Any, batch: str | None = None) -> None:
+    """A stateful program's last ``state`` inputs come back, same dtypes and fixed shapes (but a batched program's
+    rows, see check_batch), as its last ``state`` outputs; at least one input and one output are not state (what
+    each step sends and gets)."""
     _expect(_is_int(state) and state >= 0, "manifest state must be a non-negative integer")
     if not state:
         return
@@ -206,7 +238,8 @@ def check_state(state: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tens
         _expect(a.dtype == b.dtype and a.shape == b.shape,
                 f"state {i}: input {a.name} ({a.dtype} {list(a.shape)}) and the output that replaces it "
                 f"({b.dtype} {list(b.shape)}) must have the same dtype and shape")
-        _expect(all(_is_int(d) for d in a.shape), f"state {i} ({a.name}): state tensors need fixed shapes, "
+        _expect(all(_is_int(d) for d in a.shape[1 if batch is not None else 0:]),
+                f"state {i} ({a.name}): state tensors need fixed shapes, "
                 f"got {list(a.shape)} (allocate a static cache of the longest length instead of growing one)")
 
 

@@ -22,6 +22,7 @@ from gpunet.job.format import (
     TensorSpec,
     WeightRef,
     canonical_json,
+    check_batch,
     check_inputs,
     check_state,
     decode_outputs,
@@ -59,14 +60,16 @@ class Job:
     def from_module(
         cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor] = (), dynamic_shapes: Any = None,
         limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None, state: int = 0,
-        stand_ins: StandIns | None = None,
+        stand_ins: StandIns | None = None, batch: str | None = None,
     ) -> "Job":
         """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
         ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple);
         ``example_kwargs``: keyword inputs (``input_ids=…, attention_mask=…``), passed to ``submit`` by name too.
         With keyword inputs, ``dynamic_shapes`` is a dict by input name. ``state``: the module is a stateful block,
         ``forward(x, *state) -> (y, *new_state)`` with this many state tensors (docs/sessions.md). ``stand_ins``:
-        the module's weights include stand-ins for a checkpoint's tensors (no bytes here), named by reference."""
+        the module's weights include stand-ins for a checkpoint's tensors (no bytes here), named by reference.
+        ``batch``: the name of the dynamic dim (first of every input, state included) whose rows are sessions that a
+        worker may batch (Manifest.batch): the module computes each row from its own rows alone."""
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
         t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
@@ -82,12 +85,15 @@ class Job:
             output_tree=t.output_tree,
             state=state,
             refs=refs,
+            batch=batch,
         )
-        if state:
+        if state or batch is not None:
             from gpunet.errors import JobRejected, UnsupportedProgram
 
             try:
-                check_state(state, manifest.inputs, manifest.outputs, manifest.output_structure, manifest.output_tree)
+                check_batch(batch, state, manifest.dims, manifest.inputs, manifest.outputs)
+                check_state(state, manifest.inputs, manifest.outputs, manifest.output_structure, manifest.output_tree,
+                            batch)
             except JobRejected as e:
                 raise UnsupportedProgram(f"not a stateful block: {e.reason}") from None
         parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(weights))

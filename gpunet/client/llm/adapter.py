@@ -83,8 +83,9 @@ class StepCache:
             self.seen_shapes = (key.shape, value.shape)
             self.keys, self.values = key, value
             return key, value
-        k_at = self.where.view(1, 1, -1, 1).expand(key.shape[0], key.shape[1], -1, key.shape[3])
-        v_at = self.where.view(1, 1, -1, 1).expand(value.shape[0], value.shape[1], -1, value.shape[3])
+        rows, steps = self.where.shape  # [B, T]: each row's own slots (sessions batched on a span: issue 42)
+        k_at = self.where.view(rows, 1, steps, 1).expand(-1, key.shape[1], -1, key.shape[3])
+        v_at = self.where.view(rows, 1, steps, 1).expand(-1, value.shape[1], -1, value.shape[3])
         self.keys = self.keys.scatter(2, k_at, key.to(self.keys.dtype))
         self.values = self.values.scatter(2, v_at, value.to(self.values.dtype))
         return self.keys, self.values
@@ -138,31 +139,32 @@ class DecoderBlock(nn.Module):
         return cache, cache.clone(), torch.zeros(1, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor):
-        where = seen + torch.arange(x.shape[1], dtype=torch.int64)  # [T]: the slots (and positions) of this step
+        """Per row (one session each, when a worker batches sessions on its span): ``x`` [B, T, d], ``seen`` [B]."""
+        where = seen[:, None] + torch.arange(x.shape[1], dtype=torch.int64)  # [B, T]: each row's slots and positions
         cache = StepCache(keys, values, where)
         slots = torch.arange(self.max_length, dtype=torch.int64)
-        visible = slots[None, :] <= where[:, None]  # [T, L]: causal, and only slots written
+        visible = slots[None, None, :] <= where[:, :, None]  # [B, T, L]: causal, and only slots written
         if self.window is not None:
-            visible = visible & (slots[None, :] > where[:, None] - self.window)
+            visible = visible & (slots[None, None, :] > where[:, :, None] - self.window)
         y = self.layer(x, **self.kwargs(x, cache, where, visible))
         if isinstance(y, (tuple, list)):
             y = y[0]
-        return y, cache.keys, cache.values, where[-1:] + 1
+        return y, cache.keys, cache.values, where[:, -1] + 1
 
     def kwargs(self, x: torch.Tensor, cache: Any, where: torch.Tensor, visible: torch.Tensor) -> dict:
         call, out = self.call, {}
         out[call.cache] = cache
-        positions = where[None, :]
+        positions = where  # [B, T]
         if call.mask:
             mask = torch.zeros(visible.shape, dtype=x.dtype).masked_fill(~visible, torch.finfo(x.dtype).min)
-            out["attention_mask"] = mask[None, None]
+            out["attention_mask"] = mask[:, None]  # [B, 1, T, L]
         if call.position_ids:
             out["position_ids"] = positions
         if call.position_embeddings and self.rotary is not None:
             out["position_embeddings"] = self.rotary(x, positions)
         if call.alibi:
             out["alibi"] = None if self._alibi_of is None else self._alibi_of(
-                torch.ones(1, visible.shape[-1], dtype=torch.int64), self.alibi_heads, x.dtype)
+                torch.ones(visible.shape[0], visible.shape[-1], dtype=torch.int64), self.alibi_heads, x.dtype)
         if call.use_cache:
             out["use_cache"] = True
         return out
@@ -230,8 +232,8 @@ def blocks_of(model: nn.Module, max_length: int) -> list[DecoderBlock]:
         cache = StepCache(None, None, None)
         try:
             with torch.no_grad():
-                layer(x, **probe.kwargs(x, cache, torch.zeros(1, dtype=torch.int64),
-                                        torch.ones(1, 1, dtype=torch.bool)))
+                layer(x, **probe.kwargs(x, cache, torch.zeros(1, 1, dtype=torch.int64),
+                                        torch.ones(1, 1, 1, dtype=torch.bool)))
         except Exception as e:  # a family whose layers want more than gpunet gives (Gemma-3's per-type rotary)
             raise UnsupportedModel(f"{type(layer).__name__} cannot run with what gpunet passes a decoder layer "
                                    f"(a static cache, a mask, positions, the model's rotary or ALiBi): "

@@ -24,6 +24,8 @@ logger = logging.getLogger("gpunet.llm")
 DEFAULT_MAX_LENGTH = 2048
 #: Idle seconds before workers free a generation's sessions (a request holds them only while it runs).
 SESSION_TTL = 120.0
+#: The most sessions a worker may batch into one forward of a span (the spans' batch dim's bound).
+MAX_BATCH_ROWS = 64
 
 
 @dataclass
@@ -148,8 +150,10 @@ class CausalLMCore:
         blocks = adapter.blocks_of(self.model, self.max_length)
         dtype = next(self.model.parameters()).dtype
         example = torch.zeros(1, 2, config.hidden_size, dtype=dtype)
+        # Rows are sessions (adapter.DecoderBlock computes each from its own): a worker may batch them.
         self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
-                                         spans, None, requirements, stand_ins)
+                                         spans, None, requirements, stand_ins,
+                                         rows=Dim("B", min=1, max=MAX_BATCH_ROWS))
 
     @classmethod
     def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, by_reference: bool = True,

@@ -142,9 +142,12 @@ def _dims_of(job, output: int = 0) -> dict[int, Any] | None:
 
 def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any,
                 ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None,
-                stand_ins=None) -> list[Span]:
+                stand_ins=None, rows=None) -> list[Span]:
     """Trace each range of blocks into a job, feeding each the previous span's output on the example input.
-    ``stand_ins`` (gpunet.job.checkpoints.StandIns): the blocks' weights stand for a checkpoint's tensors."""
+    ``stand_ins`` (gpunet.job.checkpoints.StandIns): the blocks' weights stand for a checkpoint's tensors.
+    ``rows`` (a torch.export Dim): the blocks compute each row of dim 0 of their input and state from its own rows
+    alone, so a stateful span is traced with that dim dynamic and declared its batch dim (Manifest.batch): a worker
+    may run several sessions' steps of it as one forward. Each session holds one row."""
     from gpunet.job import Job
 
     if isinstance(example_inputs, torch.Tensor):
@@ -163,6 +166,11 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         state = tuple(t for s in states[start:stop] for t in s)
         # forward(x, *state): torch.export takes the varargs' shapes as one tuple
         shapes = None if x_dims is None else (x_dims, (None,) * len(state)) if state else (x_dims,)
+        examples, batch = (x, *state), None
+        if rows is not None and state:
+            # Traced on two rows (one would specialise the dim to 1), each a copy of the example's.
+            shapes = ({**(x_dims or {}), 0: rows}, tuple({0: rows} for _ in state))
+            examples, batch = tuple(torch.cat([t, t]) for t in examples), rows.__name__
         try:  # eagerly first (on copies of the state): a block that does not fit the convention says so itself
             with torch.no_grad():
                 out = module(x, *(t.clone() for t in state))
@@ -171,8 +179,8 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         except Exception as e:
             raise UnsupportedProgram(f"blocks {start}-{stop - 1} fail on the example input: {type(e).__name__}: "
                                      f"{str(e)[:500]}") from e
-        job = Job.from_module(module, example_inputs=(x, *state), dynamic_shapes=shapes, state=len(state),
-                              stand_ins=stand_ins)
+        job = Job.from_module(module, example_inputs=examples, dynamic_shapes=shapes, state=len(state),
+                              stand_ins=stand_ins, batch=batch)
         x = out[0] if state else out
         x_dims = _dims_of(job)
         spans.append(Span(start, stop, job, state, all(not t.any() for t in state),

@@ -132,10 +132,9 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         run = req.get("run")
         req["refs"] = refs = _RefReader(req.get("refs"), files)
         try:
-            reply = _run_one(req, device, limits, disk, programs, tensors, load_program, run_program,
-                             dry_word=dry_word,
-                             sessions=sessions,
-                             stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
+            reply = (_run_rows if "rows" in req else _run_one)(
+                req, device, limits, disk, programs, tensors, load_program, run_program, dry_word=dry_word,
+                sessions=sessions, stop=(lambda: stop_word.value == run) if stop_word is not None and run else None)
         except WeightsMismatch as e:
             reply = {"ok": False, "error": "WeightsMismatch", "message": str(e), "hashes": list(e.hashes)}
         except (JobRejected, JobFailed, JobPreempted, JobTimeout) as e:
@@ -279,6 +278,95 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     return {"ok": True, "outputs": data, **reply}
 
 
+def _run_rows(req, device, limits, disk, programs, tensors, load_program, run_program,
+              sessions: dict, stop=None, dry_word=None) -> dict:
+    """Several sessions' steps of one batched program (Manifest.batch) as one forward: each session's inputs and
+    state stacked as a row, the outputs and new states split back (docs/sessions.md, batching). A row that cannot
+    run (its state gone, inputs of another shape than the rest) fails alone; if the batched forward fails, each row
+    is run alone, so one session's inputs cannot fail another's step. A session's state changes only with its own
+    step's success. Each row's ``flops`` is its share of the batch's counted work (equal shares, the remainder to the
+    first rows: they sum to the batch's)."""
+    h = check_hash(req["hash"])
+    prog = programs.get(h)
+    if prog is None:  # (later steps only: the program is loaded where their sessions' state is)
+        raise ProgramNotCached(h)
+    if prog.manifest.batch is None:
+        raise JobRejected("this program declares no batch dim: its sessions' steps run one by one")
+    results: list = [None] * len(req["rows"])
+    groups: dict[tuple, list] = {}  # rows of one shape, batched together
+    keys: set[str] = set()
+    for i, (session, data) in enumerate(zip(req["rows"], req["inputs"])):
+        try:
+            if session["key"] in keys or session["step"] == 0:
+                raise JobRejected("a batch holds later steps of distinct sessions")
+            keys.add(session["key"])
+            given = tensors.decode(data, max_total_bytes=limits.max_input_bytes)
+            given, state_bytes = _with_state(prog, session, given, sessions, device)
+        except Exception as e:
+            results[i] = _failed(e)
+            continue
+        shapes = tuple((name, t.dtype, tuple(t.shape)) for name, t in sorted(given.items()))
+        groups.setdefault(shapes, []).append((i, session, given, state_bytes))
+    for rows in groups.values():
+        try:
+            done = _forward_rows(prog, rows, run_program, stop, dry_word, req.get("run"), device, tensors)
+        except Exception as e:  # (MemoryError, a torch error in an op: as _run_one's caller reports them)
+            if len(rows) == 1:
+                results[rows[0][0]] = _failed(e)
+                continue
+            done = {}
+            for row in rows:  # who failed it: each alone, so the others' steps go on
+                try:
+                    done.update(_forward_rows(prog, [row], run_program, stop, dry_word, req.get("run"), device,
+                                              tensors))
+                except Exception as e:
+                    results[row[0]] = _failed(e)
+        for i, (reply, session, new_state) in done.items():  # last: a failure above leaves every state as it was
+            sessions.pop(session["key"], None)
+            if not session.get("close"):
+                sessions[session["key"]] = new_state
+            results[i] = reply
+    return {"ok": True, "rows": results}
+
+
+def _forward_rows(prog, rows: list, run_program, stop, dry_word, run, device, tensors) -> dict:
+    """One forward of ``rows`` (index, session, full inputs, state bytes) stacked: per index, its reply, session
+    and new state."""
+    import torch
+
+    names = list(rows[0][2])
+    stacked = {name: torch.cat([given[name] for _, _, given, _ in rows]) if len(rows) > 1 else rows[0][2][name]
+               for name in names}
+    inputs = prog.inputs_from_dict(stacked)
+    est = _dry_run(prog, inputs, stop, dry_word, run)
+    began = time.monotonic_ns()
+    outs = run_program(prog, inputs, stop=stop)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    wall = (time.monotonic_ns() - began) / 1e9
+    k, n = prog.manifest.state, len(rows)
+    flops = int(est.flops)
+    done = {}
+    for r, (i, session, _, state_bytes) in enumerate(rows):
+        row = [o[r:r + 1] for o in outs]
+        new_state = _own_state(prog, row[len(row) - k:])
+        data = tensors.encode({f"output_{j}": o.contiguous() for j, o in enumerate(row[:len(row) - k])})
+        share = flops // n + (1 if r < flops % n else 0)
+        done[i] = ({"ok": True, "outputs": data, "flops": share, "wall_time": wall,
+                    "peak_memory_bytes": est.peak_memory_bytes, "state_bytes": state_bytes, "rows": n},
+                   session, new_state)
+    return done
+
+
+def _failed(e: BaseException) -> dict:
+    """A row's failure as the worker reads it (an error that is not gpunet's own is the job's failure)."""
+    if isinstance(e, (JobRejected, JobFailed, JobPreempted, JobTimeout, SessionLost, ProgramNotCached)):
+        return {"ok": False, "error": type(e).__name__, "message": str(e)}
+    if isinstance(e, MemoryError):
+        return {"ok": False, "error": "JobFailed", "message": "job ran out of memory in its executor"}
+    return {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
+
+
 def _dry_run(prog, inputs, stop, dry_word, run):
     """The program's dry run, what it took written to the shared ``dry_word`` as it goes (see _DRY_RUN)."""
     if dry_word is None or not run:
@@ -346,12 +434,12 @@ def _own_state(prog, state: list) -> list:
     from gpunet.job import tensors
 
     manifest = prog.manifest
-    specs = manifest.inputs[len(manifest.inputs) - manifest.state:]
     owned = []
-    for spec, t in zip(specs, state):
-        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype or tuple(t.shape) != tuple(spec.shape):
+    for spec, t in zip(manifest.state_specs, state):
+        shape = manifest.row_shape(spec)
+        if tensors.DTYPE_NAMES.get(t.dtype) != spec.dtype or tuple(t.shape) != shape:
             raise JobRejected(f"the program's new state {spec.name} is {tensors.DTYPE_NAMES.get(t.dtype)} "
-                              f"{list(t.shape)}, its manifest declares {spec.dtype} {list(spec.shape)}")
+                              f"{list(t.shape)}, its manifest declares {spec.dtype} {list(shape)}")
         whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
         owned.append(t if whole and t.is_contiguous() else t.clone(memory_format=torch.contiguous_format))
     return owned
@@ -369,13 +457,17 @@ def _with_state(prog, session: dict, given: dict, sessions: dict, device: str) -
     if not k:
         raise JobRejected("this program holds no state (its manifest declares none): run it as a plain job")
     state_bytes = manifest.state_bytes
-    specs = manifest.inputs[n - k:]
+    specs = manifest.state_specs
+    if manifest.batch is not None and any(t.dim() == 0 or t.shape[0] != 1 for t in given.values()):
+        raise JobRejected(f"a session of a batched program is one row: its step's inputs have 1 in their first dim "
+                          f"({manifest.batch})")
     if session["step"] == 0:
         if state_bytes > session.get("room", 0):
             raise JobRejected(f"the session's state takes {state_bytes} bytes; this worker has "
                               f"{max(0, session.get('room', 0))} left for sessions now")
         if session.get("fresh"):
-            state = [torch.zeros(spec.shape, dtype=tensors.DTYPES[spec.dtype], device=device) for spec in specs]
+            state = [torch.zeros(manifest.row_shape(spec), dtype=tensors.DTYPES[spec.dtype], device=device)
+                     for spec in specs]
         else:
             return given, state_bytes  # the client sent the first state with the inputs
     else:

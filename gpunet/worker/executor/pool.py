@@ -56,6 +56,7 @@ class RunResult:
     peak_memory_bytes: int
     state_bytes: int = 0  # a session step: what its state holds in the executor now
     marks: tuple[int, ...] = ()  # a session step: the executor's marks (gpunet.worker.steptrace.EXECUTOR_MARKS)
+    rows: int = 1  # sessions' steps in the forward that computed it (run_rows): its flops are its share
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class DryRun:
         return 0.0 if self.began is None else min(max(0.0, now - self.began), self.cap)
 
 
+# Past 600 lines with run_rows (sessions batched, issue 42): the sessions' pins (which executor holds whose state,
+# and who waits for it) are the next part to move into a class of their own.
 class Executor:
     """A pool of executor processes that validate, cache and run programs, driven from one asyncio loop.
 
@@ -240,6 +243,42 @@ class Executor:
                 self._tagged.pop(tag, None)
             self._release(slot)
 
+    async def run_rows(self, program_hash: str, steps: list[tuple[SessionRun, bytes]], timeout: float | None = None
+                       ) -> list[RunResult | BaseException]:
+        """Later steps (``step > 0``) of sessions of one batched program (Manifest.batch), held in one executor, as
+        one forward (docs/sessions.md, batching): per step, in order, its result or what failed it (a step fails
+        alone: its state lost, its inputs unlike the rest's, a failure of its own). Raises only what fails them all
+        (the executor died, the pool is closing). Runs to its end, like any session step: a cancel waits for it."""
+        results: list = [self._pinned_slot(session.key, lost=True) for session, _ in steps]
+        slot = next((r for r in results if isinstance(r, Slot)), None)
+        if slot is not None:
+            slot = await self._acquire_slot(slot)
+        try:  # (the executor may have restarted while the batch waited for it)
+            rows = [i for i, r in enumerate(results) if r is slot and self._pins.get(steps[i][0].key) == (
+                slot, slot.generation)]
+            results = [r if i in rows or isinstance(r, BaseException) else SessionLost(
+                "the session's state was lost while its step waited: its executor restarted") if r is slot else JobFailed(
+                "the session's state is in another executor than the batch's") for i, r in enumerate(results)]
+            if rows:
+                await slot.ensure_ready()
+                slot.run_id += 1
+                timeout = self.default_timeout if timeout is None else timeout
+                message = _rows_message(program_hash, slot.run_id, [steps[i] for i in rows], self.speed_tflops, timeout)
+                slot.in_flight = True
+                work = asyncio.ensure_future(self._send_and_await(slot, [message], None, program_hash, timeout))
+                try:
+                    await wait_out(work)  # session steps run to their end (a cancel waits, and takes them as done)
+                finally:
+                    slot.in_flight = False
+                for i, got in zip(rows, work.result()):
+                    results[i] = got
+                    if isinstance(got, RunResult) and steps[i][0].close:
+                        self._pins.pop(steps[i][0].key, None)
+            return results
+        finally:
+            if slot is not None:
+                self._release(slot)
+
     def stop(self, tag: object) -> bool:
         """Ask the executor running the job tagged ``tag`` to stop it at the next node of its program: its ``run``
         raises JobPreempted and the process serves the next job, no restart. False when that job is not running in an
@@ -281,12 +320,16 @@ class Executor:
             self._spare_starting = True
             asyncio.get_running_loop().run_in_executor(None, self._start_spare)
 
-    def _pinned_slot(self, key: str) -> "Slot":
+    def _pinned_slot(self, key: str, lost: bool = False) -> "Slot | SessionLost":
+        """The executor holding a session's state; SessionLost raised (``lost``: returned) when none does."""
         pin = self._pins.get(key)
         if pin is None or pin[0].generation != pin[1] or pin[0].closed:
             self._pins.pop(key, None)
-            raise SessionLost("this worker no longer holds the session's state (its executor restarted, or the "
-                              "session expired or was closed)")
+            error = SessionLost("this worker no longer holds the session's state (its executor restarted, or the "
+                                "session expired or was closed)")
+            if lost:
+                return error
+            raise error
         return pin[0]
 
     def holds_session(self, key: str) -> bool:
@@ -630,7 +673,7 @@ class Executor:
         try:
             reply = msgpack.unpackb(slot.conn.recv_bytes(), raw=False)
             outputs = reply.get("outputs")
-            if reply.get("ok") and outputs is None:
+            if reply.get("ok") and outputs is None and "rows" not in reply:
                 if reply.get("outputs_size", 0) <= _INLINE_PIPE_BYTES:
                     outputs = slot.conn.recv_bytes()
                 else:
@@ -640,6 +683,10 @@ class Executor:
         if reply.get("restart"):  # the job poisoned the process's CUDA context: the process (and every session it
             slot.kill()           # held) goes, which is the job's doing, counted as a crash against its client
             raise ExecutorDied(f"{reply.get('message', 'CUDA error')}; its executor had to be replaced")
+        if reply.get("ok") and "rows" in reply:  # run_rows: each row's result or error
+            return [RunResult(r["outputs"], r["flops"], r["wall_time"], r["peak_memory_bytes"], r.get("state_bytes", 0),
+                              rows=r.get("rows", 1)) if r.get("ok") else _row_error(r, program_hash)
+                    for r in reply["rows"]]
         if reply.get("ok"):
             slot.hashes.add(program_hash)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
@@ -672,6 +719,21 @@ def _counted(slot: Slot) -> tuple[float, float] | None:
     if run != slot.run_id or word[_DRY_RUN] != run or flops < 0:
         return None
     return flops, ended
+
+
+def _rows_message(program_hash: str, run_id: int, steps: list, tflops: float | None, timeout: float) -> bytes:
+    """The header of a run of several sessions' steps (Executor.run_rows; their inputs ride in it)."""
+    header = {"op": "run", "hash": program_hash, "run": run_id, "rows": [session.to_wire() for session, _ in steps],
+              "inputs": [bytes(data) for _, data in steps]}
+    if tflops:
+        header["tflops"], header["deadline"] = tflops, time.monotonic() + timeout
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def _row_error(reply: dict, program_hash: str) -> BaseException:
+    if reply.get("error") == "ProgramNotCached":
+        return ProgramNotCached(program_hash)
+    return error_named(reply.get("error"), reply.get("message", "executor error"))
 
 
 def _leaving(when: str) -> WorkerDraining:

@@ -1,0 +1,117 @@
+"""Sessions batched on a span (issue 42): the batched program format, and an executor running several sessions'
+steps of one LLM span as one forward, each session's rows its own."""
+
+import asyncio
+import json
+
+import pytest
+import torch
+from torch.export import Dim
+
+from gpunet.client.llm import adapter
+from gpunet.client.sessions.spans import trace_spans
+from gpunet.errors import JobRejected, SessionLost
+from gpunet.job import tensors
+from gpunet.job.format import Manifest
+from gpunet.testing.llm import tiny_causal_lm
+from gpunet.worker.executor import Executor
+from gpunet.worker.state.limits import SessionRun
+
+ROOM = 1 << 24
+
+
+def _span(family: str = "llama"):
+    model = adapter.prepare(tiny_causal_lm(family))
+    blocks = adapter.blocks_of(model, 16)
+    x = torch.zeros(1, 2, model.config.hidden_size)
+    span, = trace_spans(blocks[:2], (x,), ({1: Dim("T", min=1, max=16)},), [(0, 2)], rows=Dim("B", min=1, max=8))
+    return span, model.config.hidden_size
+
+
+def _step(key: str, step: int, close: bool = False) -> SessionRun:
+    return SessionRun(key, step, True, close, ROOM)
+
+
+def _x(x: torch.Tensor) -> bytes:
+    return tensors.encode({"input_0": x})
+
+
+def _y(result) -> torch.Tensor:
+    return tensors.decode(result.outputs)["output_0"]
+
+
+def test_an_llm_span_declares_its_rows_and_a_session_holds_one():
+    span, d = _span()
+    m = span.job.manifest
+    assert m.batch == "B" and m.dims["B"].min == 1
+    assert all(s.shape[0] == "B" for s in (*m.inputs, *m.outputs))
+    assert m.state_bytes == span.state_bytes  # one row: what a session holds
+    assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda raw: raw["dims"]["B"].update(min=2), "allow one row"),
+    (lambda raw: raw.update(batch="T"), "first and only there"),
+    (lambda raw: raw.update(batch="nope"), "name one of"),
+    (lambda raw: raw.pop("state"), "stateful"),
+])
+def test_a_batch_dim_that_is_not_every_tensors_first_is_refused(change, reason):
+    span, _ = _span()
+    raw = json.loads(span.job.manifest.to_json())
+    change(raw)
+    with pytest.raises(JobRejected, match=reason):
+        Manifest.from_json(json.dumps(raw).encode())
+
+
+def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_path):
+    """Sessions with different histories step together: each gets what it gets alone (to float rounding: CPU BLAS
+    takes other kernels for one row than for several), bitwise the same whatever the other rows of its batch hold
+    (a row that saw another's state would change), and moves its own state on. A step whose state is gone, whose
+    input has another shape or more than one row fails alone; the batch's counted work is split among its rows."""
+    span, d = _span()
+    job = span.job
+    torch.manual_seed(1)
+    prompts = {"A/s": torch.randn(1, 5, d), "B/s": torch.randn(1, 2, d), "C/s": torch.randn(1, 7, d),
+               "D/s": torch.randn(1, 1, d)}
+    nxt = {k: torch.randn(1, 1, d) for k in prompts}
+
+    async def open_all(ex, keys):
+        await ex.drop_sessions(list(prompts))
+        for key in keys:
+            await ex.run(job.program_hash, job.to_bytes(), _x(prompts[key]), session=_step(key, 0))
+
+    async def rows(ex, keys, step=1):
+        return dict(zip(keys, await ex.run_rows(job.program_hash, [(_step(k, step), _x(nxt[k])) for k in keys])))
+
+    async def scenario(ex):
+        await open_all(ex, ["A/s", "B/s", "C/s"])
+        alone = {k: _y(await ex.run(job.program_hash, None, _x(nxt[k]), session=_step(k, 1)))
+                 for k in ("A/s", "B/s", "C/s")}
+        await open_all(ex, ["A/s", "B/s"])
+        with_b = await rows(ex, ["A/s", "B/s"])
+        await open_all(ex, ["A/s", "C/s"])
+        with_c = await rows(ex, ["C/s", "A/s"])
+        assert torch.equal(_y(with_b["A/s"]), _y(with_c["A/s"]))
+        for k, r in (*with_b.items(), *with_c.items()):
+            assert r.rows == 2
+            torch.testing.assert_close(_y(r), alone[k], rtol=1e-5, atol=1e-5)
+        assert abs(with_c["A/s"].flops - with_c["C/s"].flops) <= 1
+        # The states moved on: a third step, batched, from there.
+        more = await rows(ex, ["A/s", "C/s"], step=2)
+        assert all(r.state_bytes == job.manifest.state_bytes and r.rows == 2 for r in more.values())
+        # A lost session, an input of another shape (two tokens, not one), two rows, a session twice: each alone.
+        await ex.run(job.program_hash, None, _x(prompts["D/s"]), session=_step("D/s", 0))
+        mixed = await ex.run_rows(job.program_hash, [
+            (_step("A/s", 3), _x(nxt["A/s"])), (_step("gone/s", 3), _x(nxt["A/s"])),
+            (_step("C/s", 3), _x(torch.randn(1, 2, d))), (_step("D/s", 1), _x(torch.randn(2, 1, d))),
+            (_step("A/s", 4), _x(nxt["A/s"]))])
+        assert isinstance(mixed[0].outputs, bytes) and isinstance(mixed[2].outputs, bytes)
+        assert isinstance(mixed[1], SessionLost)
+        assert isinstance(mixed[3], JobRejected)  # two rows are not one session's step
+        assert isinstance(mixed[4], JobRejected)  # nor is a session's second step in the batch of its first
+        assert ex.holds_session("C/s") and ex.holds_session("D/s")
+
+    with Executor(processes=1, session_processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path,
+                  sandbox=False) as ex:
+        asyncio.run(scenario(ex))
+
