@@ -107,6 +107,8 @@ class WorkerConfig:
     session_memory_gb: float | None = None  # inference sessions' state, all together; default: a quarter of the budget
     max_sessions_per_client: int = 8
     session_ttl: float = 600.0  # the longest a session may stay idle before its state is freed
+    #: Sessions' steps of one batched span that wait together run as one forward (docs/sessions.md, batching).
+    batch_sessions: bool = True
     #: The volunteer's own job, run whenever no paying job wants the machine (gpunet.worker.background), and its
     #: inputs (a safetensors file: input_0, input_1, ...).
     background_job: Path | None = None

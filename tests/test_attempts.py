@@ -114,6 +114,17 @@ def test_an_emptied_network_is_looked_at_again_for_a_while_then_given_up_on():
     assert isinstance(step, GiveUp) and "no workers are online" in str(step.error)
 
 
+def test_a_copy_left_without_a_worker_its_other_copies_do_not_hold_looks_again_for_a_while():
+    """Redundancy 2 on two workers, one of whose records lapsed for a heartbeat under load (CI saw it): the second
+    copy looks again for the other worker instead of giving up at once; later, with still only one, it gives up."""
+    second = attempts(Requirements(redundancy=2), replicas=Replicas(taken={"a"}), empty_wait=20.0, look_pause=0.5)
+    assert second.next(router(A), NOW) == Look(0.5)
+    assert second.next(router(A, B), NOW + 1).worker == B
+    late = attempts(Requirements(redundancy=2), replicas=Replicas(taken={"a"}), empty_wait=20.0, look_pause=0.5)
+    late.next(router(A), NOW)
+    assert isinstance(late.next(router(A), NOW + 21), GiveUp)
+
+
 def test_with_no_worker_left_to_try_the_job_gives_up_saying_whom_it_tried():
     a = attempts()
     tried(a, router(A), JobFailed("executor crashed"))

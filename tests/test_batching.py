@@ -3,6 +3,8 @@ steps of one LLM span as one forward, each session's rows its own."""
 
 import asyncio
 import json
+import re
+import urllib.request
 
 import pytest
 import torch
@@ -13,9 +15,12 @@ from gpunet.client.sessions.spans import trace_spans
 from gpunet.errors import JobRejected, SessionLost
 from gpunet.job import tensors
 from gpunet.job.format import Manifest
-from gpunet.testing.llm import tiny_causal_lm
+from gpunet.llm import load
+from gpunet.testing.llm import save_checkpoint, tiny_causal_lm
+from gpunet.testing.localnet import free_port
 from gpunet.worker.executor import Executor
 from gpunet.worker.state.limits import SessionRun
+from tests.swarm import wait_for
 
 ROOM = 1 << 24
 
@@ -67,7 +72,7 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
     """Sessions with different histories step together: each gets what it gets alone (to float rounding: CPU BLAS
     takes other kernels for one row than for several), bitwise the same whatever the other rows of its batch hold
     (a row that saw another's state would change), and moves its own state on. A step whose state is gone, whose
-    input has another shape or more than one row fails alone; the batch's counted work is split among its rows."""
+    input has another shape or more than one row fails alone; each row is billed what its step counts alone."""
     span, d = _span()
     job = span.job
     torch.manual_seed(1)
@@ -95,7 +100,12 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
         for k, r in (*with_b.items(), *with_c.items()):
             assert r.rows == 2
             torch.testing.assert_close(_y(r), alone[k], rtol=1e-5, atol=1e-5)
-        assert abs(with_c["A/s"].flops - with_c["C/s"].flops) <= 1
+        # Each row billed what its step counts alone (its client's own count): the same as the solo step's.
+        await open_all(ex, ["A/s"])
+        solo = await ex.run(job.program_hash, None, _x(nxt["A/s"]), session=_step("A/s", 1))
+        assert with_c["A/s"].flops == with_c["C/s"].flops == solo.flops
+        await open_all(ex, ["A/s", "C/s"])
+        await rows(ex, ["A/s", "C/s"])
         # The states moved on: a third step, batched, from there.
         more = await rows(ex, ["A/s", "C/s"], step=2)
         assert all(r.state_bytes == job.manifest.state_bytes and r.rows == 2 for r in more.values())
@@ -115,3 +125,34 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
                   sandbox=False) as ex:
         asyncio.run(scenario(ex))
 
+
+
+def batched_steps(port: int) -> float:
+    """What a worker's Prometheus endpoint says of the sessions' steps it ran batched."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found = re.search(r"^gpunet_batched_steps_total (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.swarm
+def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_does(swarm, client_for, tmp_path):
+    """The rows of a batch of prompts are sessions that step together: on a worker holding their span, the steps that
+    wait together run as one forward (the worker says so in its metrics), the tokens are HF's own, and every tab is
+    billed as its client counts it."""
+    folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=5)
+    ports = [free_port() for _ in range(2)]
+    for port in ports:
+        swarm.start_worker("--metrics-port", str(port))
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
+    lm = client.causal_lm(folder, max_length=48, spans=2)
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    batch = tok(["hello network", "the quick brown fox jumps over", "volunteers run", "a b c d e f g"],
+                return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        want = reference.generate(**batch, max_new_tokens=12, do_sample=False)
+    assert torch.equal(lm.generate(batch.input_ids, batch.attention_mask, max_new_tokens=12, do_sample=False), want)
+    assert sum(batched_steps(port) for port in ports) > 0
+    # Every session's tab on each of its two spans was billed as its client counted it, and paid.
+    assert len(lm.last.receipts) == 4 * 2 and all(r.client_signature for r in lm.last.receipts)

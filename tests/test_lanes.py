@@ -286,3 +286,38 @@ def test_nearly_done_comes_from_the_jobs_own_work_not_its_clients_history():
     clock4.now += 0.05
     ends[fresh] = clock4.now + 0.1
     assert preempted(m4.enqueue(Ticket("i"))) == [fresh]
+
+
+def test_jobs_that_run_as_one_forward_start_with_the_first_of_them_and_take_no_slot_of_their_own():
+    """Sessions' steps batched on a span (gpunet.worker.batching): when a job with a ``rows`` key starts, the jobs of
+    its lane waiting with that key start with it, oldest first and at most MAX_ROWS in all; jobs with another key or
+    none wait for a slot as before, and the riders leave nothing behind when they end."""
+    from gpunet.worker.state import lanes as lanes_module
+
+    m, clock = lanes(slots=1)
+    running = Ticket("a", rows="span")
+    assert started(m.enqueue(running)) == [running]
+    waiting = [Ticket(c, rows="span") for c in ("b", "c", "d")]
+    other, alone = Ticket("e", rows="other"), Ticket("f")
+    for t in (waiting[0], other, waiting[1], alone, waiting[2]):
+        assert started(m.enqueue(t)) == []  # the slot is taken: even a job of the same key waits for the next start
+    clock.now += 1
+    actions = m.ended(running, 1.0)
+    leader = started(actions)[0]
+    assert leader is waiting[0] and started(actions) == waiting and leader.riders == waiting[1:]
+    assert all(t.leader is leader for t in waiting[1:]) and all(t.price == leader.price for t in waiting)
+    assert m.count(INTERACTIVE, waiting=False) == 3 and m.count(INTERACTIVE, running=False) == 2
+    for rider in waiting[1:]:  # riders end first: the slot is still the leader's
+        assert started(m.ended(rider, 1.0)) == []
+    assert started(m.ended(leader, 1.0)) == [other]
+    assert started(m.ended(other, 1.0)) == [alone]
+    m.ended(alone, 1.0)
+    assert not m.running and not list(m._lanes[INTERACTIVE].tickets())
+    # At most MAX_ROWS in one start.
+    m, _ = lanes(slots=1)
+    first = Ticket("x", rows="k")
+    m.enqueue(first)
+    many = [Ticket(f"c{i}", rows="k") for i in range(lanes_module.MAX_ROWS + 5)]
+    for t in many:
+        m.enqueue(t)
+    assert len(started(m.ended(first, 1.0))) == lanes_module.MAX_ROWS

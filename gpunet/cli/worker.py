@@ -116,6 +116,10 @@ def worker(
     session_ttl: float = typer.Option(
         _WORKER.session_ttl, "--session-ttl", metavar="SECONDS", min=1.0,
         help="The longest a session may stay idle before its state is freed (a client may ask for less)."),
+    batch_sessions: bool = typer.Option(
+        _WORKER.batch_sessions, "--batch-sessions/--no-batch-sessions",
+        help="Run the waiting steps of sessions of one span as one forward (more tokens/s for everyone; results "
+             "equal to float rounding, docs/sessions.md)."),
     background_job: Optional[Path] = typer.Option(
         _WORKER.background_job, "--background-job", metavar="FILE", exists=True, dir_okay=False,
         help="A job of your own (saved with gpunet.Job.save) to run whenever no paying job wants this machine; any "
@@ -201,6 +205,7 @@ def worker(
         session_memory_gb=session_memory_gb,
         max_sessions_per_client=max_sessions_per_client,
         session_ttl=session_ttl,
+        batch_sessions=batch_sessions,
         background_job=background_job,
         background_inputs=background_inputs,
         pause_when_busy=pause_when_busy,

@@ -253,9 +253,11 @@ class Attempts:
     def _nobody(self, e: NoWorkersAvailable, any_known: bool, now: float) -> Wait | Look | GiveUp:
         if e.retry_at is not None and e.retry_at < self.deadline:  # busy, full, joining: wait for them
             return Wait(e.retry_at)
-        if not any_known:
+        others_hold = bool(self.replicas.taken - self.failed - set(self.tried))
+        if not any_known or (others_hold and not self.tried):
             # Workers were here a moment ago (this job saw or tried some): their records can all lapse at once
-            # while they restart. Look again for a while before giving up on the network.
+            # while they restart, and under load one can lapse for a heartbeat, leaving a copy of a redundant job
+            # no worker its other copies do not hold (CI saw it). Look again for a while before giving up.
             self.emptied_until = self.emptied_until or min(self.deadline, now + self.empty_wait)
             if now < self.emptied_until:
                 return Look(self.look_pause)

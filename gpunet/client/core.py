@@ -196,13 +196,15 @@ class ClientCore:
     # --- inference sessions (gpunet.client.sessions drives them) ---------------------------------------------------
 
     async def place(self, job, inputs: Sequence[torch.Tensor], requirements: Requirements | None = None,
-                    exclude: set[str] = frozenset(), avoid: set[str] = frozenset(), drawn: bool = False) -> WorkerEntry:
+                    exclude: set[str] = frozenset(), avoid: set[str] = frozenset(), drawn: bool = False,
+                    prefer: Sequence[str] = ()) -> WorkerEntry:
         """The worker routing would send ``job`` to now (``inputs`` may be meta tensors: only shapes matter),
-        passing over ``avoid`` where it can; ``drawn``: one drawn at random, as a checker is (a second opinion)."""
+        passing over ``avoid`` where it can; ``drawn``: one drawn at random, as a checker is (a second opinion);
+        ``prefer``: workers taken first where eligible (Router.choose)."""
         self.check_open()
         req = requirements or Requirements()
         estimate = await self.estimates.of(job, inputs)
-        return await self.view.place(req, shape_of(job, estimate, 0, req), exclude, avoid, drawn)
+        return await self.view.place(req, shape_of(job, estimate, 0, req), exclude, avoid, drawn, prefer)
 
     def held_against(self, worker_id: str, outcome: str) -> None:
         """A worker's misdeed seen outside a job's own retries (a session's span): a ban, and its record."""

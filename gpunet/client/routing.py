@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 from gpunet.client.reputation import Reputation
 from gpunet.config import MAX_PRICE
@@ -531,10 +531,12 @@ class Router:
 
     def choose(self, req: Requirements, job: JobShape, exclude: set[str] = frozenset(),
                replicas: set[str] = frozenset(), avoid: set[str] = frozenset(),
-               within: float | None = None) -> WorkerEntry:
+               within: float | None = None, prefer: Sequence[str] = ()) -> WorkerEntry:
         """The best eligible worker; ``avoid``: workers to pass over while any other is eligible (those holding a
         model's other spans: spreading them is what lets a model bigger than one worker run at all); ``within``:
-        seconds left before the job's deadline (DeadlineUnreachable when no worker is expected to finish by then)."""
+        seconds left before the job's deadline (DeadlineUnreachable when no worker is expected to finish by then);
+        ``prefer``: workers taken first, in order, when eligible and not avoided (those holding the same span for
+        other sessions, which batch their steps)."""
         candidates = self.eligible(req, exclude, replicas=replicas)
         times = self.times(candidates, job, req)
         if within is not None:  # the deadline first: a worker passed over may still be the only one in time
@@ -545,7 +547,9 @@ class Router:
                     f"no worker is expected to finish the job before its deadline, {human_seconds(within)} away: the "
                     f"soonest ({soonest.id[-8:]}) would take about {human_seconds(times[soonest.id])}")
         candidates = [e for e in candidates if e.id not in avoid] or candidates
-        return self.rank(candidates, job, req, times)[0]
+        preferred = {e.id: e for e in candidates if e.id not in avoid}
+        found = next((preferred[w] for w in prefer if w in preferred), None)
+        return found or self.rank(candidates, job, req, times)[0]
 
     # --- outcomes --------------------------------------------------------------------------------------------------
 

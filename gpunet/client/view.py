@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from hivemind.utils import get_dht_time
 
@@ -133,15 +133,15 @@ class WorkerView:
         return n
 
     async def place(self, req: Requirements, shape: JobShape, exclude: set[str], avoid: set[str],
-                    drawn: bool) -> WorkerEntry:
+                    drawn: bool, prefer: Sequence[str] = ()) -> WorkerEntry:
         """The worker routing would send a job to now, waiting for busy or joining ones within the job's timeout;
-        ``drawn``: one drawn at random, as a checker is."""
+        ``drawn``: one drawn at random, as a checker is; ``prefer``: see Router.choose."""
         await self.some_workers(req)
         deadline = time.monotonic() + req.timeout
         while True:
             try:
                 worker = (self.router.choose_checker(req, exclude=set(exclude), replicas=set(avoid)) if drawn else
-                          self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid)))
+                          self.router.choose(req, shape, exclude=set(exclude), avoid=set(avoid), prefer=prefer))
                 break
             except NoWorkersAvailable as e:  # busy, or still joining: wait for them within the timeout
                 if e.retry_at is None or e.retry_at >= deadline:

@@ -38,6 +38,7 @@ from gpunet.protocol import holding
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics, steptrace
+from gpunet.worker.batching import Rows, rows_key
 from gpunet.worker.billing import Billing
 from gpunet.worker.executor import DryRun, RefFiles
 from gpunet.worker.faults import NONE, Faults
@@ -105,10 +106,11 @@ class Jobs:
     def __init__(self, *, identity: Identity, executor, ledger: Ledger, admission: Admission,
                  record: Callable[[], Any], spool_dir: str | None = None, device: str = "cpu",
                  peer_rate: float | None = None, session_limits: SessionLimits | None = None, faults: Faults = NONE,
-                 weights: Weights | None = None):
+                 weights: Weights | None = None, batch_sessions: bool = True):
         """``device``: where speed challenges run (the executors' device: the speed a worker proves is theirs);
         ``peer_rate``: the most bytes a second it serves programs to other workers at (None: no cap);
-        ``spool_dir``: where big inputs are written as they arrive (None: kept in memory)."""
+        ``spool_dir``: where big inputs are written as they arrive (None: kept in memory); ``batch_sessions``:
+        sessions' steps that wait together may run as one forward (gpunet.worker.batching)."""
         self.identity, self.executor, self.admission, self.limits = identity, executor, admission, admission.limits
         self.spool_dir, self.faults = spool_dir, faults
         # Finished answers, kept for retries of the same job id; one client's up to its share of the bytes (its own
@@ -118,6 +120,8 @@ class Jobs:
             share=self.limits.buffer_share)
         self.billing = Billing(identity, ledger, admission, find_receipt=self._recent_receipt)
         self.turns = Turns(admission, executor)
+        self.rows = Rows(executor)  # sessions' steps started together, run as one forward (gpunet.worker.batching)
+        self.batch_sessions = batch_sessions
         pushes = Pushes()
         self.sessions = SessionHost(session_limits or SessionLimits(), executor, self.billing, pushes)
         self.handoff = Handoff(identity.peer_id, self.sessions.sessions, pushes, self.limits, faults)
@@ -518,11 +522,18 @@ class Jobs:
                        session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None,
                        marks: dict[str, int] | None = None) -> Answer:
         client_id, job_id = key
-        await self.turns.wait(ticket, submit.deadline)
+        if self.batch_sessions and self.executor is not None:  # steps that wait together may run as one forward
+            ticket.rows = rows_key(self.executor, session, submit.program, got.program, got.inputs)
+        try:
+            await self.turns.wait(ticket, submit.deadline)
+        except BaseException:
+            self.rows.gone(ticket)  # (started with others as it was cancelled: they do not wait for it)
+            raise
         timeout = submit.timeout
         if submit.deadline is not None:  # due by then: it never runs past it
             timeout = min(timeout, submit.deadline - time.time())
             if timeout <= 0:
+                self.rows.gone(ticket)
                 self.turns.ended(ticket, 0.0)
                 raise DeadlineUnreachable("the job's deadline passed as it was about to start")
         if session is not None and session.step > 0:  # its executor must be free: lower lanes' work there stops
@@ -541,12 +552,17 @@ class Jobs:
                 # Tagged with its ticket: the pool can stop it (preempted, paused) and say where it runs.
                 # A client's own bytes run as they are (fresh), checked against the hash as they load, even where a
                 # copy is loaded already (one it may not run: it became a holder only by sending these).
-                result = await self.executor.run(submit.program, got.program, got.inputs, timeout=timeout,
-                                                 private=submit.private or self.owners.is_private(submit.program),
-                                                 tag=ticket, spare_sessions=session is None, dry=dry,
-                                                 **({"fresh": True} if got.origin == FROM_CLIENT else {}),
-                                                 **({"refs": refs} if refs is not None else {}),
-                                                 **({"session": session} if session is not None else {}))
+                # Started with others (gpunet.worker.batching): one forward for them all (None: none came).
+                result = None if ticket.rows is None else await self.rows.run(
+                    ticket, submit.program, session, got.inputs, timeout)
+                if result is None:
+                    result = await self.executor.run(
+                        submit.program, got.program, got.inputs, timeout=timeout,
+                        private=submit.private or self.owners.is_private(submit.program), tag=ticket,
+                        spare_sessions=session is None, dry=dry,
+                        **({"fresh": True} if got.origin == FROM_CLIENT else {}),
+                        **({"refs": refs} if refs is not None else {}),
+                        **({"session": session} if session is not None else {}))
             done = True
             if marks is not None:
                 steptrace.mark(marks, "back")

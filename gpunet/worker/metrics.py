@@ -20,6 +20,8 @@ QUEUE = Gauge("gpunet_queue_length", "Jobs admitted and waiting for an executor"
 RUNNING = Gauge("gpunet_running_jobs", "Jobs executing now")
 SESSIONS = Gauge("gpunet_sessions", "Inference sessions open (their state held in executors)")
 SESSION_BYTES = Gauge("gpunet_session_state_bytes", "Bytes of inference sessions' state held")
+BATCHED_FORWARDS = Counter("gpunet_batched_forwards_total", "Forwards that ran several sessions' steps at once")
+BATCHED_STEPS = Counter("gpunet_batched_steps_total", "Sessions' steps run in those forwards")
 # The market (gpunet.worker.state.lanes, docs/market.md)
 BACKGROUND_RUNS = Counter("gpunet_background_runs_total", "Runs of the volunteer's own background job, by outcome "
                           "(done, or stopped for paying work)", ["outcome"])

@@ -505,6 +505,7 @@ class Worker:
                 else self._memory_budget() // 4,
                 max_per_client=cfg.max_sessions_per_client, max_per_host=2 * cfg.max_sessions_per_client,
                 max_ttl=cfg.session_ttl),
+            batch_sessions=cfg.batch_sessions,
         )
         await self.jobs.weights.start()  # the models dirs indexed (hashing only what changed) before jobs come
         self.rpc = RPC(await self.dht.replicate_p2p(), cfg.network)

@@ -26,6 +26,8 @@ DEFAULT_MAX_LENGTH = 2048
 SESSION_TTL = 120.0
 #: The most sessions a worker may batch into one forward of a span (the spans' batch dim's bound).
 MAX_BATCH_ROWS = 64
+#: A prompt goes to the spans in steps of at most this many tokens (see CausalLMCore._step).
+PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -283,12 +285,16 @@ class CausalLMCore:
             usage.output = picker.ids
 
     async def _step(self, session: SessionCore, tokens: list[int], seen: int) -> torch.Tensor:
-        """One session step for one row: its new tokens in, the next token's logits [vocab] out."""
-        ids = torch.tensor([tokens])
-        # The ends are torch work (a big vocabulary's head is a large matmul): off the loop, where other requests'
-        # steps and a gateway's streams wait.
-        h = await asyncio.to_thread(self.ends.embed, ids, torch.arange(seen, seen + len(tokens))[None])
-        out = await session.step(h)
+        """One row's new tokens in, the next token's logits [vocab] out: one session step, or for a prompt longer
+        than PREFILL_CHUNK one per chunk, so that a worker batching other sessions' decode steps on the same span
+        runs them between the chunks (a prompt stalls them one chunk's forward at a time, docs/sessions.md)."""
+        for at in range(0, len(tokens), PREFILL_CHUNK):
+            part = tokens[at:at + PREFILL_CHUNK]
+            # The ends are torch work (a big vocabulary's head is a large matmul): off the loop, where other
+            # requests' steps and a gateway's streams wait.
+            h = await asyncio.to_thread(self.ends.embed, torch.tensor([part]),
+                                        torch.arange(seen + at, seen + at + len(part))[None])
+            out = await session.step(h)
         return (await asyncio.to_thread(self.ends.head, out[:, -1:]))[0, -1]
 
     def _check_length(self, n: int) -> None:

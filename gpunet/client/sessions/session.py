@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import weakref
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -100,6 +102,19 @@ class SequentialCore:
         self.core, self.spans = core, spans
         self.requirements = requirements or Requirements()
         self._needs: dict[int, Requirements] = {}  # by span start: asked at every step
+        self._open: weakref.WeakSet[SessionCore] = weakref.WeakSet()  # this model's sessions
+
+    def hosts(self, i: int, but: "SessionCore") -> list[str]:
+        """Where span ``i`` runs for this model's other open sessions, the most first: a worker runs the waiting
+        steps of sessions of a batched span as one forward (docs/sessions.md, batching), so a new session's span
+        goes there where it can (a gateway's concurrent requests batch with no one doing anything)."""
+        manifest = self.spans[i].job.manifest
+        if manifest.batch is None:
+            return []
+        held = Counter(s.placed[i].worker_id for s in list(self._open) if s is not but and not s._closed)
+        held.pop(None, None)
+        rows = manifest.dims[manifest.batch].max
+        return [w for w, n in held.most_common() if rows is None or n < rows]
 
     def requirements_for(self, span: Span) -> Requirements:
         """A span needs a worker with room for its weights and state (and some headroom)."""
@@ -151,6 +166,7 @@ class SessionCore:
         if not 0 < ttl <= protocol.MAX_SESSION_TTL:
             raise UsageError(f"a session's ttl is between 0 and {protocol.MAX_SESSION_TTL:.0f} s")
         self.seq, self.ttl = seq, ttl
+        seq._open.add(self)
         self.placed = [_Placed() for _ in seq.spans]
         self.receipts: list[Receipt] = []
         self.steps = 0
@@ -373,7 +389,7 @@ class SessionCore:
         banned = self.checks.banned if self.checks is not None else set()
         def place(exclude: set[str]):
             return self.seq.core.place(span.job, (x_meta(span), *span.meta_state()), self.seq.requirements_for(span),
-                                       exclude=exclude, avoid=others, drawn=drawn)
+                                       exclude=exclude, avoid=others, drawn=drawn, prefer=self.seq.hosts(i, self))
 
         try:
             worker = await place(placed.failed | banned)

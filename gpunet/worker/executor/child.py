@@ -264,6 +264,8 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
     reply = {"flops": est.flops, "wall_time": (ended - began) / 1e9, "peak_memory_bytes": est.peak_memory_bytes}
     if session is not None:
         reply["began"], reply["ended"] = began, ended
+        if prog.manifest.batch is not None:  # its sessions' later steps may go as one forward (run_rows)
+            reply["batched"] = True
     new_state = None
     if session is not None:  # the new state stays here; the step's answer is the rest
         k = prog.manifest.state
@@ -284,8 +286,8 @@ def _run_rows(req, device, limits, disk, programs, tensors, load_program, run_pr
     state stacked as a row, the outputs and new states split back (docs/sessions.md, batching). A row that cannot
     run (its state gone, inputs of another shape than the rest) fails alone; if the batched forward fails, each row
     is run alone, so one session's inputs cannot fail another's step. A session's state changes only with its own
-    step's success. Each row's ``flops`` is its share of the batch's counted work (equal shares, the remainder to the
-    first rows: they sum to the batch's)."""
+    step's success. Each row's ``flops`` is what its step counts alone (what its client counts: see
+    docs/sessions.md, batching, on the price)."""
     h = check_hash(req["hash"])
     prog = programs.get(h)
     if prog is None:  # (later steps only: the program is loaded where their sessions' state is)
@@ -345,14 +347,14 @@ def _forward_rows(prog, rows: list, run_program, stop, dry_word, run, device, te
         torch.cuda.synchronize(device)
     wall = (time.monotonic_ns() - began) / 1e9
     k, n = prog.manifest.state, len(rows)
-    flops = int(est.flops)
+    # Each row is billed its own step's count, which its client checks: one dry run of one row's shapes (cached).
+    flops = int(est.flops if n == 1 else prog.dry_run(prog.inputs_from_dict(rows[0][2]), stop=stop)[0].flops)
     done = {}
     for r, (i, session, _, state_bytes) in enumerate(rows):
         row = [o[r:r + 1] for o in outs]
         new_state = _own_state(prog, row[len(row) - k:])
         data = tensors.encode({f"output_{j}": o.contiguous() for j, o in enumerate(row[:len(row) - k])})
-        share = flops // n + (1 if r < flops % n else 0)
-        done[i] = ({"ok": True, "outputs": data, "flops": share, "wall_time": wall,
+        done[i] = ({"ok": True, "outputs": data, "flops": flops, "wall_time": wall,
                     "peak_memory_bytes": est.peak_memory_bytes, "state_bytes": state_bytes, "rows": n},
                    session, new_state)
     return done

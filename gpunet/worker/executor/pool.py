@@ -35,7 +35,7 @@ from gpunet.errors import (
     WorkerDraining,
 )
 from gpunet.protocol.errors import error_named
-from gpunet.utils import wait_out
+from gpunet.utils import LRU, wait_out
 from gpunet.worker.executor import slot as slots
 from gpunet.worker.executor.cache import DiskCache, check_hash
 from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
@@ -174,6 +174,7 @@ class Executor:
         self._pins: dict[str, tuple[Slot, int]] = {}
         self._pinned_waiters: dict[Slot, deque[asyncio.Future]] = {}
         self._tagged: dict[object, Slot] = {}  # runs that may be stopped for another job -> the executor running it
+        self._batched: LRU[str, bool] = LRU(4096)  # programs whose sessions' steps may go as one forward
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -254,11 +255,12 @@ class Executor:
         if slot is not None:
             slot = await self._acquire_slot(slot)
         try:  # (the executor may have restarted while the batch waited for it)
-            rows = [i for i, r in enumerate(results) if r is slot and self._pins.get(steps[i][0].key) == (
-                slot, slot.generation)]
-            results = [r if i in rows or isinstance(r, BaseException) else SessionLost(
-                "the session's state was lost while its step waited: its executor restarted") if r is slot else JobFailed(
-                "the session's state is in another executor than the batch's") for i, r in enumerate(results)]
+            rows = [i for i, r in enumerate(results)
+                    if r is slot and self._pins.get(steps[i][0].key) == (slot, slot.generation)]
+            results = [r if i in rows or isinstance(r, BaseException) else JobFailed(
+                "the session's state is in another executor than the batch's") if r is not slot else SessionLost(
+                "the session's state was lost while its step waited: its executor restarted")
+                for i, r in enumerate(results)]
             if rows:
                 await slot.ensure_ready()
                 slot.run_id += 1
@@ -319,6 +321,14 @@ class Executor:
         if self._spare is None and not self._spare_starting and not self._closed:
             self._spare_starting = True
             asyncio.get_running_loop().run_in_executor(None, self._start_spare)
+
+    def rows_key(self, session_key: str, program_hash: str) -> str | None:
+        """What steps that may run as one forward (:meth:`run_rows`) share: a batched program's, of sessions whose
+        state one executor holds. None: the step runs alone."""
+        pin = self._pinned_slot(session_key, lost=True)
+        if not isinstance(pin, Slot) or self._batched.get(program_hash) is None:
+            return None
+        return f"{program_hash}/{id(pin)}/{pin.generation}"
 
     def _pinned_slot(self, key: str, lost: bool = False) -> "Slot | SessionLost":
         """The executor holding a session's state; SessionLost raised (``lost``: returned) when none does."""
@@ -689,6 +699,8 @@ class Executor:
                     for r in reply["rows"]]
         if reply.get("ok"):
             slot.hashes.add(program_hash)
+            if reply.get("batched"):
+                self._batched.put(program_hash, True)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],
                              reply.get("state_bytes", 0), tuple(reply.get("marks", ())))
         if reply.get("error") == "ProgramNotCached":

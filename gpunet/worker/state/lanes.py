@@ -61,6 +61,8 @@ RATE_HALF_LIFE = 600.0
 PREEMPT_GRACE = 0.2
 #: A job's time is estimated from the client's recent jobs, this weight on the newest.
 EMA = 0.3
+#: The most jobs one start runs as one forward (a leader and its riders).
+MAX_ROWS = 64
 
 
 @dataclass(eq=False)
@@ -79,6 +81,12 @@ class Ticket:
     preempted: bool = False
     victim: "Ticket | None" = None  # a running job stopped so that this one could start
     spared_until: float | None = None  # left running for a waiting job until then (the grace, given once)
+    #: Jobs with the same key may run as one forward (sessions' steps of one batched program in one executor: the
+    #: worker's gpunet.worker.batching): when one starts, those of its lane waiting with the same key start with it
+    #: as its riders, taking no slot of their own. None: it runs alone.
+    rows: str | None = None
+    leader: "Ticket | None" = None  # a rider's: the job whose start it rides on
+    riders: list = field(default_factory=list)  # a leader's
 
     @property
     def running(self) -> bool:
@@ -219,7 +227,7 @@ class Lanes:
         rank = LANES.index(lane)
         now, typical = self.clock(), self._typical_seconds()
         left = sum(max(0.0, self._typical.get(t.client, typical) - (now - t.started_at))
-                   for t in self.running if LANES.index(t.lane) <= rank)
+                   for t in self.running if LANES.index(t.lane) <= rank and t.leader is None)
         queued = sum(self._typical.get(t.client, typical) for above in LANES[:rank + 1]
                      for t in self._lanes[above].tickets())
         return (left + queued) / self.slots
@@ -294,12 +302,17 @@ class Lanes:
 
     def _dispatch(self) -> list[Action]:
         actions: list[Action] = []
-        while len(self.running) < self.slots:
+        while sum(1 for t in self.running if t.leader is None) < self.slots:  # (riders take no slot)
             ticket = self._next()
             if ticket is None:
                 break
             self._start(ticket)
             actions.append(Start(ticket))
+            for rider in self._riders(ticket):
+                self._start(rider)
+                rider.leader = ticket
+                ticket.riders.append(rider)
+                actions.append(Start(rider))
         actions.extend(Preempt(t) for t in self._victims())
         now = self.clock()
         graces = [t.spared_until for t in self.running if t.spared_until is not None and t.spared_until > now]
@@ -326,6 +339,15 @@ class Lanes:
             if best is not None:
                 return best[3]
         return None
+
+    def _riders(self, leader: Ticket) -> list[Ticket]:
+        """Jobs of the leader's lane waiting with its ``rows`` key, oldest first: one forward runs them all, so they
+        delay nobody's turn (each is still charged its time in its client's share)."""
+        if leader.rows is None:
+            return []
+        floor = self.floor
+        return sorted((t for t in self._lanes[leader.lane].tickets() if t.rows == leader.rows and (
+            leader.lane != BATCH or t.bid is None or t.bid >= floor)), key=lambda t: t.seq)[:MAX_ROWS - 1]
 
     def _start(self, ticket: Ticket) -> None:
         now = self.clock()
@@ -395,7 +417,7 @@ class Lanes:
         if self._busy_at is not None and now > self._busy_at:
             elapsed = now - self._busy_at
             for lane in LANES:
-                busy = sum(1 for t in self.running if t.lane == lane)
+                busy = sum(1 for t in self.running if t.lane == lane and t.leader is None)
                 self._busy[lane].add(elapsed * busy / self.slots, now)
         self._busy_at = now
 

@@ -1,0 +1,112 @@
+"""Sessions' steps batched on a span (docs/sessions.md, batching): the steps the lanes start together (a leader and
+its riders: jobs with one ``rows`` key, see gpunet.worker.state.lanes) meet here and go to the executor as one
+:meth:`~gpunet.worker.executor.Executor.run_rows`.
+
+Continuous batching: a step that arrives while its span's forward runs waits in its lane; when that forward ends,
+the next start takes every step waiting with the same key, so sessions join and leave the batch between steps. The
+lanes say at the start who rides along, so a batch waits for exactly those (or their leaving), never on a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from gpunet.utils import wait_out
+from gpunet.worker import metrics
+from gpunet.worker.executor import RunResult
+from gpunet.worker.state.lanes import Ticket
+from gpunet.worker.state.limits import SessionRun
+
+#: A step's inputs at most this big may ride in a batch (a decode step's are a few KiB; a long prompt runs alone).
+MAX_ROW_INPUT_BYTES = 64 * 1024
+
+
+def rows_key(executor, session: SessionRun | None, program_hash: str, program, inputs) -> str | None:
+    """The key a step may be batched under (None: it runs alone): a later step of a session of a batched program,
+    its program loaded (no bytes with it), its inputs small; steps of one executor, program and input size share it
+    (inputs of one size but other shapes are told apart by the executor)."""
+    if session is None or session.step == 0 or program is not None or hasattr(inputs, "fileno") or \
+            len(inputs) > MAX_ROW_INPUT_BYTES:
+        return None
+    key = executor.rows_key(session.key, program_hash)
+    return None if key is None else f"{key}/{len(inputs)}"
+
+
+@dataclass(eq=False)
+class _Forming:
+    expected: set  # the tickets started together, less those that left before they came
+    steps: dict = field(default_factory=dict)  # ticket -> (session, inputs, timeout, future)
+    program_hash: str = ""
+
+
+class Rows:
+    """Where the steps started together meet (see the module docstring)."""
+
+    def __init__(self, executor):
+        self.executor = executor
+        self._forming: dict[Ticket, _Forming] = {}  # by leader
+        self._runs: set[asyncio.Task] = set()
+
+    async def run(self, ticket: Ticket, program_hash: str, session: SessionRun, inputs, timeout: float
+                  ) -> RunResult | None:
+        """This step's result, computed with those started with it; None when none came (it runs alone, the usual
+        way). Like any session step it runs to its end: a cancel waits for it."""
+        if ticket.leader is None and not ticket.riders:
+            return None
+        forming = self._of(ticket)
+        future = asyncio.get_running_loop().create_future()
+        forming.steps[ticket] = (session, inputs, timeout, future)
+        forming.program_hash = program_hash
+        self._check(ticket.leader or ticket, forming)
+        await wait_out(future)
+        task = asyncio.current_task()
+        while task is not None and task.cancelling():  # its state moved on: the step is done, and taken as done
+            task.uncancel()
+        return future.result()
+
+    def gone(self, ticket: Ticket) -> None:
+        """A step started with others that will not come (its turn came as it was cancelled, or its deadline
+        passed): the others do not wait for it."""
+        if ticket.running and (ticket.leader is not None or ticket.riders):
+            forming = self._of(ticket)
+            forming.expected.discard(ticket)
+            self._check(ticket.leader or ticket, forming)
+
+    def _of(self, ticket: Ticket) -> _Forming:
+        leader = ticket.leader or ticket
+        forming = self._forming.get(leader)
+        if forming is None:
+            forming = self._forming[leader] = _Forming({leader, *leader.riders})
+        return forming
+
+    def _check(self, leader: Ticket, forming: _Forming) -> None:
+        if not forming.expected <= set(forming.steps):
+            return
+        del self._forming[leader]
+        steps = list(forming.steps.values())
+        if len(steps) == 1:  # the others left: this one runs alone, the usual way
+            steps[0][3].set_result(None)
+        elif steps:
+            task = asyncio.ensure_future(self._forward(forming.program_hash, steps))
+            self._runs.add(task)
+            task.add_done_callback(self._runs.discard)
+
+    async def _forward(self, program_hash: str, steps: list) -> None:
+        try:
+            results = await self.executor.run_rows(program_hash, [(s, inputs) for s, inputs, _, _ in steps],
+                                                   timeout=min(t for _, _, t, _ in steps))
+        except BaseException as e:  # what fails them all (the executor died, the worker is leaving)
+            for *_, future in steps:
+                if not future.done():
+                    future.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        metrics.BATCHED_FORWARDS.inc()
+        metrics.BATCHED_STEPS.inc(len(steps))
+        for (*_, future), result in zip(steps, results):
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
