@@ -8,6 +8,10 @@ prefill and the sessions' opening are left out) and the aggregate (N times that)
 stream alone. The workers' own count of the steps they batched is read from their metrics.
 
     python scripts/bench_batching.py [--json] [--quick] [--sessions 1,4,8,16] [--tokens N] [--d-model N]
+                                     [--device cuda:0]
+
+On a GPU the exported graph's kernels may round differently from eager HF's: the tokens are compared, not required
+equal.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for the workers and the local baseline")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                         help="passed on to each `gpunet worker` (repeatable)")
     args = parser.parse_args()
@@ -87,9 +92,11 @@ def main() -> None:
                     max_position_embeddings=256)
     reference, tok = load(folder)
     reference.config._attn_implementation = "eager"
+    reference.to(args.device)
     ids = tok(PROMPT, return_tensors="pt").input_ids
     max_length = ids.shape[1] + args.tokens + 8
-    results: dict = {"benchmark": "batching", "d_model": d, "layers": args.layers, "tokens": args.tokens,
+    results: dict = {"benchmark": "batching", "device": args.device, "d_model": d, "layers": args.layers,
+                     "tokens": args.tokens,
                      "rounds": args.rounds, "spans": 3, "threads_per_job": 1, "sessions": {}}
 
     torch.set_num_threads(1)  # as each worker's jobs run (--threads 1)
@@ -97,8 +104,9 @@ def main() -> None:
     @torch.no_grad()
     def local(n: int, new: int):
         clock = StepClock()
-        out = reference.generate(ids.repeat(n, 1), max_new_tokens=new, do_sample=False, streamer=clock)
-        return clock.times[1:], out[0, ids.shape[1]:]  # (the first put is the prompt)
+        out = reference.generate(ids.repeat(n, 1).to(args.device), max_new_tokens=new, do_sample=False,
+                                 streamer=clock)
+        return clock.times[1:], out[0, ids.shape[1]:].cpu()  # (the first put is the prompt)
 
     expected = local(1, args.tokens)[1]
     for n in counts:
@@ -109,7 +117,8 @@ def main() -> None:
         with LocalNetwork(network="bench-batching", heartbeat=2.0) as net:
             bootstrap = net.start_bootstrap()
             for port in ports:
-                net.start_worker("--threads", "1", "--metrics-port", str(port), *flag, *args.worker_arg)
+                net.start_worker("--threads", "1", "--device", args.device, "--metrics-port", str(port), *flag,
+                                 *args.worker_arg)
             with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
                 wait_for(lambda: len(client.workers(refresh=True)) == 3, 60, "three workers")
                 lm = client.causal_lm(folder, max_length=max_length, spans=3)

@@ -30,6 +30,8 @@ step bench_gpu 150 python3 scripts/bench_pipeline.py --d-model 1024 --device cud
 step bench_cpu 180 python3 scripts/bench_pipeline.py --d-model 1024 --json
 # Issue 39: a HF causal LM over GPU workers (client.causal_lm, the gateway) beside HF's generate on the same GPU.
 step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --layers 8 --json
+# Issue 42: N concurrent generations with the workers batching sessions' steps, and not, beside HF on the GPU.
+step batching_gpu 240 python3 scripts/bench_batching.py --device cuda:0 --d-model 1024 --layers 8 --sessions 1,4,16 --tokens 24 --rounds 1 --json
 # Issue 41: the interpreter (compiled plan) against eager at decode and prefill shapes, on the GPU and on 16 cores.
 step jobs_gpu_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 2 --layers 8 --dim 2048 --repeat 100 --codec-mib 16 --json
 step jobs_gpu_prefill 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 512 --layers 8 --dim 2048 --repeat 30 --codec-mib 16 --json

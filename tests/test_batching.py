@@ -18,7 +18,7 @@ from gpunet.job.format import Manifest
 from gpunet.llm import load
 from gpunet.testing.llm import save_checkpoint, tiny_causal_lm
 from gpunet.testing.localnet import free_port
-from gpunet.worker.executor import Executor
+from gpunet.worker.executor import Executor, RunResult
 from gpunet.worker.state.limits import SessionRun
 from tests.swarm import wait_for
 
@@ -156,3 +156,93 @@ def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_do
     assert sum(batched_steps(port) for port in ports) > 0
     # Every session's tab on each of its two spans was billed as its client counted it, and paid.
     assert len(lm.last.receipts) == 4 * 2 and all(r.client_signature for r in lm.last.receipts)
+
+
+class _Pool:
+    """A stand-in for the executor pool, for Rows alone: records each run_rows and answers what it is told to."""
+
+    def __init__(self, answer=None):
+        self.calls, self.answer = [], answer
+
+    def rows_key(self, session_key, program_hash):
+        return f"{program_hash}/slot"
+
+    async def run_rows(self, program_hash, steps, timeout=None):
+        self.calls.append((program_hash, [s.key for s, _ in steps], timeout))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        if self.answer:
+            return self.answer(steps)
+        return [RunResult(b"out-" + s.key.encode(), 10, 0.0, 0) for s, _ in steps]
+
+
+def _started(n: int):
+    """n steps the lanes started together (a leader and its riders)."""
+    from gpunet.worker.state.lanes import Lanes, Ticket
+
+    lanes = Lanes(1, 2, 1)
+    busy = Ticket("busy", rows="k")
+    lanes.enqueue(busy)
+    tickets = [Ticket(f"c{i}", rows="k") for i in range(n)]
+    for t in tickets:
+        lanes.enqueue(t)
+    lanes.ended(busy, 0.1)
+    assert all(t.group == tuple(tickets) for t in tickets)
+    return tickets
+
+
+def test_steps_started_together_meet_and_go_as_one_forward_whoever_leaves_or_fails():
+    """gpunet.worker.batching.Rows: the steps the lanes started together wait for exactly each other (one that leaves
+    is not waited for), go as one run_rows under the longest timeout any of them has, and each gets its own row's
+    answer. A step whose row failed runs alone for a while; a forward that killed its executor is counted against
+    none of them; a program evicted from memory sends each back to run alone; a step cancelled before the forward
+    went is not sent."""
+    from gpunet.errors import ExecutorDied, JobFailed, ProgramNotCached
+    from gpunet.worker.batching import Rows
+
+    async def scenario():
+        pool = _Pool()
+        rows = Rows(pool)
+        a, b, c = _started(3)
+        runs = [asyncio.ensure_future(rows.run(t, "p", _step(f"{t.client}/s", 1), b"x", timeout))
+                for t, timeout in ((a, 5.0), (c, 30.0))]
+        await asyncio.sleep(0)
+        assert pool.calls == []  # b was started with them: waited for
+        rows.gone(b)
+        got = await asyncio.gather(*runs)
+        assert pool.calls == [("p", ["c0/s", "c2/s"], 30.0)] and [r.outputs for r in got] == [b"out-c0/s", b"out-c2/s"]
+
+        a, b = _started(2)
+        rows.gone(b)
+        assert await rows.run(a, "p", _step("c0/s", 2), b"x", 5.0) is None  # alone after all: the usual way
+
+        pool.answer = lambda steps: [SessionLost("gone"), RunResult(b"y", 1, 0.0, 0)]
+        a, b = _started(2)
+        results = await asyncio.gather(*(rows.run(t, "p", _step(f"{t.client}/s", 3), b"x", 5.0) for t in (a, b)),
+                                       return_exceptions=True)
+        assert isinstance(results[0], SessionLost) and results[1].outputs == b"y"
+        assert rows.key(_step("c0/s", 4), "p", None, b"x") is None  # its row failed: alone for a while
+        assert rows.key(_step("c1/s", 4), "p", None, b"x") == "p/slot/1"
+
+        pool.answer = ExecutorDied("executor process died while running the job")
+        a, b = _started(2)
+        results = await asyncio.gather(*(rows.run(t, "p", _step(f"{t.client}/s", 5), b"x", 5.0) for t in (a, b)),
+                                       return_exceptions=True)
+        assert all(type(r) is JobFailed and "counted against none" in str(r) for r in results)
+
+        pool.answer = lambda steps: [ProgramNotCached("p")] * len(steps)
+        a, b = _started(2)
+        assert await asyncio.gather(*(rows.run(t, "p", _step(f"{t.client}/s", 6), b"x", 5.0) for t in (a, b))) == [
+            None, None]
+
+        pool.answer, calls = None, len(pool.calls)
+        a, b = _started(2)
+        first = asyncio.ensure_future(rows.run(a, "p", _step("c0/s", 7), b"x", 5.0))
+        await asyncio.sleep(0)
+        first.cancel()  # before the forward went, and then the other leaves: nothing is sent for it
+        rows.gone(b)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert len(pool.calls) == calls
+
+    asyncio.run(scenario())

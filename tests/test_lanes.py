@@ -313,6 +313,19 @@ def test_jobs_that_run_as_one_forward_start_with_the_first_of_them_and_take_no_s
     assert started(m.ended(other, 1.0)) == [alone]
     m.ended(alone, 1.0)
     assert not m.running and not list(m._lanes[INTERACTIVE].tickets())
+    # A leader that leaves before its riders' forward ends (cancelled as it started) hands them the slot.
+    m, _ = lanes(slots=1)
+    first = Ticket("x", rows="k")
+    m.enqueue(first)
+    more = [Ticket(c, rows="k") for c in ("y", "z")]
+    for t in more:
+        m.enqueue(t)
+    later = Ticket("w")
+    m.enqueue(later)
+    assert started(m.ended(first, 1.0)) == more and more[0].group == tuple(more)
+    assert started(m.ended(more[0], 0.0)) == []  # the leader left: its rider holds the slot
+    assert more[1].leader is None and more[0].riders == []
+    assert started(m.ended(more[1], 1.0)) == [later]
     # At most MAX_ROWS in one start.
     m, _ = lanes(slots=1)
     first = Ticket("x", rows="k")

@@ -10,9 +10,11 @@ lanes say at the start who rides along, so a batch waits for exactly those (or t
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
-from gpunet.utils import wait_out
+from gpunet.errors import ExecutorDied, JobFailed, JobTimeout, ProgramNotCached
+from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.executor import RunResult
 from gpunet.worker.state.lanes import Ticket
@@ -20,22 +22,14 @@ from gpunet.worker.state.limits import SessionRun
 
 #: A step's inputs at most this big may ride in a batch (a decode step's are a few KiB; a long prompt runs alone).
 MAX_ROW_INPUT_BYTES = 64 * 1024
-
-
-def rows_key(executor, session: SessionRun | None, program_hash: str, program, inputs) -> str | None:
-    """The key a step may be batched under (None: it runs alone): a later step of a session of a batched program,
-    its program loaded (no bytes with it), its inputs small; steps of one executor, program and input size share it
-    (inputs of one size but other shapes are told apart by the executor)."""
-    if session is None or session.step == 0 or program is not None or hasattr(inputs, "fileno") or \
-            len(inputs) > MAX_ROW_INPUT_BYTES:
-        return None
-    key = executor.rows_key(session.key, program_hash)
-    return None if key is None else f"{key}/{len(inputs)}"
+#: How long a session whose step failed in a batch runs its steps alone.
+ALONE_SECONDS = 60.0
 
 
 @dataclass(eq=False)
 class _Forming:
     expected: set  # the tickets started together, less those that left before they came
+    first: Ticket  # the first of them (the key this is found by)
     steps: dict = field(default_factory=dict)  # ticket -> (session, inputs, timeout, future)
     program_hash: str = ""
 
@@ -45,22 +39,40 @@ class Rows:
 
     def __init__(self, executor):
         self.executor = executor
-        self._forming: dict[Ticket, _Forming] = {}  # by leader
+        self._forming: dict[Ticket, _Forming] = {}  # by the first ticket of those started together
         self._runs: set[asyncio.Task] = set()
+        #: Sessions whose step failed in a batch: they run alone for a while (a bad row makes its batch run again
+        #: row by row: it must not do that to others step after step). Session key -> until (time.monotonic).
+        self._alone: LRU[str, float] = LRU(4096)
+
+    def key(self, session: SessionRun | None, program_hash: str, program, inputs) -> str | None:
+        """The key a step may be batched under (None: it runs alone): a later step of a session of a batched
+        program, its program loaded (no bytes with it), its inputs small; steps of one executor, program and input
+        size share it (inputs of one size but other shapes are told apart by the executor)."""
+        if session is None or session.step == 0 or program is not None or hasattr(inputs, "fileno") or \
+                len(inputs) > MAX_ROW_INPUT_BYTES or self._alone.get(session.key, 0.0) > time.monotonic():
+            return None
+        rows_key = getattr(self.executor, "rows_key", None)  # (a stand-in pool without run_rows: none batch)
+        key = rows_key(session.key, program_hash) if rows_key is not None else None
+        return None if key is None else f"{key}/{len(inputs)}"
 
     async def run(self, ticket: Ticket, program_hash: str, session: SessionRun, inputs, timeout: float
                   ) -> RunResult | None:
-        """This step's result, computed with those started with it; None when none came (it runs alone, the usual
-        way). Like any session step it runs to its end: a cancel waits for it."""
-        if ticket.leader is None and not ticket.riders:
+        """This step's result, computed with those started with it; None when it is to run alone, the usual way
+        (none came with it; or its program must be loaded again). Like any session step it runs to its end once
+        sent: a cancel waits for it (one that comes before is honoured)."""
+        if len(ticket.group) < 2:
             return None
         forming = self._of(ticket)
         future = asyncio.get_running_loop().create_future()
         forming.steps[ticket] = (session, inputs, timeout, future)
         forming.program_hash = program_hash
-        self._check(ticket.leader or ticket, forming)
+        self._check(forming)
         await wait_out(future)
         task = asyncio.current_task()
+        cancelled = task is not None and task.cancelling() > 0
+        if future.exception() is None and future.result() is None and cancelled:
+            raise asyncio.CancelledError()  # not sent: the cancel stands
         while task is not None and task.cancelling():  # its state moved on: the step is done, and taken as done
             task.uncancel()
         return future.result()
@@ -68,22 +80,21 @@ class Rows:
     def gone(self, ticket: Ticket) -> None:
         """A step started with others that will not come (its turn came as it was cancelled, or its deadline
         passed): the others do not wait for it."""
-        if ticket.running and (ticket.leader is not None or ticket.riders):
+        if ticket.running and len(ticket.group) > 1:
             forming = self._of(ticket)
             forming.expected.discard(ticket)
-            self._check(ticket.leader or ticket, forming)
+            self._check(forming)
 
     def _of(self, ticket: Ticket) -> _Forming:
-        leader = ticket.leader or ticket
-        forming = self._forming.get(leader)
+        forming = self._forming.get(ticket.group[0])
         if forming is None:
-            forming = self._forming[leader] = _Forming({leader, *leader.riders})
+            forming = self._forming[ticket.group[0]] = _Forming(set(ticket.group), first=ticket.group[0])
         return forming
 
-    def _check(self, leader: Ticket, forming: _Forming) -> None:
+    def _check(self, forming: _Forming) -> None:
         if not forming.expected <= set(forming.steps):
             return
-        del self._forming[leader]
+        del self._forming[forming.first]
         steps = list(forming.steps.values())
         if len(steps) == 1:  # the others left: this one runs alone, the usual way
             steps[0][3].set_result(None)
@@ -94,19 +105,26 @@ class Rows:
 
     async def _forward(self, program_hash: str, steps: list) -> None:
         try:
+            # As long as the longest time any of them has: one step's short time must not stop the others'.
             results = await self.executor.run_rows(program_hash, [(s, inputs) for s, inputs, _, _ in steps],
-                                                   timeout=min(t for _, _, t, _ in steps))
+                                                   timeout=max(t for _, _, t, _ in steps))
         except BaseException as e:  # what fails them all (the executor died, the worker is leaving)
+            error = e
+            if isinstance(e, (ExecutorDied, JobTimeout)):  # whose doing is not known: counted against none
+                error = JobFailed(f"{e} (a forward of {len(steps)} sessions' steps: counted against none of them)")
             for *_, future in steps:
                 if not future.done():
-                    future.set_exception(e)
+                    future.set_exception(error)
             if not isinstance(e, Exception):
                 raise
             return
         metrics.BATCHED_FORWARDS.inc()
         metrics.BATCHED_STEPS.inc(len(steps))
-        for (*_, future), result in zip(steps, results):
-            if isinstance(result, BaseException):
+        for (session, _, _, future), result in zip(steps, results):
+            if isinstance(result, ProgramNotCached):  # evicted from the executor's memory: loaded the usual way
+                future.set_result(None)
+            elif isinstance(result, BaseException):
+                self._alone.put(session.key, time.monotonic() + ALONE_SECONDS)
                 future.set_exception(result)
             else:
                 future.set_result(result)

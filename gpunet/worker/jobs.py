@@ -38,7 +38,7 @@ from gpunet.protocol import holding
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics, steptrace
-from gpunet.worker.batching import Rows, rows_key
+from gpunet.worker.batching import Rows
 from gpunet.worker.billing import Billing
 from gpunet.worker.executor import DryRun, RefFiles
 from gpunet.worker.faults import NONE, Faults
@@ -523,7 +523,7 @@ class Jobs:
                        marks: dict[str, int] | None = None) -> Answer:
         client_id, job_id = key
         if self.batch_sessions and self.executor is not None:  # steps that wait together may run as one forward
-            ticket.rows = rows_key(self.executor, session, submit.program, got.program, got.inputs)
+            ticket.rows = self.rows.key(session, submit.program, got.program, got.inputs)
         try:
             await self.turns.wait(ticket, submit.deadline)
         except BaseException:

@@ -27,6 +27,7 @@ import torch
 from gpunet import protocol
 from gpunet.client.delivery import PushedInputDiffers
 from gpunet.client.routing import Requirements
+from gpunet.config import WorkerConfig
 from gpunet.client.sessions.audit import Caught, SessionChecks
 from gpunet.client.sessions.spans import MEMORY_HEADROOM, Span, block_bytes, block_state, plan_spans, spans_needed, \
     trace_spans, x_meta
@@ -113,8 +114,10 @@ class SequentialCore:
             return []
         held = Counter(s.placed[i].worker_id for s in list(self._open) if s is not but and not s._closed)
         held.pop(None, None)
-        rows = manifest.dims[manifest.batch].max
-        return [w for w, n in held.most_common() if rows is None or n < rows]
+        # Up to what a worker holds for one client by default (beyond, a session's first step there is refused
+        # and it moves: a cost) and what one forward takes.
+        most = min(WorkerConfig.max_sessions_per_client, manifest.dims[manifest.batch].max or 2**31)
+        return [w for w, n in held.most_common() if n < most]
 
     def requirements_for(self, span: Span) -> Requirements:
         """A span needs a worker with room for its weights and state (and some headroom)."""

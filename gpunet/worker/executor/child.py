@@ -147,17 +147,19 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
             reply = {"ok": False, "error": "JobFailed", "message": f"{type(e).__name__}: {str(e)[:500]}"}
         finally:
             refs.close()
-        if device.startswith("cuda") and not reply["ok"]:
+        failed = [r for r in reply.get("rows") or [reply] if r is not None and not r["ok"]]  # (rows: any of them)
+        if device.startswith("cuda") and failed:
             # A run stopped or failed between nodes may leave kernels queued: they finish here, before the reply
             # frees this process for the next job (whose time and errors they are not); an error they raise is this
             # run's.
             try:
                 torch.cuda.synchronize(device)
             except Exception as e:
-                reply["message"] = f"{reply.get('message', '')}; then {type(e).__name__}: {str(e)[:300]}"
+                for r in failed:
+                    r["message"] = f"{r.get('message', '')}; then {type(e).__name__}: {str(e)[:300]}"
         # A CUDA error (e.g. a device-side assert from an out-of-range index) poisons this process's context:
         # report the failure, then exit so the pool starts a clean executor.
-        poisoned = device.startswith("cuda") and not reply["ok"] and "CUDA error" in reply.get("message", "")
+        poisoned = device.startswith("cuda") and any("CUDA error" in r.get("message", "") for r in failed)
         reply["restart"] = poisoned
         if reply.get("ok") and "began" in reply:  # a session step's marks (gpunet.worker.steptrace): four ints
             reply["marks"] = [received, reply.pop("began"), reply.pop("ended"), time.monotonic_ns()]
@@ -309,15 +311,20 @@ def _run_rows(req, device, limits, disk, programs, tensors, load_program, run_pr
             continue
         shapes = tuple((name, t.dtype, tuple(t.shape)) for name, t in sorted(given.items()))
         groups.setdefault(shapes, []).append((i, session, given, state_bytes))
-    for rows in groups.values():
+    most = prog.manifest.dims[prog.manifest.batch].max or len(results)  # rows one forward may take
+    batches = [group[at:at + most] for group in groups.values() for at in range(0, len(group), most)]
+    for rows in batches:
         try:
             done = _forward_rows(prog, rows, run_program, stop, dry_word, req.get("run"), device, tensors)
         except Exception as e:  # (MemoryError, a torch error in an op: as _run_one's caller reports them)
-            if len(rows) == 1:
-                results[rows[0][0]] = _failed(e)
+            if len(rows) == 1 or isinstance(e, (JobPreempted, JobTimeout)) or "CUDA error" in str(e):
+                # Stopped (the worker's doing, for all of them), or a device error (the process restarts): as
+                # one. Anything else is some row's doing: each is run alone, so the others' steps go on.
+                for row in rows:
+                    results[row[0]] = _failed(e)
                 continue
             done = {}
-            for row in rows:  # who failed it: each alone, so the others' steps go on
+            for row in rows:
                 try:
                     done.update(_forward_rows(prog, [row], run_program, stop, dry_word, req.get("run"), device,
                                               tensors))

@@ -85,8 +85,9 @@ class Ticket:
     #: worker's gpunet.worker.batching): when one starts, those of its lane waiting with the same key start with it
     #: as its riders, taking no slot of their own. None: it runs alone.
     rows: str | None = None
-    leader: "Ticket | None" = None  # a rider's: the job whose start it rides on
-    riders: list = field(default_factory=list)  # a leader's
+    leader: "Ticket | None" = None  # a rider's: the job holding the slot it rides on
+    riders: list = field(default_factory=list)  # a leader's, while they run
+    group: tuple = ()  # the jobs started together (the leader first), for the worker to meet them
 
     @property
     def running(self) -> bool:
@@ -191,7 +192,8 @@ class Lanes:
     @property
     def floor(self) -> int:
         """The batch floor now, in nano-credits per TFLOP (see the module docstring)."""
-        demand = min(self.slots, self.count(INTERACTIVE))
+        demand = min(self.slots, self.count(INTERACTIVE, running=False) +
+                     sum(1 for t in self.running if t.lane == INTERACTIVE and t.leader is None))  # (riders: no slot)
         return self.batch_price + -(-(self.price - self.batch_price) * demand // self.slots)
 
     def charge(self, lane: str) -> int:
@@ -279,6 +281,13 @@ class Lanes:
         now = self.clock()
         self._account(now)
         self.running.discard(ticket)
+        if ticket.leader is not None:
+            ticket.leader.riders.remove(ticket)
+        elif ticket.riders:  # it left before its riders' forward ended: the slot is theirs until then
+            heir, *rest = ticket.riders
+            heir.leader, heir.riders, ticket.riders = None, rest, []
+            for rider in rest:
+                rider.leader = heir
         self._stopping.discard(ticket)
         seconds = max(0.0, seconds if seconds is not None else now - ticket.started_at)
         lane = self._lanes[ticket.lane]
@@ -313,6 +322,9 @@ class Lanes:
                 rider.leader = ticket
                 ticket.riders.append(rider)
                 actions.append(Start(rider))
+            ticket.group = (ticket, *ticket.riders)
+            for rider in ticket.riders:
+                rider.group = ticket.group
         actions.extend(Preempt(t) for t in self._victims())
         now = self.clock()
         graces = [t.spared_until for t in self.running if t.spared_until is not None and t.spared_until > now]
@@ -382,6 +394,7 @@ class Lanes:
                     waiter.victim = reusable
                     continue
                 candidates = sorted((t for t in self.running if t.lane in below and t not in self._stopping
+                                     and t.leader is None
                                      and t not in victims and self.can_preempt(t) and not self._spared(t, now)),
                                     key=lambda t: (LANES.index(t.lane) != 2, -t.started_at, -t.seq))
                 if not candidates:
