@@ -346,6 +346,9 @@ class _NoStops:
     def expected_end(self, tag):
         return None  # its runs count no work
 
+    def rows_key(self, session_key: str, program_hash: str):
+        return None  # no program of its runs batches sessions' steps
+
 
 class HangingExecutor(_NoStops):
     """Stands in for the executor pool: holds every program and never finishes a job (until cancelled)."""

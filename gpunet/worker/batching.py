@@ -52,8 +52,7 @@ class Rows:
         if session is None or session.step == 0 or program is not None or hasattr(inputs, "fileno") or \
                 len(inputs) > MAX_ROW_INPUT_BYTES or self._alone.get(session.key, 0.0) > time.monotonic():
             return None
-        rows_key = getattr(self.executor, "rows_key", None)  # (a stand-in pool without run_rows: none batch)
-        key = rows_key(session.key, program_hash) if rows_key is not None else None
+        key = self.executor.rows_key(session.key, program_hash)
         return None if key is None else f"{key}/{len(inputs)}"
 
     async def run(self, ticket: Ticket, program_hash: str, session: SessionRun, inputs, timeout: float

@@ -276,10 +276,15 @@ def _run_one(req, device, limits, disk, programs, tensors, load_program, run_pro
         reply["state_bytes"] = state_bytes
     data = tensors.encode({f"output_{i}": o for i, o in enumerate(outs)})
     if session is not None:  # last of all: a step that failed on the way leaves the state as it was
-        sessions.pop(session["key"], None)
-        if not session.get("close"):
-            sessions[session["key"]] = new_state
+        _keep_state(sessions, session, new_state)
     return {"ok": True, "outputs": data, **reply}
+
+
+def _keep_state(sessions: dict, session: dict, new_state: list) -> None:
+    """A session step succeeded: its new state replaces the old (a closing step's goes with it)."""
+    sessions.pop(session["key"], None)
+    if not session.get("close"):
+        sessions[session["key"]] = new_state
 
 
 def _run_rows(req, device, limits, disk, programs, tensors, load_program, run_program,
@@ -331,9 +336,7 @@ def _run_rows(req, device, limits, disk, programs, tensors, load_program, run_pr
                 except Exception as e:
                     results[row[0]] = _failed(e)
         for i, (reply, session, new_state) in done.items():  # last: a failure above leaves every state as it was
-            sessions.pop(session["key"], None)
-            if not session.get("close"):
-                sessions[session["key"]] = new_state
+            _keep_state(sessions, session, new_state)
             results[i] = reply
     return {"ok": True, "rows": results}
 
