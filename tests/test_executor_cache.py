@@ -65,3 +65,32 @@ def test_hashes_that_could_name_a_path_are_rejected(tmp_path, bad):
     with pytest.raises(JobRejected):
         check_hash(bad)
     assert bad not in DiskCache(tmp_path, 100)
+
+
+def test_a_cached_program_runs_on_its_weights_where_they_lie_in_the_file(tmp_path):
+    """The disk cache maps a program read-only and page-aligned, and gpunet's containers put every weight
+    ALIGN-aligned, so loading copies none of them (one copy in the page cache, shared by the executors); a container
+    written without that alignment (an older client) is still loaded, its weights copied into aligned memory."""
+    import numpy as np
+    import torch
+
+    from gpunet import Job
+    from gpunet.job import tensors
+    from gpunet.job.format import ProgramParts
+    from gpunet.job.interpreter import run_program
+    from gpunet.job.validator import load_program
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+    job = Job.from_module(model, (torch.randn(2, 64),))
+    old = ProgramParts(job.parts.manifest, job.parts.graph, tensors.encode(tensors.decode(job.parts.weights)))
+    disk = DiskCache(tmp_path, max_bytes=10**8)
+    x = torch.randn(2, 64)
+    for parts, where_they_lie in ((job.parts, True), (old, False)):
+        disk.put(parts.hash, parts.to_bytes())
+        data = disk.get(parts.hash)
+        assert isinstance(data, memoryview) and data.readonly and bytes(data) == parts.to_bytes()
+        start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        prog = load_program(data, device="cpu", expected_hash=parts.hash)
+        assert [start <= w.data_ptr() < start + len(data) for w in prog.weights] == [where_they_lie] * 4
+        assert all(w.data_ptr() % tensors.ALIGN == 0 for w in prog.weights)
+        assert torch.equal(run_program(prog, [x])[0], model(x))

@@ -144,6 +144,34 @@ def test_a_received_program_is_held_once_its_weights_a_view_of_the_container(job
     assert parts.hash == job.program_hash and bytes(parts.weights) == job.parts.weights
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 70_000), st.integers(0, 20_000), st.integers(0, 3))
+def test_a_containers_weights_lie_aligned_whatever_the_parts_sizes(manifest_len, elements, small):
+    """A worker maps a big program page-aligned and runs on its weights where they lie: the weights' data section
+    must start ALIGN-aligned within the container, across msgpack's bin header sizes (256 bytes, 64 KiB), and so
+    does every tensor until the first one whose size is not a whole number of ALIGN bytes (those go last of their
+    item size)."""
+    from gpunet.job import tensors
+    from gpunet.job.job import program_parts
+
+    weights = {"w": torch.arange(elements, dtype=torch.float32), "v": torch.ones(16 * small, dtype=torch.float32),
+               "b": torch.ones(small, dtype=torch.int8)}
+    parts = program_parts(b" " * manifest_len, b"{}", weights)
+    container = parts.to_bytes()
+    again = ProgramParts.from_bytes(container)
+    assert bytes(again.weights) == parts.weights
+    start = len(container) - len(parts.weights)
+    base = torch.frombuffer(again.weights, dtype=torch.uint8).data_ptr() if len(again.weights) else 0
+    assert (start + 8 + int.from_bytes(parts.weights[:8], "little")) % tensors.ALIGN == 0
+    for name, t in sorted(tensors.decode(again.weights).items(), key=lambda kv: kv[1].data_ptr()):
+        if t.numel():
+            assert (start + t.data_ptr() - base) % tensors.ALIGN == 0, name
+        if t.nbytes % tensors.ALIGN:
+            break
+    assert {k: v.tolist() for k, v in tensors.decode(parts.weights).items()} == {k: v.tolist() for k, v in
+                                                                                weights.items()}
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.text(max_size=20), st.one_of(st.binary(max_size=300), st.integers(0, 2**64 - 1),
                                                       st.none(), st.booleans(), st.text(max_size=30)), max_size=16))

@@ -442,8 +442,18 @@ def manifest_bytes(prefix: bytes | bytearray | memoryview) -> bytes:
 def _canonical_size(sizes) -> int:
     """The container's size as msgpack writes it: a fixmap, short keys, the version as a fixint, and each part with
     the shortest bin header for its length."""
-    return 1 + sum(1 + len(k) for k in _FIELDS) + 1 + sum(
-        n + (2 if n < 1 << 8 else 3 if n < 1 << 16 else 5) for n in sizes)
+    return 1 + sum(1 + len(k) for k in _FIELDS) + 1 + sum(n + _bin_header(n) for n in sizes)
+
+
+def _bin_header(n: int) -> int:
+    return 2 if n < 1 << 8 else 3 if n < 1 << 16 else 5
+
+
+def weights_start(manifest_len: int, graph_len: int, weights_len: int) -> int:
+    """Where the weights' bytes begin in the container of parts of these lengths: their tensors' header is padded so
+    the data lands aligned there (gpunet.job.tensors.encode's ``start``), and a worker that maps the container
+    page-aligned (a spooled or cached program) runs on the weights where they lie, no copy."""
+    return _canonical_size((manifest_len, graph_len, weights_len)) - weights_len
 
 
 _UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}

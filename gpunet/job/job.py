@@ -27,6 +27,7 @@ from gpunet.job.format import (
     check_state,
     decode_outputs,
     nest_outputs,
+    weights_start,
 )
 from gpunet.job.interpreter import run_program
 from gpunet.job.trace import _FunctionModule, trace
@@ -96,7 +97,7 @@ class Job:
                             batch)
             except JobRejected as e:
                 raise UnsupportedProgram(f"not a stateful block: {e.reason}") from None
-        parts = ProgramParts(manifest.to_json(), canonical_json(t.graph), tensors.encode(weights))
+        parts = program_parts(manifest.to_json(), canonical_json(t.graph), weights)
         job = cls(parts, manifest)
         job._out_spec = t.out_spec
         if refs:
@@ -126,7 +127,7 @@ class Job:
         if not refs:
             return self
         manifest = dataclasses.replace(self.manifest, refs=self.manifest.refs + tuple(refs))
-        job = Job(ProgramParts(manifest.to_json(), self.parts.graph, tensors.encode(kept)), manifest)
+        job = Job(program_parts(manifest.to_json(), self.parts.graph, kept), manifest)
         job._out_spec = self._out_spec
         job._referenced = {**self._referenced, **referenced}
         job._stand_ins = self._stand_ins
@@ -271,6 +272,17 @@ class Job:
 
     def __repr__(self) -> str:
         return f"Job(hash={self.program_hash[:12]}, op_kinds={len(self.manifest.ops)}, inputs={[s.shape for s in self.manifest.inputs]})"
+
+
+def program_parts(manifest: bytes, graph: bytes, weights: dict[str, torch.Tensor]) -> ProgramParts:
+    """A program's parts with its weights' data ALIGN-aligned within its container (format.weights_start)."""
+    encoded = b""
+    for _ in range(4):  # padding can move the weights' length across a bin header's size (at 256 or 64 KiB bytes)
+        start = weights_start(len(manifest), len(graph), len(encoded))
+        if encoded and (start + 8 + int.from_bytes(encoded[:8], "little")) % tensors.ALIGN == 0:
+            break
+        encoded = tensors.encode(weights, start)
+    return ProgramParts(manifest, graph, encoded)
 
 
 def _as_tensor(i: int, x) -> torch.Tensor:

@@ -72,18 +72,20 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def encode(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """Serialise named tensors. Tensors are ordered by decreasing item size so every one starts aligned."""
+def encode(tensors: Mapping[str, torch.Tensor], start: int = 0) -> bytes:
+    """Serialise named tensors. Tensors are ordered by decreasing item size so every one starts aligned to its item,
+    and, of one item size, those of a whole number of ALIGN bytes first, so they all start ALIGN-aligned (``start``:
+    where the bytes will begin in a bigger buffer, a program's container: see frame_header)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise JobRejected(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-    entries = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
-    prefix = _encoded_header(tuple((name, t.dtype, tuple(t.shape)) for name, t in entries))
+    entries = sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[1].nbytes % ALIGN != 0, kv[0]))
+    prefix = _encoded_header(tuple((name, t.dtype, tuple(t.shape)) for name, t in entries), start % ALIGN)
     return b"".join([prefix, *(raw_bytes(t) for _, t in entries)])
 
 
 @functools.lru_cache(maxsize=1024)
-def _encoded_header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> bytes:
+def _encoded_header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...], start: int = 0) -> bytes:
     """Length prefix + padded JSON header for tensors of these names, dtypes and shapes (the same for every batch of
     one job, so built once)."""
     header: dict[str, object] = {}
@@ -92,7 +94,7 @@ def _encoded_header(layout: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
         size = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    return frame_header(header)
+    return frame_header(header, start)
 
 
 def _reject(msg: str) -> JobRejected:

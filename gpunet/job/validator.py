@@ -295,8 +295,10 @@ def load_program(
     prog = Program(program_hash, manifest, device, limits)
     _compile(prog, graph)
     weights = tensors.decode(parts.weights, max_total_bytes=limits.max_program_bytes)
-    if device.type == "cpu" and any(w.data_ptr() % tensors.ALIGN for w in weights.values() if w.numel()):
-        # One memcpy into aligned memory instead of a copy per misaligned tensor (see interpreter.to_device).
+    misaligned = sum(w.nbytes for w in weights.values() if w.data_ptr() % tensors.ALIGN)
+    if device.type == "cpu" and misaligned > len(parts.weights) // 2:
+        # Mostly misaligned (an older container): one memcpy into aligned memory instead of a copy per tensor (see
+        # interpreter.to_device, which copies the few misaligned ones of a container gpunet now writes).
         weights = tensors.decode(tensors.aligned_copy(parts.weights), max_total_bytes=limits.max_program_bytes)
     if manifest.refs and refs_as_meta:
         weights.update({r.name: torch.empty(r.shape, dtype=tensors.DTYPES[r.dtype], device="meta")

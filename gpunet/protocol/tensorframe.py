@@ -14,10 +14,12 @@ import struct
 ALIGN = 64  # what PyTorch's CPU allocator guarantees; BLAS kernels choose their code path by alignment
 
 
-def frame_header(header: dict) -> bytes:
-    """The length prefix and padded compact JSON of ``header`` (the bytes before the data section)."""
+def frame_header(header: dict, start: int = 0) -> bytes:
+    """The length prefix and padded compact JSON of ``header`` (the bytes before the data section). ``start``: where
+    these bytes will begin in a bigger buffer (a program's container), so the data section lands ALIGN-aligned there:
+    mapped page-aligned, its tensors are used where they lie."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-(8 + len(head)) % ALIGN)
+    head += b" " * (-(start + 8 + len(head)) % ALIGN)
     return struct.pack("<Q", len(head)) + head
 
 

@@ -6,6 +6,7 @@ shared by the executor processes: writes are atomic (temp file + rename) and evi
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 import time
@@ -54,10 +55,16 @@ class DiskCache:
         except JobRejected:
             return False
 
-    def get(self, program_hash: str) -> bytes | None:
+    def get(self, program_hash: str) -> bytes | memoryview | None:
+        """The program's bytes, mapped read-only: page-aligned, so its weights are used where they lie (no copy, and
+        the page cache's one copy is shared by every executor that loads it). A cached file is only ever replaced
+        (put writes a new file and renames it) or removed, never changed in place, so the mapping stays what was
+        checked at load."""
         path = self._path(program_hash)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = memoryview(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) if size else b""
             os.utime(path)  # mark as recently used
         except FileNotFoundError:
             return None

@@ -189,6 +189,9 @@ def job_limits(budget: int, max_flops: int = 10**15, max_dry_run_seconds: float 
     return limits
 
 
+_MAPPED_REF_BYTES = 64 * 1024
+
+
 class _RefReader:
     """What loads the weights a program names by reference: each read from its range of a file the worker handed
     over (as a descriptor: this process names no path), into memory of its own (load_program then checks it against
@@ -209,7 +212,8 @@ class _RefReader:
         index, offset, length = found
         if not 0 <= index < len(self.files):
             return b""
-        buf = bytearray(length)
+        # Big ones into page-aligned memory, so the weight is used where it was read (not copied again to align it).
+        buf = mmap.mmap(-1, length) if length >= _MAPPED_REF_BYTES else bytearray(length)
         view, got = memoryview(buf), 0
         while got < length:
             n = os.preadv(self.files[index], [view[got:]], offset + got)
