@@ -8,7 +8,11 @@ prefill and the sessions' opening are left out) and the aggregate (N times that)
 stream alone. The workers' own count of the steps they batched is read from their metrics.
 
     python scripts/bench_batching.py [--json] [--quick] [--sessions 1,4,8,16] [--tokens N] [--d-model N]
-                                     [--device cuda:0]
+                                     [--device cuda:0] [--chats 16]
+
+Then, on the batching workers, ``gpunet gateway`` serves the same checkpoint and ``--chats`` streamed chat completions
+are sent to it at once (raw server-sent events, as an OpenAI client reads them), beside one chat alone: the time
+between two streamed tokens (p50, p99 over every gap of every chat), the time to the first token, and the aggregate.
 
 On a GPU the exported graph's kernels may round differently from eager HF's: the tokens are compared, not required
 equal.
@@ -17,6 +21,7 @@ equal.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import re
 import statistics
@@ -33,7 +38,7 @@ import torch  # noqa: E402
 import gpunet  # noqa: E402
 from gpunet.llm import load  # noqa: E402
 from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
-from gpunet.testing.llm import save_checkpoint  # noqa: E402
+from gpunet.testing.llm import save_checkpoint, stream_chat  # noqa: E402
 from gpunet.testing.localnet import free_port  # noqa: E402
 
 PROMPT = "the volunteers run workers on their home machines and"
@@ -69,6 +74,48 @@ def decode_rate(stream, n: int, tokens: int, rounds: int) -> tuple[float, torch.
     return statistics.median(rates), first
 
 
+def whole_characters(folder: Path) -> None:
+    """The random checkpoint's head made to never pick a token that is a piece of a character (a lone byte of a
+    byte-level BPE): a gateway holds such text back until the character is whole, so random bytes would arrive as one
+    chunk at the end and no time per token could be seen. Their rows of the head are zeroed, so their logits are 0
+    and the greedy pick among hundreds of random ones is always above."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    pieces = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    with torch.no_grad():
+        model.get_output_embeddings().weight[pieces] = 0
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def chats(url: str, n: int, tokens: int) -> dict:
+    """``n`` streamed chat completions sent at once to the gateway at ``url``: per-token gaps and first tokens."""
+    def one(i: int) -> tuple[float, list[float], int]:
+        arrived: list[float] = []
+        sent = time.perf_counter()
+        body = {"model": "ckpt", "messages": [{"role": "user", "content": f"{PROMPT} ({i})"}], "max_tokens": tokens,
+                "temperature": 0, "stream_options": {"include_usage": True}}
+        _, _, usage = stream_chat(url, body, on_text=lambda piece: arrived.append(time.perf_counter()))
+        return sent, arrived, int(usage.get("completion_tokens") or len(arrived))
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        done = list(pool.map(one, range(n)))
+    gaps = [b - a for _, arrived, _ in done for a, b in zip(arrived, arrived[1:])]
+    first = [arrived[0] - sent for sent, arrived, _ in done if arrived]
+    span = max(arrived[-1] for _, arrived, _ in done if arrived) - min(sent for sent, _, _ in done)
+    made = sum(count for _, _, count in done)
+    return {"chats": n, "tokens": made, "token_gap_p50_ms": 1e3 * percentile(gaps, 0.5),
+            "token_gap_p99_ms": 1e3 * percentile(gaps, 0.99), "first_token_p50_ms": 1e3 * percentile(first, 0.5),
+            "first_token_p99_ms": 1e3 * percentile(first, 0.99), "aggregate_tps": made / span}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
@@ -79,17 +126,20 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for the workers and the local baseline")
+    parser.add_argument("--chats", type=int, default=16, help="streamed chats sent at once through the gateway "
+                        "(0: none)")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                         help="passed on to each `gpunet worker` (repeatable)")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     if args.quick:
-        counts, args.tokens, args.rounds = [1, 4], 12, 1
+        counts, args.tokens, args.rounds, args.chats = [1, 4], 12, 1, min(args.chats, 4)
     folder = Path(tempfile.mkdtemp(prefix="gpunet-bench-batching-")) / "ckpt"
     d = args.d_model
     save_checkpoint(folder, "llama", seed=0, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=args.layers,
                     num_attention_heads=max(1, d // 64), num_key_value_heads=max(1, d // 128),
                     max_position_embeddings=256)
+    whole_characters(folder)
     reference, tok = load(folder)
     reference.config._attn_implementation = "eager"
     reference.to(args.device)
@@ -117,8 +167,12 @@ def main() -> None:
         with LocalNetwork(network="bench-batching", heartbeat=2.0) as net:
             bootstrap = net.start_bootstrap()
             for port in ports:
+                # One client (this script, then the gateway) holds every session: each worker takes as many of
+                # its sessions as there are streams (the default, 8 a client, is a volunteer's guard against one
+                # client filling the worker).
+                most = str(max(counts + [args.chats]))
                 net.start_worker("--threads", "1", "--device", args.device, "--metrics-port", str(port), *flag,
-                                 *args.worker_arg)
+                                 "--max-sessions-per-client", most, *args.worker_arg)
             with gpunet.Client(initial_peers=[bootstrap], network=net.network, data_dir=net.root / "client") as client:
                 wait_for(lambda: len(client.workers(refresh=True)) == 3, 60, "three workers")
                 lm = client.causal_lm(folder, max_length=max_length, spans=3)
@@ -141,6 +195,11 @@ def main() -> None:
                     if batching:
                         row["batched_steps"] = sum(batched_steps(p) for p in ports) - before
                     row[f"{key}_tokens_as_local"] = bool(torch.equal(got, expected))
+            if batching and args.chats:  # the gateway, a client of the same swarm, serving chats at once
+                _, url = net.start_gateway(folder, "--spans", "3", "--max-length", str(max_length + 64))
+                chats(url, 1, 4)  # its programs loaded
+                results["gateway"] = {"alone": chats(url, 1, args.tokens), "together": chats(url, args.chats,
+                                                                                            args.tokens)}
     one = results["sessions"][str(counts[0])]
     for n, row in results["sessions"].items():
         for key in ("batched", "unbatched"):
@@ -159,6 +218,11 @@ def main() -> None:
               f"{row['batched_aggregate_x_one']:>6.2f} {row['batched_steps']:>6.0f} | "
               f"{row['unbatched_stream_tps']:>15.1f} {row['unbatched_aggregate_tps']:>8.1f} "
               f"{row['unbatched_aggregate_x_one']:>6.2f} | {row['local_aggregate_tps']:>13.1f}")
+    for name, row in results.get("gateway", {}).items():
+        print(f"gateway, {row['chats']:>2} streamed chat(s) at once ({name}): time per token p50 "
+              f"{row['token_gap_p50_ms']:.1f} ms, p99 {row['token_gap_p99_ms']:.1f} ms; first token p50 "
+              f"{row['first_token_p50_ms']:.0f} ms, p99 {row['first_token_p99_ms']:.0f} ms; "
+              f"{row['aggregate_tps']:.1f} tokens/s in all")
     same = all(row["batched_tokens_as_local"] and row["unbatched_tokens_as_local"]
                for row in results["sessions"].values())
     print("tokens (first stream) equal local generation's:", "yes" if same else "NO")
