@@ -23,6 +23,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from gpunet.testing.wan import Profile
+
 PUBLIC_PREFIX = "25.0.0"
 _labs = itertools.count()
 
@@ -48,24 +50,26 @@ class Home:
 
 
 class _Lab:
-    """What every lab shares: its namespaces, made under one tag and removed on close, and commands run in them."""
+    """What every lab shares: its namespaces, made under one tag and removed on close, and commands run in them;
+    optionally a WAN profile's latency, jitter and loss on every home's arriving traffic (gpunet.testing.wan)."""
 
     tag: str
     public: str
     _made: list[str]
+    profile: "Profile | None" = None
 
     @property
     def public_addr(self) -> str:
         return f"{PUBLIC_PREFIX}.1"
 
     @staticmethod
-    def available() -> str | None:
-        """Why a lab cannot be made here, or None when it can."""
+    def available(latency: bool = False) -> str | None:
+        """Why a lab cannot be made here, or None when it can. ``latency``: with a profile's delays (iptables)."""
         if os.geteuid() != 0:
             return "network namespaces need root"
-        for tool in ("ip", "nft"):
+        for tool in ("ip", "nft") + (("iptables",) if latency else ()):
             if shutil.which(tool) is None:
-                return f"{tool} is not installed (apt-get install iproute2 nftables)"
+                return f"{tool} is not installed (apt-get install iproute2 nftables iptables)"
         return None
 
     def __enter__(self):
@@ -88,7 +92,7 @@ class _Lab:
     def _public_bridge(self) -> str:
         """The lab's public side: a namespace with a bridge at ``public_addr``, the others' switch (the first thing
         a lab builds: LabUnavailable, saying why, where it cannot be built)."""
-        why = self.available()
+        why = self.available(latency=bool(self.profile and (self.profile.one_way_ms or self.profile.loss_pct)))
         if why:
             raise LabUnavailable(why)
         self.public = self._netns(f"{self.tag}-pub")
@@ -129,8 +133,51 @@ class _Lab:
             sink.kill()
             sink.wait()
 
+    def _home_link(self, ns: str) -> None:
+        """The profile's latency, jitter and loss on what arrives at namespace ``ns`` from outside: a delayer
+        process inside it (killed with the namespace), bound before this returns."""
+        p = self.profile
+        if p is None or not (p.one_way_ms or p.loss_pct):
+            return
+        import subprocess
+        import sys
+
+        from gpunet.testing import wan
+
+        for argv in wan.rules(0):
+            _run(*self.exec_argv(ns, argv))
+        proc = subprocess.Popen(self.exec_argv(ns, [sys.executable, "-m", "gpunet.testing.wan", str(p.one_way_ms),
+                                                    str(p.jitter_ms), str(p.loss_pct), "0"]),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        self._delayers.append(proc)
+        if proc.stdout.readline().strip() != "ready":  # (it exits on any error, closing its stdout)
+            proc.wait(timeout=10)
+            raise LabUnavailable(f"the delayer in {ns} did not start: {proc.stderr.read().strip()[-500:]}")
+
+    def round_trip_ms(self, src: str, dst: str, dst_addr: str, count: int = 21) -> float:
+        """The median round trip, in ms, of one byte echoed over a TCP connection from namespace ``src`` to
+        ``dst_addr`` in ``dst``: the path's own latency, as the profile made it."""
+        import subprocess
+        import sys
+
+        echo = subprocess.Popen(self.exec_argv(dst, [sys.executable, "-c", _ECHO, dst_addr]), stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            port = echo.stdout.readline().strip()
+            done = subprocess.run(self.exec_argv(src, [sys.executable, "-c", _PING, dst_addr, port, str(count)]),
+                                  capture_output=True, text=True, timeout=120, check=True)
+            return float(done.stdout)
+        finally:
+            echo.kill()
+            echo.wait()
+
     def close(self) -> None:
         """Remove every namespace this lab made (their veths go with them). Processes still inside are killed first."""
+        for proc in self._delayers:
+            proc.kill()
+            proc.wait()
+        self._delayers.clear()
         for name in reversed(self._made):
             pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
             for pid in pids:
@@ -149,6 +196,8 @@ class NatLab(_Lab):
     public: str = ""
     homes: list[Home] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
+    profile: Profile | None = None  # latency, loss and each home's up/down link (gpunet.testing.wan.PROFILES)
+    _delayers: list = field(default_factory=list)
 
     def build(self) -> None:
         t, pub = self.tag, self._public_bridge()
@@ -187,6 +236,13 @@ table ip filter {
     }
 }
 """)
+            if self.profile is not None and self.profile.up_mbit:  # the home's uplink (its router's way out)
+                _run("ip", "netns", "exec", router, "tc", "qdisc", "add", "dev", "wan", "root",
+                     *_tbf(self.profile.up_mbit))
+            if self.profile is not None and self.profile.down_mbit:  # and its downlink (the router's way in)
+                _run("ip", "netns", "exec", router, "tc", "qdisc", "add", "dev", "lan", "root",
+                     *_tbf(self.profile.down_mbit))
+            self._home_link(home)
             self.homes.append(Home(home, router, f"{inside}.2", outside))
 
 
@@ -207,8 +263,13 @@ class LinkLab(_Lab):
     hosts: list[str] = field(default_factory=list)
     addrs: list[str] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
+    profile: Profile | None = None  # latency and loss (and, unless given above, the links' speeds)
+    _delayers: list = field(default_factory=list)
 
     def build(self) -> None:
+        if self.profile is not None:
+            self.up_mbit = self.up_mbit or self.profile.up_mbit
+            self.down_mbit = self.down_mbit or self.profile.down_mbit
         t, pub = self.tag, self._public_bridge()
         for i in range(self.hosts_count):
             host, addr = self._netns(f"{t}-x{i}"), f"{PUBLIC_PREFIX}.{100 + i}"
@@ -222,6 +283,7 @@ class LinkLab(_Lab):
             if self.down_mbit:  # what the switch sends it: its downlink
                 _run("ip", "netns", "exec", pub, "tc", "qdisc", "add", "dev", f"{t}s{i}", "root",
                      *_tbf(self.down_mbit))
+            self._home_link(host)
             self.hosts.append(host)
             self.addrs.append(addr)
 
@@ -248,6 +310,29 @@ with socket.create_connection((addr, port)) as c:
     c.shutdown(socket.SHUT_WR)
     c.recv(1)
 print(time.perf_counter() - t0)
+"""
+
+#: round_trip_ms' two ends: an echo server that says its port, and a client that times ``count`` one-byte echoes.
+_ECHO = """
+import socket, sys
+server = socket.create_server((sys.argv[1], 0))
+print(server.getsockname()[1], flush=True)
+conn, _ = server.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while data := conn.recv(1):
+    conn.sendall(data)
+"""
+_PING = """
+import socket, sys, time
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as c:
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    times = []
+    for _ in range(int(sys.argv[3])):
+        t0 = time.perf_counter()
+        c.sendall(b"x")
+        c.recv(1)
+        times.append(time.perf_counter() - t0)
+print(sorted(times)[len(times) // 2] * 1e3)
 """
 
 
