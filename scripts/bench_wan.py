@@ -8,7 +8,9 @@ its own NAT router: NatLab). Reported per profile and path, each beside its floo
 - bulk: a job whose input is 8 MiB (floor: the same bytes over one raw TCP connection into a home);
 - a 3-span session's decode rate (a Llama d=128, 6 layers, one span a worker; tokens/s from the first new token to
   the last, as they stream), beside the physical floor: each token crosses client -> span 1 -> span 2 -> span 3 ->
-  client, three of those transits into a home.
+  client, three of those transits into a home;
+- the same with speculative decoding (4 proposals a step): a draft that always agrees (the served weights
+  themselves, the ceiling of a well-matched draft) and one that nearly never does (another random model).
 
 The client sits on the lab's public side (a well-connected machine; the relay node is there too, so a relayed
 transit here costs what a direct one does, where a real relay adds its own distance). Hole punching (DCUtR)
@@ -44,7 +46,7 @@ import torch
 import gpunet
 from gpunet.llm import load
 
-boot, network, data_dir, folder, workers, tokens = sys.argv[1:7]
+boot, network, data_dir, folder, other, workers, tokens = sys.argv[1:8]
 workers, tokens = int(workers), int(tokens)
 out = {}
 with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
@@ -72,13 +74,22 @@ with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as 
     ids = tok("the volunteers run workers on their home machines and", return_tensors="pt").input_ids
     lm = client.causal_lm(folder, max_length=ids.shape[1] + tokens + 8, spans=SPANS)
     lm.generate(ids, max_new_tokens=2, do_sample=False)  # spans placed, programs loaded
-    arrived = [time.perf_counter() for _ in lm.stream(ids, max_new_tokens=tokens, do_sample=False)]
-    out["session_tps"] = (len(arrived) - 1) / (arrived[-1] - arrived[0])
+
+    def rate(**draft):
+        arrived = [time.perf_counter() for _ in lm.stream(ids, max_new_tokens=tokens, do_sample=False, **draft)]
+        return (len(arrived) - 1) / (arrived[-1] - arrived[0])
+
+    out["session_tps"] = rate()
+    # Speculative decoding, 4 proposals a step: a draft that always agrees (the served weights themselves: the
+    # ceiling of a well-matched draft) and one that nearly never does (another random model).
+    for name, draft in (("same", folder), ("other", other)):
+        out[f"draft_{name}_tps"] = rate(draft=draft, draft_tokens=4)
+        out[f"draft_{name}_kept"] = lm.last.draft_accepted / max(1, lm.last.draft_proposed)
 print(json.dumps(out), flush=True)
 '''.replace("BULK", str(BULK_BYTES)).replace("SPANS", str(SPANS))
 
 
-def measure(profile_name: str, path: str, folder: Path, tokens: int) -> dict:
+def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int) -> dict:
     """One profile over one path, in a lab and network of its own."""
     profile = PROFILES[profile_name]
     lab_type = LinkLab if path == "direct" else NatLab
@@ -97,8 +108,8 @@ def measure(profile_name: str, path: str, folder: Path, tokens: int) -> dict:
             row["floor_round_trip_ms"] = lab.round_trip_ms(lab.public, homes[0], lab.addrs[0])
             row["floor_bulk_s"] = lab.tcp_seconds(lab.public, homes[0], lab.addrs[0], BULK_BYTES)
         done = subprocess.run(lab.exec_argv(lab.public, [sys.executable, "-c", _CLIENT, boot, net.network,
-                                                          str(Path(tmp) / "client"), str(folder), str(SPANS),
-                                                          str(tokens)]),
+                                                          str(Path(tmp) / "client"), str(folder), str(other),
+                                                          str(SPANS), str(tokens)]),
                               capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
             raise RuntimeError(f"{profile_name}/{path}: the client failed: {done.stderr[-3000:]}")
@@ -118,13 +129,15 @@ def main() -> None:
     if why:
         raise SystemExit(f"bench_wan needs network namespaces: {why}")
     folder = Path(tempfile.mkdtemp(prefix="gpunet-bench-wan-")) / "ckpt"
-    save_checkpoint(folder, "llama", seed=0, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
-                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    shape = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=6, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=128)
+    save_checkpoint(folder, "llama", seed=0, **shape)
+    other = save_checkpoint(folder.parent / "other", "llama", seed=1, **shape)  # a draft that nearly never agrees
     rows, floors = [], {}
     for name in args.profiles.split(","):
         for path in args.paths.split(","):
             t0 = time.perf_counter()
-            row = measure(name, path, folder, args.tokens)
+            row = measure(name, path, folder, other, args.tokens)
             floors.setdefault(name, {k: row[k] for k in ("floor_round_trip_ms", "floor_bulk_s") if k in row})
             row.update({k: v for k, v in floors[name].items() if k not in row})
             row["bench_s"] = time.perf_counter() - t0
@@ -136,12 +149,14 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"{'profile':>10} {'path':>8} | {'tiny p50':>9} {'floor':>7} | {'8 MiB':>7} {'floor':>7} | "
-          f"{'session tok/s':>13} {'floor':>7}")
+          f"{'session tok/s':>13} {'floor':>7} | {'draft agrees':>12} {'x':>5} | {'draft does not':>14} {'x':>5}")
     for r in rows:
         floor_tps = f"{r['floor_session_tps']:.1f}" if r.get("floor_session_tps") else "-"
         print(f"{r['profile']:>10} {r['path']:>8} | {r['tiny_p50_ms']:>7.1f}ms "
               f"{r.get('floor_round_trip_ms', 0):>5.1f}ms | {r['bulk_s']:>6.2f}s {r.get('floor_bulk_s', 0):>6.2f}s | "
-              f"{r['session_tps']:>13.1f} {floor_tps:>7}")
+              f"{r['session_tps']:>13.1f} {floor_tps:>7} | {r['draft_same_tps']:>12.1f} "
+              f"{r['draft_same_tps'] / r['session_tps']:>5.2f} | {r['draft_other_tps']:>14.1f} "
+              f"{r['draft_other_tps'] / r['session_tps']:>5.2f}")
     print("hole-punched path:", result["hole_punched"])
 
 

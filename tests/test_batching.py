@@ -28,9 +28,14 @@ ROOM = 1 << 24
 def _span(family: str = "llama"):
     model = adapter.prepare(tiny_causal_lm(family))
     blocks = adapter.blocks_of(model, 16)
-    x = torch.zeros(1, 2, model.config.hidden_size)
+    x = adapter.with_control(torch.zeros(1, 2, model.config.hidden_size))
     span, = trace_spans(blocks[:2], (x,), ({1: Dim("T", min=1, max=16)},), [(0, 2)], rows=Dim("B", min=1, max=8))
     return span, model.config.hidden_size
+
+
+def _h(*shape: int) -> torch.Tensor:
+    """A span step's input: random hidden states of ``shape``, and the control channel (no rewind)."""
+    return adapter.with_control(torch.randn(*shape))
 
 
 def _step(key: str, step: int, close: bool = False) -> SessionRun:
@@ -76,9 +81,8 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
     span, d = _span()
     job = span.job
     torch.manual_seed(1)
-    prompts = {"A/s": torch.randn(1, 5, d), "B/s": torch.randn(1, 2, d), "C/s": torch.randn(1, 7, d),
-               "D/s": torch.randn(1, 1, d)}
-    nxt = {k: torch.randn(1, 1, d) for k in prompts}
+    prompts = {"A/s": _h(1, 5, d), "B/s": _h(1, 2, d), "C/s": _h(1, 7, d), "D/s": _h(1, 1, d)}
+    nxt = {k: _h(1, 1, d) for k in prompts}
 
     async def open_all(ex, keys):
         await ex.drop_sessions(list(prompts))
@@ -113,7 +117,7 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
         await ex.run(job.program_hash, None, _x(prompts["D/s"]), session=_step("D/s", 0))
         mixed = await ex.run_rows(job.program_hash, [
             (_step("A/s", 3), _x(nxt["A/s"])), (_step("gone/s", 3), _x(nxt["A/s"])),
-            (_step("C/s", 3), _x(torch.randn(1, 2, d))), (_step("D/s", 1), _x(torch.randn(2, 1, d))),
+            (_step("C/s", 3), _x(_h(1, 2, d))), (_step("D/s", 1), _x(_h(2, 1, d))),
             (_step("A/s", 4), _x(nxt["A/s"]))])
         assert isinstance(mixed[0].outputs, bytes) and isinstance(mixed[2].outputs, bytes)
         assert isinstance(mixed[1], SessionLost)

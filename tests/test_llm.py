@@ -26,17 +26,17 @@ def _generate_through_programs(model, prompt: torch.Tensor, new: int) -> list[in
     blocks = adapter.blocks_of(adapter.prepare(model), MAX)
     ends = adapter.Ends(model)
     hidden = adapter.text_config(model.config).hidden_size
-    spans = trace_spans(blocks, (torch.zeros(1, 2, hidden),), ({1: Dim("T", min=1, max=MAX)},),
+    spans = trace_spans(blocks, (adapter.with_control(torch.zeros(1, 2, hidden)),), ({1: Dim("T", min=1, max=MAX)},),
                         [(0, 2), (2, len(blocks))])
     states = [span.state for span in spans]
     x, seen, out = prompt, 0, []
     for _ in range(new):
-        h = ends.embed(x, torch.arange(seen, seen + x.shape[1])[None])
+        h = adapter.with_control(ends.embed(x, torch.arange(seen, seen + x.shape[1])[None]))
         seen += x.shape[1]
         for i, span in enumerate(spans):
             h, *state = span.job.run_locally(h, *states[i])
             states[i] = tuple(state)
-        out.append(int(ends.head(h[:, -1:])[0, -1].argmax()))
+        out.append(int(ends.head(adapter.hidden_of(h)[:, -1:])[0, -1].argmax()))
         x = torch.tensor([[out[-1]]])
     return out
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from gpunet.client.llm import adapter
 from gpunet.client.llm.engine import CausalLMCore
 from gpunet.client.routing import Requirements
 from gpunet.job.checkpoints import CheckpointIndex, checkpoint_id
@@ -44,12 +45,12 @@ def _greedy(lm: CausalLMCore, prompt: torch.Tensor, new: int) -> list[int]:
     states = [span.state for span in lm.spans]
     x, seen, out = prompt, 0, []
     for _ in range(new):
-        h = lm.ends.embed(x, torch.arange(seen, seen + x.shape[1])[None])
+        h = adapter.with_control(lm.ends.embed(x, torch.arange(seen, seen + x.shape[1])[None]))
         seen += x.shape[1]
         for i, span in enumerate(lm.spans):
             h, *state = span.job.run_locally(h, *states[i])
             states[i] = tuple(state)
-        out.append(int(lm.ends.head(h[:, -1:])[0, -1].argmax()))
+        out.append(int(lm.ends.head(adapter.hidden_of(h)[:, -1:])[0, -1].argmax()))
         x = torch.tensor([[out[-1]]])
     return out
 
@@ -169,7 +170,7 @@ def test_a_slim_folder_traces_the_same_programs_with_only_its_ends(family, tmp_p
     with pytest.raises(WeightsNotHeld, match="only by its hash"):
         b.spans[0].job.referenced(ref.sha256)
     # Routing's estimate (the workers' dry run, on meta tensors) needs no weight's bytes.
-    x = torch.zeros(1, 3, b.config.hidden_size)
+    x = adapter.with_control(torch.zeros(1, 3, b.config.hidden_size))
     assert b.spans[0].job.estimate(x, *b.spans[0].state).flops == a.spans[0].job.estimate(x, *a.spans[0].state).flops
 
 

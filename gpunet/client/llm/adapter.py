@@ -119,9 +119,25 @@ class LayerCall:
                    "alibi" in params, "use_cache" in params)
 
 
+def with_control(hidden: torch.Tensor, rewind: int = 0) -> torch.Tensor:
+    """A span step's input: the hidden states [B, T, d] and one control channel after them, whose first token
+    carries how many of the tokens the spans last wrote to drop before this step's (speculative decoding: drafted
+    tokens the model did not accept). Every span passes the channel on unchanged, so each hears it (a step's
+    pushes from span to span carry only its hidden states). A small integer: exact in any float dtype."""
+    control = torch.zeros(*hidden.shape[:2], 1, dtype=hidden.dtype)
+    control[:, 0, 0] = rewind
+    return torch.cat([hidden, control], dim=-1)
+
+
+def hidden_of(x: torch.Tensor) -> torch.Tensor:
+    """The hidden states of a span step's output (its control channel dropped)."""
+    return x[..., :-1]
+
+
 class DecoderBlock(nn.Module):
     """One HF decoder layer as a gpunet stateful block: ``forward(x, keys, values, seen) -> (y, keys, values,
-    seen)``; ``seen`` counts the tokens this session has written (the next one's slot and position)."""
+    seen)``; ``seen`` counts the tokens this session has written (the next one's slot and position); ``x`` and
+    ``y`` carry the control channel of :func:`with_control` after the hidden states."""
 
     def __init__(self, layer: nn.Module, index: int, config, rotary: nn.Module | None, alibi_heads: int | None,
                  max_length: int, kv_shape: tuple[int, int], kv_dtype: torch.dtype):
@@ -139,8 +155,12 @@ class DecoderBlock(nn.Module):
         return cache, cache.clone(), torch.zeros(1, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seen: torch.Tensor):
-        """Per row (one session each, when a worker batches sessions on its span): ``x`` [B, T, d], ``seen`` [B]."""
-        where = seen[:, None] + torch.arange(x.shape[1], dtype=torch.int64)  # [B, T]: each row's slots and positions
+        """Per row (one session each, when a worker batches sessions on its span): ``x`` [B, T, d + 1], ``seen`` [B].
+        Slots past a rewind keep what the dropped tokens wrote, unseen: no token attends past its own slot, and the
+        step's own tokens overwrite theirs first."""
+        control, x = x[..., -1:], x[..., :-1]
+        start = seen - control[:, 0, 0].round().to(torch.int64)
+        where = start[:, None] + torch.arange(x.shape[1], dtype=torch.int64)  # [B, T]: each row's slots and positions
         cache = StepCache(keys, values, where)
         slots = torch.arange(self.max_length, dtype=torch.int64)
         visible = slots[None, None, :] <= where[:, :, None]  # [B, T, L]: causal, and only slots written
@@ -149,7 +169,7 @@ class DecoderBlock(nn.Module):
         y = self.layer(x, **self.kwargs(x, cache, where, visible))
         if isinstance(y, (tuple, list)):
             y = y[0]
-        return y, cache.keys, cache.values, where[:, -1] + 1
+        return torch.cat([y, control.to(y.dtype)], dim=-1), cache.keys, cache.values, where[:, -1] + 1
 
     def kwargs(self, x: torch.Tensor, cache: Any, where: torch.Tensor, visible: torch.Tensor) -> dict:
         call, out = self.call, {}

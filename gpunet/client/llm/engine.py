@@ -39,6 +39,8 @@ class Usage:
     placement: list[list[tuple[int, int, str | None]]] = field(default_factory=list)
     receipts: list[Receipt] = field(default_factory=list)
     output: torch.Tensor | None = None  # HF's generate output: the prompt as given, then the new tokens
+    draft_proposed: int = 0  # speculative decoding: tokens a draft proposed, and those the model kept
+    draft_accepted: int = 0
 
     @property
     def cost(self) -> float:
@@ -151,7 +153,7 @@ class CausalLMCore:
         self.ends = adapter.Ends(self.model)
         blocks = adapter.blocks_of(self.model, self.max_length)
         dtype = next(self.model.parameters()).dtype
-        example = torch.zeros(1, 2, config.hidden_size, dtype=dtype)
+        example = torch.zeros(1, 2, config.hidden_size + 1, dtype=dtype)  # (the control channel: adapter)
         # Rows are sessions (adapter.DecoderBlock computes each from its own): a worker may batch them.
         self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
                                          spans, None, requirements, stand_ins,
@@ -245,15 +247,23 @@ class CausalLMCore:
     async def _forward_row(self, row: list[int]) -> torch.Tensor:
         ids = torch.tensor([row])
         h = await asyncio.to_thread(self.ends.embed, ids, torch.arange(len(row))[None])
-        return await asyncio.to_thread(self.ends.head, await self.seq.forward(h))
+        out = await self.seq.forward(adapter.with_control(h))
+        return await asyncio.to_thread(self.ends.head, adapter.hidden_of(out))
 
     # --- generation ------------------------------------------------------------------------------------------------
 
     async def steps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                    usage: Usage | None = None, **kwargs) -> AsyncIterator[torch.Tensor]:
+                    usage: Usage | None = None, draft=None, draft_tokens: int = 4,
+                    **kwargs) -> AsyncIterator[torch.Tensor]:
         """Each step's next tokens [B], as HF's ``generate`` picks them (the whole output ends on ``usage.output``).
-        One session per row, all rows stepping together."""
+        One session per row, all rows stepping together. ``draft``: a small causal LM on this machine (same
+        vocabulary) proposing ``draft_tokens`` tokens that one step checks at once (speculative decoding: the same
+        tokens, fewer round trips; one row)."""
         usage = usage if usage is not None else Usage()
+        if draft is not None:
+            async for nxt in self._speculative_steps(input_ids, attention_mask, usage, draft, draft_tokens, kwargs):
+                yield nxt
+            return
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() == 1:
@@ -284,18 +294,87 @@ class CausalLMCore:
             usage.receipts = [r for s_ in sessions for r in s_.receipts]
             usage.output = picker.ids
 
-    async def _step(self, session: SessionCore, tokens: list[int], seen: int) -> torch.Tensor:
-        """One row's new tokens in, the next token's logits [vocab] out: one session step, or for a prompt longer
-        than PREFILL_CHUNK one per chunk, so that a worker batching other sessions' decode steps on the same span
-        runs them between the chunks (a prompt stalls them one chunk's forward at a time, docs/sessions.md)."""
+    async def _speculative_steps(self, input_ids, attention_mask, usage: Usage, draft, k: int,
+                                 kwargs: dict) -> AsyncIterator[torch.Tensor]:
+        """:meth:`steps` with a draft's proposals checked k at a time (gpunet.client.llm.speculative)."""
+        from gpunet.client.llm.speculative import Draft
+
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = torch.as_tensor(input_ids)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.shape[0] != 1:
+            raise UsageError(f"speculative decoding takes one row (a prompt), got {input_ids.shape[0]}: generate "
+                             "the others apart, or without a draft")
+        if not 1 <= int(k) <= 16:
+            raise UsageError(f"draft_tokens must be between 1 and 16, got {k}")
+        if isinstance(draft, (str, Path)):
+            draft = load(check_folder(draft))[0]
+        draft = draft if isinstance(draft, Draft) else Draft(draft, adapter.text_config(self.config).vocab_size)
+        s = generation.settings(self.model.generation_config, input_ids.shape[1], self.max_length, **kwargs)
+        row = generation.rows_of(input_ids, attention_mask, s.pad_token_id, s.eos_token_id)[0]
+        picker = generation.Picker(s, input_ids, self.tokenizer)
+        usage.prompt_tokens = [len(row)]
+        session = self.seq.session(ttl=SESSION_TTL)
+        context, seen = list(row), len(row)
+        try:
+            logits = (await self._step(session, row, 0))[None]  # what the next token is picked from (None: picked)
+            rewind = 0  # proposals the spans wrote last step that were not kept
+            while True:
+                if logits is not None:
+                    nxt = int(picker.pick(logits)[0])
+                    usage.completion_tokens = list(picker.produced)
+                    yield picker.ids[:, -1]
+                    if picker.done:
+                        return
+                context.append(nxt)
+                # As many proposals after it as the session's cache and the generation's length leave room for.
+                room = min(k, self.max_length - seen - 1, s.max_new_tokens - picker.produced[0] - 1)
+                proposal = draft.propose(context, room) if room > 0 else []
+                every = await self._step(session, [nxt, *proposal], seen, rewind, every=True)  # [1 + room, vocab]
+                seen += 1 + len(proposal)
+                usage.draft_proposed += len(proposal)
+                taken, logits = 0, None
+                # Each proposal is kept while the picker picks it from the logits before it; the first pick that
+                # differs is the next token itself (one draw per token, as without a draft).
+                while taken < len(proposal):
+                    nxt = int(picker.pick(every[taken:taken + 1])[0])
+                    usage.completion_tokens = list(picker.produced)
+                    yield picker.ids[:, -1]
+                    if picker.done:
+                        return
+                    if nxt != proposal[taken]:
+                        break
+                    context.append(nxt)
+                    taken += 1
+                else:  # every proposal kept: the next pick is from the logits after the last
+                    logits = every[taken:taken + 1]
+                usage.draft_accepted += taken
+                draft.accepted += taken
+                rewind = len(proposal) - taken
+                seen -= rewind
+        finally:
+            usage.placement = [session.placement]
+            await session.close()
+            usage.receipts = list(session.receipts)
+            usage.output = picker.ids
+
+    async def _step(self, session: SessionCore, tokens: list[int], seen: int, rewind: int = 0,
+                    every: bool = False) -> torch.Tensor:
+        """One row's new tokens in, the next token's logits [vocab] out (``every``: each new token's [T, vocab]):
+        one session step, or for a prompt longer than PREFILL_CHUNK one per chunk, so that a worker batching other
+        sessions' decode steps on the same span runs them between the chunks (a prompt stalls them one chunk's
+        forward at a time, docs/sessions.md). ``rewind``: tokens the spans last wrote that are dropped first (``seen``
+        counts without them)."""
         for at in range(0, len(tokens), PREFILL_CHUNK):
             part = tokens[at:at + PREFILL_CHUNK]
             # The ends are torch work (a big vocabulary's head is a large matmul): off the loop, where other
             # requests' steps and a gateway's streams wait.
             h = await asyncio.to_thread(self.ends.embed, torch.tensor([part]),
                                         torch.arange(seen + at, seen + at + len(part))[None])
-            out = await session.step(h)
-        return (await asyncio.to_thread(self.ends.head, out[:, -1:]))[0, -1]
+            out = adapter.hidden_of(await session.step(adapter.with_control(h, rewind if at == 0 else 0)))
+        logits = (await asyncio.to_thread(self.ends.head, out if every else out[:, -1:]))[0]
+        return logits if every else logits[-1]  # (every: for a few tokens, one chunk)
 
     def _check_length(self, n: int) -> None:
         if n > self.max_length:
