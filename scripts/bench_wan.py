@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +114,7 @@ def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int
                               capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parent.parent)
         if done.returncode != 0:
             raise RuntimeError(f"{profile_name}/{path}: the client failed: {done.stderr[-3000:]}")
+        lab.check_delayers()  # (the figures are the profile's only if every home's delay held throughout)
         row.update(json.loads(done.stdout.strip().splitlines()[-1]))
         row["floor_session_tps"] = (1 / profile.floor_token_s(SPANS)) if profile.one_way_ms else None
         return row
@@ -134,15 +136,18 @@ def main() -> None:
     save_checkpoint(folder, "llama", seed=0, **shape)
     other = save_checkpoint(folder.parent / "other", "llama", seed=1, **shape)  # a draft that nearly never agrees
     rows, floors = [], {}
-    for name in args.profiles.split(","):
-        for path in args.paths.split(","):
-            t0 = time.perf_counter()
-            row = measure(name, path, folder, other, args.tokens)
-            floors.setdefault(name, {k: row[k] for k in ("floor_round_trip_ms", "floor_bulk_s") if k in row})
-            row.update({k: v for k, v in floors[name].items() if k not in row})
-            row["bench_s"] = time.perf_counter() - t0
-            rows.append(row)
-            print(f"# {name}/{path}: done in {row['bench_s']:.0f} s", file=sys.stderr, flush=True)
+    try:
+        for name in args.profiles.split(","):
+            for path in args.paths.split(","):
+                t0 = time.perf_counter()
+                row = measure(name, path, folder, other, args.tokens)
+                floors.setdefault(name, {k: row[k] for k in ("floor_round_trip_ms", "floor_bulk_s") if k in row})
+                row.update({k: v for k, v in floors[name].items() if k not in row})
+                row["bench_s"] = time.perf_counter() - t0
+                rows.append(row)
+                print(f"# {name}/{path}: done in {row['bench_s']:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(folder.parent, ignore_errors=True)
     result = {"benchmark": "wan", "spans": SPANS, "tokens": args.tokens, "bulk_bytes": BULK_BYTES,
               "hole_punched": "not measured: DCUtR was never observed in the lab (docs/reachability.md)", "rows": rows}
     if args.json:

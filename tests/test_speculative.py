@@ -70,3 +70,20 @@ def test_speculative_decoding_over_a_swarm_gives_the_tokens_of_plain_decoding(sw
         lm.generate(ids.repeat(2, 1), max_new_tokens=4, draft=well)
     with pytest.raises(UsageError, match="draft_tokens"):
         lm.generate(ids, max_new_tokens=4, draft=well, draft_tokens=0)
+
+
+@pytest.mark.swarm
+def test_a_worker_that_changes_the_control_channel_is_caught(swarm, client_for, tmp_path):
+    """A worker that corrupts its outputs changes the channel that tells the spans how many tokens to drop (a shift
+    the checks' tolerance would pass in bf16 could make later spans keep a refused proposal): the client sees the last
+    span's channel differ from what it sent and ends the generation, trusting nothing of it."""
+    from gpunet.errors import VerificationFailed
+
+    folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=5)
+    swarm.start_worker("--fault-corrupt-fraction", "1.0")
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 1, 30, "the worker")
+    lm = client.causal_lm(folder, max_length=MAX, spans=1)
+    ids = torch.tensor([[5, 9, 17, 3]])
+    with pytest.raises(VerificationFailed, match="control channel"):
+        lm.generate(ids, max_new_tokens=4, do_sample=False, draft=folder)

@@ -38,8 +38,10 @@ def test_a_home_behind_nat_meets_the_profile_on_its_way_to_the_public_side_and_l
     lab = _made(NatLab, homes_count=1, profile=PROFILES["city"])
     try:
         home = lab.homes[0]
-        # Home and public side: a round trip crosses the home's latency once (the public side stands for a server).
-        assert lab.round_trip_ms(home.ns, lab.public, lab.public_addr) >= PROFILES["city"].one_way_ms
+        # Home and public side: a round trip crosses the home's latency once (the public side stands for a server),
+        # give or take its jitter (a median of 21 round trips).
+        city = PROFILES["city"]
+        assert lab.round_trip_ms(home.ns, lab.public, lab.public_addr) >= city.one_way_ms - 2 * city.jitter_ms
     finally:
         lab.close()
     for loss, gets_through in ((0.0, True), (100.0, False)):

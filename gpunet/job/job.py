@@ -275,7 +275,9 @@ class Job:
 
 
 def program_parts(manifest: bytes, graph: bytes, weights: dict[str, torch.Tensor]) -> ProgramParts:
-    """A program's parts with its weights' data ALIGN-aligned within its container (format.weights_start)."""
+    """A program's parts with its weights' data ALIGN-aligned within its container (format.weights_start). Within
+    ALIGN bytes of a bin header's bounds (256 bytes, 64 KiB of weights) padding can flip the header's size back and
+    forth: such a tiny program may stay misaligned, and its weights are copied at load as before."""
     encoded = b""
     for _ in range(4):  # padding can move the weights' length across a bin header's size (at 256 or 64 KiB bytes)
         start = weights_start(len(manifest), len(graph), len(encoded))

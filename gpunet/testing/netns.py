@@ -154,6 +154,14 @@ class _Lab:
         if proc.stdout.readline().strip() != "ready":  # (it exits on any error, closing its stdout)
             proc.wait(timeout=10)
             raise LabUnavailable(f"the delayer in {ns} did not start: {proc.stderr.read().strip()[-500:]}")
+        proc.stdout.close()
+
+    def check_delayers(self) -> None:
+        """Raise if a delayer has ended: the rules' bypass would let its home's traffic through undelayed, and
+        figures measured meanwhile would not be the profile's."""
+        gone = [p for p in self._delayers if p.poll() is not None]
+        if gone:
+            raise RuntimeError(f"{len(gone)} delayer(s) of the lab ended: {gone[0].stderr.read().strip()[-500:]}")
 
     def round_trip_ms(self, src: str, dst: str, dst_addr: str, count: int = 21) -> float:
         """The median round trip, in ms, of one byte echoed over a TCP connection from namespace ``src`` to
@@ -167,16 +175,19 @@ class _Lab:
             port = echo.stdout.readline().strip()
             done = subprocess.run(self.exec_argv(src, [sys.executable, "-c", _PING, dst_addr, port, str(count)]),
                                   capture_output=True, text=True, timeout=120, check=True)
+            self.check_delayers()
             return float(done.stdout)
         finally:
             echo.kill()
             echo.wait()
+            echo.stdout.close()
 
     def close(self) -> None:
         """Remove every namespace this lab made (their veths go with them). Processes still inside are killed first."""
         for proc in self._delayers:
             proc.kill()
             proc.wait()
+            proc.stderr.close()
         self._delayers.clear()
         for name in reversed(self._made):
             pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()

@@ -1,8 +1,8 @@
 """A WAN in the lab: latency, jitter and loss on a namespace's traffic, and named profiles of home links.
 
 Linux's own emulator (``tc qdisc ... netem``) is the usual tool, but kernels built without it (``CONFIG_NET_SCH_NETEM``
-unset, as on this project's machines) refuse it, so latency is added in user space instead: the namespace's
-outgoing and incoming packets are queued to this module (``iptables -j NFQUEUE``, netfilter's queue to user space)
+unset, as on this project's machines) refuse it, so latency is added in user space instead: the packets arriving
+at the namespace are queued to this module (``iptables -j NFQUEUE``, netfilter's queue to user space)
 over a netlink socket, and each is let through (accepted) once its delay has passed, or dropped for loss. Only
 packet ids cross (metadata copy mode): the bytes stay in the kernel. Bandwidth stays with the kernel's token bucket
 (``tc tbf``, gpunet.testing.netns). Pure Python, no library: the nfnetlink queue messages are a handful of structs.
@@ -65,7 +65,7 @@ NFQNL_CFG_CMD_BIND = 1
 NFQNL_COPY_META = 1
 NFQA_CFG_F_FAIL_OPEN, NFQA_CFG_F_GSO = 1, 4
 NF_DROP, NF_ACCEPT = 0, 1
-NLM_F_REQUEST = 1
+NLM_F_REQUEST, NLM_F_ACK = 1, 4
 NLMSG_ERROR = 2
 QUEUE_MAXLEN = 65536
 
@@ -75,17 +75,26 @@ def _attr(kind: int, payload: bytes) -> bytes:
     return head + payload + b"\0" * (-len(payload) % 4)
 
 
-def _message(msg: int, queue: int, attrs: bytes, family: int = socket.AF_INET) -> bytes:
+def _message(msg: int, queue: int, attrs: bytes, family: int = socket.AF_INET, flags: int = 0) -> bytes:
     body = struct.pack("=BBH", family, 0, socket.htons(queue)) + attrs
-    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg, NLM_F_REQUEST, 0, 0) + body
+    return struct.pack("=IHHII", 16 + len(body), (NFNL_SUBSYS_QUEUE << 8) | msg, NLM_F_REQUEST | flags, 0, 0) + body
 
 
 def _bind(sock: socket.socket, queue: int) -> None:
-    sock.send(_message(NFQNL_MSG_CONFIG, queue, _attr(NFQA_CFG_CMD, struct.pack("=BBH", NFQNL_CFG_CMD_BIND, 0, 0))))
-    sock.send(_message(NFQNL_MSG_CONFIG, queue, _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META))
-                       + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", QUEUE_MAXLEN))
-                       + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO))
-                       + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO))))
+    """Bind ``queue`` to this socket, each request acknowledged (an error raises OSError): a delayer that says
+    ``ready`` delays, rather than leaving the rules' bypass to let everything through undelayed."""
+    for attrs in (_attr(NFQA_CFG_CMD, struct.pack("=BBH", NFQNL_CFG_CMD_BIND, 0, 0)),
+                  _attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, NFQNL_COPY_META))
+                  + _attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", QUEUE_MAXLEN))
+                  + _attr(NFQA_CFG_MASK, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO))
+                  + _attr(NFQA_CFG_FLAGS, struct.pack("!I", NFQA_CFG_F_FAIL_OPEN | NFQA_CFG_F_GSO))):
+        sock.send(_message(NFQNL_MSG_CONFIG, queue, attrs, flags=NLM_F_ACK))
+        reply = sock.recv(65536)
+        length, kind = struct.unpack_from("=IH", reply)
+        code = -struct.unpack_from("=i", reply, 16)[0] if kind == NLMSG_ERROR else -1
+        if code:
+            raise OSError(code, f"binding nfnetlink queue {queue}: " + (os.strerror(code) if code > 0 else
+                                                                        f"unexpected reply type {kind}"))
 
 
 def _verdict(queue: int, packet_id: int, verdict: int) -> bytes:
@@ -100,10 +109,10 @@ def _packets(data: bytes):
         length, kind = struct.unpack_from("=IH", data, at)
         if length < 16:
             return
-        if kind == NLMSG_ERROR:
+        if kind == NLMSG_ERROR:  # a verdict refused (its packet timed out of the queue, say): said, not fatal
             code = -struct.unpack_from("=i", data, at + 16)[0]
             if code:
-                raise OSError(code, f"nfnetlink queue: {os.strerror(code)}")
+                print(f"nfnetlink queue: {os.strerror(code)}", file=sys.stderr, flush=True)
         elif kind == (NFNL_SUBSYS_QUEUE << 8) | NFQNL_MSG_PACKET:
             queue = socket.ntohs(struct.unpack_from("=H", data, at + 18)[0])
             a = at + 20
@@ -143,7 +152,7 @@ def run(delay_ms: float, jitter_ms: float, loss_pct: float, queues: list[int]) -
                     data = sock.recv(1 << 20)
                 except BlockingIOError:
                     break
-                except OSError:  # ENOBUFS: the kernel dropped messages (their packets are lost, as on a full link)
+                except OSError:  # ENOBUFS: this socket missed messages (their packets went on undelayed, fail-open)
                     continue
                 now = time.monotonic()
                 for queue, packet_id in _packets(data):

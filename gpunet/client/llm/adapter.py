@@ -159,7 +159,9 @@ class DecoderBlock(nn.Module):
         Slots past a rewind keep what the dropped tokens wrote, unseen: no token attends past its own slot, and the
         step's own tokens overwrite theirs first."""
         control, x = x[..., -1:], x[..., :-1]
-        start = seen - control[:, 0, 0].round().to(torch.int64)
+        # Never before the first slot nor past the last written, whatever the channel holds (NaN included: it
+        # converts to the least int64).
+        start = (seen - control[:, 0, 0].round().to(torch.int64).clamp(min=0)).clamp(min=0)
         where = start[:, None] + torch.arange(x.shape[1], dtype=torch.int64)  # [B, T]: each row's slots and positions
         cache = StepCache(keys, values, where)
         slots = torch.arange(self.max_length, dtype=torch.int64)

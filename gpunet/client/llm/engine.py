@@ -14,7 +14,7 @@ import torch
 
 from gpunet.client.routing import Requirements
 from gpunet.client.sessions.session import SequentialCore, SessionCore, build
-from gpunet.errors import UsageError
+from gpunet.errors import UsageError, VerificationFailed
 from gpunet.ledger.receipts import Receipt
 from gpunet.client.llm import adapter, generation
 
@@ -28,6 +28,9 @@ SESSION_TTL = 120.0
 MAX_BATCH_ROWS = 64
 #: A prompt goes to the spans in steps of at most this many tokens (see CausalLMCore._step).
 PREFILL_CHUNK = 256
+#: The most proposals a speculative step takes (so the most tokens a step can drop, the control channel's value):
+#: small integers stay exact, and a shifted one far outside the checks' tolerance, in every dtype (bf16 included).
+MAX_DRAFT_TOKENS = 8
 
 
 @dataclass
@@ -306,8 +309,8 @@ class CausalLMCore:
         if input_ids.shape[0] != 1:
             raise UsageError(f"speculative decoding takes one row (a prompt), got {input_ids.shape[0]}: generate "
                              "the others apart, or without a draft")
-        if not 1 <= int(k) <= 16:
-            raise UsageError(f"draft_tokens must be between 1 and 16, got {k}")
+        if not 1 <= int(k) <= MAX_DRAFT_TOKENS:
+            raise UsageError(f"draft_tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {k}")
         if isinstance(draft, (str, Path)):
             draft = load(check_folder(draft))[0]
         draft = draft if isinstance(draft, Draft) else Draft(draft, adapter.text_config(self.config).vocab_size)
@@ -330,7 +333,8 @@ class CausalLMCore:
                 context.append(nxt)
                 # As many proposals after it as the session's cache and the generation's length leave room for.
                 room = min(k, self.max_length - seen - 1, s.max_new_tokens - picker.produced[0] - 1)
-                proposal = draft.propose(context, room) if room > 0 else []
+                # (the draft's torch work off the loop, as the ends': other requests' steps wait there)
+                proposal = await asyncio.to_thread(draft.propose, context, room) if room > 0 else []
                 every = await self._step(session, [nxt, *proposal], seen, rewind, every=True)  # [1 + room, vocab]
                 seen += 1 + len(proposal)
                 usage.draft_proposed += len(proposal)
@@ -347,10 +351,10 @@ class CausalLMCore:
                         break
                     context.append(nxt)
                     taken += 1
+                    usage.draft_accepted += 1
+                    draft.accepted += 1
                 else:  # every proposal kept: the next pick is from the logits after the last
                     logits = every[taken:taken + 1]
-                usage.draft_accepted += taken
-                draft.accepted += taken
                 rewind = len(proposal) - taken
                 seen -= rewind
         finally:
@@ -372,7 +376,14 @@ class CausalLMCore:
             # requests' steps and a gateway's streams wait.
             h = await asyncio.to_thread(self.ends.embed, torch.tensor([part]),
                                         torch.arange(seen + at, seen + at + len(part))[None])
-            out = adapter.hidden_of(await session.step(adapter.with_control(h, rewind if at == 0 else 0)))
+            x = adapter.with_control(h, rewind if at == 0 else 0)
+            y = await session.step(x)
+            # Every span passes the control channel on as it came: one that changed it (to shift which tokens the
+            # next spans keep, where checks would pass a small shift) is caught here, whoever it was.
+            if not torch.equal(y[..., -1:], x[..., -1:]):
+                raise VerificationFailed("a worker of this session changed its steps' control channel (which says "
+                                         "how many tokens each span drops): the session's outputs are not trusted")
+            out = adapter.hidden_of(y)
         logits = (await asyncio.to_thread(self.ends.head, out if every else out[:, -1:]))[0]
         return logits if every else logits[-1]  # (every: for a few tokens, one chunk)
 

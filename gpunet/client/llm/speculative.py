@@ -4,9 +4,11 @@ them all through every span, so a token costs a fraction of the network's round 
 The served model's verdict is exact: the step returns its logits at every proposed position, and the generation's
 own picker (HF's processors, greedy or sampling with its generator) picks each next token from them in turn, as it
 would one step at a time; a proposal is kept while it is what the picker picked, and the first pick that differs is
-the next token itself. So the output is token for token what decoding without a draft gives, greedy or sampled with
-a seed (one draw per emitted token either way); a draft only changes how many steps it takes. The spans then drop
-the rejected proposals' slots (adapter.with_control's rewind).
+the next token itself. So the output is what decoding without a draft gives, greedy or sampled with a seed (one draw
+per emitted token either way), up to floating-point near-ties: a step of several tokens rounds as a prompt's step
+does, not as one-token steps do (1e-6 apart on CPU), which can flip a pick between two tokens that close. A draft
+otherwise changes only how many steps it takes. The spans then drop the rejected proposals' slots
+(adapter.with_control's rewind).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Draft:
             raise UsageError(f"a draft is a transformers causal LM (or its checkpoint folder), got "
                              f"{type(model).__name__}")
         self.model, self.vocab = model.eval(), vocab
+        self.device = next(model.parameters()).device
         # What the model's forward calls its cache (``cache`` in newer transformers, ``past_key_values`` before).
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._cache_type = DynamicCache
@@ -39,7 +42,8 @@ class Draft:
         self.proposed = self.accepted = 0  # proposals made and kept, for the caller's figures
 
     def _forward(self, ids: list[int]):
-        return self.model(input_ids=torch.tensor([ids]), use_cache=True, **{self._cache_arg: self.cache})
+        return self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                          **{self._cache_arg: self.cache})
 
     @torch.no_grad()
     def propose(self, ids: list[int], k: int) -> list[int]:
