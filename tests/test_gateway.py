@@ -43,12 +43,16 @@ def sse_events(url: str, body: dict, key: str) -> list[str]:
 
 
 def test_a_checkpoint_served_to_the_openai_client_streams_what_hf_generates(swarm, tmp_path):
+    """Served with a draft that nearly never agrees (another random model: speculative decoding's every step drops
+    proposals from the spans' caches, a worker killed mid-stream makes its span replay them): the text is HF's own."""
     folder = save_checkpoint(tmp_path / "tiny-llama", "llama", seed=7)
+    draft = save_checkpoint(tmp_path / "draft", "llama", seed=8)
     ports = [free_port() for _ in range(3)]
     workers = [swarm.start_worker("--metrics-port", str(p), wait_online=False) for p in ports]
     for w in workers:
         swarm.wait_online(w)
-    gateway, url = swarm.start_gateway(folder, "--api-key", "sekrit", "--spans", "3", "--max-length", str(MAX))
+    gateway, url = swarm.start_gateway(folder, "--api-key", "sekrit", "--spans", "3", "--max-length", str(MAX),
+                                       "--draft", str(draft), "--draft-tokens", "3")
     client = openai.OpenAI(base_url=url, api_key="sekrit", max_retries=0, timeout=120)
     reference, tok = load(folder)
     reference.config._attn_implementation = "eager"
@@ -58,6 +62,7 @@ def test_a_checkpoint_served_to_the_openai_client_streams_what_hf_generates(swar
     prompt = "hello network, the quick brown"
     done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
     assert done.choices[0].text == greedy_text(reference, tok, tok(prompt).input_ids, 12)
+    assert done.model_extra["gpunet"]["draft_proposed"] > done.model_extra["gpunet"]["draft_accepted"]  # (--draft)
     assert done.usage.prompt_tokens == len(tok(prompt).input_ids) and done.usage.completion_tokens >= 1
 
     messages = [{"role": "user", "content": "hello language model"}]

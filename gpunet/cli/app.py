@@ -202,6 +202,12 @@ def gateway(
     max_concurrent: int = typer.Option(16, "--max-concurrent", min=1, metavar="N",
                                        help="Completions generated at once (each holds a session per span on the "
                                             "workers); more are answered 429."),
+    draft: Optional[Path] = typer.Option(None, "--draft", metavar="DIR",
+                                         help="A small model's checkpoint folder (same tokenizer) proposing tokens "
+                                              "that each step checks several at a time: speculative decoding, the "
+                                              "same text in fewer round trips."),
+    draft_tokens: int = typer.Option(4, "--draft-tokens", min=1, max=8, metavar="K",
+                                     help="Proposals a step checks (with --draft)."),
     verbose: int = Verbose,
 ) -> None:
     """Serve a language model over the network with an OpenAI-compatible API (/v1/models, /v1/completions,
@@ -214,6 +220,9 @@ def gateway(
     if not (model / "config.json").is_file():
         print_error(f"--model {model}: not a checkpoint folder (no config.json there)")
         raise typer.Exit(EXIT_USAGE)
+    if draft is not None and not (draft / "config.json").is_file():
+        print_error(f"--draft {draft}: not a checkpoint folder (no config.json there)")
+        raise typer.Exit(EXIT_USAGE)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print_error(f"--host {host} lets other machines spend this gateway's credits: set --api-key too")
         raise typer.Exit(EXIT_USAGE)
@@ -223,7 +232,8 @@ def gateway(
 
     asyncio.run(run_gateway(str(model), list(initial_peers or []), network, host, port, api_key=api_key,
                             max_length=max_length, spans=spans, data_dir=data_dir, name=name, ready=ready,
-                            max_concurrent=max_concurrent))
+                            max_concurrent=max_concurrent, draft=str(draft) if draft is not None else None,
+                            draft_tokens=draft_tokens))
 
 
 @app.command()

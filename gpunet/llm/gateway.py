@@ -79,10 +79,13 @@ def _number(body: dict, name: str, default, lo: float, hi: float, kind=float):
 
 class Gateway:
     def __init__(self, lm: CausalLMCore, model_name: str, api_key: str | None = None,
-                 max_concurrent: int = DEFAULT_MAX_CONCURRENT):
+                 max_concurrent: int = DEFAULT_MAX_CONCURRENT, draft=None, draft_tokens: int = 4):
+        """``draft``: a small causal LM (same vocabulary) whose proposals each request's steps check several at a
+        time (speculative decoding, docs/llm.md: the same text, fewer round trips through the spans)."""
         if lm.tokenizer is None:
             raise UsageError("the gateway needs the model's tokenizer (tokenizer files in the checkpoint folder)")
         self.lm, self.model_name, self.api_key = lm, model_name, api_key
+        self.speculative = {"draft": draft, "draft_tokens": draft_tokens} if draft is not None else {}
         self.max_concurrent, self.running = max_concurrent, 0
         self.created = int(time.time())
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -267,7 +270,7 @@ class Gateway:
         sent = 0  # characters of the decoded completion already given out
         eos = set(self.lm.steps_eos())
         # Every token is the prompt's (a literal "<pad>" in a user's text is text): no padding to infer.
-        steps = self.lm.steps(ids, torch.ones_like(ids), usage=usage, **req.kwargs)
+        steps = self.lm.steps(ids, torch.ones_like(ids), usage=usage, **self.speculative, **req.kwargs)
         async with contextlib.aclosing(steps):
             async for nxt in steps:
                 token = int(nxt[0])
@@ -414,8 +417,11 @@ def _usage(usage: Usage) -> dict:
 
 def _gpunet(usage: Usage) -> dict:
     """What gpunet adds to a full answer: the cost and who served which span (other clients ignore it)."""
-    return {"gpunet": {"cost_credits": usage.cost, "receipts": len(usage.receipts),
-                       "workers": sorted({w for row in usage.placement for _, _, w in row if w})}}
+    out = {"cost_credits": usage.cost, "receipts": len(usage.receipts),
+           "workers": sorted({w for row in usage.placement for _, _, w in row if w})}
+    if usage.draft_proposed:  # speculative decoding (--draft): proposals made, and those the model kept
+        out["draft_proposed"], out["draft_accepted"] = usage.draft_proposed, usage.draft_accepted
+    return {"gpunet": out}
 
 
 def _api_error(e: GpunetError) -> ApiError:
@@ -445,7 +451,8 @@ async def serve(gateway: Gateway, host: str, port: int, ready=None, stop: asynci
 
 async def run_gateway(model: str, initial_peers, network: str, host: str, port: int, *, api_key: str | None = None,
                       max_length: int | None = None, spans: int | None = None, data_dir=None, name: str | None = None,
-                      ready=None, workers_wait: float = 30.0, max_concurrent: int = DEFAULT_MAX_CONCURRENT) -> None:
+                      ready=None, workers_wait: float = 30.0, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+                      draft: str | None = None, draft_tokens: int = 4) -> None:
     """``gpunet gateway``: a client of the network serving the checkpoint folder ``model`` until SIGINT/SIGTERM."""
     import signal
     from pathlib import Path
@@ -461,7 +468,13 @@ async def run_gateway(model: str, initial_peers, network: str, host: str, port: 
         while not await client.workers(refresh=True) and time.monotonic() < deadline and not stop.is_set():
             await asyncio.sleep(0.5)
         lm = await client.causal_lm(model, max_length=max_length, spans=spans)
-        gateway = Gateway(lm._core, name or Path(model).resolve().name, api_key, max_concurrent)
+        drafting = None
+        if draft is not None:  # one model for every request (each keeps its own cache: speculative.Draft)
+            from gpunet.client.llm.engine import load
+
+            drafting = (await asyncio.to_thread(load, draft))[0]
+        gateway = Gateway(lm._core, name or Path(model).resolve().name, api_key, max_concurrent, drafting,
+                          draft_tokens)
         logger.info("Model %s: %d decoder layers in %d spans, max_length %d", gateway.model_name,
                     lm.spans[-1][1], len(lm.spans), lm.max_length)
         if not stop.is_set():
