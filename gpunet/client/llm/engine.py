@@ -263,14 +263,14 @@ class CausalLMCore:
         vocabulary) proposing ``draft_tokens`` tokens that one step checks at once (speculative decoding: the same
         tokens, fewer round trips; one row)."""
         usage = usage if usage is not None else Usage()
-        if draft is not None:
-            async for nxt in self._speculative_steps(input_ids, attention_mask, usage, draft, draft_tokens, kwargs):
-                yield nxt
-            return
         if not isinstance(input_ids, torch.Tensor):
             input_ids = torch.as_tensor(input_ids)
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
+        if draft is not None:
+            async for nxt in self._speculative_steps(input_ids, attention_mask, usage, draft, draft_tokens, kwargs):
+                yield nxt
+            return
         s = generation.settings(self.model.generation_config, input_ids.shape[1], self.max_length, **kwargs)
         rows = generation.rows_of(input_ids, attention_mask, s.pad_token_id, s.eos_token_id)  # (settings checked
         # the length: the prompt as given, padding included, as HF counts it)
@@ -299,13 +299,10 @@ class CausalLMCore:
 
     async def _speculative_steps(self, input_ids, attention_mask, usage: Usage, draft, k: int,
                                  kwargs: dict) -> AsyncIterator[torch.Tensor]:
-        """:meth:`steps` with a draft's proposals checked k at a time (gpunet.client.llm.speculative)."""
+        """:meth:`steps` with a draft's proposals checked k at a time (gpunet.client.llm.speculative); ``input_ids``
+        as steps made it, [B, n]."""
         from gpunet.client.llm.speculative import Draft
 
-        if not isinstance(input_ids, torch.Tensor):
-            input_ids = torch.as_tensor(input_ids)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
         if input_ids.shape[0] != 1:
             raise UsageError(f"speculative decoding takes one row (a prompt), got {input_ids.shape[0]}: generate "
                              "the others apart, or without a draft")
@@ -352,7 +349,6 @@ class CausalLMCore:
                     context.append(nxt)
                     taken += 1
                     usage.draft_accepted += 1
-                    draft.accepted += 1
                 else:  # every proposal kept: the next pick is from the logits after the last
                     logits = every[taken:taken + 1]
                 rewind = len(proposal) - taken

@@ -39,7 +39,6 @@ class Draft:
         self._cache_type = DynamicCache
         self.cache = None
         self.ids: list[int] = []  # the tokens whose keys and values the cache holds
-        self.proposed = self.accepted = 0  # proposals made and kept, for the caller's figures
 
     def _forward(self, ids: list[int]):
         return self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
@@ -69,5 +68,4 @@ class Draft:
         self.ids = list(ids) + tokens[:-1]
         if self.vocab is not None:
             tokens = tokens[:next((i for i, t in enumerate(tokens) if t >= self.vocab), len(tokens))]
-        self.proposed += len(tokens)
         return tokens
