@@ -328,6 +328,29 @@ def test_a_batch_of_made_up_countersignatures_is_skipped_with_one_log_line(tmp_p
     assert line.startswith("Skipped 1000 bad countersignature(s)")
 
 
+def test_a_countersignature_sent_again_after_it_was_filed_is_taken_quietly(tmp_path, caplog):
+    """A client that did not hear its stream's word that a verdict was filed sends it again by the settle door; the
+    worker may have filed it meanwhile, and its kept result may be gone: filed once, and no warning of bad ones."""
+    worker, client = Identity.generate(), Identity.generate()
+
+    async def scenario(ledger):
+        books = LedgerWriter(ledger)
+        s = Countersignatures(books)
+        receipt = _delivered(worker, client, "job")
+        books.record_unpaid(receipt)
+        good = countersign(receipt, client, output_hash="1" * 64, max_price=None)
+        s.settle(client.peer_id, Countersign("job", good.client_signature), receipt)  # on its stream
+        books.flush()
+        with caplog.at_level("WARNING", logger="gpunet.worker"):
+            await s.batch(client.peer_id, (("job", good.client_signature),))  # and again, by the settle door
+        await s.close()
+
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        asyncio.run(scenario(ledger))
+        assert [r.job_id for r in ledger.receipts()] == ["job"] and not list(ledger.unpaid())
+    assert not [r for r in caplog.records if r.name == "gpunet.worker"]
+
+
 # --- the service's cancel door ----------------------------------------------------------------------------------
 
 

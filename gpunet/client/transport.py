@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 from abc import ABC, abstractmethod
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from gpunet.dht.records import WorkerEntry
     from gpunet.identity import Identity
     from gpunet.rpc import RPC
+
+logger = logging.getLogger("gpunet.client")
 
 
 class BaseTransport(ABC):
@@ -144,6 +147,9 @@ UNHELPFUL_SECONDS = 300.0
 KEY_IN_THREAD_BYTES = 1 << 20
 #: Idle ``steps`` streams kept per worker (one per session stepping there at once is what is used).
 IDLE_STEP_STREAMS = 4
+#: How long a verdict written on a job's stream waits for the worker to say it filed it (then it goes by the settle
+#: door).
+VERDICT_ACK_TIMEOUT = 10.0
 
 
 class P2PTransport(BaseTransport):
@@ -385,10 +391,18 @@ class P2PTransport(BaseTransport):
                     del self._receiving[request.program_hash]
 
         async def finish(verdict: Verdict) -> None:
+            # Written is not delivered: the bytes can leave this process and still be lost with the stream (the
+            # daemon resets one now and then under a burst of streams, or this client's daemon stops a moment
+            # later). The worker says when it has filed the verdict; without that word it goes by the settle door
+            # (Settlement._on_stream), and a worker that did file it takes it again as filed already.
             try:
                 await protocol.write(writer, verdict)
+                reply = await protocol.read(reader, Ok, Error, timeout=VERDICT_ACK_TIMEOUT)
             finally:
                 writer.close()
+            if isinstance(reply, Error):  # it heard the verdict and took it as wrong: sending it again changes nothing
+                logger.warning("Worker %s did not take this client's verdict on job %s: %s", worker_id[-8:],
+                               request.job_id[:12], reply.message)
 
         return Delivery(worker_id, outputs, receipt, sent, transfer_seconds, finish=finish, close=writer.close,
                         input_hash=input_hash)

@@ -249,6 +249,8 @@ class Countersignatures:
             bad, first = 0, None
             for job_id, signature in items:
                 if (client_id, job_id) not in self.unsettled and self._find_receipt((client_id, job_id)) is None:
+                    if self.books.get(client_id, job_id) is not None:
+                        continue  # filed already: sent again because the word that it was filed was lost
                     bad, first = bad + 1, first or f"no result of job {job_id[:16]} for this client awaits settlement"
                     continue  # nothing to check: a batch of made-up ids costs a lookup each, not a log line each
                 try:

@@ -143,7 +143,7 @@ class Doors:
             answer = await self.jobs.execute(client_id, submit, payloads, reader, host)
             await self._reply(answer, writer, client_id, host)
             if answer.receipt is not None:  # a session step billed later has nothing to settle now
-                await self._settle_from_stream(client_id, answer.receipt, reader)
+                await self._settle_from_stream(client_id, answer.receipt, reader, writer)
         except ProtocolError as e:
             metrics.JOBS.labels("protocol_error").inc()
             logger.info("Stream from %s dropped (malformed, stalled or broken): %s", client_id[-8:], e)
@@ -157,12 +157,15 @@ class Doors:
             writer.close()
             self.admission.stream_closed()
 
-    async def _settle_from_stream(self, client_id: str, receipt: Receipt, reader) -> None:
-        """Wait briefly for the countersignature on the stream; without it the receipt stays in the unpaid list."""
+    async def _settle_from_stream(self, client_id: str, receipt: Receipt, reader, writer) -> None:
+        """Wait briefly for the countersignature on the stream, and say once it is filed (a verdict the client wrote
+        can still be lost with the stream: without this word it sends it again by the settle door). Without it the
+        receipt stays in the unpaid list, awaited with the unary door's."""
         try:
             message = await protocol.read(reader, Countersign, Refuse, timeout=COUNTERSIGN_TIMEOUT)
         except ProtocolError:
-            logger.warning("Client %s did not countersign job %s: recorded as unpaid", client_id[-8:], receipt.job_id[:12])
+            logger.info("Client %s did not countersign job %s on its stream: awaited at the settle door",
+                        client_id[-8:], receipt.job_id[:12])
             # Its countersignature may still come with a later job or batch: awaited with the unary door's, not
             # looked up among the kept results (they are for retries, and others' results push them out).
             self.billing.awaiting.expect(client_id, receipt)
@@ -174,6 +177,9 @@ class Doors:
             self.billing.books.flush()  # off the job's path already (the answer has gone): make the payment durable
         except GpunetError as e:
             logger.warning("Bad settlement from %s for job %s: %s", client_id[-8:], receipt.job_id[:12], e)
+            await _try_send(writer, Error.of(e))
+            return
+        await _try_send(writer, Ok())
 
     async def _reply(self, answer: Answer, writer, client_id: str, host: str) -> None:
         """The answer, within the time its size allows: a client that stops reading does not pin it here for long,
@@ -376,7 +382,7 @@ def _receipt_bytes(answer: Answer) -> bytes:
     return answer.receipt.to_bytes() if answer.receipt is not None else b""
 
 
-async def _try_send(writer, message: Error, reader=None) -> None:
+async def _try_send(writer, message: Error | Ok, reader=None) -> None:
     """Tell the peer why, if it is still reading; a peer that stopped reading gets the connection cut instead.
 
     ``reader``: what the peer sent that was not read (the rest of a refused upload, bytes after a bad frame) is read
