@@ -307,7 +307,7 @@ def test_colluders_answering_just_before_the_timeout_get_no_wrong_answer_accepte
         client = client_for(swarm, f"redundancy-{k}")  # fresh: no worker is established with it
         wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "three workers")
         xs = [torch.randn(1024, 1024) / 32 for _ in range(3)]
-        req = Requirements(redundancy=k, timeout=20, prefer="cheapest")
+        req = Requirements(redundancy=k, timeout=12, prefer="cheapest")
         futures = [client.submit(job, x, requirements=req) for x in xs]
         for x, f in zip(xs, futures):
             try:

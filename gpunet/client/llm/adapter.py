@@ -331,7 +331,8 @@ class Ends:
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states entering the first layer, for token ``ids`` [1, T] at ``positions`` [1, T]."""
+        """Hidden states entering the first layer, for token ``ids`` [B, T] at ``positions`` [B, T] (each row's
+        own: the layers before the first are per token)."""
         with self._gated(None):
             try:
                 self.model(input_ids=ids, position_ids=positions, use_cache=False)
@@ -341,8 +342,9 @@ class Ends:
 
     @torch.no_grad()
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [1, T, vocab] from the last layer's hidden states [1, T, H]."""
+        """Logits [B, T, vocab] from the last layer's hidden states [B, T, H]."""
         ids = torch.zeros(hidden.shape[:2], dtype=torch.int64)
         with self._gated(hidden):
-            out = self.model(input_ids=ids, position_ids=torch.arange(hidden.shape[1])[None], use_cache=False)
+            positions = torch.arange(hidden.shape[1]).expand(hidden.shape[:2])
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False)
         return out.logits

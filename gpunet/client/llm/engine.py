@@ -287,7 +287,7 @@ class CausalLMCore:
                 if picker.done:
                     break
                 live = [i for i in range(len(rows)) if picker.stepping(i)]
-                outs = await _all(self._step(sessions[i], [int(nxt[i])], seen[i]) for i in live)
+                outs = await self._decode(sessions, live, nxt, seen)
                 for i, out in zip(live, outs):
                     logits[i] = out
                     seen[i] += 1
@@ -359,6 +359,28 @@ class CausalLMCore:
             usage.receipts = list(session.receipts)
             usage.output = picker.ids
 
+    async def _decode(self, sessions: list[SessionCore], live: list[int], nxt: torch.Tensor, seen: list[int]
+                      ) -> list[torch.Tensor]:
+        """The next token's logits [vocab] for each ``live`` row, given its new token: the ends run once for all of
+        them (one embedding forward and one head forward on this machine, not one of each per row: with many rows
+        they were most of the client's time), each row's step through the spans in its own session."""
+        ids = torch.stack([nxt[i] for i in live])[:, None]
+        h = await asyncio.to_thread(self.ends.embed, ids, torch.tensor([[seen[i]] for i in live]))
+        ys = await _all(self._through_spans(sessions[i], h[j:j + 1]) for j, i in enumerate(live))
+        logits = await asyncio.to_thread(self.ends.head, torch.cat([y[:, -1:] for y in ys]))
+        return list(logits[:, -1])
+
+    async def _through_spans(self, session: SessionCore, h: torch.Tensor, rewind: int = 0) -> torch.Tensor:
+        """Hidden states [1, T, H] through every span in one session step: the last span's hidden states."""
+        x = adapter.with_control(h, rewind)
+        y = await session.step(x)
+        # Every span passes the control channel on as it came: one that changed it (to shift which tokens the
+        # next spans keep, where checks would pass a small shift) is caught here, whoever it was.
+        if not torch.equal(y[..., -1:], x[..., -1:]):
+            raise VerificationFailed("a worker of this session changed its steps' control channel (which says "
+                                     "how many tokens each span drops): the session's outputs are not trusted")
+        return adapter.hidden_of(y)
+
     async def _step(self, session: SessionCore, tokens: list[int], seen: int, rewind: int = 0,
                     every: bool = False) -> torch.Tensor:
         """One row's new tokens in, the next token's logits [vocab] out (``every``: each new token's [T, vocab]):
@@ -372,14 +394,7 @@ class CausalLMCore:
             # requests' steps and a gateway's streams wait.
             h = await asyncio.to_thread(self.ends.embed, torch.tensor([part]),
                                         torch.arange(seen + at, seen + at + len(part))[None])
-            x = adapter.with_control(h, rewind if at == 0 else 0)
-            y = await session.step(x)
-            # Every span passes the control channel on as it came: one that changed it (to shift which tokens the
-            # next spans keep, where checks would pass a small shift) is caught here, whoever it was.
-            if not torch.equal(y[..., -1:], x[..., -1:]):
-                raise VerificationFailed("a worker of this session changed its steps' control channel (which says "
-                                         "how many tokens each span drops): the session's outputs are not trusted")
-            out = adapter.hidden_of(y)
+            out = await self._through_spans(session, h, rewind if at == 0 else 0)
         logits = (await asyncio.to_thread(self.ends.head, out if every else out[:, -1:]))[0]
         return logits if every else logits[-1]  # (every: for a few tokens, one chunk)
 
