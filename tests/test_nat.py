@@ -327,6 +327,7 @@ def test_a_stranger_gets_no_free_transit_through_a_public_worker(lab, tmp_path):
         holder = start_holder(lab, lab.homes[0].ns, relay=relay)
         try:
             pushed = run_pusher(lab, lab.homes[1].ns, holder, 5.0)
+            assert pushed["opened"], f"the stranger's pusher opened no stream through the opted-in relay: {pushed}"
             wait_for(lambda: holder.circuits, 15, "the holder to count a circuit")
         finally:
             holder.stop()
