@@ -57,23 +57,24 @@ def child_pids(pid: int) -> list[int]:
 #: its own on a second start: measuring took a third of a second of both cores at each start, hundreds of starts in
 #: the test suite. A worker with another device or --threads measures its own (the file is keyed by both); one given
 #: a file of its own keeps it.
-_MEASURED: dict[str, bytes] = {}
+_measured: bytes | None = None
 
 
 def _seed_speed(data_dir: Path) -> None:
     from gpunet.worker.throughput import CACHE_FILENAME
 
     path = data_dir / CACHE_FILENAME
-    if "speed" in _MEASURED and not path.exists():
-        path.write_bytes(_MEASURED["speed"])
+    if _measured is not None and not path.exists():
+        path.write_bytes(_measured)
 
 
 def _keep_speed(data_dir: Path) -> None:
     from gpunet.worker.throughput import CACHE_FILENAME
 
-    if "speed" not in _MEASURED:
+    global _measured
+    if _measured is None:
         try:
-            _MEASURED["speed"] = (data_dir / CACHE_FILENAME).read_bytes()
+            _measured = (data_dir / CACHE_FILENAME).read_bytes()
         except OSError:
             pass
 

@@ -364,7 +364,7 @@ class CausalLMCore:
         """The next token's logits [vocab] for each ``live`` row, given its new token: the ends run once for all of
         them (one embedding forward and one head forward on this machine, not one of each per row: with many rows
         they were most of the client's time), each row's step through the spans in its own session."""
-        ids = torch.stack([nxt[i] for i in live])[:, None]
+        ids = nxt[live][:, None]
         h = await asyncio.to_thread(self.ends.embed, ids, torch.tensor([[seen[i]] for i in live]))
         ys = await _all(self._through_spans(sessions[i], h[j:j + 1]) for j, i in enumerate(live))
         logits = await asyncio.to_thread(self.ends.head, torch.cat([y[:, -1:] for y in ys]))
