@@ -80,6 +80,17 @@ async def dial(p2p: P2P, peer_id: PeerID, maddrs: Iterable[Multiaddr]) -> None:
     await p2p._client.connect(peer_id, list(maddrs))
 
 
+async def connections(p2p: P2P) -> list[tuple[str, str]]:
+    """(peer id, remote address) of each connection the daemon holds now (a peer may have more than one; a relayed
+    one's address ends in ``/p2p-circuit``)."""
+    return [(info.peer_id.to_base58(), str(addr)) for info in await p2p._client.list_peers() for addr in info.addrs]
+
+
+async def disconnect(p2p: P2P, peer_id: PeerID) -> None:
+    """Have the daemon close every connection to ``peer_id`` (streams on them end)."""
+    await p2p._client.disconnect(peer_id)
+
+
 class RPC:
     """gpunet's doors on one node's p2p replica (``await dht.replicate_p2p()``), for one network name."""
 

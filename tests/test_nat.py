@@ -333,3 +333,98 @@ def test_a_stranger_gets_no_free_transit_through_a_public_worker(lab, tmp_path):
             holder.stop()
         assert holder.circuits and sum(holder.circuits) > 0, pushed  # it relays...
         assert max(holder.circuits) <= limit_mb * 2**20, (holder.circuits, pushed)  # ...within the circuit limit
+
+
+_SESSIONS = r'''
+import json, sys, time
+import torch
+import gpunet
+from gpunet.llm import load
+
+boot, network, data_dir, folder, seconds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+model, tok = load(folder)
+ids = tok("hello there", return_tensors="pt").input_ids
+with torch.no_grad():
+    local = model.generate(ids, max_new_tokens=8, do_sample=False)
+with gpunet.Client(initial_peers=[boot], network=network, data_dir=data_dir) as client:
+    deadline = time.monotonic() + 60
+    while len(client.workers(refresh=True)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lm = client.causal_lm(folder, max_length=64, spans=2)
+    runs, same, placements, end = 0, 0, set(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        out = lm.generate(ids, max_new_tokens=8, do_sample=False)
+        runs, same = runs + 1, same + bool(torch.equal(out, local))
+        placements.add(tuple(w for _, _, w in lm.last.placement[0]))
+print(json.dumps({"runs": runs, "same": same, "placements": sorted(placements)}))
+'''
+
+
+def _tcp_peers(lab: NatLab, ns: str) -> set[str]:
+    """The remote addresses of the TCP connections established in namespace ``ns`` now."""
+    out = subprocess.run(lab.exec_argv(ns, ["ss", "-tnH", "state", "established"]), capture_output=True, text=True,
+                         timeout=30).stdout
+    return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+
+
+def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
+    """Two workers behind two cone NATs, four public nodes at distinct addresses (what go-libp2p needs to confirm a
+    public address before it hole-punches): once both are online and a session's steps go span to span between them,
+    a direct TCP connection joins the two homes (each router letting in only what answers its own outgoing
+    connection), both records list the other as reached directly, and the session's tokens are HF's."""
+    from gpunet.testing.llm import save_checkpoint
+
+    why = NatLab.available()
+    if why:
+        pytest.skip(f"NAT tests need network namespaces: {why}")
+    folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=0, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=128)
+    try:
+        lab = NatLab(observers=4).__enter__()
+    except LabUnavailable as e:
+        pytest.skip(f"NAT tests need network namespaces, and this kernel refused: {e}")
+    try:
+        with LocalNetwork(tmp_path, network="nat-test", heartbeat=2.0) as net:
+            boots = [net.start_bootstrap(ns=lab.public, host_maddrs=f"/ip4/{addr}/tcp/0") for addr in lab.public_addrs]
+            workers = [net.start_worker("--threads", "1", ns=home.ns, host_maddrs="/ip4/0.0.0.0/tcp/0",
+                                        wait_online=False, initial_peers=boots) for home in lab.homes]
+            for worker in workers:
+                net.wait_online(worker)
+                assert "Connected to 4 public peer(s) of distinct addresses" in worker.output, worker.output[-3000:]
+            client = subprocess.Popen(lab.exec_argv(lab.public, [sys.executable, "-c", _SESSIONS, boots[0], "nat-test",
+                                                                  str(tmp_path / "client"), str(folder), "20"]),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                (one, two), (h1, h2) = workers, lab.homes
+                # The other home's router, seen from inside each home: a connection only a punch can make. (Here it
+                # comes about 7 s after both are online; the client's own start takes longer on a loaded machine.)
+                try:
+                    wait_for(lambda: h2.router_public in _tcp_peers(lab, h1.ns)
+                             and h1.router_public in _tcp_peers(lab, h2.ns), 60, "a direct connection between homes")
+                except TimeoutError as e:
+                    raise AssertionError(f"{e}: home 1 holds {_tcp_peers(lab, h1.ns)}\n--- worker 1:\n"
+                                         f"{one.output[-2500:]}\n--- worker 2:\n{two.output[-2500:]}") from None
+                out, err = client.communicate(timeout=300)
+            finally:
+                if client.poll() is None:
+                    client.kill()
+                    client.communicate()
+            assert client.returncode == 0, err[-3000:]
+            outcome = json.loads(out.strip().splitlines()[-1])
+            assert outcome["runs"] >= 1 and outcome["same"] == outcome["runs"], outcome
+            assert [one.id, two.id] in outcome["placements"] or [two.id, one.id] in outcome["placements"], outcome
+
+            def status() -> dict[str, list[str]]:
+                result = subprocess.run(lab.exec_argv(lab.public, gpunet_cmd(
+                    "status", "--network", "nat-test", "--initial-peers", boots[0], "--json")),
+                    capture_output=True, text=True, timeout=90)
+                return {w["id"]: w.get("direct_to", []) for w in json.loads(result.stdout)["workers"]} \
+                    if result.returncode == 0 else {}
+
+            wait_for(lambda: (lambda s: s.get(one.id) == [two.id] and s.get(two.id) == [one.id])(status()), 30,
+                     "both records to list the other worker as reached directly")
+            for home in lab.homes:  # and still nothing unasked gets into either home
+                assert not lab.can_connect(lab.public, home.router_public, 22)
+    finally:
+        lab.close()

@@ -209,9 +209,18 @@ class NatLab(_Lab):
     _made: list[str] = field(default_factory=list)
     profile: Profile | None = None  # latency, loss and each home's up/down link (gpunet.testing.wan.PROFILES)
     _delayers: list = field(default_factory=list)
+    #: Public addresses on the public side (``public_addrs``): go-libp2p hole-punches only once peers at 4 distinct
+    #: addresses observed a node's public one (gpunet.dht.observers), so a lab for that runs a public node on each.
+    observers: int = 1
+
+    @property
+    def public_addrs(self) -> list[str]:
+        return [f"{PUBLIC_PREFIX}.{i}" for i in range(1, self.observers + 1)]
 
     def build(self) -> None:
         t, pub = self.tag, self._public_bridge()
+        for extra in self.public_addrs[1:]:
+            _run("ip", "-n", pub, "addr", "add", f"{extra}/24", "dev", "br0")
         for i in range(1, self.homes_count + 1):
             router, home = self._netns(f"{t}-r{i}"), self._netns(f"{t}-h{i}")
             outside, inside = f"{PUBLIC_PREFIX}.{10 + i}", f"192.168.{100 + i}"

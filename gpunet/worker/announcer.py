@@ -13,11 +13,12 @@ from hivemind.utils import get_dht_time
 
 from gpunet import readyfile
 from gpunet._version import __version__
-from gpunet.dht import network, reachability, registry
+from gpunet.dht import network, observers, reachability, registry
 from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
     MAX_CHECKPOINTS,
+    MAX_DIRECT_TO,
     MAX_MADDR_CHARS,
     MAX_PAUSE_REASON,
     WorkerRecord,
@@ -34,6 +35,9 @@ logger = logging.getLogger("gpunet.worker")
 
 #: Seconds between repeats of the "could not publish" warning while it lasts.
 UNPUBLISHED_REPEAT = 300.0
+#: How often a worker behind NAT reads the records for direct workers (observers: gpunet.dht.observers) and NATed
+#: ones (to punch to): every heartbeat at first, twice as long each time, up to this.
+OBSERVER_LOOK = 60.0
 #: Seconds each step of leaving may take. A terminal's Ctrl-C or ``systemctl stop`` signals the whole process group, so
 #: the p2p daemon (and, on SIGTERM, the DHT process) may be dead already: nothing may wait on them without a bound.
 LEAVE_STEP_TIMEOUT = 3.0
@@ -51,6 +55,10 @@ class Announcer:
         self._last_expiration = 0.0
         self._unpublished = 0  # heartbeats in a row whose record no peer accepted
         self._unpublished_said = -UNPUBLISHED_REPEAT
+        self._observers: observers.ObserverKeeper | None = None  # behind NAT: public peers kept for hole punching
+        self._direct_workers: list[str] = []  # their addresses, from the records (read every OBSERVER_LOOK at most)
+        self._natted_workers: dict[str, list[str]] = {}  # workers behind NAT: their relayed addresses, likewise
+        self._workers_read, self._look_every = -OBSERVER_LOOK, 0.0
 
     def record(self) -> WorkerRecord:
         w = self.worker
@@ -74,6 +82,7 @@ class Announcer:
             name=w.config.public_name,
             maddrs=[m for m in self.maddrs if len(m) <= MAX_MADDR_CHARS][:MAX_ADVERTISED_MADDRS],
             reachability=self.reachability,
+            direct_to=self.direct_to()[:MAX_DIRECT_TO],
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
             credits_earned=w.credit().earned / NANO if ledger is not None else 0.0,  # vouched (docs/ledger.md)
@@ -124,6 +133,8 @@ class Announcer:
                 self._unpublished_said = now
                 logger.warning("Could not publish this worker's record (no peer accepted it; %d heartbeat(s) in a row); "
                                "retrying every heartbeat", self._unpublished)
+        if self.via_relays and not leaving and w.dht.is_alive() and not w._stop.is_set():
+            await self.keep_observers()  # after the record is out: dials can take seconds
         if state is not None:  # what deployment tools wait on, instead of reading our output
             readyfile.write_ready(w.data_dir, role="worker", id=w.id, addresses=self.maddrs,
                                   network=w.config.network, state=w.state.value)
@@ -145,6 +156,34 @@ class Announcer:
                 "No relay holds a reservation for this worker now (%s); listed as unreachable until one does",
                 ", ".join(maddrs))
         self.reachability, self.maddrs = found, maddrs
+
+    def direct_to(self) -> list[str]:
+        """The workers behind NAT (by their records) this one held a direct connection to at the last look."""
+        if self._observers is None:
+            return []
+        return sorted(p for p, path in self._observers.paths.items() if path == "direct" and p in self._natted_workers)
+
+    async def keep_observers(self) -> None:
+        """Behind NAT: stay connected to public peers of distinct addresses, so the p2p daemon learns this worker's
+        public address and hole-punches to other NATed peers (gpunet.dht.observers): the initial peers first, then
+        directly reachable workers (their records read when observers are short, every OBSERVER_LOOK at most)."""
+        w = self.worker
+        try:
+            if self._observers is None:
+                self._observers = observers.ObserverKeeper(await w.dht.replicate_p2p(), w.id)
+            now = time.monotonic()
+            if now - self._workers_read >= self._look_every:
+                self._workers_read = now
+                self._look_every = min(OBSERVER_LOOK, max(2 * self._look_every, w.config.heartbeat))
+                entries = await bounded(registry.discover_async(w.dht, w.config.network), 10.0, default=[])
+                others = [e for e in entries if e.id != w.id]
+                self._direct_workers = [f"{m}/p2p/{e.id}" if "/p2p/" not in m else m for e in others
+                                        if e.record.reachability == reachability.DIRECT for m in e.record.maddrs]
+                self._natted_workers = {e.id: [m for m in e.record.maddrs if reachability.is_relayed(m)]
+                                        for e in others if e.record.reachability == reachability.RELAYED}
+            await bounded(self._observers.keep(w._initial_peers(), self._direct_workers, self._natted_workers), 20.0)
+        except Exception as e:  # the daemon busy or going: the next beat tries again
+            logger.debug("Could not keep observers: %s", e)
 
     async def unlist(self) -> None:
         """Leave a tombstone over our record, if one was published (best effort, within LEAVE_STEP_TIMEOUT: a Ctrl-C
@@ -196,6 +235,7 @@ class Announcer:
                 self.reachability = reachability.RELAYED
                 logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
                                                                        if reachability.is_relayed(m)))
+                await self.keep_observers()  # before others meet this worker: their first connection can punch
                 return
             await asyncio.sleep(0.5)
         self.reachability = reachability.UNREACHABLE

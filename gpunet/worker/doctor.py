@@ -217,9 +217,15 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     forward = (f"for direct connections, forward TCP port {port} on your router to this machine and run the worker "
                f"with --host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/<your public IP>/tcp/{port}")
     if relay:
+        from gpunet.dht import observers
+
+        seen = len(observers.candidates(peers))
+        punch = (f"; other home workers are reached directly by hole punching once public peers at "
+                 f"{observers.CONFIRMING} distinct addresses see this host (its initial peers give {seen}, directly "
+                 "reachable workers add theirs)")
         return Check("reachability", Verdict.WARN,
                      f"not directly reachable (a peer could not connect back to {where}); reachable through relay "
-                     f"{relay}: works, slower", forward)
+                     f"{relay}: works, slower{punch}", forward)
     return Check("reachability", Verdict.FAIL,
                  f"not directly reachable (a peer could not connect back to {where}), and no initial peer granted a "
                  "relay reservation", forward + "; or join through a bootstrap node that relays (`gpunet bootstrap`)")

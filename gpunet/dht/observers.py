@@ -1,0 +1,180 @@
+"""Direct connections between nodes behind NAT: keep enough public peers watching this node's address.
+
+The p2p daemon hole-punches (libp2p's DCUtR, on with ``-autonat``, hivemind's default): when a peer behind NAT reaches
+another through a relay, the one reached opens a hole-punch stream over the relayed connection, the two swap their
+public addresses and dial each other at once, so both NATs see an outgoing connection and let the other's in. After
+that their streams go straight, one transit instead of two legs through a relay. go-libp2p (the daemon's v0.32) does
+this only once it knows its own public address: identify observations from 4 peers of distinct IP addresses must
+agree on it (and both sides must know theirs). A worker behind NAT talks to its two relays and little else, so it
+never got there. :class:`ObserverKeeper` keeps it connected to up to :data:`OBSERVERS` public peers of distinct
+addresses: its initial peers first, then directly reachable workers from the records, dialled again each heartbeat.
+
+The daemon tries a hole punch only when a relayed connection comes in after it knows its public address; a relayed
+connection to another worker made before that (both starting at once) would stay relayed for good. So once this node
+has its observers, it closes such a connection once and dials the worker again through its relays: the other side
+then sees a fresh relayed connection and punches (or, if that side does not know its own address yet, it does the
+same when it does).
+
+:func:`paths` says which way each of a node's connections goes (``direct`` or ``relayed``), from the daemon's list of
+connections (one entry per connection, with the remote address it uses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from hivemind.utils.multiaddr import Multiaddr
+
+from gpunet.rpc import connections, disconnect, dial, peer
+from gpunet.utils import LRU
+
+logger = logging.getLogger(__name__)
+
+#: Public peers of distinct addresses a node behind NAT keeps connections to: go-libp2p confirms an observed address
+#: at 4; a few more ride out ones that leave between heartbeats.
+OBSERVERS = 8
+#: What go-libp2p needs before it hole-punches (``identify.ActivationThresh``).
+CONFIRMING = 4
+#: How long one dial may take.
+DIAL_TIMEOUT = 5.0
+#: A relayed connection to another NATed worker is dialled again (to punch) at most this often per peer.
+PUNCH_AGAIN = 600.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    peer_id: str
+    maddr: str  # a direct TCP address (no relay)
+    ip: str
+
+
+def candidates(addresses: Iterable[str], public_only: bool = False) -> list[Candidate]:
+    """Peers to keep as observers, from full multiaddrs (``/ip4/A/tcp/P/p2p/ID``), in the order given, one per IP
+    address: relayed addresses and loopback are no use (a relay's observation is the relay's; loopback's is
+    nobody's). ``public_only``: globally routable addresses alone (for addresses other peers published: a record may
+    name any, this machine's LAN among them). An address that does not parse is skipped."""
+    found: list[Candidate] = []
+    seen: set[str] = set()
+    for address in addresses:
+        address = str(address)
+        if "/p2p-circuit" in address or "/p2p/" not in address:
+            continue
+        where, _, peer_id = address.rpartition("/p2p/")
+        parts = where.split("/")
+        if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+            continue
+        try:
+            ip = ipaddress.ip_address(parts[2])
+        except ValueError:
+            continue
+        if ip.is_loopback or ip.is_unspecified or (public_only and not ip.is_global) or str(ip) in seen:
+            continue
+        seen.add(str(ip))
+        found.append(Candidate(peer_id, where, str(ip)))
+    return found
+
+
+def paths(conns: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Which way each connected peer is reached: ``direct`` if any of its connections is (a hole-punched one
+    included), else ``relayed``."""
+    found: dict[str, str] = {}
+    for peer_id, addr in conns:
+        path = "relayed" if "/p2p-circuit" in addr else "direct"
+        if found.get(peer_id) != "direct":
+            found[peer_id] = path
+    return found
+
+
+class ObserverKeeper:
+    """Keeps a node behind NAT connected to public peers of distinct addresses (see the module's docstring)."""
+
+    def __init__(self, p2p, own_id: str, want: int = OBSERVERS, clock=time.monotonic):
+        self.p2p = p2p
+        self.own_id = own_id
+        self.want = want
+        self.clock = clock
+        self.observers = 0  # distinct addresses of public peers connected at the last look
+        self.paths: dict[str, str] = {}  # each connected peer's path at the last look (see paths())
+        self._punched: LRU[str, float] = LRU(4096)  # NATed workers whose relayed connection was dialled again, when
+
+    async def keep(self, trusted: Iterable[str], published: Iterable[str] = (),
+                   natted: dict[str, list[str]] | None = None) -> int:
+        """Dial candidates not connected now, until ``want`` distinct addresses are; returns how many are.
+        ``trusted``: full multiaddrs this node was given (its initial peers), ``published``: those of other peers'
+        records (public addresses alone are dialled). ``natted``: workers behind NAT (peer id: their relayed
+        addresses, from their records), whose relayed connections are dialled again to punch (see the module)."""
+        conns = await connections(self.p2p)
+        self.paths = paths(conns)
+        direct = {peer for peer, addr in conns if "/p2p-circuit" not in addr}
+        held = {c.ip for c in candidates(f"{addr}/p2p/{peer}" for peer, addr in conns if peer in direct)}
+        trusted = list(trusted)
+        offered = [*candidates(trusted), *candidates(published, public_only=True)]
+        todo = [c for c in offered if c.peer_id != self.own_id and c.peer_id not in direct
+                and c.ip not in held][:max(0, self.want - len(held))]
+        if todo:
+            dialled = await asyncio.gather(*(self._dial(c) for c in todo))
+            held |= {c.ip for c, ok in zip(todo, dialled) if ok}
+        if (self.observers < CONFIRMING) != (len(held) < CONFIRMING):
+            logger.info("Connected to %d public peer(s) of distinct addresses%s", len(held),
+                        "" if len(held) >= CONFIRMING else
+                        f" (hole punching to other NATed peers needs {CONFIRMING}: relayed until then)")
+        self.observers = len(held)
+        if self.observers >= CONFIRMING and natted:
+            await self._punch_again(natted, trusted)
+        return self.observers
+
+    async def _punch_again(self, natted: dict[str, list[str]], trusted: list[str]) -> None:
+        """Close a relayed-only connection to a NATed worker and dial it again through its relays (once per
+        PUNCH_AGAIN): its side sees a new relayed connection and hole-punches. Only through relays at addresses this
+        node was given or that are public (a record may name any address)."""
+        now = self.clock()
+        relays = {c.peer_id for c in candidates(trusted)}
+        for peer_id, path in list(self.paths.items()):
+            if path != "relayed" or peer_id not in natted:
+                continue
+            last = self._punched.get(peer_id)
+            if last is not None and now - last < PUNCH_AGAIN:
+                continue
+            via = [m for m in natted[peer_id] if _relay_ok(m, relays)]
+            if not via:
+                continue
+            self._punched.put(peer_id, now)
+            logger.info("Dialling worker %s again through its relays, to hole-punch a direct connection",
+                        peer_id[-8:])
+            try:
+                await asyncio.wait_for(disconnect(self.p2p, peer(peer_id)), DIAL_TIMEOUT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.debug("Could not close the relayed connection to %s: %s", peer_id[-8:], e)
+                continue
+            for m in via:
+                cut = m.split("/p2p/" + peer_id)[0] if m.endswith("/p2p/" + peer_id) else m
+                if await self._dial(Candidate(peer_id, cut, "")):
+                    break
+
+    async def _dial(self, c: Candidate) -> bool:
+        try:
+            await asyncio.wait_for(dial(self.p2p, peer(c.peer_id), [Multiaddr(c.maddr)]), DIAL_TIMEOUT)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            logger.debug("Could not dial public peer %s at %s: %s", c.peer_id[-8:], c.maddr, e)
+            return False
+
+
+def _relay_ok(maddr: str, relays: set[str]) -> bool:
+    """Whether a relayed address (``/ip4/A/tcp/P/p2p/RELAY/p2p-circuit/p2p/ID``) goes through a relay this node may
+    dial: one of its own initial peers, or one at a public address."""
+    if "/p2p-circuit" not in maddr:
+        return False
+    relay = maddr.split("/p2p-circuit")[0]
+    if relay.rpartition("/p2p/")[2] in relays:
+        return True
+    return bool(candidates([relay], public_only=True))
