@@ -17,11 +17,13 @@ transit here costs what a direct one does, where a real relay adds its own dista
 (not run by default): the homes behind NAT again, with four public nodes at distinct addresses, so the workers
 hole-punch direct connections to each other (docs/reachability.md); the row says how many pairs were direct when
 the figures were taken. In this lab its latency is the relayed path's (the relay costs no distance here): what it
-saves is the relay's bytes and the second leg of a real relay's distance. Needs root, iproute2, nftables and
+saves is the relay's bytes and the second leg of a real relay's distance; ``--far-relay`` shows that leg: the
+relays (and the punched path's public nodes) then sit in a namespace of their own, a profile's latency from
+everyone, so a relayed transit costs two legs, as through a real relay. Needs root, iproute2, nftables and
 iptables. Each profile/path starts a fresh network (about a minute).
 
     python scripts/bench_wan.py [--json] [--profiles lan,city,continent,world] [--paths direct,relayed,punched]
-                                [--tokens N]
+                                [--tokens N] [--far-relay]
 """
 
 from __future__ import annotations
@@ -94,25 +96,29 @@ print(json.dumps(out), flush=True)
 '''.replace("BULK", str(BULK_BYTES)).replace("SPANS", str(SPANS))
 
 
-def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int) -> dict:
+def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int, far_relay: bool = False) -> dict:
     """One profile over one path, in a lab and network of its own."""
     profile = PROFILES[profile_name]
     lab_type = LinkLab if path == "direct" else NatLab
     kwargs = {"hosts_count": SPANS} if path == "direct" else {"homes_count": SPANS}
     if path == "punched":  # public nodes at 4 distinct addresses: what go-libp2p needs before it punches
         kwargs["observers"] = 4
+    if path != "direct" and far_relay:
+        kwargs["far_relays"] = True
     with tempfile.TemporaryDirectory() as tmp, lab_type(profile=profile, **kwargs) as lab, \
             LocalNetwork(Path(tmp), network="bench-wan", heartbeat=2.0) as net:
         homes = lab.hosts if path == "direct" else [h.ns for h in lab.homes]
-        publics = lab.public_addrs if path == "punched" else [lab.public_addr]
-        boots = [net.start_bootstrap(ns=lab.public, host_maddrs=f"/ip4/{addr}/tcp/0") for addr in publics]
+        publics = lab.public_addrs if path != "direct" else [lab.public_addr]
+        boots = [net.start_bootstrap(ns=lab.public if path == "direct" else lab.relay_ns,
+                                     host_maddrs=f"/ip4/{addr}/tcp/0") for addr in publics]
         boot = boots[0]
         procs = [net.start_worker("--threads", "1", ns=ns, wait_online=False, initial_peers=boots,
                                   host_maddrs=f"/ip4/{lab.addrs[i]}/tcp/0" if path == "direct" else
                                   "/ip4/0.0.0.0/tcp/0") for i, ns in enumerate(homes)]
         for proc in procs:
             net.wait_online(proc)
-        row: dict = {"profile": profile_name, "path": path, "one_way_ms": profile.one_way_ms}
+        row: dict = {"profile": profile_name, "path": path, "one_way_ms": profile.one_way_ms,
+                     "far_relay": far_relay and path != "direct"}
         if path == "direct":  # the floors (the same links behind the NAT routers)
             row["floor_round_trip_ms"] = lab.round_trip_ms(lab.public, homes[0], lab.addrs[0])
             row["floor_bulk_s"] = lab.tcp_seconds(lab.public, homes[0], lab.addrs[0], BULK_BYTES)
@@ -144,6 +150,8 @@ def main() -> None:
     parser.add_argument("--profiles", default="lan,city,continent,world")
     parser.add_argument("--paths", default="direct,relayed")
     parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--far-relay", action="store_true",
+                        help="the relays as far from everyone as a home is (a relayed transit: two legs)")
     args = parser.parse_args()
     why = LinkLab.available(latency=True)
     if why:
@@ -158,7 +166,7 @@ def main() -> None:
         for name in args.profiles.split(","):
             for path in args.paths.split(","):
                 t0 = time.perf_counter()
-                row = measure(name, path, folder, other, args.tokens)
+                row = measure(name, path, folder, other, args.tokens, args.far_relay)
                 floors.setdefault(name, {k: row[k] for k in ("floor_round_trip_ms", "floor_bulk_s") if k in row})
                 row.update({k: v for k, v in floors[name].items() if k not in row})
                 row["bench_s"] = time.perf_counter() - t0

@@ -14,6 +14,7 @@ from gpunet.client.attempts import (
     Look,
     PayUp,
     ProgramLost,
+    REDIALS,
     Raise,
     Raised,
     Replicas,
@@ -223,9 +224,15 @@ def test_refusals_all_for_the_deadline_end_in_deadline_unreachable():
     assert isinstance(final, Raise) and isinstance(final.error, DeadlineUnreachable)
 
 
-def test_a_stream_broken_on_the_way_is_tried_again_once_on_the_same_worker():
+def test_a_stream_broken_on_the_way_is_tried_again_a_few_times_on_the_same_worker_pausing_more_each_time():
     a = attempts()
     assert [type(x) for x in tried(a, router(A, B), ProtocolError("peer closed the stream"))] == [Say, Retry]
+    pauses = []
+    for _ in range(REDIALS - 1):
+        assert a.next(router(A, B), NOW).worker == A
+        say, retry = a.on(A, ProtocolError("peer closed the stream"), NOW)
+        pauses.append(retry.pause)
+    assert pauses == sorted(pauses) and pauses[0] > 0 and pauses[-1] < 1
     assert a.next(router(A, B), NOW).worker == A
     assert a.on(A, ProtocolError("peer closed the stream"), NOW)[0].outcome == "failure"
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from gpunet.testing import LocalNetwork, wait_for
+from gpunet.testing import LocalNetwork, free_port, wait_for
 from gpunet.testing.netns import LabUnavailable, NatLab
 from tests.swarm import gpunet_cmd
 
@@ -371,7 +371,8 @@ def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
     """Two workers behind two cone NATs, four public nodes at distinct addresses (what go-libp2p needs to confirm a
     public address before it hole-punches): once both are online and a session's steps go span to span between them,
     a direct TCP connection joins the two homes (each router letting in only what answers its own outgoing
-    connection), both records list the other as reached directly, and the session's tokens are HF's."""
+    connection), both records list the other as reached directly (and doctor, beside a worker, says its connection
+    is hole-punched), and the session's tokens are HF's."""
     from gpunet.testing.llm import save_checkpoint
 
     why = NatLab.available()
@@ -387,8 +388,9 @@ def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
     try:
         with LocalNetwork(tmp_path, network="nat-test", heartbeat=2.0) as net:
             boots = [net.start_bootstrap(ns=lab.public, host_maddrs=f"/ip4/{addr}/tcp/0") for addr in lab.public_addrs]
-            workers = [net.start_worker("--threads", "1", ns=home.ns, host_maddrs="/ip4/0.0.0.0/tcp/0",
-                                        wait_online=False, initial_peers=boots) for home in lab.homes]
+            workers = [net.start_worker("--threads", "1", "--dashboard-port", str(free_port()), ns=home.ns,
+                                        host_maddrs="/ip4/0.0.0.0/tcp/0", wait_online=False, initial_peers=boots)
+                       for home in lab.homes]
             for worker in workers:
                 net.wait_online(worker)
                 assert "Connected to 4 public peer(s) of distinct addresses" in worker.output, worker.output[-3000:]
@@ -424,6 +426,12 @@ def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
 
             wait_for(lambda: (lambda s: s.get(one.id) == [two.id] and s.get(two.id) == [one.id])(status()), 30,
                      "both records to list the other worker as reached directly")
+            # `gpunet doctor` on the machine of a running worker says which way its connections go.
+            doctor = subprocess.run(lab.exec_argv(h1.ns, gpunet_cmd("doctor", "--data-dir", str(one.data_dir),
+                                                                    "--device", "cpu", "--json")),
+                                    capture_output=True, text=True, timeout=120)
+            paths = next(c for c in json.loads(doctor.stdout) if c["name"] == "connections")
+            assert paths["outcome"] == "pass" and "1 hole-punched" in paths["detail"], paths
             for home in lab.homes:  # and still nothing unasked gets into either home
                 assert not lab.can_connect(lab.public, home.router_public, 22)
     finally:

@@ -92,6 +92,16 @@ def test_the_dashboard_answers_only_its_owner_and_refuses_what_another_site_woul
     assert token not in page.read().decode()  # the page holds no key: another user of the machine learns nothing
     assert call("/api/status") == call("/api/jobs") == call("/api/earnings") == 403  # nor from the API
     assert call("/api/status", headers={"X-Gpunet-Token": token}) == 200
+    request = urllib.request.Request(base + "/api/status", headers={"X-Gpunet-Token": token})
+    with urllib.request.urlopen(request, timeout=10) as response:  # which way each of its connections goes
+        connections = json.loads(response.read())["connections"]
+    assert connections and all(c["path"] == "direct" and c["addresses"][0].startswith("/ip4/127.0.0.1/tcp/")
+                               for c in connections), connections
+    doctor = subprocess.run(gpunet_cmd("doctor", "--data-dir", str(worker.data_dir), "--device", "cpu", "--json"),
+                            capture_output=True, text=True, timeout=120)  # on the worker's machine: says the same
+    said = next(c for c in json.loads(doctor.stdout) if c["name"] == "connections")
+    assert said["outcome"] == "pass" and f"connected to {len(connections)} peer(s): {len(connections)} direct" \
+        in said["detail"], said
     assert post("/api/pause") == 403  # no key: a cross-site form cannot learn it
     assert post("/api/pause", headers={"X-Gpunet-Token": token, "Origin": "http://evil.example"}) == 403
     assert post("/api/pause", headers={"X-Gpunet-Token": token}, body=b"not json") == 400

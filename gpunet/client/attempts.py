@@ -61,6 +61,10 @@ LATE_SECONDS = 0.1
 #: Seconds before a job refused at a worker's credit line is asked there again (doubling each time), and how often.
 PAY_PAUSE = 0.02
 MAX_PAY_WAITS = 6
+#: Times a job is sent again to a worker whose stream broke on the way (not held against it), and the pause before
+#: the second of those (doubling after): the p2p daemon under a burst of streams can break several in a row.
+REDIALS = 3
+REDIAL_PAUSE = 0.05
 
 
 # --- outcomes: what one try came to -----------------------------------------------------------------------------------
@@ -210,7 +214,7 @@ class Attempts:
         self.failed: set[str] = set()  # not tried again by this copy
         self.rejections: list[JobRejected] = []
         self.resends = 0  # times a worker lost the program between admission and run (not its fault)
-        self.redialled: set[str] = set()  # workers already tried again after a broken stream
+        self.redialled: Counter[str] = Counter()  # times each worker was tried again after a broken stream
         self.preempted: Counter[str] = Counter()  # workers that stopped this batch job for interactive work
         self.raised: list[tuple[str, str]] = []  # (worker, where) for workers that said the job itself raised
         self.raised_error: JobRaised | None = None
@@ -330,16 +334,18 @@ class Attempts:
             return [Retry()]
         relayed = worker.record.reachability == "relayed"
         if (isinstance(outcome, ProtocolError) or isinstance(outcome, NetworkError) and relayed) \
-                and w not in self.redialled:
+                and self.redialled[w] < REDIALS:
             # A stream can break on the way without the worker being at fault: a relay resets its circuits now and
             # then (libp2p's limited relays after 128 KiB or 2 minutes), and under a burst of streams the p2p daemon
             # now and then closes one before the worker's answer is through (seen here about once in 700 jobs, 30 at
-            # a time to one worker). Once per job and worker, try it again on a fresh stream before holding it
-            # against it (the job id makes a retry safe: the worker answers it once, and bills it once). A worker
-            # that could not be reached at all is not tried again.
-            self.redialled.add(w)
+            # a time to one worker; a burst broke six jobs' streams twice each, with one worker to go to). Up to
+            # REDIALS times per job and worker, pausing a little more each time, try it again on a fresh stream
+            # before holding it against it (the job id makes a retry safe: the worker answers it once, and bills it
+            # once). A worker that could not be reached at all is not tried again.
+            self.redialled[w] += 1
             self.last_error = outcome
-            return [Say(f"The connection to worker {w[-8:]} broke ({outcome}); trying it again"), Retry()]
+            pause = 0.0 if self.redialled[w] == 1 else REDIAL_PAUSE * 2 ** (self.redialled[w] - 2)
+            return [Say(f"The connection to worker {w[-8:]} broke ({outcome}); trying it again"), Retry(pause)]
         error = JobTimeout(f"worker {w[-8:]} took too long") if isinstance(outcome, TimeoutError) else outcome
         self.failed.add(w)
         self.last_error = error

@@ -209,18 +209,35 @@ class NatLab(_Lab):
     _made: list[str] = field(default_factory=list)
     profile: Profile | None = None  # latency, loss and each home's up/down link (gpunet.testing.wan.PROFILES)
     _delayers: list = field(default_factory=list)
-    #: Public addresses on the public side (``public_addrs``): go-libp2p hole-punches only once peers at 4 distinct
-    #: addresses observed a node's public one (gpunet.dht.observers), so a lab for that runs a public node on each.
+    #: Public addresses for public nodes (``public_addrs``, in namespace ``relay_ns``): go-libp2p hole-punches only
+    #: once peers at 4 distinct addresses observed a node's public one (gpunet.dht.observers), so a lab for that runs
+    #: a public node on each.
     observers: int = 1
+    #: Those addresses in a namespace of their own, as far from everyone as a home is (the profile's latency on what
+    #: arrives there): a relayed transit then costs two legs, as through a real relay; else they are the public
+    #: side's own, beside the client.
+    far_relays: bool = False
+    relay_ns: str = ""
 
     @property
     def public_addrs(self) -> list[str]:
-        return [f"{PUBLIC_PREFIX}.{i}" for i in range(1, self.observers + 1)]
+        first = 21 if self.far_relays else 1
+        return [f"{PUBLIC_PREFIX}.{first + i}" for i in range(self.observers)]
 
     def build(self) -> None:
         t, pub = self.tag, self._public_bridge()
-        for extra in self.public_addrs[1:]:
-            _run("ip", "-n", pub, "addr", "add", f"{extra}/24", "dev", "br0")
+        self.relay_ns = pub
+        if self.far_relays:
+            far = self.relay_ns = self._netns(f"{t}-far")
+            _run("ip", "link", "add", f"{t}fo", "netns", far, "type", "veth", "peer", "name", f"{t}fp", "netns", pub)
+            _run("ip", "-n", pub, "link", "set", f"{t}fp", "master", "br0", "up")
+            _run("ip", "-n", far, "link", "set", f"{t}fo", "name", "eth0", "up")
+            for addr in self.public_addrs:
+                _run("ip", "-n", far, "addr", "add", f"{addr}/24", "dev", "eth0")
+            self._home_link(far)
+        else:
+            for extra in self.public_addrs[1:]:
+                _run("ip", "-n", pub, "addr", "add", f"{extra}/24", "dev", "br0")
         for i in range(1, self.homes_count + 1):
             router, home = self._netns(f"{t}-r{i}"), self._netns(f"{t}-h{i}")
             outside, inside = f"{PUBLIC_PREFIX}.{10 + i}", f"192.168.{100 + i}"

@@ -57,7 +57,7 @@ class Announcer:
         self._unpublished_said = -UNPUBLISHED_REPEAT
         self._observers: observers.ObserverKeeper | None = None  # behind NAT: public peers kept for hole punching
         self._direct_workers: list[str] = []  # their addresses, from the records (read every OBSERVER_LOOK at most)
-        self._natted_workers: dict[str, list[str]] = {}  # workers behind NAT: their relayed addresses, likewise
+        self.natted_workers: dict[str, list[str]] = {}  # workers behind NAT: their relayed addresses, likewise
         self._workers_read, self._look_every = -OBSERVER_LOOK, 0.0
 
     def record(self) -> WorkerRecord:
@@ -161,7 +161,7 @@ class Announcer:
         """The workers behind NAT (by their records) this one held a direct connection to at the last look."""
         if self._observers is None:
             return []
-        return sorted(p for p, path in self._observers.paths.items() if path == "direct" and p in self._natted_workers)
+        return sorted(p for p, path in self._observers.paths.items() if path == "direct" and p in self.natted_workers)
 
     async def keep_observers(self) -> None:
         """Behind NAT: stay connected to public peers of distinct addresses, so the p2p daemon learns this worker's
@@ -179,9 +179,9 @@ class Announcer:
                 others = [e for e in entries if e.id != w.id]
                 self._direct_workers = [f"{m}/p2p/{e.id}" if "/p2p/" not in m else m for e in others
                                         if e.record.reachability == reachability.DIRECT for m in e.record.maddrs]
-                self._natted_workers = {e.id: [m for m in e.record.maddrs if reachability.is_relayed(m)]
+                self.natted_workers = {e.id: [m for m in e.record.maddrs if reachability.is_relayed(m)]
                                         for e in others if e.record.reachability == reachability.RELAYED}
-            await bounded(self._observers.keep(w._initial_peers(), self._direct_workers, self._natted_workers), 20.0)
+            await bounded(self._observers.keep(w._initial_peers(), self._direct_workers, self.natted_workers), 20.0)
         except Exception as e:  # the daemon busy or going: the next beat tries again
             logger.debug("Could not keep observers: %s", e)
 

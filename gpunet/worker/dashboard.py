@@ -67,7 +67,26 @@ class Dashboard:
             "lanes": {lane: {"running": lanes.count(lane, waiting=False), "waiting": lanes.count(lane, running=False),
                              "load": round(lanes.load(lane), 3)} for lane in LANES},
             "batch_floor": lanes.floor / 1e9, "preemptions": lanes.preemptions, "time": time.time(),
+            "connections": await self._connections(),
         }
+
+    async def _connections(self) -> list[dict]:
+        """Each peer this worker's p2p daemon is connected to now, and which way: ``direct`` (a hole-punched
+        connection to a NATed worker among them: ``punched``) or ``relayed`` (docs/reachability.md)."""
+        from gpunet.dht.observers import paths
+        from gpunet.rpc import connections
+
+        w = self.worker
+        if w.rpc is None:
+            return []
+        try:
+            conns = await asyncio.wait_for(connections(w.rpc.p2p), 3.0)
+        except Exception:  # the daemon busy or going: nothing to say this time
+            return []
+        natted = set(w.announcer.natted_workers)
+        return [{"peer": peer, "path": "punched" if path == "direct" and peer in natted else path,
+                 "addresses": sorted(a for p, a in conns if p == peer)}
+                for peer, path in sorted(paths(conns).items())]
 
     async def jobs(self, request) -> dict:
         jobs, now = self.worker.jobs, time.monotonic()

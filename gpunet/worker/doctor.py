@@ -306,6 +306,34 @@ async def _clock_offsets(dht, network: str, worker_ids: list[str]) -> list[float
     return offsets
 
 
+def check_connections(data_dir: Path) -> Check | None:
+    """How a worker running from ``data_dir`` reaches its peers now (asked of its own dashboard, on this machine):
+    directly, hole-punched (to another worker behind NAT) or through a relay. None when no worker runs there."""
+    import json
+    import urllib.request
+
+    from gpunet.worker.dashboard import URL_FILE
+
+    try:
+        url = (Path(data_dir) / URL_FILE).read_text().strip()
+    except OSError:
+        return None
+    base, _, fragment = url.partition("#")
+    request = urllib.request.Request(base.rstrip("/") + "/api/status",
+                                     headers={"X-Gpunet-Token": fragment.removeprefix("token=")})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            conns = json.loads(answer.read()).get("connections", [])
+    except Exception as e:  # a worker that stopped without removing its address, or one of an older version
+        return Check("connections", Verdict.SKIP, f"the worker of {data_dir} did not answer ({e})",
+                     "is it running? (`gpunet worker` writes its dashboard's address there)")
+    by = {path: sum(1 for c in conns if c.get("path") == path) for path in ("direct", "punched", "relayed")}
+    detail = (f"the worker running here is connected to {len(conns)} peer(s): {by['direct']} direct, "
+              f"{by['punched']} hole-punched (workers behind NAT), {by['relayed']} through relays")
+    return Check("connections", Verdict.PASS, detail,
+                 "relayed peers still work; each relayed leg costs a transit (docs/reachability.md)")
+
+
 def run_checks(
     *,
     data_dir=None,
@@ -325,7 +353,8 @@ def run_checks(
     network_checks = check_network(network, initial_peers, host_maddrs)
     if not any(c.name == "reachability" for c in network_checks):  # no peer to test with: what the addresses say
         checks.append(check_reachability(host_maddrs))
-    return checks + network_checks
+    running = check_connections(data_dir)  # a worker already running from this data dir: its paths now
+    return checks + network_checks + ([running] if running is not None else [])
 
 
 _STYLE = {Verdict.PASS: "green", Verdict.WARN: "yellow", Verdict.FAIL: "bold red", Verdict.SKIP: "dim"}
