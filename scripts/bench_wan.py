@@ -134,7 +134,11 @@ def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int
             seen = [_tcp_peers(lab, h.ns) for h in lab.homes]
             row["punched_pairs"] = sum(lab.homes[j].router_public in seen[i]
                                        for i in range(SPANS) for j in range(i + 1, SPANS))
-        row["floor_session_tps"] = (1 / profile.floor_token_s(SPANS)) if profile.one_way_ms else None
+        # A token's transits into delayed namespaces: client -> span 1 -> ... -> span n -> client is n into homes;
+        # through a far relay every leg first arrives there (the relayed path: 2n + 1), a punched path only the
+        # client's two (n + 2).
+        transits = (SPANS if not row["far_relay"] else 2 * SPANS + 1 if path == "relayed" else SPANS + 2)
+        row["floor_session_tps"] = (1 / profile.floor_token_s(transits)) if profile.one_way_ms else None
         return row
 
 
