@@ -48,6 +48,11 @@ class ProtocolError(NetworkError):
     """A peer broke the job protocol: a malformed, oversized or unexpected message, or a stream cut mid-message."""
 
 
+class StreamBroken(ProtocolError):
+    """A stream ended or was reset mid-message: the path's doing as often as the peer's (the p2p daemon resets one
+    now and then under a burst of streams; a relay resets its circuits)."""
+
+
 class InvalidRecord(GpunetError):
     """A DHT record failed its signature or schema check."""
 

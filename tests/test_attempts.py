@@ -42,6 +42,7 @@ from gpunet.errors import (
     PayFirst,
     ProgramNotCached,
     ProtocolError,
+    StreamBroken,
     WorkerBusy,
     WorkerDraining,
 )
@@ -226,15 +227,22 @@ def test_refusals_all_for_the_deadline_end_in_deadline_unreachable():
 
 def test_a_stream_broken_on_the_way_is_tried_again_a_few_times_on_the_same_worker_pausing_more_each_time():
     a = attempts()
-    assert [type(x) for x in tried(a, router(A, B), ProtocolError("peer closed the stream"))] == [Say, Retry]
+    assert [type(x) for x in tried(a, router(A, B), StreamBroken("peer closed the stream"))] == [Say, Retry]
     pauses = []
     for _ in range(REDIALS - 1):
         assert a.next(router(A, B), NOW).worker == A
-        say, retry = a.on(A, ProtocolError("peer closed the stream"), NOW)
+        say, retry = a.on(A, StreamBroken("peer closed the stream"), NOW)
         pauses.append(retry.pause)
     assert pauses == sorted(pauses) and pauses[0] > 0 and pauses[-1] < 1
     assert a.next(router(A, B), NOW).worker == A
-    assert a.on(A, ProtocolError("peer closed the stream"), NOW)[0].outcome == "failure"
+    assert a.on(A, StreamBroken("peer closed the stream"), NOW)[0].outcome == "failure"
+
+
+def test_a_malformed_answer_is_tried_again_only_once():
+    a = attempts()
+    assert [type(x) for x in tried(a, router(A, B), ProtocolError("peer sent nothing for 30 s"))] == [Say, Retry]
+    assert a.next(router(A, B), NOW).worker == A
+    assert a.on(A, ProtocolError("peer sent nothing for 30 s"), NOW)[0].outcome == "failure"
 
 
 def test_a_relayed_worker_that_did_not_answer_is_tried_again_once_a_direct_one_is_not():

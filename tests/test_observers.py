@@ -45,11 +45,13 @@ def test_a_peer_is_direct_if_any_of_its_connections_is():
 
 
 def test_a_relayed_address_is_dialled_again_only_through_a_known_or_public_relay():
-    assert _relay_ok(f"/ip4/10.0.0.1/tcp/1/p2p/{A}/p2p-circuit/p2p/{B}", relays={A})  # one of our initial peers
-    assert _relay_ok(f"/ip4/25.0.0.1/tcp/1/p2p/{C}/p2p-circuit/p2p/{B}", relays={A})
-    assert not _relay_ok(f"/ip4/10.0.0.1/tcp/1/p2p/{C}/p2p-circuit/p2p/{B}", relays={A})  # someone's LAN
-    assert not _relay_ok(f"/ip4/127.0.0.1/tcp/22/p2p/{C}/p2p-circuit/p2p/{B}", relays={A})
-    assert not _relay_ok("/ip4/25.0.0.1/tcp/1", relays={A})  # not relayed at all
+    mine = [f"/ip4/10.0.0.1/tcp/1/p2p/{A}"]  # an initial peer on this node's LAN
+    assert _relay_ok(f"/ip4/10.0.0.1/tcp/1/p2p/{A}/p2p-circuit/p2p/{B}", mine)
+    assert _relay_ok(f"/ip4/25.0.0.1/tcp/1/p2p/{C}/p2p-circuit/p2p/{B}", mine)
+    assert not _relay_ok(f"/ip4/10.0.0.7/tcp/22/p2p/{A}/p2p-circuit/p2p/{B}", mine)  # our relay's id, another address
+    assert not _relay_ok(f"/ip4/10.0.0.1/tcp/1/p2p/{C}/p2p-circuit/p2p/{B}", mine)  # someone's LAN
+    assert not _relay_ok(f"/ip4/127.0.0.1/tcp/22/p2p/{C}/p2p-circuit/p2p/{B}", mine)
+    assert not _relay_ok("/ip4/25.0.0.1/tcp/1", mine)  # not relayed at all
 
 
 def test_the_daemon_lists_a_direct_connection_with_the_address_it_uses():
@@ -66,3 +68,76 @@ def test_the_daemon_lists_a_direct_connection_with_the_address_it_uses():
             await one.shutdown()
 
     asyncio.run(main())
+
+
+class _Daemon:
+    """What the keeper asks of the p2p daemon (gpunet.rpc's connections, dial, disconnect), recorded: the policy is
+    tested here; the real daemon's part in tests/test_nat.py."""
+
+    def __init__(self, conns, reachable):
+        self.conns, self.reachable, self.dialled, self.closed = list(conns), set(reachable), [], []
+
+    def install(self, monkeypatch):
+        from gpunet.dht import observers
+
+        async def connections(p2p):
+            return list(self.conns)
+
+        async def dial(p2p, peer_id, maddrs):
+            self.dialled.append(str(maddrs[0]))
+            if str(maddrs[0]) not in self.reachable:
+                raise ConnectionError("no answer")
+            self.conns.append((peer_id.to_base58(), str(maddrs[0])))
+
+        async def disconnect(p2p, peer_id):
+            self.closed.append(peer_id.to_base58())
+            self.conns = [(p, a) for p, a in self.conns if p != peer_id.to_base58()]
+
+        for name, fn in (("connections", connections), ("dial", dial), ("disconnect", disconnect)):
+            monkeypatch.setattr(observers, name, fn)
+
+
+def _ids(n):
+    import os
+
+    from gpunet.identity import peer_id_from_public_bytes
+
+    return [peer_id_from_public_bytes(os.urandom(32)) for _ in range(n)]
+
+
+def test_the_keeper_dials_public_peers_leaves_failed_ones_alone_and_punches_one_worker_a_few_times(monkeypatch):
+    from gpunet.dht import observers
+    from gpunet.dht.observers import ObserverKeeper
+
+    me, w1, w2, *pub = _ids(10)
+    trusted = [f"/ip4/25.0.0.{i + 1}/tcp/4000/p2p/{pub[i]}" for i in range(2)]
+    published = [f"/ip4/25.0.1.{i}/tcp/4000/p2p/{pub[i]}" for i in range(2, 6)] + [
+        f"/ip4/192.168.1.1/tcp/22/p2p/{pub[6]}"]  # a record naming someone's LAN: never dialled
+    relay = trusted[0]
+    daemon = _Daemon([(w1, f"{relay}/p2p-circuit"), (w2, f"{relay}/p2p-circuit")],
+                     reachable=[t.rpartition("/p2p/")[0] for t in trusted]
+                     + [p.rpartition("/p2p/")[0] for p in published[:3]] + [f"{relay}/p2p-circuit"])
+    daemon.install(monkeypatch)
+    now = [0.0]
+    keeper = ObserverKeeper(p2p=None, own_id=me, clock=lambda: now[0])
+    keeper.natted = {w1: [f"{relay}/p2p-circuit/p2p/{w1}"],
+                     w2: [f"/ip4/10.9.9.9/tcp/1/p2p/{pub[0]}/p2p-circuit/p2p/{w2}"]}
+
+    async def look():
+        return await keeper.keep(trusted, published)
+
+    assert asyncio.run(look()) == 5  # 2 trusted + 3 of the 4 public published ones answered
+    assert not any("192.168." in d for d in daemon.dialled)
+    # Enough observers: the relayed connection to w1 is closed and dialled again through its (trusted) relay; w2's
+    # record names a relay at a LAN address under a trusted id: not dialled.
+    assert daemon.closed == [w1] and daemon.dialled[-1] == f"{relay}/p2p-circuit"
+    dialled = len(daemon.dialled)
+    asyncio.run(look())  # the one that failed is left alone; w1 not again so soon
+    assert len(daemon.dialled) == dialled and daemon.closed == [w1]
+    now[0] = observers.DIAL_BACKOFF + observers.PUNCH_AGAIN
+    daemon.conns.append((w1, f"{relay}/p2p-circuit"))  # still relayed (say its NAT is symmetric)
+    asyncio.run(look())
+    assert daemon.closed == [w1, w1]
+    now[0] += 2 * observers.PUNCH_AGAIN
+    asyncio.run(look())
+    assert daemon.closed == [w1, w1]  # PUNCH_TRIES reached: it stays relayed

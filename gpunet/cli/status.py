@@ -78,7 +78,7 @@ def render_table(status: NetworkStatus, width: int | None = None) -> Table:
             str(r.jobs_done),
             format_credits(round(r.credits_earned * NANO)),  # as the ledger prints credits
             _trust_cell(status._rating(w.id)),
-            Text(r.reachability + (f"\n{len(r.direct_to)} punched" if r.direct_to else "")),
+            Text(r.reachability + (f"\n{r.punched} punched" if r.punched else "")),
             " ".join(c[:6] for c in r.checkpoints[:2]) + ("…" if len(r.checkpoints) > 2 else "") or "-",
             _duration(r.uptime(status.read_at)),
         ))

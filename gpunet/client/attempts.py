@@ -47,6 +47,7 @@ from gpunet.errors import (
     PayFirst,
     ProgramNotCached,
     ProtocolError,
+    StreamBroken,
     WorkerBusy,
 )
 
@@ -64,7 +65,7 @@ MAX_PAY_WAITS = 6
 #: Times a job is sent again to a worker whose stream broke on the way (not held against it), and the pause before
 #: the second of those (doubling after): the p2p daemon under a burst of streams can break several in a row.
 REDIALS = 3
-REDIAL_PAUSE = 0.05
+REDIAL_PAUSE = 0.1
 
 
 # --- outcomes: what one try came to -----------------------------------------------------------------------------------
@@ -333,15 +334,17 @@ class Attempts:
                 return [Raise(kind(f"{n} worker{'s' if n != 1 else ''} refused job {job}; last: {outcome.reason}"))]
             return [Retry()]
         relayed = worker.record.reachability == "relayed"
+        broken = isinstance(outcome, StreamBroken)  # the path's doing as often as the worker's: a few more tries
         if (isinstance(outcome, ProtocolError) or isinstance(outcome, NetworkError) and relayed) \
-                and self.redialled[w] < REDIALS:
+                and self.redialled[w] < (REDIALS if broken else 1):
             # A stream can break on the way without the worker being at fault: a relay resets its circuits now and
             # then (libp2p's limited relays after 128 KiB or 2 minutes), and under a burst of streams the p2p daemon
             # now and then closes one before the worker's answer is through (seen here about once in 700 jobs, 30 at
             # a time to one worker; a burst broke six jobs' streams twice each, with one worker to go to). Up to
-            # REDIALS times per job and worker, pausing a little more each time, try it again on a fresh stream
-            # before holding it against it (the job id makes a retry safe: the worker answers it once, and bills it
-            # once). A worker that could not be reached at all is not tried again.
+            # REDIALS times per job and worker for a stream that broke (once for another protocol error: a malformed
+            # or stalled answer is the worker's own), pausing more each time, try it again on a fresh stream before
+            # holding it against it (the job id makes a retry safe: the worker answers it once, and bills it once).
+            # A worker that could not be reached at all is not tried again.
             self.redialled[w] += 1
             self.last_error = outcome
             pause = 0.0 if self.redialled[w] == 1 else REDIAL_PAUSE * 2 ** (self.redialled[w] - 2)

@@ -41,8 +41,6 @@ MAX_MADDR_CHARS = 200
 #: A device's name (a GPU's is about 25 characters, a CPU model's up to about 50) and a paused worker's reason: cut to
 #: this by the worker (the lanes' and pause fields took the room that longer ones had).
 MAX_DEVICE_NAME = 72
-#: NATed workers a record lists as reached directly (the rest are only not listed).
-MAX_DIRECT_TO = 8
 MAX_PAUSE_REASON = 64
 
 #: Text readers print (status tables, the explorer, logs) has none of these: control characters (an ESC clears a
@@ -167,9 +165,9 @@ class WorkerRecord(_WireModel):
     #: How peers reach it (gpunet.dht.reachability): "direct", "relayed" (through the relays in its maddrs) or
     #: "unknown". Any other short word (a later version's) is read as it is.
     reachability: _text(16) = "unknown"
-    #: Workers behind NAT it reaches by a direct connection now (hole-punched: gpunet.dht.observers), by peer id:
-    #: pushes between it and them go straight, not through two relay legs.
-    direct_to: list[_text(64)] = Field(default_factory=list, max_length=MAX_DIRECT_TO)
+    #: Workers behind NAT it reaches by a direct connection now (hole-punched: gpunet.dht.observers): pushes
+    #: between it and them go straight, not through two relay legs.
+    punched: _NonNegInt = 0
     #: Program bytes it served to other workers, and fetched from them, since it started (gpunet.worker.peers).
     peer_bytes_served: _NonNegInt = 0
     peer_bytes_fetched: _NonNegInt = 0

@@ -81,7 +81,7 @@ class NetworkStatus:
                     "checkpoints": list(r.checkpoints),  # held in full in its models dirs (docs/weights.md)
                     "maddrs": list(r.maddrs),
                     "reachability": r.reachability,
-                    "direct_to": list(r.direct_to),  # NATed workers it reaches by a hole-punched connection
+                    "punched": r.punched,  # NATed workers it reaches by a hole-punched connection now
                     "peer_bytes": {"served": r.peer_bytes_served, "fetched": r.peer_bytes_fetched},
                     "ledger": {"count": r.ledger_count, "head": r.ledger_head, "credits_earned": r.credits_earned},
                     "expires_in": round(w.expiration_time - self.read_at, 1),

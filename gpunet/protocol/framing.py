@@ -16,7 +16,7 @@ from typing import Any
 
 import msgpack
 
-from gpunet.errors import GpunetError, ProtocolError
+from gpunet.errors import GpunetError, ProtocolError, StreamBroken
 from gpunet.protocol.fields import MESSAGES, M, Message
 from gpunet.protocol.jobs import MAX_SETTLE_ITEMS
 from gpunet.utils import human_bytes
@@ -68,7 +68,7 @@ async def write(writer: asyncio.StreamWriter, message: Message) -> None:
         writer.write(encode_frame(message))
         await writer.drain()
     except (ConnectionError, OSError) as e:
-        raise ProtocolError(f"stream broke: {e}") from None
+        raise StreamBroken(f"stream broke: {e}") from None
 
 
 async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | None = None,
@@ -89,11 +89,11 @@ async def read(reader: asyncio.StreamReader, *expect: type[M], timeout: float | 
             async with asyncio.timeout(timeout):
                 body = await reader.readexactly(size)
     except asyncio.IncompleteReadError:
-        raise ProtocolError("peer closed the stream mid-message") from None
+        raise StreamBroken("peer closed the stream mid-message") from None
     except TimeoutError:
         raise ProtocolError(f"peer sent nothing for {waited:.0f} s") from None
     except (ConnectionError, OSError) as e:
-        raise ProtocolError(f"stream broke: {e}") from None
+        raise StreamBroken(f"stream broke: {e}") from None
     return decode(body, *expect)
 
 

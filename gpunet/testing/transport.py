@@ -26,7 +26,7 @@ from gpunet.errors import (
     JobRejected,
     NetworkError,
     ProgramNotCached,
-    ProtocolError,
+    StreamBroken,
     WorkerBusy,
 )
 from gpunet.job import tensors
@@ -82,7 +82,7 @@ class FakeTransport(BaseTransport):
         if act == "busy":
             raise WorkerBusy("worker queue is full", 3)
         if act == "break":
-            raise ProtocolError("peer closed the stream mid-message")
+            raise StreamBroken("peer closed the stream mid-message")
         if act == "preempt":
             raise JobPreempted("an interactive job needed this worker's slot", 1)
         if act == "late":
@@ -138,7 +138,7 @@ class FakeTransport(BaseTransport):
         w.answered[request.job_id] = delivery = Delivery(
             w.id, tensors.encode({"output_0": out}), None, len(request.inputs), 0.0, via_unary=True)
         if act == "cut":
-            raise ProtocolError("peer closed the stream mid-message")
+            raise StreamBroken("peer closed the stream mid-message")
         return delivery
 
     async def close_session(self, worker_id: str, session_id: str, received) -> None:

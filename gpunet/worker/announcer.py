@@ -18,7 +18,6 @@ from gpunet.dht.records import (
     MAX_ADVERTISED_MADDRS,
     MAX_CACHED_PROGRAMS,
     MAX_CHECKPOINTS,
-    MAX_DIRECT_TO,
     MAX_MADDR_CHARS,
     MAX_PAUSE_REASON,
     WorkerRecord,
@@ -57,7 +56,7 @@ class Announcer:
         self._unpublished_said = -UNPUBLISHED_REPEAT
         self._observers: observers.ObserverKeeper | None = None  # behind NAT: public peers kept for hole punching
         self._direct_workers: list[str] = []  # their addresses, from the records (read every OBSERVER_LOOK at most)
-        self.natted_workers: dict[str, list[str]] = {}  # workers behind NAT: their relayed addresses, likewise
+        self._keeping: asyncio.Future | None = None  # keep_observers, running in the background
         self._workers_read, self._look_every = -OBSERVER_LOOK, 0.0
 
     def record(self) -> WorkerRecord:
@@ -82,7 +81,7 @@ class Announcer:
             name=w.config.public_name,
             maddrs=[m for m in self.maddrs if len(m) <= MAX_MADDR_CHARS][:MAX_ADVERTISED_MADDRS],
             reachability=self.reachability,
-            direct_to=self.direct_to()[:MAX_DIRECT_TO],
+            punched=len(self._observers.punched()) if self._observers is not None else 0,
             ledger_count=head.count if head else 0,
             ledger_head=head.head_hash if head else None,
             credits_earned=w.credit().earned / NANO if ledger is not None else 0.0,  # vouched (docs/ledger.md)
@@ -134,7 +133,7 @@ class Announcer:
                 logger.warning("Could not publish this worker's record (no peer accepted it; %d heartbeat(s) in a row); "
                                "retrying every heartbeat", self._unpublished)
         if self.via_relays and not leaving and w.dht.is_alive() and not w._stop.is_set():
-            await self.keep_observers()  # after the record is out: dials can take seconds
+            self.observe()
         if state is not None:  # what deployment tools wait on, instead of reading our output
             readyfile.write_ready(w.data_dir, role="worker", id=w.id, addresses=self.maddrs,
                                   network=w.config.network, state=w.state.value)
@@ -157,16 +156,26 @@ class Announcer:
                 ", ".join(maddrs))
         self.reachability, self.maddrs = found, maddrs
 
-    def direct_to(self) -> list[str]:
-        """The workers behind NAT (by their records) this one held a direct connection to at the last look."""
-        if self._observers is None:
-            return []
-        return sorted(p for p, path in self._observers.paths.items() if path == "direct" and p in self.natted_workers)
+    @property
+    def observers(self) -> observers.ObserverKeeper | None:
+        """Behind NAT: the public peers kept for hole punching, and which peers are reached which way."""
+        return self._observers
+
+    def observe(self) -> None:
+        """Keep observers (see :meth:`keep_observers`) in the background, one look at a time: dials and a read of
+        the records can take seconds, which the heartbeat (and the record's life) must not wait for."""
+        if self._keeping is None or self._keeping.done():
+            self._keeping = asyncio.ensure_future(self.keep_observers())
+
+    def stop(self) -> None:
+        if self._keeping is not None:
+            self._keeping.cancel()
 
     async def keep_observers(self) -> None:
         """Behind NAT: stay connected to public peers of distinct addresses, so the p2p daemon learns this worker's
-        public address and hole-punches to other NATed peers (gpunet.dht.observers): the initial peers first, then
-        directly reachable workers (their records read when observers are short, every OBSERVER_LOOK at most)."""
+        public address and hole-punches to other NATed workers (gpunet.dht.observers): the initial peers first, then
+        directly reachable workers from the records (read every heartbeat at first, then less often, up to every
+        OBSERVER_LOOK; a read that fails keeps what the last one found)."""
         w = self.worker
         try:
             if self._observers is None:
@@ -175,13 +184,14 @@ class Announcer:
             if now - self._workers_read >= self._look_every:
                 self._workers_read = now
                 self._look_every = min(OBSERVER_LOOK, max(2 * self._look_every, w.config.heartbeat))
-                entries = await bounded(registry.discover_async(w.dht, w.config.network), 10.0, default=[])
-                others = [e for e in entries if e.id != w.id]
-                self._direct_workers = [f"{m}/p2p/{e.id}" if "/p2p/" not in m else m for e in others
-                                        if e.record.reachability == reachability.DIRECT for m in e.record.maddrs]
-                self.natted_workers = {e.id: [m for m in e.record.maddrs if reachability.is_relayed(m)]
-                                        for e in others if e.record.reachability == reachability.RELAYED}
-            await bounded(self._observers.keep(w._initial_peers(), self._direct_workers, self.natted_workers), 20.0)
+                entries = await bounded(registry.discover_async(w.dht, w.config.network), 10.0)
+                if entries is not None:
+                    others = [e for e in entries if e.id != w.id]
+                    self._direct_workers = [f"{m}/p2p/{e.id}" if "/p2p/" not in m else m for e in others
+                                            if e.record.reachability == reachability.DIRECT for m in e.record.maddrs]
+                    self._observers.natted = {e.id: [m for m in e.record.maddrs if reachability.is_relayed(m)]
+                                              for e in others if e.record.reachability == reachability.RELAYED}
+            await bounded(self._observers.keep(w._initial_peers(), self._direct_workers), 30.0)
         except Exception as e:  # the daemon busy or going: the next beat tries again
             logger.debug("Could not keep observers: %s", e)
 

@@ -6,7 +6,8 @@ every start, which the worker logs with the address and writes to ``<data dir>/d
 owner opens it). The JSON API, the page's and any script's, takes the key in the header ``X-Gpunet-Token``
 (docs/volunteer.md):
 
-``GET /api/status``    the worker's live record (gpunet status's fields), its pause reason and lane figures
+``GET /api/status``    the worker's live record (gpunet status's fields), its pause reason and lane figures, and
+                       each peer it is connected to with the way it goes (direct, punched, relayed)
 ``GET /api/jobs``      jobs running now and the latest that ended here, with how each ended
 ``GET /api/earnings``  ``?days=N`` (default 14): totals of all time and by lane, each of the last N days (days
                        without jobs too), the newest 50 unpaid and unbilled jobs and how many there are, and apart
@@ -83,7 +84,7 @@ class Dashboard:
             conns = await asyncio.wait_for(connections(w.rpc.p2p), 3.0)
         except Exception:  # the daemon busy or going: nothing to say this time
             return []
-        natted = set(w.announcer.natted_workers)
+        natted = set(w.announcer.observers.natted) if w.announcer.observers is not None else set()
         return [{"peer": peer, "path": "punched" if path == "direct" and peer in natted else path,
                  "addresses": sorted(a for p, a in conns if p == peer)}
                 for peer, path in sorted(paths(conns).items())]

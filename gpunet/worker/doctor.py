@@ -219,10 +219,10 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     if relay:
         from gpunet.dht import observers
 
-        seen = len(observers.candidates(peers))
-        punch = (f"; other home workers are reached directly by hole punching once public peers at "
-                 f"{observers.CONFIRMING} distinct addresses see this host (its initial peers give {seen}, directly "
-                 "reachable workers add theirs)")
+        seen = len(observers.candidates(peers, public_only=True))
+        punch = (f"; other home workers are reached directly by hole punching once peers at "
+                 f"{observers.CONFIRMING} distinct public IP addresses see this host (its initial peers give {seen}, "
+                 "directly reachable workers add theirs)")
         return Check("reachability", Verdict.WARN,
                      f"not directly reachable (a peer could not connect back to {where}); reachable through relay "
                      f"{relay}: works, slower{punch}", forward)

@@ -543,6 +543,7 @@ class Worker:
         """Stop serving jobs (after draining), stop every executor process, close the ledger."""
         if self._owner_watch is not None:
             self._owner_watch.cancel()
+        self.announcer.stop()  # its look for hole-punching observers, if one runs
         if self._dashboard is not None:
             await bounded(self._dashboard.stop(), LEAVE_STEP_TIMEOUT)
         await self._stop_background()
