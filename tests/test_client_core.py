@@ -473,16 +473,19 @@ def test_workers_refusing_a_job_for_its_deadline_end_in_deadline_unreachable(tmp
     assert all(len(w.jobs) == 1 for w in workers)
 
 
-def test_a_stream_broken_on_the_way_is_tried_once_more_on_the_same_worker(tmp_path):
-    once, twice = FakeWorker("once", "break"), FakeWorker("twice", "break", "break")
+def test_a_stream_broken_on_the_way_is_tried_a_few_more_times_on_the_same_worker(tmp_path):
+    from gpunet.client.attempts import REDIALS
+
+    thrice = FakeWorker("thrice", *["break"] * REDIALS)
+    always = FakeWorker("always", *["break"] * (REDIALS + 1))
 
     async def scenario(core):
         return await core.run(JOB, [X])
 
-    result = run(tmp_path / "a", [once], scenario)
-    assert result.attempts == [once.id, once.id] and len(once.jobs) == 2  # the same job id, answered once
+    result = run(tmp_path / "a", [thrice], scenario)
+    assert result.attempts == [thrice.id] * (REDIALS + 1) and len(thrice.jobs) == REDIALS + 1  # one job id, answered once
     with pytest.raises(NoWorkersAvailable, match="peer closed the stream"):
-        run(tmp_path / "b", [twice], scenario)
+        run(tmp_path / "b", [always], scenario)
 
 
 class Accumulate(torch.nn.Module):
