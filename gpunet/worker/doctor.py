@@ -314,11 +314,15 @@ def check_connections(data_dir: Path) -> Check | None:
 
     from gpunet.worker.dashboard import URL_FILE
 
+    data_dir = Path(data_dir)
     try:
-        url = (Path(data_dir) / URL_FILE).read_text().strip()
+        url = (data_dir / URL_FILE).read_text().strip()
     except OSError:
         return None
     base, _, fragment = url.partition("#")
+    if not base.startswith("http://127.0.0.1:"):  # the dashboard serves on loopback alone: its key goes nowhere else
+        return Check("connections", Verdict.SKIP, f"{data_dir / URL_FILE} names {base!r}, not this machine's dashboard",
+                     "restart the worker (it writes the file afresh)")
     request = urllib.request.Request(base.rstrip("/") + "/api/status",
                                      headers={"X-Gpunet-Token": fragment.removeprefix("token=")})
     try:
