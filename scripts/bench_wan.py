@@ -131,7 +131,7 @@ def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int
         lab.check_delayers()  # (the figures are the profile's only if every home's delay held throughout)
         row.update(json.loads(done.stdout.strip().splitlines()[-1]))
         if path == "punched":  # pairs of homes joined by a direct TCP connection (each home sees the other's router)
-            seen = [_tcp_peers(lab, h.ns) for h in lab.homes]
+            seen = [lab.tcp_peers(h.ns) for h in lab.homes]
             row["punched_pairs"] = sum(lab.homes[j].router_public in seen[i]
                                        for i in range(SPANS) for j in range(i + 1, SPANS))
         # A token's transits into delayed namespaces: client -> span 1 -> ... -> span n -> client is n into homes;
@@ -140,12 +140,6 @@ def measure(profile_name: str, path: str, folder: Path, other: Path, tokens: int
         transits = (SPANS if not row["far_relay"] else 2 * SPANS + 1 if path == "relayed" else SPANS + 2)
         row["floor_session_tps"] = (1 / profile.floor_token_s(transits)) if profile.one_way_ms else None
         return row
-
-
-def _tcp_peers(lab: NatLab, ns: str) -> set[str]:
-    out = subprocess.run(lab.exec_argv(ns, ["ss", "-tnH", "state", "established"]), capture_output=True, text=True,
-                         timeout=30).stdout
-    return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
 
 
 def main() -> None:

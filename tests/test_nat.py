@@ -360,13 +360,6 @@ print(json.dumps({"runs": runs, "same": same, "placements": sorted(placements)})
 '''
 
 
-def _tcp_peers(lab: NatLab, ns: str) -> set[str]:
-    """The remote addresses of the TCP connections established in namespace ``ns`` now."""
-    out = subprocess.run(lab.exec_argv(ns, ["ss", "-tnH", "state", "established"]), capture_output=True, text=True,
-                         timeout=30).stdout
-    return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
-
-
 def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
     """Two workers behind two cone NATs, four public nodes at distinct addresses (what go-libp2p needs to confirm a
     public address before it hole-punches): once both are online and a session's steps go span to span between them,
@@ -402,10 +395,10 @@ def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
                 # The other home's router, seen from inside each home: a connection only a punch can make. (Here it
                 # comes about 7 s after both are online; the client's own start takes longer on a loaded machine.)
                 try:
-                    wait_for(lambda: h2.router_public in _tcp_peers(lab, h1.ns)
-                             and h1.router_public in _tcp_peers(lab, h2.ns), 60, "a direct connection between homes")
+                    wait_for(lambda: h2.router_public in lab.tcp_peers(h1.ns)
+                             and h1.router_public in lab.tcp_peers(h2.ns), 60, "a direct connection between homes")
                 except TimeoutError as e:
-                    raise AssertionError(f"{e}: home 1 holds {_tcp_peers(lab, h1.ns)}\n--- worker 1:\n"
+                    raise AssertionError(f"{e}: home 1 holds {lab.tcp_peers(h1.ns)}\n--- worker 1:\n"
                                          f"{one.output[-2500:]}\n--- worker 2:\n{two.output[-2500:]}") from None
                 out, err = client.communicate(timeout=300)
             finally:

@@ -108,6 +108,13 @@ class _Lab:
         """``argv`` run inside namespace ``ns`` (``ip netns exec`` execs it: the PID is the command's own)."""
         return ["ip", "netns", "exec", ns, *argv]
 
+    def tcp_peers(self, ns: str) -> set[str]:
+        """The remote addresses of the TCP connections established in namespace ``ns`` now (a punched connection
+        shows as one from a home straight to another home's router)."""
+        out = subprocess.run(self.exec_argv(ns, ["ss", "-tnH", "state", "established"]), capture_output=True,
+                             text=True, timeout=30).stdout
+        return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+
     def can_connect(self, ns: str, addr: str, port: int, timeout: float = 2.0) -> bool:
         """Whether a TCP connection from namespace ``ns`` to ``addr:port`` gets through."""
         code = (f"import socket,sys\ns=socket.socket();s.settimeout({timeout})\n"
