@@ -157,7 +157,9 @@ def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_do
     with torch.no_grad():
         want = reference.generate(**batch, max_new_tokens=12, do_sample=False)
     assert torch.equal(lm.generate(batch.input_ids, batch.attention_mask, max_new_tokens=12, do_sample=False), want)
-    assert sum(batched_steps(port) for port in ports) > 0
+    # The rows' steps went to each span's worker as one group message and were let into its lanes together: most
+    # of the 4 rows x 11 decode steps x 2 spans ran batched (a row alone only where its input came too late).
+    assert sum(batched_steps(port) for port in ports) >= 44
     # Every session's tab on each of its two spans was billed as its client counted it, and paid.
     assert len(lm.last.receipts) == 4 * 2 and all(r.client_signature for r in lm.last.receipts)
 
@@ -248,5 +250,54 @@ def test_steps_started_together_meet_and_go_as_one_forward_whoever_leaves_or_fai
         with pytest.raises(asyncio.CancelledError):
             await first
         assert len(pool.calls) == calls
+
+    asyncio.run(scenario())
+
+
+def test_a_group_goes_into_the_lanes_at_once_each_program_apart_and_shares_one_place():
+    """gpunet.worker.batching.Together: the steps of one group message for one program wait for each other at the
+    lanes (one that ends first is not waited for; at most TOGETHER_WAIT), then go in at once, so the lanes start
+    them as one forward; steps of another program in the group go in without them; a group's steps for one program
+    hold one place between them."""
+    from gpunet.protocol import SessionStep, Submit
+    from gpunet.worker import batching
+    from gpunet.worker.state.lanes import Lanes, Ticket
+
+    def submit(job: str, program: str) -> Submit:
+        return Submit(job, program * 64, 1, b"x", session=SessionStep(job.replace(".", "-"), 1))
+
+    async def scenario():
+        lanes = Lanes(1, 2, 1)
+        busy = Ticket("other", rows="k", job="busy")
+        lanes.enqueue(busy)  # another client's job runs: the group's steps queue behind it
+        went: list[list[str]] = []
+
+        def enqueue_all(tickets):
+            went.append([t.job for t in tickets])
+            lanes.enqueue_all(tickets)
+
+        group = batching.Together([submit(j, p) for j, p in (("a.1", "a"), ("b.1", "a"), ("c.1", "a"),
+                                                              ("d.1", "b"))], enqueue_all)
+        tickets = {j: Ticket("c", rows="k" if j != "d.1" else None, job=j) for j in ("a.1", "b.1", "c.1", "d.1")}
+        assert group.arrive(tickets["a.1"]) and group.arrive(tickets["d.1"])
+        assert went == [["d.1"]]  # the other program's step did not wait
+        group.leave("c.1")  # ended before the lanes (refused, or answered from the results): not waited for
+        assert went == [["d.1"]]
+        assert group.arrive(tickets["b.1"])
+        assert went == [["d.1"], ["a.1", "b.1"]]
+        lanes.ended(busy, 0.1)  # d.1 came first: its turn
+        lanes.ended(tickets["d.1"], 0.1)
+        assert tickets["a.1"].group == (tickets["a.1"], tickets["b.1"])  # started as one forward
+        assert not group.arrive(Ticket("c", job="a.1"))  # its program's steps went in: a latecomer goes alone
+
+        late = batching.Together([submit("e.1", "a"), submit("f.1", "a")], enqueue_all)
+        assert late.arrive(Ticket("c", job="e.1"))
+        await asyncio.sleep(batching.TOGETHER_WAIT * 1.5)
+        assert went[-1] == ["e.1"]  # f.1's input never came: e.1 went in without it
+
+        assert not group.share_place("a" * 64, "interactive")
+        group.took_place("a" * 64, "interactive")
+        assert group.share_place("a" * 64, "interactive") and not group.share_place("b" * 64, "interactive")
+        assert not group.drop_place("a" * 64, "interactive") and group.drop_place("a" * 64, "interactive")
 
     asyncio.run(scenario())

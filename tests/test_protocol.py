@@ -26,6 +26,9 @@ from gpunet.errors import (
     WorkerDraining,
 )
 from gpunet.protocol import (
+    PushGroup,
+    StepGroup,
+    StepGroupAnswer,
     MAX_FRAME_BYTES,
     MESSAGES,
     Cancel,
@@ -90,6 +93,12 @@ EXAMPLES = [
         push_to=PushTo("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", "s-2", 4))),
     Push("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", "s-2", 4, b"inputs"),
     Push("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", "s-2", 4, None),
+    PushGroup((Push("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", "s-2", 4, b"inputs"),
+               Push("12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds", "s-3", 9, None))),
+    StepGroup((Submit("s-1.4", H, 3, b"abc", session=SessionStep("s-1", 4)),
+               Submit("s-2.4p", H, 0, b"", session=SessionStep(
+                   "s-2", 4, input_from="12D3KooWDQ7JTbgYFKtUSC8rdubCNYT3hECSK7ZzhqjbGMkB7Zds")))),
+    StepGroupAnswer((Result(3, b"", b"out", "ab" * 32), Error("busy", "full", 3), UseStream())),
     Result(3, b"", b"xyz", "ab" * 32),
     Ok(),
     Ok(cancelled=True),
@@ -376,3 +385,29 @@ def test_a_piece_list_must_match_its_program_size_and_name_few_well_formed_holde
     for change in bad:
         with pytest.raises(ProtocolError):
             protocol.decode(msgpack.packb({**good, **change}, use_bin_type=True))
+
+
+_STEP = {"t": "submit", "job": "s-1.1", "program": H, "inputs_size": 1, "inputs": b"x",
+         "session": {"id": "s-1", "step": 1}}
+
+
+@pytest.mark.parametrize("wire", [
+    {"t": "step_group", "submits": []},
+    {"t": "step_group", "submits": [_STEP] * 65},
+    {"t": "step_group", "submits": [_STEP, _STEP]},  # one job twice
+    {"t": "step_group", "submits": [_STEP, {**_STEP, "job": "s-1.2"}]},  # one session twice
+    {"t": "step_group", "submits": [{**_STEP, "session": None}]},  # not a session step
+    {"t": "step_group", "submits": [{k: v for k, v in _STEP.items() if k != "inputs"} | {"inputs_size": 0}]},
+    {"t": "step_group", "submits": [7]},
+    {"t": "step_group", "submits": "x"},
+    {"t": "step_group_answer", "replies": []},
+    {"t": "step_group_answer", "replies": [{"t": "result", "outputs_size": 3, "receipt": b""}]},  # not inline
+    {"t": "step_group_answer", "replies": [{"t": "ok"}]},
+    {"t": "step_group_answer", "replies": [3]},
+    {"t": "push_group", "pushes": []},
+    {"t": "push_group", "pushes": [{"t": "push"}]},
+    {"t": "push_group", "pushes": [1]},
+])
+def test_groups_refuse_what_is_malformed(wire):
+    with pytest.raises(ProtocolError):
+        protocol.decode(msgpack.packb(wire, use_bin_type=True))

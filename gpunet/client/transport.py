@@ -53,6 +53,7 @@ from gpunet.protocol import (
     holding_key,
     proof,
 )
+from gpunet.client.stepgroups import StepGroups
 from gpunet.utils import LRU
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ UNHELPFUL_SECONDS = 300.0
 #: Programs at least this big have their holding key computed in a thread (one pass over the program, once).
 KEY_IN_THREAD_BYTES = 1 << 20
 #: Idle ``steps`` streams kept per worker (one per session stepping there at once is what is used).
-IDLE_STEP_STREAMS = 4
+IDLE_STEP_STREAMS = 8
 #: How long a verdict written on a job's stream waits for the worker to say it filed it (then it goes by the settle
 #: door).
 VERDICT_ACK_TIMEOUT = 10.0
@@ -186,6 +187,7 @@ class P2PTransport(BaseTransport):
         from gpunet.rpc import KeptStreams  # (here: importing this module must not import hivemind)
 
         self.steps = KeptStreams(rpc, Door.STEPS, STEPS_REUSE, per_peer=IDLE_STEP_STREAMS)  # session steps
+        self.step_groups = StepGroups(self.steps)  # several sessions' steps to one worker at once: one frame
 
     @classmethod
     async def connect(cls, network: str, initial_peers: Sequence[str], identity: "Identity") -> "P2PTransport":
@@ -205,6 +207,7 @@ class P2PTransport(BaseTransport):
         return await registry.discover_async(self.dht, self.rpc.network)
 
     async def close(self) -> None:
+        self.step_groups.close()
         self.steps.close()
         await self.rpc.close()
         try:
@@ -305,7 +308,11 @@ class P2PTransport(BaseTransport):
         async def unary() -> Delivery:
             return await self.run_unary(worker_id, request, settle, holds)
 
-        reply = await self.steps.exchange_or(worker_id, maddrs, _inline_submit(request, settle, holds), answer, unary)
+        submit = _inline_submit(request, settle, holds)
+        grouped = await self.step_groups.send(worker_id, maddrs, submit)  # with other sessions' steps, if any
+        if isinstance(grouped, (Result, Error)):
+            return self._delivered(worker_id, request, grouped)
+        reply = await self.steps.exchange_or(worker_id, maddrs, submit, answer, unary)
         return reply if isinstance(reply, Delivery) else self._delivered(worker_id, request, reply)
 
     async def _run_stream_once_per_program(self, worker: "WorkerEntry", request: JobRequest,

@@ -32,11 +32,12 @@ Jobs travel through *doors*, one libp2p protocol each (:class:`Door`):
 
 * ``run`` (unary, one round trip): Submit with inline inputs and ride-along countersignatures -> Result | UseStream |
   Error; ``steps`` (a stream a client keeps open for its session steps to one worker): the same exchange, repeated,
-  Submit -> Result (its outputs after it as a payload when they do not fit in its frame) | UseStream | Error, until
-  the client closes it or sends nothing for STEPS_IDLE seconds; ``settle`` (unary): Countersign | Refuse |
+  Submit -> Result (its outputs after it as a payload when they do not fit in its frame) | UseStream | Error, or
+  StepGroup (several sessions' steps in one frame) -> StepGroupAnswer (a reply each), until the client closes it or
+  sends nothing for STEPS_IDLE seconds; ``settle`` (unary): Countersign | Refuse |
   SettleBatch -> Ok; ``cancel`` (unary): Cancel -> Ok, CloseSession -> SessionClosed; ``push`` (unary): Push (a
   session step's output, to the next span's worker) -> Ok | Error; ``pushes`` (a stream a worker keeps open to the
-  next span's worker): Push -> Ok | Error, repeated, for pushes that fit in a frame;
+  next span's worker): Push or PushGroup -> Ok | Error, repeated, for pushes that fit in a frame;
   ``piece`` (a stream): GetPiece -> PieceData + bytes (or Have: not here yet), repeated;
   ``ping`` (unary): Ping -> Pong; ``info`` (a stream): GetInfo -> Info; ``prove`` (unary, see
   :mod:`gpunet.speedproof`): ProveSpeed -> SpeedCommitment, then OpenProof -> ProofOpening; ``reach`` (a stream,
@@ -113,6 +114,7 @@ from gpunet.protocol.jobs import (
     INLINE_BYTES,
     INTERACTIVE,
     LANES,
+    MAX_GROUP_ROWS,
     MAX_SETTLE_ITEMS,
     MAX_TENSORS_ASKED,
     UNARY_OUTPUT_BYTES,
@@ -124,6 +126,8 @@ from gpunet.protocol.jobs import (
     Result,
     Send,
     SettleBatch,
+    StepGroup,
+    StepGroupAnswer,
     Submit,
     UseStream,
 )
@@ -158,6 +162,7 @@ from gpunet.protocol.probes import (
 )
 from gpunet.protocol.sessions import (
     MAX_PUSH_BYTES,
+    MAX_PUSH_GROUP,
     MAX_SESSION_STEP,
     MAX_SESSION_TTL,
     SESSION_ID_RE,
@@ -165,6 +170,7 @@ from gpunet.protocol.sessions import (
     STEPS_REUSE,
     CloseSession,
     Push,
+    PushGroup,
     PushTo,
     SessionClosed,
     SessionStep,
@@ -231,6 +237,9 @@ __all__ = [
     "Send",
     "MAX_TENSORS_ASKED",
     "SettleBatch",
+    "StepGroup",
+    "StepGroupAnswer",
+    "MAX_GROUP_ROWS",
     "Submit",
     "UseStream",
     "MAX_HOLDERS",
@@ -267,6 +276,8 @@ __all__ = [
     "CloseSession",
     "Push",
     "PushTo",
+    "PushGroup",
+    "MAX_PUSH_GROUP",
     "SessionClosed",
     "SessionStep",
 ]

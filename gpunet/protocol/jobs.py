@@ -332,3 +332,69 @@ class UseStream(Message):
     @classmethod
     def from_wire(cls, d: dict) -> "UseStream":
         return cls()
+
+
+#: The most session steps one StepGroup carries (the spans' batch dim's bound).
+MAX_GROUP_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepGroup(Message):
+    """Session steps of one client to one worker sent as one frame on a ``steps`` stream (each a Submit with its
+    inputs inline, each its own session, job id, tab and answer): the worker lets them into its lanes together, so
+    the steps of a batched span run as one forward (docs/sessions.md, group steps), and the p2p daemons carry one
+    message for them all. Answered with one StepGroupAnswer."""
+
+    T: ClassVar[str] = "step_group"
+    submits: tuple[Submit, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "submits": [s.to_wire() for s in self.submits]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "StepGroup":
+        raw = d.get("submits")
+        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_GROUP_ROWS:
+            raise ProtocolError(f"a step group carries 1 to {MAX_GROUP_ROWS} submits")
+        submits = tuple(Submit.from_wire(s) if isinstance(s, dict) else _not_a_map() for s in raw)
+        if any(s.session is None or s.inputs is None for s in submits):
+            raise ProtocolError("a step group carries session steps with their inputs inline")
+        if len({s.job_id for s in submits}) != len(submits) or len({s.session.id for s in submits}) != len(submits):
+            raise ProtocolError("a step group names each job and each session once")
+        return cls(submits)
+
+
+def _not_a_map():
+    raise ProtocolError("a step group's submits are maps")
+
+
+@dataclass(frozen=True, slots=True)
+class StepGroupAnswer(Message):
+    """A StepGroup's answers, one per submit in its order: a Result with its outputs inline, an Error, or UseStream
+    (this step's answer did not fit in the frame, or it needs the job door: ask for it alone, by its job id; a step
+    that ran is answered from the worker's recent results, not run again)."""
+
+    T: ClassVar[str] = "step_group_answer"
+    replies: tuple[Message, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "replies": [r.to_wire() for r in self.replies]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "StepGroupAnswer":
+        from gpunet.protocol.errors import Error
+
+        raw = d.get("replies")
+        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_GROUP_ROWS:
+            raise ProtocolError(f"a step group's answer carries 1 to {MAX_GROUP_ROWS} replies")
+        kinds = {k.T: k for k in (Result, UseStream, Error)}
+        replies = []
+        for r in raw:
+            kind = kinds.get(r.get("t")) if isinstance(r, dict) else None
+            if kind is None:
+                raise ProtocolError("a step group's replies are results, errors or use_stream")
+            reply = kind.from_wire(r)
+            if isinstance(reply, Result) and reply.outputs is None:
+                raise ProtocolError("a step group's results carry their outputs inline")
+            replies.append(reply)
+        return cls(tuple(replies))

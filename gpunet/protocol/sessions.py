@@ -1,7 +1,7 @@
 """The messages of inference sessions (docs/sessions.md): a job that is one step of a session (:class:`SessionStep`,
 riding on :class:`~gpunet.protocol.jobs.Submit`), a step's output pushed from one span's worker to the next
-(:class:`PushTo`, :class:`Push` on the ``push`` door), and ending a session (:class:`CloseSession` ->
-:class:`SessionClosed` on the ``cancel`` door).
+(:class:`PushTo`, :class:`Push` on the ``push`` door, :class:`PushGroup` for several at once), and ending a
+session (:class:`CloseSession` -> :class:`SessionClosed` on the ``cancel`` door).
 
 A session id is short and has no dots, so a tab's job id (gpunet.ledger.tabs) splits back into its parts; a step
 number is below 2**31; a session lives at most :data:`MAX_SESSION_TTL` idle seconds on a worker.
@@ -144,6 +144,33 @@ class Push(Message):
         if inputs is not None and len(inputs) > MAX_PUSH_BYTES:
             raise ProtocolError(f"a pushed input is at most {MAX_PUSH_BYTES} bytes")
         return cls(peer_id_field(d, "client"), _session_id(d, "session"), _step(d, "step"), inputs)
+
+
+#: The most pushes one PushGroup carries.
+MAX_PUSH_GROUP = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PushGroup(Message):
+    """Pushes to one worker made in the same turn of the sender's loop (the rows of one batched forward), sent as one
+    frame on a ``pushes`` stream: the next span's steps waiting for them get their inputs at once. Answered Ok when
+    every push was taken, else the first Error (the sender only logs it: a step not given its input asks its
+    client)."""
+
+    T: ClassVar[str] = "push_group"
+    pushes: tuple[Push, ...]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.T, "pushes": [p.to_wire() for p in self.pushes]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "PushGroup":
+        raw = d.get("pushes")
+        if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_PUSH_GROUP:
+            raise ProtocolError(f"a push group carries 1 to {MAX_PUSH_GROUP} pushes")
+        if not all(isinstance(p, dict) for p in raw):
+            raise ProtocolError("a push group's pushes are maps")
+        return cls(tuple(Push.from_wire(p) for p in raw))
 
 
 @dataclass(frozen=True, slots=True)

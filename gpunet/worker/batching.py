@@ -20,6 +20,9 @@ from gpunet.worker.executor import RunResult
 from gpunet.worker.state.lanes import Ticket
 from gpunet.worker.state.limits import SessionRun
 
+#: How long the steps of one group message wait at the lanes for those of the group still on their way (a pushed
+#: input not come yet) before they go in without them.
+TOGETHER_WAIT = 0.5
 #: A step's inputs at most this big may ride in a batch (a decode step's are a few KiB; a long prompt runs alone).
 MAX_ROW_INPUT_BYTES = 64 * 1024
 #: How long a session whose step failed in a batch runs its steps alone.
@@ -32,6 +35,85 @@ class _Forming:
     first: Ticket  # the first of them (the key this is found by)
     steps: dict = field(default_factory=dict)  # ticket -> (session, inputs, timeout, future)
     program_hash: str = ""
+
+
+class Together:
+    """The steps of one group message (gpunet.protocol.StepGroup: one client's sessions' steps to this worker, sent
+    as one): those of one program (one span) go into the lanes at once (:meth:`Lanes.enqueue_all`), so that they
+    start as one forward however their inputs came (pushed ones arrive one by one where the span before did not
+    batch them). A step waits for the others of its program in its group at most TOGETHER_WAIT; one that ends
+    before it gets there (refused, answered from the recent results, its push lost) is not waited for. Steps of
+    other programs in the group (the client's other sessions may hold another span here) do not wait for these, nor
+    does anyone else's job.
+
+    The steps of a group for one program also share one place in the lanes (gpunet.worker.state.admission): they
+    run as one forward where their span batches, so a client's many sessions on one span do not hear "busy" for
+    rows that would have cost the worker nothing more (a group is one frame: at most 64 KiB of inputs)."""
+
+    def __init__(self, submits, enqueue_all):
+        self._program = {s.job_id: s.program for s in submits}
+        self._enqueue_all = enqueue_all
+        self._gatherings: dict[str, _Gathering] = {}
+        for s in submits:
+            self._gatherings.setdefault(s.program, _Gathering()).pending.add(s.job_id)
+        self._places: dict[tuple[str, str], int] = {}  # (program, lane) -> steps holding the group's place
+
+    def share_place(self, program: str, lane: str) -> bool:
+        """True: a step of this group holds a place for ``program`` already, and this one shares it."""
+        if self._places.get((program, lane), 0) > 0:
+            self._places[(program, lane)] += 1
+            return True
+        return False
+
+    def took_place(self, program: str, lane: str) -> None:
+        self._places[(program, lane)] = 1
+
+    def drop_place(self, program: str, lane: str) -> bool:
+        """A step let go of the place it shares; True when it was the last (the place is given back)."""
+        self._places[(program, lane)] -= 1
+        return self._places[(program, lane)] == 0
+
+    def arrive(self, ticket: Ticket) -> bool:
+        """``ticket`` waits at the lanes; True: its group lets it in (now, or with the others), False: it goes in on
+        its own (the others of its program went in already)."""
+        gathering = self._gatherings.get(self._program.get(ticket.job, ""))
+        if gathering is None or gathering.let_in or ticket.job not in gathering.pending:
+            return False
+        gathering.pending.discard(ticket.job)
+        gathering.here.append(ticket)
+        if not gathering.pending:
+            self._go(gathering)
+        elif gathering.timer is None:
+            gathering.timer = asyncio.get_running_loop().call_later(TOGETHER_WAIT, self._go, gathering)
+        return True
+
+    def leave(self, job_id: str) -> None:
+        """A step of the group that will not (or no longer) wait at the lanes."""
+        gathering = self._gatherings.get(self._program.get(job_id, ""))
+        if gathering is None:
+            return
+        gathering.pending.discard(job_id)
+        gathering.here = [t for t in gathering.here if t.job != job_id]
+        if not gathering.pending:
+            self._go(gathering)
+
+    def _go(self, gathering: "_Gathering") -> None:
+        if gathering.let_in:
+            return
+        gathering.let_in = True
+        if gathering.timer is not None:
+            gathering.timer.cancel()
+        here, gathering.here = gathering.here, []
+        if here:
+            self._enqueue_all(here)
+
+
+@dataclass(eq=False)
+class _Gathering:
+    pending: set = field(default_factory=set)  # job ids not at the lanes yet
+    here: list = field(default_factory=list)  # tickets waiting for them
+    timer: asyncio.TimerHandle | None = None
+    let_in: bool = False
 
 
 class Rows:

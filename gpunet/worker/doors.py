@@ -35,16 +35,20 @@ from gpunet.protocol import (
     Pong,
     ProveSpeed,
     Push,
+    PushGroup,
     Refuse,
     Result,
     SessionClosed,
     SettleBatch,
+    StepGroup,
+    StepGroupAnswer,
     Submit,
     UseStream,
     verifies,
 )
 from gpunet.rpc import RPC
 from gpunet.worker import metrics
+from gpunet.worker.batching import Together
 from gpunet.worker.jobs import Answer, Jobs
 from gpunet.worker.payloads import NeedsStream, StreamPayloads, UnaryPayloads
 
@@ -61,6 +65,10 @@ LINGER_BYTES = 1 << 20
 MAX_KEPT_STREAMS = 256
 MAX_KEPT_STREAMS_PER_PEER = 8
 MAX_KEPT_STREAMS_PER_HOST = 32
+#: A step group's answer is one frame: its results' outputs and receipts, each with about this much around them,
+#: and the frame's own few bytes, fit in it (the rest are answered UseStream).
+GROUP_REPLY_BYTES = 256
+GROUP_FRAME_SLACK = 1024
 
 
 class Doors:
@@ -274,20 +282,24 @@ class Doors:
         stream count as one the worker must see through before it leaves."""
         self.admission.came_from(client_id, host)
 
-        async def step(submit: Submit) -> bool:
+        async def step(message: Submit | StepGroup) -> bool:
             self.admission.stream_opened()
             try:  # (a worker leaving answers as the run door does: WorkerDraining, then the stream ends)
-                return await self._step(client_id, host, submit, writer) and self.admission.accepting
+                if isinstance(message, StepGroup):
+                    ok = await self._step_group(client_id, host, message, writer)
+                else:
+                    ok = await self._step(client_id, host, message, writer)
+                return ok and self.admission.accepting
             finally:
                 self.admission.stream_closed()
 
-        await self._kept_stream(client_id, host, reader, writer, Submit, step)
+        await self._kept_stream(client_id, host, reader, writer, (Submit, StepGroup), step)
 
     async def _kept_stream(self, peer_id: str, host: str, reader: asyncio.StreamReader,
-                           writer: asyncio.StreamWriter, kind: type, answer) -> None:
-        """A stream kept open by its peer: each ``kind`` frame read (begun within STEPS_IDLE seconds, whole within
-        FRAME_TIMEOUT) is answered by ``answer`` (False: the stream ends) until the peer closes it, goes quiet or
-        breaks the exchange; after one exchange when this peer, its address or everyone holds as many open as the
+                           writer: asyncio.StreamWriter, kinds: tuple[type, ...], answer) -> None:
+        """A stream kept open by its peer: each frame of one of ``kinds`` read (begun within STEPS_IDLE seconds, whole
+        within FRAME_TIMEOUT) is answered by ``answer`` (False: the stream ends) until the peer closes it, goes quiet
+        or breaks the exchange; after one exchange when this peer, its address or everyone holds as many open as the
         worker takes."""
         self._kept_by_peer[peer_id] += 1
         self._kept_by_host[host] += 1
@@ -297,7 +309,7 @@ class Doors:
         try:
             while True:
                 try:
-                    message = await protocol.read(reader, kind, timeout=FRAME_TIMEOUT,
+                    message = await protocol.read(reader, *kinds, timeout=FRAME_TIMEOUT,
                                                   idle=None if over else STEPS_IDLE)
                 except ProtocolError:  # closed, quiet or malformed: nothing is in flight on it
                     return
@@ -322,8 +334,9 @@ class Doors:
             writer.transport.abort()
             return False
 
-    async def _step(self, client_id: str, host: str, submit: Submit, writer: asyncio.StreamWriter) -> bool:
-        """Answer one step on a steps stream; False when the stream broke on the way (it is closed then)."""
+    async def _run_step(self, client_id: str, host: str, submit: Submit, together: Together | None = None
+                        ) -> Answer | Message:
+        """One step of a steps stream run: its answer, or the message that says why there is none."""
         if submit.settle_malformed:
             logger.warning("Ignored %d malformed countersignature(s) from %s (the step itself is served)",
                            submit.settle_malformed, client_id[-8:])
@@ -332,14 +345,46 @@ class Doors:
             if submit.session is None:
                 raise JobRejected("the steps door takes session steps; other jobs go through the run or job door")
             # No reader: the next frame on this stream is the next step, not a hang-up (a step runs to its end).
-            answer = await self.jobs.execute(client_id, submit, UnaryPayloads(), None, host)
+            return await self.jobs.execute(client_id, submit, UnaryPayloads(), None, host, together)
         except (NeedsStream, ProgramNotCached):  # the job door can carry what the step lacks
-            reply: Message = UseStream()
+            return UseStream()
         except GpunetError as e:
-            reply = Error.of(e, queue=self.admission.queue_length)
+            return Error.of(e, queue=self.admission.queue_length)
         except Exception as e:
             logger.exception("Unexpected error while serving %s", client_id[-8:])
-            reply = Error.of(JobFailed(f"worker error: {type(e).__name__}"))
+            return Error.of(JobFailed(f"worker error: {type(e).__name__}"))
+
+    async def _step_group(self, client_id: str, host: str, group: StepGroup, writer: asyncio.StreamWriter) -> bool:
+        """Answer a group of steps (each run as :meth:`_step` runs one, let into the lanes together) with one frame;
+        False when it could not be written. A result that does not fit in the frame after the others is answered
+        UseStream: the client asks for it alone and gets it from the recent results."""
+        together = Together(group.submits, self.jobs.turns.enqueue_all)
+        answers = await asyncio.gather(*(self._run_step(client_id, host, s, together) for s in group.submits))
+        replies, room = [], protocol.MAX_FRAME_BYTES - GROUP_FRAME_SLACK
+        expected = []
+        for answer in answers:
+            if isinstance(answer, Message):
+                replies.append(answer)
+                continue
+            receipt = _receipt_bytes(answer)
+            if answer.receipt is not None:  # (one answered UseStream gets it when asked again)
+                expected.append(answer.receipt)
+            room -= len(answer.outputs) + len(receipt) + GROUP_REPLY_BYTES
+            if room < 0:
+                replies.append(UseStream())
+                continue
+            replies.append(Result(len(answer.outputs), receipt, answer.outputs, answer.input_hash))
+            metrics.BYTES_OUT.inc(len(answer.outputs))
+        written = await self._answer(writer, StepGroupAnswer(tuple(replies)))
+        for receipt in expected:  # countersigned by a later call, as for the run door (sent or not: see _reply)
+            self.billing.awaiting.expect(client_id, receipt)
+        return written
+
+    async def _step(self, client_id: str, host: str, submit: Submit, writer: asyncio.StreamWriter) -> bool:
+        """Answer one step on a steps stream; False when the stream broke on the way (it is closed then)."""
+        answer = await self._run_step(client_id, host, submit)
+        if isinstance(answer, Message):
+            reply: Message = answer
         else:
             try:
                 await self._reply(answer, writer, client_id, host)
@@ -364,10 +409,13 @@ class Doors:
     async def pushes(self, sender_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      host: str = "") -> None:
         """Pushes from one worker over a stream it keeps open, each answered as the push door answers it."""
-        async def answer(push: Push) -> bool:
-            return await self._answer(writer, self._offer(sender_id, push))
+        async def answer(message: Push | PushGroup) -> bool:
+            if isinstance(message, PushGroup):
+                replies = [self._offer(sender_id, push) for push in message.pushes]
+                return await self._answer(writer, next((r for r in replies if isinstance(r, Error)), Ok()))
+            return await self._answer(writer, self._offer(sender_id, message))
 
-        await self._kept_stream(sender_id, host, reader, writer, Push, answer)
+        await self._kept_stream(sender_id, host, reader, writer, (Push, PushGroup), answer)
 
     def _offer(self, sender_id: str, push: Push) -> Ok | Error:
         try:

@@ -108,7 +108,7 @@ class Handoff:
         task.add_done_callback(sent)
 
     def start(self, rpc: RPC) -> None:
-        self.rpc, self.streams = rpc, KeptStreams(rpc, Door.PUSHES, STEPS_REUSE, per_peer=2)
+        self.rpc, self.streams = rpc, KeptStreams(rpc, Door.PUSHES, STEPS_REUSE, per_peer=8)
 
     async def _send(self, peer_id: str, push: Push) -> None:
         try:

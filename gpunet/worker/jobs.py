@@ -38,7 +38,7 @@ from gpunet.protocol import holding
 from gpunet.rpc import RPC
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics, steptrace
-from gpunet.worker.batching import Rows
+from gpunet.worker.batching import Rows, Together
 from gpunet.worker.billing import Billing
 from gpunet.worker.executor import DryRun, RefFiles
 from gpunet.worker.faults import NONE, Faults
@@ -98,6 +98,7 @@ class _Job:
     awaits_push: str | None = None  # the session whose pushed input this step waits for (a cancel calls that off)
     pushed: bytes | None = None  # the pushed input it took (given back if the step is refused as busy: it is retried)
     marks: dict[str, int] | None = None  # a session step's, while GPUNET_STEP_TRACE is set (gpunet.worker.steptrace)
+    together: Together | None = None  # the steps of its group message, let into the lanes at once
 
 
 class Jobs:
@@ -209,10 +210,11 @@ class Jobs:
 
     # --- the path ---------------------------------------------------------------------------------------------------
 
-    async def execute(self, client_id: str, submit: Submit, payloads, reader, host: str = "") -> Answer:
+    async def execute(self, client_id: str, submit: Submit, payloads, reader, host: str = "",
+                      together: Together | None = None) -> Answer:
         """Admit, de-duplicate and run one job; WorkerBusy when the worker (or this client's share of it) is full.
         ``payloads`` brings what the job lacks (gpunet.worker.payloads); ``reader``: the stream its client hangs up
-        on (None: the unary door)."""
+        on (None: the unary door); ``together``: a session step's group (gpunet.worker.batching.Together)."""
         if submit.session is None:
             arrived = time.monotonic()
             answer = await self._admit_and_run(client_id, submit, payloads, reader, host)
@@ -221,12 +223,15 @@ class Jobs:
         # A session step moves its session's state on in the executor: once begun, it is seen through with its
         # bookkeeping, whatever becomes of the door that carried it (the daemon cancels a unary call whose caller
         # has gone), and its answer waits in the recent results for the client's retry.
-        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host, steptrace.begin()))
+        step = asyncio.ensure_future(self._admit_and_run(client_id, submit, payloads, reader, host, steptrace.begin(),
+                                                         together))
         step.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody may be left to ask
+        if together is not None:  # ended, perhaps before it got to the lanes: the rest of its group goes on
+            step.add_done_callback(lambda _: together.leave(submit.job_id))
         return await asyncio.shield(step)
 
     async def _admit_and_run(self, client_id: str, submit: Submit, payloads, reader, host: str = "",
-                             marks: dict[str, int] | None = None) -> Answer:
+                             marks: dict[str, int] | None = None, together: Together | None = None) -> Answer:
         """A job whose bytes must still arrive takes no queue place while they do (see
         :mod:`~gpunet.worker.state.admission`): it counts as an upload of its client and address, its payload is
         charged to the buffer budget before it is read, and it is admitted once the bytes are in."""
@@ -255,7 +260,7 @@ class Jobs:
         uploading = need_program or submit.inputs is None
         if uploading and not self.admission.begin_upload(client_id, host):
             raise self.busy("this client (or its address) has as many uploads in progress as this worker takes")
-        job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future(), marks=marks)
+        job = self._jobs[key] = _Job(asyncio.get_running_loop().create_future(), marks=marks, together=together)
         self.admission.coming(client_id, submit.job_id, host)  # (no await since the screen: counted as screened)
         try:
             answer = await self._bring_and_run(key, job, submit, payloads, reader, host, need_program, uploading)
@@ -342,7 +347,7 @@ class Jobs:
         refs = None if loaded else await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         for attempt in range(2):
             try:
-                with self._admitted(key[0], submit.lane):
+                with self._admitted(key[0], submit.lane, job.together, submit.program):
                     answer = await self._run(key, job, submit, reader, host, refs)
                 if not checked:
                     await self.weights.loaded(submit.program, program)
@@ -422,13 +427,23 @@ class Jobs:
                 self.admission.upload_done(client_id, host)
 
     @contextlib.contextmanager
-    def _admitted(self, client_id: str, lane: str):
-        if not self.admission.admit(client_id, lane):
-            raise self.busy()
+    def _admitted(self, client_id: str, lane: str, together: Together | None = None, program: str = ""):
+        """A place in the lanes while it runs; the steps of one group for one program share one (they run as one
+        forward where their span batches: see Together)."""
+        if together is not None and together.share_place(program, lane):
+            self.admission.joined()
+        else:
+            if not self.admission.admit(client_id, lane):
+                raise self.busy()
+            if together is not None:
+                together.took_place(program, lane)
         try:
             yield
         finally:
-            self.admission.released(client_id, lane)
+            if together is None or together.drop_place(program, lane):
+                self.admission.released(client_id, lane)  # (the last to leave gives the place back)
+            else:
+                self.admission.left()
 
     # --- its bytes --------------------------------------------------------------------------------------------------
 
@@ -490,7 +505,7 @@ class Jobs:
         the step would cost the span a move and a replay elsewhere."""
         job.ticket = Ticket(key[0], submit.lane, submit.max_price, host=host, job=key[1])
         job.run = asyncio.ensure_future(self._run_now(key, submit, job.got, host, job.session, job.ticket, refs,
-                                                      job.marks))
+                                                      job.marks, job.together))
         self.turns.track(job.ticket, job.run)
         # The client sends nothing between its payload and our answer, so any byte or EOF here means it is gone.
         gone = asyncio.ensure_future(reader.read(1)) if reader is not None else None
@@ -520,12 +535,12 @@ class Jobs:
 
     async def _run_now(self, key: tuple[str, str], submit: Submit, got: Inputs, host: str,
                        session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None,
-                       marks: dict[str, int] | None = None) -> Answer:
+                       marks: dict[str, int] | None = None, together: Together | None = None) -> Answer:
         client_id, job_id = key
         if self.batch_sessions and self.executor is not None:  # steps that wait together may run as one forward
             ticket.rows = self.rows.key(session, submit.program, got.program, got.inputs)
         try:
-            await self.turns.wait(ticket, submit.deadline)
+            await self.turns.wait(ticket, submit.deadline, together)
         except BaseException:
             self.rows.gone(ticket)  # (started with others as it was cancelled: they do not wait for it)
             raise

@@ -38,15 +38,17 @@ class Turns:
         self._wake: tuple[float, asyncio.TimerHandle] | None = None  # the lanes' next recheck (Wake), if one is due
         self.leaving = False  # the drain ran out of time: running jobs are being stopped (stop_running)
 
-    async def wait(self, ticket: Ticket, deadline: float | None) -> None:
-        """Wait until the lanes start this job (at most until its deadline)."""
+    async def wait(self, ticket: Ticket, deadline: float | None, together=None) -> None:
+        """Wait until the lanes start this job (at most until its deadline). ``together``: the steps of its group
+        message (gpunet.worker.batching.Together), let into the lanes all at once."""
         if self.leaving:
             raise self.leaving_error()
         if self.admission.paused is not None:
             raise self.admission.pause_error()
         turn = self._turns[ticket] = asyncio.get_running_loop().create_future()
         try:
-            self.apply(self.lanes.enqueue(ticket))
+            if together is None or not together.arrive(ticket):
+                self.apply(self.lanes.enqueue(ticket))
             if deadline is None:
                 await turn
             else:
@@ -58,10 +60,16 @@ class Turns:
         except BaseException:
             # Withdrawn while waiting (its client went away, its deadline passed), or started at the very moment it
             # was cancelled: either way its place goes to the next job.
+            if together is not None:
+                together.leave(ticket.job)
             self.apply(self.lanes.ended(ticket, 0.0) if ticket.running else self.lanes.withdraw(ticket))
             raise
         finally:
             self._turns.pop(ticket, None)
+
+    def enqueue_all(self, tickets: list[Ticket]) -> None:
+        """Jobs let into the lanes at once (a group's steps, see :meth:`wait`)."""
+        self.apply(self.lanes.enqueue_all([t for t in tickets if t in self._turns]))
 
     def ended(self, ticket: Ticket, seconds: float) -> None:
         self.apply(self.lanes.ended(ticket, seconds))

@@ -104,6 +104,9 @@ class SequentialCore:
         self.requirements = requirements or Requirements()
         self._needs: dict[int, Requirements] = {}  # by span start: asked at every step
         self._open: weakref.WeakSet[SessionCore] = weakref.WeakSet()  # this model's sessions
+        #: One session at a time picks a worker for each span, so that sessions opening at once (a generation's
+        #: rows, a gateway's requests) see where the others went (hosts) and go there too.
+        self.placing = [asyncio.Lock() for _ in spans]
 
     def hosts(self, i: int, but: "SessionCore") -> list[str]:
         """Where span ``i`` runs for this model's other open sessions, the most first: a worker runs the waiting
@@ -394,8 +397,19 @@ class SessionCore:
             return self.seq.core.place(span.job, (x_meta(span), *span.meta_state()), self.seq.requirements_for(span),
                                        exclude=exclude, avoid=others, drawn=drawn, prefer=self.seq.hosts(i, self))
 
+        async with self.seq.placing[i]:
+            worker = await self._choose(place, placed, banned)
+            placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
+        placed.workers.append(worker.id)
+        for past in placed.history:
+            try:
+                await self._run(i, span, placed, past, close=False, record=False)
+            except JobRaised as e:  # a step that ran before cannot raise now: this worker's failure, not the job's
+                raise JobFailed(f"replaying step {placed.step}: {e}") from None
+
+    async def _choose(self, place, placed: _Placed, banned: set[str]):
         try:
-            worker = await place(placed.failed | banned)
+            return await place(placed.failed | banned)
         except NoWorkersAvailable as e:
             # Others are waited for when those passed over may be gone, or are liars (under load a live worker's
             # record lapses for a moment: CI saw a session fail when the liar it caught was the one worker in view);
@@ -410,13 +424,7 @@ class SessionCore:
                 placed.failed.clear()
                 placed.refused.clear()
                 worker = await place(set(banned))
-        placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
-        placed.workers.append(worker.id)
-        for past in placed.history:
-            try:
-                await self._run(i, span, placed, past, close=False, record=False)
-            except JobRaised as e:  # a step that ran before cannot raise now: this worker's failure, not the job's
-                raise JobFailed(f"replaying step {placed.step}: {e}") from None
+            return worker
 
     @staticmethod
     async def _another(place, exclude: set[str]):

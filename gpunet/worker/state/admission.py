@@ -390,6 +390,16 @@ class Admission:
         _count(self._places_by_lane, lane, -1)
         self._drained.check()
 
+    def joined(self) -> None:
+        """A job sharing the place another holds (a group's step for the same program, gpunet.worker.batching
+        .Together): counted as admitted (the queue shows it, a drain waits for it), not against the places."""
+        self.admitted += 1
+
+    def left(self) -> None:
+        """A job that :meth:`joined` left."""
+        self.admitted -= 1
+        self._drained.check()
+
     def started(self) -> None:
         self.running += 1
 

@@ -238,6 +238,17 @@ class Lanes:
 
     def enqueue(self, ticket: Ticket) -> list[Action]:
         """A job was admitted: it waits in its lane (its address's, its client's queue there) until it may start."""
+        self._add(ticket)
+        return self._dispatch()
+
+    def enqueue_all(self, tickets: list[Ticket]) -> list[Action]:
+        """Jobs admitted together (the steps of one group message): all wait in their lanes before any may start, so
+        that those of one ``rows`` key start as one forward."""
+        for ticket in tickets:
+            self._add(ticket)
+        return self._dispatch()
+
+    def _add(self, ticket: Ticket) -> None:
         if ticket.lane not in LANES:
             raise ValueError(f"unknown lane {ticket.lane!r}")
         ticket.seq = next(self._seq)
@@ -258,7 +269,6 @@ class Lanes:
                                                     min(others, default=0.0))
             clients[ticket.client] = deque()
         clients[ticket.client].append(ticket)
-        return self._dispatch()
 
     def withdraw(self, ticket: Ticket) -> list[Action]:
         """A waiting job left before it started (its client went away, its deadline passed, the worker paused)."""
