@@ -164,6 +164,26 @@ def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_do
     assert len(lm.last.receipts) == 4 * 2 and all(r.client_signature for r in lm.last.receipts)
 
 
+def test_a_batch_whose_pushes_are_lost_still_generates_what_hf_does(swarm, client_for, tmp_path):
+    """Group steps whose pushed inputs never come (workers that cannot push to each other): each row's step on the
+    next span is called off after the client's short wait and sent again with its input, by way of the client; the
+    tokens are HF's own."""
+    folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=6)
+    swarm.start_workers(2, "--fault-drop-pushes")
+    client = client_for(swarm)
+    wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
+    lm = client.causal_lm(folder, max_length=32, spans=2)
+    reference, tok = load(folder)
+    reference.config._attn_implementation = "eager"
+    batch = tok(["hello network", "the quick brown fox", "volunteers run"], return_tensors="pt", padding=True,
+                padding_side="left")
+    with torch.no_grad():
+        want = reference.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert torch.equal(lm.generate(batch.input_ids, batch.attention_mask, max_new_tokens=4, do_sample=False), want)
+    # Every row's session holds its spans on the same workers (they opened together and followed the first).
+    assert len({tuple(w for *_, w in row) for row in lm.last.placement}) == 1
+
+
 class _Pool:
     """A stand-in for the executor pool, for Rows alone: records each run_rows and answers what it is told to."""
 

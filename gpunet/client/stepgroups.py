@@ -26,8 +26,8 @@ GROUP_ROW_BYTES = 16 * 1024
 #: What a Submit's frame holds besides its inputs, at most (its ids, hashes, session, a countersignature or two).
 SUBMIT_OVERHEAD_BYTES = 1024
 #: A worker that did not answer a group (one that predates them, or a stream that broke) gets its steps one by one
-#: for this long.
-NO_GROUPS_SECONDS = 60.0
+#: for this long (each such try costs its steps one more round trip).
+NO_GROUPS_SECONDS = 10.0
 
 
 class StepGroups:
@@ -39,11 +39,12 @@ class StepGroups:
         self._sending: set[asyncio.Task] = set()
         self._no_groups: LRU[str, float] = LRU(4096)
         self.groups = self.grouped = 0  # groups sent, and the steps they carried
+        self._closed = False
 
     async def send(self, worker_id: str, maddrs: Sequence[str], submit: Submit) -> Message | None:
         """This step's reply when it went in a group (Result, Error or UseStream); None: it goes alone (it is big,
         it was the only step to that worker this turn, or the worker takes no groups now)."""
-        if (submit.inputs is None or _row_bytes(submit) > GROUP_ROW_BYTES
+        if (self._closed or submit.inputs is None or _row_bytes(submit) > GROUP_ROW_BYTES
                 or time.monotonic() < self._no_groups.get(worker_id, 0.0)):
             return None
         loop = asyncio.get_running_loop()
@@ -102,6 +103,12 @@ class StepGroups:
                 future.set_result(answer.replies[i] if answer is not None else None)
 
     def close(self) -> None:
+        self._closed = True
+        for rows in self._waiting.values():  # (each goes alone, and finds the transport closed)
+            for _, future in rows:
+                if not future.done():
+                    future.set_result(None)
+        self._waiting.clear()
         for task in list(self._sending):
             task.cancel()
 

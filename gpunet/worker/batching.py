@@ -17,7 +17,7 @@ from gpunet.errors import ExecutorDied, JobFailed, JobTimeout, ProgramNotCached
 from gpunet.utils import LRU, wait_out
 from gpunet.worker import metrics
 from gpunet.worker.executor import RunResult
-from gpunet.worker.state.lanes import Ticket
+from gpunet.worker.state.lanes import MAX_ROWS, Ticket
 from gpunet.worker.state.limits import SessionRun
 
 #: How long the steps of one group message wait at the lanes for those of the group still on their way (a pushed
@@ -46,9 +46,10 @@ class Together:
     other programs in the group (the client's other sessions may hold another span here) do not wait for these, nor
     does anyone else's job.
 
-    The steps of a group for one program also share one place in the lanes (gpunet.worker.state.admission): they
-    run as one forward where their span batches, so a client's many sessions on one span do not hear "busy" for
-    rows that would have cost the worker nothing more (a group is one frame: at most 64 KiB of inputs)."""
+    The steps of a group for one program that batch (later steps of a batched span, inputs small: Rows.key) also
+    share one place in the lanes (gpunet.worker.state.admission), up to a forward's rows: they run as one forward,
+    so a client's many sessions on one span do not hear "busy" for rows that cost the worker little more. Other
+    steps of a group (prompts, a span that does not batch) take a place each, as if sent alone."""
 
     def __init__(self, submits, enqueue_all):
         self._program = {s.job_id: s.program for s in submits}
@@ -59,8 +60,9 @@ class Together:
         self._places: dict[tuple[str, str], int] = {}  # (program, lane) -> steps holding the group's place
 
     def share_place(self, program: str, lane: str) -> bool:
-        """True: a step of this group holds a place for ``program`` already, and this one shares it."""
-        if self._places.get((program, lane), 0) > 0:
+        """True: a step of this group holds a place for ``program`` already, and this one shares it (up to a
+        forward's rows)."""
+        if 0 < self._places.get((program, lane), 0) < MAX_ROWS:
             self._places[(program, lane)] += 1
             return True
         return False

@@ -65,10 +65,12 @@ LINGER_BYTES = 1 << 20
 MAX_KEPT_STREAMS = 256
 MAX_KEPT_STREAMS_PER_PEER = 8
 MAX_KEPT_STREAMS_PER_HOST = 32
-#: A step group's answer is one frame: its results' outputs and receipts, each with about this much around them,
-#: and the frame's own few bytes, fit in it (the rest are answered UseStream).
-GROUP_REPLY_BYTES = 256
-GROUP_FRAME_SLACK = 1024
+#: A step group's answer is one frame: its replies fit in it, with this much left for the frame's own bytes and a
+#: UseStream for each reply that did not fit.
+GROUP_FRAME_SLACK = 2048
+#: How long a group's answer waits for its steps still running once one of them is done (at least as long as that
+#: one took): those not done by then are answered UseStream, and asked for alone.
+GROUP_STRAGGLER_WAIT = 0.5
 
 
 class Doors:
@@ -355,27 +357,37 @@ class Doors:
             return Error.of(JobFailed(f"worker error: {type(e).__name__}"))
 
     async def _step_group(self, client_id: str, host: str, group: StepGroup, writer: asyncio.StreamWriter) -> bool:
-        """Answer a group of steps (each run as :meth:`_step` runs one, let into the lanes together) with one frame;
-        False when it could not be written. A result that does not fit in the frame after the others is answered
-        UseStream: the client asks for it alone and gets it from the recent results."""
+        """Answer a group of steps (each run as :meth:`_step` runs one, those of one span let into the lanes
+        together) with one frame; False when it could not be written. A step not done GROUP_STRAGGLER_WAIT (or as
+        long as the first took) after the first one is (its pushed input came late), and a reply that does not fit
+        in the frame after the others, are answered UseStream: the client asks for each alone by its job id and gets
+        its answer (from the recent results, or by joining its run), so one late step does not hold the others'."""
+        loop = asyncio.get_running_loop()
         together = Together(group.submits, self.jobs.turns.enqueue_all)
-        answers = await asyncio.gather(*(self._run_step(client_id, host, s, together) for s in group.submits))
-        replies, room = [], protocol.MAX_FRAME_BYTES - GROUP_FRAME_SLACK
-        expected = []
-        for answer in answers:
-            if isinstance(answer, Message):
-                replies.append(answer)
-                continue
-            receipt = _receipt_bytes(answer)
-            if answer.receipt is not None:  # (one answered UseStream gets it when asked again)
-                expected.append(answer.receipt)
-            room -= len(answer.outputs) + len(receipt) + GROUP_REPLY_BYTES
-            if room < 0:
-                replies.append(UseStream())
-                continue
-            replies.append(Result(len(answer.outputs), receipt, answer.outputs, answer.input_hash))
-            metrics.BYTES_OUT.inc(len(answer.outputs))
+        began = loop.time()
+        runs = [asyncio.ensure_future(self._run_step(client_id, host, s, together)) for s in group.submits]
+        try:
+            await asyncio.wait(runs, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(runs, timeout=max(GROUP_STRAGGLER_WAIT, loop.time() - began))
+        except BaseException:
+            for run in runs:  # (a session step itself runs on to its end: Jobs.execute)
+                run.cancel()
+            raise
+        replies, expected, room = [], [], protocol.MAX_FRAME_BYTES - GROUP_FRAME_SLACK
+        for run in runs:
+            reply = run.result() if run.done() else UseStream()  # (the rest go on: asked for alone)
+            if not isinstance(reply, Message):
+                if reply.receipt is not None:  # (one answered UseStream gets it when asked again)
+                    expected.append(reply.receipt)
+                reply = Result(len(reply.outputs), _receipt_bytes(reply), reply.outputs, reply.input_hash)
+            size = len(protocol.encode(reply))
+            if size > room:
+                reply, size = UseStream(), 0  # (the slack holds every UseStream)
+            room -= size
+            replies.append(reply)
         written = await self._answer(writer, StepGroupAnswer(tuple(replies)))
+        if written:
+            metrics.BYTES_OUT.inc(sum(r.outputs_size for r in replies if isinstance(r, Result)))
         for receipt in expected:  # countersigned by a later call, as for the run door (sent or not: see _reply)
             self.billing.awaiting.expect(client_id, receipt)
         return written

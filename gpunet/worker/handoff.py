@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from gpunet import protocol
 from gpunet.errors import GpunetError, JobRejected, ProgramNotCached, SessionLost, WorkerBusy
-from gpunet.protocol import STEPS_REUSE, Door, Error, Ok, Push, PushTo, Submit, tensorframe
+from gpunet.protocol import STEPS_REUSE, Door, Error, Ok, Push, PushGroup, PushTo, Submit, tensorframe
 from gpunet.rpc import RPC, KeptStreams
 from gpunet.worker.faults import NONE, Faults
 from gpunet.worker.state.limits import ServiceLimits
@@ -31,6 +31,9 @@ MAX_PUSHING = 64
 #: a push goes to, and a peer that never answers holds each for PUSH_TIMEOUT, so one client's pushes must not take
 #: every other client's place (a session pushes one output per step, one step at a time: two leave room for a slow one).
 MAX_PUSHING_PER_SESSION = 2
+#: A push this big or bigger goes alone; smaller ones made in one turn to one worker share a frame (PushGroup).
+GROUP_PUSH_BYTES = 16 * 1024
+PUSH_OVERHEAD_BYTES = 256
 
 
 class Handoff:
@@ -44,6 +47,8 @@ class Handoff:
         self.streams: KeptStreams | None = None  # pushes to the next spans' workers over streams kept open
         self._pushing: set[asyncio.Future] = set()  # this worker's outputs on their way to the next span's worker
         self._pushes_of: Counter[str] = Counter()  # ...of each client's sessions
+        self._queued: dict[str, list[tuple[Push, asyncio.Future]]] = {}  # pushes made this turn, by worker
+        self._sends: set[asyncio.Task] = set()
 
     def offer(self, sender_id: str, push: Push) -> None:
         """Another worker's output for the next step of a session held here. Taken only for a session open here (so
@@ -95,7 +100,7 @@ class Handoff:
         if (len(self._pushing) >= MAX_PUSHING
                 or self._pushes_of[client_id] >= MAX_PUSHING_PER_SESSION * self.sessions.limits.max_per_client):
             return  # the step there asks its client
-        task = asyncio.ensure_future(self._send(to.peer, push))
+        task = self._queue(to.peer, push)
         self._pushing.add(task)
         self._pushes_of[client_id] += 1
 
@@ -106,6 +111,57 @@ class Handoff:
                 del self._pushes_of[client_id]
 
         task.add_done_callback(sent)
+
+    def _queue(self, peer_id: str, push: Push) -> asyncio.Future:
+        """``push`` sent with the others made to that worker in this turn of the loop (the rows of one batched
+        forward: one PushGroup frame, so the next span's steps get their inputs at once); done once sent or given
+        up."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        queue = self._queued.get(peer_id)
+        if queue is None:
+            queue = self._queued[peer_id] = []
+            loop.call_soon(self._flush, peer_id)
+        queue.append((push, done))
+        return done
+
+    def _flush(self, peer_id: str) -> None:
+        groups: list[list[tuple[Push, asyncio.Future]]] = []
+        room = 0
+        for push, done in self._queued.pop(peer_id, ()):
+            size = len(push.inputs or b"") + PUSH_OVERHEAD_BYTES
+            if size > GROUP_PUSH_BYTES:  # big: alone (by the push door when it does not fit in a frame)
+                groups.append([(push, done)])
+                room = 0
+                continue
+            if not groups or size > room or len(groups[-1]) >= protocol.MAX_PUSH_GROUP:
+                groups.append([])
+                room = protocol.MAX_FRAME_BYTES - PUSH_OVERHEAD_BYTES
+            groups[-1].append((push, done))
+            room -= size
+        for group in groups:
+            task = asyncio.ensure_future(self._send(peer_id, group[0][0]) if len(group) == 1
+                                         else self._send_group(peer_id, [p for p, _ in group]))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+            for _, done in group:
+                task.add_done_callback(lambda _, done=done: done.done() or done.set_result(None))
+
+    async def _send_group(self, peer_id: str, pushes: list[Push]) -> None:
+        """Several pushes in one frame; each alone if the worker did not take the group (one that predates them)."""
+        try:
+            if self.streams is None:
+                raise GpunetError("no kept streams yet")
+            async with asyncio.timeout(PUSH_TIMEOUT):
+                reply = await self.streams.exchange(peer_id, (), protocol.encode_frame(PushGroup(tuple(pushes))),
+                                                    lambda reader: protocol.read(reader, Ok, Error))
+            if isinstance(reply, Error):
+                logger.debug("Worker %s did not take every pushed input: %s", peer_id[-8:], reply.message)
+            return
+        except (GpunetError, TimeoutError, ConnectionError, OSError) as e:
+            logger.debug("Could not push %d outputs to worker %s at once (%s); one by one", len(pushes),
+                         peer_id[-8:], e)
+        await asyncio.gather(*(self._send(peer_id, push) for push in pushes))
 
     def start(self, rpc: RPC) -> None:
         self.rpc, self.streams = rpc, KeptStreams(rpc, Door.PUSHES, STEPS_REUSE, per_peer=8)
@@ -130,7 +186,7 @@ class Handoff:
         return await self.streams.exchange_or(peer_id, (), push, lambda r: protocol.read(r, Ok, Error), unary)
 
     def stop(self) -> None:
-        for task in list(self._pushing):
+        for task in [*self._sends, *self._pushing]:
             task.cancel()
         if self.streams is not None:
             self.streams.close()

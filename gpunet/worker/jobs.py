@@ -347,7 +347,8 @@ class Jobs:
         refs = None if loaded else await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         for attempt in range(2):
             try:
-                with self._admitted(key[0], submit.lane, job.together, submit.program):
+                with self._admitted(key[0], submit.lane, job.together if self._batches(job, submit) else None,
+                                    submit.program):
                     answer = await self._run(key, job, submit, reader, host, refs)
                 if not checked:
                     await self.weights.loaded(submit.program, program)
@@ -426,11 +427,17 @@ class Jobs:
             if uploading:
                 self.admission.upload_done(client_id, host)
 
+    def _batches(self, job: _Job, submit: Submit) -> bool:
+        """Whether this step may ride in a batched forward (gpunet.worker.batching.Rows.key)."""
+        return (self.batch_sessions and self.executor is not None and job.got is not None
+                and self.rows.key(job.session, submit.program, job.got.program, job.got.inputs) is not None)
+
     @contextlib.contextmanager
     def _admitted(self, client_id: str, lane: str, together: Together | None = None, program: str = ""):
-        """A place in the lanes while it runs; the steps of one group for one program share one (they run as one
-        forward where their span batches: see Together)."""
-        if together is not None and together.share_place(program, lane):
+        """A place in the lanes while it runs; the steps of one group for one program that batch share one (they
+        run as one forward: see Together)."""
+        if (together is not None and self.admission.accepting and self.admission.paused is None
+                and together.share_place(program, lane)):
             self.admission.joined()
         else:
             if not self.admission.admit(client_id, lane):

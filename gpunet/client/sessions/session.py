@@ -104,8 +104,8 @@ class SequentialCore:
         self.requirements = requirements or Requirements()
         self._needs: dict[int, Requirements] = {}  # by span start: asked at every step
         self._open: weakref.WeakSet[SessionCore] = weakref.WeakSet()  # this model's sessions
-        #: One session at a time picks a worker for each span, so that sessions opening at once (a generation's
-        #: rows, a gateway's requests) see where the others went (hosts) and go there too.
+        #: Sessions opening at once (a generation's rows, a gateway's requests) wait for the first to pick each
+        #: span's worker, and follow it (hosts): see SessionCore._place.
         self.placing = [asyncio.Lock() for _ in spans]
 
     def hosts(self, i: int, but: "SessionCore") -> list[str]:
@@ -397,9 +397,22 @@ class SessionCore:
             return self.seq.core.place(span.job, (x_meta(span), *span.meta_state()), self.seq.requirements_for(span),
                                        exclude=exclude, avoid=others, drawn=drawn, prefer=self.seq.hosts(i, self))
 
-        async with self.seq.placing[i]:
+        worker = None
+        if span.job.manifest.batch is not None and not self.seq.hosts(i, self):
+            # The first of this model's open sessions to place span i: sessions opening with it (a generation's
+            # rows, a gateway's requests) wait for its choice and follow it (hosts), so that span's worker gets all
+            # their rows (batched). Only a first try waits so: one with nowhere to go looks on its own.
+            async with self.seq.placing[i]:
+                if not self.seq.hosts(i, self):
+                    try:
+                        worker = await place(placed.failed | banned)
+                    except NoWorkersAvailable:
+                        pass
+                    else:
+                        placed.worker_id = worker.id
+        if worker is None:
             worker = await self._choose(place, placed, banned)
-            placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
+        placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:
             try:
