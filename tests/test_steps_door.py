@@ -10,7 +10,7 @@ import torch
 
 from gpunet import protocol
 from gpunet.models import generate_locally, tiny_gpt
-from gpunet.protocol import Door, Error, ProtocolError, Submit
+from gpunet.protocol import Door, Error, ProtocolError, SessionStep, StepGroup, StepGroupAnswer, Submit, UseStream
 from tests.swarm import wait_for
 from tests.test_sessions_swarm import CFG, generate, sequential
 
@@ -58,6 +58,11 @@ def test_a_sessions_steps_ride_one_stream_and_a_hostile_frame_closes_only_its_ow
             # A job that is no session step: refused as such, and the stream serves on.
             await protocol.write(writer, Submit("plain-1", h, 3, b"abc", 10.0, None))
             refused = await protocol.read(reader, Error, timeout=30)
+            # A group of steps of sessions it never opened here: each gets its own answer, and the stream serves on.
+            await protocol.write(writer, StepGroup(tuple(
+                Submit(f"g-{i}.1", h, 3, b"abc", 10.0, None, session=SessionStep(f"g-{i}", 1)) for i in range(3))))
+            group = await protocol.read(reader, StepGroupAnswer, timeout=30)
+            assert len(group.replies) == 3 and all(isinstance(r, (Error, UseStream)) for r in group.replies)
             await protocol.write(writer, Submit("plain-2", h, 3, b"abc", 10.0, None))
             await protocol.read(reader, Error, timeout=30)
             # A malformed frame: the worker closes this stream, unanswered.
