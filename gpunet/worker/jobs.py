@@ -347,8 +347,8 @@ class Jobs:
         refs = None if loaded else await self.weights.prepare(key[0], submit.program, program, private, ask, checked)
         for attempt in range(2):
             try:
-                with self._admitted(key[0], submit.lane, job.together if self._batches(job, submit) else None,
-                                    submit.program):
+                batches = self._rows_key(job.session, submit, job.got) is not None
+                with self._admitted(key[0], submit.lane, job.together if batches else None, submit.program):
                     answer = await self._run(key, job, submit, reader, host, refs)
                 if not checked:
                     await self.weights.loaded(submit.program, program)
@@ -427,10 +427,11 @@ class Jobs:
             if uploading:
                 self.admission.upload_done(client_id, host)
 
-    def _batches(self, job: _Job, submit: Submit) -> bool:
-        """Whether this step may ride in a batched forward (gpunet.worker.batching.Rows.key)."""
-        return (self.batch_sessions and self.executor is not None and job.got is not None
-                and self.rows.key(job.session, submit.program, job.got.program, job.got.inputs) is not None)
+    def _rows_key(self, session: SessionRun | None, submit: Submit, got: Inputs | None) -> str | None:
+        """The key this step may ride in a batched forward under (gpunet.worker.batching.Rows.key); None: alone."""
+        if not self.batch_sessions or self.executor is None or got is None:
+            return None
+        return self.rows.key(session, submit.program, got.program, got.inputs)
 
     @contextlib.contextmanager
     def _admitted(self, client_id: str, lane: str, together: Together | None = None, program: str = ""):
@@ -544,8 +545,7 @@ class Jobs:
                        session: SessionRun | None, ticket: Ticket, refs: RefFiles | None = None,
                        marks: dict[str, int] | None = None, together: Together | None = None) -> Answer:
         client_id, job_id = key
-        if self.batch_sessions and self.executor is not None:  # steps that wait together may run as one forward
-            ticket.rows = self.rows.key(session, submit.program, got.program, got.inputs)
+        ticket.rows = self._rows_key(session, submit, got)  # steps that wait together may run as one forward
         try:
             await self.turns.wait(ticket, submit.deadline, together)
         except BaseException:
