@@ -387,8 +387,11 @@ def test_two_home_workers_hole_punch_a_direct_connection(tmp_path):
             for worker in workers:
                 net.wait_online(worker)
             for worker in workers:  # (the look for observers runs beside the heartbeat: it may end after "online")
-                wait_for(lambda: "Connected to 4 public peer(s) of distinct addresses" in worker.output, 60,
-                         "a home worker connected to 4 public observers")
+                try:
+                    wait_for(lambda: "Connected to 4 public peer(s) of distinct addresses" in worker.output, 90,
+                             "a home worker connected to 4 public observers")
+                except TimeoutError as e:
+                    raise AssertionError(f"{e}:\n{worker.output[-4000:]}") from None
             client = subprocess.Popen(lab.exec_argv(lab.public, [sys.executable, "-c", _SESSIONS, boots[0], "nat-test",
                                                                   str(tmp_path / "client"), str(folder), "20"]),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -141,3 +141,38 @@ def test_the_keeper_dials_public_peers_leaves_failed_ones_alone_and_punches_one_
     now[0] += 2 * observers.PUNCH_AGAIN
     asyncio.run(look())
     assert daemon.closed == [w1, w1]  # PUNCH_TRIES reached: it stays relayed
+
+
+def test_an_initial_peer_that_timed_out_once_is_dialled_again_soon_then_less_often(monkeypatch):
+    """One dial that times out on a loaded machine must not keep an initial peer away for minutes (a worker then
+    never reached the 4 observers hole punching needs): it is tried again after DIAL_RETRY, then twice as long after
+    each further failure, up to DIAL_BACKOFF; once it answers, its count starts over."""
+    from gpunet.dht import observers
+    from gpunet.dht.observers import ObserverKeeper
+
+    me, boot = _ids(2)
+    trusted = [f"/ip4/25.0.0.1/tcp/4000/p2p/{boot}"]
+    daemon = _Daemon([], reachable=[])
+    daemon.install(monkeypatch)
+    now = [0.0]
+    keeper = ObserverKeeper(p2p=None, own_id=me, clock=lambda: now[0])
+    tried_at = []
+
+    async def looks():  # one a second
+        for t in range(2000):
+            now[0] = float(t)
+            dialled = len(daemon.dialled)
+            await keeper.keep(trusted)
+            if len(daemon.dialled) > dialled:
+                tried_at.append(t)
+
+    asyncio.run(looks())
+    gaps = [b - a for a, b in zip(tried_at, tried_at[1:])]
+    assert gaps[:7] == [min(observers.DIAL_BACKOFF, observers.DIAL_RETRY * 2 ** i) for i in range(7)]
+    assert gaps[:6] == [10, 20, 40, 80, 160, 300]
+    daemon.reachable.add(trusted[0].rpartition("/p2p/")[0])
+    now[0] = tried_at[-1] + observers.DIAL_BACKOFF
+    assert asyncio.run(keeper.keep(trusted)) == 1
+    daemon.conns.clear()  # it left; it answers again: tried at the next look
+    now[0] += 1
+    assert asyncio.run(keeper.keep(trusted)) == 1

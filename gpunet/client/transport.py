@@ -78,7 +78,8 @@ class BaseTransport(ABC):
 
     @abstractmethod
     async def discover(self) -> list["WorkerEntry"]:
-        """The workers whose records are live now."""
+        """The workers' records live now, tombstones included (state OFFLINE: a worker that said it left), so that
+        the view can tell a worker gone from one a look missed."""
 
     @abstractmethod
     async def submit(self, worker: "WorkerEntry", request: JobRequest, *, cached: bool,
@@ -204,7 +205,7 @@ class P2PTransport(BaseTransport):
     async def discover(self) -> list["WorkerEntry"]:
         from gpunet.dht import registry
 
-        return await registry.discover_async(self.dht, self.rpc.network)
+        return await registry.discover_async(self.dht, self.rpc.network, include_offline=True)
 
     async def close(self) -> None:
         self.step_groups.close()

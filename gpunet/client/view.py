@@ -18,7 +18,7 @@ from hivemind.utils import get_dht_time
 
 from gpunet.client.routing import JobShape, Requirements, Router
 from gpunet.client.reputation import Reputation
-from gpunet.dht.records import WorkerEntry
+from gpunet.dht.records import WorkerEntry, WorkerState
 from gpunet.errors import NoWorkersAvailable
 
 if TYPE_CHECKING:
@@ -56,17 +56,21 @@ class WorkerView:
     # --- keeping it fresh ------------------------------------------------------------------------------------------
 
     async def refresh(self) -> list[WorkerEntry]:
-        entries = await self.transport.discover()
-        if entries:  # those whose records lapsed are gone, or going: not named as holders (an empty look says little)
-            for gone in self.router.workers.keys() - {e.id for e in entries}:
-                self.transport.forget(gone)
-            self.router.update(entries)
+        """Look at the records again; returns the live workers this look found. A look can miss live workers (a
+        bucket's search lost under load: CI once saw one of three, and a session's span then had nowhere to move), so
+        a worker missing from it stays while its record holds, unless the look found its tombstone (it said it left).
+        One whose record lapsed is gone, or going: no longer named as a holder."""
+        listed = await self.transport.discover()
+        entries = [e for e in listed if e.record.state is not WorkerState.OFFLINE]
+        seen, now = {e.id for e in listed}, get_dht_time()
+        missed = [e for e in self.router.workers.values() if e.id not in seen and e.expiration_time > now]
+        for gone in self.router.workers.keys() - {e.id for e in entries} - {e.id for e in missed}:
+            self.transport.forget(gone)
+        self.router.update(entries + missed)
+        if self.router.workers:
             self._fresh.set()
-        else:  # a look that finds nobody (a DHT search lost under load) keeps the workers whose records still hold
-            now = get_dht_time()
-            self.router.update([e for e in self.router.workers.values() if e.expiration_time > now])
-            if not self.router.workers:  # every record lapsed at once (heartbeats late under load, a partition):
-                self._fresh.clear()  # jobs wait for the next look that finds workers, as for the first ones
+        else:  # every record lapsed at once (heartbeats late under load, a partition): jobs wait for the next look
+            self._fresh.clear()  # that finds workers, as for the first ones
         if self.proofs is not None:
             self.proofs.schedule(entries)
         return entries

@@ -8,7 +8,9 @@ this only once it knows its own public address: identify observations from 4 pee
 agree on it (and both sides must know theirs). A worker behind NAT talks to its two relays and little else, so it
 never got there. :class:`ObserverKeeper` keeps it connected to up to :data:`OBSERVERS` public peers of distinct
 public addresses: its initial peers first, then directly reachable workers from the records (in random order, one
-address each, one that could not be dialled left alone for :data:`DIAL_BACKOFF`), looked at again each heartbeat.
+address each; one that could not be dialled is left alone for :data:`DIAL_RETRY`, twice that after a second failure,
+and so on up to :data:`DIAL_BACKOFF`: a dial can time out on a loaded machine, and an initial peer left alone for
+minutes after one such dial kept a worker from ever punching), looked at again each heartbeat.
 
 The daemon tries a hole punch only when a relayed connection comes in after it knows its public address; a relayed
 connection to another worker made before that (both starting at once) would stay relayed for good. So once this node
@@ -44,8 +46,10 @@ logger = logging.getLogger(__name__)
 OBSERVERS = 8
 #: What go-libp2p needs before it hole-punches (``identify.ActivationThresh``).
 CONFIRMING = 4
-#: How long one dial may take, and how long a candidate that could not be dialled is left alone.
+#: How long one dial may take; how long a candidate that could not be dialled is left alone after its first failure
+#: (doubled after each further one), and at most.
 DIAL_TIMEOUT = 5.0
+DIAL_RETRY = 10.0
 DIAL_BACKOFF = 300.0
 #: Times a relayed connection to one NATed worker is closed and dialled again to punch, and the least time between.
 PUNCH_TRIES = 2
@@ -109,7 +113,8 @@ class ObserverKeeper:
         self.paths: dict[str, str] = {}  # each connected peer's path at the last look (see paths())
         #: Workers behind NAT, by their records (peer id: their relayed addresses): those to punch to.
         self.natted: dict[str, list[str]] = {}
-        self._failed: LRU[str, float] = LRU(4096)  # candidates that could not be dialled: until when left alone
+        #: Candidates that could not be dialled: until when each is left alone, and its failures in a row.
+        self._failed: LRU[str, tuple[float, int]] = LRU(4096)
         self._punches: LRU[str, tuple[int, float]] = LRU(4096)  # NATed workers dialled again: times, when last
 
     def punched(self) -> list[str]:
@@ -133,13 +138,16 @@ class ObserverKeeper:
         taken = {c.ip for c in offered} | {c.peer_id for c in offered}
         offered += [c for c in candidates(published, public_only=True) if not {c.ip, c.peer_id} & taken]
         todo = [c for c in offered if c.peer_id != self.own_id and c.peer_id not in connected and c.ip not in held
-                and self._failed.get(c.peer_id, 0.0) <= now][:max(0, self.want - len(held))]
+                and self._failed.get(c.peer_id, (0.0, 0))[0] <= now][:max(0, self.want - len(held))]
         if todo:
             dialled = await asyncio.gather(*(self._dial(c) for c in todo))
             for c, ok in zip(todo, dialled):
                 if not ok:
-                    self._failed.put(c.peer_id, now + DIAL_BACKOFF)
-                elif ipaddress.ip_address(c.ip).is_global:
+                    failures = self._failed.get(c.peer_id, (0.0, 0))[1] + 1
+                    self._failed.put(c.peer_id, (now + min(DIAL_BACKOFF, DIAL_RETRY * 2 ** (failures - 1)), failures))
+                    continue
+                self._failed.pop(c.peer_id, None)
+                if ipaddress.ip_address(c.ip).is_global:
                     held.add(c.ip)
         if self.observers is None or (self.observers < CONFIRMING) != (len(held) < CONFIRMING):
             logger.info("Connected to %d public peer(s) of distinct addresses%s", len(held),
