@@ -40,6 +40,10 @@ CHECK_INTERVAL = 5.0
 #: before it says it has none: go-libp2p's auto-relay books one on the static relays within seconds, a loaded
 #: machine in tens of them.
 RELAY_WAIT = 30.0
+#: Fresh p2p daemons it asks with, RELAY_WAIT each: after one reservation attempt that failed (timed out on a loaded
+#: machine: CI saw it), go-libp2p's auto-relay leaves that relay alone for a long while (its backoff), where a new
+#: daemon asks again at once.
+RELAY_TRIES = 2
 MAX_CHECKS_AT_ONCE = 8
 BUSY_RETRIES = 3
 #: Further tries of a peer that could not be asked at all (not serving the door yet, no answer in time).

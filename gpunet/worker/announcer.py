@@ -233,22 +233,35 @@ class Announcer:
         if cfg.announce_maddrs:
             logger.warning("The announced address(es) %s cannot be dialled from outside: is the port forwarded to this "
                            "machine?", ", ".join(cfg.announce_maddrs))
-        await w._stop_dht()
-        w.dht = await w._join("private")
-        if w.dht is None:
-            return
-        self.via_relays = True
-        deadline = time.monotonic() + reachability.RELAY_WAIT
-        while time.monotonic() < deadline:
-            self.maddrs = await asyncio.to_thread(network.visible_maddrs, w.dht, True)
-            if any(reachability.is_relayed(m) for m in self.maddrs):
-                self.reachability = reachability.RELAYED
-                logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
-                                                                       if reachability.is_relayed(m)))
-                await self.keep_observers()  # before others meet this worker: their first connection can punch
+        await self.join_through_relays()
+
+    async def join_through_relays(self) -> None:
+        """Restart the p2p daemon as a relay client and wait for a reservation, from a fresh daemon again if none
+        comes (see RELAY_TRIES); none at all: listed unreachable, and each heartbeat looks again."""
+        w = self.worker
+        for attempt in range(1, reachability.RELAY_TRIES + 1):  # a fresh daemon each (see RELAY_TRIES)
+            await w._stop_dht()
+            w.dht = await w._join("private")
+            if w.dht is None or w._stop.is_set():
                 return
-            await asyncio.sleep(0.5)
+            self.via_relays = True
+            deadline = time.monotonic() + reachability.RELAY_WAIT
+            while time.monotonic() < deadline and not w._stop.is_set():
+                self.maddrs = await asyncio.to_thread(network.visible_maddrs, w.dht, True)
+                if any(reachability.is_relayed(m) for m in self.maddrs):
+                    self.reachability = reachability.RELAYED
+                    logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
+                                                                           if reachability.is_relayed(m)))
+                    await self.keep_observers()  # before others meet this worker: their first connection can punch
+                    return
+                await asyncio.sleep(0.5)
+            if w._stop.is_set():
+                return
+            if attempt < reachability.RELAY_TRIES:
+                logger.info("No relay reservation within %.0f s; asking again from a fresh p2p daemon",
+                            reachability.RELAY_WAIT)
         self.reachability = reachability.UNREACHABLE
-        logger.warning("No relay took a reservation for this worker within %.0f s; listed as unreachable (no jobs are "
-                       "routed to it) while it keeps trying. Its relays are its initial peers: give it a bootstrap node "
-                       "(workers relay only with --relay-service)", reachability.RELAY_WAIT)
+        logger.warning("No relay took a reservation for this worker (%d tries of %.0f s); listed as unreachable (no "
+                       "jobs are routed to it) while it keeps trying. Its relays are its initial peers: give it a "
+                       "bootstrap node (workers relay only with --relay-service)", reachability.RELAY_TRIES,
+                       reachability.RELAY_WAIT)

@@ -28,8 +28,6 @@ from gpunet.worker import hardware as hw
 GiB = 2**30
 #: hivemind refuses records from peers whose clocks are more than this far apart.
 MAX_CLOCK_OFFSET = 3.0
-#: Fresh p2p daemons the reachability check asks a relay reservation with, each for RELAY_WAIT at most.
-RELAY_TRIES = 2
 
 
 class Verdict(str, enum.Enum):
@@ -214,10 +212,8 @@ def check_inbound(dht, network: str, peers: Sequence[str], host_maddrs: Sequence
     if found == reachability.DIRECT:
         return Check("reachability", Verdict.PASS,
                      f"directly reachable: a peer connected back to {result.observed or 'this host'}, TCP port {port}")
-    # A second daemon if the first got none: libp2p's autorelay leaves a relay alone for a long while after one
-    # reservation attempt that failed, and on a loaded machine the first can time out (CI saw it).
-    relay = next((r for _ in range(RELAY_TRIES) if (r := _relay_reservation(network, peers, reachability.RELAY_WAIT))),
-                 None)
+    relay = next((r for _ in range(reachability.RELAY_TRIES)
+                  if (r := _relay_reservation(network, peers, reachability.RELAY_WAIT))), None)
     where = f"{result.observed or 'this host'}, TCP port {port}"
     forward = (f"for direct connections, forward TCP port {port} on your router to this machine and run the worker "
                f"with --host-maddrs /ip4/0.0.0.0/tcp/{port} --announce-maddrs /ip4/<your public IP>/tcp/{port}")
