@@ -171,6 +171,8 @@ def test_a_worker_missing_from_a_look_stays_while_its_record_holds_and_goes_once
         await core.refresh()
         assert set(core.router.workers) == {stays.id, missed.id}
         assert sorted(transport.forgotten) == sorted([left.id, lapses.id])
+        # A session's span there: one that lapsed may be back in a moment (LAPSE_GRACE); one that said it left is not
+        assert core.router.holding(lapses.id) is not None and core.router.holding(left.id) is None
         transport.workers.clear()  # a look that finds nobody says little: nobody is forgotten for it
         await core.refresh()
         assert set(core.router.workers) == {stays.id, missed.id}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gpunet
+from gpunet.dht.records import WorkerState
 from tests.swarm import run_cli, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.swarm
 
 async def _discover(transport):
     for _ in range(300):
-        found = await transport.discover()
+        found = [e for e in await transport.discover() if e.record.state is not WorkerState.OFFLINE]
         if found:
             return found[0]
         await asyncio.sleep(0.1)

@@ -176,3 +176,8 @@ def test_an_initial_peer_that_timed_out_once_is_dialled_again_soon_then_less_oft
     daemon.conns.clear()  # it left; it answers again: tried at the next look
     now[0] += 1
     assert asyncio.run(keeper.keep(trusted)) == 1
+    daemon.conns.clear()
+    daemon.reachable.clear()
+    keeper._failed.put(boot, (0.0, 5000))  # days of failures in a row: the wait stays bounded (no overflow)
+    asyncio.run(keeper.keep(trusted))
+    assert keeper._failed.get(boot)[0] == now[0] + observers.DIAL_BACKOFF

@@ -14,6 +14,7 @@ from gpunet.client.trust import (
     majority,
     max_difference,
 )
+from gpunet.dht.records import WorkerState
 from tests.swarm import wait_for
 
 
@@ -249,7 +250,8 @@ def test_a_client_that_never_countersigns_is_cut_off_and_its_debt_is_on_the_work
         identity = Identity.load_or_create(tmp_path / "freeloader")
         transport = await P2PTransport.connect(swarm.network, [swarm.bootstrap_addr], identity)
         try:
-            worker = (await wait_for_async(transport.discover))[0]
+            worker = next(e for e in await wait_for_async(transport.discover)
+                          if e.record.state is not WorkerState.OFFLINE)
             for served in range(line + 1):
                 request = JobRequest(uuid.uuid4().hex, job.program_hash, job.program_bytes(),
                                      job.encode_inputs(torch.randn(1, 4)), 30.0, None)

@@ -257,12 +257,15 @@ class Router:
     #: Workers whose record lapsed from the last refresh, and when (monotonic): see ``holding``.
     _lapsed: dict[str, tuple[WorkerEntry, float]] = field(default_factory=dict)
 
-    def update(self, entries: Iterable[WorkerEntry]) -> None:
-        now = time.monotonic()
+    def update(self, entries: Iterable[WorkerEntry], left: Iterable[str] = ()) -> None:
+        """The workers as a look at the records found them. ``left``: ones whose tombstone it found (they said they
+        left): not held for LAPSE_GRACE, as a record that lapsed is (see ``holding``)."""
+        now, left = time.monotonic(), set(left)
         fresh = {e.id: e for e in entries}
         for gone in self.workers.keys() - fresh.keys():
             self._lapsed[gone] = (self.workers[gone], now)
-        self._lapsed = {w: seen for w, seen in self._lapsed.items() if w not in fresh and now - seen[1] < LAPSE_GRACE}
+        self._lapsed = {w: seen for w, seen in self._lapsed.items()
+                        if w not in fresh and w not in left and now - seen[1] < LAPSE_GRACE}
         self.workers = fresh
         for worker_id in [w for w in self._joining_since if w not in self.workers
                           or self.workers[w].record.state is not WorkerState.JOINING]:

@@ -66,7 +66,7 @@ class WorkerView:
         missed = [e for e in self.router.workers.values() if e.id not in seen and e.expiration_time > now]
         for gone in self.router.workers.keys() - {e.id for e in entries} - {e.id for e in missed}:
             self.transport.forget(gone)
-        self.router.update(entries + missed)
+        self.router.update(entries + missed, left=seen - {e.id for e in entries})
         if self.router.workers:
             self._fresh.set()
         else:  # every record lapsed at once (heartbeats late under load, a partition): jobs wait for the next look

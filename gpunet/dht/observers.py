@@ -143,8 +143,8 @@ class ObserverKeeper:
             dialled = await asyncio.gather(*(self._dial(c) for c in todo))
             for c, ok in zip(todo, dialled):
                 if not ok:
-                    failures = self._failed.get(c.peer_id, (0.0, 0))[1] + 1
-                    self._failed.put(c.peer_id, (now + min(DIAL_BACKOFF, DIAL_RETRY * 2 ** (failures - 1)), failures))
+                    failures = min(self._failed.get(c.peer_id, (0.0, 0))[1] + 1, 32)  # (2**n stays a float)
+                    self._failed.put(c.peer_id, (now + min(DIAL_BACKOFF, DIAL_RETRY * 2.0 ** (failures - 1)), failures))
                     continue
                 self._failed.pop(c.peer_id, None)
                 if ipaddress.ip_address(c.ip).is_global:

@@ -247,7 +247,12 @@ class Announcer:
             self.via_relays = True
             deadline = time.monotonic() + reachability.RELAY_WAIT
             while time.monotonic() < deadline and not w._stop.is_set():
-                self.maddrs = await asyncio.to_thread(network.visible_maddrs, w.dht, True)
+                try:
+                    self.maddrs = await asyncio.to_thread(network.visible_maddrs, w.dht, True)
+                except Exception:
+                    if await w._stopped_meanwhile():  # Ctrl-C to the group: the daemon may have gone first
+                        return
+                    raise
                 if any(reachability.is_relayed(m) for m in self.maddrs):
                     self.reachability = reachability.RELAYED
                     logger.info("Reachable through relays: %s", ", ".join(m for m in self.maddrs
