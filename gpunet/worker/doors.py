@@ -385,7 +385,13 @@ class Doors:
                 reply, size = UseStream(), 0  # (the slack holds every UseStream)
             room -= size
             replies.append(reply)
-        written = await self._answer(writer, StepGroupAnswer(tuple(replies)))
+        # While it is written its bytes count against the client's share, as a single answer's do (see _reply).
+        held = protocol.MAX_FRAME_BYTES - GROUP_FRAME_SLACK - room
+        self.admission.hold(held, client_id, host)
+        try:
+            written = await self._answer(writer, StepGroupAnswer(tuple(replies)))
+        finally:
+            self.admission.release_bytes(held, client_id, host)
         if written:
             metrics.BYTES_OUT.inc(sum(r.outputs_size for r in replies if isinstance(r, Result)))
         for receipt in expected:  # countersigned by a later call, as for the run door (sent or not: see _reply)
