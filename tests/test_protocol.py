@@ -411,3 +411,15 @@ _STEP = {"t": "submit", "job": "s-1.1", "program": H, "inputs_size": 1, "inputs"
 def test_groups_refuse_what_is_malformed(wire):
     with pytest.raises(ProtocolError):
         protocol.decode(msgpack.packb(wire, use_bin_type=True))
+
+
+def test_group_frames_are_packed_in_order_within_their_room_and_count():
+    """What a client's group steps and a worker's group pushes go in: runs in order, each within its bytes and its
+    count; one too big for any run, or one meant to go alone, is a run of its own."""
+    sizes = [10, 10, 10, 25, 5, 40, 1, 1]
+    runs = protocol.pack(range(len(sizes)), lambda i: sizes[i], room=30, most=3)
+    assert runs == [[0, 1, 2], [3, 4], [5], [6, 7]]
+    assert sum(runs, []) == list(range(len(sizes)))
+    runs = protocol.pack(range(len(sizes)), lambda i: sizes[i], room=100, most=3, alone=lambda i: sizes[i] > 20)
+    assert runs == [[0, 1, 2], [3], [4], [5], [6, 7]]
+    assert protocol.pack([], len, room=10, most=2) == []

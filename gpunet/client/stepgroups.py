@@ -58,15 +58,8 @@ class StepGroups:
 
     def _flush(self, worker_id: str, maddrs: tuple[str, ...]) -> None:
         rows = [(s, f) for s, f in self._waiting.pop(worker_id, ()) if not f.done()]  # (a cancelled caller: not sent)
-        chunks: list[list[tuple[Submit, asyncio.Future]]] = []
-        room = 0
-        for row in rows:
-            size = _row_bytes(row[0])
-            if not chunks or size > room or len(chunks[-1]) >= protocol.MAX_GROUP_ROWS:
-                chunks.append([])
-                room = protocol.MAX_FRAME_BYTES - SUBMIT_OVERHEAD_BYTES
-            chunks[-1].append(row)
-            room -= size
+        chunks = protocol.pack(rows, lambda row: _row_bytes(row[0]), protocol.MAX_FRAME_BYTES - SUBMIT_OVERHEAD_BYTES,
+                               protocol.MAX_GROUP_ROWS)
         for chunk in chunks:
             if len(chunk) == 1:
                 chunk[0][1].set_result(None)

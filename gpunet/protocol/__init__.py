@@ -92,6 +92,7 @@ from gpunet.protocol.framing import (
     decode,
     encode,
     encode_frame,
+    pack,
     payload_deadline,
     read,
     read_payload,

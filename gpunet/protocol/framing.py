@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 import msgpack
 
@@ -28,6 +28,7 @@ FRAME_TIMEOUT = 10.0
 #: ...and a payload at no less than this rate, beyond the frame timeout.
 MIN_PAYLOAD_RATE = 1 << 20
 _LEN = struct.Struct(">I")
+T = TypeVar("T")
 
 
 def encode(message: Message) -> bytes:
@@ -61,6 +62,26 @@ def encode_frame(message: Message) -> bytes:
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME_BYTES}")
     return _LEN.pack(len(body)) + body
+
+
+def pack(items: Iterable[T], size: Callable[[T], int], room: int, most: int,
+         alone: Callable[[T], bool] = lambda item: False) -> list[list[T]]:
+    """``items`` in order, in runs that each go as one group frame: at most ``most`` items and ``room`` bytes (by
+    ``size``) a run; an item bigger than ``room``, or one ``alone`` says goes by itself, is a run of its own."""
+    runs: list[list[T]] = []
+    left = 0
+    for item in items:
+        n = size(item)
+        if alone(item):
+            runs.append([item])
+            left = 0
+            continue
+        if not runs or n > left or len(runs[-1]) >= most:
+            runs.append([])
+            left = room
+        runs[-1].append(item)
+        left -= n
+    return runs
 
 
 async def write(writer: asyncio.StreamWriter, message: Message) -> None:

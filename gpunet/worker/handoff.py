@@ -126,19 +126,12 @@ class Handoff:
         return done
 
     def _flush(self, peer_id: str) -> None:
-        groups: list[list[tuple[Push, asyncio.Future]]] = []
-        room = 0
-        for push, done in self._queued.pop(peer_id, ()):
-            size = len(push.inputs or b"") + PUSH_OVERHEAD_BYTES
-            if size > GROUP_PUSH_BYTES:  # big: alone (by the push door when it does not fit in a frame)
-                groups.append([(push, done)])
-                room = 0
-                continue
-            if not groups or size > room or len(groups[-1]) >= protocol.MAX_PUSH_GROUP:
-                groups.append([])
-                room = protocol.MAX_FRAME_BYTES - PUSH_OVERHEAD_BYTES
-            groups[-1].append((push, done))
-            room -= size
+        def size(queued: tuple[Push, asyncio.Future]) -> int:
+            return len(queued[0].inputs or b"") + PUSH_OVERHEAD_BYTES
+
+        # A big one goes alone (by the push door when it does not fit in a frame).
+        groups = protocol.pack(self._queued.pop(peer_id, ()), size, protocol.MAX_FRAME_BYTES - PUSH_OVERHEAD_BYTES,
+                               protocol.MAX_PUSH_GROUP, alone=lambda queued: size(queued) > GROUP_PUSH_BYTES)
         for group in groups:
             task = asyncio.ensure_future(self._send(peer_id, group[0][0]) if len(group) == 1
                                          else self._send_group(peer_id, [p for p, _ in group]))
