@@ -62,11 +62,11 @@ class WorkerView:
         One whose record lapsed is gone, or going: no longer named as a holder."""
         listed = await self.transport.discover()
         entries = [e for e in listed if e.record.state is not WorkerState.OFFLINE]
-        seen, now = {e.id for e in listed}, get_dht_time()
+        seen, live, now = {e.id for e in listed}, {e.id for e in entries}, get_dht_time()
         missed = [e for e in self.router.workers.values() if e.id not in seen and e.expiration_time > now]
-        for gone in self.router.workers.keys() - {e.id for e in entries} - {e.id for e in missed}:
+        for gone in self.router.workers.keys() - live - {e.id for e in missed}:
             self.transport.forget(gone)
-        self.router.update(entries + missed, left=seen - {e.id for e in entries})
+        self.router.update(entries + missed, left=seen - live)
         if self.router.workers:
             self._fresh.set()
         else:  # every record lapsed at once (heartbeats late under load, a partition): jobs wait for the next look
