@@ -352,7 +352,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             # memory of their own (anonymous: a spooled program's pages are the page cache's, and count in VmHWM)
             executors = _executors(proc.pid)
             per[served]["executor_peak_rss_mb"] = max((_peak_rss_mb(p) or 0 for p in executors), default=None)
-            per[served]["anon_now_mb"] = sum(_status_mb(p, "RssAnon") or 0 for p in [proc.pid, *executors])
+            per[served]["anon_now_mb"] = sum(_pss_anon_mb(p) or 0 for p in [proc.pid, *executors])
             partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
             if partial:  # the rest came from the client
                 per[served]["from_peers_before_client"] = f"{partial.group(1)} of {partial.group(2)} pieces"
@@ -387,6 +387,15 @@ def _peak_rss_mb(pid: int) -> int | None:
     return _status_mb(pid, "VmHWM")
 
 
+def _pss_anon_mb(pid: int) -> int | None:
+    """Anonymous memory of a process's own, its share of what forked processes share counted once (PSS)."""
+    try:
+        found = re.search(r"Pss_Anon:\s+(\d+) kB", Path(f"/proc/{pid}/smaps_rollup").read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) // 1024 if found else None
+
+
 def _status_mb(pid: int, field: str) -> int | None:
     try:
         found = re.search(rf"{field}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
@@ -396,17 +405,11 @@ def _status_mb(pid: int, field: str) -> int | None:
 
 
 def _executors(pid: int) -> list[int]:
-    """A worker's executors: its child processes that are Python (not its p2p daemon)."""
-    from gpunet.testing.localnet import child_pids
+    """A worker's executor processes and their fork server (whose memory they share)."""
+    from gpunet.testing.localnet import executor_pids
 
-    found = []
-    for k in child_pids(pid):
-        try:
-            if "python" in Path(f"/proc/{k}/comm").read_text(errors="replace"):
-                found.append(k)
-        except OSError:
-            pass
-    return found
+    server, executors = executor_pids(pid)
+    return executors if server is None else [server, *executors]
 
 
 def _status(net, lab=None) -> list[dict]:

@@ -4,6 +4,7 @@ executor dies fails cleanly while the pool replaces the process and keeps servin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -295,6 +296,38 @@ def test_close_stops_every_process(tmp_path):
         _run(ex, SMALL, torch.randn(1, 16))
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(") ", 1)[1].split()[1])
+
+
+def _modules(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_executors_are_forked_by_one_fork_server_that_imported_torch_and_enter_the_sandbox_after(tmp_path):
+    """Every executor (plain, its replacement, a spare) is a child of one fork server that imported torch before it
+    forked them (not a fresh interpreter importing it each time, nor a fork of this multi-threaded process); each then
+    locks itself down, single-threaded, as a spawned one did."""
+    with Executor(processes=2, cache_dir=tmp_path) as ex:
+        assert _run(ex, SMALL, torch.randn(1, 16)).outputs
+        report = asyncio.run(ex.sandbox_report())
+        assert any(line.startswith("landlock") for line in report) and any("seccomp" in line for line in report)
+        first = ex.pids()
+        servers = {_parent(pid) for pid in first}
+        assert len(servers) == 1 and os.getpid() not in servers
+        server = servers.pop()
+        assert _parent(server) == os.getpid() and "libtorch_cpu" in _modules(server)
+        with open(f"/proc/{server}/cmdline") as f:
+            assert "multiprocessing.forkserver" in f.read()
+        os.kill(first[0], signal.SIGKILL)  # its replacement comes from the same server
+        for _ in range(3):  # (a job sent to the dead one fails, and the pool replaces it)
+            with contextlib.suppress(JobFailed):
+                _run(ex, SMALL, torch.randn(1, 16))
+        assert first[0] not in ex.pids() and {_parent(pid) for pid in ex.pids()} == {server}
+
+
 class SlowCounter(torch.nn.Module):
     """A stateful block whose step takes about half a second: a long chain over x, and the state counts steps."""
 
@@ -545,3 +578,19 @@ def test_a_session_steps_executor_marks_come_back_in_order_within_the_call(ex):
         assert before < received <= began < ended <= replied < after
         assert (ended - began) / 1e9 == pytest.approx(result.wall_time, abs=1e-6)
     assert plain.marks == ()  # only session steps carry them
+
+
+def test_the_fork_server_stops_when_the_worker_leaves_and_a_later_pool_starts_a_fresh_one(tmp_path):
+    """A leaving worker stops its executors' fork server at once (not once every process that inherited its way in has
+    gone), and one started after that in the same process works."""
+    from gpunet.worker.executor import slot
+
+    slot.start_forkserver()
+    with Executor(processes=1, cache_dir=tmp_path / "a") as ex:
+        _run(ex, SMALL, torch.randn(1, 16))
+        server = _parent(ex.pids()[0])
+    slot.stop_forkserver()
+    assert not os.path.exists(f"/proc/{server}")  # gone and reaped
+    with Executor(processes=1, cache_dir=tmp_path / "b") as ex:
+        _run(ex, SMALL, torch.randn(1, 16))
+        assert _parent(ex.pids()[0]) not in (server, os.getpid())

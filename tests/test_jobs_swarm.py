@@ -10,7 +10,7 @@ import torch
 
 import gpunet
 from gpunet import Requirements
-from gpunet.testing.localnet import child_pids
+from gpunet.testing.localnet import executor_pids
 from gpunet.testing.workloads import Spin
 from tests.swarm import wait_for
 
@@ -275,22 +275,15 @@ class Expanding(torch.nn.Module):
 
 
 def _executor_cpu_seconds(worker) -> dict[int, float]:
-    """CPU time of each executor process of ``worker`` (its direct children that are not the DHT or daemon)."""
+    """CPU time of each executor process of ``worker``."""
     out = {}
-    for pid in child_pids(worker.pid):
+    for pid in executor_pids(worker.pid)[1]:
         try:
-            cmdline = open(f"/proc/{pid}/cmdline").read()
-            if "spawn_main" not in cmdline or not _children_free(pid):
-                continue
             fields = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
             out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except OSError:
             continue
     return out
-
-
-def _children_free(pid: int) -> bool:
-    return not child_pids(pid)  # the DHT process has the p2p daemon as a child; an executor has none
 
 
 def _alive(pid: int) -> bool:

@@ -52,6 +52,18 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def executor_pids(pid: int) -> tuple[int | None, list[int]]:
+    """A worker's executors' fork server (None if it has none now) and the executors it forked."""
+    for child in child_pids(pid):
+        try:
+            with open(f"/proc/{child}/cmdline") as f:
+                if "multiprocessing.forkserver" in f.read():
+                    return child, child_pids(child)
+        except OSError:
+            continue
+    return None, []
+
+
 #: The speed test's result (the worker's throughput.json) from the first worker this interpreter started that
 #: measured its own (not a file a test wrote), given to every worker started after it, as a volunteer's worker finds
 #: its own on a second start: measuring took a third of a second of both cores at each start, hundreds of starts in

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import importlib
 import mmap
 import os
 import signal
+import tempfile
 import time
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -70,27 +72,24 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from gpunet.worker.executor import sandbox
 
-    # Files first, while this process has a single thread (Landlock binds the threads started after it); the rest
-    # once torch is imported (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.executor.sandbox.
+    # Files first, while this process has a single thread (Landlock binds the threads started after it): forked by the
+    # fork server, it has just the one; spawned (no fork server here), it has not imported torch yet. The rest once
+    # torch is in (a seccomp filter synchronised to all of torch's threads). See gpunet.worker.executor.sandbox.
     report = ["no sandbox (turned off)"]
     if config.get("sandbox"):
-        # Some torch code paths want a temporary directory: a private one, the only other place it may write.
+        # Some torch code paths want a temporary directory: a private one, the only other place it may write (and
+        # the one Python's tempfile names from now on, though the fork server's imports asked it already).
         os.makedirs(config["tmp_dir"], exist_ok=True)
         os.environ["TMPDIR"] = config["tmp_dir"]
+        tempfile.tempdir = None
         report = sandbox.enter_files([config["cache_dir"], config["tmp_dir"]], protected=config.get("protected", []))
-    # OpenMP's threads sleep between parallel regions instead of spinning: jobs come in bursts (a session's step,
-    # then nothing until the next), and spinning threads took the cores from the worker's own I/O, the p2p daemon and
-    # any other process (three workers on two cores computed a step 60% slower). Read when torch loads OpenMP.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # What the fork server imported already (in a spawned executor: imported now, under the files sandbox).
+    importlib.import_module("gpunet.worker.executor.preload")
     import torch
 
     from gpunet.job import tensors
     from gpunet.job.interpreter import run_program
     from gpunet.job.validator import load_program
-
-    # The first meta kernel that needs torch's Python registrations imports about 800 modules (sympy, mpmath): 1.2 s
-    # of CPU. Here, before the executor says it is ready, not in a client's first dry run (whose time it is charged).
-    torch.ops.aten.mean.dim(torch.empty(2, 3, device="meta"), [1])
 
     torch.set_num_threads(config["threads"])
     device = config["device"]

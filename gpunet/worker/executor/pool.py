@@ -1,7 +1,8 @@
 """Jobs run in a pool of executor processes, apart from the worker's network process.
 
-Each executor is a ``spawn``-started process (fork is unsafe beside threads and the libp2p daemon) that validates,
-caches and runs programs under a memory budget. The parent waits on the reply *or* the process's death, with a
+Each executor is a process forked by a fork server that imported torch once (:func:`.slot.context`; fork from the
+worker itself is unsafe beside its threads and the libp2p daemon) that validates, caches and runs programs under a
+memory budget. The parent waits on the reply *or* the process's death, with a
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
 worker keeps serving. A job whose caller gives up (cancel, client gone) is stopped at its program's next node, and
 its executor serves on; one still running :data:`STOP_GRACE` later is stopped as a hung one is, except in a process
@@ -13,7 +14,6 @@ it along. Parent and child exchange msgpack over a pipe, never pickle.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -153,7 +153,7 @@ class Executor:
             "protected": [str(p) for p in protected],
             "max_dry_run_seconds": max_dry_run_seconds,  # None: WorkerLimits' own
         }
-        self._ctx, self._config = multiprocessing.get_context("spawn"), config
+        self._ctx, self._config = slots.context(), config
         self._slots = [Slot(self._ctx, config) for _ in range(processes)]
         # Inference sessions' own processes (docs/sessions.md): plain jobs never run there, so a stranger's job that
         # must be killed cannot take any session's state with it. Started at the first session (a torch import,

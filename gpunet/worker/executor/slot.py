@@ -1,15 +1,21 @@
 """One executor process and the parent's end of its pipe (the pool, :mod:`gpunet.worker.executor.pool`, owns
-several); the process itself runs :func:`gpunet.worker.executor.child.child_main`."""
+several); the process itself runs :func:`gpunet.worker.executor.child.child_main`.
+
+Executors are forked by a fork server (multiprocessing's ``forkserver``, :func:`context`): a fresh interpreter, started
+once, that imports what every executor needs (:mod:`gpunet.worker.executor.preload`) and forks a child per executor.
+Not forked from the worker itself: fork is unsafe beside its threads and the libp2p daemon. Not spawned afresh each
+time: that was a torch import (4-5 s of CPU on a 2-core machine) per executor, per replacement, per session process."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import os
 import signal
 import threading
 import time
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 
 import msgpack
 
@@ -26,6 +32,39 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go thro
 #: How long a run asked to stop at its next node (preempted, cancelled, or past its time on an executor holding
 #: sessions' state) may take before it is killed after all: one op cannot be interrupted.
 STOP_GRACE = 2.0
+_PRELOAD = ["gpunet.worker.executor.preload", "gpunet.worker.executor.child", "gpunet.worker.executor.sandbox"]
+
+
+def context():
+    """The multiprocessing context executors start from: the fork server where this platform has one, else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def start_forkserver() -> None:
+    """Start the fork server now, so it imports torch while the worker joins its network (its first executor then
+    starts at once). From the main thread it starts with SIGINT ignored, as every executor forked from it then is: a
+    Ctrl-C to the process group while it imports cannot kill it with a traceback (stopping is the worker's call)."""
+    if context().get_start_method() == "forkserver":
+        with _sigint_ignored_by_children():
+            forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """Stop the fork server at once (the worker is leaving): on its own it leaves only once every process that could
+    ask it for a child has exited (its own DHT process too), and not while it still imports. A later
+    :func:`start_forkserver` starts a fresh one."""
+    server = forkserver._forkserver  # (multiprocessing has no public handle on its fork server)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(ChildProcessError, OSError, AttributeError):
+        server._stop()  # reaps it, and forgets it
 
 
 class Slot:
