@@ -14,7 +14,7 @@ import torch
 import gpunet
 from gpunet import protocol
 from gpunet.protocol import Door, Error, Payload, Send, Submit
-from gpunet.testing.localnet import child_pids
+from gpunet.testing.localnet import executor_pids
 from tests.swarm import wait_for
 from tests.test_jobs_swarm import mlp_job
 
@@ -147,7 +147,7 @@ def test_a_big_program_is_spooled_to_disk_and_its_executor_maps_the_same_file(sw
     seen: dict[int, set[str]] = {}
 
     def watch():  # the worker maps the spooled program while the job comes in, and an executor maps the same file
-        for pid in [worker.pid, *child_pids(worker.pid)]:
+        for pid in [worker.pid, *executor_pids(worker.pid)[1]]:
             seen.setdefault(pid, set()).update(_spool_maps(pid))
         others = set().union(*(files for pid, files in seen.items() if pid != worker.pid))
         return seen[worker.pid] & others
