@@ -594,3 +594,30 @@ def test_the_fork_server_stops_when_the_worker_leaves_and_a_later_pool_starts_a_
     with Executor(processes=1, cache_dir=tmp_path / "b") as ex:
         _run(ex, SMALL, torch.randn(1, 16))
         assert _parent(ex.pids()[0]) not in (server, os.getpid())
+
+
+def test_executors_outlive_a_dead_fork_server_and_are_still_tracked_and_killed(tmp_path):
+    """The server's death (an OOM kill, a stray signal) ends the pipes it reports its children's ends on ("exit code
+    255" for each, alive or not); the pool follows each executor itself, so one still running serves on, and a kill
+    (a timeout's, a cancel's) still reaches it."""
+    from gpunet.worker.executor import slot
+
+    def gone(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1][0] == "Z"
+        except OSError:
+            return True
+
+    with Executor(processes=1, cache_dir=tmp_path) as ex:
+        _run(ex, SMALL, torch.randn(1, 16))
+        pid = ex.pids()[0]
+        server = _parent(pid)
+        os.kill(server, signal.SIGKILL)
+        _wait_for(lambda: _parent(pid) != server, 10, "the executor to outlive its fork server")
+        x = torch.randn(3, 16)
+        assert torch.equal(SMALL.decode_outputs(_run(ex, SMALL, x).outputs), SMALL.run_locally(x))
+        assert ex.pids() == [pid]  # the same process served it
+        ex._slots[0].kill()
+        _wait_for(lambda: gone(pid), 10, "the kill to reach the executor")
+    slot.stop_forkserver()  # (reaps the dead one; the next pool starts a fresh server)

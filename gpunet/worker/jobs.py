@@ -61,7 +61,7 @@ from gpunet.worker.weights import Weights
 logger = logging.getLogger("gpunet.worker")
 
 #: An executor killed by a job counts as this many stopped jobs against its client (see Admission): a crash is no
-#: accident an honest client makes often, and each one costs the worker a torch import.
+#: accident an honest client makes often, and each one costs the worker a new process and what it had cached.
 CRASH_WEIGHT = 5
 MAX_RECENT_RESULTS = 4096
 #: Upload tokens kept per program (gpunet.protocol.holding): the latest few clients' that sent or proved it.

@@ -468,7 +468,9 @@ class Worker:
         from gpunet.worker.weights import Weights
 
         cfg = self.config
-        self.executor = Executor(
+        # (in a thread: its first process is forked once the fork server has imported torch, seconds on a busy machine)
+        self.executor = await asyncio.to_thread(
+            Executor,
             device=self.hardware.torch_device,
             processes=cfg.max_concurrent,
             threads_per_process=self._threads(),

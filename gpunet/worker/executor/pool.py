@@ -156,15 +156,15 @@ class Executor:
         self._ctx, self._config = slots.context(), config
         self._slots = [Slot(self._ctx, config) for _ in range(processes)]
         # Inference sessions' own processes (docs/sessions.md): plain jobs never run there, so a stranger's job that
-        # must be killed cannot take any session's state with it. Started at the first session (a torch import,
-        # about 325 MB), with their own memory budget. 0: sessions share the plain executors.
+        # must be killed cannot take any session's state with it. Started at the first session (a fork of the
+        # fork server, which imported torch), with their own memory budget. 0: sessions share the plain executors.
         self._session_config = {**config, "memory_budget_bytes": session_memory_budget_bytes or memory_budget_bytes}
         self._session_processes = session_processes
         self._session_slots: list[Slot] = []
         self._session_waiters: deque[asyncio.Future] = deque()
         self._session_starting = 0
         # Once an executor has died, a warm spare stands by: the next death (a crash loop is one client's doing) costs
-        # the jobs of others no torch import.
+        # the jobs of others no wait for a new process (a fork and its sandbox; a torch import if the server died).
         self._spare: Slot | None = None
         self._spare_starting = False
         self._spare_lock = threading.Lock()  # the spare is started in a thread; close() may run in another
@@ -317,7 +317,7 @@ class Executor:
         return ended + flops / (self.speed_tflops * 1e12)
 
     def warm_spare(self) -> None:
-        """Start a spare executor now if none stands by, so the next one killed is replaced without a torch import."""
+        """Start a spare executor now if none stands by, so the next one killed is replaced without waiting for one."""
         if self._spare is None and not self._spare_starting and not self._closed:
             self._spare_starting = True
             asyncio.get_running_loop().run_in_executor(None, self._start_spare)
@@ -452,7 +452,7 @@ class Executor:
         if len(self._session_slots) + self._session_starting < self._session_processes:
             self._session_starting += 1
             try:
-                slot = await asyncio.to_thread(Slot, self._ctx, self._session_config)  # spawning blocks a moment
+                slot = await asyncio.to_thread(Slot, self._ctx, self._session_config)  # starting blocks a moment
             finally:
                 self._session_starting -= 1
             if self._closed:
@@ -505,8 +505,8 @@ class Executor:
             return
         if self._spare is not None:
             spare, self._spare = self._spare, None
-            old_proc, old_conn = slot.take_over(spare)
-            await asyncio.to_thread(_reap, old_proc, old_conn)
+            old = slot.take_over(spare)
+            await asyncio.to_thread(_reap, *old)
         self.warm_spare()
 
     def _start_spare(self) -> None:

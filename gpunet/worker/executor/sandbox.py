@@ -191,6 +191,11 @@ def _landlock(read_roots: list[str], write_dirs: list[str], abi: int) -> list[st
     return what
 
 
+def seccomp_filter_here() -> bool:
+    """Whether this platform has the seccomp filter (its syscall numbers are known here)."""
+    return sys.platform == "linux" and platform.machine() in _SYSCALLS
+
+
 def _seccomp() -> list[str]:
     """A filter for every thread of the process (TSYNC: torch has started threads by now)."""
     machine = platform.machine()

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import multiprocessing
 import os
+import select
 import signal
 import threading
 import time
@@ -21,6 +22,7 @@ import msgpack
 
 from gpunet.errors import ExecutorStartFailed, JobFailed
 from gpunet.utils import wait_out
+from gpunet.worker.executor import sandbox
 from gpunet.worker.executor.child import child_main
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
@@ -36,8 +38,10 @@ _PRELOAD = ["gpunet.worker.executor.preload", "gpunet.worker.executor.child", "g
 
 
 def context():
-    """The multiprocessing context executors start from: the fork server where this platform has one, else spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    """The multiprocessing context executors start from: the fork server where this platform has one and the seccomp
+    filter (which keeps an executor from opening a socket: until Python 3.14 the server's socket takes a request from
+    any process of this user), else spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not sandbox.seccomp_filter_here():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -95,8 +99,9 @@ class Slot:
     def take_over(self, spare: "Slot") -> tuple:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
         the old (process, pipe) to reap."""
-        old = (self.proc, self.conn)
+        old = (self.proc, self.conn, self.pidfd)
         self.proc, self.conn, self.stop_word, self.dry_word = spare.proc, spare.conn, spare.stop_word, spare.dry_word
+        self.pidfd = spare.pidfd
         self.ready, self.killed, self.hashes = False, False, set()
         self.generation += 1
         return old
@@ -110,9 +115,13 @@ class Slot:
         self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0, -1.0, 0.0])  # see _DRY_RUN
         self.proc = self._ctx.Process(target=child_main, args=(child, self._config, self.stop_word, self.dry_word),
                                       daemon=True, name="gpunet-executor")
-        with _sigint_ignored_by_children():
+        if self._ctx.get_start_method() == "forkserver":  # its signals are the fork server's (start_forkserver)
             self.proc.start()
+        else:
+            with _sigint_ignored_by_children():
+                self.proc.start()
         child.close()
+        self.pidfd = _pidfd(self.proc.pid)
         self.ready = False
         self.hashes = set()
         self.generation += 1
@@ -152,7 +161,7 @@ class Slot:
             if not done.done():
                 done.set_result(value)
 
-        fds = (self.conn.fileno(), self.proc.sentinel)
+        fds = (self.conn.fileno(), self.pidfd if self.pidfd is not None else self.proc.sentinel)
         for fd in fds:
             loop.add_reader(fd, settle, True)
         timer = loop.call_later(timeout, settle, False)
@@ -211,31 +220,26 @@ class Slot:
     def stop(self, grace: float = 2.0) -> None:
         """Ask politely, then kill; always reap the process. A stopped slot is never restarted."""
         self.closed = True
-        if self.proc.is_alive():
+        if _alive(self.proc, self.pidfd):
             try:
                 self.conn.send_bytes(msgpack.packb({"op": "exit"}))
             except (OSError, ValueError):
                 pass
             self.proc.join(grace)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
+        _reap(self.proc, self.conn, self.pidfd)
+        self.pidfd = None
 
     def kill(self) -> None:
         """Stop the process at once (no waiting: safe on the event loop); ``ensure_ready`` replaces it later."""
-        if self.proc.is_alive():
-            self.proc.kill()
+        _kill(self.proc, self.pidfd)
         if not self.killed:
             self.generation += 1  # the sessions it held are gone now, not once it is replaced
         self.ready, self.killed = False, True
 
     def restart(self) -> None:
         """Reap the old process and start a new one (blocking: joins and spawns)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-        self.conn.close()
+        _reap(self.proc, self.conn, self.pidfd)
+        self.pidfd = None
         if not self.closed:
             self.start()
 
@@ -258,9 +262,35 @@ def _sigint_ignored_by_children():
 
 
 
-def _reap(proc, conn) -> None:
-    if proc.is_alive():
-        proc.kill()
+def _reap(proc, conn, pidfd: int | None = None) -> None:
+    _kill(proc, pidfd)
     proc.join(5)
     conn.close()
+    if pidfd is not None:
+        os.close(pidfd)
 
+
+# A fork server's child is not this process's: its end is read from the server (a pipe that also ends, "exit code
+# 255", if the server itself dies, with the executor alive). A pidfd follows the process itself: whether it lives, and
+# a kill that reaches it whatever became of the server.
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux 5.3+: the multiprocessing sentinel alone
+        return None
+
+
+def _alive(proc, pidfd: int | None) -> bool:
+    if pidfd is None:
+        return proc.is_alive()
+    return not select.select([pidfd], [], [], 0)[0]  # a pidfd turns readable when its process ends
+
+
+def _kill(proc, pidfd: int | None) -> None:
+    if pidfd is None:
+        if proc.is_alive():
+            proc.kill()
+        return
+    with contextlib.suppress(ProcessLookupError, OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
