@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 import gpunet  # noqa: E402
 from gpunet.testing import LocalNetwork, wait_for  # noqa: E402
+from gpunet.testing.localnet import executor_pids  # noqa: E402
 
 WIDTH = 4096
 
@@ -350,9 +351,9 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
             # Its executors (the one that loaded the program is the biggest), and what the worker and they hold now in
             # memory of their own (anonymous: a spooled program's pages are the page cache's, and count in VmHWM)
-            executors = _executors(proc.pid)
+            server, executors = executor_pids(proc.pid)  # (the fork server's memory they share counts in PSS once)
             per[served]["executor_peak_rss_mb"] = max((_peak_rss_mb(p) or 0 for p in executors), default=None)
-            per[served]["anon_now_mb"] = sum(_pss_anon_mb(p) or 0 for p in [proc.pid, *executors])
+            per[served]["anon_now_mb"] = sum(_pss_anon_mb(p) or 0 for p in [proc.pid, server, *executors] if p)
             partial = re.search(r"Fetched (\d+) of (\d+) pieces of program", proc.output)
             if partial:  # the rest came from the client
                 per[served]["from_peers_before_client"] = f"{partial.group(1)} of {partial.group(2)} pieces"
@@ -402,14 +403,6 @@ def _status_mb(pid: int, field: str) -> int | None:
     except OSError:
         return None
     return int(found.group(1)) // 1024 if found else None
-
-
-def _executors(pid: int) -> list[int]:
-    """A worker's executor processes and their fork server (whose memory they share)."""
-    from gpunet.testing.localnet import executor_pids
-
-    server, executors = executor_pids(pid)
-    return executors if server is None else [server, *executors]
 
 
 def _status(net, lab=None) -> list[dict]:
