@@ -15,6 +15,7 @@ from torch.export import Dim
 
 from gpunet import Job, JobFailed, JobRejected, JobTimeout, ProgramNotCached, WorkerDraining
 from gpunet.job import cost, tensors
+from gpunet.testing.localnet import cpu_seconds, parent_pid, process_alive, wait_for
 from gpunet.worker.executor import Executor
 from gpunet.worker.state.limits import SessionRun
 
@@ -39,14 +40,6 @@ def ex(tmp_path_factory):
 
 def _run(ex, job, *xs, timeout=60, send_program=True):
     return asyncio.run(ex.run(job.program_hash, job.program_bytes() if send_program else None, job.encode_inputs(*xs), timeout))
-
-
-def _wait_for(cond, deadline_s: float, what: str):
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_runs_a_job_and_bills_the_dry_run_flops(ex):
@@ -97,7 +90,7 @@ def test_a_hanging_job_times_out_and_the_executor_is_replaced(ex):
 def test_an_executor_killed_mid_job_is_replaced_and_the_next_job_succeeds(ex):
     async def scenario():
         task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(), SLOW.encode_inputs(torch.randn(768, 768)), 60))
-        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        await asyncio.to_thread(wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
         victim = ex.busy_pids()[0]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(JobFailed, match="died.*SIGKILL.*replaced"):
@@ -116,7 +109,7 @@ def test_after_a_death_a_warm_spare_takes_the_next_dead_executors_place(tmp_path
         async def kill_one_running_job():
             task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(),
                                               SLOW.encode_inputs(torch.randn(768, 768)), 60))
-            await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 60, "the job to reach an executor")
+            await asyncio.to_thread(wait_for, lambda: ex.busy_pids(), 60, "the job to reach an executor")
             os.kill(ex.busy_pids()[0], signal.SIGKILL)
             with pytest.raises(JobFailed, match="died"):
                 await task
@@ -124,16 +117,16 @@ def test_after_a_death_a_warm_spare_takes_the_next_dead_executors_place(tmp_path
         async def scenario():
             await kill_one_running_job()
             await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(2, 16)), 60)
-            await asyncio.to_thread(_wait_for, lambda: ex._spare is not None, 60, "a spare to be started")
+            await asyncio.to_thread(wait_for, lambda: ex._spare is not None, 60, "a spare to be started")
             spare_pid = ex._spare.proc.pid
             await kill_one_running_job()
             await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(2, 16)), 60)
             assert ex.pids() == [spare_pid]  # the spare took the dead one's place
-            await asyncio.to_thread(_wait_for, lambda: ex._spare is not None, 60, "the next spare")
+            await asyncio.to_thread(wait_for, lambda: ex._spare is not None, 60, "the next spare")
 
         asyncio.run(scenario())
-        spare = ex._spare.proc
-    assert not spare.is_alive()  # close() stops the spare too
+        spare = ex._spare.proc.pid
+    assert not process_alive(spare)  # close() stops the spare too
 
 
 def _expand(x):  # a 4 KiB input (it rides in the pipe header) that becomes seconds of matmuls (270 GFLOP)
@@ -146,29 +139,23 @@ def _expand(x):  # a 4 KiB input (it rides in the pipe header) that becomes seco
 EXPANDING = Job.from_function(_expand, (torch.randn(32, 32),))
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @pytest.mark.parametrize("job", [EXPANDING, SLOW], ids=["waiting for the reply", "big input, sent from a thread"])
 def test_a_cancelled_job_stops_at_its_next_node_and_its_executor_serves_on(ex, job):
     """No restart: a fresh executor would cost the next job the torch import (seconds; the lanes benchmark's p99)."""
     async def scenario():
         x = torch.randn(*job.manifest.inputs[0].shape)
         task = asyncio.create_task(ex.run(job.program_hash, job.program_bytes(), job.encode_inputs(x), 60))
-        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        await asyncio.to_thread(wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
         victim = ex.busy_pids()[0]
         if job is EXPANDING:  # cancel while it computes: the reply is what the pool is waiting for
-            start = _cpu_seconds(victim)
-            await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(victim) - start > 0.3, 60, "the job to compute")
+            start = cpu_seconds(victim)
+            await asyncio.to_thread(wait_for, lambda: cpu_seconds(victim) - start > 0.3, 60, "the job to compute")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not ex.busy_pids()  # stopped, not left running
         result = await ex.run(SMALL.program_hash, None, SMALL.encode_inputs(torch.randn(4, 16)), 60)
-        assert victim in ex.pids() and _alive(victim)  # (a killed one is a zombie or replaced by now)
+        assert victim in ex.pids() and process_alive(victim)  # (a killed one is a zombie or replaced by now)
         return result
 
     assert asyncio.run(scenario()).flops == SMALL.estimate(torch.randn(4, 16)).flops
@@ -191,16 +178,16 @@ def test_a_cancelled_job_inside_one_long_op_has_its_executor_killed(ex, monkeypa
         x = torch.randn(32, 32)
         task = asyncio.create_task(ex.run(ONE_LONG_OP.program_hash, ONE_LONG_OP.program_bytes(),
                                           ONE_LONG_OP.encode_inputs(x), 120))
-        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        await asyncio.to_thread(wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
         victim = ex.busy_pids()[0]
-        start = _cpu_seconds(victim)
+        start = cpu_seconds(victim)
         # Well into the matmul (740 GFLOP: seconds of CPU anywhere), past the repeat before it (205 MB written, page
         # faults counted as CPU: under CI's load 0.3 s of it came before the op, which a stop then ended cleanly).
-        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(victim) - start > 1.0, 60, "the job to compute")
+        await asyncio.to_thread(wait_for, lambda: cpu_seconds(victim) - start > 1.0, 60, "the job to compute")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task  # after STOP_GRACE, not after the op
-        await asyncio.to_thread(_wait_for, lambda: not _alive(victim), 10, "the cancelled job's executor to stop")
+        await asyncio.to_thread(wait_for, lambda: not process_alive(victim), 10, "the cancelled job's executor to stop")
         result = await ex.run(SMALL.program_hash, None, SMALL.encode_inputs(torch.randn(4, 16)), 60)
         assert victim not in ex.pids()
         return result
@@ -217,14 +204,14 @@ def test_a_job_stopped_for_a_higher_lane_ends_at_its_next_node_and_its_executor_
         assert not ex.stop(tag)  # nothing running under that name: the caller would cancel instead
         task = asyncio.create_task(ex.run(SLOW.program_hash, SLOW.program_bytes(), SLOW.encode_inputs(x), 60,
                                           tag=tag))
-        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
+        await asyncio.to_thread(wait_for, lambda: ex.busy_pids(), 30, "the job to reach an executor")
         runner = ex.busy_pids()[0]
-        start = _cpu_seconds(runner)
-        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(runner) - start > 0.2, 60, "the job to compute")
+        start = cpu_seconds(runner)
+        await asyncio.to_thread(wait_for, lambda: cpu_seconds(runner) - start > 0.2, 60, "the job to compute")
         assert ex.stop(tag)
         with pytest.raises(JobPreempted, match="higher lane"):
             await task
-        assert runner in ex.pids() and _alive(runner)  # no restart: the process is the same
+        assert runner in ex.pids() and process_alive(runner)  # no restart: the process is the same
         result = await ex.run(SMALL.program_hash, SMALL.program_bytes(), SMALL.encode_inputs(torch.randn(4, 16)), 60)
         other = await ex.run(SLOW.program_hash, None, SLOW.encode_inputs(x), 60, tag=object())
         return result, other  # a stop meant for one run never stops the next
@@ -257,15 +244,6 @@ def test_a_waiter_cancelled_after_being_handed_an_executor_passes_it_on():
     asyncio.run(scenario())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet reaped) counts as stopped
-        return f.read().split(") ")[-1][0] != "Z"
-
-
 def test_big_inputs_and_outputs_cross_intact(ex):
     """Inputs over 1 MiB go through shared memory (mapped zero-copy by the executor), big outputs through the pipe."""
     big = Job.from_function(lambda x: x * 2 + 1, (torch.randn(1024, 1024),))
@@ -288,22 +266,21 @@ def test_concurrent_jobs_share_the_pool(ex):
 
 def test_close_stops_every_process(tmp_path):
     ex = Executor(processes=1, cache_dir=tmp_path)
-    procs = [s.proc for s in ex._slots]
+    pids = ex.pids()
     _run(ex, SMALL, torch.randn(1, 16))
     ex.close()
-    assert not any(p.is_alive() for p in procs)
+    assert not any(process_alive(pid) for pid in pids)
     with pytest.raises(WorkerDraining, match="stopped before the job ran"):  # its client runs it elsewhere
         _run(ex, SMALL, torch.randn(1, 16))
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(") ", 1)[1].split()[1])
 
 
 def _modules(pid: int) -> str:
     with open(f"/proc/{pid}/maps") as f:
         return f.read()
+
+
+async def _all_ready(ex) -> None:
+    await asyncio.gather(*(slot.ensure_ready() for slot in ex._slots))
 
 
 def test_executors_are_forked_by_one_fork_server_that_imported_torch_and_enter_the_sandbox_after(tmp_path):
@@ -315,17 +292,25 @@ def test_executors_are_forked_by_one_fork_server_that_imported_torch_and_enter_t
         report = asyncio.run(ex.sandbox_report())
         assert any(line.startswith("landlock") for line in report) and any("seccomp" in line for line in report)
         first = ex.pids()
-        servers = {_parent(pid) for pid in first}
+        servers = {parent_pid(pid) for pid in first}
         assert len(servers) == 1 and os.getpid() not in servers
         server = servers.pop()
-        assert _parent(server) == os.getpid() and "libtorch_cpu" in _modules(server)
+        assert parent_pid(server) == os.getpid() and "libtorch_cpu" in _modules(server)
         with open(f"/proc/{server}/cmdline") as f:
             assert "multiprocessing.forkserver" in f.read()
+        # No executor holds the pipe that keeps the server alive (one byte written there would stop it), once it runs
+        # gpunet's code: each lets go of it first thing (one still starting has it until then).
+        from multiprocessing import forkserver
+
+        asyncio.run(_all_ready(ex))
+        alive_pipe = f"pipe:[{os.fstat(forkserver._forkserver._forkserver_alive_fd).st_ino}]"
+        for pid in first:
+            assert alive_pipe not in {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
         os.kill(first[0], signal.SIGKILL)  # its replacement comes from the same server
         for _ in range(3):  # (a job sent to the dead one fails, and the pool replaces it)
             with contextlib.suppress(JobFailed):
                 _run(ex, SMALL, torch.randn(1, 16))
-        assert first[0] not in ex.pids() and {_parent(pid) for pid in ex.pids()} == {server}
+        assert first[0] not in ex.pids() and {parent_pid(pid) for pid in ex.pids()} == {server}
 
 
 class SlowCounter(torch.nn.Module):
@@ -351,8 +336,8 @@ def test_a_run_on_an_executor_holding_sessions_is_stopped_never_killed(tmp_path)
 
     async def start_and_cancel(run, pid):
         task = asyncio.ensure_future(run)
-        start = _cpu_seconds(pid)
-        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(pid) - start > 0.2, 60, "the run to compute")
+        start = cpu_seconds(pid)
+        await asyncio.to_thread(wait_for, lambda: cpu_seconds(pid) - start > 0.2, 60, "the run to compute")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -368,7 +353,7 @@ def test_a_run_on_an_executor_holding_sessions_is_stopped_never_killed(tmp_path)
         # A step past its time limit: stopped, the executor serving on.
         with pytest.raises(JobTimeout, match="stopped"):
             await ex.run(stepper.program_hash, None, x, 0.3, session=session("A/s", 1))
-        assert ex.pids() == [pid] and _alive(pid) and ex.holds_session("A/s")
+        assert ex.pids() == [pid] and process_alive(pid) and ex.holds_session("A/s")
         assert count(await ex.run(stepper.program_hash, None, x, 60, session=session("A/s", 1))) == 1
         assert count(await ex.run(stepper.program_hash, None, x, 60, session=session("A/s", 2))) == 2
 
@@ -377,7 +362,7 @@ def test_a_run_on_an_executor_holding_sessions_is_stopped_never_killed(tmp_path)
         await ex.drop_sessions(["A/s"])
         await start_and_cancel(ex.run(SLOW.program_hash, None, SLOW.encode_inputs(torch.randn(768, 768)), 60), pid)
         assert count(await ex.run(stepper.program_hash, None, x, 60, session=session("B/s", 0))) == 0
-        assert ex.pids() == [pid] and _alive(pid)
+        assert ex.pids() == [pid] and process_alive(pid)
 
     with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False) as ex:
         asyncio.run(scenario(ex))
@@ -408,8 +393,8 @@ def test_a_cancelled_session_step_that_ends_anyway_is_taken_as_done(tmp_path):
         (pid,) = ex.pids()
         assert seen(await ex.run(stepper.program_hash, stepper.to_bytes(), x, 60, session=session(0))) == 0
         task = asyncio.ensure_future(ex.run(stepper.program_hash, None, x, 60, session=session(1)))
-        start = _cpu_seconds(pid)
-        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(pid) - start > 0.2, 60, "the long op to run")
+        start = cpu_seconds(pid)
+        await asyncio.to_thread(wait_for, lambda: cpu_seconds(pid) - start > 0.2, 60, "the long op to run")
         task.cancel()
         assert seen(await task) == 1  # answered, not cancelled: the step happened
         assert seen(await ex.run(stepper.program_hash, None, x, 60, session=session(2))) == 2
@@ -464,14 +449,14 @@ def test_plain_jobs_never_reach_the_sessions_process_so_killing_them_loses_no_se
             await ex.run(long_op.program_hash, long_op.to_bytes(), big, 0.3)
         # A job whose executor crashes under it (the OOM killer, a kernel fault): the same.
         task = asyncio.ensure_future(ex.run(long_op.program_hash, long_op.to_bytes(), big, 60))
-        await asyncio.to_thread(_wait_for, lambda: ex.busy_pids() and ex.busy_pids() == ex.pids(), 60, "the run")
+        await asyncio.to_thread(wait_for, lambda: ex.busy_pids() and ex.busy_pids() == ex.pids(), 60, "the run")
         (plain,) = ex.pids()  # a fresh one: the first was killed
-        start = _cpu_seconds(plain)
-        await asyncio.to_thread(_wait_for, lambda: _cpu_seconds(plain) - start > 0.2, 60, "the op to compute")
+        start = cpu_seconds(plain)
+        await asyncio.to_thread(wait_for, lambda: cpu_seconds(plain) - start > 0.2, 60, "the op to compute")
         os.kill(plain, signal.SIGKILL)
         with pytest.raises(ExecutorDied):
             await task
-        assert ex.session_pids() == [holder] and _alive(holder) and ex.holds_session("A/s")
+        assert ex.session_pids() == [holder] and process_alive(holder) and ex.holds_session("A/s")
         assert count(await ex.run(stepper.program_hash, None, x, 60, session=session(1))) == 1
 
     with Executor(processes=1, memory_budget_bytes=1 << 30, cache_dir=tmp_path, sandbox=False,
@@ -517,7 +502,7 @@ def test_an_op_whose_counted_work_cannot_end_in_time_is_not_started(tmp_path):
         (pid,) = ex.pids()
         with pytest.raises(JobTimeout, match=r"node 'mm' .* needs at least .* stopped before it ran"):
             await ex.run(long_op.program_hash, long_op.to_bytes(), big, 5)
-        assert ex.pids() == [pid] and _alive(pid)
+        assert ex.pids() == [pid] and process_alive(pid)
         ex.speed_tflops = 1.0  # a faster device: the same job runs
         await ex.run(long_op.program_hash, None, big, 60)
 
@@ -583,41 +568,34 @@ def test_a_session_steps_executor_marks_come_back_in_order_within_the_call(ex):
 def test_the_fork_server_stops_when_the_worker_leaves_and_a_later_pool_starts_a_fresh_one(tmp_path):
     """A leaving worker stops its executors' fork server at once (not once every process that inherited its way in has
     gone), and one started after that in the same process works."""
-    from gpunet.worker.executor import slot
+    from gpunet.worker.executor import forkserver
 
-    slot.start_forkserver()
+    forkserver.start_forkserver()
     with Executor(processes=1, cache_dir=tmp_path / "a") as ex:
         _run(ex, SMALL, torch.randn(1, 16))
-        server = _parent(ex.pids()[0])
-    slot.stop_forkserver()
+        server = parent_pid(ex.pids()[0])
+    forkserver.stop_forkserver()
     assert not os.path.exists(f"/proc/{server}")  # gone and reaped
     with Executor(processes=1, cache_dir=tmp_path / "b") as ex:
         _run(ex, SMALL, torch.randn(1, 16))
-        assert _parent(ex.pids()[0]) not in (server, os.getpid())
+        assert parent_pid(ex.pids()[0]) not in (server, os.getpid())
 
 
 def test_executors_outlive_a_dead_fork_server_and_are_still_tracked_and_killed(tmp_path):
     """The server's death (an OOM kill, a stray signal) ends the pipes it reports its children's ends on ("exit code
     255" for each, alive or not); the pool follows each executor itself, so one still running serves on, and a kill
     (a timeout's, a cancel's) still reaches it."""
-    from gpunet.worker.executor import slot
-
-    def gone(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(") ", 1)[1][0] == "Z"
-        except OSError:
-            return True
+    from gpunet.worker.executor import forkserver
 
     with Executor(processes=1, cache_dir=tmp_path) as ex:
         _run(ex, SMALL, torch.randn(1, 16))
         pid = ex.pids()[0]
-        server = _parent(pid)
+        server = parent_pid(pid)
         os.kill(server, signal.SIGKILL)
-        _wait_for(lambda: _parent(pid) != server, 10, "the executor to outlive its fork server")
+        wait_for(lambda: parent_pid(pid) != server, 10, "the executor to outlive its fork server")
         x = torch.randn(3, 16)
         assert torch.equal(SMALL.decode_outputs(_run(ex, SMALL, x).outputs), SMALL.run_locally(x))
         assert ex.pids() == [pid]  # the same process served it
         ex._slots[0].kill()
-        _wait_for(lambda: gone(pid), 10, "the kill to reach the executor")
-    slot.stop_forkserver()  # (reaps the dead one; the next pool starts a fresh server)
+        wait_for(lambda: not process_alive(pid), 10, "the kill to reach the executor")
+    forkserver.stop_forkserver()  # (reaps the dead one; the next pool starts a fresh server)

@@ -1,7 +1,6 @@
 """Jobs through a real swarm, through the public API, as a user would submit them."""
 
 import asyncio
-import os
 import time
 
 import msgpack
@@ -10,7 +9,7 @@ import torch
 
 import gpunet
 from gpunet import Requirements
-from gpunet.testing.localnet import executor_pids
+from gpunet.testing.localnet import cpu_seconds, executor_pids, process_alive
 from gpunet.testing.workloads import Spin
 from tests.swarm import wait_for
 
@@ -276,22 +275,8 @@ class Expanding(torch.nn.Module):
 
 def _executor_cpu_seconds(worker) -> dict[int, float]:
     """CPU time of each executor process of ``worker``."""
-    out = {}
-    for pid in executor_pids(worker.pid)[1]:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(") ", 1)[1].split()
-            out[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            continue
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
+    seconds = {pid: cpu_seconds(pid) for pid in executor_pids(worker.pid)[1]}
+    return {pid: s for pid, s in seconds.items() if s is not None}
 
 
 def _cancel_while_running(client, job, x, worker) -> int:
@@ -310,7 +295,7 @@ def _stops_computing(worker, pid: int) -> None:
         before = _executor_cpu_seconds(worker).get(pid)
         time.sleep(0.5)
         after = _executor_cpu_seconds(worker).get(pid)
-        return before is not None and after is not None and after - before < 0.1 and _alive(pid)
+        return before is not None and after is not None and after - before < 0.1 and process_alive(pid)
 
     wait_for(idle, 30, "the cancelled job to stop, its executor serving on")
 

@@ -52,6 +52,32 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()
+    except OSError:
+        return None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (ended, not yet reaped by its parent) counts as ended."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def parent_pid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of ``pid`` so far (None once it is gone)."""
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
+
+
 def executor_pids(pid: int) -> tuple[int | None, list[int]]:
     """A worker's executors' fork server (None if it has none now) and the executors it forked."""
     for child in child_pids(pid):

@@ -106,14 +106,14 @@ class Worker:
     # --- lifecycle -------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        from gpunet.worker.executor import slot
+        from gpunet.worker.executor import forkserver
 
-        slot.start_forkserver()  # it imports torch for the executors while this process measures and joins
+        forkserver.start_forkserver()  # it imports torch for the executors while this process measures and joins
         try:
             with asyncio.Runner(loop_factory=new_event_loop) as runner:
                 return runner.run(self.serve())
         finally:
-            slot.stop_forkserver()
+            forkserver.stop_forkserver()
             self._hold.release()
 
     async def serve(self) -> int:

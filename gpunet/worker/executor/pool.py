@@ -1,6 +1,6 @@
 """Jobs run in a pool of executor processes, apart from the worker's network process.
 
-Each executor is a process forked by a fork server that imported torch once (:func:`.slot.context`; fork from the
+Each executor is a process forked by a fork server that imported torch once (:func:`.forkserver.context`; fork from the
 worker itself is unsafe beside its threads and the libp2p daemon) that validates, caches and runs programs under a
 memory budget. The parent waits on the reply *or* the process's death, with a
 deadline: a job that crashes or hangs its executor fails (JobFailed / JobTimeout), the executor is replaced, and the
@@ -36,10 +36,11 @@ from gpunet.errors import (
 )
 from gpunet.protocol.errors import error_named
 from gpunet.utils import LRU, wait_out
-from gpunet.worker.executor import slot as slots
+from gpunet.worker.executor import forkserver
+from gpunet.worker.executor import slot as slots  # (its STOP_GRACE read at use: tests shorten it)
 from gpunet.worker.executor.cache import DiskCache, check_hash
 from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
-from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, _reap
+from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, reap
 from gpunet.worker.hardware import job_threads
 from gpunet.worker.state.limits import SessionRun
 
@@ -153,7 +154,7 @@ class Executor:
             "protected": [str(p) for p in protected],
             "max_dry_run_seconds": max_dry_run_seconds,  # None: WorkerLimits' own
         }
-        self._ctx, self._config = slots.context(), config
+        self._ctx, self._config = forkserver.context(), config
         self._slots = [Slot(self._ctx, config) for _ in range(processes)]
         # Inference sessions' own processes (docs/sessions.md): plain jobs never run there, so a stranger's job that
         # must be killed cannot take any session's state with it. Started at the first session (a fork of the
@@ -506,7 +507,7 @@ class Executor:
         if self._spare is not None:
             spare, self._spare = self._spare, None
             old = slot.take_over(spare)
-            await asyncio.to_thread(_reap, *old)
+            await asyncio.to_thread(reap, *old)
         self.warm_spare()
 
     def _start_spare(self) -> None:
@@ -717,7 +718,7 @@ class Executor:
         in it; a process that died before the job reached it is no fault of the job's."""
         if self._closed:  # stopped by close(): the worker is leaving, and the job did nothing wrong
             raise _leaving("while")
-        how = slot.exit_status()  # the process is gone: reaping it is immediate
+        how = slot.proc.exit_status()  # the process is gone: reaping it is immediate
         slot.kill()
         raise (ExecutorDied if by_the_job else JobFailed)(f"executor process died {when} ({how}); it was replaced")
 

@@ -1,29 +1,23 @@
 """One executor process and the parent's end of its pipe (the pool, :mod:`gpunet.worker.executor.pool`, owns
 several); the process itself runs :func:`gpunet.worker.executor.child.child_main`.
 
-Executors are forked by a fork server (multiprocessing's ``forkserver``, :func:`context`): a fresh interpreter, started
-once, that imports what every executor needs (:mod:`gpunet.worker.executor.preload`) and forks a child per executor.
-Not forked from the worker itself: fork is unsafe beside its threads and the libp2p daemon. Not spawned afresh each
-time: that was a torch import (4-5 s of CPU on a 2-core machine) per executor, per replacement, per session process."""
+Its process comes from :func:`gpunet.worker.executor.forkserver.context` (a fork server that imported torch once) and is
+followed through :class:`~gpunet.worker.executor.forkserver.Tracked`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import multiprocessing
 import os
-import select
-import signal
 import threading
 import time
-from multiprocessing import forkserver, reduction
+from multiprocessing import reduction
 
 import msgpack
 
 from gpunet.errors import ExecutorStartFailed, JobFailed
 from gpunet.utils import wait_out
-from gpunet.worker.executor import sandbox
 from gpunet.worker.executor.child import child_main
+from gpunet.worker.executor.forkserver import Tracked, sigint_ignored_by_children
 
 _STARTUP_TIMEOUT = 180.0  # importing torch in a fresh process can be slow on a loaded machine
 #: Pipe messages up to this size are written and read on the event loop (the pipe drains at GB/s); bigger ones in a
@@ -34,42 +28,6 @@ _HAVE_MEMFD = hasattr(os, "memfd_create")  # Linux; elsewhere big inputs go thro
 #: How long a run asked to stop at its next node (preempted, cancelled, or past its time on an executor holding
 #: sessions' state) may take before it is killed after all: one op cannot be interrupted.
 STOP_GRACE = 2.0
-_PRELOAD = ["gpunet.worker.executor.preload", "gpunet.worker.executor.child", "gpunet.worker.executor.sandbox"]
-
-
-def context():
-    """The multiprocessing context executors start from: the fork server where this platform has one and the seccomp
-    filter (which keeps an executor from opening a socket: until Python 3.14 the server's socket takes a request from
-    any process of this user), else spawn."""
-    if "forkserver" not in multiprocessing.get_all_start_methods() or not sandbox.seccomp_filter_here():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def start_forkserver() -> None:
-    """Start the fork server now, so it imports torch while the worker joins its network (its first executor then
-    starts at once). From the main thread it starts with SIGINT ignored, as every executor forked from it then is: a
-    Ctrl-C to the process group while it imports cannot kill it with a traceback (stopping is the worker's call)."""
-    if context().get_start_method() == "forkserver":
-        with _sigint_ignored_by_children():
-            forkserver.ensure_running()
-
-
-def stop_forkserver() -> None:
-    """Stop the fork server at once (the worker is leaving): on its own it leaves only once every process that could
-    ask it for a child has exited (its own DHT process too), and not while it still imports. A later
-    :func:`start_forkserver` starts a fresh one."""
-    server = forkserver._forkserver  # (multiprocessing has no public handle on its fork server)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    with contextlib.suppress(ChildProcessError, OSError, AttributeError):
-        server._stop()  # reaps it, and forgets it
-
 
 class Slot:
     """One executor process and the parent's end of its pipe."""
@@ -82,6 +40,9 @@ class Slot:
         self.in_flight = False  # a job has been sent and not answered
         self.run_id = 0  # the number of the job sent last (a stop names the run it means)
         self.closed = False
+        # stop() (the pool closing, from any thread) and restart() (a thread) each end the process and close its
+        # descriptors; one at a time, so none is closed twice and no process starts after the slot stopped.
+        self._lifecycle = threading.Lock()
         self.start()
 
     for_sessions = False  # one of the pool's processes for inference sessions' state alone (no plain job runs there)
@@ -98,10 +59,9 @@ class Slot:
 
     def take_over(self, spare: "Slot") -> tuple:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
-        the old (process, pipe) to reap."""
-        old = (self.proc, self.conn, self.pidfd)
+        the old (process, pipe) for :func:`reap`."""
+        old = (self.proc, self.conn)
         self.proc, self.conn, self.stop_word, self.dry_word = spare.proc, spare.conn, spare.stop_word, spare.dry_word
-        self.pidfd = spare.pidfd
         self.ready, self.killed, self.hashes = False, False, set()
         self.generation += 1
         return old
@@ -113,15 +73,15 @@ class Slot:
         # it between the program's nodes (gpunet.job.interpreter.execute), so the process lives on.
         self.stop_word = self._ctx.RawValue("q", -1)
         self.dry_word = self._ctx.RawArray("d", [-1.0, 0.0, -1.0, -1.0, 0.0])  # see _DRY_RUN
-        self.proc = self._ctx.Process(target=child_main, args=(child, self._config, self.stop_word, self.dry_word),
-                                      daemon=True, name="gpunet-executor")
+        proc = self._ctx.Process(target=child_main, args=(child, self._config, self.stop_word, self.dry_word),
+                                 daemon=True, name="gpunet-executor")
         if self._ctx.get_start_method() == "forkserver":  # its signals are the fork server's (start_forkserver)
-            self.proc.start()
+            proc.start()
         else:
-            with _sigint_ignored_by_children():
-                self.proc.start()
+            with sigint_ignored_by_children():
+                proc.start()
         child.close()
-        self.pidfd = _pidfd(self.proc.pid)
+        self.proc = Tracked(proc)
         self.ready = False
         self.hashes = set()
         self.generation += 1
@@ -146,7 +106,7 @@ class Slot:
                     raise ExecutorStartFailed(f"executor process could not start ({hello['error']})")
             except (EOFError, OSError, ValueError):
                 pass
-        how = await asyncio.to_thread(self.exit_status)
+        how = await asyncio.to_thread(self.proc.exit_status)
         self.kill()  # the next job starts a fresh process
         raise JobFailed(f"executor process died before the job was sent ({how}); it was replaced")
 
@@ -161,7 +121,7 @@ class Slot:
             if not done.done():
                 done.set_result(value)
 
-        fds = (self.conn.fileno(), self.pidfd if self.pidfd is not None else self.proc.sentinel)
+        fds = (self.conn.fileno(), self.proc.sentinel)
         for fd in fds:
             loop.add_reader(fd, settle, True)
         timer = loop.call_later(timeout, settle, False)
@@ -210,87 +170,36 @@ class Slot:
             await wait_out(io)  # a second cancel must not let the pipe close under the thread either
             raise
 
-    def exit_status(self) -> str:
-        self.proc.join(5)
-        code = self.proc.exitcode
-        if code is not None and code < 0:
-            return f"killed by signal {signal.Signals(-code).name}"
-        return f"exit code {code}"
-
     def stop(self, grace: float = 2.0) -> None:
         """Ask politely, then kill; always reap the process. A stopped slot is never restarted."""
-        self.closed = True
-        if _alive(self.proc, self.pidfd):
-            try:
-                self.conn.send_bytes(msgpack.packb({"op": "exit"}))
-            except (OSError, ValueError):
-                pass
-            self.proc.join(grace)
-        _reap(self.proc, self.conn, self.pidfd)
-        self.pidfd = None
+        with self._lifecycle:
+            self.closed = True
+            if self.proc.alive():
+                try:
+                    self.conn.send_bytes(msgpack.packb({"op": "exit"}))
+                except (OSError, ValueError):
+                    pass
+                self.proc.join(grace)
+            reap(self.proc, self.conn)
 
     def kill(self) -> None:
         """Stop the process at once (no waiting: safe on the event loop); ``ensure_ready`` replaces it later."""
-        _kill(self.proc, self.pidfd)
+        self.proc.kill()
         if not self.killed:
             self.generation += 1  # the sessions it held are gone now, not once it is replaced
         self.ready, self.killed = False, True
 
     def restart(self) -> None:
         """Reap the old process and start a new one (blocking: joins and spawns)."""
-        _reap(self.proc, self.conn, self.pidfd)
-        self.pidfd = None
-        if not self.closed:
-            self.start()
+        with self._lifecycle:
+            reap(self.proc, self.conn)
+            if not self.closed:
+                self.start()
 
 
-
-@contextlib.contextmanager
-def _sigint_ignored_by_children():
-    """Start processes with SIGINT ignored: an ignored signal stays ignored across exec, and Python then never
-    installs its KeyboardInterrupt handler, so a Ctrl-C to the process group while an executor boots cannot kill it
-    with a traceback (stopping executors is the worker's call, after it drains). Only the main thread may change
-    signal handlers; a process started from another thread (a respawn) relies on child_main alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-
-
-
-def _reap(proc, conn, pidfd: int | None = None) -> None:
-    _kill(proc, pidfd)
-    proc.join(5)
+def reap(proc: Tracked, conn) -> None:
+    """Kill, wait and close: an executor's process and the parent's end of its pipe (blocking)."""
+    proc.reap()
     conn.close()
-    if pidfd is not None:
-        os.close(pidfd)
 
 
-# A fork server's child is not this process's: its end is read from the server (a pipe that also ends, "exit code
-# 255", if the server itself dies, with the executor alive). A pidfd follows the process itself: whether it lives, and
-# a kill that reaches it whatever became of the server.
-
-def _pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux 5.3+: the multiprocessing sentinel alone
-        return None
-
-
-def _alive(proc, pidfd: int | None) -> bool:
-    if pidfd is None:
-        return proc.is_alive()
-    return not select.select([pidfd], [], [], 0)[0]  # a pidfd turns readable when its process ends
-
-
-def _kill(proc, pidfd: int | None) -> None:
-    if pidfd is None:
-        if proc.is_alive():
-            proc.kill()
-        return
-    with contextlib.suppress(ProcessLookupError, OSError):
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
