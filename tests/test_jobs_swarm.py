@@ -1,6 +1,7 @@
 """Jobs through a real swarm, through the public API, as a user would submit them."""
 
 import asyncio
+import os
 import time
 
 import msgpack
@@ -473,3 +474,31 @@ def test_a_burst_of_submits_waits_on_the_client_for_room_instead_of_bouncing_off
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     outcomes = dict(re.findall(r'^gpunet_jobs_total{outcome="(\w+)"} (\S+)$', text, re.M))
     assert outcomes.get("done") == "64.0" and "busy" not in outcomes, outcomes
+
+
+def test_a_workers_fork_server_is_a_fork_of_it_that_holds_none_of_its_files_and_names_its_executors(swarm, client_for):
+    """``gpunet worker`` forks its executors' fork server from itself (torch imported once per worker, not twice)
+    before it opens its data dir or reads its key: the server holds none of its files, only its socket, pipes and
+    standard streams; ``ps`` tells the worker's processes apart by name."""
+    worker = swarm.start_worker()
+    client = client_for(swarm)
+    _, small = mlp_job()
+    y = torch.randn(3, 16)
+    assert torch.allclose(client.submit(small, y).result(timeout=120), small.run_locally(y), atol=1e-6)
+    server, executors = executor_pids(worker.pid)
+    assert server is not None and executors
+
+    def comm(pid: int) -> str:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+
+    def cmdline(pid: int) -> bytes:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+
+    assert comm(server) == "gpunet-forksrv" and cmdline(server) == cmdline(worker.pid)  # a fork, not an interpreter
+    assert {comm(pid) for pid in executors} == {"gpunet-executor"}
+    files = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+    data_dir = str(worker.data_dir.resolve())
+    assert not [f for f in files if f.startswith(data_dir) or f.endswith((".db", ".key", ".pem"))], files
+    assert {f.split(":")[0] for f in files if not f.startswith("/")} <= {"socket", "pipe", "anon_inode"}, files

@@ -172,6 +172,7 @@ def worker(
     control one that runs."""
     if ctx.invoked_subcommand is not None:
         return
+    from gpunet.worker.executor import forkserver
     from gpunet.worker.server import Worker
 
     setup_logging(verbose)
@@ -223,6 +224,9 @@ def worker(
     )
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
+    # The executors' fork server, forked now (this process has imported torch, and has read no key or data dir yet)
+    # rather than spawned later to import it again.
+    forkserver.start_forkserver(from_here=True)
     raise typer.Exit(Worker(config).run())
 
 

@@ -82,8 +82,10 @@ def executor_pids(pid: int) -> tuple[int | None, list[int]]:
     """A worker's executors' fork server (None if it has none now) and the executors it forked."""
     for child in child_pids(pid):
         try:
+            with open(f"/proc/{child}/comm") as f:
+                forked = f.read().strip() == "gpunet-forksrv"  # forked from the worker (forkserver.start_forkserver)
             with open(f"/proc/{child}/cmdline") as f:
-                if "multiprocessing.forkserver" in f.read():
+                if forked or "multiprocessing.forkserver" in f.read():
                     return child, child_pids(child)
         except OSError:
             continue

@@ -85,6 +85,9 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
     # first), so a keypress must not kill one mid-job or mid-import with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _let_go_of_the_fork_server()
+    from gpunet.worker.executor.forkserver import name_process
+
+    name_process(b"gpunet-executor")
     from gpunet.worker.executor import sandbox
 
     # Files first, while this process has a single thread (Landlock binds the threads started after it): forked by the

@@ -12,12 +12,17 @@ through a pidfd: whether it lives, and a kill that reaches it whatever became of
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import inspect
 import multiprocessing
 import os
 import select
 import signal
+import socket
 import threading
-from multiprocessing import forkserver
+import traceback
+import warnings
+from multiprocessing import connection, forkserver, resource_tracker
 
 from gpunet.worker.executor import sandbox
 
@@ -35,13 +40,74 @@ def context():
     return ctx
 
 
-def start_forkserver() -> None:
-    """Start the fork server now, so it imports torch while the worker joins its network (its first executor then
-    starts at once). From the main thread it starts with SIGINT ignored, as every executor forked from it then is: a
-    Ctrl-C to the process group while it imports cannot kill it with a traceback (stopping is the worker's call)."""
-    if context().get_start_method() == "forkserver":
-        with sigint_ignored_by_children():
+def start_forkserver(from_here: bool = False) -> None:
+    """Start the fork server now, so it imports what executors need while the worker joins its network (its first
+    executor then starts at once). From the main thread it starts with SIGINT ignored, as every executor forked from it
+    then is: a Ctrl-C to the process group while it imports cannot kill it with a traceback (stopping is the worker's
+    call).
+
+    ``from_here``: fork it from this process, which has imported torch already, instead of spawning an interpreter that
+    imports it again (seconds of CPU for every worker that starts). Only for a process that holds nothing an executor
+    must not see: ``gpunet worker`` calls it before it opens its data dir or reads its key (a fork copies this
+    process's memory; its descriptors are closed). Else, or where that cannot be done, the server is spawned."""
+    if context().get_start_method() != "forkserver":
+        return
+    with sigint_ignored_by_children():
+        if not (from_here and _fork_server()):
             forkserver.ensure_running()
+
+
+def _fork_server() -> bool:
+    """Start the fork server as a fork of this process (multiprocessing's own start, ``ForkServer.ensure_running``,
+    with ``os.fork`` in place of a spawned interpreter); False if it cannot be done here."""
+    server = forkserver._forkserver  # (multiprocessing has no public handle on its fork server)
+    if set(inspect.signature(forkserver.main).parameters) != {"listener_fd", "alive_r", "preload", "main_path",
+                                                               "sys_path"}:
+        return False  # another Python's protocol (3.14 authenticates its clients): spawn it as that Python does
+    with server._lock:
+        if server._forkserver_pid is not None:
+            return True
+        resource_tracker.ensure_running()  # (as ensure_running does: executors are handed its pipe)
+        address = connection.arbitrary_address("AF_UNIX")
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded" (BLAS's pool)
+                pid = os.fork()
+            if pid == 0:
+                _serve(listener.fileno(), alive_r)  # never returns
+            os.close(alive_r)
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The forked fork server: keep only standard streams, its socket and its end of the keep-alive pipe, then serve
+    as multiprocessing's own does (importing :data:`_PRELOAD`) until every process that could ask has gone."""
+    code = 1
+    try:
+        keep = sorted({0, 1, 2, listener_fd, alive_r})
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        name_process(b"gpunet-forksrv")
+        forkserver.main(listener_fd, alive_r, _PRELOAD)
+        code = 0
+    except SystemExit as e:  # (how it leaves when the last client has gone)
+        code = e.code if isinstance(e.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def name_process(name: bytes) -> None:
+    """What ``ps``, ``top`` and /proc/PID/comm call this process (15 bytes at most; Linux): a volunteer looking at
+    their machine sees which of a worker's processes is which."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
 
 
 def stop_forkserver() -> None:
