@@ -599,3 +599,18 @@ def test_executors_outlive_a_dead_fork_server_and_are_still_tracked_and_killed(t
         ex._slots[0].kill()
         wait_for(lambda: not process_alive(pid), 10, "the kill to reach the executor")
     forkserver.stop_forkserver()  # (reaps the dead one; the next pool starts a fresh server)
+
+
+def test_a_spare_handed_to_a_slot_the_closing_pool_stopped_is_given_back_to_be_reaped(tmp_path):
+    """The pool closes in another thread (the worker leaving) while a job's coroutine swaps the warm spare into a dead
+    executor's slot: a slot already stopped keeps no process, so the spare is handed back and reaped, not leaked."""
+    from gpunet.worker.executor.slot import Slot, reap
+
+    with Executor(processes=1, cache_dir=tmp_path) as ex:
+        slot = ex._slots[0]
+        spare = Slot(ex._ctx, ex._config)
+        slot.stop()
+        proc, conn = slot.take_over(spare)
+        assert proc is spare.proc and slot.proc is not spare.proc
+        reap(proc, conn)
+        assert not process_alive(spare.proc.pid) and spare.proc.sentinel is None

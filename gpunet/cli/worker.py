@@ -3,6 +3,7 @@ and ``gpunet worker pause`` / ``resume`` to control the one that runs from a dat
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -172,6 +173,9 @@ def worker(
     control one that runs."""
     if ctx.invoked_subcommand is not None:
         return
+    # Before torch loads (the imports below), whose OpenMP reads it then: threads that sleep between jobs rather than
+    # spin, here and in the executors forked from this process (gpunet/worker/executor/preload.py says why).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from gpunet.worker.executor import forkserver
     from gpunet.worker.server import Worker
 
@@ -225,7 +229,8 @@ def worker(
     if host_maddrs:
         config.host_maddrs = list(host_maddrs)
     # The executors' fork server, forked now (this process has imported torch, and has read no key or data dir yet)
-    # rather than spawned later to import it again.
+    # rather than spawned later to import it again. Nothing here has run a parallel torch op yet: OpenMP's threads,
+    # once started, do not survive a fork.
     forkserver.start_forkserver(from_here=True)
     raise typer.Exit(Worker(config).run())
 

@@ -64,34 +64,50 @@ def _fork_server() -> bool:
     if set(inspect.signature(forkserver.main).parameters) != {"listener_fd", "alive_r", "preload", "main_path",
                                                                "sys_path"}:
         return False  # another Python's protocol (3.14 authenticates its clients): spawn it as that Python does
+    if "OMP_WAIT_POLICY" not in os.environ:
+        return False  # OpenMP read its settings when torch loaded here: without preload.py's, executors' threads spin
     with server._lock:
         if server._forkserver_pid is not None:
             return True
         resource_tracker.ensure_running()  # (as ensure_running does: executors are handed its pipe)
         address = connection.arbitrary_address("AF_UNIX")
-        with socket.socket(socket.AF_UNIX) as listener:
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            alive_r, alive_w = os.pipe()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded" (BLAS's pool)
-                pid = os.fork()
-            if pid == 0:
-                _serve(listener.fileno(), alive_r)  # never returns
-            os.close(alive_r)
+        alive_r = alive_w = None
+        try:
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                os.chmod(address, 0o600)
+                listener.listen()
+                alive_r, alive_w = os.pipe()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: "multi-threaded" (BLAS's pool)
+                    pid = os.fork()
+                if pid == 0:
+                    _serve(listener.fileno(), alive_r)  # never returns
+        except OSError:  # (no room for a process, a socket or a pipe): spawned after all, or said so there
+            for fd in (alive_r, alive_w):
+                if fd is not None:
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+            return False
+        os.close(alive_r)
         server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return True
 
 
 def _serve(listener_fd: int, alive_r: int) -> None:
-    """The forked fork server: keep only standard streams, its socket and its end of the keep-alive pipe, then serve
-    as multiprocessing's own does (importing :data:`_PRELOAD`) until every process that could ask has gone."""
+    """The forked fork server: keep only standard streams, its socket and its end of the keep-alive pipe, forget the
+    worker's multiprocessing state (as a fresh interpreter has none), then serve as multiprocessing's own does
+    (importing :data:`_PRELOAD`) until every process that could ask has gone."""
     code = 1
     try:
         keep = sorted({0, 1, 2, listener_fd, alive_r})
         for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
+        forkserver._forkserver._lock = threading.Lock()  # (held by the worker's thread at the fork)
+        tracker = resource_tracker._resource_tracker  # the worker's tracker: executors are handed its pipe anew
+        tracker._fd = tracker._pid = None
+        multiprocessing.current_process()._config.pop("tempdir", None)  # (the worker's; an executor makes its own)
         name_process(b"gpunet-forksrv")
         forkserver.main(listener_fd, alive_r, _PRELOAD)
         code = 0
@@ -159,9 +175,12 @@ class Tracked:
         return self.proc.pid
 
     @property
-    def sentinel(self) -> int:
-        """A descriptor that turns readable when the process ends (for the event loop)."""
-        return self._pidfd if self._pidfd is not None else self.proc.sentinel
+    def sentinel(self) -> int | None:
+        """A descriptor that turns readable when the process ends (for the event loop); None once it is reaped."""
+        with self._lock:
+            if self._reaped:
+                return None
+            return self._pidfd if self._pidfd is not None else self.proc.sentinel
 
     def alive(self) -> bool:
         with self._lock:
@@ -169,7 +188,9 @@ class Tracked:
                 return False
             if self._pidfd is None:
                 return self.proc.is_alive()
-            return not select.select([self._pidfd], [], [], 0)[0]
+            poll = select.poll()  # (select.select refuses descriptors past 1023)
+            poll.register(self._pidfd, select.POLLIN)
+            return not poll.poll(0)  # a pidfd turns readable when its process ends
 
     def kill(self) -> None:
         """SIGKILL, at once (no waiting: safe on the event loop)."""

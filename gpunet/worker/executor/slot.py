@@ -59,12 +59,21 @@ class Slot:
 
     def take_over(self, spare: "Slot") -> tuple:
         """Use ``spare``'s process (started earlier, torch likely imported already) instead of starting one; returns
-        the old (process, pipe) for :func:`reap`."""
-        old = (self.proc, self.conn)
-        self.proc, self.conn, self.stop_word, self.dry_word = spare.proc, spare.conn, spare.stop_word, spare.dry_word
-        self.ready, self.killed, self.hashes = False, False, set()
-        self.generation += 1
-        return old
+        the old (process, pipe) for :func:`reap`, or the spare's own if this slot is stopping or stopped (the pool
+        closing, in another thread: it is not waited for here, on the event loop)."""
+        if not self._lifecycle.acquire(blocking=False):
+            return spare.proc, spare.conn
+        try:
+            if self.closed:
+                return spare.proc, spare.conn
+            old = (self.proc, self.conn)
+            self.proc, self.conn, self.stop_word, self.dry_word = (spare.proc, spare.conn, spare.stop_word,
+                                                                   spare.dry_word)
+            self.ready, self.killed, self.hashes = False, False, set()
+            self.generation += 1
+            return old
+        finally:
+            self._lifecycle.release()
 
     def start(self) -> None:
         self.killed = False
@@ -121,7 +130,10 @@ class Slot:
             if not done.done():
                 done.set_result(value)
 
-        fds = (self.conn.fileno(), self.proc.sentinel)
+        sentinel = self.proc.sentinel
+        if sentinel is None:  # reaped (the pool closed meanwhile): nothing more will come
+            return True
+        fds = (self.conn.fileno(), sentinel)
         for fd in fds:
             loop.add_reader(fd, settle, True)
         timer = loop.call_later(timeout, settle, False)
