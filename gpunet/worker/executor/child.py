@@ -1,4 +1,4 @@
-"""What runs in an executor process (forked by :mod:`gpunet.worker.executor.slot`'s fork server): load, validate,
+"""What runs in an executor process (forked by :mod:`gpunet.worker.executor.forkserver`'s fork server): load, validate,
 cache and run programs under a memory budget and the sandbox, answering over the pipe in msgpack, never pickle.
 
 Nothing here is imported by the worker's network process except the names the parent shares with the child (the
@@ -7,7 +7,6 @@ layout of the dry-run word, :func:`job_limits`)."""
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
 import importlib
 import mmap
@@ -66,27 +65,14 @@ def _limit_memory(budget: int, device: str) -> None:
 
 
 
-def _let_go_of_the_fork_server() -> None:
-    """An executor never asks the fork server for a process: it drops the write end of the pipe that keeps the server
-    alive (one byte written there would stop it), which it inherited."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver  # (multiprocessing's own state: no public handle)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        server._forkserver_alive_fd = None
-
-
 def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) -> None:
     """Executor process: load/validate/cache programs and run jobs until told to exit or the pipe closes."""
     # Ctrl-C in a terminal reaches the whole process group; stopping executors is the worker's call (it drains
     # first), so a keypress must not kill one mid-job or mid-import with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _let_go_of_the_fork_server()
-    from gpunet.worker.executor.forkserver import name_process
+    from gpunet.worker.executor.forkserver import let_go_of_the_fork_server, name_process
 
+    let_go_of_the_fork_server()
     name_process(b"gpunet-executor")
     from gpunet.worker.executor import sandbox
 

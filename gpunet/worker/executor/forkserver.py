@@ -1,9 +1,11 @@
 """Where executor processes come from, and how the pool follows each one.
 
-Executors are forked by a fork server (multiprocessing's ``forkserver``, :func:`context`): a fresh interpreter, started
-once, that imports what every executor needs (:mod:`gpunet.worker.executor.preload`) and forks a child per executor.
-Not forked from the worker itself: fork is unsafe beside its threads and the libp2p daemon. Not spawned afresh each
-time: that was a torch import (4-5 s of CPU on a 2-core machine) per executor, per replacement, per session process.
+Executors are forked by a fork server (multiprocessing's ``forkserver``, :func:`context`), started once, that imports
+what every executor needs (:mod:`gpunet.worker.executor.preload`) and forks a child per executor. ``gpunet worker``
+forks that server from itself as it starts (:func:`start_forkserver`), before it has threads, a libp2p daemon, its key
+or its data dir; a worker built inside another program spawns it, a fresh interpreter. Executors are not forked from
+the running worker (unsafe beside its threads and the daemon), nor spawned afresh each time (a torch import, 4-5 s of
+CPU on a 2-core machine, per executor, per replacement, per session process).
 
 A fork server's child is not the worker's: multiprocessing reads its end from the server, through a pipe that also
 ends ("exit code 255") if the server dies with the executor alive. :class:`Tracked` follows the process itself
@@ -117,6 +119,17 @@ def _serve(listener_fd: int, alive_r: int) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def let_go_of_the_fork_server() -> None:
+    """In an executor: it never asks the fork server for a process, so it drops the write end of the pipe that keeps
+    the server alive (one byte written there would stop it), which it inherited."""
+    server = forkserver._forkserver  # (multiprocessing's own state: no public handle)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
 
 
 def name_process(name: bytes) -> None:

@@ -1,8 +1,8 @@
 """What the executors' fork server imports once (:func:`gpunet.worker.executor.forkserver.context`), so that every
-executor forked from it starts with it in memory instead of importing it itself: torch, the validator and interpreter, and
-torch's Python meta registrations, whose first use imports ``torch._dynamo`` (sympy, mpmath: about 800 modules). On a
-2-core machine that was 4-5 s of CPU per executor; a fork costs milliseconds, and a crashed executor's replacement,
-a session's own process and a spare come at that price too.
+executor forked from it starts with it in memory instead of importing it itself: torch, the validator and
+interpreter, and torch's Python meta registrations, whose first use imports ``torch._dynamo`` (sympy, mpmath: about
+800 modules). On a 2-core machine that was 4-5 s of CPU per executor; a fork costs milliseconds, and a crashed
+executor's replacement, a session's own process and a spare come at that price too.
 
 Nothing here runs a stranger's code, and the fork server never does: each executor enters its sandbox after the fork
 (:func:`gpunet.worker.executor.child.child_main`), single-threaded then whatever torch started here."""
