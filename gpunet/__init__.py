@@ -9,6 +9,9 @@ The public surface is what ``__all__`` lists; everything else is internal::
 """
 
 from gpunet._version import __version__
+from gpunet.dht.hivemind_parts import defer_package_init as _defer_hivemind_init
+
+_defer_hivemind_init()  # before anything imports hivemind: see gpunet.dht.hivemind_parts
 from gpunet.errors import *  # noqa: F401,F403  (the error family is public)
 from gpunet.errors import __all__ as _errors_all
 

@@ -10,7 +10,7 @@ import socket
 from functools import partial
 from typing import Callable, Iterable, Sequence
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.utils.multiaddr import Multiaddr
 
 from gpunet.config import (
@@ -98,7 +98,7 @@ def not_this_node(peers: Sequence[str], own_id: str, say: Callable[..., None] | 
 
 
 def join_retrying(network: str, initial_peers: Sequence[str] | None, *, stop: Callable[[float], bool],
-                  say: Callable[[str], None], **kwargs) -> hivemind.DHT | None:
+                  say: Callable[[str], None], **kwargs) -> DHT | None:
     """:func:`join`, trying again with backoff while none of the initial peers answers (all down, or restarting),
     saying so each time; returns None if ``stop(seconds)`` (a wait that returns True when asked to stop) says so."""
     wait, tries = RETRY_FIRST, 0
@@ -126,7 +126,7 @@ def join(
     reachability: str | None = None,
     announce_maddrs: Sequence[str] | None = None,
     relay_limits: dict | None = None,
-) -> hivemind.DHT:
+) -> DHT:
     """Start this node's DHT and join ``network``; raises NetworkError if the initial peers cannot be reached.
 
     ``identity`` makes the libp2p peer id that of the node key (a restarted node keeps its id). Without initial peers,
@@ -157,7 +157,7 @@ def join(
         # hivemind's identity-collision check assumes RSA keys; our Ed25519 id is our own key, so skip it.
         kwargs.update(identity_path=str(identity.path), check_if_identity_free=False)
     try:
-        dht = hivemind.DHT(
+        dht = DHT(
             initial_peers=peers or None,
             start=True,
             client_mode=client_mode,
@@ -266,20 +266,20 @@ def check_local_ports_free(**ports: int) -> None:
 
 
 def join_as_client(network: str, initial_peers: Sequence[str] | None, identity: Identity | None = None
-                   ) -> hivemind.DHT:
+                   ) -> DHT:
     """Join ``network`` to use it, not to serve it: a DHT client that stores no records for others and listens on
     loopback alone (others never dial a client; it dials them)."""
     return join(network, initial_peers, identity=identity, client_mode=True, host_maddrs=[LOOPBACK_MADDR])
 
 
-def visible_maddrs(dht: hivemind.DHT, latest: bool = False) -> list[str]:
+def visible_maddrs(dht: DHT, latest: bool = False) -> list[str]:
     """Addresses others can dial: relayed ones first (a node behind NAT has no other), loopback last (only useful
     on this machine). ``latest``: ask the daemon (relay reservations come and go) instead of its first answer."""
     addrs = [str(m) for m in dht.get_visible_maddrs(latest=latest)]
     return sorted(addrs, key=lambda a: (a.startswith("/ip4/127.") or a.startswith("/ip6/::1"), "/p2p-circuit" not in a))
 
 
-async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: float = 1.0) -> None:
+async def _exit_with_parent(_dht: DHT, node, parent_pid: int, period: float = 1.0) -> None:
     """Runs inside the DHT process: if the node's owner dies (even by SIGKILL), stop the DHT and its p2p daemon too,
     so a killed worker leaves no orphan serving a stale identity.
 
@@ -306,7 +306,7 @@ async def _exit_with_parent(_dht: hivemind.DHT, node, parent_pid: int, period: f
         os._exit(0)
 
 
-def _tie_to_this_process(dht: hivemind.DHT) -> None:
+def _tie_to_this_process(dht: DHT) -> None:
     """Make the DHT child process (and its daemon) exit when this process dies, however it dies."""
     dht.run_coroutine(partial(_exit_with_parent, parent_pid=os.getpid()), return_future=True)
 
@@ -315,7 +315,7 @@ def _tie_to_this_process(dht: hivemind.DHT) -> None:
 REJOIN_PERIOD = 10.0
 
 
-async def _rejoin_when_alone(_dht: hivemind.DHT, node, initial_peers: Sequence[str], period: float) -> None:
+async def _rejoin_when_alone(_dht: DHT, node, initial_peers: Sequence[str], period: float) -> None:
     """Runs inside the DHT process. hivemind drops a peer from its routing table when it fails to answer, and meets
     peers only by talking to them: a node whose every peer went away for a while (its only bootstrap restarted) would
     stay alone for good, publishing its records to nobody. When the table is empty, dial and ping the initial peers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from functools import partial
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from gpunet.dht.records import (  # WorkerEntry: re-exported, discovery's result
@@ -26,24 +26,24 @@ BUCKET_TIMEOUT = 28.0
 
 
 def announce(
-    dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
+    dht: DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
 ) -> bool:
     """Store (or refresh) this worker's record; True when at least one peer (or we) accepted it."""
     return bool(_store(dht, network, worker_id, record, expiration_time).result())
 
 
 async def announce_async(
-    dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
+    dht: DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float
 ) -> bool:
     return bool(await _store(dht, network, worker_id, record, expiration_time))
 
 
-def _store(dht: hivemind.DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float):
+def _store(dht: DHT, network: str, worker_id: str, record: WorkerRecord, expiration_time: float):
     key = worker_key(network, worker_bucket(worker_id))
     return dht.store(key, record.to_wire(), expiration_time=expiration_time, subkey=worker_id, return_future=True)
 
 
-def discover(dht: hivemind.DHT, network: str, *, include_offline: bool = False, timeout: float = 30.0) -> list[WorkerEntry]:
+def discover(dht: DHT, network: str, *, include_offline: bool = False, timeout: float = 30.0) -> list[WorkerEntry]:
     """Every live worker of ``network``, read from all buckets concurrently, sorted by id."""
     future = dht.run_coroutine(partial(_read_buckets, keys=worker_keys(network)), return_future=True)
     try:
@@ -54,7 +54,7 @@ def discover(dht: hivemind.DHT, network: str, *, include_offline: bool = False, 
     return _entries(raw, include_offline)
 
 
-async def discover_async(dht: hivemind.DHT, network: str, *, include_offline: bool = False) -> list[WorkerEntry]:
+async def discover_async(dht: DHT, network: str, *, include_offline: bool = False) -> list[WorkerEntry]:
     raw = await dht.run_coroutine(partial(_read_buckets, keys=worker_keys(network)), return_future=True)
     return _entries(raw, include_offline)
 
@@ -75,7 +75,7 @@ def _entries(raw: list[tuple[str, object, float]], include_offline: bool) -> lis
     return [entries[k] for k in sorted(entries)]
 
 
-async def _read_buckets(_dht: hivemind.DHT, node, keys: list[str]) -> list[tuple[str, object, float]]:
+async def _read_buckets(_dht: DHT, node, keys: list[str]) -> list[tuple[str, object, float]]:
     """Runs inside the DHT process: one latest-value search per bucket, all at once.
 
     One search per key (not one multi-key search) keeps each reply to a single bucket, far under the 4 MiB limit.

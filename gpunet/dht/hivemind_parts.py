@@ -1,0 +1,51 @@
+"""hivemind's parts without its package ``__init__``.
+
+``import hivemind.dht`` runs ``hivemind/__init__.py`` first, which imports all of hivemind: averaging, mixture of
+experts, optimizers and, through them, scipy. gpunet uses the DHT, p2p and utils only; the rest cost every process
+that joins a network (each worker, each CLI call, each DHT process's parent) about 1.1 s of CPU at start. So the first
+import of gpunet puts an unexecuted ``hivemind`` package in ``sys.modules``: its submodules import as they always
+do, and the package's own ``__init__`` runs the first time anyone asks it for a name (``hivemind.Optimizer``,
+``from hivemind import DHT``, ``hivemind.__version__``), so a program that uses the rest of hivemind beside gpunet sees
+it whole. Where hivemind is already imported, or cannot be found, nothing changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import types
+
+_lock = threading.RLock()
+
+
+def defer_package_init() -> None:
+    """Put hivemind's package in ``sys.modules`` with its ``__init__`` left to run on the first name asked of it."""
+    with _lock:
+        if "hivemind" in sys.modules:
+            return
+        spec = importlib.util.find_spec("hivemind")
+        if spec is None or spec.loader is None or spec.submodule_search_locations is None:
+            return
+        package = importlib.util.module_from_spec(spec)  # __path__, __spec__ and __file__ set; nothing run yet
+
+        def init_on_first_name(name: str):
+            """PEP 562: called only for names the package does not hold yet, i.e. what its ``__init__`` defines (or
+            nobody does: AttributeError as usual, once it ran). A submodule still importing is not one of them:
+            ``import hivemind.p2p.x as y`` inside hivemind.p2p asks the package for ``p2p`` before it is set."""
+            if (submodule := sys.modules.get(f"hivemind.{name}")) is not None:
+                return submodule
+            with _lock:
+                if package.__dict__.get("__getattr__") is init_on_first_name:
+                    del package.__getattr__
+                    spec.loader.exec_module(package)
+            return getattr(package, name)
+
+        package.__getattr__ = init_on_first_name
+        sys.modules["hivemind"] = package
+
+
+def package_initialised(module: types.ModuleType | None = None) -> bool:
+    """Whether hivemind's ``__init__`` has run."""
+    module = module or sys.modules.get("hivemind")
+    return module is not None and "__getattr__" not in module.__dict__

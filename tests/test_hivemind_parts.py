@@ -1,0 +1,57 @@
+"""gpunet imports hivemind's DHT, p2p and utils without the rest of hivemind, and a program using hivemind beside
+gpunet still sees all of it (gpunet.dht.hivemind_parts). Each check runs in a fresh interpreter: sys.modules is
+what is tested."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_worker_and_a_client_import_no_averaging_moe_optim_or_scipy():
+    out = run("""
+        import sys
+        import gpunet.worker.server, gpunet.client.api, gpunet.cli.app, gpunet.cli.worker, gpunet.llm
+        from gpunet.dht.hivemind_parts import package_initialised
+        rest = sorted(m for m in sys.modules if m.split(".")[0] == "scipy"
+                      or m.startswith(("hivemind.averaging", "hivemind.moe", "hivemind.optim")))
+        print(package_initialised(), rest)
+    """)
+    assert out.split() == ["False", "[]"]
+
+
+def test_hivemind_used_beside_gpunet_is_whole():
+    """Every way of asking the package for a name runs its __init__ once: attributes, from-imports, the version."""
+    out = run("""
+        import gpunet.client.api
+        import hivemind
+        from hivemind import DHT, Optimizer
+        import hivemind.moe
+        from gpunet.dht.hivemind_parts import package_initialised
+        assert hivemind.DHT is DHT and hivemind.Optimizer is Optimizer and hivemind.moe.Server
+        assert hivemind.DecentralizedAverager.__module__ == "hivemind.averaging.averager"
+        try:
+            hivemind.no_such_name
+        except AttributeError as e:
+            print("AttributeError", e)
+        print(package_initialised(), hivemind.__version__)
+    """)
+    lines = out.splitlines()
+    assert lines[0].startswith("AttributeError") and "no_such_name" in lines[0]
+    assert lines[1].split()[0] == "True" and lines[1].split()[1].count(".") == 2
+
+
+def test_hivemind_imported_first_is_left_as_it_is():
+    out = run("""
+        import hivemind
+        init = hivemind.__dict__.get("__getattr__")
+        import gpunet.worker.server
+        import sys
+        print(sys.modules["hivemind"] is hivemind, init is None, "hivemind.averaging" in sys.modules)
+    """)
+    assert out.split() == ["True", "True", "True"]
