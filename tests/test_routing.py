@@ -286,3 +286,25 @@ def test_a_worker_whose_record_lapsed_keeps_its_sessions_for_a_grace_period(monk
     r.update([worker("other")])
     assert r.holding("holder") is None and not r._lapsed
     assert r.holding("never") is None
+
+
+def test_a_span_nothing_listed_can_take_falls_back_on_the_worker_whose_record_lapsed_last(monkeypatch):
+    """The last resort of a session span (Session._choose): of the workers whose record lapsed within the grace
+    period, the one seen last that would otherwise be eligible; never one excluded, banned for failures, unfit or
+    past the grace period."""
+    from gpunet.client import routing
+
+    clock = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
+    r = router(worker("early"), worker("late"), worker("small", free_gb=0.1), worker("liar"))
+    r.update([worker("late"), worker("liar")])  # "early" and "small" lapse first...
+    clock[0] += 5
+    r.update([worker("liar")])  # ...then "late"
+    need = Requirements(min_memory_gb=1.0)
+    assert r.lapsed_fallback(need, exclude={"liar"}).id == "late"
+    assert r.lapsed_fallback(need, exclude={"liar", "late"}).id == "early"
+    r.on_failure("early")
+    assert r.lapsed_fallback(need, exclude={"liar", "late"}) is None  # banned; "small" has no room
+    assert r.lapsed_fallback(Requirements(), exclude={"liar", "late"}).id == "small"
+    clock[0] += routing.LAPSE_GRACE
+    assert r.lapsed_fallback(Requirements(), exclude={"liar"}) is None

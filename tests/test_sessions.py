@@ -644,3 +644,32 @@ def test_a_span_every_worker_failed_waits_for_another_before_trying_them_again(m
     calls.clear()
     assert asyncio.run(another(records_back_after(10**6), {"dead"})) is None  # none came: the caller tries them again
     assert len(calls) > 1
+
+
+def test_a_span_whose_only_listed_worker_lied_goes_to_a_worker_whose_record_lapsed_a_moment_ago(monkeypatch):
+    """The liar caught is the one worker listed (under load the honest ones' records lapsed together: CI saw it):
+    once none shows up within OTHERS_WAIT the span tries the honest worker seen last rather than fail the session;
+    with no such worker the session's error stands."""
+    from types import SimpleNamespace
+
+    from gpunet.client.routing import Requirements, Router
+    from gpunet.client.sessions import session as session_module
+    from gpunet.errors import NoWorkersAvailable
+    from tests.test_routing import worker
+
+    monkeypatch.setattr(session_module, "OTHERS_WAIT", 0.05)
+    monkeypatch.setattr(session_module, "OTHERS_POLL", 0.01)
+    router = Router()
+    router.update([worker("liar"), worker("honest")])
+    router.update([worker("liar")])  # the honest worker's record lapsed from this look
+    session = object.__new__(session_module.SessionCore)
+    session.seq = SimpleNamespace(core=SimpleNamespace(router=router))
+
+    async def nothing_listed(exclude):
+        raise NoWorkersAvailable("the one known worker does not meet the requirements: it already failed this job")
+
+    placed = session_module._Placed(failed={"liar"})
+    chosen = asyncio.run(session._choose(nothing_listed, placed, {"liar"}, Requirements()))
+    assert chosen.id == "honest"
+    with pytest.raises(NoWorkersAvailable, match="already failed"):
+        asyncio.run(session._choose(nothing_listed, placed, {"liar", "honest"}, Requirements()))

@@ -288,6 +288,22 @@ class Router:
                 return None
         return entry
 
+    def lapsed_fallback(self, req: Requirements, exclude: set[str] = frozenset()) -> WorkerEntry | None:
+        """The worker last seen of those whose record lapsed within LAPSE_GRACE and that would otherwise be eligible
+        (neither excluded nor banned for failures, nor caught lying): a session span's last resort when no listed
+        worker can take it. Under load a live worker's heartbeat can come late (CI saw a session's two honest workers
+        lapse together for over 10 s after it caught the third lying); one really gone fails the step at once, as a
+        held span's does (see ``holding``)."""
+        now = time.monotonic()
+        for entry, since in sorted(self._lapsed.values(), key=lambda seen: -seen[1]):
+            ban = self.bans.get(entry.id)
+            if (now - since >= LAPSE_GRACE or entry.id in exclude or req.refusal(entry) is not None
+                    or (self.reputation is not None and self.reputation.avoided(entry.id))
+                    or (ban is not None and ban.until > now and not ban.busy)):
+                continue
+            return entry
+        return None
+
     def on_proof(self, worker_id: str, tflops: float) -> None:
         """A worker's speed proof came out at ``tflops`` (0.0: it failed, and its earlier proofs count for nothing);
         a valid proof asked again keeps the best one (a proof timed at a busy moment shows less than the device)."""
