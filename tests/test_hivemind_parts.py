@@ -40,10 +40,14 @@ def test_hivemind_used_beside_gpunet_is_whole():
         except AttributeError as e:
             print("AttributeError", e)
         print(package_initialised(), hivemind.__version__)
+        import importlib
+        importlib.reload(hivemind)  # runs __init__ again, as it would without gpunet
+        print(package_initialised(), hasattr(hivemind, "no_such_name"), hivemind.DHT is not None)
     """)
     lines = out.splitlines()
     assert lines[0].startswith("AttributeError") and "no_such_name" in lines[0]
     assert lines[1].split()[0] == "True" and lines[1].split()[1].count(".") == 2
+    assert lines[2].split() == ["True", "False", "True"]
 
 
 def test_hivemind_imported_first_is_left_as_it_is():

@@ -289,9 +289,9 @@ def test_a_worker_whose_record_lapsed_keeps_its_sessions_for_a_grace_period(monk
 
 
 def test_a_span_nothing_listed_can_take_falls_back_on_the_worker_whose_record_lapsed_last(monkeypatch):
-    """The last resort of a session span (Session._choose): of the workers whose record lapsed within the grace
-    period, the one seen last that would otherwise be eligible; never one excluded, banned for failures, unfit or
-    past the grace period."""
+    """The last resort of a session span (Session._choose): of the workers whose record lapsed within half the grace
+    period, the one seen last that would otherwise be eligible (one not holding another span first); never one
+    excluded, banned for failures, unfit, unproven or past half the grace period."""
     from gpunet.client import routing
 
     clock = [1000.0]
@@ -303,8 +303,12 @@ def test_a_span_nothing_listed_can_take_falls_back_on_the_worker_whose_record_la
     need = Requirements(min_memory_gb=1.0)
     assert r.lapsed_fallback(need, exclude={"liar"}).id == "late"
     assert r.lapsed_fallback(need, exclude={"liar", "late"}).id == "early"
+    assert r.lapsed_fallback(need, exclude={"liar"}, avoid={"late"}).id == "early"  # it holds another span
+    assert r.lapsed_fallback(need, exclude={"liar", "early"}, avoid={"late"}).id == "late"  # ...but is the only one
+    r.on_proof("late", 0.0)  # its speed proof failed
+    assert r.lapsed_fallback(Requirements(min_memory_gb=1.0, min_tflops=0.5), exclude={"liar", "early"}) is None
     r.on_failure("early")
     assert r.lapsed_fallback(need, exclude={"liar", "late"}) is None  # banned; "small" has no room
     assert r.lapsed_fallback(Requirements(), exclude={"liar", "late"}).id == "small"
-    clock[0] += routing.LAPSE_GRACE
+    clock[0] += routing.LAPSE_GRACE / 2  # half the grace is past: the rest is for what follows (a replay)
     assert r.lapsed_fallback(Requirements(), exclude={"liar"}) is None

@@ -669,7 +669,9 @@ def test_a_span_whose_only_listed_worker_lied_goes_to_a_worker_whose_record_laps
         raise NoWorkersAvailable("the one known worker does not meet the requirements: it already failed this job")
 
     placed = session_module._Placed(failed={"liar"})
-    chosen = asyncio.run(session._choose(nothing_listed, placed, {"liar"}, Requirements()))
+    chosen = asyncio.run(session._choose(nothing_listed, placed, {"liar"}, Requirements(), set()))
     assert chosen.id == "honest"
     with pytest.raises(NoWorkersAvailable, match="already failed"):
-        asyncio.run(session._choose(nothing_listed, placed, {"liar", "honest"}, Requirements()))
+        asyncio.run(session._choose(nothing_listed, placed, {"liar", "honest"}, Requirements(), set()))
+    with pytest.raises(NoWorkersAvailable):  # a first placement fails with its reasons
+        asyncio.run(session._choose(nothing_listed, session_module._Placed(), {"liar"}, Requirements(), set()))

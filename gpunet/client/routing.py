@@ -288,21 +288,24 @@ class Router:
                 return None
         return entry
 
-    def lapsed_fallback(self, req: Requirements, exclude: set[str] = frozenset()) -> WorkerEntry | None:
-        """The worker last seen of those whose record lapsed within LAPSE_GRACE and that would otherwise be eligible
-        (neither excluded nor banned for failures, nor caught lying): a session span's last resort when no listed
-        worker can take it. Under load a live worker's heartbeat can come late (CI saw a session's two honest workers
-        lapse together for over 10 s after it caught the third lying); one really gone fails the step at once, as a
-        held span's does (see ``holding``)."""
+    def lapsed_fallback(self, req: Requirements, exclude: set[str] = frozenset(),
+                        avoid: set[str] = frozenset()) -> WorkerEntry | None:
+        """The worker last seen of those whose record lapsed within half of LAPSE_GRACE (what is left covers a
+        replay) that would otherwise be eligible: meets ``req`` (proven speed included), is not excluded, banned for
+        failures or caught lying; one outside ``avoid`` first. A session span's last resort when no listed worker can
+        take it: under load a live worker's heartbeat can come late (CI saw a session's two honest workers lapse
+        together for over 10 s after it caught the third lying); one really gone fails the step, as a held span's
+        does (see ``holding``)."""
         now = time.monotonic()
+        fit = []
         for entry, since in sorted(self._lapsed.values(), key=lambda seen: -seen[1]):
             ban = self.bans.get(entry.id)
-            if (now - since >= LAPSE_GRACE or entry.id in exclude or req.refusal(entry) is not None
+            if (now - since >= LAPSE_GRACE / 2 or entry.id in exclude or self._unmet(entry, req) is not None
                     or (self.reputation is not None and self.reputation.avoided(entry.id))
                     or (ban is not None and ban.until > now and not ban.busy)):
                 continue
-            return entry
-        return None
+            fit.append(entry)
+        return next((e for e in fit if e.id not in avoid), fit[0] if fit else None)
 
     def on_proof(self, worker_id: str, tflops: float) -> None:
         """A worker's speed proof came out at ``tflops`` (0.0: it failed, and its earlier proofs count for nothing);
@@ -404,6 +407,13 @@ class Router:
             return False
         return not req.min_tflops or self.credited_tflops(entry, req.dtype) >= req.min_tflops
 
+    def _unmet(self, entry: WorkerEntry, req: Requirements) -> str | None:
+        """Why ``entry`` does not meet ``req`` as its record says and as it proved its speed, or None."""
+        why = req.refusal(entry)
+        if why is None and req.min_tflops and (credited := self.credited_tflops(entry, req.dtype)) < req.min_tflops:
+            why = f"proved only {credited:.3g} TFLOPS (< {req.min_tflops:g})"
+        return why
+
     def eligible(self, req: Requirements, exclude: set[str] = frozenset(), now: float | None = None,
                  replicas: set[str] = frozenset()) -> list[WorkerEntry]:
         """Workers that meet ``req``, are not banned, did not fail this job (``exclude``) and do not run another copy
@@ -412,9 +422,7 @@ class Router:
         ok, reasons = [], Counter()
         retry_at = None  # when the first temporarily excluded worker becomes eligible again
         for entry in self.workers.values():
-            why = req.refusal(entry)
-            if why is None and req.min_tflops and (credited := self.credited_tflops(entry, req.dtype)) < req.min_tflops:
-                why = f"proved only {credited:.3g} TFLOPS (< {req.min_tflops:g})"
+            why = self._unmet(entry, req)
             if why is None and entry.id in exclude:
                 why = "already failed this job"
             if why is None and entry.id in replicas:

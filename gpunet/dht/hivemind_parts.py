@@ -28,17 +28,34 @@ def defer_package_init() -> None:
         if spec is None or spec.loader is None or spec.submodule_search_locations is None:
             return
         package = importlib.util.module_from_spec(spec)  # __path__, __spec__ and __file__ set; nothing run yet
+        running: list[int] = []  # the thread running __init__ now
+        failed: list[BaseException] = []
 
         def init_on_first_name(name: str):
             """PEP 562: called only for names the package does not hold yet, i.e. what its ``__init__`` defines (or
             nobody does: AttributeError as usual, once it ran). A submodule still importing is not one of them:
-            ``import hivemind.p2p.x as y`` inside hivemind.p2p asks the package for ``p2p`` before it is set."""
+            ``import hivemind.p2p.x as y`` inside hivemind.p2p asks the package for ``p2p`` before it is set. The
+            hook stays until ``__init__`` has run, so another thread asking meanwhile waits for it, never sees half
+            a package; ``__init__`` itself asking for a name not set yet gets AttributeError, as any import would."""
             if (submodule := sys.modules.get(f"hivemind.{name}")) is not None:
                 return submodule
+            if threading.get_ident() in running:
+                raise AttributeError(f"partially initialised module 'hivemind' has no attribute {name!r}")
             with _lock:
                 if package.__dict__.get("__getattr__") is init_on_first_name:
+                    if failed:  # a part of hivemind that cannot import: probes (hasattr) want AttributeError
+                        raise AttributeError(f"module 'hivemind' has no attribute {name!r} (its __init__ failed: "
+                                             f"{failed[0]})") from failed[0]
+                    if "__version__" not in package.__dict__:  # (importlib.reload ran __init__ past this hook)
+                        running.append(threading.get_ident())
+                        try:
+                            spec.loader.exec_module(package)
+                        except BaseException as e:
+                            failed.append(e)
+                            raise
+                        finally:
+                            running.clear()
                     del package.__getattr__
-                    spec.loader.exec_module(package)
             return getattr(package, name)
 
         package.__getattr__ = init_on_first_name
@@ -48,4 +65,4 @@ def defer_package_init() -> None:
 def package_initialised(module: types.ModuleType | None = None) -> bool:
     """Whether hivemind's ``__init__`` has run."""
     module = module or sys.modules.get("hivemind")
-    return module is not None and "__getattr__" not in module.__dict__
+    return module is not None and ("__getattr__" not in module.__dict__ or "__version__" in module.__dict__)

@@ -411,7 +411,7 @@ class SessionCore:
                     else:
                         placed.worker_id = worker.id
         if worker is None:
-            worker = await self._choose(place, placed, banned, self.seq.requirements_for(span))
+            worker = await self._choose(place, placed, banned, self.seq.requirements_for(span), others)
         placed.worker_id, placed.session_id, placed.step = worker.id, secrets.token_urlsafe(12)[:16], 0
         placed.workers.append(worker.id)
         for past in placed.history:
@@ -420,18 +420,20 @@ class SessionCore:
             except JobRaised as e:  # a step that ran before cannot raise now: this worker's failure, not the job's
                 raise JobFailed(f"replaying step {placed.step}: {e}") from None
 
-    async def _choose(self, place, placed: _Placed, banned: set[str], req: Requirements):
+    async def _choose(self, place, placed: _Placed, banned: set[str], req: Requirements, others: set[str]):
         try:
             return await place(placed.failed | banned)
         except NoWorkersAvailable as e:
             # Others are waited for when those passed over may be gone, or are liars (under load a live worker's
             # record lapses for a moment: CI saw a session fail when the liar it caught was the one worker in view);
-            # not when they all answered with a refusal. Then one whose record lapsed a moment ago is tried.
+            # not when they all answered with a refusal. A span that lost its worker to a liar caught then tries one
+            # whose record lapsed a moment ago (never a first placement: those fail with the reasons).
             again = placed.failed - banned
             worker = (await self._another(place, placed.failed | banned)
                       if not again or again - placed.refused else None)
             if worker is None and not again:
-                worker = self.seq.core.router.lapsed_fallback(req, exclude=placed.failed | banned)
+                worker = (self.seq.core.router.lapsed_fallback(req, exclude=placed.failed | banned, avoid=others)
+                          if placed.failed else None)
                 if worker is None:
                     raise e from None
                 logger.info("No listed worker can take a span: trying %s, whose record lapsed a moment ago (a "
