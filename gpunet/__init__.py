@@ -9,9 +9,10 @@ The public surface is what ``__all__`` lists; everything else is internal::
 """
 
 from gpunet._version import __version__
-from gpunet.dht.hivemind_parts import defer_package_init as _defer_hivemind_init
+from gpunet.dht import hivemind_parts as _hivemind_parts
 
-_defer_hivemind_init()  # before anything imports hivemind: see gpunet.dht.hivemind_parts
+_hivemind_parts.defer_package_init()  # before anything imports hivemind: see gpunet.dht.hivemind_parts
+_hivemind_parts.share_memory_by_descriptor()
 from gpunet.errors import *  # noqa: F401,F403  (the error family is public)
 from gpunet.errors import __all__ as _errors_all
 

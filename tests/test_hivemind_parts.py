@@ -2,13 +2,15 @@
 gpunet still sees all of it (gpunet.dht.hivemind_parts). Each check runs in a fresh interpreter: sys.modules is
 what is tested."""
 
+import os
 import subprocess
 import sys
 import textwrap
 
 
-def run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+def run(code: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -59,3 +61,17 @@ def test_hivemind_imported_first_is_left_as_it_is():
         print(sys.modules["hivemind"] is hivemind, init is None, "hivemind.averaging" in sys.modules)
     """)
     assert out.split() == ["True", "True", "True"]
+
+
+def test_hivemind_shares_memory_by_descriptor_unless_the_environment_says_otherwise():
+    """No torch_shm_manager beside each node (it outlived the CLI holding its stderr: see share_memory_by_descriptor);
+    a strategy chosen in the environment stands."""
+    code = """
+        import gpunet.dht.network, torch.multiprocessing
+        print(torch.multiprocessing.get_sharing_strategy())
+    """
+    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert done.stdout.strip() == "file_descriptor", done.stderr
+    assert run(code, HIVEMIND_MEMORY_SHARING_STRATEGY="file_system").strip() == "file_system"

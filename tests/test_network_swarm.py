@@ -2,9 +2,12 @@
 
 
 import json
+import os
+import subprocess
 
 import pytest
 
+from gpunet.testing.localnet import child_pids, gpunet_cmd
 from tests.swarm import run_cli, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -34,6 +37,31 @@ def test_status_lists_every_online_worker_with_its_device(swarm):
     table = run_cli("status", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr)
     assert table.returncode == 0, table.stderr
     assert "3 workers (3 online)" in table.stdout
+
+
+def test_a_cli_calls_output_ends_when_it_exits_and_nodes_start_no_shared_memory_manager(swarm):
+    """Nothing a node starts outlives it holding its standard streams: torch's shared-memory manager (started by
+    hivemind's default strategy) kept ``gpunet status``'s stderr open for ~2 s after it exited, so ``gpunet status |
+    jq``, and every script reading the output to its end, waited for it; a worker ran one beside it too."""
+    worker = swarm.start_worker()
+    assert not [pid for pid in child_pids(worker.pid) if open(f"/proc/{pid}/comm").read().startswith("torch_shm")]
+    command = gpunet_cmd("status", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr, "--json")
+    status = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    pipes = {f"pipe:[{os.fstat(stream.fileno()).st_ino}]" for stream in (status.stdout, status.stderr)}
+    status.wait(timeout=90)  # (its output is a few KiB: the pipes do not fill)
+
+    def holders() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                found += [pid for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}") in pipes]
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        return [pid for pid in found if int(pid) != os.getpid()]
+
+    assert holders() == []
+    out, _ = status.communicate(timeout=5)
+    assert status.returncode == 0 and json.loads(out)["totals"]["workers"] == 1
 
 
 def test_sigkilled_worker_expires_and_sigterm_leaves_at_once(swarm):

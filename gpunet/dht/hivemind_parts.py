@@ -12,6 +12,7 @@ it whole. Where hivemind is already imported, or cannot be found, nothing change
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -60,6 +61,16 @@ def defer_package_init() -> None:
 
         package.__getattr__ = init_on_first_name
         sys.modules["hivemind"] = package
+
+
+def share_memory_by_descriptor() -> None:
+    """hivemind keeps its futures' state in torch shared memory, by name ("file_system") unless told otherwise: torch
+    then starts a ``torch_shm_manager`` beside every process, which inherits its stderr and outlives it by ~2 s, so
+    ``gpunet status | jq`` (and a script or test reading any CLI call to the end) waited 2 s after gpunet had exited,
+    and each node ran one more process. By descriptor (torch's own default on Linux) there is no manager. A strategy
+    set in the environment is kept; a hivemind imported already keeps the one it set."""
+    if "hivemind.utils.mpfuture" not in sys.modules:
+        os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
 def package_initialised(module: types.ModuleType | None = None) -> bool:
