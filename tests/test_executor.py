@@ -15,7 +15,7 @@ from torch.export import Dim
 
 from gpunet import Job, JobFailed, JobRejected, JobTimeout, ProgramNotCached, WorkerDraining
 from gpunet.job import cost, tensors
-from gpunet.testing.localnet import cpu_seconds, parent_pid, process_alive, wait_for
+from gpunet.testing.localnet import cpu_seconds, open_files, parent_pid, process_alive, wait_for
 from gpunet.worker.executor import Executor
 from gpunet.worker.state.limits import SessionRun
 
@@ -305,7 +305,7 @@ def test_executors_are_forked_by_one_fork_server_that_imported_torch_and_enter_t
         asyncio.run(_all_ready(ex))
         alive_pipe = f"pipe:[{os.fstat(forkserver._forkserver._forkserver_alive_fd).st_ino}]"
         for pid in first:
-            assert alive_pipe not in {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            assert alive_pipe not in open_files(pid)
         os.kill(first[0], signal.SIGKILL)  # its replacement comes from the same server
         for _ in range(3):  # (a job sent to the dead one fails, and the pool replaces it)
             with contextlib.suppress(JobFailed):

@@ -8,9 +8,9 @@ import sys
 import textwrap
 
 
-def run(code: str, **env: str) -> str:
+def run(code: str, env: dict[str, str] | None = None) -> str:
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **env})
+                          env=os.environ if env is None else env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -70,8 +70,6 @@ def test_hivemind_shares_memory_by_descriptor_unless_the_environment_says_otherw
         import gpunet.dht.network, torch.multiprocessing
         print(torch.multiprocessing.get_sharing_strategy())
     """
-    env = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120,
-                          env=env)
-    assert done.stdout.strip() == "file_descriptor", done.stderr
-    assert run(code, HIVEMIND_MEMORY_SHARING_STRATEGY="file_system").strip() == "file_system"
+    unset = {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+    assert run(code, unset).strip() == "file_descriptor"
+    assert run(code, {**unset, "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_system"}).strip() == "file_system"

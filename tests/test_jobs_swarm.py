@@ -1,7 +1,6 @@
 """Jobs through a real swarm, through the public API, as a user would submit them."""
 
 import asyncio
-import os
 import time
 
 import msgpack
@@ -10,7 +9,7 @@ import torch
 
 import gpunet
 from gpunet import Requirements
-from gpunet.testing.localnet import cpu_seconds, executor_pids, process_alive
+from gpunet.testing.localnet import cpu_seconds, executor_pids, open_files, process_alive
 from gpunet.testing.workloads import Spin
 from tests.swarm import wait_for
 
@@ -498,7 +497,7 @@ def test_a_workers_fork_server_is_a_fork_of_it_that_holds_none_of_its_files_and_
 
     assert comm(server) == "gpunet-forksrv" and cmdline(server) == cmdline(worker.pid)  # a fork, not an interpreter
     assert {comm(pid) for pid in executors} == {"gpunet-executor"}
-    files = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+    files = open_files(server)
     data_dir = str(worker.data_dir.resolve())
     assert not [f for f in files if f.startswith(data_dir) or f.endswith((".db", ".key", ".pem"))], files
     assert {f.split(":")[0] for f in files if not f.startswith("/")} <= {"socket", "pipe", "anon_inode"}, files

@@ -4,10 +4,11 @@
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from gpunet.testing.localnet import child_pids, gpunet_cmd
+from gpunet.testing.localnet import child_pids, gpunet_cmd, open_files
 from tests.swarm import run_cli, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -44,22 +45,15 @@ def test_a_cli_calls_output_ends_when_it_exits_and_nodes_start_no_shared_memory_
     hivemind's default strategy) kept ``gpunet status``'s stderr open for ~2 s after it exited, so ``gpunet status |
     jq``, and every script reading the output to its end, waited for it; a worker ran one beside it too."""
     worker = swarm.start_worker()
-    assert not [pid for pid in child_pids(worker.pid) if open(f"/proc/{pid}/comm").read().startswith("torch_shm")]
+    assert not [pid for pid in child_pids(worker.pid) if Path(f"/proc/{pid}/comm").read_text().startswith("torch_shm")]
     command = gpunet_cmd("status", "--network", swarm.network, "--initial-peers", swarm.bootstrap_addr, "--json")
     status = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     pipes = {f"pipe:[{os.fstat(stream.fileno()).st_ino}]" for stream in (status.stdout, status.stderr)}
     status.wait(timeout=90)  # (its output is a few KiB: the pipes do not fill)
 
-    def holders() -> list[str]:
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                found += [pid for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}") in pipes]
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-        return [pid for pid in found if int(pid) != os.getpid()]
-
-    assert holders() == []
+    holders = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+               if pid != os.getpid() and open_files(pid) & pipes]
+    assert holders == []
     out, _ = status.communicate(timeout=5)
     assert status.returncode == 0 and json.loads(out)["totals"]["workers"] == 1
 

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import sys
 import threading
-import types
 
 _lock = threading.RLock()
 
@@ -73,7 +72,7 @@ def share_memory_by_descriptor() -> None:
         os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
-def package_initialised(module: types.ModuleType | None = None) -> bool:
+def package_initialised() -> bool:
     """Whether hivemind's ``__init__`` has run."""
-    module = module or sys.modules.get("hivemind")
+    module = sys.modules.get("hivemind")
     return module is not None and ("__getattr__" not in module.__dict__ or "__version__" in module.__dict__)

@@ -8,6 +8,7 @@ ids come from that file too, never from the node's output. Every wait is on a co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -70,6 +71,19 @@ def process_alive(pid: int) -> bool:
 def parent_pid(pid: int) -> int | None:
     fields = _stat(pid)
     return int(fields[1]) if fields else None
+
+
+def open_files(pid: int) -> set[str]:
+    """What ``pid``'s descriptors point at, as /proc shows them (``pipe:[INODE]``, a path, ...); empty once it is gone
+    or was never ours to read."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # (closed meanwhile)
+                found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    except OSError:
+        pass
+    return found
 
 
 def cpu_seconds(pid: int) -> float | None:
