@@ -152,6 +152,8 @@ IDLE_STEP_STREAMS = 8
 #: How long a verdict written on a job's stream waits for the worker to say it filed it (then it goes by the settle
 #: door).
 VERDICT_ACK_TIMEOUT = 10.0
+#: A weight's mark on a stream once the worker was pointed at other workers for it twice: the next ask gets bytes.
+_ASKED_AGAIN = 1 << 62
 
 
 class P2PTransport(BaseTransport):
@@ -185,6 +187,10 @@ class P2PTransport(BaseTransport):
         self._tokens: LRU[str, bytes] = LRU(4096)  # upload tokens, by program (see _upload_token)
         # Per program, the workers this client sent the weights it names by reference, or pointed at holders of them.
         self._weights_at: LRU[str, dict[str, bool]] = LRU(4096)
+        # Per program, the workers this client sends (or sent) weights' bytes to: worker -> (when it began, counted
+        # in _weights_sends, and which). A worker asking again is pointed at those that began after its first ask.
+        self._weights_to: LRU[str, dict[str, tuple[int, frozenset[str]]]] = LRU(4096)
+        self._weights_sends = 0
         from gpunet.rpc import KeptStreams  # (here: importing this module must not import hivemind)
 
         self.steps = KeptStreams(rpc, Door.STEPS, STEPS_REUSE, per_peer=IDLE_STEP_STREAMS)  # session steps
@@ -356,12 +362,15 @@ class P2PTransport(BaseTransport):
             transfer_seconds = 0.0
             # At most: the program from peers (or us) with the inputs, then what of it the peers did not deliver, then
             # all of it if those pieces did not make the program (never more than one copy in all: ``budget``); then
-            # the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED), and
-            # once more if a checkpoint file of the worker's turned out damaged.
+            # the weights it names by reference that the worker holds nowhere (in rounds of MAX_TENSORS_ASKED: holders,
+            # perhaps workers sent them since, the bytes), and once more if a checkpoint file of the worker's turned
+            # out damaged.
             named: list[str] = []  # holders told of that only records vouch for
-            asked: set[str] = set()  # weights asked for on this stream (named holders first, then the bytes)
+            # Weights asked for on this stream, each with when it was first (_weights_sends then): named holders
+            # first, then maybe workers this client began sending them to since, then the bytes.
+            asked: dict[str, int] = {}
             budget = [len(request.program)]  # program bytes this stream may still carry
-            for _ in range(3 + 3 * _tensor_rounds(request)):
+            for _ in range(3 + 4 * _tensor_rounds(request)):
                 if not isinstance(reply, Send):
                     break
                 t0 = time.perf_counter()
@@ -417,7 +426,8 @@ class P2PTransport(BaseTransport):
 
     async def _send_what_is_asked(self, worker_id: str, maddrs: Sequence[str], request: JobRequest, ask: Send,
                                   writer, program_crossed: asyncio.Future | None, named: list[str] | None = None,
-                                  asked_tensors: set[str] | None = None, budget: list[int] | None = None) -> int:
+                                  asked_tensors: dict[str, int] | None = None, budget: list[int] | None = None
+                                  ) -> int:
         """Answer a worker's Send; returns the bytes sent. A worker that lacks the program and can fetch it from
         peers hears who holds it, if anyone does: the program crosses this client's link once, not once per
         worker. ``named``: this stream's holders that only records vouch for (added to here; if the worker asks for
@@ -488,11 +498,12 @@ class P2PTransport(BaseTransport):
         return sent
 
     async def _send_tensors(self, worker_id: str, request: JobRequest, ask: Send, writer,
-                            asked: set[str] | None = None) -> int:
+                            asked: dict[str, int] | None = None) -> int:
         """The weights the job names by reference that the worker holds nowhere, in the order asked (only the job's
         own: a worker cannot ask this client for anything else). Asked for the first time on this stream while
-        workers keep their checkpoint, the answer names those instead (TensorHolders); asked again, the bytes go.
-        ``asked``: what this stream asked for before (added to here)."""
+        workers keep their checkpoint, the answer names those instead (TensorHolders); asked again (``Send.again``),
+        the workers this client began sending any of them to since, once; else the bytes go. ``asked``: what this
+        stream asked for before, and when (added to here)."""
         found = [_weight(request, sha) for sha in ask.tensors]
         if any(f is None for f in found) or ask.program or ask.inputs or len(set(ask.tensors)) < len(ask.tensors):
             raise ProtocolError(f"worker {worker_id[-8:]} asked for weights this job does not name (or one twice)")
@@ -506,8 +517,21 @@ class P2PTransport(BaseTransport):
         others = [w for w in had if w != worker_id]
         holders = tuple(dict.fromkeys([*(h for h in request.weight_holders if h != worker_id), *others]))[
             :protocol.MAX_HOLDERS]
-        if asked is not None and holders and not asked.intersection(ask.tensors):
-            asked.update(ask.tensors)
+        first = asked is not None and not any(sha in asked for sha in ask.tensors)
+        if asked is not None and first and holders:
+            asked.update(dict.fromkeys(ask.tensors, self._weights_sends))
+        elif asked is not None and ask.again and not request.private:
+            # Asked again: workers this client began sending any of them to after this stream's first ask (two
+            # workers that missed the same weight at once: the second waits for the first's copy, which it
+            # serves once it lands). Once: asked once more, the bytes come.
+            since = min(asked.get(sha, self._weights_sends) for sha in ask.tensors)
+            holders = tuple(w for w, (began, shas) in (self._weights_to.get(request.program_hash) or {}).items()
+                            if w != worker_id and began > since and shas.intersection(ask.tensors)
+                            )[:protocol.MAX_HOLDERS]
+            asked.update(dict.fromkeys(ask.tensors, _ASKED_AGAIN))  # asked once more, the bytes come
+        else:
+            holders = ()
+        if holders:
             # A grant for every holder, not only those this client sent the weights to yet: one named for keeping
             # the checkpoint may have been sent a tensor its own file got wrong by the time this worker asks it.
             grants = tuple((peer, proof(token, PIECE, peer, worker_id)) for peer in holders)
@@ -517,12 +541,29 @@ class P2PTransport(BaseTransport):
         if not_held is not None:  # no holder named, or none delivered: this worker cannot run it
             raise not_held
         total = sum(memoryview(f).nbytes for f in found)
-        await protocol.write(writer, Payload(None, None, total, token=token))
-        for data in found:
-            await protocol.write_payload(writer, data)
+        sending = self._sending_weights(request, worker_id, ask.tensors)
+        try:
+            await protocol.write(writer, Payload(None, None, total, token=token))
+            for data in found:
+                await protocol.write_payload(writer, data)
+        except BaseException:
+            sending.pop(worker_id, None)  # (it will not hold them: nobody is pointed at it for them)
+            raise
         self.program_bytes_sent += total
         self.weight_bytes_sent += total
         return total
+
+    def _sending_weights(self, request: JobRequest, worker_id: str, tensors) -> dict:
+        """Note that these weights' bytes go to ``worker_id`` now (before anything is awaited: a worker asking again
+        at the same moment is pointed at it); returns the program's map of such workers."""
+        self._weights_sends += 1
+        sending = {} if request.private else self._weights_to.get(request.program_hash)
+        if sending is None:
+            sending = {}
+            self._weights_to.put(request.program_hash, sending)
+        _, had = sending.get(worker_id, (0, frozenset()))
+        sending[worker_id] = (self._weights_sends, had | frozenset(tensors))
+        return sending
 
     async def holds(self, worker_id: str, request: JobRequest) -> bytes | None:
         """This client's proof, for ``worker_id``, that it holds the program's bytes (None for a private program,
@@ -603,6 +644,8 @@ class P2PTransport(BaseTransport):
             ran.pop(worker_id, None)
         for at in self._weights_at.values():
             at.pop(worker_id, None)
+        for to in self._weights_to.values():
+            to.pop(worker_id, None)
 
     async def settle(self, worker_id: str, items: Sequence[tuple[str, bytes]]) -> None:
         await self.rpc.call(worker_id, Door.SETTLE, SettleBatch(tuple(items)), Ok, Error)

@@ -150,9 +150,16 @@ class Send(Message):
     #: of the pieces they did not (of the piece list the client sent). The client sends those pieces, one after
     #: another, ``program_size`` their total; an older client sends the whole program (``program_size`` its size).
     missing: tuple[int, ...] = ()
+    #: Asking for ``tensors`` again, after the holders the client named did not deliver them: the client may answer
+    #: once more with :class:`TensorHolders`, naming workers it began sending them to since (they answer "busy" until
+    #: the bytes land): two workers missing one weight at once then cost the client one copy, not two. Unset (an
+    #: older worker, or the last ask), the bytes come.
+    again: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         d = {"t": self.T, "program": self.program, "inputs": self.inputs}
+        if self.again:
+            d["again"] = True
         if self.pieces:
             d["pieces"] = True
         if self.tensors:
@@ -173,9 +180,12 @@ class Send(Message):
                 and all(a < b for a, b in zip(missing, missing[1:]))):
             raise ProtocolError(f"send: missing must list ascending piece indices below {MAX_PIECES}")
         message = cls(typed_field(d, "program", bool), typed_field(d, "inputs", bool),
-                      bool(typed_field(d, "pieces", bool, optional=True)), tuple(wanted), tuple(missing))
+                      bool(typed_field(d, "pieces", bool, optional=True)), tuple(wanted), tuple(missing),
+                      bool(typed_field(d, "again", bool, optional=True)))
         if message.missing and not message.program:
             raise ProtocolError("send: missing pieces are pieces of the program")
+        if message.again and not message.tensors:
+            raise ProtocolError("send: again is said of weights asked for again")
         return message
 
 

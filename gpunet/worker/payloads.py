@@ -223,22 +223,29 @@ class StreamPayloads:
         """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
         WeightRefs, each sha256 once): each streamed into the tensor store, hashed on the way in; one wrong byte is
         the client's ProtocolError, and nothing of that tensor is kept. A client that names workers keeping their
-        checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``."""
+        checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``; asked again, it
+        may first name the workers it began sending those to meanwhile (``Send.again``), then it sends the rest."""
         for start in range(0, len(wanted), MAX_TENSORS_ASKED):
             chunk = wanted[start:start + MAX_TENSORS_ASKED]
             # Asked of the client, they come from it (peers asking here wait), unless it names holders.
             store.expect((r.sha256 for r in chunk), store.CLIENT)
             await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
             reply = await protocol.read(self.reader, Payload, TensorHolders, timeout=FRAME_TIMEOUT)
-            if isinstance(reply, TensorHolders):  # other workers have them: from them, what they deliver
-                store.expect((r.sha256 for r in chunk), store.PEERS)
+            for again in (True, False):
+                if not isinstance(reply, TensorHolders):
+                    break
+                store.expect((r.sha256 for r in chunk), store.PEERS)  # other workers have them: what they deliver
                 if self.fetcher is not None:
                     chunk = await self._from_holders(chunk, reply, store, timeout)
                 if not chunk:
-                    continue
+                    break
                 store.expect((r.sha256 for r in chunk), store.CLIENT)
-                await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
-                reply = await protocol.read(self.reader, Payload, timeout=FRAME_TIMEOUT)
+                await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk),
+                                                       again=again))
+                reply = await protocol.read(self.reader, *((Payload, TensorHolders) if again else (Payload,)),
+                                            timeout=FRAME_TIMEOUT)
+            if not chunk:
+                continue
             if (reply.tensors_size != sum(r.nbytes for r in chunk) or reply.program_size is not None
                     or reply.inputs_size is not None):
                 raise ProtocolError("the weights sent differ in size from those asked for")
