@@ -70,8 +70,9 @@ def test_sigkilled_worker_expires_and_sigterm_leaves_at_once(swarm):
 
     # A crash: the record stays until it expires (3 heartbeats of 1 s), then vanishes on its own.
     doomed.kill()
-    wait_for(lambda: ids[doomed] not in {w["id"] for w in swarm.status()["workers"]}, 15, "killed worker to expire")
-    assert _online_ids(swarm.status()) == {ids[staying]}
+    listed = swarm.wait_for_status(lambda s: ids[doomed] not in {w["id"] for w in s["workers"]},
+                                   "killed worker to expire", timeout=15)
+    assert _online_ids(listed) == {ids[staying]}
     # The killed worker's DHT process and p2p daemon noticed and stopped on their own.
     wait_for(lambda: not doomed.group_alive(), 15, "orphaned DHT process of the killed worker to exit")
 

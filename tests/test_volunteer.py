@@ -18,15 +18,11 @@ from tests.test_market import lane_jobs, spin_job
 pytestmark = pytest.mark.swarm
 
 
-def state_of(swarm, proc) -> tuple[str, str | None]:
-    worker = next((w for w in swarm.status()["workers"] if w["id"] == proc.id), None)
-    return (worker["state"], worker.get("pause_reason")) if worker else ("gone", None)
-
-
 def wait_state(swarm, proc, state: str, timeout: float = 45) -> str | None:
     """Wait until ``gpunet status`` shows the worker in ``state``; returns its pause reason."""
-    return wait_for(lambda: s if (s := state_of(swarm, proc))[0] == state else None, timeout,
-                    f"the worker to be {state}", interval=0.5)[1]
+    status = swarm.wait_for_status(lambda s: any(w["id"] == proc.id and w["state"] == state for w in s["workers"]),
+                                   f"the worker to be {state}", timeout=timeout)
+    return next(w for w in status["workers"] if w["id"] == proc.id).get("pause_reason")
 
 
 def test_pause_and_resume_by_hand_send_jobs_elsewhere_meanwhile(swarm, client_for):

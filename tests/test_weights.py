@@ -18,8 +18,8 @@ def _big_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(4096, 4096, bias=False) for _ in range(3))).eval()
 
 
-def _peer_bytes(swarm) -> dict[str, dict]:
-    return {w["id"]: w["peer_bytes"] for w in swarm.status()["workers"]}
+def _peer_bytes(status: dict) -> dict[str, dict]:
+    return {w["id"]: w["peer_bytes"] for w in status["workers"]}
 
 
 @pytest.mark.swarm
@@ -42,8 +42,9 @@ def test_a_program_crosses_the_client_link_once_and_workers_fetch_it_from_each_o
     assert future.checked
     assert sent == size, f"the client sent {sent} program bytes for a {size}-byte program"
     ids = {swarm.worker_id(w) for w in workers}
-    peer_bytes = wait_for(lambda: (lambda b: b if sum(v["fetched"] for v in b.values()) == 2 * size else None)(
-        _peer_bytes(swarm)), 30, "two workers' records to say they fetched the program from a peer")
+    peer_bytes = _peer_bytes(swarm.wait_for_status(
+        lambda s: sum(v["fetched"] for v in _peer_bytes(s).values()) == 2 * size,
+        "two workers' records to say they fetched the program from a peer", timeout=30))
     assert set(peer_bytes) == ids
     assert sorted(v["fetched"] for v in peer_bytes.values()) == [0, size, size]
     assert sum(v["served"] for v in peer_bytes.values()) == 2 * size
@@ -100,8 +101,9 @@ def test_a_cold_start_of_five_workers_at_once_costs_the_client_one_copy(swarm):
     assert sent <= 1.2 * size, f"the client sent {sent / size:.2f} copies"
     # The copy each worker that ran it holds came from the client or, whole, from peers (their records say which).
     copies = round(sent / size)
-    peer_bytes = wait_for(lambda: (lambda b: b if sum(v["fetched"] for v in b.values()) + sent >= len(ran) * size
-                                   else None)(_peer_bytes(swarm)), 30, "the workers' records to account for every copy")
+    peer_bytes = _peer_bytes(swarm.wait_for_status(
+        lambda s: sum(v["fetched"] for v in _peer_bytes(s).values()) + sent >= len(ran) * size,
+        "the workers' records to account for every copy", timeout=30))
     assert set(peer_bytes) == {swarm.worker_id(w) for w in workers}
     assert all(v["fetched"] in (0, size) for v in peer_bytes.values())
     fetched = sum(v["fetched"] for v in peer_bytes.values())
