@@ -182,11 +182,13 @@ def test_a_bucket_whose_search_never_ends_costs_only_that_bucket(monkeypatch):
 
     monkeypatch.setattr(registry, "BUCKET_TIMEOUT", 0.2)
 
-    class Node:
-        async def get(self, key, latest=False):
-            if key == "hung":
-                await asyncio.Event().wait()
-            return SimpleNamespace(value={"w": SimpleNamespace(value={"a": 1}, expiration_time=7.0)})
+    class Node:  # hivemind's DHTNode.get_many(return_futures=True): a future per key, set as its search ends
+        async def get_many(self, keys, sufficient_expiration_time=None, return_futures=False):
+            assert return_futures and sufficient_expiration_time == float("inf")  # the latest value of each
+            futures = {key: asyncio.get_running_loop().create_future() for key in keys}
+            futures["fine"].set_result(SimpleNamespace(value={"w": SimpleNamespace(value={"a": 1},
+                                                                                   expiration_time=7.0)}))
+            return futures  # "hung": never set
 
     out = asyncio.run(registry._read_buckets(None, Node(), ["hung", "fine"]))
     assert out == [("w", {"a": 1}, 7.0)]
