@@ -134,6 +134,35 @@ def test_the_folders_hashes_are_kept_in_the_clients_data_dir(tmp_path):
     assert kept[0].stat().st_mtime_ns >= stamp
 
 
+def test_a_model_alike_takes_the_traced_spans_with_its_own_weights(tmp_path, monkeypatch):
+    """Tracing a decoder's spans takes seconds (minutes for a big model); a second model of the same architecture in
+    the same process (the folder opened again, another checkpoint of it: the same class and configuration, dtype
+    and length) takes the graphs traced for the first and binds its own weights: its programs are byte for byte the
+    ones a fresh trace makes, named by reference or carried. Another length is another architecture: traced."""
+    from gpunet.job import trace as tracing
+
+    one = save_checkpoint(tmp_path / "one", "llama", seed=1)
+    two = save_checkpoint(tmp_path / "two", "llama", seed=2)
+    fresh = {}
+    for by_reference in (True, False):
+        tracing._traces.clear()
+        fresh[by_reference] = [s.job.program_hash for s in CausalLMCore.open(
+            _NoWorkers(), two, max_length=MAX, spans=1, by_reference=by_reference).spans]
+    tracing._traces.clear()
+    for by_reference in (True, False):
+        CausalLMCore.open(_NoWorkers(), one, max_length=MAX, spans=1, by_reference=by_reference)
+    traced = []
+    real_trace = tracing.trace
+    monkeypatch.setattr(tracing, "trace", lambda *a, **k: traced.append(1) or real_trace(*a, **k))
+    for by_reference in (True, False):
+        alike = CausalLMCore.open(_NoWorkers(), two, max_length=MAX, spans=1, by_reference=by_reference)
+        assert [s.job.program_hash for s in alike.spans] == fresh[by_reference]
+    assert traced == []
+    assert bool(alike.spans[0].job.manifest.refs) is False and fresh[True] != fresh[False]
+    CausalLMCore.open(_NoWorkers(), two, max_length=MAX // 2, spans=1)
+    assert traced == [1]
+
+
 def _slim(source, target) -> None:
     from typer.testing import CliRunner
 

@@ -30,7 +30,7 @@ from gpunet.job.format import (
     weights_start,
 )
 from gpunet.job.interpreter import run_program
-from gpunet.job.trace import _FunctionModule, trace
+from gpunet.job.trace import _FunctionModule, trace, trace_alike
 from gpunet.job.validator import WorkerLimits, load_program
 
 #: The client's own dry run (estimates, run_locally) checks what a worker does, with a worker's default limits except
@@ -61,7 +61,7 @@ class Job:
     def from_module(
         cls, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor] = (), dynamic_shapes: Any = None,
         limits: JobLimits | None = None, example_kwargs: dict[str, torch.Tensor] | None = None, state: int = 0,
-        stand_ins: StandIns | None = None, batch: str | None = None,
+        stand_ins: StandIns | None = None, batch: str | None = None, trace_key: Any = None,
     ) -> "Job":
         """Trace ``module`` locally with torch.export (dynamic dims via ``torch.export.Dim``) into a Job.
         ``example_inputs``: a tuple of tensors, one per positional input (a single tensor is taken as a 1-tuple);
@@ -70,10 +70,15 @@ class Job:
         ``forward(x, *state) -> (y, *new_state)`` with this many state tensors (docs/sessions.md). ``stand_ins``:
         the module's weights include stand-ins for a checkpoint's tensors (no bytes here), named by reference.
         ``batch``: the name of the dynamic dim (first of every input, state included) whose rows are sessions that a
-        worker may batch (Manifest.batch): the module computes each row from its own rows alone."""
+        worker may batch (Manifest.batch): the module computes each row from its own rows alone. ``trace_key``: the
+        module is built alike with any other traced under this key in this process, whose graph it takes
+        (:func:`gpunet.job.trace.trace_alike`)."""
         if isinstance(example_inputs, torch.Tensor):
             example_inputs = (example_inputs,)
-        t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
+        if trace_key is not None and not example_kwargs:
+            t = trace_alike(trace_key, module, example_inputs, dynamic_shapes)
+        else:
+            t = trace(module, example_inputs, dynamic_shapes, example_kwargs)
         refs, weights = _stood_in(t, stand_ins)
         manifest = Manifest(
             torch_version=torch.__version__,

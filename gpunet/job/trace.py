@@ -7,14 +7,18 @@ named integer dimension ranges and safetensors weights. The worker never sees a 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import inspect
 import io
 import logging
 import math
 import operator
+import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -43,6 +47,9 @@ class Traced:
     out_spec: Any = None  # the same as torch's TreeSpec: rebuilds the very types, in this process
     #: The module's own tensor behind each weight (a stand-in for a checkpoint's tensor is known by identity).
     sources: dict[str, torch.Tensor] | None = None
+    #: Where each weight came from: the module's parameter or buffer (its name in the module), or a tensor attribute
+    #: or a constant its code made (``("constant", name)``), for :func:`trace_alike`.
+    targets: dict[str, tuple[str, str]] | None = None
 
 
 #: How deep, and how many containers, an output structure may have.
@@ -194,6 +201,72 @@ def trace(
         for spec, name in zip(traced.inputs[len(example_inputs) - len(names):], names):
             spec["name"] = name
     return traced
+
+
+#: Traces of modules built alike (the caller's ``key`` to :func:`trace_alike`), kept in this process without their
+#: weights: the most recently used this many.
+TRACES_KEPT = 32
+_traces: OrderedDict[Hashable, tuple[Traced, dict[str, tuple]]] = OrderedDict()
+_traces_lock = threading.Lock()
+
+
+def trace_alike(key: Hashable | None, module: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                dynamic_shapes: Any = None) -> Traced:
+    """:func:`trace`, or the graph of a module traced before that the caller built alike, with this module's own
+    weights. ``key`` must name everything the graph depends on besides this process's code: a model's class and
+    configuration, its dtype, the example inputs' shapes and dynamic dims (gpunet.client.llm keys a span so). Tracing
+    a decoder span takes seconds to minutes; the same architecture opened again (the same folder, another
+    checkpoint of it, each of a gateway's models alike) takes its graph from here. Each weight is bound to the
+    module's tensor of the same name, which must have the same shape, dtype and strides (else it is traced anew);
+    constants its code made are the graph's own."""
+    with _traces_lock:
+        kept = _traces.get(key) if key is not None else None
+        if kept is not None:
+            _traces.move_to_end(key)
+    if kept is not None:
+        bound = _bind(*kept, module)
+        if bound is not None:
+            return bound
+    traced = trace(module, example_inputs, dynamic_shapes)
+    if key is not None and traced.targets is not None:
+        layout = {name: _layout(traced.sources[name]) for name in traced.weights}
+        constants = {name: w for name, w in traced.weights.items() if traced.targets[name][0] == "constant"}
+        bare = copy.deepcopy(dataclasses.replace(traced, weights=constants, sources=None, out_spec=None))
+        with _traces_lock:
+            _traces[key] = (dataclasses.replace(bare, out_spec=traced.out_spec), layout)
+            while len(_traces) > TRACES_KEPT:
+                _traces.popitem(last=False)
+    return traced
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.stride(), t.device.type
+
+
+def _bind(kept: Traced, layout: dict[str, tuple], module: torch.nn.Module) -> Traced | None:
+    """A kept trace with ``module``'s weights (None where one is missing or laid out otherwise)."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    weights, sources = {}, {}
+    for name, (kind, target) in kept.targets.items():
+        t = named.get(target) if kind == "module" else _attribute(module, target)
+        if t is None and kind == "constant":
+            t = kept.weights[name]  # made by the module's code: the same for a module built alike
+        if not isinstance(t, torch.Tensor) or _layout(t) != layout[name]:
+            return None
+        sources[name], weights[name] = t, t.detach().contiguous()
+    fresh = copy.deepcopy(dataclasses.replace(kept, weights={}, out_spec=None))
+    return dataclasses.replace(fresh, weights=weights, sources=sources, out_spec=kept.out_spec)
+
+
+def _attribute(module: torch.nn.Module, path: str) -> Any:
+    """``module.a.b.c`` for ``"a.b.c"`` (a tensor attribute torch.export lifted as a constant), or None."""
+    found: Any = module
+    for part in path.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
 
 
 #: Why a module that updates tensors in place cannot be a job, and what to do instead.
@@ -416,6 +489,7 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     weights: dict[str, torch.Tensor] = {}
     sources: dict[str, torch.Tensor] = {}
+    targets: dict[str, tuple[str, str]] = {}
     input_names: list[str] = []
     for spec in sig.input_specs:
         name = spec.arg.name
@@ -423,6 +497,7 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
             input_names.append(name)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             t = ep.state_dict.get(spec.target)
+            targets[name] = ("module" if t is not None else "constant", spec.target)
             if t is None:
                 t = ep.constants[spec.target]
             sources[name] = t
@@ -506,4 +581,4 @@ def _convert(ep: torch.export.ExportedProgram, user_dims: dict[tuple[int, int], 
             tree = _output_tree(out_spec)
     graph = {"inputs": input_names, "weights": list(weights), "nodes": nodes, "outputs": [_encode_arg(a) for a in out_args]}
     return Traced(graph, ops, inputs, outputs, structure, dims, weights, tree, out_spec if tree is not None else None,
-                  sources)
+                  sources, targets)

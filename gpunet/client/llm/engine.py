@@ -134,6 +134,34 @@ def open_model(model_or_path, tokenizer=None, dtype: torch.dtype | None = None):
     return model, tokenizer
 
 
+def _architecture(model, dtype: torch.dtype, max_length: int) -> tuple:
+    """What a decoder's traced spans depend on besides gpunet's and transformers' code: its class, its whole
+    configuration (not where it was read from) and attention implementation, its dtype and length. Two models alike
+    so (the same folder opened again, another checkpoint of the same architecture) trace to the same graphs, which a
+    span then takes from the first (gpunet.job.trace.trace_alike) instead of tracing again: seconds to minutes."""
+    import json
+
+    import transformers
+
+    def private(config) -> dict:  # what the JSON leaves out: the attention and experts implementations chosen
+        out = {}
+        for k, v in vars(config).items():
+            if hasattr(v, "to_json_string"):
+                out[k] = private(v)
+            elif k.startswith("_") and k != "_name_or_path" and isinstance(v, (str, int, float, bool, type(None))):
+                out[k] = v
+        return out
+
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    # The code the layers run: a forward patched since (on a class, or on one module) is another architecture.
+    code = sorted({(type(m).__module__, type(m).__qualname__, id(type(m).forward), id(vars(m).get("forward")))
+                   for m in model.modules()})
+    return ("causal_lm", type(model).__module__, type(model).__qualname__, json.dumps(config, sort_keys=True),
+            json.dumps(private(model.config), sort_keys=True), str(dtype), max_length, transformers.__version__,
+            tuple(code))
+
+
 class CausalLMCore:
     """A causal LM served by the swarm: embeddings and head here, decoder layers in spans on workers."""
 
@@ -160,7 +188,8 @@ class CausalLMCore:
         # Rows are sessions (adapter.DecoderBlock computes each from its own): a worker may batch them.
         self.seq: SequentialCore = build(core, blocks, (example,), ({1: Dim("T", min=1, max=self.max_length)},),
                                          spans, None, requirements, stand_ins,
-                                         rows=Dim("B", min=1, max=MAX_BATCH_ROWS))
+                                         rows=Dim("B", min=1, max=MAX_BATCH_ROWS),
+                                         trace_key=_architecture(self.model, dtype, self.max_length))
 
     @classmethod
     def open(cls, core, model_or_path, *, tokenizer=None, dtype: torch.dtype | None = None, by_reference: bool = True,

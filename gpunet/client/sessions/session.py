@@ -72,10 +72,10 @@ PUSH_RETRY_STEPS = 16
 
 def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shapes=None, spans: int | None = None,
           initial_state: Sequence[Any] | None = None, requirements: Requirements | None = None,
-          stand_ins=None, rows=None) -> "SequentialCore":
+          stand_ins=None, rows=None, trace_key=None) -> "SequentialCore":
     """Cut ``blocks`` into spans (``spans`` of them, or as few as the known workers' memory needs) and trace them
     (``stand_ins``: their weights stand for a checkpoint's tensors, see gpunet.job.checkpoints.StandIns; ``rows``:
-    the blocks' batch dim, see trace_spans)."""
+    the blocks' batch dim; ``trace_key``: see trace_spans)."""
     blocks = list(blocks)
     if not blocks or not all(isinstance(b, torch.nn.Module) for b in blocks):
         raise UsageError("sequential takes a non-empty list of torch.nn.Module blocks")
@@ -93,7 +93,7 @@ def build(core, blocks: Sequence[torch.nn.Module], example_inputs, dynamic_shape
         spans = spans_needed(sizes, [w.record.device.memory_free for w in core.workers()])
     ranges = plan_spans(sizes, spans)
     return SequentialCore(core, trace_spans(blocks, example_inputs, dynamic_shapes, ranges, initial_state,
-                                            stand_ins, rows), requirements)
+                                            stand_ins, rows, trace_key), requirements)
 
 
 class SequentialCore:

@@ -142,12 +142,14 @@ def _dims_of(job, output: int = 0) -> dict[int, Any] | None:
 
 def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torch.Tensor], dynamic_shapes: Any,
                 ranges: Sequence[tuple[int, int]], initial_state: Sequence[Any] | None = None,
-                stand_ins=None, rows=None) -> list[Span]:
+                stand_ins=None, rows=None, trace_key: Any = None) -> list[Span]:
     """Trace each range of blocks into a job, feeding each the previous span's output on the example input.
     ``stand_ins`` (gpunet.job.checkpoints.StandIns): the blocks' weights stand for a checkpoint's tensors.
     ``rows`` (a torch.export Dim): the blocks compute each row of dim 0 of their input and state from its own rows
     alone, so a stateful span is traced with that dim dynamic and declared its batch dim (Manifest.batch): a worker
-    may run several sessions' steps of it as one forward. Each session holds one row."""
+    may run several sessions' steps of it as one forward. Each session holds one row. ``trace_key``: the blocks
+    are built alike with others traced under this key (a model's class and configuration, its dtype and length):
+    a span whose range and example are the same again takes their graph (gpunet.job.trace.trace_alike)."""
     from gpunet.job import Job
 
     if isinstance(example_inputs, torch.Tensor):
@@ -179,13 +181,32 @@ def trace_spans(blocks: Sequence[torch.nn.Module], example_inputs: Sequence[torc
         except Exception as e:
             raise UnsupportedProgram(f"blocks {start}-{stop - 1} fail on the example input: {type(e).__name__}: "
                                      f"{str(e)[:500]}") from e
+        key = None if trace_key is None else (trace_key, start, stop, _example_key(examples), _shapes_key(shapes),
+                                              batch, stand_ins is not None)
         job = Job.from_module(module, example_inputs=examples, dynamic_shapes=shapes, state=len(state),
-                              stand_ins=stand_ins, batch=batch)
+                              stand_ins=stand_ins, batch=batch, trace_key=key)
         x = out[0] if state else out
         x_dims = _dims_of(job)
         spans.append(Span(start, stop, job, state, all(not t.any() for t in state),
                           sum(block_bytes(b) for b in blocks[start:stop])))
     return spans
+
+
+def _example_key(examples: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), str(t.dtype), t.device.type) for t in examples)
+
+
+def _shapes_key(shapes: Any) -> str:
+    """Dynamic shapes as text: torch.export's Dims by name and range."""
+    def text(d):
+        if hasattr(d, "min") and hasattr(d, "max"):
+            return f"Dim({d.__name__},{d.min},{d.max})"
+        if isinstance(d, dict):
+            return "{" + ",".join(f"{k}:{text(v)}" for k, v in sorted(d.items())) + "}"
+        if isinstance(d, (tuple, list)):
+            return "(" + ",".join(text(v) for v in d) + ")"
+        return repr(d)
+    return text(shapes)
 
 
 def spans_needed(sizes: Sequence[int], free_memory: Sequence[int]) -> int:
