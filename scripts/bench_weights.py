@@ -16,7 +16,9 @@ is the program's getting there and loading). In order:
 7. (no network, ``--parts client``) **the client's memory**: a Llama checkpoint folder (about 600 MB of decoder
    layers) opened by ``causal_lm``'s engine in a fresh process, loaded whole and traced (the old way), opened thin
    (the layers traced from stand-ins, never read), and from a slim folder (``gpunet checkpoint slim``); each
-   process's peak RSS beside one that only imports the same libraries, and the slim folder's size on disk.
+   process's peak RSS beside one that only imports the same libraries, and the slim folder's size on disk. Also
+   the time to open it thin after another checkpoint of the same architecture in the same process (the spans'
+   graphs reused: gpunet.job.trace.trace_alike) against the fresh process's.
 5. (a third network) a **cold start of many workers at once** (``--cold-workers``, default 10): four jobs per worker
    sent together; the client's copies (target <= 1.2), the time until every worker has run one against one copy's
    transfer over raw loopback TCP (target <= 1.5x where links, not CPUs, are the limit), and each worker's bytes.
@@ -158,6 +160,8 @@ def main() -> None:
         for how in ("whole", "thin", "slim"):
             print(f"  {how}: +{figures[f'client_{how}_rss_mb'] - base:.0f} MB, opened and traced in "
                   f"{figures[f'client_{how}_s']:.1f} s")
+        print(f"  thin, after another checkpoint of the same architecture in the same process (its spans' graphs "
+              f"reused): opened in {figures['client_again_s']:.1f} s")
         print(f"  the slim folder: {figures['client_slim_folder_bytes'] / 1e6:.1f} MB on disk")
 
 
@@ -170,6 +174,8 @@ class NoWorkers:
     data_dir = None
     def workers(self):
         return []
+if sys.argv[1] == "again":  # another checkpoint of the same architecture opened before: its spans' graphs reused
+    CausalLMCore.open(NoWorkers(), sys.argv[3], max_length=64, spans=3)
 t0 = time.perf_counter()
 if sys.argv[1] != "import":
     CausalLMCore.open(NoWorkers(), sys.argv[2], max_length=64, spans=3, by_reference=sys.argv[1] != "whole")
@@ -195,9 +201,12 @@ def client_memory() -> dict:
         out["client_layer_bytes"] = sum(length for name, _, _, _, length in read_header(folder / "model.safetensors")
                                         if ".layers." in name)
         out["client_slim_folder_bytes"] = sum(p.stat().st_size for p in (Path(tmp) / "slim").iterdir())
-        for how, path in (("import", folder), ("whole", folder), ("thin", folder), ("slim", Path(tmp) / "slim")):
-            done = subprocess.run([sys.executable, "-c", _OPEN, how, str(path)], capture_output=True, text=True,
-                                  check=True, cwd=Path(__file__).resolve().parent.parent)
+        other = save_checkpoint(Path(tmp) / "other", "llama", seed=1, hidden_size=1024, intermediate_size=2816,
+                                num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16)
+        for how, path in (("import", folder), ("whole", folder), ("thin", folder), ("slim", Path(tmp) / "slim"),
+                          ("again", folder)):
+            done = subprocess.run([sys.executable, "-c", _OPEN, how, str(path), str(other)], capture_output=True,
+                                  text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
             got = json.loads(done.stdout.strip().splitlines()[-1])
             key = "client_import_only" if how == "import" else f"client_{how}"
             out[f"{key}_rss_mb"], out[f"{key}_s"] = round(got["rss_mb"], 1), round(got["s"], 2)

@@ -101,3 +101,53 @@ def test_from_function_traces_a_plain_function():
     job = Job.from_function(lambda a, b: (a @ b).relu(), (torch.randn(3, 4), torch.randn(4, 5)))
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     assert torch.equal(job.run_locally(a, b), (a @ b).relu())
+
+
+def test_a_module_built_alike_takes_the_kept_graph_only_with_the_very_same_tensors(monkeypatch):
+    """gpunet.job.trace.trace_alike (what causal_lm uses for its spans): a module under a key traced before takes that
+    graph with its own weights, the program byte for byte a fresh trace's; one whose parameters or buffers differ
+    in any way (another name, a tied pair untied, another layout), or one with a hook, is traced anew."""
+    from gpunet.job import trace as tracing
+
+    class Net(torch.nn.Module):
+        def __init__(self, tied: bool = True, extra: bool = False):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+            if tied:
+                self.b.weight = self.a.weight
+            if extra:
+                self.c = torch.nn.Parameter(torch.zeros(8))
+            self.register_buffer("scale", torch.full((8,), 2.0), persistent=False)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))) * self.scale
+
+    x = torch.randn(2, 8)
+    key = ("test", "Net")
+    monkeypatch.setattr(tracing, "_traces", tracing.OrderedDict())
+    traced = []
+    real = tracing.trace
+    monkeypatch.setattr(tracing, "trace", lambda *a, **k: traced.append(1) or real(*a, **k))
+
+    def job(module):
+        return Job.from_module(module.eval(), (x,), trace_key=key)
+
+    torch.manual_seed(1)
+    job(Net())
+    torch.manual_seed(2)
+    second = Net()
+    second.scale.fill_(3.0)  # a buffer outside the state dict is this module's too
+    alike = job(second)
+    assert len(traced) == 1
+    with torch.no_grad():
+        assert torch.equal(alike.run_locally(x), second(x))
+    assert alike.program_hash == Job.from_module(second, (x,)).program_hash
+    traced.clear()
+    for other in (Net(tied=False), Net(extra=True)):
+        assert torch.equal(job(other).run_locally(x), other(x).detach())
+    assert len(traced) == 2
+    hooked = Net()
+    hooked.a.register_forward_hook(lambda module, args, out: out * 0)
+    traced.clear()
+    assert torch.equal(job(hooked).run_locally(x), hooked(x).detach())
+    assert len(traced) == 1

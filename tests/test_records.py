@@ -21,7 +21,7 @@ from gpunet.dht.validation import (
     key_id,
     network_validators,
 )
-from gpunet.errors import InvalidRecord
+from gpunet.errors import InvalidRecord, NetworkError
 from gpunet.identity import Identity
 
 
@@ -186,9 +186,13 @@ def test_a_bucket_whose_search_never_ends_costs_only_that_bucket(monkeypatch):
         async def get_many(self, keys, sufficient_expiration_time=None, return_futures=False):
             assert return_futures and sufficient_expiration_time == float("inf")  # the latest value of each
             futures = {key: asyncio.get_running_loop().create_future() for key in keys}
-            futures["fine"].set_result(SimpleNamespace(value={"w": SimpleNamespace(value={"a": 1},
-                                                                                   expiration_time=7.0)}))
-            return futures  # "hung": never set
+            if "fine" in futures:
+                futures["fine"].set_result(SimpleNamespace(value={"w": SimpleNamespace(value={"a": 1},
+                                                                                       expiration_time=7.0)}))
+            return futures  # the others: never set
 
     out = asyncio.run(registry._read_buckets(None, Node(), ["hung", "fine"]))
     assert out == [("w", {"a": 1}, 7.0)]
+    # Every bucket's search hung: the listing fails and says so, rather than show an empty network.
+    with pytest.raises(NetworkError, match="no bucket"):
+        asyncio.run(registry._read_buckets(None, Node(), ["hung", "hung too"]))

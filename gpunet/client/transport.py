@@ -187,9 +187,10 @@ class P2PTransport(BaseTransport):
         self._tokens: LRU[str, bytes] = LRU(4096)  # upload tokens, by program (see _upload_token)
         # Per program, the workers this client sent the weights it names by reference, or pointed at holders of them.
         self._weights_at: LRU[str, dict[str, bool]] = LRU(4096)
-        # Per program, the workers this client sends (or sent) weights' bytes to: worker -> (when it began, counted
-        # in _weights_sends, and which). A worker asking again is pointed at those that began after its first ask.
-        self._weights_to: LRU[str, dict[str, tuple[int, frozenset[str]]]] = LRU(4096)
+        # Per program, the workers this client sends (or sent) weights' bytes to: worker -> weight -> when its send
+        # began (counted in _weights_sends). A worker asking again is pointed at those whose send of one of the
+        # weights it asks for began after its first ask.
+        self._weights_to: LRU[str, dict[str, dict[str, int]]] = LRU(4096)
         self._weights_sends = 0
         from gpunet.rpc import KeptStreams  # (here: importing this module must not import hivemind)
 
@@ -524,10 +525,9 @@ class P2PTransport(BaseTransport):
             # Asked again: workers this client began sending any of them to after this stream's first ask (two
             # workers that missed the same weight at once: the second waits for the first's copy, which it
             # serves once it lands). Once: asked once more, the bytes come.
-            since = min(asked.get(sha, self._weights_sends) for sha in ask.tensors)
-            holders = tuple(w for w, (began, shas) in (self._weights_to.get(request.program_hash) or {}).items()
-                            if w != worker_id and began > since and shas.intersection(ask.tensors)
-                            )[:protocol.MAX_HOLDERS]
+            holders = tuple(w for w, began in (self._weights_to.get(request.program_hash) or {}).items()
+                            if w != worker_id and any(began.get(sha, -1) > asked.get(sha, self._weights_sends)
+                                                      for sha in ask.tensors))[:protocol.MAX_HOLDERS]
             asked.update(dict.fromkeys(ask.tensors, _ASKED_AGAIN))  # asked once more, the bytes come
         else:
             holders = ()
@@ -541,29 +541,31 @@ class P2PTransport(BaseTransport):
         if not_held is not None:  # no holder named, or none delivered: this worker cannot run it
             raise not_held
         total = sum(memoryview(f).nbytes for f in found)
-        sending = self._sending_weights(request, worker_id, ask.tensors)
+        began, send = self._sending_weights(request, worker_id, ask.tensors)
         try:
             await protocol.write(writer, Payload(None, None, total, token=token))
             for data in found:
                 await protocol.write_payload(writer, data)
-        except BaseException:
-            sending.pop(worker_id, None)  # (it will not hold them: nobody is pointed at it for them)
+        except BaseException:  # it will not hold these: nobody is pointed at it for them
+            for sha in ask.tensors:
+                if began.get(sha) == send:
+                    del began[sha]
             raise
         self.program_bytes_sent += total
         self.weight_bytes_sent += total
         return total
 
-    def _sending_weights(self, request: JobRequest, worker_id: str, tensors) -> dict:
+    def _sending_weights(self, request: JobRequest, worker_id: str, tensors) -> tuple[dict[str, int], int]:
         """Note that these weights' bytes go to ``worker_id`` now (before anything is awaited: a worker asking again
-        at the same moment is pointed at it); returns the program's map of such workers."""
+        at the same moment is pointed at it); returns that worker's map of weights to sends, and this send's."""
         self._weights_sends += 1
         sending = {} if request.private else self._weights_to.get(request.program_hash)
         if sending is None:
             sending = {}
             self._weights_to.put(request.program_hash, sending)
-        _, had = sending.get(worker_id, (0, frozenset()))
-        sending[worker_id] = (self._weights_sends, had | frozenset(tensors))
-        return sending
+        began = sending.setdefault(worker_id, {})
+        began.update(dict.fromkeys(tensors, self._weights_sends))
+        return began, self._weights_sends
 
     async def holds(self, worker_id: str, request: JobRequest) -> bytes | None:
         """This client's proof, for ``worker_id``, that it holds the program's bytes (None for a private program,

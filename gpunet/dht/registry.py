@@ -23,6 +23,8 @@ from gpunet.errors import GpunetError, NetworkError
 #: a slow honest bucket still comes back when it would have, and a client's listing (which has no limit of its own)
 #: never waits for ever on one.
 BUCKET_TIMEOUT = 28.0
+#: Buckets read by one DHT search (see _read_buckets).
+BUCKETS_PER_SEARCH = 16
 
 
 def announce(
@@ -76,20 +78,26 @@ def _entries(raw: list[tuple[str, object, float]], include_offline: bool) -> lis
 
 
 async def _read_buckets(_dht: DHT, node, keys: list[str]) -> list[tuple[str, object, float]]:
-    """Runs inside the DHT process: the latest value of every bucket, in one search of them all.
+    """Runs inside the DHT process: the latest value of every bucket, in a few searches of BUCKETS_PER_SEARCH.
 
-    One search for all the keys asks each node it reaches for about sqrt(len(keys)) of them at once (hivemind's
-    ``queries_per_call``: 8 of 64), so a reply holds at most 8 buckets, far under the 4 MiB limit; a search per key
-    cost 8 times as many requests (about 160 ms of CPU per listing on the reader and as much on a 4-node network).
+    One search of several keys asks each node it reaches for about the square root of them at once (hivemind's
+    ``queries_per_call``: 4 of 16), so a reply holds at most 4 buckets (~1 MiB at 60,000 workers of 1 KiB records;
+    the daemon refuses 4 MiB); a search per key cost 4 to 8 times as many requests (about 160 ms of CPU per listing
+    on the reader and as much on a 4-node network). A search that fails costs its group of buckets, not the listing.
     """
-    futures = await node.get_many(keys, sufficient_expiration_time=float("inf"), return_futures=True)
+    futures: dict = {}
+    for start in range(0, len(keys), BUCKETS_PER_SEARCH):
+        futures.update(await node.get_many(keys[start:start + BUCKETS_PER_SEARCH],
+                                           sufficient_expiration_time=float("inf"), return_futures=True))
 
     async def one(key: str):
-        # A search that never ends (a reader-side failure inside hivemind leaves its future unset) costs one bucket
+        # A search that never ends (a reader-side failure inside hivemind leaves its future unset) costs its buckets
         # for a while, never the whole listing, nor a client's every refresh (waiting stops that key's search).
         return await asyncio.wait_for(futures[key], BUCKET_TIMEOUT)
 
     results = await asyncio.gather(*(one(key) for key in keys), return_exceptions=True)
+    if keys and all(isinstance(r, BaseException) for r in results):
+        raise NetworkError(f"no bucket of the worker list could be read ({type(results[0]).__name__})")
     out = []
     for result in results:
         if isinstance(result, BaseException) or result is None or not isinstance(result.value, dict):

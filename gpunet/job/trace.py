@@ -47,8 +47,8 @@ class Traced:
     out_spec: Any = None  # the same as torch's TreeSpec: rebuilds the very types, in this process
     #: The module's own tensor behind each weight (a stand-in for a checkpoint's tensor is known by identity).
     sources: dict[str, torch.Tensor] | None = None
-    #: Where each weight came from: the module's parameter or buffer (its name in the module), or a tensor attribute
-    #: or a constant its code made (``("constant", name)``), for :func:`trace_alike`.
+    #: Where each weight came from: the module's parameter or persistent buffer (``("module", its name)``), else a
+    #: tensor attribute or a constant its code made (``("constant", name)``), for :func:`trace_alike`.
     targets: dict[str, tuple[str, str]] | None = None
 
 
@@ -205,8 +205,8 @@ def trace(
 
 #: Traces of modules built alike (the caller's ``key`` to :func:`trace_alike`), kept in this process without their
 #: weights: the most recently used this many.
-TRACES_KEPT = 32
-_traces: OrderedDict[Hashable, tuple[Traced, dict[str, tuple]]] = OrderedDict()
+TRACES_KEPT = 64
+_traces: OrderedDict[Hashable, tuple[Traced, tuple]] = OrderedDict()
 _traces_lock = threading.Lock()
 
 
@@ -219,8 +219,10 @@ def trace_alike(key: Hashable | None, module: torch.nn.Module, example_inputs: S
     checkpoint of it, each of a gateway's models alike) takes its graph from here. Each weight is bound to the
     module's tensor of the same name, which must have the same shape, dtype and strides (else it is traced anew);
     constants its code made are the graph's own."""
+    if key is None or _hooked(module):  # (a hook's code is nobody's key)
+        return trace(module, example_inputs, dynamic_shapes)
     with _traces_lock:
-        kept = _traces.get(key) if key is not None else None
+        kept = _traces.get(key)
         if kept is not None:
             _traces.move_to_end(key)
     if kept is not None:
@@ -228,31 +230,58 @@ def trace_alike(key: Hashable | None, module: torch.nn.Module, example_inputs: S
         if bound is not None:
             return bound
     traced = trace(module, example_inputs, dynamic_shapes)
-    if key is not None and traced.targets is not None:
-        layout = {name: _layout(traced.sources[name]) for name in traced.weights}
-        constants = {name: w for name, w in traced.weights.items() if traced.targets[name][0] == "constant"}
-        bare = copy.deepcopy(dataclasses.replace(traced, weights=constants, sources=None, out_spec=None))
+    if traced.targets is not None:
+        # A constant that is one of the module's tensor attributes (a buffer it keeps out of its state dict) is
+        # bound like a weight; one its code made is kept with the graph.
+        targets = {name: ("attribute", target) if kind == "constant" and isinstance(_attribute(module, target),
+                                                                                    torch.Tensor) else (kind, target)
+                   for name, (kind, target) in traced.targets.items()}
+        made = {name: w for name, w in traced.weights.items() if targets[name][0] == "constant"}
+        bare = copy.deepcopy(dataclasses.replace(traced, weights=made, sources=None, out_spec=None, targets=targets))
         with _traces_lock:
-            _traces[key] = (dataclasses.replace(bare, out_spec=traced.out_spec), layout)
+            _traces[key] = (dataclasses.replace(bare, out_spec=traced.out_spec), _tensors_of(module))
             while len(_traces) > TRACES_KEPT:
                 _traces.popitem(last=False)
     return traced
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.dtype, t.stride(), t.device.type
+    return tuple(t.shape), t.dtype, t.stride(), t.device.type, t.requires_grad
 
 
-def _bind(kept: Traced, layout: dict[str, tuple], module: torch.nn.Module) -> Traced | None:
-    """A kept trace with ``module``'s weights (None where one is missing or laid out otherwise)."""
+def _tensors_of(module: torch.nn.Module) -> tuple:
+    """Every parameter and buffer of the module by name, with its layout and which earlier name it is (tied)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        out.append((name, _layout(t), first.setdefault(id(t), name)))
+    return tuple(out)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    glob = [getattr(nn_module, n, None) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                  "_global_forward_hooks_always_called")]
+    return any(glob) or any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def _bind(kept: Traced, tensors: tuple, module: torch.nn.Module) -> Traced | None:
+    """A kept trace with ``module``'s weights; None unless the module has the very parameters and buffers of the one
+    traced (names, layouts, which are one tensor) and each tensor attribute the graph reads."""
+    if _tensors_of(module) != tensors:
+        return None
     named = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     weights, sources = {}, {}
     for name, (kind, target) in kept.targets.items():
-        t = named.get(target) if kind == "module" else _attribute(module, target)
-        if t is None and kind == "constant":
+        if kind == "module":
+            t = named.get(target)
+        elif kind == "attribute":
+            t = _attribute(module, target)
+        else:
             t = kept.weights[name]  # made by the module's code: the same for a module built alike
-        if not isinstance(t, torch.Tensor) or _layout(t) != layout[name]:
+        if not isinstance(t, torch.Tensor):
             return None
         sources[name], weights[name] = t, t.detach().contiguous()
     fresh = copy.deepcopy(dataclasses.replace(kept, weights={}, out_spec=None))

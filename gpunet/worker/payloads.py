@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 #: The longest weights named by reference are fetched from the workers the client named before the client is asked.
 TENSORS_FROM_PEERS_SECONDS = 120.0
+#: Weights asked of the client again are first looked for at the workers it sends them to (Send.again) only while at
+#: least this long is left of the time for peers.
+AGAIN_LEAST_SECONDS = 5.0
 
 
 #: Where a job's program came from (``Inputs.origin``): its client's own bytes, peers the client named (the
@@ -223,22 +226,26 @@ class StreamPayloads:
         """Weights the program names by reference that the worker found nowhere else, from the client (``wanted``:
         WeightRefs, each sha256 once): each streamed into the tensor store, hashed on the way in; one wrong byte is
         the client's ProtocolError, and nothing of that tensor is kept. A client that names workers keeping their
-        checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``; asked again, it
-        may first name the workers it began sending those to meanwhile (``Send.again``), then it sends the rest."""
+        checkpoint instead (TensorHolders) sends only what those do not deliver within ``timeout``; asked again
+        while time is left, it may first name the workers it began sending those to meanwhile (``Send.again``), which
+        get what is left of ``timeout``, then it sends the rest."""
+        loop = asyncio.get_running_loop()
         for start in range(0, len(wanted), MAX_TENSORS_ASKED):
             chunk = wanted[start:start + MAX_TENSORS_ASKED]
             # Asked of the client, they come from it (peers asking here wait), unless it names holders.
             store.expect((r.sha256 for r in chunk), store.CLIENT)
             await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk)))
             reply = await protocol.read(self.reader, Payload, TensorHolders, timeout=FRAME_TIMEOUT)
+            deadline = loop.time() + timeout  # for peers, in all: a peer that keeps saying "busy" costs no more
             for again in (True, False):
                 if not isinstance(reply, TensorHolders):
                     break
                 store.expect((r.sha256 for r in chunk), store.PEERS)  # other workers have them: what they deliver
                 if self.fetcher is not None:
-                    chunk = await self._from_holders(chunk, reply, store, timeout)
+                    chunk = await self._from_holders(chunk, reply, store, max(0.0, deadline - loop.time()))
                 if not chunk:
                     break
+                again = again and self.fetcher is not None and deadline - loop.time() >= AGAIN_LEAST_SECONDS
                 store.expect((r.sha256 for r in chunk), store.CLIENT)
                 await protocol.write(self.writer, Send(False, False, tensors=tuple(r.sha256 for r in chunk),
                                                        again=again))

@@ -154,12 +154,12 @@ def _architecture(model, dtype: torch.dtype, max_length: int) -> tuple:
 
     config = json.loads(model.config.to_json_string(use_diff=False))
     config.pop("_name_or_path", None)
-    # The code the layers run: a forward patched since (on a class, or on one module) is another architecture.
-    code = sorted({(type(m).__module__, type(m).__qualname__, id(type(m).forward), id(vars(m).get("forward")))
-                   for m in model.modules()})
+    # The code the layers run (the functions themselves: the key holds them, so no other takes their place): a
+    # forward patched since, on a class or on one module, is another architecture.
+    code = frozenset((type(m), type(m).forward, vars(m).get("forward")) for m in model.modules())
     return ("causal_lm", type(model).__module__, type(model).__qualname__, json.dumps(config, sort_keys=True),
-            json.dumps(private(model.config), sort_keys=True), str(dtype), max_length, transformers.__version__,
-            tuple(code))
+            json.dumps(private(model.config), sort_keys=True), str(dtype), str(torch.get_default_dtype()),
+            max_length, transformers.__version__, code)
 
 
 class CausalLMCore:
