@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import sys
@@ -286,12 +287,12 @@ job = gpunet.Job.load(path)
 x = torch.ones(job.manifest.inputs[0].shape)
 with gpunet.Client(initial_peers=[boot], network=network, data_dir=Path(data_dir)) as client:
     wait_for(lambda: len(client.workers(refresh=True)) == workers, 300, f"{workers} workers known")
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     futures = [client.submit(job, x, requirements=gpunet.Requirements(timeout=1800)) for _ in range(4 * workers)]
     for f in futures:
         f.result(timeout=1800)
     print(json.dumps({"all_s": time.perf_counter() - t0, "ran_on": len({f.worker_id for f in futures}),
-                      "sent": client.program_bytes_sent}))
+                      "sent": client.program_bytes_sent, "cpu_s": time.process_time() - cpu0}))
 """
 
 
@@ -349,6 +350,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             got = json.loads(done.stdout.strip().splitlines()[-1])
             out["cold_all_s"], out["cold_ran_on"] = round(got["all_s"], 2), got["ran_on"]
             out["cold_client_copies"] = round(got["sent"] / size, 2)
+            out["cold_client_cpu_s"] = round(got["cpu_s"], 1)  # the client's process, while it sent the jobs
         per, stops = {}, Counter()
         for proc in procs:
             fetched = re.search(r"Fetched program \S+ \((\d+) bytes\) from (\d+) peer\S* in ([\d.]+) s", proc.output)
@@ -358,6 +360,7 @@ def cold_start(job: gpunet.Job, x: torch.Tensor, workers: int, loopback_mb_s: fl
             if fetched:  # the fetch alone (then the worker checks, stores and loads it: CPU, on a shared machine)
                 per[served]["fetch_s"] = float(fetched.group(3))
             per[served]["peak_rss_mb"] = _peak_rss_mb(proc.pid)  # the worker's main process (not its executors)
+            per[served]["cpu_s"] = _cpu_s(proc.pid)
             # Its executors (the one that loaded the program is the biggest), and what the worker and they hold now in
             # memory of their own (anonymous: a spooled program's pages are the page cache's, and count in VmHWM)
             server, executors = executor_pids(proc.pid)  # (the fork server's memory they share counts in PSS once)
@@ -395,6 +398,16 @@ def _cpu_times() -> tuple[int, int]:
 
 def _peak_rss_mb(pid: int) -> int | None:
     return _status_mb(pid, "VmHWM")
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a live process has used: a worker whose one Python thread neared the run's length
+    was the limit, whatever the links could carry."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 1)
 
 
 def _pss_anon_mb(pid: int) -> int | None:
