@@ -217,8 +217,9 @@ def trace_alike(key: Hashable | None, module: torch.nn.Module, example_inputs: S
     configuration, its dtype, the example inputs' shapes and dynamic dims (gpunet.client.llm keys a span so). Tracing
     a decoder span takes seconds to minutes; the same architecture opened again (the same folder, another
     checkpoint of it, each of a gateway's models alike) takes its graph from here. Each weight is bound to the
-    module's tensor of the same name, which must have the same shape, dtype and strides (else it is traced anew);
-    constants its code made are the graph's own."""
+    module's tensor of the same name; the module must have the very parameters and buffers of the one traced (names,
+    shapes, dtypes, strides, which are tied) and no hooks, else it is traced anew; constants its code made are the
+    graph's own."""
     if key is None or _hooked(module):  # (a hook's code is nobody's key)
         return trace(module, example_inputs, dynamic_shapes)
     with _traces_lock:
