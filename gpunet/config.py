@@ -109,6 +109,9 @@ class WorkerConfig:
     session_ttl: float = 600.0  # the longest a session may stay idle before its state is freed
     #: Sessions' steps of one batched span that wait together run as one forward (docs/sessions.md, batching).
     batch_sessions: bool = True
+    #: Runs that repeat their shapes (sessions' decode steps, a map over equal batches) are captured as CUDA graphs
+    #: and replayed, on a CUDA device (gpunet.worker.executor.graphs).
+    cuda_graphs: bool = True
     #: The volunteer's own job, run whenever no paying job wants the machine (gpunet.worker.background), and its
     #: inputs (a safetensors file: input_0, input_1, ...).
     background_job: Path | None = None
@@ -121,6 +124,7 @@ class WorkerConfig:
     pause_grace: float = 30.0  # seconds running jobs get to finish when the worker pauses
     dashboard_port: int = 0  # the local dashboard on 127.0.0.1 (0: none)
     fake_gpu_probe: Path | None = None  # FAKE HARDWARE for tests: GPU use and temperature read from this JSON file
+    fake_cuda_graphs: bool = False  # FAKE HARDWARE for tests: CUDA graphs played by a CPU stand-in (FakeCudaGraphs)
     fault_corrupt_fraction: float = 0.0  # FAULT INJECTION for tests/benchmarks: corrupt this share of outputs
     fault_corrupt_pieces: bool = False  # FAULT INJECTION for tests: serve other workers corrupted program pieces
     fault_corrupt_pushes: bool = False  # FAULT INJECTION for tests: push the next span's worker a wrong input

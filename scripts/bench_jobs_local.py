@@ -3,6 +3,9 @@
 Run: PYTHONPATH=. python scripts/bench_jobs_local.py [--json] [--layers 6 --dim 320 --batch 4 --seq 128]
 (decode shapes: --batch 1 --seq 2; the program is traced at 4 x 16 with dynamic batch and sequence either way)
 Targets: interpreter within 10% of eager per forward; validate+load under 100 ms; decode >= 50% of memcpy speed.
+On a CUDA device the worker's way is also timed replayed as a CUDA graph (gpunet.worker.executor.graphs: inputs
+copied in, outputs copied out, as an executor does), beside eager PyTorch captured in a CUDA graph by hand
+(``--graphs fake`` runs that path on the CPU stand-in, FAKE HARDWARE: its times mean nothing, it checks the script).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from gpunet.job import tensors
 from gpunet.job.interpreter import execute, run_program
 from gpunet.job.validator import load_program
 from gpunet.worker.executor.child import Pacer
+from gpunet.worker.executor.graphs import WARM_RUNS, CudaGraphs, FakeCudaGraphs, GraphCache
 
 
 class Block(nn.Module):
@@ -85,11 +89,15 @@ def main() -> None:
     ap.add_argument("--sdpa", action="store_true", help="attention via F.scaled_dot_product_attention (fused in eager)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="where the forwards run (e.g. cuda:0); the codec stays on the CPU")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="the weights' dtype")
+    ap.add_argument("--graphs", choices=("auto", "fake", "off"), default="auto",
+                    help="time CUDA-graph replays (auto: on a CUDA device; fake: the CPU stand-in, FAKE HARDWARE)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.layers, heads=8, max_seq=512, sdpa=args.sdpa).eval()
+    model = model.to(getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
     dyn = ({0: Dim("batch", min=1, max=64), 1: Dim("seq", min=2, max=512)},)
@@ -113,16 +121,60 @@ def main() -> None:
     def as_a_worker():  # with the stop word and each node's time bound, as the executor runs a job
         run_program(prog, [x], stop=lambda: False, pace=Pacer(prog.steps, est.node_flops, 1.0, time.monotonic() + 60))
 
+    cuda = args.device.startswith("cuda")
+    graphs = None
+    if args.graphs == "fake" or (args.graphs == "auto" and cuda):
+        
+        backend = CudaGraphs(args.device) if args.graphs == "auto" else FakeCudaGraphs()
+        graphs = GraphCache(backend, 1 << 40, run_program)
+
+    def graphed():  # as a worker runs a step whose shapes it captured: inputs in, replay, outputs out
+        graphs(prog, [x], stop=lambda: False, pace=Pacer(prog.steps, est.node_flops, 1.0, time.monotonic() + 60))
+
     with torch.inference_mode():
         ref = model(x)
         got = run_program(prog, [x])[0]
         same_as_loop = torch.equal(got, execute(prog.steps, prog.new_env([x]), prog.output_slots)[0])
-        eager, interp, generic, worker = [], [], [], []
+        runs = {"eager": lambda: model(x), "interp": lambda: run_program(prog, [x]), "generic": loop,
+                "worker": as_a_worker}
+        graph_fig = {}
+        if graphs is not None:
+            for _ in range(WARM_RUNS + 1):
+                graphs(prog, [x])
+            counts = graphs.take_counts()
+            graph_fig["graph_refused"] = [f"{reason}: {detail}" for reason, detail in counts.refused]
+            if counts.runs.get("captured"):
+                graph_fig["graph_equals_plan"] = torch.equal(graphs(prog, [x])[0], got)
+                runs["graph"] = graphed
+            if cuda:  # the baseline: eager PyTorch captured by hand, with its input copied in and output out
+                static_x = x.clone()
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        model(static_x)
+                torch.cuda.current_stream().wait_stream(side)
+                eager_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(eager_graph):
+                    static_out = model(static_x)
+
+                def eager_graphed():
+                    static_x.copy_(x)
+                    eager_graph.replay()
+                    return static_out.clone()
+
+                graph_fig["eager_graph_equals_eager"] = torch.equal(eager_graphed(), ref)
+                runs["eager_graph"] = eager_graphed
+        times = {name: [] for name in runs}
+        order = list(runs)
         for i in range(args.repeat):  # interleaved, rotating who goes first, so all see the same machine state
-            runs = [(eager, lambda: model(x)), (interp, lambda: run_program(prog, [x])), (generic, loop),
-                    (worker, as_a_worker)]
-            for times, fn in runs[i % 4:] + runs[:i % 4]:
-                times += _timed(fn, 1)
+            for name in order[i % len(order):] + order[:i % len(order)]:
+                times[name] += _timed(runs[name], 1)
+        eager, interp, generic, worker = times["eager"], times["interp"], times["generic"], times["worker"]
+        for name, key in (("graph", "graph"), ("eager_graph", "eager_graph")):
+            if times.get(name):
+                graph_fig[f"{key}_forward_ms"] = round(statistics.median(times[name]) * 1e3, 3)
+                graph_fig[f"{key}_vs_eager"] = round(statistics.median(times[name]) / statistics.median(eager), 3)
     max_diff = (ref - got).abs().max().item()
 
     # Tensor codec against a plain copy of the same bytes (the physical limit of any decoder that copies).
@@ -136,6 +188,8 @@ def main() -> None:
 
     fig = {
         "model_params": params,
+        "dtype": args.dtype,
+        "device": args.device,
         "graph_nodes": len(prog.steps),
         "program_mib": round(len(program) / 2**20, 2),
         "convert_s": round(convert_s, 3),
@@ -164,6 +218,7 @@ def main() -> None:
         "decode_vs_memcpy": round(copy_s / dec_s, 1),
         "encode_vs_memcpy": round(copy_s / enc_s, 2),
         "decode_target_vs_memcpy": 0.5,
+        **graph_fig,
     }
     if args.json:
         print(json.dumps(fig, indent=2))
@@ -178,6 +233,12 @@ def main() -> None:
     print(f"  with the stop word and each node's time bound (as a worker runs it): {fig['as_a_worker_forward_ms']:.2f} ms, "
           f"{fig['as_a_worker_vs_eager']:.3f}x eager; the generic loop (before the compiled plan): "
           f"{fig['generic_loop_forward_ms']:.2f} ms, {fig['generic_loop_vs_eager']:.3f}x; same bits: {same_as_loop}")
+    if graphs is not None:
+        print(f"replayed as a CUDA graph{' (FAKE HARDWARE: CPU stand-in, times mean nothing)' if not cuda else ''}: "
+              f"{fig.get('graph_forward_ms', '-')} ms, {fig.get('graph_vs_eager', '-')}x eager; same bits as the "
+              f"plain run: {fig.get('graph_equals_plan', '-')}; eager in a CUDA graph: "
+              f"{fig.get('eager_graph_forward_ms', '-')} ms, {fig.get('eager_graph_vs_eager', '-')}x eager"
+              + (f"; not captured: {'; '.join(fig['graph_refused'])}" if fig.get("graph_refused") else ""))
     print(f"codec on {mib:.0f} MiB: memcpy {fig['memcpy_gib_s']} GiB/s | decode {fig['decode_gib_s']} GiB/s ({fig['decode_vs_memcpy']}x memcpy, zero-copy; target >= 0.5x) | encode {fig['encode_gib_s']} GiB/s ({fig['encode_vs_memcpy']}x memcpy)")
 
 

@@ -12,7 +12,9 @@ binary=(hivemind==1.1.12 annotated-types==0.8.0 base58==2.1.1 blake3==1.0.11 cff
         typing-inspection==0.4.5 protobuf==7.36.2 typing-extensions==4.16.0
         # gpunet[llm] (bench_llm): transformers and what it needs beyond the image's
         transformers==5.25.0 tokenizers==0.23.3 huggingface-hub==2.4.0 safetensors==0.8.0 regex==2026.11.19
-        hf-xet==1.8.0 filelock==4.3.2 fsspec==2026.9.0 pyyaml==6.0.4 tqdm==4.70.1 packaging==26.4)
+        hf-xet==1.8.0 filelock==4.3.2 fsspec==2026.9.0 pyyaml==6.0.4 tqdm==4.70.1 packaging==26.4
+        # the GPU tests (tests/test_graphs.py -k on_a_gpu)
+        pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0)
 for p in "${binary[@]}"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -131,10 +131,10 @@ def test_an_executor_runs_sessions_steps_as_one_forward_each_row_its_own(tmp_pat
 
 
 
-def batched_steps(port: int) -> float:
-    """What a worker's Prometheus endpoint says of the sessions' steps it ran batched."""
+def batched_steps(port: int, metric: str = "gpunet_batched_steps_total") -> float:
+    """What a worker's Prometheus endpoint says of the sessions' steps it ran batched (or of another ``metric``)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    found = re.search(r"^gpunet_batched_steps_total (\S+)$", text, re.M)
+    found = re.search(rf"^{re.escape(metric)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 
 
@@ -142,11 +142,12 @@ def batched_steps(port: int) -> float:
 def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_does(swarm, client_for, tmp_path):
     """The rows of a batch of prompts are sessions that step together: on a worker holding their span, the steps that
     wait together run as one forward (the worker says so in its metrics), the tokens are HF's own, and every tab is
-    billed as its client counts it."""
+    billed as its client counts it. The workers replay forwards whose shapes came before through the CPU stand-in for
+    CUDA graphs (FAKE HARDWARE: FakeCudaGraphs): batched decode steps are such forwards."""
     folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=5)
     ports = [free_port() for _ in range(2)]
     for port in ports:
-        swarm.start_worker("--metrics-port", str(port))
+        swarm.start_worker("--metrics-port", str(port), "--fake-cuda-graphs")
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 2, 30, "both workers")
     lm = client.causal_lm(folder, max_length=48, spans=2)
@@ -160,6 +161,7 @@ def test_a_batch_of_prompts_shares_its_workers_forwards_and_generates_what_hf_do
     # The rows' steps went to each span's worker as one group message and were let into its lanes together: most
     # of the 4 rows x 11 decode steps x 2 spans ran batched (a row alone only where its input came too late).
     assert sum(batched_steps(port) for port in ports) >= 44
+    assert sum(batched_steps(port, 'gpunet_graph_runs_total{outcome="replayed"}') for port in ports) >= 8
     # Every session's tab on each of its two spans was billed as its client counted it, and paid.
     assert len(lm.last.receipts) == 4 * 2 and all(r.client_signature for r in lm.last.receipts)
 

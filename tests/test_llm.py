@@ -77,9 +77,11 @@ def test_a_model_that_is_no_decoder_is_refused_saying_what_is_missing():
 def test_a_checkpoint_folder_served_by_three_workers_generates_as_hf_does(swarm, client_for, tmp_path):
     """The whole way a user goes: a folder (config, safetensors, tokenizer), three workers, no glue. A batch of two
     prompts of different lengths (left padding), greedy and sampled with a seed, equals HF's ``generate``; the
-    stream yields the same tokens; every request leaves receipts naming who served which span."""
+    stream yields the same tokens; every request leaves receipts naming who served which span. The workers replay
+    their decode steps through the CPU stand-in for CUDA graphs (FAKE HARDWARE: FakeCudaGraphs), so the graphs' way
+    is held to HF's tokens across the whole stack."""
     folder = save_checkpoint(tmp_path / "ckpt", "llama", seed=5)
-    workers = {swarm.worker_id(w) for w in swarm.start_workers(3)}
+    workers = {swarm.worker_id(w) for w in swarm.start_workers(3, "--fake-cuda-graphs")}
     client = client_for(swarm)
     wait_for(lambda: len(client.workers(refresh=True)) == 3, 30, "all three workers")
     lm = client.causal_lm(folder, max_length=MAX, spans=3)

@@ -121,6 +121,10 @@ def worker(
         _WORKER.batch_sessions, "--batch-sessions/--no-batch-sessions",
         help="Run the waiting steps of sessions of one span as one forward (more tokens/s for everyone; results "
              "equal to float rounding, docs/sessions.md)."),
+    cuda_graphs: bool = typer.Option(
+        _WORKER.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
+        help="On a CUDA GPU, capture runs that repeat their shapes (decode steps, equal batches) as CUDA graphs and "
+             "replay them: the same results, far less time per step. Turn off if your driver misbehaves."),
     background_job: Optional[Path] = typer.Option(
         _WORKER.background_job, "--background-job", metavar="FILE", exists=True, dir_okay=False,
         help="A job of your own (saved with gpunet.Job.save) to run whenever no paying job wants this machine; any "
@@ -151,6 +155,9 @@ def worker(
     fake_gpu_probe: Optional[Path] = typer.Option(
         _WORKER.fake_gpu_probe, "--fake-gpu-probe", metavar="FILE", hidden=True,
         help="FAKE HARDWARE for tests: read the GPU's use by others and its temperature from this JSON file."),
+    fake_cuda_graphs: bool = typer.Option(
+        _WORKER.fake_cuda_graphs, "--fake-cuda-graphs", hidden=True,
+        help="FAKE HARDWARE for tests: a CPU stand-in for CUDA graphs (gpunet.worker.executor.graphs.FakeCudaGraphs)."),
     fault_corrupt_fraction: float = typer.Option(
         _WORKER.fault_corrupt_fraction, "--fault-corrupt-fraction", metavar="F", min=0.0, max=1.0, hidden=True,
         help="FAULT INJECTION for tests: return corrupted outputs for this fraction of jobs."),
@@ -211,6 +218,7 @@ def worker(
         max_sessions_per_client=max_sessions_per_client,
         session_ttl=session_ttl,
         batch_sessions=batch_sessions,
+        cuda_graphs=cuda_graphs,
         background_job=background_job,
         background_inputs=background_inputs,
         pause_when_busy=pause_when_busy,
@@ -220,6 +228,7 @@ def worker(
         pause_grace=pause_grace,
         dashboard_port=dashboard_port,
         fake_gpu_probe=fake_gpu_probe,
+        fake_cuda_graphs=fake_cuda_graphs,
         fault_corrupt_fraction=fault_corrupt_fraction,
         fault_corrupt_pieces=fault_corrupt_pieces,
         fault_corrupt_pushes=fault_corrupt_pushes,

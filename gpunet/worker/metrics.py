@@ -22,6 +22,12 @@ SESSIONS = Gauge("gpunet_sessions", "Inference sessions open (their state held i
 SESSION_BYTES = Gauge("gpunet_session_state_bytes", "Bytes of inference sessions' state held")
 BATCHED_FORWARDS = Counter("gpunet_batched_forwards_total", "Forwards that ran several sessions' steps at once")
 BATCHED_STEPS = Counter("gpunet_batched_steps_total", "Sessions' steps run in those forwards")
+# CUDA graphs (gpunet.worker.executor.graphs)
+GRAPH_RUNS = Counter("gpunet_graph_runs_total", "Runs by what CUDA graphs did: replayed, captured, warming (plain, "
+                     "before a capture), refused (plain: not capturable)", ["outcome"])
+GRAPH_REFUSALS = Counter("gpunet_graph_refusals_total", "Programs or shapes not captured as CUDA graphs, by reason",
+                         ["reason"])
+GRAPH_BYTES = Gauge("gpunet_graph_bytes", "Device memory the executors' captured CUDA graphs hold")
 # The market (gpunet.worker.state.lanes, docs/market.md)
 BACKGROUND_RUNS = Counter("gpunet_background_runs_total", "Runs of the volunteer's own background job, by outcome "
                           "(done, or stopped for paying work)", ["outcome"])

@@ -468,6 +468,9 @@ class Worker:
         from gpunet.worker.weights import Weights
 
         cfg = self.config
+        if cfg.fake_cuda_graphs:
+            logger.warning("FAKE HARDWARE: CUDA graphs are played by a CPU stand-in "
+                           "(gpunet.worker.executor.graphs.FakeCudaGraphs), for tests")
         # (in a thread: its first process is forked once the fork server has imported torch, seconds on a busy machine)
         self.executor = await asyncio.to_thread(
             Executor,
@@ -481,6 +484,7 @@ class Worker:
             sandbox=cfg.sandbox,
             speed_tflops=max(self.tflops.values(), default=None),
             session_processes=self._session_processes(),
+            graphs="fake" if cfg.fake_cuda_graphs else "cuda" if cfg.cuda_graphs else None,
         )
         try:
             report = await self.executor.sandbox_report()  # before any job: the executors lock themselves down

@@ -94,10 +94,14 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
     from gpunet.job import tensors
     from gpunet.job.interpreter import run_program
     from gpunet.job.validator import load_program
+    from gpunet.worker.executor.graphs import graph_cache
 
     torch.set_num_threads(config["threads"])
     device = config["device"]
     budget = config["memory_budget_bytes"]
+    # Runs that repeat their shapes are captured and replayed (CUDA graphs): called in place of the plain run.
+    graphs = graph_cache(config.get("graphs"), device, budget, run_program)
+    run_program = graphs or run_program
     limits = job_limits(budget, config["max_flops"], config.get("max_dry_run_seconds"))
     disk = DiskCache(config["cache_dir"], config["disk_cache_bytes"])
     programs: MemoryLRU = MemoryLRU(config["memory_cache_programs"], budget)
@@ -164,6 +168,8 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         # report the failure, then exit so the pool starts a clean executor.
         poisoned = device.startswith("cuda") and any("CUDA error" in r.get("message", "") for r in failed)
         reply["restart"] = poisoned
+        if graphs is not None and (report := graphs.report()):  # what CUDA graphs did (the worker's metrics)
+            reply["graphs"] = report
         if reply.get("ok") and "began" in reply:  # a session step's marks (gpunet.worker.steptrace): four ints
             reply["marks"] = [received, reply.pop("began"), reply.pop("ended"), time.monotonic_ns()]
         outputs = reply.pop("outputs", None)

@@ -14,6 +14,7 @@ it along. Parent and child exchange msgpack over a pipe, never pickle.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -40,9 +41,13 @@ from gpunet.worker.executor import forkserver
 from gpunet.worker.executor import slot as slots  # (its STOP_GRACE read at use: tests shorten it)
 from gpunet.worker.executor.cache import DiskCache, check_hash
 from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
+from gpunet.worker.executor.graphs import OUTCOMES as GRAPH_OUTCOMES
+from gpunet.worker.executor.graphs import REASONS as GRAPH_REASONS
 from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, reap
 from gpunet.worker.hardware import job_threads
 from gpunet.worker.state.limits import SessionRun
+
+logger = logging.getLogger(__name__)
 
 
 
@@ -131,6 +136,7 @@ class Executor:
         max_dry_run_seconds: float | None = None,
         session_processes: int = 0,
         session_memory_budget_bytes: int | None = None,
+        graphs: str | None = "cuda",
     ):
         self.default_timeout = default_timeout
         #: The device's measured speed (best dtype): a job runs no longer than its counted work allows at a small share
@@ -153,6 +159,9 @@ class Executor:
             "tmp_dir": str(Path(cache_dir).parent / "executor-tmp"),
             "protected": [str(p) for p in protected],
             "max_dry_run_seconds": max_dry_run_seconds,  # None: WorkerLimits' own
+            # Runs that repeat their shapes, replayed as CUDA graphs (gpunet.worker.executor.graphs): "cuda" (on a
+            # CUDA device), "fake" (FAKE HARDWARE for tests: the CPU stand-in) or None.
+            "graphs": graphs,
         }
         self._ctx, self._config = forkserver.context(), config
         self._slots = [Slot(self._ctx, config) for _ in range(processes)]
@@ -176,6 +185,8 @@ class Executor:
         self._pinned_waiters: dict[Slot, deque[asyncio.Future]] = {}
         self._tagged: dict[object, Slot] = {}  # runs that may be stopped for another job -> the executor running it
         self._batched: LRU[str, bool] = LRU(4096)  # programs whose sessions' steps may go as one forward
+        self._graph_bytes: dict[Slot, int] = {}  # device memory each executor's captured graphs hold
+        self._graph_reasons_said: set[str] = set()
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -691,6 +702,8 @@ class Executor:
                     outputs = await slot.in_thread(slot.conn.recv_bytes)
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
+        if reply.get("graphs") is not None:
+            self._count_graphs(slot, reply["graphs"])
         if reply.get("restart"):  # the job poisoned the process's CUDA context: the process (and every session it
             slot.kill()           # held) goes, which is the job's doing, counted as a crash against its client
             raise ExecutorDied(f"{reply.get('message', 'CUDA error')}; its executor had to be replaced")
@@ -712,6 +725,30 @@ class Executor:
         if stopping and reply.get("error") == "JobPreempted":
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         raise error_named(reply.get("error"), reply.get("message", "executor error"))
+
+    def _count_graphs(self, slot: Slot, report) -> None:
+        """What an executor's CUDA graphs did (gpunet.worker.executor.graphs) into the worker's metrics; why a run
+        was not captured into its log (each reason at info the first time, then at debug: a client can vary shapes)."""
+        from gpunet.worker import metrics
+
+        if not isinstance(report, dict):
+            return
+        for outcome, n in (report.get("runs") or {}).items():
+            if outcome in GRAPH_OUTCOMES and isinstance(n, int) and n > 0:
+                metrics.GRAPH_RUNS.labels(outcome).inc(n)
+        for item in (report.get("refused") or [])[:16]:
+            if isinstance(item, list) and len(item) == 2 and item[0] in GRAPH_REASONS and isinstance(item[1], str):
+                metrics.GRAPH_REFUSALS.labels(item[0]).inc()
+                first = item[0] not in self._graph_reasons_said
+                self._graph_reasons_said.add(item[0])
+                (logger.info if first else logger.debug)("A run was not captured as a CUDA graph (%s): %s", item[0],
+                                                         item[1][:400])
+        if isinstance(report.get("bytes"), int):
+            self._graph_bytes[slot] = report["bytes"]
+            alive = self._all_slots()
+            for gone in [s for s in self._graph_bytes if s not in alive]:
+                del self._graph_bytes[gone]
+            metrics.GRAPH_BYTES.set(sum(self._graph_bytes.values()))
 
     def _died(self, slot: Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running

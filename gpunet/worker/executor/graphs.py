@@ -1,0 +1,321 @@
+"""Runs that repeat their shapes, captured once and replayed (CUDA graphs; issue 41, docs/architecture.md).
+
+A session's decode step with a static cache, or a ``map`` over equal batches, runs the same program at the same input
+shapes again and again. At decode shapes a forward is hundreds of small kernels and the GPU waits on Python to launch
+each one; a CUDA graph records the launches once and replays them in one call. After :data:`WARM_RUNS` plain runs of
+one program object at one set of input shapes (dtype, shape and strides of each), the next is captured: inputs go
+into the graph's own buffers (one copy each), the replay writes its outputs into its own, and what is returned are
+copies of those (a session's new state is kept between steps, and the next replay, perhaps another session's,
+overwrites the graph's outputs). Results are the plain run's: the same kernels in the same order.
+
+What is not captured runs as before, and says why (the worker's metrics count it, its log names it once per shape):
+a program whose guard reads tensor values (a host sync, and a check a replay would skip), a run that synchronises with
+the host (found by a warm-up run with CUDA's sync debug mode set to raise), a capture that fails, a graph bigger than
+its share of the executor's memory budget. Graphs hold device memory (their buffers and their memory pool), counted
+against :data:`BUDGET_SHARE` of the budget and evicted least recently used; a program's graphs go when the program
+does (its weights' addresses are baked into them).
+
+The device itself is behind a seam (:class:`CudaGraphs`; the tests' CPU stand-in is
+:class:`FakeCudaGraphs`), so what is captured, when, eviction and fallback are tested on a
+machine without a GPU; that replays equal plain runs bit for bit is checked on the GPU (scripts/gpu_check.sh).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from gpunet.errors import JobPreempted, JobTimeout
+from gpunet.utils import LRU, first_line, human_bytes
+
+#: Plain runs of one program at one set of shapes before the next is captured (lazy initialisation, cuBLAS handles
+#: and the allocator's first blocks happen outside the capture, as torch's docs ask).
+WARM_RUNS = 2
+#: The share of the executor's memory budget its graphs may hold.
+BUDGET_SHARE = 0.25
+#: Shapes whose runs are counted or whose refusal is kept, per executor (LRU): a program run at many shapes (prefill
+#: of every prompt length) is never warm at most of them and must not grow this process.
+MAX_SHAPES = 256
+#: Guards that read tensor values (gpunet.job.guards): a host sync while capturing, and a check a replay would skip.
+VALUE_GUARDS = frozenset({"aten._embedding_bag.default"})
+
+# Why a run was not captured, as the worker's metrics label it (bounded); the detail goes to the worker's log.
+SYNC, GUARDED, FAILED, TOO_BIG = "host sync", "guard reads values", "capture failed", "over graph budget"
+REASONS = frozenset({SYNC, GUARDED, FAILED, TOO_BIG})
+#: What a run did: replayed a graph, was captured (and replayed), ran plain before a capture, or ran plain for good.
+OUTCOMES = frozenset({"replayed", "captured", "warming", "refused"})
+
+
+class CudaGraphs:
+    """The device behind :class:`GraphCache`: CUDA graphs on one device (torch.cuda.CUDAGraph)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.device = torch, torch.device(device)
+
+    def check(self, run: Callable[[], list]) -> None:
+        """Warm up ``run`` on a side stream (as torch asks before a capture), raising if it synchronises with the
+        host: such a run cannot be captured (a replay would not wait where it waited)."""
+        torch = self.torch
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
+                run()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def capture(self, run: Callable[[], list]) -> tuple[Any, list, int]:
+        """The graph of ``run``, the outputs its replays write, and the device memory its pool took."""
+        torch = self.torch
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # (torch.cuda.graph does this too: done first, so that what the pool takes is seen)
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            outputs = run()
+        return graph, outputs, max(0, torch.cuda.memory_reserved(self.device) - before)
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def is_for(self, device) -> bool:
+        return getattr(device, "type", None) == "cuda"
+
+
+@dataclass
+class _Graph:
+    """One captured run: the buffers its replays read and write, and the device memory it holds."""
+
+    graph: Any
+    inputs: list
+    outputs: list
+    nbytes: int
+
+
+@dataclass
+class Counts:
+    """What runs did since the executor last reported (its reply carries them to the worker's metrics)."""
+
+    runs: Counter = field(default_factory=Counter)  # outcome -> runs: replayed, captured, warming, refused
+    refused: list = field(default_factory=list)  # (reason, detail) per shape refused, once each
+    nbytes: int = 0  # device memory the graphs hold now
+
+
+class GraphCache:
+    """Captured runs per (program, input shapes), replayed in place of plain runs (see the module's docstring).
+
+    Called as the plain run is (``run_program(prog, inputs, stop=, pace=)``), and falls back to it."""
+
+    def __init__(self, backend, max_bytes: int, run_program: Callable, warm_runs: int = WARM_RUNS):
+        self.backend, self.max_bytes, self.warm_runs, self._run_program = backend, max_bytes, warm_runs, run_program
+        self.nbytes = 0
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
+        self._seen: LRU[tuple, int] = LRU(MAX_SHAPES)  # plain runs so far, per shape not yet captured
+        self._refused: LRU[tuple, str] = LRU(MAX_SHAPES)
+        self._programs: dict[int, str | None] = {}  # id(program) -> why it is never captured (None: it may be)
+        self.counts = Counts()
+
+    def __call__(self, prog, inputs: Sequence | dict, stop: Callable[[], bool] | None = None, pace=None) -> list:
+        if isinstance(inputs, dict):
+            inputs = prog.inputs_from_dict(inputs)
+        outcome, outputs = self._try(prog, inputs, stop, pace)
+        self.counts.runs[outcome] += 1
+        if outputs is None:
+            return self._run_program(prog, inputs, stop=stop, pace=pace)
+        return outputs
+
+    def report(self) -> dict | None:
+        """What happened since the last report, for the executor's reply (None if nothing did)."""
+        counts = self.take_counts()
+        if counts is None:
+            return None
+        return {"runs": dict(counts.runs), "refused": counts.refused, "bytes": counts.nbytes}
+
+    def take_counts(self) -> Counts | None:
+        """What happened since the last call (None if nothing did)."""
+        counts, self.counts = self.counts, Counts()
+        counts.nbytes = self.nbytes
+        return counts if counts.runs or counts.refused else None
+
+    def _try(self, prog, inputs: Sequence, stop, pace) -> tuple[str, list | None]:
+        if not self.backend.is_for(prog.device) or self._never(prog) is not None:
+            return "refused", None
+        key = (id(prog), tuple((t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs))
+        found = self._graphs.get(key)
+        if found is None:
+            if key in self._refused:
+                return "refused", None
+            runs = (self._seen.get(key) or 0) + 1
+            self._seen.put(key, runs)
+            if runs <= self.warm_runs:
+                return "warming", None
+        self._may_start(stop, pace)
+        if found is None:
+            found = self._capture(key, prog, inputs)
+            if found is None:
+                return "refused", None
+            outcome = "captured"
+        else:
+            self._graphs.move_to_end(key)
+            outcome = "replayed"
+        return outcome, self._replay(found, inputs)
+
+    def _never(self, prog) -> str | None:
+        """Why ``prog`` is never captured, found once per program (and forgotten with it)."""
+        pid = id(prog)
+        if pid not in self._programs:
+            guarded = sorted({step.op for step in prog.steps if step.op in VALUE_GUARDS})
+            self._programs[pid] = f"{guarded[0]}'s guard reads tensor values" if guarded else None
+            if guarded:
+                self.counts.refused.append((GUARDED, self._programs[pid]))
+            weakref.finalize(prog, self._forget, pid)
+        return self._programs[pid]
+
+    def _forget(self, pid: int) -> None:
+        """A program is gone (evicted, or loaded fresh for one job): its graphs go, they read its weights."""
+        self._programs.pop(pid, None)
+        for key in [k for k in self._graphs if k[0] == pid]:
+            self._drop(key)
+        for table in (self._seen, self._refused):
+            for key in [k for k in table.keys() if k[0] == pid]:
+                table.pop(key)
+
+    def _may_start(self, stop, pace) -> None:
+        """What the plain run checks before each node, checked once before the replay: the stop word, and that the
+        run can end within the job's time at the device's speed (gpunet.worker.executor.child.Pacer)."""
+        if stop is not None and stop():
+            from gpunet.job.interpreter import _PREEMPTED
+
+            raise JobPreempted(_PREEMPTED)
+        if pace is not None:
+            least = sum(pace.least)  # (a few microseconds: its speed may be measured again meanwhile)
+            left = pace.deadline - time.monotonic()
+            if least > left:
+                raise JobTimeout(f"the run needs at least {least:.2g} s for its counted work on this worker, more "
+                                 f"than the {max(0.0, left):.2g} s left of the job's time: stopped before it ran "
+                                 "(not billed)")
+
+    def _capture(self, key: tuple, prog, inputs: Sequence) -> _Graph | None:
+        import torch
+
+        from gpunet.job.interpreter import run_steps
+
+        self._seen.pop(key)
+        with torch.inference_mode():
+            static = [torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=prog.device)
+                      for t in inputs]
+            for buffer, t in zip(static, inputs):
+                buffer.copy_(t)
+
+            program = weakref.ref(prog)  # (a graph does not keep its program alive: it goes with it, _forget)
+
+            def run() -> list:
+                p = program()
+                return [o.contiguous() for o in run_steps(p, p.new_env(list(static)), None, None)]
+
+            try:
+                self.backend.check(run)
+            except Exception as e:
+                sync = "synchroniz" in str(e)
+                return self._refuse(key, SYNC if sync else FAILED, f"its warm-up run: {first_line(e, 300)}")
+            try:
+                graph, outputs, pool = self.backend.capture(run)
+            except Exception as e:
+                return self._refuse(key, FAILED, f"{type(e).__name__}: {first_line(e, 300)}")
+        nbytes = pool + sum(t.numel() * t.element_size() for t in static)
+        if nbytes > self.max_bytes:
+            return self._refuse(key, TOO_BIG, f"it holds {human_bytes(nbytes)}, the graphs' share of this "
+                                              f"executor's budget is {human_bytes(self.max_bytes)}")
+        while self._graphs and self.nbytes + nbytes > self.max_bytes:
+            self._drop(next(iter(self._graphs)))
+        self._graphs[key] = found = _Graph(graph, static, outputs, nbytes)
+        self.nbytes += nbytes
+        return found
+
+    def _refuse(self, key: tuple, reason: str, detail: str) -> None:
+        self._refused.put(key, reason)
+        self.counts.refused.append((reason, detail))
+        return None
+
+    def _drop(self, key: tuple) -> None:
+        self.nbytes -= self._graphs.pop(key).nbytes
+
+    def _replay(self, found: _Graph, inputs: Sequence) -> list:
+        import torch
+
+        with torch.inference_mode():
+            for buffer, t in zip(found.inputs, inputs):
+                buffer.copy_(t)
+            self.backend.replay(found.graph)
+            return [o.clone() for o in found.outputs]
+
+
+class FakeCudaGraphs:
+    """FAKE HARDWARE for tests: a CPU stand-in for :class:`CudaGraphs` (this machine has no GPU; ``gpunet worker
+    --fake-cuda-graphs``, hidden, and its log says so). It cannot record kernels, so a replay runs the captured
+    function again and writes its results into the captured outputs' memory, as a CUDA replay writes the graph's fixed
+    buffers: a caller that forgot to copy new inputs into the graph's buffers, or kept an output past the next replay,
+    gets wrong numbers here as it would on a GPU. ``sync_ops`` name ops that stand for host syncs: a warm-up run that
+    reaches one raises as CUDA's sync debug mode does. Counts what it was asked."""
+
+    def __init__(self, sync_ops: frozenset[str] = frozenset(), fail_capture: bool = False):
+        self.sync_ops, self.fail_capture = sync_ops, fail_capture
+        self.checks = self.captures = self.replays = 0
+
+    def is_for(self, device) -> bool:
+        return True  # stands in for a CUDA device on any device
+
+    def check(self, run: Callable[[], list]) -> None:
+        self.checks += 1
+        if self.sync_ops:
+            import torch
+
+            seen = set()
+
+            class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    seen.add(f"aten.{func._opname}.{func._overloadname}")
+                    return func(*args, **(kwargs or {}))
+
+            with Watch():
+                run()
+            syncing = sorted(seen & self.sync_ops)
+            if syncing:
+                raise RuntimeError(f"called a synchronizing CUDA operation ({syncing[0]}; fake, for tests)")
+        else:
+            run()
+
+    def capture(self, run: Callable[[], list]) -> tuple[Any, list, int]:
+        if self.fail_capture:
+            raise RuntimeError("operation not permitted when stream is capturing (fake, for tests)")
+        self.captures += 1
+        outputs = run()  # (on a GPU these hold nothing until the first replay; the cache replays before reading)
+        return _FakeGraph(run, outputs), outputs, sum(o.numel() * o.element_size() for o in outputs)
+
+    def replay(self, graph: "_FakeGraph") -> None:
+        self.replays += 1
+        for out, fresh in zip(graph.outputs, graph.run()):  # written where the capture's outputs are, as on a GPU
+            out.copy_(fresh)
+
+
+class _FakeGraph:
+    def __init__(self, run: Callable[[], list], outputs: list):
+        self.run, self.outputs = run, outputs
+
+
+def graph_cache(mode: str | None, device: str, budget: int, run_program: Callable) -> GraphCache | None:
+    """The executor's graph cache for ``mode`` ("cuda": CUDA graphs on a CUDA device; "fake": the tests' CPU stand-in,
+    FAKE HARDWARE; None: off), or None where there is none."""
+    if mode == "fake":
+        return GraphCache(FakeCudaGraphs(), int(budget * BUDGET_SHARE), run_program)
+    if mode == "cuda" and device.startswith("cuda"):
+        return GraphCache(CudaGraphs(device), int(budget * BUDGET_SHARE), run_program)
+    return None
