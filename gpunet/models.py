@@ -44,6 +44,8 @@ class Embed(nn.Module):
         where = pos + torch.arange(t, dtype=torch.float32)  # [T]
         angles = where[:, None] * self.freqs[None, :]
         positions = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)  # [T, D]
+        if positions.dtype != self.tokens.weight.dtype:  # (positions are counted in float32 whatever the weights)
+            positions = positions.to(self.tokens.weight.dtype)
         return self.tokens(ids) + positions[None], where[-1:] + 1  # tensor arithmetic only: no symbolic sizes
 
 
@@ -61,7 +63,7 @@ class Block(nn.Module):
 
     def initial_state(self) -> tuple[torch.Tensor, ...]:
         c = self.cfg
-        cache = torch.zeros(c.batch, c.n_heads, c.max_len, c.d_model // c.n_heads)
+        cache = torch.zeros(c.batch, c.n_heads, c.max_len, c.d_model // c.n_heads, dtype=self.qkv.weight.dtype)
         return cache, cache.clone(), torch.zeros(1, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor):

@@ -257,6 +257,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="local and networked generations, alternating")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:N for the workers and the local baseline")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the model's weights and activations (positions stay float32)")
     parser.add_argument("--trace", action="store_true",
                         help="where a pushed step's time goes, stage by stage (the workers' GPUNET_STEP_TRACE)")
     parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
@@ -270,12 +272,13 @@ def main() -> None:
         parser.error(f"--d-model {args.d_model}: the raw round trip it is measured against carries at most "
                      f"{MAX_PING_BYTES} bytes (d-model up to {(MAX_PING_BYTES - 256) // 4})")
     cfg = TinyConfig(d_model=args.d_model, n_heads=8, n_layers=args.layers, max_len=tokens + 16, vocab=512)
-    blocks = tiny_gpt(cfg, seed=0)
+    dtype = getattr(torch, args.dtype)
+    blocks = [b.to(dtype) for b in tiny_gpt(cfg, seed=0)]
     prompt = torch.randint(0, cfg.vocab, (1, 1))  # every step one token: each step costs the same
     gpu = args.device.startswith("cuda")
     results: dict = {"benchmark": "pipeline", "d_model": cfg.d_model, "layers": cfg.n_layers, "tokens": tokens,
-                     "rounds": args.rounds, "threads_per_job": 1, "device": args.device}
-    local_blocks = [b.to(args.device) for b in tiny_gpt(cfg, seed=0)] if gpu else blocks
+                     "rounds": args.rounds, "threads_per_job": 1, "device": args.device, "dtype": args.dtype}
+    local_blocks = [b.to(args.device, dtype) for b in tiny_gpt(cfg, seed=0)] if gpu else blocks
     mismatched = 0
     trace_dir = None
     if args.trace:  # the workers started below inherit it
@@ -344,8 +347,8 @@ def main() -> None:
             # Each span's compute in the last round (its placement): how long the paced round trips wait after each.
             per_span = [r.wall_time_us / steps_of(r.job_id) / 1e6
                         for r in sorted(session.receipts, key=lambda r: placement.index(r.worker_id))]
-            raw = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50)
-            paced = raw_round_trips(client, placement, 4 * cfg.d_model + 256, 50, gaps=per_span)
+            raw = raw_round_trips(client, placement, dtype.itemsize * cfg.d_model + 256, 50)
+            paced = raw_round_trips(client, placement, dtype.itemsize * cfg.d_model + 256, 50, gaps=per_span)
             with remote.session() as session:
                 # Recovery: kill the middle span's worker, then the next step moves it and replays its past steps.
                 _, before = remote_steps(session, prompt, tokens)

@@ -35,8 +35,10 @@ step batching_gpu 240 python3 scripts/bench_batching.py --device cuda:0 --d-mode
 # Issue 41: the interpreter (compiled plan) against eager at decode and prefill shapes, on the GPU and on 16 cores.
 step jobs_gpu_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 2 --layers 8 --dim 2048 --repeat 100 --codec-mib 16 --json
 step jobs_gpu_prefill 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 512 --layers 8 --dim 2048 --repeat 30 --codec-mib 16 --json
-# Issue 41, CUDA graphs: replays equal plain runs bit for bit (fp32, bf16, sessions interleaved, a host sync refused),
-# and the time they take beside eager and eager captured by hand, fp32 d=2048 and bf16 d=4096, decode shapes.
+# Issue 41, CUDA graphs: a 3-span bf16 d=4096 session beside local eager (target >= 90% of its tokens/s; the same with
+# --worker-arg=--no-cuda-graphs shows what the graphs give); replays equal plain runs bit for bit (fp32, bf16, sessions
+# interleaved, a host sync refused); their time beside eager and eager captured by hand, decode shapes.
+step bench_gpu_bf16 200 python3 scripts/bench_pipeline.py --d-model 4096 --layers 8 --dtype bfloat16 --rounds 2 --device cuda:0 --json
 step graphs_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py -k on_a_gpu
 step graphs_bf16_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 8 --seq 2 --layers 4 --dim 4096 --dtype bfloat16 --repeat 100 --codec-mib 16 --json
 step jobs_cpu_decode 150 python3 scripts/bench_jobs_local.py --batch 1 --seq 2 --layers 8 --dim 1024 --repeat 100 --codec-mib 16 --json

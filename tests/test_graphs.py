@@ -14,7 +14,7 @@ import torch
 from torch.export import Dim
 
 from gpunet import Job
-from gpunet.errors import JobPreempted, JobTimeout
+from gpunet.errors import JobFailed, JobPreempted, JobTimeout
 from gpunet.job import tensors
 from gpunet.job.interpreter import run_program
 from gpunet.job.validator import load_program
@@ -67,7 +67,8 @@ def test_a_shape_run_three_times_is_captured_then_replayed_with_the_plain_runs_b
         outcomes += graphs.take_counts().runs.keys()
         assert torch.equal(got[0], run_program(prog, [x])[0])
     assert outcomes == ["warming", "warming", "captured", "replayed", "replayed", "replayed"]
-    assert (fake.captures, fake.replays) == (1, 4)  # (the capture is replayed at once: its outputs are the replay's)
+    # The third run was the capture's warm-up (its outputs are that run's), then recorded; the rest were replays.
+    assert (fake.checks, fake.captures, fake.replays) == (1, 1, 3)
     # Another shape is another graph, warmed up on its own.
     for _ in range(3):
         graphs(prog, [torch.randn(7, 16)])
@@ -79,7 +80,7 @@ def test_an_output_handed_out_is_never_the_graphs_own_memory():
     outputs (a state kept as the graph's output would be the other session's after its step)."""
     graphs, fake = _cache()
     _two_sessions_interleaved(graphs, "cpu")
-    assert fake.replays == 8  # 10 steps: 2 warming, then a capture (replayed at once) and 7 replays
+    assert fake.replays == 7  # 10 steps: 2 warming, a capture, 7 replays
 
 
 def _two_sessions_interleaved(graphs, device: str):
@@ -98,17 +99,17 @@ def _two_sessions_interleaved(graphs, device: str):
 
 
 def test_graphs_past_their_budget_are_evicted_least_recently_used_first():
-    prog = _mlp()
+    x = torch.randn(8, 16)
+    progs = [_mlp(), _mlp(), _mlp()]  # three programs at one shape: three graphs of the same size
     probe, _ = _cache()
     for _ in range(3):
-        probe(prog, [torch.randn(8, 16)])
-    one = probe.nbytes  # what one graph at batch 8 holds: buffers in and out
-    graphs, fake = _cache(max_bytes=2 * one)
-    sizes = [(8, 16), (8, 16), (8, 16)]
-    progs = [prog, _mlp(), _mlp()]  # three programs at one shape: three graphs of the same size
-    for p, shape in zip(progs, sizes):
+        probe(progs[0], [x])
+    one = probe.nbytes  # what one graph holds: buffers in and out
+    # Room for two graphs, and for what a third needs while it is captured (its dry run's peak): the third evicts one.
+    graphs, fake = _cache(max_bytes=one + GraphCache.need(progs[0], [x]))
+    for p in progs:
         for _ in range(3):
-            graphs(p, [torch.randn(*shape)])
+            graphs(p, [torch.randn(8, 16)])
     assert fake.captures == 3 and graphs.nbytes == 2 * one  # the first went to make room for the third
     graphs.take_counts()
     graphs(progs[1], [torch.randn(8, 16)])
@@ -128,17 +129,61 @@ def test_a_graph_bigger_than_the_budget_is_refused_once_and_the_runs_go_on_plain
     assert "share of this executor's budget" in counts.refused[0][1] and graphs.nbytes == 0
 
 
-@pytest.mark.parametrize("backend, reason", [(FakeCudaGraphs(sync_ops=frozenset({"aten.addmm.default"})), SYNC),
-                                             (FakeCudaGraphs(fail_capture=True), FAILED)], ids=["sync", "capture"])
-def test_a_run_that_syncs_with_the_host_or_fails_to_capture_runs_plain_and_says_why(backend, reason):
+def test_a_run_that_syncs_with_the_host_runs_plain_and_says_why():
     prog = _mlp()
-    graphs, _ = _cache(backend)
+    graphs, fake = _cache(sync_ops=frozenset({"aten.addmm.default"}))
     for _ in range(5):
         x = torch.randn(3, 16)
         assert torch.equal(graphs(prog, [x])[0], run_program(prog, [x])[0])
     counts = graphs.take_counts()
     assert counts.runs == {"warming": 2, "refused": 3} and len(counts.refused) == 1  # tried once per shape
-    assert counts.refused[0][0] == reason and backend.captures == 0
+    assert counts.refused[0][0] == SYNC and "aten.addmm" in counts.refused[0][1] and fake.captures == 0
+    for _ in range(3):  # another shape is tried on its own
+        graphs(prog, [torch.randn(4, 16)])
+    assert fake.checks == 2 and graphs.broken is None
+
+
+def test_a_capture_that_fails_half_way_ends_capturing_in_that_process_which_asks_to_be_replaced():
+    """A failed capture may leave torch's allocator mid-capture: the run's own result (its warm-up) stands, nothing
+    more is captured there, and the executor asks to be replaced once no session's state would go with it."""
+    prog = _mlp()
+    graphs, fake = _cache(fail_capture=True)
+    for _ in range(5):
+        x = torch.randn(3, 16)
+        assert torch.equal(graphs(prog, [x])[0], run_program(prog, [x])[0])
+    for _ in range(3):
+        graphs(prog, [torch.randn(4, 16)])
+    assert graphs.broken and fake.checks == 1  # (the second shape never got that far)
+    reply: dict = {}
+    graphs.tell(reply, holding_sessions=True)
+    assert reply["graphs"]["runs"] == {"warming": 2, "refused": 6} and reply["graphs"]["refused"][0][0] == FAILED
+    assert "recycle" not in reply
+    graphs.tell(reply, holding_sessions=False)
+    assert reply["recycle"] is True
+
+
+def test_a_plain_run_out_of_memory_runs_again_without_the_graphs():
+    """Graphs share the runs' allocator, and a job may be admitted up to the whole budget: a plain run that ran out
+    of memory while graphs held some runs once more after they are dropped."""
+    prog, failures = _mlp(), []
+
+    def plain(prog, inputs, stop=None, pace=None):
+        if failures:
+            raise JobFailed(failures.pop())
+        return run_program(prog, inputs, stop=stop, pace=pace)
+
+    fake = FakeCudaGraphs()
+    graphs = GraphCache(fake, 1 << 30, plain)
+    for _ in range(3):
+        graphs(prog, [torch.randn(2, 16)])
+    assert graphs.nbytes > 0
+    x = torch.randn(5, 16)
+    failures.append("node 'addmm' (aten.addmm.default) raised OutOfMemoryError: CUDA out of memory")
+    assert torch.equal(graphs(prog, [x])[0], run_program(prog, [x])[0])
+    assert graphs.nbytes == 0 and fake.releases == 1
+    failures.append("node 'addmm' (aten.addmm.default) raised OutOfMemoryError: CUDA out of memory")
+    with pytest.raises(JobFailed, match="OutOfMemoryError"):  # no graphs to drop: the run's own failure
+        graphs(prog, [x])
 
 
 def test_a_program_whose_guard_reads_values_is_never_captured():
@@ -184,7 +229,14 @@ def test_a_replay_honours_the_stop_word_and_the_jobs_time():
     with pytest.raises(JobTimeout, match="not billed"):
         graphs(prog, [x], pace=pace)
     pace = Pacer(prog.steps, est.node_flops, 1.0, time.monotonic() + 60)
-    assert torch.equal(graphs(prog, [x], pace=pace)[0], run_program(prog, [x])[0]) and fake.replays == 2
+    assert torch.equal(graphs(prog, [x], pace=pace)[0], run_program(prog, [x])[0]) and fake.replays == 1
+    # The run that is captured is the job's own run: stopped as any.
+    y = torch.randn(6, 16)
+    for _ in range(2):
+        graphs(prog, [y])
+    with pytest.raises(JobPreempted):
+        graphs(prog, [y], stop=lambda: True)
+    assert fake.captures == 1
 
 
 def test_an_executor_replays_a_sessions_steps_and_the_worker_counts_them(tmp_path):
@@ -233,7 +285,7 @@ def test_on_a_gpu_every_family_replayed_equals_its_plain_runs_bit_for_bit(dtype)
                 got, want = graphs(prog, [x]), run_program(prog, [x])
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), name
         counts = graphs.take_counts()
-        assert counts.runs.get("replayed", 0) >= 3 * (1 + len(others)), (name, counts)
+        assert counts.runs.get("replayed", 0) >= 2 * (1 + len(others)), (name, counts)
 
 
 @on_a_gpu

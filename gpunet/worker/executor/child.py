@@ -168,8 +168,8 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         # report the failure, then exit so the pool starts a clean executor.
         poisoned = device.startswith("cuda") and any("CUDA error" in r.get("message", "") for r in failed)
         reply["restart"] = poisoned
-        if graphs is not None and (report := graphs.report()):  # what CUDA graphs did (the worker's metrics)
-            reply["graphs"] = report
+        if graphs is not None:  # what CUDA graphs did (the worker's metrics); "recycle": replace this process
+            graphs.tell(reply, holding_sessions=bool(sessions))
         if reply.get("ok") and "began" in reply:  # a session step's marks (gpunet.worker.steptrace): four ints
             reply["marks"] = [received, reply.pop("began"), reply.pop("ended"), time.monotonic_ns()]
         outputs = reply.pop("outputs", None)
@@ -180,7 +180,7 @@ def child_main(conn: Connection, config: dict, stop_word=None, dry_word=None) ->
         conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
         if outputs is not None:
             conn.send_bytes(outputs)
-        if poisoned:
+        if poisoned or reply.get("recycle"):
             return
         # Let go of the job's bytes now, not when the next job comes: a spooled program's mapping would keep its
         # unlinked file (its blocks reserved) on the worker's disk while this process waits.

@@ -3,21 +3,23 @@
 A session's decode step with a static cache, or a ``map`` over equal batches, runs the same program at the same input
 shapes again and again. At decode shapes a forward is hundreds of small kernels and the GPU waits on Python to launch
 each one; a CUDA graph records the launches once and replays them in one call. After :data:`WARM_RUNS` plain runs of
-one program object at one set of input shapes (dtype, shape and strides of each), the next is captured: inputs go
-into the graph's own buffers (one copy each), the replay writes its outputs into its own, and what is returned are
-copies of those (a session's new state is kept between steps, and the next replay, perhaps another session's,
-overwrites the graph's outputs). Results are the plain run's: the same kernels in the same order.
+one program object at one set of input shapes (dtype, shape and strides of each), the next is the warm-up of a
+capture (the run itself, billed and paced as any, on the capture's stream) and is then captured; the runs after it
+replay the graph: inputs go into the graph's own buffers (one copy each), the replay writes its outputs into its own,
+and what is returned are copies of those (a session's new state is kept between steps, and the next replay, perhaps
+another session's, overwrites the graph's outputs). Results are the plain run's: the same kernels in the same order.
 
 What is not captured runs as before, and says why (the worker's metrics count it, its log names it once per shape):
 a program whose guard reads tensor values (a host sync, and a check a replay would skip), a run that synchronises with
-the host (found by a warm-up run with CUDA's sync debug mode set to raise), a capture that fails, a graph bigger than
-its share of the executor's memory budget. Graphs hold device memory (their buffers and their memory pool), counted
-against :data:`BUDGET_SHARE` of the budget and evicted least recently used; a program's graphs go when the program
-does (its weights' addresses are baked into them).
+the host (found by the warm-up, run with CUDA's sync debug mode set to raise), a capture that fails, a graph bigger
+than its share of the executor's memory budget. A capture that fails half way may leave torch's allocator as it was
+mid-capture: that executor captures no more and is replaced once it holds no session. Graphs hold device memory
+(their buffers and their memory pool), counted against :data:`BUDGET_SHARE` of the budget and evicted least recently
+used; a program's graphs go when the program does (its weights' addresses are baked into them); a plain run that runs
+out of memory while graphs hold some runs again without them.
 
-The device itself is behind a seam (:class:`CudaGraphs`; the tests' CPU stand-in is
-:class:`FakeCudaGraphs`), so what is captured, when, eviction and fallback are tested on a
-machine without a GPU; that replays equal plain runs bit for bit is checked on the GPU (scripts/gpu_check.sh).
+The device itself is behind a seam (:class:`CudaGraphs`; the tests' CPU stand-in is :class:`FakeCudaGraphs`), so what
+is captured, when, eviction and fallback are tested on a machine without a GPU; that replays equal plain runs bit for bit is checked on the GPU (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from gpunet.errors import JobPreempted, JobTimeout
+from gpunet.errors import JobFailed, JobPreempted, JobTimeout
 from gpunet.utils import LRU, first_line, human_bytes
 
 #: Plain runs of one program at one set of shapes before the next is captured (lazy initialisation, cuBLAS handles
@@ -50,41 +52,62 @@ OUTCOMES = frozenset({"replayed", "captured", "warming", "refused"})
 
 
 class CudaGraphs:
-    """The device behind :class:`GraphCache`: CUDA graphs on one device (torch.cuda.CUDAGraph)."""
+    """The device behind :class:`GraphCache`: CUDA graphs on one device (torch.cuda.CUDAGraph), warmed up and
+    captured on one side stream of its own (a new stream per capture would leave cuBLAS a workspace per stream)."""
 
     def __init__(self, device: str):
         import torch
 
         self.torch, self.device = torch, torch.device(device)
+        self._side = None
 
-    def check(self, run: Callable[[], list]) -> None:
-        """Warm up ``run`` on a side stream (as torch asks before a capture), raising if it synchronises with the
-        host: such a run cannot be captured (a replay would not wait where it waited)."""
+    def _stream(self):
+        if self._side is None:
+            self._side = self.torch.cuda.Stream(self.device)
+        return self._side
+
+    def check(self, run: Callable[[], list]) -> list:
+        """Run ``run`` on the side stream (the warm-up torch asks for before a capture), raising if it synchronises
+        with the host (a replay would not wait where it waited); its outputs, copied on the current stream."""
         torch = self.torch
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current, side = torch.cuda.current_stream(self.device), self._stream()
+        side.wait_stream(current)
         before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            with torch.cuda.stream(stream):
-                run()
+            with torch.cuda.device(self.device), torch.cuda.stream(side):
+                outputs = run()
         finally:
             torch.cuda.set_sync_debug_mode(before)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+            current.wait_stream(side)
+        return [o.clone() for o in outputs]
 
     def capture(self, run: Callable[[], list]) -> tuple[Any, list, int]:
-        """The graph of ``run``, the outputs its replays write, and the device memory its pool took."""
+        """The graph of ``run``, the outputs its replays write, and the device memory its pool took. Raises if the
+        capture failed; then this process's allocator and streams may be left as a half-ended capture leaves them
+        (torch's capture_end raises before it gives the pool back): the caller stops capturing here."""
         torch = self.torch
         torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # (torch.cuda.graph does this too: done first, so that what the pool takes is seen)
+        torch.cuda.empty_cache()  # (done first, so that what the graph's pool takes is seen)
         before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph):
-            outputs = run()
+        current, side = torch.cuda.current_stream(self.device), self._stream()
+        side.wait_stream(current)
+        with torch.cuda.device(self.device), torch.cuda.stream(side):  # (the stream is restored however it ends)
+            graph.capture_begin()
+            try:
+                outputs = run()
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
         return graph, outputs, max(0, torch.cuda.memory_reserved(self.device) - before)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def release(self) -> None:
+        """Give the device memory freed graphs held back to the driver (a run that ran out of memory runs again)."""
+        self.torch.cuda.empty_cache()
 
     def is_for(self, device) -> bool:
         return getattr(device, "type", None) == "cuda"
@@ -122,22 +145,42 @@ class GraphCache:
         self._refused: LRU[tuple, str] = LRU(MAX_SHAPES)
         self._programs: dict[int, str | None] = {}  # id(program) -> why it is never captured (None: it may be)
         self.counts = Counts()
+        #: Why this process captures no more (a capture failed half way): the executor asks to be replaced once it
+        #: holds no session (gpunet.worker.executor.child).
+        self.broken: str | None = None
 
     def __call__(self, prog, inputs: Sequence | dict, stop: Callable[[], bool] | None = None, pace=None) -> list:
         if isinstance(inputs, dict):
             inputs = prog.inputs_from_dict(inputs)
         outcome, outputs = self._try(prog, inputs, stop, pace)
         self.counts.runs[outcome] += 1
-        if outputs is None:
+        if outputs is not None:
+            return outputs
+        try:
             return self._run_program(prog, inputs, stop=stop, pace=pace)
-        return outputs
+        except JobFailed as e:
+            # The graphs' memory is the same allocator's as the runs' (a job may be admitted up to the whole budget):
+            # a plain run that ran out of it runs again without them (programs change no input: nothing to undo).
+            if not self._graphs or "OutOfMemoryError" not in str(e):
+                raise
+        self.clear()
+        return self._run_program(prog, inputs, stop=stop, pace=pace)
 
-    def report(self) -> dict | None:
-        """What happened since the last report, for the executor's reply (None if nothing did)."""
+    def clear(self) -> None:
+        """Drop every graph (a later run of their shapes warms up again)."""
+        self._graphs.clear()
+        self.nbytes = 0
+        self.backend.release()
+
+    def tell(self, reply: dict, holding_sessions: bool) -> None:
+        """Into the executor's ``reply``: what happened since the last (``graphs``), and, when a capture failed half
+        way here and no session's state would go with this process, that the worker should replace it (``recycle``:
+        the job's result stands; the process exits after sending it)."""
         counts = self.take_counts()
-        if counts is None:
-            return None
-        return {"runs": dict(counts.runs), "refused": counts.refused, "bytes": counts.nbytes}
+        if counts is not None:
+            reply["graphs"] = {"runs": dict(counts.runs), "refused": counts.refused, "bytes": counts.nbytes}
+        if self.broken is not None and not holding_sessions:
+            reply["recycle"] = True
 
     def take_counts(self) -> Counts | None:
         """What happened since the last call (None if nothing did)."""
@@ -146,7 +189,8 @@ class GraphCache:
         return counts if counts.runs or counts.refused else None
 
     def _try(self, prog, inputs: Sequence, stop, pace) -> tuple[str, list | None]:
-        if not self.backend.is_for(prog.device) or self._never(prog) is not None:
+        """(what this run is, its outputs if it ran here; None: the plain run is the caller's)."""
+        if self.broken is not None or not self.backend.is_for(prog.device) or self._never(prog) is not None:
             return "refused", None
         key = (id(prog), tuple((t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs))
         found = self._graphs.get(key)
@@ -157,16 +201,11 @@ class GraphCache:
             self._seen.put(key, runs)
             if runs <= self.warm_runs:
                 return "warming", None
+            self._seen.pop(key)
+            return self._capture(key, prog, inputs, stop, pace)
         self._may_start(stop, pace)
-        if found is None:
-            found = self._capture(key, prog, inputs)
-            if found is None:
-                return "refused", None
-            outcome = "captured"
-        else:
-            self._graphs.move_to_end(key)
-            outcome = "replayed"
-        return outcome, self._replay(found, inputs)
+        self._graphs.move_to_end(key)
+        return "replayed", self._replay(found, inputs)
 
     def _never(self, prog) -> str | None:
         """Why ``prog`` is never captured, found once per program (and forgotten with it)."""
@@ -203,47 +242,71 @@ class GraphCache:
                                  f"than the {max(0.0, left):.2g} s left of the job's time: stopped before it ran "
                                  "(not billed)")
 
-    def _capture(self, key: tuple, prog, inputs: Sequence) -> _Graph | None:
+    def _capture(self, key: tuple, prog, inputs: Sequence, stop, pace) -> tuple[str, list | None]:
+        """This run is the warm-up (the job's own run, on the capture's stream, with its stop word and pacer: billed
+        as any run), then its launches are recorded (no computing) for the next run of these shapes to replay."""
         import torch
 
         from gpunet.job.interpreter import run_steps
 
-        self._seen.pop(key)
+        need, buffers = self.need(prog, inputs), sum(t.numel() * t.element_size() for t in inputs)
+        if need > self.max_bytes:
+            return self._refuse(key, TOO_BIG, f"it would hold about {human_bytes(need)}, the graphs' share of this "
+                                              f"executor's budget is {human_bytes(self.max_bytes)}")
+        while self._graphs and self.nbytes + need > self.max_bytes:
+            self._drop(next(iter(self._graphs)))
+        program = weakref.ref(prog)  # (a graph does not keep its program alive: it goes with it, _forget)
         with torch.inference_mode():
-            static = [torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=prog.device)
-                      for t in inputs]
-            for buffer, t in zip(static, inputs):
-                buffer.copy_(t)
+            try:
+                static = [torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=prog.device)
+                          for t in inputs]
+                for buffer, t in zip(static, inputs):
+                    buffer.copy_(t)
+            except Exception as e:  # (out of memory)
+                return self._refuse(key, FAILED, f"its buffers: {type(e).__name__}: {first_line(e, 300)}")
 
-            program = weakref.ref(prog)  # (a graph does not keep its program alive: it goes with it, _forget)
-
-            def run() -> list:
+            def run(stop=None, pace=None) -> list:
                 p = program()
-                return [o.contiguous() for o in run_steps(p, p.new_env(list(static)), None, None)]
+                return [o.contiguous() for o in run_steps(p, p.new_env(list(static)), stop, pace)]
 
             try:
-                self.backend.check(run)
-            except Exception as e:
-                sync = "synchroniz" in str(e)
-                return self._refuse(key, SYNC if sync else FAILED, f"its warm-up run: {first_line(e, 300)}")
+                outputs = self.backend.check(lambda: run(stop, pace))
+            except (JobPreempted, JobTimeout):
+                raise  # stopped, as a plain run would have been
+            except Exception as e:  # a host sync, or the job's own error (the plain run then says it)
+                return self._refuse(key, SYNC if "synchroniz" in str(e) else FAILED,
+                                    f"its warm-up run: {first_line(e, 300)}")[0], None
             try:
-                graph, outputs, pool = self.backend.capture(run)
+                graph, written, pool = self.backend.capture(run)
             except Exception as e:
-                return self._refuse(key, FAILED, f"{type(e).__name__}: {first_line(e, 300)}")
-        nbytes = pool + sum(t.numel() * t.element_size() for t in static)
+                self.broken = f"{type(e).__name__}: {first_line(e, 300)}"
+                self._refuse(key, FAILED, f"{self.broken}; this executor captures no more and is replaced once it "
+                                          "holds no session")
+                self._graphs.clear()
+                self.nbytes = 0
+                return "refused", outputs
+        nbytes = pool + buffers
         if nbytes > self.max_bytes:
             return self._refuse(key, TOO_BIG, f"it holds {human_bytes(nbytes)}, the graphs' share of this "
-                                              f"executor's budget is {human_bytes(self.max_bytes)}")
+                                              f"executor's budget is {human_bytes(self.max_bytes)}")[0], outputs
         while self._graphs and self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._graphs)))
-        self._graphs[key] = found = _Graph(graph, static, outputs, nbytes)
+        self._graphs[key] = _Graph(graph, static, written, nbytes)
         self.nbytes += nbytes
-        return found
+        return "captured", outputs
 
-    def _refuse(self, key: tuple, reason: str, detail: str) -> None:
+    @staticmethod
+    def need(prog, inputs: Sequence) -> int:
+        """About what a graph of ``prog`` at these inputs' shapes holds, from its dry run: its input buffers, and in
+        its pool the run's peak less the weights (the program's own, not the pool's)."""
+        weights = sum(w.numel() * w.element_size() for w in prog.weights)
+        buffers = sum(t.numel() * t.element_size() for t in inputs)
+        return max(0, prog.estimate(inputs).peak_memory_bytes - weights) + buffers
+
+    def _refuse(self, key: tuple, reason: str, detail: str) -> tuple[str, None]:
         self._refused.put(key, reason)
         self.counts.refused.append((reason, detail))
-        return None
+        return "refused", None
 
     def _drop(self, key: tuple) -> None:
         self.nbytes -= self._graphs.pop(key).nbytes
@@ -268,36 +331,39 @@ class FakeCudaGraphs:
 
     def __init__(self, sync_ops: frozenset[str] = frozenset(), fail_capture: bool = False):
         self.sync_ops, self.fail_capture = sync_ops, fail_capture
-        self.checks = self.captures = self.replays = 0
+        self.checks = self.captures = self.replays = self.releases = 0
 
     def is_for(self, device) -> bool:
         return True  # stands in for a CUDA device on any device
 
-    def check(self, run: Callable[[], list]) -> None:
+    def check(self, run: Callable[[], list]) -> list:
         self.checks += 1
-        if self.sync_ops:
-            import torch
+        if not self.sync_ops:
+            return run()
+        import torch
 
-            seen = set()
+        seen = set()
 
-            class Watch(torch.utils._python_dispatch.TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    seen.add(f"aten.{func._opname}.{func._overloadname}")
-                    return func(*args, **(kwargs or {}))
+        class Watch(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.add(f"aten.{func._opname}.{func._overloadname}")
+                return func(*args, **(kwargs or {}))
 
-            with Watch():
-                run()
-            syncing = sorted(seen & self.sync_ops)
-            if syncing:
-                raise RuntimeError(f"called a synchronizing CUDA operation ({syncing[0]}; fake, for tests)")
-        else:
-            run()
+        with Watch():
+            outputs = run()
+        syncing = sorted(seen & self.sync_ops)
+        if syncing:
+            raise RuntimeError(f"called a synchronizing CUDA operation ({syncing[0]}; fake, for tests)")
+        return outputs
+
+    def release(self) -> None:
+        self.releases += 1
 
     def capture(self, run: Callable[[], list]) -> tuple[Any, list, int]:
         if self.fail_capture:
             raise RuntimeError("operation not permitted when stream is capturing (fake, for tests)")
         self.captures += 1
-        outputs = run()  # (on a GPU these hold nothing until the first replay; the cache replays before reading)
+        outputs = run()  # (on a GPU these hold nothing until the first replay)
         return _FakeGraph(run, outputs), outputs, sum(o.numel() * o.element_size() for o in outputs)
 
     def replay(self, graph: "_FakeGraph") -> None:

@@ -704,6 +704,9 @@ class Executor:
             return self._died(slot, "while running the job")
         if reply.get("graphs") is not None:
             self._count_graphs(slot, reply["graphs"])
+        if reply.get("recycle") and not reply.get("restart"):  # no fault of the job's: its result stands
+            logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no session)")
+            slot.kill()
         if reply.get("restart"):  # the job poisoned the process's CUDA context: the process (and every session it
             slot.kill()           # held) goes, which is the job's doing, counted as a crash against its client
             raise ExecutorDied(f"{reply.get('message', 'CUDA error')}; its executor had to be replaced")
