@@ -14,7 +14,7 @@ import torch
 from torch.export import Dim
 
 from gpunet import Job
-from gpunet.errors import JobFailed, JobPreempted, JobTimeout
+from gpunet.errors import JobFailed, JobPreempted, JobRaised, JobTimeout
 from gpunet.job import tensors
 from gpunet.job.interpreter import run_program
 from gpunet.job.validator import load_program
@@ -157,9 +157,29 @@ def test_a_capture_that_fails_half_way_ends_capturing_in_that_process_which_asks
     reply: dict = {}
     graphs.tell(reply, holding_sessions=True)
     assert reply["graphs"]["runs"] == {"warming": 2, "refused": 6} and reply["graphs"]["refused"][0][0] == FAILED
-    assert "recycle" not in reply
+    assert reply["graphs_broken"] and "recycle" not in reply  # (new sessions go elsewhere; these stay)
     graphs.tell(reply, holding_sessions=False)
     assert reply["recycle"] is True
+
+
+def test_the_jobs_own_error_in_a_warm_up_ends_the_run_once_and_refuses_nothing():
+    """An index out of range in the run that would have been captured is the job's error, as in a plain run: raised
+    (not run again plain), and its shapes are not refused for good (the next values may be fine)."""
+    class Raising(FakeCudaGraphs):
+        def check(self, run):
+            raise JobRaised("node 'embedding' (aten.embedding.default) raised IndexError: index out of range")
+
+    prog = _mlp()
+    graphs, fake = _cache(Raising())
+    calls = []
+    graphs._run_program = lambda *a, **k: calls.append(1) or run_program(*a, **k)
+    for _ in range(2):
+        graphs(prog, [torch.randn(3, 16)])
+    with pytest.raises(JobRaised):
+        graphs(prog, [torch.randn(3, 16)])
+    assert len(calls) == 2 and not graphs.take_counts().refused
+    graphs(prog, [torch.randn(3, 16)])
+    assert graphs.take_counts().runs == {"warming": 1}
 
 
 def test_a_plain_run_out_of_memory_runs_again_without_the_graphs():

@@ -9,28 +9,31 @@ replay the graph: inputs go into the graph's own buffers (one copy each), the re
 and what is returned are copies of those (a session's new state is kept between steps, and the next replay, perhaps
 another session's, overwrites the graph's outputs). Results are the plain run's: the same kernels in the same order.
 
-What is not captured runs as before, and says why (the worker's metrics count it, its log names it once per shape):
+What is not captured runs as before, and says why (the worker's metrics count it, its log names it once per reason):
 a program whose guard reads tensor values (a host sync, and a check a replay would skip), a run that synchronises with
-the host (found by the warm-up, run with CUDA's sync debug mode set to raise), a capture that fails, a graph bigger
-than its share of the executor's memory budget. A capture that fails half way may leave torch's allocator as it was
-mid-capture: that executor captures no more and is replaced once it holds no session. Graphs hold device memory
+the host (found by the warm-up, run with torch's sync debug mode set to raise), a graph whose dry run says it needs
+more than its share of the executor's memory budget. A capture that fails half way may leave torch's allocator as it
+was mid-capture: that executor captures no more (its graphs still replay, their memory cannot be given back), new
+sessions go elsewhere where they can, and the worker replaces it once it holds no session. Graphs hold device memory
 (their buffers and their memory pool), counted against :data:`BUDGET_SHARE` of the budget and evicted least recently
-used; a program's graphs go when the program does (its weights' addresses are baked into them); a plain run that runs
-out of memory while graphs hold some runs again without them.
+used; a program's graphs go when the program does (its weights' addresses are baked into them); a run that runs out
+of memory while graphs hold some (plain, its warm-up or a replay's copies) runs plain once more without them.
 
 The device itself is behind a seam (:class:`CudaGraphs`; the tests' CPU stand-in is :class:`FakeCudaGraphs`), so what
-is captured, when, eviction and fallback are tested on a machine without a GPU; that replays equal plain runs bit for bit is checked on the GPU (scripts/gpu_check.sh).
+is captured, when, eviction and fallback are tested on a machine without a GPU; that replays equal plain runs bit for
+bit is checked on the GPU (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from gpunet.errors import JobFailed, JobPreempted, JobTimeout
+from gpunet.errors import JobFailed, JobPreempted, JobRaised, JobTimeout
 from gpunet.utils import LRU, first_line, human_bytes
 
 #: Plain runs of one program at one set of shapes before the next is captured (lazy initialisation, cuBLAS handles
@@ -67,8 +70,8 @@ class CudaGraphs:
         return self._side
 
     def check(self, run: Callable[[], list]) -> list:
-        """Run ``run`` on the side stream (the warm-up torch asks for before a capture), raising if it synchronises
-        with the host (a replay would not wait where it waited); its outputs, copied on the current stream."""
+        """Run ``run`` on the side stream (the warm-up torch asks for before a capture), with torch's sync debug mode
+        set to raise if it synchronises with the host (a replay would not wait where it waited); its outputs."""
         torch = self.torch
         current, side = torch.cuda.current_stream(self.device), self._stream()
         side.wait_stream(current)
@@ -80,7 +83,9 @@ class CudaGraphs:
         finally:
             torch.cuda.set_sync_debug_mode(before)
             current.wait_stream(side)
-        return [o.clone() for o in outputs]
+        for o in outputs:  # used on the current stream from now on: their blocks are not reused before it is done
+            o.record_stream(current)
+        return outputs
 
     def capture(self, run: Callable[[], list]) -> tuple[Any, list, int]:
         """The graph of ``run``, the outputs its replays write, and the device memory its pool took. Raises if the
@@ -167,10 +172,12 @@ class GraphCache:
         return self._run_program(prog, inputs, stop=stop, pace=pace)
 
     def clear(self) -> None:
-        """Drop every graph (a later run of their shapes warms up again)."""
+        """Drop every graph (a later run of their shapes warms up again), and give their memory back to the device
+        (not while torch's allocator is mid-capture: see :attr:`broken`)."""
         self._graphs.clear()
         self.nbytes = 0
-        self.backend.release()
+        if self.broken is None:
+            self.backend.release()
 
     def tell(self, reply: dict, holding_sessions: bool) -> None:
         """Into the executor's ``reply``: what happened since the last (``graphs``), and, when a capture failed half
@@ -179,8 +186,10 @@ class GraphCache:
         counts = self.take_counts()
         if counts is not None:
             reply["graphs"] = {"runs": dict(counts.runs), "refused": counts.refused, "bytes": counts.nbytes}
-        if self.broken is not None and not holding_sessions:
-            reply["recycle"] = True
+        if self.broken is not None:  # (the worker sends new sessions elsewhere, where it can)
+            reply["graphs_broken"] = True
+            if not holding_sessions:
+                reply["recycle"] = True
 
     def take_counts(self) -> Counts | None:
         """What happened since the last call (None if nothing did)."""
@@ -190,12 +199,12 @@ class GraphCache:
 
     def _try(self, prog, inputs: Sequence, stop, pace) -> tuple[str, list | None]:
         """(what this run is, its outputs if it ran here; None: the plain run is the caller's)."""
-        if self.broken is not None or not self.backend.is_for(prog.device) or self._never(prog) is not None:
+        if not self.backend.is_for(prog.device) or self._never(prog) is not None:
             return "refused", None
         key = (id(prog), tuple((t.dtype, tuple(t.shape), tuple(t.stride())) for t in inputs))
         found = self._graphs.get(key)
         if found is None:
-            if key in self._refused:
+            if key in self._refused or self.broken is not None:
                 return "refused", None
             runs = (self._seen.get(key) or 0) + 1
             self._seen.put(key, runs)
@@ -205,7 +214,13 @@ class GraphCache:
             return self._capture(key, prog, inputs, stop, pace)
         self._may_start(stop, pace)
         self._graphs.move_to_end(key)
-        return "replayed", self._replay(found, inputs)
+        try:
+            return "replayed", self._replay(found, inputs)
+        except Exception as e:  # out of memory copying in or out: the plain run follows, with the graphs' freed
+            if "out of memory" not in str(e):
+                raise
+            self.clear()
+            return "refused", None
 
     def _never(self, prog) -> str | None:
         """Why ``prog`` is never captured, found once per program (and forgotten with it)."""
@@ -253,8 +268,6 @@ class GraphCache:
         if need > self.max_bytes:
             return self._refuse(key, TOO_BIG, f"it would hold about {human_bytes(need)}, the graphs' share of this "
                                               f"executor's budget is {human_bytes(self.max_bytes)}")
-        while self._graphs and self.nbytes + need > self.max_bytes:
-            self._drop(next(iter(self._graphs)))
         program = weakref.ref(prog)  # (a graph does not keep its program alive: it goes with it, _forget)
         with torch.inference_mode():
             try:
@@ -262,8 +275,8 @@ class GraphCache:
                           for t in inputs]
                 for buffer, t in zip(static, inputs):
                     buffer.copy_(t)
-            except Exception as e:  # (out of memory)
-                return self._refuse(key, FAILED, f"its buffers: {type(e).__name__}: {first_line(e, 300)}")
+            except Exception:  # (out of memory: this time only)
+                return "refused", None
 
             def run(stop=None, pace=None) -> list:
                 p = program()
@@ -271,19 +284,25 @@ class GraphCache:
 
             try:
                 outputs = self.backend.check(lambda: run(stop, pace))
-            except (JobPreempted, JobTimeout):
-                raise  # stopped, as a plain run would have been
-            except Exception as e:  # a host sync, or the job's own error (the plain run then says it)
-                return self._refuse(key, SYNC if "synchroniz" in str(e) else FAILED,
-                                    f"its warm-up run: {first_line(e, 300)}")[0], None
+            except (JobPreempted, JobTimeout, JobRaised):
+                raise  # stopped, or the job's own error: as a plain run would have ended (and is not run again)
+            except Exception as e:
+                if "synchroniz" in str(e):  # its shapes are never captured here
+                    return self._refuse(key, SYNC, f"its warm-up run: {first_line(e, 300)}")[0], None
+                if "OutOfMemoryError" in str(e):  # the plain run follows, with the graphs' memory freed
+                    self.clear()
+                    return "refused", None
+                return self._refuse(key, FAILED, f"its warm-up run: {first_line(e, 300)}")[0], None
+            while self._graphs and self.nbytes + need > self.max_bytes:  # room for it, now that it will be captured
+                self._drop(next(iter(self._graphs)))
             try:
                 graph, written, pool = self.backend.capture(run)
             except Exception as e:
+                # The graphs it holds still replay (a replay allocates nothing); their memory cannot be given back
+                # while torch's allocator is mid-capture, and the worker is asked to replace this process.
                 self.broken = f"{type(e).__name__}: {first_line(e, 300)}"
                 self._refuse(key, FAILED, f"{self.broken}; this executor captures no more and is replaced once it "
                                           "holds no session")
-                self._graphs.clear()
-                self.nbytes = 0
                 return "refused", outputs
         nbytes = pool + buffers
         if nbytes > self.max_bytes:
@@ -297,11 +316,15 @@ class GraphCache:
 
     @staticmethod
     def need(prog, inputs: Sequence) -> int:
-        """About what a graph of ``prog`` at these inputs' shapes holds, from its dry run: its input buffers, and in
-        its pool the run's peak less the weights (the program's own, not the pool's)."""
+        """About what a graph of ``prog`` at these inputs' shapes holds, from its dry run: the run's peak (its inputs,
+        which become the graph's buffers, and what its pool holds) less the weights (the program's own) and the
+        encoded reply the peak counts (host memory, not the graph's)."""
+        from gpunet.job.tensors import DTYPES
+
         weights = sum(w.numel() * w.element_size() for w in prog.weights)
-        buffers = sum(t.numel() * t.element_size() for t in inputs)
-        return max(0, prog.estimate(inputs).peak_memory_bytes - weights) + buffers
+        est = prog.estimate(inputs)
+        reply = sum(math.prod(shape) * DTYPES[dtype].itemsize for dtype, shape in est.outputs if dtype in DTYPES)
+        return max(0, est.peak_memory_bytes - weights - reply)
 
     def _refuse(self, key: tuple, reason: str, detail: str) -> tuple[str, None]:
         self._refused.put(key, reason)

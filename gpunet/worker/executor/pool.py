@@ -371,6 +371,10 @@ class Executor:
             try:
                 if slot.ready and not slot.killed:
                     slot.send([msgpack.packb({"op": "drop", "keys": held}, use_bin_type=True)])
+                if slot.graphs_broken == slot.generation and not self._holds_sessions(slot):
+                    logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no "
+                                   "session now)")
+                    slot.kill()
             except (OSError, ValueError):
                 slot.kill()
             finally:
@@ -458,7 +462,8 @@ class Executor:
         idle = [s for s in self._session_slots if not s.busy]
         if idle and not self._session_waiters:
             held = [s for s, generation in self._pins.values() if s.generation == generation]
-            slot = min(idle, key=lambda s: (program_hash not in s.hashes, held.count(s)))
+            slot = min(idle, key=lambda s: (s.graphs_broken == s.generation, program_hash not in s.hashes,
+                                            held.count(s)))
             slot.busy = True
             return slot
         if len(self._session_slots) + self._session_starting < self._session_processes:
@@ -704,6 +709,8 @@ class Executor:
             return self._died(slot, "while running the job")
         if reply.get("graphs") is not None:
             self._count_graphs(slot, reply["graphs"])
+        if reply.get("graphs_broken"):  # a capture failed half way there: new sessions go elsewhere where they can
+            slot.graphs_broken = slot.generation
         if reply.get("recycle") and not reply.get("restart"):  # no fault of the job's: its result stands
             logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no session)")
             slot.kill()
@@ -715,7 +722,8 @@ class Executor:
                               rows=r.get("rows", 1)) if r.get("ok") else _row_error(r, program_hash)
                     for r in reply["rows"]]
         if reply.get("ok"):
-            slot.hashes.add(program_hash)
+            if not slot.killed:
+                slot.hashes.add(program_hash)
             if reply.get("batched"):
                 self._batched.put(program_hash, True)
             return RunResult(outputs, reply["flops"], reply["wall_time"], reply["peak_memory_bytes"],

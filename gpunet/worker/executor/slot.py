@@ -39,6 +39,7 @@ class Slot:
         self.generation = 0  # which process this is: sessions held by an earlier one are gone
         self.in_flight = False  # a job has been sent and not answered
         self.run_id = 0  # the number of the job sent last (a stop names the run it means)
+        self.graphs_broken = -1  # the generation whose CUDA graph capture failed half way (executor.graphs)
         self.closed = False
         # stop() (the pool closing, from any thread) and restart() (a thread) each end the process and close its
         # descriptors; one at a time, so none is closed twice and no process starts after the slot stopped.
