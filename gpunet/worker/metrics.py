@@ -28,6 +28,40 @@ GRAPH_RUNS = Counter("gpunet_graph_runs_total", "Runs by what CUDA graphs did: r
 GRAPH_REFUSALS = Counter("gpunet_graph_refusals_total", "Programs or shapes not captured as CUDA graphs, by reason",
                          ["reason"])
 GRAPH_BYTES = Gauge("gpunet_graph_bytes", "Device memory the executors' captured CUDA graphs hold")
+
+
+class GraphReports:
+    """What executors' CUDA graphs did (gpunet.worker.executor.graphs, in each reply) into these metrics; why a run
+    was not captured into the log (each reason at info the first time, then at debug: a client can vary shapes)."""
+
+    def __init__(self):
+        self._bytes: dict[object, int] = {}  # per executor: device memory its graphs hold
+        self._said: set[str] = set()
+
+    def count(self, executor: object, report, alive: list) -> None:
+        """``report`` as ``executor`` sent it (checked: it is another process's word); ``alive``: the executors now."""
+        import logging
+
+        from gpunet.worker.executor.graphs import OUTCOMES, REASONS
+
+        if not isinstance(report, dict):
+            return
+        for outcome, n in (report.get("runs") or {}).items():
+            if outcome in OUTCOMES and isinstance(n, int) and n > 0:
+                GRAPH_RUNS.labels(outcome).inc(n)
+        for item in (report.get("refused") or [])[:16]:
+            if isinstance(item, list) and len(item) == 2 and item[0] in REASONS and isinstance(item[1], str):
+                GRAPH_REFUSALS.labels(item[0]).inc()
+                first = item[0] not in self._said
+                self._said.add(item[0])
+                log = logging.getLogger(__name__)
+                (log.info if first else log.debug)("A run was not captured as a CUDA graph (%s): %s", item[0],
+                                                   item[1][:400])
+        if isinstance(report.get("bytes"), int):
+            self._bytes[executor] = report["bytes"]
+            for gone in [e for e in self._bytes if e not in alive]:
+                del self._bytes[gone]
+            GRAPH_BYTES.set(sum(self._bytes.values()))
 # The market (gpunet.worker.state.lanes, docs/market.md)
 BACKGROUND_RUNS = Counter("gpunet_background_runs_total", "Runs of the volunteer's own background job, by outcome "
                           "(done, or stopped for paying work)", ["outcome"])

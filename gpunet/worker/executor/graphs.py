@@ -50,7 +50,7 @@ VALUE_GUARDS = frozenset({"aten._embedding_bag.default"})
 # Why a run was not captured, as the worker's metrics label it (bounded); the detail goes to the worker's log.
 SYNC, GUARDED, FAILED, TOO_BIG = "host sync", "guard reads values", "capture failed", "over graph budget"
 REASONS = frozenset({SYNC, GUARDED, FAILED, TOO_BIG})
-#: What a run did: replayed a graph, was captured (and replayed), ran plain before a capture, or ran plain for good.
+#: What a run did: replayed a graph, was the warm-up of a capture, ran plain before one, or ran plain (not captured).
 OUTCOMES = frozenset({"replayed", "captured", "warming", "refused"})
 
 
@@ -166,7 +166,7 @@ class GraphCache:
         except JobFailed as e:
             # The graphs' memory is the same allocator's as the runs' (a job may be admitted up to the whole budget):
             # a plain run that ran out of it runs again without them (programs change no input: nothing to undo).
-            if not self._graphs or "OutOfMemoryError" not in str(e):
+            if not self._graphs or not _out_of_memory(e):
                 raise
         self.clear()
         return self._run_program(prog, inputs, stop=stop, pace=pace)
@@ -217,7 +217,7 @@ class GraphCache:
         try:
             return "replayed", self._replay(found, inputs)
         except Exception as e:  # out of memory copying in or out: the plain run follows, with the graphs' freed
-            if "out of memory" not in str(e):
+            if not _out_of_memory(e):
                 raise
             self.clear()
             return "refused", None
@@ -289,7 +289,7 @@ class GraphCache:
             except Exception as e:
                 if "synchroniz" in str(e):  # its shapes are never captured here
                     return self._refuse(key, SYNC, f"its warm-up run: {first_line(e, 300)}")[0], None
-                if "OutOfMemoryError" in str(e):  # the plain run follows, with the graphs' memory freed
+                if _out_of_memory(e):  # the plain run follows, with the graphs' memory freed
                     self.clear()
                     return "refused", None
                 return self._refuse(key, FAILED, f"its warm-up run: {first_line(e, 300)}")[0], None
@@ -398,6 +398,11 @@ class FakeCudaGraphs:
 class _FakeGraph:
     def __init__(self, run: Callable[[], list], outputs: list):
         self.run, self.outputs = run, outputs
+
+
+def _out_of_memory(error: Exception) -> bool:
+    """Whether ``error`` is the device's memory running out (torch's own, or named in the interpreter's JobFailed)."""
+    return "OutOfMemoryError" in f"{type(error).__name__}: {error}" or "out of memory" in str(error)
 
 
 def graph_cache(mode: str | None, device: str, budget: int, run_program: Callable) -> GraphCache | None:

@@ -41,8 +41,6 @@ from gpunet.worker.executor import forkserver
 from gpunet.worker.executor import slot as slots  # (its STOP_GRACE read at use: tests shorten it)
 from gpunet.worker.executor.cache import DiskCache, check_hash
 from gpunet.worker.executor.child import _DRY_BEGAN, _DRY_ENDED, _DRY_FLOPS, _DRY_RUN, _DRY_SECONDS, _IN_HEADER_BYTES
-from gpunet.worker.executor.graphs import OUTCOMES as GRAPH_OUTCOMES
-from gpunet.worker.executor.graphs import REASONS as GRAPH_REASONS
 from gpunet.worker.executor.slot import _HAVE_MEMFD, _INLINE_PIPE_BYTES, Slot, reap
 from gpunet.worker.hardware import job_threads
 from gpunet.worker.state.limits import SessionRun
@@ -185,8 +183,9 @@ class Executor:
         self._pinned_waiters: dict[Slot, deque[asyncio.Future]] = {}
         self._tagged: dict[object, Slot] = {}  # runs that may be stopped for another job -> the executor running it
         self._batched: LRU[str, bool] = LRU(4096)  # programs whose sessions' steps may go as one forward
-        self._graph_bytes: dict[Slot, int] = {}  # device memory each executor's captured graphs hold
-        self._graph_reasons_said: set[str] = set()
+        from gpunet.worker.metrics import GraphReports  # (here: executors never load the metrics)
+
+        self._graph_reports = GraphReports()  # what the executors' CUDA graphs did, into the metrics
         self._closed = False
 
     # --- public -----------------------------------------------------------------------------------------------------
@@ -372,9 +371,7 @@ class Executor:
                 if slot.ready and not slot.killed:
                     slot.send([msgpack.packb({"op": "drop", "keys": held}, use_bin_type=True)])
                 if slot.graphs_broken == slot.generation and not self._holds_sessions(slot):
-                    logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no "
-                                   "session now)")
-                    slot.kill()
+                    self._replace_broken(slot)
             except (OSError, ValueError):
                 slot.kill()
             finally:
@@ -708,12 +705,11 @@ class Executor:
         except (EOFError, OSError, ValueError):
             return self._died(slot, "while running the job")
         if reply.get("graphs") is not None:
-            self._count_graphs(slot, reply["graphs"])
+            self._graph_reports.count(slot, reply["graphs"], self._all_slots())
         if reply.get("graphs_broken"):  # a capture failed half way there: new sessions go elsewhere where they can
             slot.graphs_broken = slot.generation
-        if reply.get("recycle") and not reply.get("restart"):  # no fault of the job's: its result stands
-            logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no session)")
-            slot.kill()
+        if reply.get("recycle") and not reply.get("restart"):  # the job's result stands
+            self._replace_broken(slot)
         if reply.get("restart"):  # the job poisoned the process's CUDA context: the process (and every session it
             slot.kill()           # held) goes, which is the job's doing, counted as a crash against its client
             raise ExecutorDied(f"{reply.get('message', 'CUDA error')}; its executor had to be replaced")
@@ -737,29 +733,12 @@ class Executor:
             raise JobTimeout(f"{why}; it was stopped (its executor serves on, with the sessions it holds)")
         raise error_named(reply.get("error"), reply.get("message", "executor error"))
 
-    def _count_graphs(self, slot: Slot, report) -> None:
-        """What an executor's CUDA graphs did (gpunet.worker.executor.graphs) into the worker's metrics; why a run
-        was not captured into its log (each reason at info the first time, then at debug: a client can vary shapes)."""
-        from gpunet.worker import metrics
-
-        if not isinstance(report, dict):
-            return
-        for outcome, n in (report.get("runs") or {}).items():
-            if outcome in GRAPH_OUTCOMES and isinstance(n, int) and n > 0:
-                metrics.GRAPH_RUNS.labels(outcome).inc(n)
-        for item in (report.get("refused") or [])[:16]:
-            if isinstance(item, list) and len(item) == 2 and item[0] in GRAPH_REASONS and isinstance(item[1], str):
-                metrics.GRAPH_REFUSALS.labels(item[0]).inc()
-                first = item[0] not in self._graph_reasons_said
-                self._graph_reasons_said.add(item[0])
-                (logger.info if first else logger.debug)("A run was not captured as a CUDA graph (%s): %s", item[0],
-                                                         item[1][:400])
-        if isinstance(report.get("bytes"), int):
-            self._graph_bytes[slot] = report["bytes"]
-            alive = self._all_slots()
-            for gone in [s for s in self._graph_bytes if s not in alive]:
-                del self._graph_bytes[gone]
-            metrics.GRAPH_BYTES.set(sum(self._graph_bytes.values()))
+    @staticmethod
+    def _replace_broken(slot: Slot) -> None:
+        """Replace an executor whose CUDA graph capture failed half way, now that it holds no session (no fault of
+        any job's)."""
+        logger.warning("An executor whose CUDA graph capture failed half way is replaced (it holds no session now)")
+        slot.kill()
 
     def _died(self, slot: Slot, when: str, by_the_job: bool = True) -> RunResult:
         """Raise for a dead executor: ExecutorDied (counted against the job's client) only when the job was running
