@@ -4,10 +4,11 @@
 Why: in a cold start the client's one copy reaches the first worker at 60-70% of the link once that worker serves
 what it has to others (README, "cold start ... at 25 Mbit/s"), with the cores far from busy. This isolates it: three
 hosts in a ``LinkLab`` behind links of ``--mbit`` up and down; host A sends ``--mib`` to host B over raw TCP (the
-baseline) and over one hivemind/libp2p stream (p2pd, as gpunet's doors are), while B sends ``--flows`` raw TCP flows
-of its own out to host C (0: B's uplink idle). Needs root, ``ip`` and ``tc``.
+baseline) and over hivemind/libp2p streams (p2pd, as gpunet's doors are; ``--streams``: the bytes split over that many
+at once, each count timed in turn), while B sends ``--flows`` raw TCP flows of its own out to host C (0: B's uplink
+idle). Needs root, ``ip`` and ``tc``.
 
-    python scripts/bench_busy_uplink.py [--flows 0 4 8] [--mbit 25] [--mib 32] [--json]
+    python scripts/bench_busy_uplink.py [--flows 0 4 8] [--streams 1 2 4] [--mbit 25] [--mib 32] [--json]
 """
 
 from __future__ import annotations
@@ -38,19 +39,27 @@ async def _receive(addr: str) -> None:
     await asyncio.Event().wait()  # until killed
 
 
-async def _send(maddr: str, nbytes: int) -> None:
+async def _send(maddr: str, nbytes: int, streams: int = 1) -> None:
     from hivemind.p2p import P2P, PeerID
 
     p2p = await P2P.create(initial_peers=[maddr])
-    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(maddr.split("/p2p/")[1]), "bench")
-    block, left = bytes(1 << 20), nbytes
+    peer = PeerID.from_base58(maddr.split("/p2p/")[1])
+    opened = [await p2p.call_binary_stream_handler(peer, "bench") for _ in range(streams)]
+    block = bytes(1 << 20)
+
+    async def one(reader, writer, size: int) -> None:
+        left = size
+        writer.write(size.to_bytes(8, "big"))
+        while left > 0:
+            writer.write(block[:min(left, len(block))])
+            left -= len(block)
+            await writer.drain()
+        await reader.readexactly(1)  # the receiver has every byte of this stream
+
+    share = -(-nbytes // streams)
     t0 = time.perf_counter()
-    writer.write(nbytes.to_bytes(8, "big"))
-    while left > 0:
-        writer.write(block[:min(left, len(block))])
-        left -= len(block)
-        await writer.drain()
-    await reader.readexactly(1)  # the receiver has every byte
+    await asyncio.gather(*(one(reader, writer, min(share, nbytes - i * share))
+                           for i, (_, reader, writer) in enumerate(opened)))
     print(time.perf_counter() - t0, flush=True)
     await p2p.shutdown()
 
@@ -60,6 +69,8 @@ def main() -> None:
     parser.add_argument("--flows", type=int, nargs="+", default=[0, 4, 8])
     parser.add_argument("--mbit", type=float, default=25.0)
     parser.add_argument("--mib", type=int, default=32)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1],
+                        help="the libp2p measurement's bytes split over this many streams at once")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from gpunet.testing.netns import _SEND, _SINK, LinkLab
@@ -84,18 +95,20 @@ def main() -> None:
                     if flows:
                         time.sleep(2.0)  # (their queues fill: what is measured is a full uplink, not its start)
                     tcp = lab.tcp_seconds(a, b, b_addr, nbytes)
-                    sent = subprocess.run(lab.exec_argv(a, [*me, "_send", maddr, str(nbytes)]), capture_output=True,
-                                          text=True, timeout=600, check=True)
-                    run = {"flows_out_of_b": flows, "tcp_s": round(tcp, 2),
-                           "p2p_stream_s": round(float(sent.stdout.split()[-1]), 2)}
+                    run = {"flows_out_of_b": flows, "tcp_s": round(tcp, 2), "p2p": []}
+                    for streams in args.streams:  # (one figure per entry: a count given twice is timed twice)
+                        sent = subprocess.run(lab.exec_argv(a, [*me, "_send", maddr, str(nbytes), str(streams)]),
+                                              capture_output=True, text=True, timeout=600, check=True)
+                        run["p2p"].append({"streams": streams, "s": round(float(sent.stdout.split()[-1]), 2)})
                 finally:
                     for proc in busy:
                         proc.kill()
                         proc.wait()
                 out["runs"].append(run)
                 if not args.json:
-                    print(f"B sending {flows} flow(s) out: A->B raw TCP {run['tcp_s']} s, one libp2p stream "
-                          f"{run['p2p_stream_s']} s (line rate {out['line_rate_s']} s)", flush=True)
+                    p2p = ", ".join(f"{r['streams']} libp2p stream(s) {r['s']} s" for r in run["p2p"])
+                    print(f"B sending {flows} flow(s) out: A->B raw TCP {run['tcp_s']} s, {p2p} "
+                          f"(line rate {out['line_rate_s']} s)", flush=True)
         finally:
             receiver.kill()
             receiver.wait()
@@ -106,7 +119,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "_receive":
         asyncio.run(_receive(sys.argv[2]))
-    elif len(sys.argv) > 3 and sys.argv[1] == "_send":
-        asyncio.run(_send(sys.argv[2], int(sys.argv[3])))
+    elif len(sys.argv) > 4 and sys.argv[1] == "_send":
+        asyncio.run(_send(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
     else:
         main()

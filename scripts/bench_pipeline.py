@@ -301,6 +301,10 @@ def main() -> None:
             remote = client.sequential(blocks, example_inputs=(example,), spans=3,
                                        dynamic_shapes=({1: Dim("T", min=1, max=cfg.max_len)},))
             spans = [(s.start, s.stop) for s in remote.spans]
+            if not all(s.stateful for s in remote.spans):  # a span of the embedding or head alone runs as a plain job
+                raise SystemExit(f"--layers {args.layers}: the {len(blocks)} blocks split into spans {spans}, and a "
+                                 "span without a decoder layer keeps no state, so no step could be pushed to it; "
+                                 "give more --layers")
             torch.set_num_threads(1)  # as each worker's jobs run here (--threads 1)
             with remote.session() as warm:  # programs loaded, dry runs cached, routing measured
                 remote_steps(warm, prompt, 4)
