@@ -235,10 +235,13 @@ def cpu_by_role(placed: list[int], idle: list[int]) -> dict[str, float]:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
         role = side.get(pid, "client")
-        helper = any("multiprocessing" in arg for arg in command)  # an executor, or a resource tracker
+        # An executor or the fork server (forked from the worker: its command line is the worker's, its name not;
+        # gpunet.worker.executor.forkserver), or a resource tracker
+        helper = name in ("gpunet-executor", "gpunet-forksrv") or any("multiprocessing" in arg for arg in command)
         if command[0].endswith("p2pd") and role != "other":
             role += " p2pd"
         elif role == "worker" and pid not in placed:

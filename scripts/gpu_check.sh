@@ -34,6 +34,8 @@ step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --la
 step batching_gpu 240 python3 scripts/bench_batching.py --device cuda:0 --d-model 1024 --layers 8 --sessions 1,4,16 --tokens 24 --rounds 1 --json
 # Issue 41: the interpreter (compiled plan) against eager at decode and prefill shapes, on the GPU and on 16 cores.
 step jobs_gpu_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 2 --layers 8 --dim 2048 --repeat 100 --codec-mib 16 --json
+# The zoo's decoder families as causal_lm makes their spans, one decode step, the plan against eager (no graphs).
+step decoders_gpu 150 python3 scripts/bench_decoders.py --device cuda:0 --width 32 --repeat 100 --json
 step jobs_gpu_prefill 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 512 --layers 8 --dim 2048 --repeat 30 --codec-mib 16 --json
 # Issue 41, CUDA graphs: a 3-span bf16 d=4096 session beside local eager (target >= 90% of its tokens/s; the same with
 # --worker-arg=--no-cuda-graphs shows what the graphs give); replays equal plain runs bit for bit (fp32, bf16, sessions

@@ -173,3 +173,23 @@ def test_a_compiled_run_stops_after_a_node_that_ran_past_what_its_work_allows():
     pacer.allowed = (-1.0,) * len(prog.steps)  # every node overran (the bounds: tests/test_executor.py)
     with pytest.raises(JobTimeout, match=rf"node {prog.steps[0].name!r} .* ran [0-9.]+ s; its counted work"):
         run_program(prog, [x], pace=pacer)
+
+
+def test_bench_decoders_runs_a_hf_span_the_workers_way_and_matches_eager():
+    """scripts/bench_decoders.py (issue 41's figure for the zoo's decoders) on its smallest setting: the span it
+    builds as causal_lm does runs through the compiled plan and gives eager's outputs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_decoders.py"), "--families", "llama",
+                           "--width", "1", "--length", "16", "--repeat", "3", "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["family"] for r in figures["families"]] == ["llama"]
+    assert figures["all_outputs_match"], figures
+    assert all(r["nodes"] > 100 and r["eager_ms"] > 0 for r in figures["families"])
