@@ -5,7 +5,7 @@
 # no registry: `bash scripts/gpu_wheels.sh` here first, then carry .whl. Each step has its own time limit and the
 # steps go on after a failure; everything lands in $OUT (or ./gpu-check).
 #   bash scripts/gpu_check.sh                 # on the GPU machine, from the repository root
-#   bash scripts/gpu_check.sh versions jobs_gpu_decode   # only the steps named (one device call runs 10 minutes)
+#   bash scripts/gpu_check.sh versions jobs_gpu_sweep    # only the steps named (one device call runs 10 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-check}; mkdir -p "$out"
@@ -32,15 +32,14 @@ step bench_cpu 180 python3 scripts/bench_pipeline.py --d-model 1024 --json
 step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --layers 8 --json
 # Issue 42: N concurrent generations with the workers batching sessions' steps, and not, beside HF on the GPU.
 step batching_gpu 240 python3 scripts/bench_batching.py --device cuda:0 --d-model 1024 --layers 8 --sessions 1,4,16 --tokens 24 --rounds 1 --json
-# Issue 41: the interpreter (compiled plan) against eager at decode and prefill shapes, on the GPU and on 16 cores.
-step jobs_gpu_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 2 --layers 8 --dim 2048 --repeat 100 --codec-mib 16 --json
+# Issue 41: the interpreter (compiled plan) against eager, and its CUDA-graph replays against eager captured by hand,
+# at decode (1 and 8 rows) and prefill shapes, float32 and bfloat16, d=4096, in one JSON; and on 16 cores.
+step jobs_gpu_sweep 240 python3 scripts/bench_jobs_local.py --device cuda:0 --sweep --layers 4 --dim 4096 --repeat 50 --json
 # The zoo's decoder families as causal_lm makes their spans, one decode step, the plan against eager (no graphs).
 step decoders_gpu 150 python3 scripts/bench_decoders.py --device cuda:0 --width 32 --repeat 100 --json
-step jobs_gpu_prefill 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 1 --seq 512 --layers 8 --dim 2048 --repeat 30 --codec-mib 16 --json
 # Issue 41, CUDA graphs: a 3-span bf16 d=4096 session beside local eager (target >= 90% of its tokens/s; the same with
 # --worker-arg=--no-cuda-graphs shows what the graphs give); replays equal plain runs bit for bit (fp32, bf16, sessions
-# interleaved, a host sync refused); their time beside eager and eager captured by hand, decode shapes.
+# interleaved, a host sync refused).
 step bench_gpu_bf16 200 python3 scripts/bench_pipeline.py --d-model 4096 --layers 8 --dtype bfloat16 --rounds 2 --device cuda:0 --json
 step graphs_test 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py -k on_a_gpu
-step graphs_bf16_decode 150 python3 scripts/bench_jobs_local.py --device cuda:0 --batch 8 --seq 2 --layers 4 --dim 4096 --dtype bfloat16 --repeat 100 --codec-mib 16 --json
 step jobs_cpu_decode 150 python3 scripts/bench_jobs_local.py --batch 1 --seq 2 --layers 8 --dim 1024 --repeat 100 --codec-mib 16 --json
