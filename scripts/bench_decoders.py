@@ -71,7 +71,8 @@ def one_family(family: str, width: int, batch: int, length: int, repeat: int, dt
         want = module(*(t.clone() for t in inputs))
         got = run_program(prog, [t.clone() for t in inputs])
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        close = all(torch.allclose(g.float(), w.float(), atol=tolerance, rtol=tolerance) for g, w in zip(got, want))
+        close = len(got) == len(want) and all(
+            torch.allclose(g.float(), w.float(), atol=tolerance, rtol=tolerance) for g, w in zip(got, want))
         runs = {"eager": lambda: module(*inputs), "plan": lambda: run_program(prog, inputs), "worker": as_a_worker}
         for fn in runs.values():  # (first runs: lazy initialisation, caches)
             fn()
@@ -101,6 +102,8 @@ def main() -> None:
     args = ap.parse_args()
     families = [f for f in args.families.split(",") if f]
     unknown = [f for f in families if f not in FAMILIES]
+    if not families:
+        ap.error("--families names none")
     if unknown:
         ap.error(f"unknown families {unknown}: known are {', '.join(FAMILIES)}")
     if args.threads:
@@ -110,7 +113,9 @@ def main() -> None:
         row = one_family(family, args.width, args.batch, args.length, args.repeat, getattr(torch, args.dtype),
                          args.device)
         rows.append(row)
-        if not args.json:
+        if args.json:  # a line per family as it comes (a run cut short keeps those), the summary last
+            print(json.dumps(row), flush=True)
+        else:
             print(f"{family:10s} {row['layers']} layers d={row['hidden']} {row['nodes']:4d} nodes: eager "
                   f"{row['eager_ms']:.3f} ms, compiled plan {row['plan_ms']:.3f} ms ({row['plan_vs_eager']:.2f}x), "
                   f"as a worker runs it {row['worker_ms']:.3f} ms ({row['worker_vs_eager']:.2f}x)"

@@ -226,13 +226,14 @@ def sweep(args) -> None:
                 line = (f"{dtype:8s} batch {batch} x {seq:3d} tokens: eager {run['eager_forward_ms']:.2f} ms, "
                         f"plan {run['interpreter_vs_eager']:.2f}x, as a worker {run['as_a_worker_vs_eager']:.2f}x")
                 if "graph_forward_ms" in run:
-                    line += (f", replayed {run['graph_forward_ms']:.2f} ms ({run['graph_vs_eager']:.2f}x; same bits "
-                             f"{run.get('graph_equals_plan')})")
+                    fake = " FAKE HARDWARE: CPU stand-in, times mean nothing;" if args.graphs == "fake" else ""
+                    line += (f", replayed {run['graph_forward_ms']:.2f} ms ({run['graph_vs_eager']:.2f}x;{fake} same "
+                             f"bits {run.get('graph_equals_plan')})")
                 if "eager_graph_forward_ms" in run:
                     line += f", eager in a graph {run['eager_graph_forward_ms']:.2f} ms"
                 print(line, flush=True)
     out = {"benchmark": "jobs_local_sweep", "device": args.device, "dim": args.dim, "layers": args.layers,
-           "params": built["params"], "runs": runs}
+           "params": built["params"], "graphs": args.graphs, "sdpa": args.sdpa, "repeat": args.repeat, "runs": runs}
     if args.json:
         print(json.dumps(out, indent=2))
 

@@ -434,6 +434,8 @@ def _logs_on_failure(net: LocalNetwork):
     """A failed run prints each node's log tail: the nodes' own error is what a reader needs."""
     try:
         yield
+    except SystemExit:  # the benchmark's own verdict on its arguments: no node failed
+        raise
     except BaseException:
         for proc in net.procs:
             print(f"--- {proc.name} ({proc.role}), last lines:\n" + "\n".join(proc.output.splitlines()[-40:]),

@@ -33,10 +33,10 @@ step llm_gpu 180 python3 scripts/bench_llm.py --device cuda:0 --hidden 1024 --la
 # Issue 42: N concurrent generations with the workers batching sessions' steps, and not, beside HF on the GPU.
 step batching_gpu 240 python3 scripts/bench_batching.py --device cuda:0 --d-model 1024 --layers 8 --sessions 1,4,16 --tokens 24 --rounds 1 --json
 # Issue 41: the interpreter (compiled plan) against eager, and its CUDA-graph replays against eager captured by hand,
-# at decode (1 and 8 rows) and prefill shapes, float32 and bfloat16, d=4096, in one JSON; and on 16 cores.
+# at decode (1 and 8 rows) and prefill shapes, float32 and bfloat16, d=4096, in one JSON (jobs_cpu_decode, last: 16 cores).
 step jobs_gpu_sweep 240 python3 scripts/bench_jobs_local.py --device cuda:0 --sweep --layers 4 --dim 4096 --repeat 50 --json
 # The zoo's decoder families as causal_lm makes their spans, one decode step, the plan against eager (no graphs).
-step decoders_gpu 150 python3 scripts/bench_decoders.py --device cuda:0 --width 32 --repeat 100 --json
+step decoders_gpu 180 python3 scripts/bench_decoders.py --device cuda:0 --families llama,mistral,qwen2,gpt2,gemma2,mixtral --width 32 --repeat 100 --json
 # Issue 41, CUDA graphs: a 3-span bf16 d=4096 session beside local eager (target >= 90% of its tokens/s; the same with
 # --worker-arg=--no-cuda-graphs shows what the graphs give); replays equal plain runs bit for bit (fp32, bf16, sessions
 # interleaved, a host sync refused).

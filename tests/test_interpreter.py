@@ -187,7 +187,7 @@ def test_bench_decoders_runs_a_hf_span_the_workers_way_and_matches_eager():
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, str(root / "scripts" / "bench_decoders.py"), "--families", "llama",
                            "--width", "1", "--length", "16", "--repeat", "3", "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=root)
+                          capture_output=True, text=True, timeout=240, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["family"] for r in figures["families"]] == ["llama"]

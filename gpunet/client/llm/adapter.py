@@ -162,9 +162,10 @@ class DecoderBlock(nn.Module):
         # Never before the first slot nor past the last written, whatever the channel holds (NaN included: it
         # converts to the least int64).
         start = (seen - control[:, 0, 0].round().to(torch.int64).clamp(min=0)).clamp(min=0)
-        where = start[:, None] + torch.arange(x.shape[1], dtype=torch.int64)  # [B, T]: each row's slots and positions
+        # [B, T]: each row's slots and positions (made where x is: the traced program is the same either way)
+        where = start[:, None] + torch.arange(x.shape[1], dtype=torch.int64, device=x.device)
         cache = StepCache(keys, values, where)
-        slots = torch.arange(self.max_length, dtype=torch.int64)
+        slots = torch.arange(self.max_length, dtype=torch.int64, device=x.device)
         visible = slots[None, None, :] <= where[:, :, None]  # [B, T, L]: causal, and only slots written
         if self.window is not None:
             visible = visible & (slots[None, None, :] > where[:, :, None] - self.window)
@@ -178,7 +179,8 @@ class DecoderBlock(nn.Module):
         out[call.cache] = cache
         positions = where  # [B, T]
         if call.mask:
-            mask = torch.zeros(visible.shape, dtype=x.dtype).masked_fill(~visible, torch.finfo(x.dtype).min)
+            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible,
+                                                                                   torch.finfo(x.dtype).min)
             out["attention_mask"] = mask[:, None]  # [B, 1, T, L]
         if call.position_ids:
             out["position_ids"] = positions
@@ -186,7 +188,8 @@ class DecoderBlock(nn.Module):
             out["position_embeddings"] = self.rotary(x, positions)
         if call.alibi:
             out["alibi"] = None if self._alibi_of is None else self._alibi_of(
-                torch.ones(visible.shape[0], visible.shape[-1], dtype=torch.int64), self.alibi_heads, x.dtype)
+                torch.ones(visible.shape[0], visible.shape[-1], dtype=torch.int64, device=x.device), self.alibi_heads,
+                x.dtype)
         if call.use_cache:
             out["use_cache"] = True
         return out
