@@ -31,17 +31,11 @@ from gpunet.job.validator import load_program
 from gpunet.testing.llm import FAMILIES, tiny_causal_lm
 from gpunet.worker.executor.child import Pacer
 
+from bench_jobs_local import interleaved  # (this folder: the same timing as the single-model benchmark)
+
 #: The widths of FAMILIES' configs that scale with ``--width`` (heads stay: each head grows).
 _WIDTHS = ("hidden_size", "n_embd", "intermediate_size", "ffn_dim", "moe_intermediate_size",
            "shared_expert_intermediate_size", "word_embed_proj_dim", "head_dim")
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    if torch.cuda.is_initialized():  # a GPU's kernels are queued: the time is when they are done
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def one_family(family: str, width: int, batch: int, length: int, repeat: int, dtype: torch.dtype,
@@ -76,11 +70,7 @@ def one_family(family: str, width: int, batch: int, length: int, repeat: int, dt
         runs = {"eager": lambda: module(*inputs), "plan": lambda: run_program(prog, inputs), "worker": as_a_worker}
         for fn in runs.values():  # (first runs: lazy initialisation, caches)
             fn()
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        order = list(runs)
-        for i in range(repeat):
-            for name in order[i % len(order):] + order[:i % len(order)]:
-                times[name].append(_timed(runs[name]))
+        times = interleaved(runs, repeat)
     eager, plan, worker = (statistics.median(times[n]) for n in ("eager", "plan", "worker"))
     return {"family": family, "layers": len(blocks), "hidden": hidden, "nodes": len(prog.steps),
             "eager_ms": round(eager * 1e3, 3), "plan_ms": round(plan * 1e3, 3), "worker_ms": round(worker * 1e3, 3),
@@ -121,11 +111,12 @@ def main() -> None:
                   f"as a worker runs it {row['worker_ms']:.3f} ms ({row['worker_vs_eager']:.2f}x)"
                   f"{'' if row['outputs_match'] else '  OUTPUTS DIFFER'}", flush=True)
     worst = max(rows, key=lambda r: r["worker_vs_eager"])
-    summary = {"benchmark": "decoders", "device": args.device, "batch": args.batch, "length": args.length, "width": args.width,
-               "threads": args.threads, "dtype": args.dtype, "families": rows,
+    summary = {"benchmark": "decoders", "device": args.device, "batch": args.batch, "length": args.length,
+               "width": args.width, "threads": args.threads, "dtype": args.dtype, "families": rows,
                "median_worker_vs_eager": round(statistics.median(r["worker_vs_eager"] for r in rows), 3),
                "worst": {"family": worst["family"], "worker_vs_eager": worst["worker_vs_eager"]},
-               "target_worker_vs_eager": 1.2 if args.device.startswith("cuda") else 1.1, "all_outputs_match": all(r["outputs_match"] for r in rows)}
+               "target_worker_vs_eager": 1.2 if args.device.startswith("cuda") else 1.1,
+               "all_outputs_match": all(r["outputs_match"] for r in rows)}
     if args.json:
         print(json.dumps(summary))
     else:

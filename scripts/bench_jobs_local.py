@@ -78,6 +78,17 @@ def _timed(fn, repeat: int) -> list[float]:
     return out
 
 
+def interleaved(runs: dict, repeat: int) -> dict[str, list[float]]:
+    """Each of ``runs`` (name -> callable) timed ``repeat`` times, interleaved and rotating who goes first, so all see
+    the same machine state (also scripts/bench_decoders.py)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(repeat):
+        for name in order[i % len(order):] + order[:i % len(order)]:
+            times[name] += _timed(runs[name], 1)
+    return times
+
+
 #: --sweep's shapes (batch, tokens): decode at one row and at eight, and a prefill; each at float32 and bfloat16.
 SWEEP_SHAPES = ((1, 2), (8, 2), (1, 512))
 SWEEP_DTYPES = ("float32", "bfloat16")
@@ -143,11 +154,7 @@ def forwards(args, built: dict, batch: int, seq: int) -> dict:
                 eager_graphed = _eager_in_a_graph(model, x)
                 graph_fig["eager_graph_equals_eager"] = torch.equal(eager_graphed(), ref)
                 runs["eager_graph"] = eager_graphed
-        times = {name: [] for name in runs}
-        order = list(runs)
-        for i in range(args.repeat):  # interleaved, rotating who goes first, so all see the same machine state
-            for name in order[i % len(order):] + order[:i % len(order)]:
-                times[name] += _timed(runs[name], 1)
+        times = interleaved(runs, args.repeat)
         for name in ("graph", "eager_graph"):
             if times.get(name):
                 graph_fig[f"{name}_forward_ms"] = round(statistics.median(times[name]) * 1e3, 3)
